@@ -1,0 +1,108 @@
+"""msgpack encode and one typed decoder per subject family."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from .errors import BadRequest, ErrorReply, from_reply
+from .messages import (
+    Done,
+    EventMessage,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    Exists,
+    FileData,
+    FileListing,
+    FileOp,
+    FileWritten,
+    HostMessage,
+    HostStatus,
+    InfoRequest,
+    KillRequest,
+    Lease,
+    ReqMessage,
+    SandboxInfo,
+    SandboxRecord,
+    SetTimeout,
+    TemplateManifest,
+)
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Decoder:
+    """A typed msgpack decoder that raises ``BadRequest`` (code ``bad_request``) on malformed input."""
+
+    __slots__ = ("_dec", "type")
+
+    def __init__(self, type_: Any) -> None:
+        self.type = type_
+        self._dec = msgspec.msgpack.Decoder(type_)
+
+    def decode(self, buf: bytes) -> Any:
+        try:
+            return self._dec.decode(buf)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequest(f"malformed message: {exc}") from None
+
+
+# Decoders, one per subject family.
+REQ = Decoder(ReqMessage)  # dsec.req.>
+HOST = Decoder(HostMessage)  # dsec.host.<id>.>
+EVENT = Decoder(EventMessage)  # dsec.evt.>
+HOST_STATUS = Decoder(HostStatus)  # KV dsec_hosts
+SANDBOX_RECORD = Decoder(SandboxRecord)  # KV dsec_sandboxes
+TEMPLATE = Decoder(TemplateManifest)  # KV dsec_images
+LEASE = Decoder(Lease)  # KV dsec_leases
+SBX_EXEC = Decoder(ExecRequest)  # dsec.sbx.<id>.exec
+SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
+SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
+SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
+SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+EXEC_CHUNK = Decoder(ExecChunk)
+
+SBX_REQUEST_DECODERS = {
+    "exec": SBX_EXEC,
+    "files": SBX_FILES,
+    "kill": SBX_KILL,
+    "timeout": SBX_TIMEOUT,
+    "info": SBX_INFO,
+}
+
+_reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+
+
+def decode_reply(buf: bytes, result_type: type[T] | Any) -> T:
+    """Decode a reply that is either ``result_type`` or an ``ErrorReply``; raise the typed error for the latter."""
+    dec = _reply_decoders.get(result_type)
+    if dec is None:
+        dec = _reply_decoders[result_type] = msgspec.msgpack.Decoder(result_type | ErrorReply)
+    try:
+        msg = dec.decode(buf)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadRequest(f"malformed reply: {exc}") from None
+    if isinstance(msg, ErrorReply):
+        raise from_reply(msg)
+    return msg
+
+
+REPLY_TYPES = {
+    "exec": ExecResult,
+    "files": FileData | FileListing | FileWritten | Exists | Done,
+    "kill": Done,
+    "timeout": Done,
+    "info": SandboxInfo,
+}
+
+__all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [
+    n for n in dir() if n.isupper() and not n.startswith("_")
+]

@@ -1,0 +1,138 @@
+"""The error envelope: stable codes on the wire, one exception class per condition in Python."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class ErrorReply(msgspec.Struct, tag=True, kw_only=True):
+    """What any reply carries instead of a result when the work could not be done."""
+
+    code: str
+    description: str
+    context: dict[str, Any] = {}
+
+
+class DsecError(Exception):
+    """Root of every dsec error; ``code`` is stable, ``description`` is for people."""
+
+    code: ClassVar[str] = "internal"
+
+    def __init__(self, description: str = "", **context: Any) -> None:
+        super().__init__(description or self.code)
+        self.description = description or self.code
+        self.context = context
+
+    def to_reply(self) -> ErrorReply:
+        return ErrorReply(code=self.code, description=self.description, context=_plain(self.context))
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.description}"
+
+
+def _plain(ctx: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in ctx.items()}
+
+
+class BadRequest(DsecError):
+    code = "bad_request"
+
+
+class InvalidArgument(DsecError):
+    code = "invalid_argument"
+
+
+class UnknownTemplate(DsecError):
+    code = "unknown_template"
+
+
+class NoCapacity(DsecError):
+    code = "no_capacity"
+
+
+class HostRejected(DsecError):
+    code = "host_rejected"
+
+
+class SandboxNotFound(DsecError):
+    code = "sandbox_not_found"
+
+
+class SandboxTimeout(DsecError):
+    """The sandbox (or a request to it) ran out of time."""
+
+    code = "timeout"
+
+
+class CreateFailed(DsecError):
+    code = "create_failed"
+
+
+class FileNotFound(DsecError):
+    code = "file_not_found"
+
+
+class FileError(DsecError):
+    code = "file_error"
+
+
+class NotSupported(DsecError):
+    code = "not_supported"
+
+
+class Unavailable(DsecError):
+    """The control plane did not answer (no NATS, no responder)."""
+
+    code = "unavailable"
+
+
+class PermissionDenied(DsecError):
+    code = "permission_denied"
+
+
+class ImageError(DsecError):
+    code = "image_error"
+
+
+class InternalError(DsecError):
+    code = "internal"
+
+
+_BY_CODE: dict[str, type[DsecError]] = {
+    cls.code: cls
+    for cls in (
+        BadRequest,
+        InvalidArgument,
+        UnknownTemplate,
+        NoCapacity,
+        HostRejected,
+        SandboxNotFound,
+        SandboxTimeout,
+        CreateFailed,
+        FileNotFound,
+        FileError,
+        NotSupported,
+        Unavailable,
+        PermissionDenied,
+        ImageError,
+        InternalError,
+    )
+}
+
+
+def error_class(code: str) -> type[DsecError]:
+    return _BY_CODE.get(code, DsecError)
+
+
+def from_reply(reply: ErrorReply) -> DsecError:
+    """Turn a wire error back into the typed exception the caller can catch."""
+    cls = error_class(reply.code)
+    err = cls(reply.description, **reply.context)
+    if cls is DsecError:
+        err.code = reply.code  # type: ignore[misc]  # unknown codes survive round trips
+    return err
+
+
+__all__ = ["ErrorReply", "DsecError", "error_class", "from_reply", *[c.__name__ for c in _BY_CODE.values()]]

@@ -1,0 +1,317 @@
+"""Every payload on the bus: versioned msgspec Structs, msgpack on the wire.
+
+Schema evolution: new fields get defaults, field types never change, tags never change.
+Each subject has one typed decoder for the union it accepts (see ``bus.codec``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct
+
+Priority = Literal["best-effort", "latency-sensitive"]
+Backend = Literal["container", "fncall", "microvm", "vm", "sim"]
+
+
+# --- sandbox spec ----------------------------------------------------------------
+class NetworkSpec(Struct, kw_only=True, tag=True):
+    """Egress allowlist (CIDR, host:port or domain); empty means no egress."""
+
+    allow_out: list[str] = []
+
+
+class SandboxSpec(Struct, kw_only=True, tag=True):
+    sandbox_id: str
+    template: str = "base"
+    backend: str = "container"
+    cpu: float = 1.0
+    memory_mb: int = 512
+    disk_mb: int = 1024
+    timeout_s: float = 300.0
+    envs: dict[str, str] = {}
+    metadata: dict[str, str] = {}
+    priority: str = "best-effort"
+    pool: str = "default"
+    profile: str = "default"
+    network: NetworkSpec | None = None
+    owner: str = ""
+    lease_s: float = 0.0  # 0: no client lease; else reaped when not renewed within this
+    requested_at: float = 0.0  # unix seconds, set by the client
+    batch_id: str = ""
+    create_deadline: float = 0.0  # unix seconds; placement fails the request after this (0: none)
+
+
+# --- requests on DSEC_REQ ----------------------------------------------------------
+class CreateSandbox(Struct, kw_only=True, tag=True):
+    spec: SandboxSpec
+    attempt: int = 0
+    exclude_hosts: list[str] = []
+    last_error: str = ""
+
+
+class CreateBatch(Struct, kw_only=True, tag=True):
+    batch_id: str
+    specs: list[SandboxSpec]
+    attempt: int = 0
+
+
+ReqMessage = CreateSandbox | CreateBatch
+
+
+# --- work for one host on DSEC_HOST --------------------------------------------------
+class PlaceSandbox(Struct, kw_only=True, tag=True):
+    spec: SandboxSpec
+    host_id: str
+    attempt: int = 0
+    exclude_hosts: list[str] = []
+    placed_by: str = ""
+    placed_at: float = 0.0
+
+
+class PlaceBatch(Struct, kw_only=True, tag=True):
+    batch_id: str
+    host_id: str
+    specs: list[SandboxSpec]
+    attempt: int = 0
+    placed_by: str = ""
+    placed_at: float = 0.0
+
+
+HostMessage = PlaceSandbox | PlaceBatch
+
+
+# --- events on DSEC_EVT ----------------------------------------------------------------
+SandboxEventKind = Literal[
+    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered"
+]
+
+
+class SandboxEvent(Struct, kw_only=True, tag=True):
+    sandbox_id: str
+    kind: str
+    at: float
+    host_id: str = ""
+    attempt: int = 0
+    code: str = ""
+    description: str = ""
+    detail: dict[str, str] = {}
+
+
+class HostEvent(Struct, kw_only=True, tag=True):
+    host_id: str
+    kind: str  # up, down, recovered
+    at: float
+    detail: dict[str, str] = {}
+
+
+class GuardViolation(Struct, kw_only=True, tag=True):
+    sandbox_id: str
+    at: float
+    kind: str  # seccomp, landlock, network, control-plane, ...
+    what: str
+    action: str = "record"  # record, kill, quarantine
+    host_id: str = ""
+    detail: dict[str, str] = {}
+
+
+class ImageEvent(Struct, kw_only=True, tag=True):
+    name: str
+    kind: str  # built, removed, fetch_failed, chunk_corrupt
+    at: float
+    detail: dict[str, str] = {}
+
+
+EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent
+
+
+# --- KV records ---------------------------------------------------------------------------
+class HostStatus(Struct, kw_only=True, tag=True):
+    """A host's heartbeat, kept in KV ``dsec_hosts`` under its id."""
+
+    host_id: str
+    backend: str
+    at: float
+    state: str = "ready"  # ready, draining, down
+    pool: str = "default"
+    cpu_total: float = 0.0  # real cores
+    mem_total_mb: int = 0
+    disk_total_mb: int = 0
+    cpu_alloc: float = 0.0  # sum of requested cpu of live sandboxes
+    mem_alloc_mb: int = 0
+    mem_resident_mb: int = 0  # what sandboxes really hold
+    disk_alloc_mb: int = 0
+    cpu_busy: float = 0.0  # cores really busy (recent)
+    sandboxes: int = 0
+    max_sandboxes: int = 0
+    concurrency: int = 0
+    layers: list[str] = []  # digests of layers cached on this host
+    cpu_overcommit: float = 50.0
+    mem_overcommit: float = 1.0
+    version: int = 1
+    cpu_alloc_ls: float = 0.0  # requested cpu of latency-sensitive sandboxes (never overcommitted)
+
+
+class SandboxRecord(Struct, kw_only=True, tag=True):
+    """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id."""
+
+    spec: SandboxSpec
+    state: str  # placed, running, killed, failed
+    host_id: str = ""
+    created_at: float = 0.0
+    ready_at: float = 0.0
+    expires_at: float = 0.0
+    ended_at: float = 0.0
+    end_reason: str = ""
+
+
+class LayerRef(Struct, kw_only=True, tag=True):
+    role: str  # base, workspace, toolkit
+    digest: str  # sha256:<hex>
+    size: int = 0
+    kind: str = "dir"  # dir (a local directory), erofs (a blob in the chunk store)
+    path: str = ""  # for kind=dir: where the directory is on every host (dev stacks)
+    chunks: list[str] = []
+    chunk_size: int = 0
+
+
+class TemplateManifest(Struct, kw_only=True, tag=True):
+    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name."""
+
+    name: str
+    layers: list[LayerRef]
+    created_at: float = 0.0
+    description: str = ""
+
+
+class Lease(Struct, kw_only=True, tag=True):
+    """A client lease in KV ``dsec_leases``, keyed by the owner (one key covers all its sandboxes) or a sandbox id."""
+
+    sandbox_id: str  # the key: the owner's id for an owner lease
+    renewed_at: float
+    ttl_s: float
+    owner: str = ""
+
+
+# --- live sandbox ops (core request/reply on dsec.sbx.<id>.<op>) ------------------------
+class ExecRequest(Struct, kw_only=True, tag=True):
+    cmd: str
+    envs: dict[str, str] = {}
+    cwd: str = ""
+    timeout_s: float = 60.0
+    stream_to: str = ""  # when set, ExecChunk messages go here before the reply
+    background: bool = False
+
+
+class ExecChunk(Struct, kw_only=True, tag=True):
+    seq: int
+    stream: int  # 1 stdout, 2 stderr
+    data: bytes
+
+
+class ExecResult(Struct, kw_only=True, tag=True):
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    timed_out: bool = False
+    chunks: int = 0  # how many ExecChunk were published before this reply
+    duration_ms: float = 0.0
+
+
+class FileWrite(Struct, kw_only=True, tag=True):
+    path: str
+    data: bytes
+    offset: int = 0
+    truncate: bool = True
+    mode: int = 0o644
+
+
+class FileRead(Struct, kw_only=True, tag=True):
+    path: str
+    offset: int = 0
+    length: int = -1
+
+
+class FileList(Struct, kw_only=True, tag=True):
+    path: str
+
+
+class FileRemove(Struct, kw_only=True, tag=True):
+    path: str
+
+
+class FileExists(Struct, kw_only=True, tag=True):
+    path: str
+
+
+FileOp = FileWrite | FileRead | FileList | FileRemove | FileExists
+
+
+class EntryInfo(Struct, kw_only=True):
+    """A directory entry (a nested value, not a payload of its own)."""
+
+    name: str
+    path: str
+    type: str  # file, dir, symlink, other
+    size: int = 0
+    mode: int = 0
+    mtime: float = 0.0
+
+
+class FileData(Struct, kw_only=True, tag=True):
+    data: bytes
+    size: int  # the whole file's size
+    offset: int = 0
+
+
+class FileListing(Struct, kw_only=True, tag=True):
+    entries: list[EntryInfo]
+
+
+class FileWritten(Struct, kw_only=True, tag=True):
+    path: str
+    size: int
+
+
+class Exists(Struct, kw_only=True, tag=True):
+    exists: bool
+
+
+class KillRequest(Struct, kw_only=True, tag=True):
+    reason: str = "user"
+
+
+class SetTimeout(Struct, kw_only=True, tag=True):
+    timeout_s: float
+
+
+class InfoRequest(Struct, kw_only=True, tag=True):
+    pass
+
+
+class SandboxInfo(Struct, kw_only=True, tag=True):
+    sandbox_id: str
+    state: str
+    host_id: str
+    template: str
+    started_at: float
+    expires_at: float
+    metadata: dict[str, str] = {}
+    pid: int = 0
+
+
+class Done(Struct, kw_only=True, tag=True):
+    """A plain success reply."""
+
+    detail: str = ""
+
+
+__all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
+    "ReqMessage",
+    "HostMessage",
+    "EventMessage",
+    "FileOp",
+    "Priority",
+    "Backend",
+    "SandboxEventKind",
+]

@@ -1,0 +1,109 @@
+"""Idempotent set-up of every stream, KV bucket and object store dsec uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+
+from . import subjects as S
+
+DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """Knobs that differ between the dev stack, tests and scale benchmarks."""
+
+    storage: StorageType = StorageType.FILE
+    events_max_age_s: float = 7 * DAY
+    events_max_bytes: int = 4 * 1024**3
+    dedup_window_s: float = 120.0
+    replicas: int = 1
+
+
+def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
+    return [
+        StreamConfig(
+            name=S.STREAM_REQ,
+            subjects=S.REQ_SUBJECTS,
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=opts.storage,
+            duplicate_window=opts.dedup_window_s,
+            num_replicas=opts.replicas,
+        ),
+        StreamConfig(
+            name=S.STREAM_HOST,
+            subjects=S.HOST_SUBJECTS,
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=opts.storage,
+            duplicate_window=opts.dedup_window_s,
+            num_replicas=opts.replicas,
+        ),
+        StreamConfig(
+            name=S.STREAM_EVT,
+            subjects=S.EVT_SUBJECTS,
+            retention=RetentionPolicy.LIMITS,
+            storage=opts.storage,
+            max_age=opts.events_max_age_s,
+            max_bytes=opts.events_max_bytes,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=opts.dedup_window_s,
+            num_replicas=opts.replicas,
+        ),
+        StreamConfig(
+            name=S.STREAM_DLQ,
+            subjects=S.DLQ_SUBJECTS,
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=7 * DAY,
+            num_replicas=opts.replicas,
+        ),
+    ]
+
+
+KV_BUCKETS: dict[str, dict] = {
+    S.KV_HOSTS: {"history": 1},
+    S.KV_SANDBOXES: {"history": 1},
+    S.KV_IMAGES: {"history": 5},
+    S.KV_PROFILES: {"history": 10},
+    S.KV_ROLLOUTS: {"history": 1},
+    S.KV_LEASES: {"history": 1},
+}
+
+
+async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.stream_info(cfg.name)
+    except NotFoundError:
+        await js.add_stream(cfg)
+        return
+    await js.update_stream(cfg)
+
+
+async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType = StorageType.FILE, replicas: int = 1) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        pass
+    opts = KV_BUCKETS.get(bucket, {"history": 1})
+    return await js.create_key_value(
+        config=KeyValueConfig(bucket=bucket, history=opts["history"], storage=storage, replicas=replicas)
+    )
+
+
+async def ensure_all(js: JetStreamContext, opts: StreamOptions = StreamOptions()) -> None:
+    """Create or update every stream and bucket; safe to call from every service at start."""
+    for cfg in stream_configs(opts):
+        await ensure_stream(js, cfg)
+    for bucket in KV_BUCKETS:
+        await ensure_kv(js, bucket, storage=opts.storage, replicas=opts.replicas)

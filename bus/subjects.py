@@ -1,0 +1,129 @@
+"""Every subject, stream, consumer, bucket and header name dsec uses, in one place."""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "dsec"
+
+# --- streams -----------------------------------------------------------------
+STREAM_REQ = "DSEC_REQ"
+STREAM_HOST = "DSEC_HOST"
+STREAM_EVT = "DSEC_EVT"
+STREAM_DLQ = "DSEC_DLQ"
+
+REQ_SUBJECTS = [f"{PREFIX}.req.>"]
+HOST_SUBJECTS = [f"{PREFIX}.host.*.>"]
+EVT_SUBJECTS = [f"{PREFIX}.evt.>"]
+DLQ_SUBJECTS = [f"{PREFIX}.dlq.>"]
+
+# --- durable consumers ---------------------------------------------------------
+PLACEMENT_DURABLE = "placement"
+GUARD_AUDIT_DURABLE = "guard-audit"
+
+
+def host_durable(host_id: str) -> str:
+    return f"host-{host_id}"
+
+
+# --- KV buckets / object store -----------------------------------------------
+KV_HOSTS = "dsec_hosts"
+KV_SANDBOXES = "dsec_sandboxes"
+KV_IMAGES = "dsec_images"
+KV_PROFILES = "dsec_profiles"
+KV_ROLLOUTS = "dsec_rollouts"
+KV_LEASES = "dsec_leases"
+OBJ_CHUNKS = "dsec_chunks"
+
+# --- headers -------------------------------------------------------------------
+HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplication
+HDR_ATTEMPT = "Dsec-Attempt"
+HDR_ERROR_CODE = "Dsec-Error-Code"
+
+# --- request subjects (JetStream, DSEC_REQ) ----------------------------------
+REQ_CREATE = f"{PREFIX}.req.create"
+REQ_CREATE_BATCH = f"{PREFIX}.req.create_batch"
+
+# --- status (core request/reply) ---------------------------------------------
+STATUS = f"{PREFIX}.status"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def valid_token(token: str) -> bool:
+    """True when ``token`` is safe as one subject token (no dots, wildcards or spaces)."""
+    return bool(_TOKEN.match(token))
+
+
+def _tok(token: str) -> str:
+    if not valid_token(token):
+        raise ValueError(f"not a valid subject token: {token!r}")
+    return token
+
+
+# --- per-host work (JetStream, DSEC_HOST) --------------------------------------
+def host_create(host_id: str) -> str:
+    return f"{PREFIX}.host.{_tok(host_id)}.create"
+
+
+def host_all(host_id: str) -> str:
+    return f"{PREFIX}.host.{_tok(host_id)}.>"
+
+
+# --- live sandbox ops (core request/reply) -----------------------------------
+SBX_OPS = ("exec", "files", "kill", "timeout", "info")
+
+
+def sbx(sandbox_id: str, op: str) -> str:
+    return f"{PREFIX}.sbx.{_tok(sandbox_id)}.{op}"
+
+
+def sbx_all(sandbox_id: str) -> str:
+    return f"{PREFIX}.sbx.{_tok(sandbox_id)}.*"
+
+
+SBX_WILDCARD = f"{PREFIX}.sbx.*.*"
+
+
+def host_sbx_ops(host_id: str) -> str:
+    """Per-host fallback subject for ops on sandboxes the host owns (not used for routing)."""
+    return f"{PREFIX}.hostop.{_tok(host_id)}.*"
+
+
+# --- events (JetStream, DSEC_EVT) ----------------------------------------------
+def evt_sandbox(sandbox_id: str, kind: str) -> str:
+    return f"{PREFIX}.evt.sandbox.{_tok(sandbox_id)}.{kind}"
+
+
+def evt_sandbox_all(sandbox_id: str) -> str:
+    return f"{PREFIX}.evt.sandbox.{_tok(sandbox_id)}.>"
+
+
+EVT_SANDBOX_ALL = f"{PREFIX}.evt.sandbox.>"
+
+
+def evt_host(host_id: str, kind: str) -> str:
+    return f"{PREFIX}.evt.host.{_tok(host_id)}.{kind}"
+
+
+EVT_GUARD_VIOLATION = f"{PREFIX}.evt.guard.violation"
+
+
+def evt_image(name: str, kind: str) -> str:
+    return f"{PREFIX}.evt.image.{_tok(name)}.{kind}"
+
+
+# --- dead letters ---------------------------------------------------------------
+def dlq(origin_subject: str) -> str:
+    return f"{PREFIX}.dlq.{origin_subject.replace('.', '_')}"
+
+
+# --- image service (core request/reply) ---------------------------------------
+IMG_BUILD = f"{PREFIX}.img.build"
+IMG_LIST = f"{PREFIX}.img.list"
+IMG_REMOVE = f"{PREFIX}.img.rm"
+IMG_STATS = f"{PREFIX}.img.stats"
+
+
+def host_img_stats(host_id: str) -> str:
+    return f"{PREFIX}.img.host.{_tok(host_id)}.stats"

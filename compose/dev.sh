@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian machine (as root):
+#   bash compose/dev.sh up     install what is missing, then run `dsec up` in the foreground
+#   bash compose/dev.sh test   install what is missing, then run the test suite
+# Extra arguments go to `dsec up` or to pytest.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+venv="${DSEC_VENV:-$here/.venv}"
+
+debs=(containerd runc erofs-utils fuse3 libfuse3-dev pkg-config busybox-static iproute2 nftables
+      e2fsprogs util-linux gcc libc6-dev python3 python3-venv python3-dev debootstrap kmod)
+
+need_root() {
+  if [ "$(id -u)" != 0 ]; then echo "dsec: run as root (containers need mounts, cgroups and namespaces)" >&2; exit 2; fi
+}
+
+install_debs() {
+  local missing=()
+  for p in "${debs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "dsec: installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+install_python() {
+  local py="${DSEC_PYTHON:-python3}"
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "dsec: creating $venv"
+    "$py" -m venv "$venv"
+  fi
+  local stamp="$venv/.dsec-installed"
+  local want
+  want="$(sha256sum pyproject.toml | cut -c1-16)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "dsec: installing the dsec package and its extras into $venv"
+    "$venv/bin/pip" install -q --upgrade pip >/dev/null
+    "$venv/bin/pip" install -q -e ".[dev,images]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+  up)
+    need_root; install_debs; install_python
+    exec "$venv/bin/dsec" up "$@"
+    ;;
+  test)
+    need_root; install_debs; install_python
+    exec "$venv/bin/python" -m pytest tests "$@"
+    ;;
+  install)
+    need_root; install_debs; install_python
+    ;;
+  *)
+    echo "usage: bash compose/dev.sh up|test|install [args...]" >&2
+    exit 2
+    ;;
+esac

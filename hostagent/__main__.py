@@ -1,0 +1,47 @@
+"""``python -m hostagent``: run this host's agent until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+from bus import log as _log
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
+    ap.add_argument("--nats-url", default=None, help="default: $DSEC_NATS_URL or nats://127.0.0.1:4222")
+    ap.add_argument("--host-id", default=None, help="default: this machine's hostname")
+    ap.add_argument("--data-dir", default="/var/lib/dsec")
+    ap.add_argument("--backend", default="container", choices=["container", "sim"])
+    ap.add_argument("--concurrency", type=int, default=8, help="creates handled at once (max_ack_pending)")
+    ap.add_argument("--pool", default="default")
+    ap.add_argument("--cpu-overcommit", type=float, default=50.0)
+    ap.add_argument("--mem-overcommit", type=float, default=1.0)
+    ap.add_argument("--max-sandboxes", type=int, default=0)
+    ap.add_argument("--containerd-address", default=None, help="default: start a private containerd under the data dir")
+    ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
+    ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
+    args = ap.parse_args()
+    _log.configure()
+    os.makedirs(args.data_dir, exist_ok=True)
+    if args.backend == "sim":
+        from ._sim import run_sim_hosts
+
+        asyncio.run(run_sim_hosts(args))
+        return
+    from ._container import ContainerBackend
+    from ._service import HostAgent
+
+    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address)
+    agent = HostAgent(
+        backend, nats_url=args.nats_url, host_id=args.host_id, data_dir=args.data_dir, concurrency=args.concurrency,
+        pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,
+        max_sandboxes=args.max_sandboxes, destroy_on_shutdown=args.destroy_on_shutdown,
+    )
+    asyncio.run(agent.run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""Host side of the in-sandbox agent: building its static binary and talking to it.
+
+The wire protocol is documented at the top of ``agent/dsec-agent.c``. Every call opens its own
+unix-socket connection (one request per connection), so one ``AgentClient`` can be shared by any
+number of concurrent tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno as _errno
+import hashlib
+import inspect
+import math
+import os
+import posixpath
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+AGENT_SOURCE = Path(__file__).with_name("agent") / "dsec-agent.c"
+
+_READ_CHUNK = 4 << 20  # the agent caps one read at this
+_WRITE_CHUNK = 4 << 20  # keeps each write frame under the agent's 8 MiB request limit
+_MAX_REPLY = 256 << 20
+_HEARTBEAT_S = 5.0  # the agent sends a frame at least this often during an exec
+_EXEC_IDLE_S = 4 * _HEARTBEAT_S
+_EXEC_GRACE_S = 30.0  # beyond the exec's own timeout, before we stop trusting the agent
+_SUN_PATH_MAX = 107
+
+_KINDS = {0: "other", 1: "file", 2: "dir", 3: "symlink"}
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_ENTRY_TAIL = struct.Struct(">BQIq")  # kind, size, mode, mtime_ns
+
+OnOutput = Callable[[int, bytes], Awaitable[None] | None]
+
+
+class AgentError(Exception):
+    """An operation failed inside the sandbox (``errno`` is a Linux errno, e.g. ENOENT)."""
+
+    def __init__(self, errno: int, message: str) -> None:
+        super().__init__(errno, message)
+        self.errno = errno
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[Errno {self.errno}] {self.message}"
+
+
+class AgentUnavailable(AgentError):
+    """The agent could not be reached, went away mid-call, or stopped answering."""
+
+
+class AgentBuildError(RuntimeError):
+    """The agent binary could not be built (no gcc, or the compile failed)."""
+
+
+class ExecOutcome(msgspec.Struct):
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool = False
+
+
+class DirEntry(msgspec.Struct):
+    name: str
+    path: str
+    type: str  # 'file' | 'dir' | 'symlink' | 'other'
+    size: int
+    mode: int  # permission bits only (0o7777)
+    mtime: float
+
+
+# ---------------------------------------------------------------------------------- build
+
+
+def ensure_agent_binary(data_dir: str) -> str:
+    """Path of the static agent binary for the current source, compiling it on first use.
+
+    The binary lives alone in ``<data_dir>/bin/dsec-agent-<sha12>/`` so that directory can be
+    bind-mounted read-only into sandboxes. The directory appears atomically (built under a temp
+    name, then renamed), so concurrent callers never see a half-written binary.
+    """
+    source = AGENT_SOURCE.read_bytes()
+    digest = hashlib.sha256(source).hexdigest()[:12]
+    bin_root = Path(data_dir) / "bin"
+    final_dir = bin_root / f"dsec-agent-{digest}"
+    binary = final_dir / "dsec-agent"
+    if os.access(binary, os.X_OK):
+        return str(binary)
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        raise AgentBuildError(
+            "gcc not found on PATH; it is needed to build the sandbox agent "
+            "(install gcc and the static C library, e.g. apt-get install gcc libc6-dev)"
+        )
+    bin_root.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".dsec-agent-{digest}.", dir=bin_root))
+    try:
+        tmp_bin = tmp_dir / "dsec-agent"
+        # Compile the exact bytes we hashed (from stdin), so name and contents can't disagree.
+        proc = subprocess.run(
+            [gcc, "-static", "-O2", "-Wall", "-x", "c", "-o", str(tmp_bin), "-"],
+            input=source, capture_output=True,
+        )
+        if proc.returncode != 0 or not tmp_bin.exists():
+            raise AgentBuildError(f"compiling dsec-agent failed:\n{proc.stderr.decode(errors='replace')}")
+        os.chmod(tmp_bin, 0o755)
+        os.chmod(tmp_dir, 0o755)
+        try:
+            os.rename(tmp_dir, final_dir)
+        except OSError as e:
+            if e.errno not in (_errno.EEXIST, _errno.ENOTEMPTY) or not os.access(binary, os.X_OK):
+                raise
+            # Another process finished the same build first; its copy is identical.
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return str(binary)
+
+
+# ---------------------------------------------------------------------------------- wire
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """Pid (in our pid namespace) of the process that created the listening end of ``sock``."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+def _s(value: str | bytes) -> bytes:
+    raw = os.fsencode(value)
+    return _U32.pack(len(raw)) + raw
+
+
+def _frame(kind: bytes, *parts: bytes) -> bytes:
+    body_len = 1 + sum(len(p) for p in parts)
+    return b"".join((_U32.pack(body_len), kind, *parts))
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    n = _U32.unpack(await reader.readexactly(4))[0]
+    if n == 0 or n > _MAX_REPLY:
+        raise AgentError(_errno.EPROTO, f"bad reply frame length {n}")
+    body = await reader.readexactly(n)
+    return body[0], body[1:]
+
+
+def _raise_error(body: bytes) -> None:
+    try:
+        err = _U32.unpack_from(body)[0]
+        (mlen,) = _U32.unpack_from(body, 4)
+        msg = body[8:8 + mlen].decode(errors="replace")
+    except struct.error:
+        err, msg = _errno.EPROTO, "malformed error frame"
+    raise AgentError(err, msg)
+
+
+def _parse_entry(body: bytes, pos: int) -> tuple[bytes, str, int, int, float, int]:
+    (nlen,) = _U32.unpack_from(body, pos)
+    pos += 4
+    name = body[pos:pos + nlen]
+    pos += nlen
+    kind, size, mode, mtime_ns = _ENTRY_TAIL.unpack_from(body, pos)
+    return name, _KINDS.get(kind, "other"), size, mode, mtime_ns / 1e9, pos + _ENTRY_TAIL.size
+
+
+def _unexpected(kind: int) -> AgentError:
+    return AgentError(_errno.EPROTO, f"unexpected reply frame {chr(kind)!r}")
+
+
+# ---------------------------------------------------------------------------------- client
+
+
+class AgentClient:
+    """Async client for one sandbox's agent socket.
+
+    ``expected_pid``: the agent's pid as seen from here (e.g. the task pid containerd reports).
+    When set, each connection's SO_PEERCRED pid must match, so a process inside the sandbox that
+    replaced the socket file with its own listener is refused instead of trusted.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        expected_pid: int | None = None,
+        *,
+        connect_timeout_s: float = 5.0,
+        op_timeout_s: float = 60.0,
+    ) -> None:
+        self.socket_path = socket_path
+        self.expected_pid = expected_pid
+        self.connect_timeout_s = connect_timeout_s
+        self.op_timeout_s = op_timeout_s
+
+    # -- connection ------------------------------------------------------------------
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        dir_fd = -1
+        try:
+            addr = self.socket_path
+            if len(os.fsencode(addr)) > _SUN_PATH_MAX:
+                # Sandbox dirs can be deep; reach the socket through its directory's fd instead.
+                head, tail = os.path.split(addr)
+                dir_fd = os.open(head or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                addr = f"/proc/self/fd/{dir_fd}/{tail}"
+            async with asyncio.timeout(self.connect_timeout_s):
+                await loop.sock_connect(sock, addr)
+        except (OSError, TimeoutError) as e:
+            sock.close()
+            code = getattr(e, "errno", None) or _errno.ETIMEDOUT
+            raise AgentUnavailable(code, f"cannot reach agent at {self.socket_path}: {e or 'timed out'}") from e
+        finally:
+            if dir_fd >= 0:
+                os.close(dir_fd)
+        if self.expected_pid is not None:
+            try:
+                pid = peer_pid(sock)
+            except OSError as e:
+                sock.close()
+                raise AgentUnavailable(e.errno or _errno.EIO, f"SO_PEERCRED failed: {e}") from e
+            if pid != self.expected_pid:
+                sock.close()
+                raise AgentError(
+                    _errno.EPERM,
+                    f"agent socket {self.socket_path} is served by pid {pid}, expected {self.expected_pid}",
+                )
+        return await asyncio.open_unix_connection(sock=sock, limit=_READ_CHUNK + 4096)
+
+    async def _call(self, frame: bytes) -> tuple[int, bytes]:
+        """One request, one reply frame; error frames are raised as AgentError."""
+        reader, writer = await self._connect()
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                writer.write(frame)
+                kind, body = await _read_frame(reader)
+        except TimeoutError as e:
+            raise AgentUnavailable(_errno.ETIMEDOUT, f"agent did not answer within {self.op_timeout_s}s") from e
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise AgentUnavailable(_errno.ECONNRESET, f"agent closed the connection: {e}") from e
+        finally:
+            writer.close()
+        if kind == ord("R"):
+            _raise_error(body)
+        return kind, body
+
+    # -- operations ------------------------------------------------------------------
+
+    async def ping(self) -> None:
+        kind, body = await self._call(_frame(b"P"))
+        if kind != ord("K"):
+            raise _unexpected(kind)
+        version = _U32.unpack_from(body)[0] if len(body) >= 4 else 0
+        if version != PROTOCOL_VERSION:
+            raise AgentError(_errno.EPROTO, f"agent speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+
+    async def wait_ready(self, timeout_s: float = 10.0, interval_s: float = 0.005) -> None:
+        """Poll ``ping`` until the agent answers; AgentUnavailable after ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            try:
+                await self.ping()
+                return
+            except AgentUnavailable as e:
+                if loop.time() >= deadline:
+                    raise AgentUnavailable(e.errno, f"agent not ready after {timeout_s}s: {e.message}") from e
+            await asyncio.sleep(interval_s)
+
+    async def peer_pid(self) -> int:
+        """Pid of the process serving the socket right now (checked against expected_pid if set)."""
+        reader, writer = await self._connect()
+        try:
+            return peer_pid(writer.get_extra_info("socket"))
+        finally:
+            writer.close()
+
+    async def exec(
+        self,
+        cmd: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout_s: float | None = None,
+        on_output: OnOutput | None = None,
+    ) -> ExecOutcome:
+        """Run ``cmd`` with ``/bin/sh -c`` in its own session; output streams to ``on_output``.
+
+        ``env`` is the complete environment (None/empty: PATH and HOME=/root). On timeout the
+        whole process group is SIGKILLed and ``timed_out`` is set. Cancelling this coroutine
+        kills the process group too. A command that could not be started (missing cwd, no
+        /bin/sh) raises AgentError.
+        """
+        timeout_ms = 0 if not timeout_s or timeout_s <= 0 else min(math.ceil(timeout_s * 1000), 0xFFFFFFFF)
+        env_parts = []
+        for key, value in (env or {}).items():
+            if not key or "=" in key:
+                raise ValueError(f"invalid environment variable name {key!r}")
+            env_parts.append(_s(f"{key}={value}"))
+        frame = _frame(
+            b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
+        )
+        loop = asyncio.get_running_loop()
+        hard_deadline = loop.time() + timeout_ms / 1000 + _EXEC_GRACE_S if timeout_ms else math.inf
+        stdout: list[bytes] = []
+        stderr: list[bytes] = []
+        reader, writer = await self._connect()
+        try:
+            writer.write(frame)
+            while True:
+                # Heartbeats bound the silence from a live agent; a frozen or dead one trips this.
+                try:
+                    async with asyncio.timeout_at(min(loop.time() + _EXEC_IDLE_S, hard_deadline)):
+                        kind, body = await _read_frame(reader)
+                except TimeoutError as e:
+                    raise AgentUnavailable(_errno.ETIMEDOUT, "agent stopped responding during exec") from e
+                if kind == ord("O"):
+                    stream, data = body[0], body[1:]
+                    (stdout if stream == 1 else stderr).append(data)
+                    if on_output is not None:
+                        res = on_output(stream, data)
+                        if inspect.isawaitable(res):
+                            await res
+                elif kind == ord("E"):
+                    code, timed_out = struct.unpack(">iB", body[:5])
+                    return ExecOutcome(code, b"".join(stdout), b"".join(stderr), bool(timed_out))
+                elif kind == ord("R"):
+                    _raise_error(body)
+                elif kind != ord("H"):
+                    raise _unexpected(kind)
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise AgentUnavailable(_errno.ECONNRESET, f"agent connection lost during exec: {e}") from e
+        finally:
+            writer.close()
+
+    async def write_file(
+        self, path: str, data: bytes, offset: int = 0, truncate: bool = True, mode: int = 0o644,
+    ) -> int:
+        """Write ``data`` at ``offset`` (creating parent dirs); returns the file's size afterwards.
+
+        ``mode`` applies only when the file is created. ``truncate`` empties an existing file first.
+        """
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        view = memoryview(data).cast("B")
+        pos = 0
+        size = 0
+        while True:
+            chunk = view[pos:pos + _WRITE_CHUNK]
+            flags = 1 if truncate and pos == 0 else 0
+            head = _U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _s(path)
+            kind, body = await self._call(_frame(b"W", head, chunk))
+            if kind != ord("Z"):
+                raise _unexpected(kind)
+            size = _U64.unpack_from(body)[0]
+            pos += len(chunk)
+            if pos >= len(view):
+                return size
+
+    async def read_file(self, path: str, offset: int = 0, length: int = -1) -> tuple[bytes, int]:
+        """``length`` bytes (all to EOF if -1) from ``offset``; returns (data, file size)."""
+        if offset < 0:
+            raise ValueError("offset must be >= 0")
+        chunks: list[bytes] = []
+        pos = offset
+        remaining = None if length < 0 else length
+        while True:
+            want = _READ_CHUNK if remaining is None else min(remaining, _READ_CHUNK)
+            kind, body = await self._call(_frame(b"G", _U64.pack(pos), _U64.pack(want), _s(path)))
+            if kind != ord("D"):
+                raise _unexpected(kind)
+            total = _U64.unpack_from(body)[0]
+            data = body[8:]
+            chunks.append(data)
+            pos += len(data)
+            if remaining is not None:
+                remaining -= len(data)
+            # A short chunk means EOF; don't trust the size alone (procfs files report 0).
+            if len(data) < want or remaining == 0:
+                return b"".join(chunks), total
+
+    async def list_dir(self, path: str) -> list[DirEntry]:
+        """Entries of directory ``path`` sorted by name; symlinks are reported, not followed."""
+        kind, body = await self._call(_frame(b"L", _s(path)))
+        if kind != ord("T"):
+            raise _unexpected(kind)
+        (count,) = _U32.unpack_from(body)
+        pos = 4
+        entries = []
+        for _ in range(count):
+            raw, etype, size, mode, mtime, pos = _parse_entry(body, pos)
+            name = os.fsdecode(raw)
+            entries.append(DirEntry(name, posixpath.join(path, name), etype, size, mode, mtime))
+        entries.sort(key=lambda e: e.name)
+        return entries
+
+    async def stat(self, path: str, follow_symlinks: bool = True) -> DirEntry:
+        kind, body = await self._call(_frame(b"S", bytes((int(follow_symlinks),)), _s(path)))
+        if kind != ord("N"):
+            raise _unexpected(kind)
+        _, etype, size, mode, mtime, _ = _parse_entry(body, 0)
+        return DirEntry(posixpath.basename(path.rstrip("/")) or "/", path, etype, size, mode, mtime)
+
+    async def exists(self, path: str) -> bool:
+        """True if ``path`` names anything, including a dangling symlink."""
+        kind, body = await self._call(_frame(b"Q", _s(path)))
+        if kind != ord("B") or len(body) != 1:
+            raise _unexpected(kind)
+        return body[0] == 1
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, symlink or (recursively) a directory; ENOENT if it does not exist."""
+        kind, _ = await self._call(_frame(b"M", _s(path)))
+        if kind != ord("K"):
+            raise _unexpected(kind)
+
+
+__all__ = [
+    "AGENT_SOURCE",
+    "PROTOCOL_VERSION",
+    "AgentBuildError",
+    "AgentClient",
+    "AgentError",
+    "AgentUnavailable",
+    "DirEntry",
+    "ExecOutcome",
+    "ensure_agent_binary",
+    "peer_pid",
+]

@@ -1,0 +1,326 @@
+"""The ``container`` backend: containerd + runc, overlay rootfs over read-only layers, agent as PID 1."""
+
+from __future__ import annotations
+
+import asyncio
+import errno as _errno
+import os
+import subprocess
+
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound
+from bus.messages import (
+    Done,
+    EntryInfo,
+    ExecRequest,
+    ExecResult,
+    Exists,
+    FileData,
+    FileExists,
+    FileList,
+    FileListing,
+    FileOp,
+    FileRead,
+    FileRemove,
+    FileWrite,
+    FileWritten,
+    LayerRef,
+    SandboxSpec,
+)
+
+from ._agent import AgentClient, AgentError, AgentUnavailable, ensure_agent_binary
+from ._backend import Handle, OnOutput, Usage
+from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime
+from ._containerd_daemon import ContainerdDaemon
+from ._quota import ScratchError, ScratchFS
+from ._rootfs import RootfsLayout, overlay_mount
+
+log = structlog.get_logger("dsec.hostagent.container")
+
+AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
+RUN_DIR_IN_SANDBOX = "/.dsec/run"
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+LABEL_SANDBOX = "dsec.sandbox"
+MEM_CGROUP = Path("/sys/fs/cgroup/memory")
+READ_CHUNK = 4 * 1024 * 1024
+
+
+def _mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+class ContainerBackend:
+    """Sandboxes as runc containers driven through containerd's gRPC API."""
+
+    name = "container"
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        containerd_address: str | None = None,
+        scratch_size_gb: int | None = 256,
+        shim_group_size: int = 16,
+        lazy_mount: str | None = None,
+        pids_max: int = 1024,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.containerd_address = containerd_address
+        self.daemon: ContainerdDaemon | None = None
+        self.rt: ContainerRuntime | None = None
+        self.scratch = ScratchFS(str(self.data_dir), scratch_size_gb)
+        self.layers_dir = self.data_dir / "layers"
+        self.lazy_mount = lazy_mount or str(self.data_dir / "lazy")
+        self.shim_group_size = shim_group_size
+        self.pids_max = pids_max
+        self.agent_bin = ""
+        self._layer_mounts: dict[str, str] = {}
+        self._layer_locks: dict[str, asyncio.Lock] = {}
+        self._clients: dict[str, AgentClient] = {}
+        self._groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, str] = {}
+        self._cpu_prev: tuple[float, float] | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.layers_dir.mkdir(parents=True, exist_ok=True)
+        self.agent_bin = await asyncio.to_thread(ensure_agent_binary, str(self.data_dir))
+        await self.scratch.ensure_async()
+        if self.containerd_address is None:
+            self.daemon = ContainerdDaemon(str(self.data_dir))
+            await self.daemon.start()
+            address = self.daemon.address
+            runc_root = self.daemon.runc_root
+        else:
+            address, runc_root = self.containerd_address, None
+        self.rt = ContainerRuntime(address, runc_root=runc_root)
+
+    async def stop(self) -> None:
+        if self.rt is not None:
+            alive = [c for c in await self.rt.list() if c.labels.get(LABEL_SANDBOX)]
+            await self.rt.close()
+        else:
+            alive = []
+        # Leave containerd up while sandboxes live: a restarted agent recovers them through it.
+        if self.daemon is not None and not alive:
+            await self.daemon.stop()
+            for digest, mnt in list(self._layer_mounts.items()):
+                await asyncio.to_thread(subprocess.run, ["umount", mnt], capture_output=True)
+                self._layer_mounts.pop(digest, None)
+
+    # --- layers ------------------------------------------------------------------------------
+    async def _layer_dir(self, ref: LayerRef) -> str:
+        if ref.kind == "dir":
+            if not ref.path or not os.path.isdir(ref.path):
+                raise ImageError(f"layer {ref.digest} ({ref.role}) directory {ref.path!r} is missing on this host")
+            return ref.path
+        if ref.kind != "erofs":
+            raise ImageError(f"layer {ref.digest}: unknown kind {ref.kind!r}")
+        hexd = ref.digest.split(":", 1)[-1]
+        mnt = self._layer_mounts.get(hexd)
+        if mnt is not None:
+            return mnt
+        lock = self._layer_locks.setdefault(hexd, asyncio.Lock())
+        async with lock:
+            if hexd in self._layer_mounts:
+                return self._layer_mounts[hexd]
+            target = str(self.layers_dir / hexd)
+            os.makedirs(target, exist_ok=True)
+            if not _mounted(target):
+                blob = ref.path if ref.path and os.path.exists(ref.path) else os.path.join(self.lazy_mount, hexd)
+                r = await asyncio.to_thread(subprocess.run, ["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise ImageError(f"cannot mount layer {ref.digest} ({ref.role}) from {blob}: {r.stderr.strip()}")
+            # One mount per layer per host, shared by every sandbox that uses it (one page cache).
+            self._layer_mounts[hexd] = target
+            return target
+
+    def cached_layers(self) -> list[str]:
+        return [f"sha256:{d}" for d in self._layer_mounts]
+
+    # --- create / destroy -------------------------------------------------------------------
+    def _pick_group(self, sid: str) -> str | None:
+        if self.shim_group_size <= 1:
+            return None
+        for g, members in self._groups.items():
+            if len(members) < self.shim_group_size:
+                members.add(sid)
+                self._group_of[sid] = g
+                return g
+        g = f"grp-{sid}"
+        self._groups[g] = {sid}
+        self._group_of[sid] = g
+        return g
+
+    def _leave_group(self, sid: str) -> None:
+        g = self._group_of.pop(sid, None)
+        if g is not None:
+            members = self._groups.get(g)
+            if members is not None:
+                members.discard(sid)
+                if not members:
+                    del self._groups[g]
+
+    async def create(self, spec: SandboxSpec, layers: list[LayerRef]) -> Handle:
+        assert self.rt is not None
+        sid = spec.sandbox_id
+        if not layers:
+            raise ImageError(f"template {spec.template!r} has no layers")
+        lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
+        try:
+            sdir = await self.scratch.allocate_async(sid, spec.disk_mb)
+        except ScratchError as exc:
+            raise CreateFailed(f"cannot allocate {spec.disk_mb} MB of disk: {exc}") from None
+        layout = RootfsLayout(sdir).create()
+        group = self._pick_group(sid)
+        try:
+            pid = await self.rt.create_and_start(
+                sid,
+                rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
+                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock"],
+                env=DEFAULT_ENV,
+                cpu=spec.cpu,
+                memory_mb=spec.memory_mb,
+                pids_max=self.pids_max,
+                bind_mounts=[(os.path.dirname(self.agent_bin), AGENT_DIR_IN_SANDBOX, True), (layout.run, RUN_DIR_IN_SANDBOX, False)],
+                hostname="sandbox",
+                labels={LABEL_SANDBOX: sid, "dsec.template": spec.template},
+                group=group,
+            )
+        except ContainerdError as exc:
+            self._leave_group(sid)
+            raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
+        client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
+        try:
+            await client.wait_ready(15.0, 0.002)
+        except AgentError as exc:
+            raise CreateFailed(f"sandbox agent did not start: {exc}") from None
+        self._clients[sid] = client
+        return Handle(sid, pid, {"dir": sdir, "group": group or ""})
+
+    async def destroy(self, sandbox_id: str) -> None:
+        assert self.rt is not None
+        self._clients.pop(sandbox_id, None)
+        try:
+            await self.rt.delete(sandbox_id)
+        finally:
+            self._leave_group(sandbox_id)
+            await self.scratch.release_async(sandbox_id)
+
+    # --- ops ---------------------------------------------------------------------------------------
+    def _client(self, handle: Handle) -> AgentClient:
+        c = self._clients.get(handle.sandbox_id)
+        if c is None:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
+        return c
+
+    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None) -> ExecResult:
+        env = {**DEFAULT_ENV, **req.envs}
+        try:
+            out = await self._client(handle).exec(req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output)
+        except AgentUnavailable as exc:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
+        except AgentError as exc:
+            if exc.errno == _errno.ENOENT and req.cwd:
+                raise InvalidArgument(f"cwd {req.cwd!r} does not exist in the sandbox") from None
+            raise FileError(f"exec failed: {exc.message}") from None
+        return ExecResult(exit_code=out.exit_code, stdout=out.stdout, stderr=out.stderr, timed_out=out.timed_out)
+
+    async def files(self, handle: Handle, op: FileOp) -> Any:
+        c = self._client(handle)
+        try:
+            match op:
+                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
+                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
+                    return FileWritten(path=p, size=off + len(d))
+                case FileRead(path=p, offset=off, length=n):
+                    data, size = await c.read_file(p, offset=off, length=n if n >= 0 else min(READ_CHUNK, 1 << 40))
+                    return FileData(data=data, size=size, offset=off)
+                case FileList(path=p):
+                    return FileListing(entries=[EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in await c.list_dir(p)])
+                case FileRemove(path=p):
+                    await c.remove(p)
+                    return Done()
+                case FileExists(path=p):
+                    return Exists(exists=await c.exists(p))
+        except AgentUnavailable as exc:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
+        except AgentError as exc:
+            if exc.errno == _errno.ENOENT:
+                raise FileNotFound(f"{getattr(op, 'path', '')}: no such file or directory") from None
+            if exc.errno == _errno.ENOSPC:
+                raise FileError(f"{getattr(op, 'path', '')}: no space left (the sandbox's disk_mb is full)") from None
+            raise FileError(f"{getattr(op, 'path', '')}: {exc.message}") from None
+        raise InvalidArgument(f"unsupported file operation {type(op).__name__}")
+
+    # --- recovery and usage ------------------------------------------------------------------
+    async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
+        assert self.rt is not None
+        alive: dict[str, Handle] = {}
+        for c in await self.rt.list():
+            sid = c.labels.get(LABEL_SANDBOX)
+            if not sid:
+                continue
+            h = known.get(sid)
+            if h is None or c.status != "running" or not c.pid:
+                log.info("removing_orphan_container", sandbox_id=sid, status=c.status)
+                await self.destroy(sid)
+                continue
+            sdir = h.extra.get("dir") or await self.scratch.allocate_async(sid, 1)
+            client = AgentClient(os.path.join(RootfsLayout(sdir).run, "agent.sock"), expected_pid=c.pid)
+            try:
+                await client.wait_ready(5.0)
+            except AgentError as exc:
+                log.warning("recover_agent_unreachable", sandbox_id=sid, error=str(exc))
+                await self.destroy(sid)
+                continue
+            self._clients[sid] = client
+            g = h.extra.get("group") or ""
+            if g:
+                self._groups.setdefault(g, set()).add(sid)
+                self._group_of[sid] = g
+            alive[sid] = Handle(sid, c.pid, h.extra)
+        # Layers already mounted from an earlier run are reused as they are.
+        for d in self.layers_dir.iterdir() if self.layers_dir.exists() else []:
+            if _mounted(str(d)):
+                self._layer_mounts[d.name] = str(d)
+        return alive
+
+    async def usage(self) -> Usage:
+        per: dict[str, int] = {}
+        total = 0
+        for sid in list(self._clients):
+            try:
+                b = int((MEM_CGROUP / CGROUP_PARENT.lstrip("/") / sid / "memory.usage_in_bytes").read_text())
+            except (OSError, ValueError):
+                continue
+            per[sid] = b // (1 << 20)
+            total += b
+        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self._cpu_busy(), per_sandbox_mem_mb=per)
+
+    def _cpu_busy(self) -> float:
+        with open("/proc/stat") as f:
+            vals = [float(x) for x in f.readline().split()[1:]]
+        idle, total = vals[3] + vals[4], sum(vals)
+        prev, self._cpu_prev = self._cpu_prev, (idle, total)
+        if prev is None or total <= prev[1]:
+            return 0.0
+        return (1 - (idle - prev[0]) / (total - prev[1])) * (os.cpu_count() or 1)
+
+    def capacity(self) -> dict[str, float]:
+        with open("/proc/meminfo") as f:
+            mem_kb = int(next(l for l in f if l.startswith("MemTotal:")).split()[1])
+        st = os.statvfs(self.data_dir)
+        return {"cpu_total": float(os.cpu_count() or 1), "mem_total_mb": mem_kb // 1024, "disk_total_mb": st.f_blocks * st.f_frsize // (1 << 20)}
+
+
+__all__ = ["ContainerBackend"]

@@ -1,0 +1,687 @@
+"""Container sandboxes on containerd 1.6 (gRPC, runtime io.containerd.runc.v2, cgroups v1).
+
+`ContainerRuntime(address, namespace="dsec")` talks to containerd over one grpc.aio channel
+(namespace in the `containerd-namespace` metadata header). It builds the OCI runtime spec
+itself (no images, no snapshotter): the root filesystem is passed as mounts to Tasks.Create so
+the runc shim mounts it at `<bundle>/rootfs` and unmounts it when the task is deleted.
+
+Spec defaults follow Docker's: new pid/mount/uts/ipc/network namespaces (network: an empty netns
+unless a netns path is given), Docker's masked/read-only /proc and /sys paths, Docker's default
+capability set minus NET_RAW, no_new_privileges, deny-all device cgroup (runc adds the standard
+null/zero/full/random/urandom/tty/ptmx), cgroup v1 cpu/memory(+memsw, no swap)/pids limits, and a
+small seccomp deny-list (keyring, bpf, perf, io_uring, userfaultfd, namespace creation, mount
+API, modules, kexec, ...).
+
+Shim grouping: containers created with the same `group` carry the spec annotation
+`io.containerd.runc.v2.group`, which makes containerd-shim-runc-v2 (1.6) reuse one shim process
+for all of them instead of one shim per container. Measured here (30 sleeping sandboxes):
+shim memory 79 MiB PSS (30 shims) vs 14 MiB (one shim), i.e. ~2.7 MiB -> ~0.5 MiB per sandbox,
+and create+start ~15 ms faster (no shim spawn). The shim lives until its last container is
+deleted. Trade-off: a crash of the group's shim takes all its containers' tasks with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import resource
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol, Sequence
+
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+
+import grpc  # noqa: E402
+
+from containerd.services.containers.v1 import containers_pb2, containers_pb2_grpc  # noqa: E402
+from containerd.services.tasks.v1 import tasks_pb2, tasks_pb2_grpc  # noqa: E402
+from containerd.types import mount_pb2  # noqa: E402
+from containerd.types.task import task_pb2  # noqa: E402
+from google.protobuf import any_pb2  # noqa: E402
+
+__all__ = [
+    "ContainerRuntime",
+    "ContainerInfo",
+    "ContainerdError",
+    "ContainerNotFound",
+    "ContainerExists",
+    "ContainerdUnavailable",
+    "MountLike",
+    "build_spec",
+    "DEFAULT_CAPABILITIES",
+    "GROUP_ANNOTATION",
+    "RUNTIME",
+]
+
+RUNTIME = "io.containerd.runc.v2"
+SPEC_TYPE_URL = "types.containerd.io/opencontainers/runtime-spec/1/Spec"
+RESOURCES_TYPE_URL = "types.containerd.io/opencontainers/runtime-spec/1/LinuxResources"
+RUNC_OPTIONS_TYPE_URL = "containerd.runc.v1.Options"
+GROUP_ANNOTATION = "io.containerd.runc.v2.group"
+CGROUP_PARENT = "/dsec"
+CPU_PERIOD_US = 100_000
+DEFAULT_OOM_SCORE_ADJ = 500  # sandboxes die before host services under global memory pressure
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Docker's default set without NET_RAW (raw sockets are an attack surface; unprivileged ICMP
+# "ping sockets" are enabled instead via net.ipv4.ping_group_range in our private netns).
+DEFAULT_CAPABILITIES: tuple[str, ...] = (
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+)
+
+MASKED_PATHS: tuple[str, ...] = (
+    "/proc/asound",
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+)
+
+READONLY_PATHS: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+
+# Syscalls refused with EPERM. Most already need a capability we do not grant; listing them
+# anyway is cheap defence in depth. io_uring/bpf/perf/userfaultfd/keyctl are reachable without
+# capabilities and are frequent sources of kernel exploits.
+SECCOMP_DENY: tuple[str, ...] = (
+    "acct", "add_key", "bpf", "create_module", "delete_module", "finit_module", "fsconfig",
+    "fsmount", "fsopen", "fspick", "get_kernel_syms", "init_module", "io_uring_enter",
+    "io_uring_register", "io_uring_setup", "kexec_file_load", "kexec_load", "keyctl",
+    "lookup_dcookie", "mount", "mount_setattr", "move_mount", "name_to_handle_at", "nfsservctl",
+    "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root", "query_module",
+    "quotactl", "quotactl_fd", "reboot", "request_key", "setns", "swapoff", "swapon", "syslog",
+    "umount", "umount2", "unshare", "uselib", "userfaultfd", "vhangup",
+)
+_CLONE_NS_FLAGS = (
+    0x00020000,  # CLONE_NEWNS
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x08000000,  # CLONE_NEWIPC
+    0x10000000,  # CLONE_NEWUSER
+    0x20000000,  # CLONE_NEWPID
+    0x40000000,  # CLONE_NEWNET
+)
+_EPERM = 1
+_ENOSYS = 38
+
+
+# ----------------------------------------------------------------------------- errors
+class ContainerdError(Exception):
+    """Root of the containerd error family. `code` is the gRPC status code (if any)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ContainerNotFound(ContainerdError):
+    pass
+
+
+class ContainerExists(ContainerdError):
+    pass
+
+
+class ContainerdUnavailable(ContainerdError):
+    pass
+
+
+def _map_error(e: grpc.aio.AioRpcError, what: str) -> ContainerdError:
+    code = e.code()
+    msg = f"{what}: {e.details() or code.name}"
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ContainerNotFound(msg, code)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return ContainerExists(msg, code)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ContainerdUnavailable(msg, code)
+    return ContainerdError(msg, code)
+
+
+# ----------------------------------------------------------------------------- data
+class MountLike(Protocol):
+    type: str
+    source: str
+    options: Sequence[str]
+
+
+@dataclass(frozen=True)
+class ContainerInfo:
+    id: str
+    labels: dict[str, str] = field(default_factory=dict)
+    pid: int | None = None
+    # created | running | stopped | paused | pausing | unknown | none (container without task)
+    status: str = "none"
+    exit_status: int | None = None
+
+
+_STATUS = {v: k.lower() for k, v in task_pb2.Status.items()}
+_LIVE = {task_pb2.CREATED, task_pb2.RUNNING, task_pb2.PAUSED, task_pb2.PAUSING}
+
+
+# ----------------------------------------------------------------------------- spec
+def _cgroup_v2() -> bool:
+    return os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+
+
+def _memsw_supported() -> bool:
+    return _cgroup_v2() or os.path.exists("/sys/fs/cgroup/memory/memory.memsw.limit_in_bytes")
+
+
+_MEMSW = _memsw_supported()
+
+
+def _has_cap(bit: int) -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> bit & 1)
+    except OSError:
+        pass
+    return False
+
+
+def _max_nofile(wanted: int) -> int:
+    """RLIMIT_NOFILE for the sandbox: raising above our hard limit needs CAP_SYS_RESOURCE."""
+    if _has_cap(24):  # CAP_SYS_RESOURCE
+        return wanted
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+
+
+def _resources(cpu: float | None, memory_mb: int | None, pids_max: int | None) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    if memory_mb is not None:
+        limit = int(memory_mb) * 1024 * 1024
+        mem: dict[str, Any] = {"limit": limit}
+        if _MEMSW:
+            mem["swap"] = limit  # v1 memsw = memory+swap == memory  ->  no swap escape
+        res["memory"] = mem
+    if cpu is not None:
+        if cpu <= 0:
+            raise ValueError("cpu must be > 0")
+        res["cpu"] = {
+            "shares": max(2, int(cpu * 1024)),
+            "quota": max(1000, int(cpu * CPU_PERIOD_US)),
+            "period": CPU_PERIOD_US,
+        }
+    if pids_max is not None:
+        res["pids"] = {"limit": int(pids_max)}
+    return res
+
+
+def _seccomp() -> dict[str, Any]:
+    m = platform.machine()
+    if m in ("x86_64", "amd64"):
+        arches = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
+    elif m in ("aarch64", "arm64"):
+        arches = ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]
+    else:
+        arches = []
+    rules: list[dict[str, Any]] = [
+        {"names": list(SECCOMP_DENY), "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM},
+        # glibc falls back to clone(2) on ENOSYS; clone3's flags live in memory and can't be
+        # filtered, so refuse it outright (what Docker does).
+        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
+    ]
+    for flag in _CLONE_NS_FLAGS:
+        rules.append(
+            {
+                "names": ["clone"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": _EPERM,
+                "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+            }
+        )
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": arches, "syscalls": rules}
+
+
+def build_spec(
+    sandbox_id: str,
+    *,
+    args: list[str],
+    env: dict[str, str],
+    cpu: float | None,
+    memory_mb: int | None,
+    pids_max: int | None,
+    bind_mounts: Iterable[tuple[str, str, bool]] = (),
+    hostname: str = "sandbox",
+    netns_path: str | None = None,
+    cwd: str = "/",
+    group: str | None = None,
+    annotations: dict[str, str] | None = None,
+    oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ,
+    seccomp: bool = True,
+    nofile: int = 65536,
+    shm_mb: int = 64,
+    capabilities: Sequence[str] = DEFAULT_CAPABILITIES,
+) -> dict[str, Any]:
+    """The OCI runtime spec (as a dict) for one sandbox container."""
+    if not args:
+        raise ValueError("args must not be empty")
+    envd = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": hostname}
+    envd.update(env)
+    for k in envd:
+        if not k or "=" in k or "\0" in k:
+            raise ValueError(f"invalid env name {k!r}")
+    caps = list(capabilities)
+    process: dict[str, Any] = {
+        "terminal": False,
+        "user": {"uid": 0, "gid": 0},
+        "args": list(args),
+        "env": [f"{k}={v}" for k, v in envd.items()],
+        "cwd": cwd,
+        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "rlimits": [{"type": "RLIMIT_NOFILE", "hard": (n := _max_nofile(nofile)), "soft": n}],
+        "noNewPrivileges": True,
+    }
+    if oom_score_adj is not None:
+        process["oomScoreAdj"] = int(oom_score_adj)
+
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", f"size={int(shm_mb) * 1024}k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+         "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/sys/fs/cgroup", "type": "cgroup", "source": "cgroup",
+         "options": ["nosuid", "noexec", "nodev", "relatime", "ro"]},
+    ]
+    for src, dst, ro in bind_mounts:
+        if not os.path.isabs(src) or not os.path.isabs(dst):
+            raise ValueError(f"bind mount paths must be absolute: {src!r} -> {dst!r}")
+        mounts.append(
+            {
+                "destination": dst,
+                "type": "bind",
+                "source": src,
+                "options": ["rbind", "rprivate", "nosuid", "nodev", "ro" if ro else "rw"],
+            }
+        )
+
+    namespaces: list[dict[str, str]] = [
+        {"type": "pid"},
+        {"type": "ipc"},
+        {"type": "uts"},
+        {"type": "mount"},
+        {"type": "network", "path": netns_path} if netns_path else {"type": "network"},
+    ]
+    resources = _resources(cpu, memory_mb, pids_max)
+    resources["devices"] = [{"allow": False, "access": "rwm"}]
+    linux: dict[str, Any] = {
+        "resources": resources,
+        "cgroupsPath": f"{CGROUP_PARENT}/{sandbox_id}",
+        "namespaces": namespaces,
+        "maskedPaths": list(MASKED_PATHS),
+        "readonlyPaths": list(READONLY_PATHS),
+    }
+    if netns_path is None:
+        # Only in our own fresh netns: never write sysctls into a namespace we were handed.
+        linux["sysctl"] = {"net.ipv4.ping_group_range": "0 2147483647"}
+    if seccomp:
+        linux["seccomp"] = _seccomp()
+    ann = dict(annotations or {})
+    if group:
+        ann[GROUP_ANNOTATION] = group
+    spec: dict[str, Any] = {
+        "ociVersion": "1.0.2-dev",
+        "process": process,
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": hostname,
+        "mounts": mounts,
+        "linux": linux,
+    }
+    if ann:
+        spec["annotations"] = ann
+    return spec
+
+
+def _runc_options(root: str | None, shim_cgroup: str | None) -> any_pb2.Any | None:
+    """containerd.runc.v1.Options, hand-encoded (the PyPI stubs do not ship it)."""
+    buf = bytearray()
+
+    def put_str(field_no: int, s: str) -> None:
+        data = s.encode()
+        buf.append((field_no << 3) | 2)
+        n = len(data)
+        while True:
+            b = n & 0x7F
+            n >>= 7
+            buf.append(b | (0x80 if n else 0))
+            if not n:
+                break
+        buf.extend(data)
+
+    if shim_cgroup:
+        put_str(3, shim_cgroup)
+    if root:
+        put_str(7, root)
+    if not buf:
+        return None
+    return any_pb2.Any(type_url=RUNC_OPTIONS_TYPE_URL, value=bytes(buf))
+
+
+def _set_map(field: Any, values: dict[str, str]) -> None:
+    # The 1.5.3 stubs predate protobuf's current map handling: with protobuf >= 5 their map
+    # fields load as repeated `XEntry` messages (same wire format), older ones as real maps.
+    for k, v in values.items():
+        if hasattr(field, "add"):
+            field.add(key=str(k), value=str(v))
+        else:
+            field[str(k)] = str(v)
+
+
+def _get_map(field: Any) -> dict[str, str]:
+    if hasattr(field, "items"):
+        return dict(field.items())
+    return {e.key: e.value for e in field}
+
+
+# ----------------------------------------------------------------------------- runtime
+class ContainerRuntime:
+    """containerd client for sandbox containers. Create inside the event loop that uses it.
+
+    `runc_root`: runc's state root (default /run/containerd/runc); pass
+    `ContainerdDaemon.runc_root` to keep it inside the private daemon's state dir.
+    `shim_cgroup`: put shim processes in this cgroup (must already exist in every v1 hierarchy;
+    cpuset needs cpuset.cpus/mems set), e.g. to account shim memory separately.
+    Both are sent as containerd.runc.v1.Options with every container.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        namespace: str = "dsec",
+        *,
+        runc_root: str | None = None,
+        shim_cgroup: str | None = None,
+        call_timeout: float = 30.0,
+    ) -> None:
+        self.address = address
+        self.namespace = namespace
+        self.call_timeout = call_timeout
+        self._md = (("containerd-namespace", namespace),)
+        self._runc_opts = _runc_options(runc_root, shim_cgroup)
+        self._channel: grpc.aio.Channel | None = None
+        self._containers: containers_pb2_grpc.ContainersStub | None = None
+        self._tasks: tasks_pb2_grpc.TasksStub | None = None
+
+    # ------------------------------------------------------------------ channel
+    def _stubs(self) -> tuple[containers_pb2_grpc.ContainersStub, tasks_pb2_grpc.TasksStub]:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                "unix://" + self.address,
+                options=[
+                    ("grpc.enable_http_proxy", 0),
+                    ("grpc.max_receive_message_length", 16 << 20),
+                    # containerd restarts should not leave us in a long reconnect backoff
+                    ("grpc.initial_reconnect_backoff_ms", 50),
+                    ("grpc.min_reconnect_backoff_ms", 50),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ],
+            )
+            self._containers = containers_pb2_grpc.ContainersStub(self._channel)
+            self._tasks = tasks_pb2_grpc.TasksStub(self._channel)
+        assert self._containers is not None and self._tasks is not None
+        return self._containers, self._tasks
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._containers = self._tasks = None
+
+    async def __aenter__(self) -> "ContainerRuntime":
+        self._stubs()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
+        try:
+            return await method(
+                request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout
+            )
+        except grpc.aio.AioRpcError as e:
+            raise _map_error(e, what) from None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def create_and_start(
+        self,
+        sandbox_id: str,
+        *,
+        rootfs_mounts: Sequence[MountLike],
+        args: list[str],
+        env: dict[str, str],
+        cpu: float,
+        memory_mb: int,
+        pids_max: int,
+        bind_mounts: Iterable[tuple[str, str, bool]] = (),
+        hostname: str = "sandbox",
+        labels: dict[str, str] | None = None,
+        netns_path: str | None = None,
+        group: str | None = None,
+        cwd: str = "/",
+        stdout_path: str | None = None,
+        annotations: dict[str, str] | None = None,
+        oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ,
+        seccomp: bool = True,
+    ) -> int:
+        """Create the container and its task, start it; return the init's host pid.
+
+        `stdout_path`: optional host file receiving the init's stdout+stderr (debugging);
+        default is null I/O. On any failure everything created so far is removed again.
+        """
+        spec = build_spec(
+            sandbox_id,
+            args=args,
+            env=env,
+            cpu=cpu,
+            memory_mb=memory_mb,
+            pids_max=pids_max,
+            bind_mounts=bind_mounts,
+            hostname=hostname,
+            netns_path=netns_path,
+            cwd=cwd,
+            group=group,
+            annotations=annotations,
+            oom_score_adj=oom_score_adj,
+            seccomp=seccomp,
+        )
+        containers, tasks = self._stubs()
+        runtime = containers_pb2.Container.Runtime(name=RUNTIME)
+        if self._runc_opts is not None:
+            runtime.options.CopyFrom(self._runc_opts)
+        container = containers_pb2.Container(
+            id=sandbox_id,
+            runtime=runtime,
+            spec=any_pb2.Any(
+                type_url=SPEC_TYPE_URL, value=json.dumps(spec, separators=(",", ":")).encode()
+            ),
+        )
+        _set_map(container.labels, labels or {})
+        await self._call(
+            containers.Create,
+            containers_pb2.CreateContainerRequest(container=container),
+            f"create container {sandbox_id}",
+        )
+        try:
+            stdio = f"file://{stdout_path}" if stdout_path else ""
+            req = tasks_pb2.CreateTaskRequest(
+                container_id=sandbox_id,
+                rootfs=[
+                    mount_pb2.Mount(type=m.type, source=m.source, options=list(m.options))
+                    for m in rootfs_mounts
+                ],
+                stdin="",
+                stdout=stdio,
+                stderr=stdio,
+                terminal=False,
+            )
+            if self._runc_opts is not None:
+                req.options.CopyFrom(self._runc_opts)
+            await self._call(tasks.Create, req, f"create task {sandbox_id}")
+            resp = await self._call(
+                tasks.Start, tasks_pb2.StartRequest(container_id=sandbox_id), f"start task {sandbox_id}"
+            )
+            return int(resp.pid)
+        except BaseException:
+            # Don't leave a half-made sandbox behind (shielded: also on cancellation).
+            await asyncio.shield(self._cleanup_quietly(sandbox_id))
+            raise
+
+    async def _cleanup_quietly(self, sandbox_id: str) -> None:
+        try:
+            await self.delete(sandbox_id)
+        except ContainerdError:
+            pass
+
+    async def kill(self, sandbox_id: str, signal: int = 9, all: bool = True) -> None:
+        """Signal the task's init (all=True: every process of the container)."""
+        _, tasks = self._stubs()
+        await self._call(
+            tasks.Kill,
+            tasks_pb2.KillRequest(container_id=sandbox_id, signal=int(signal), all=all),
+            f"kill {sandbox_id}",
+        )
+
+    async def wait(self, sandbox_id: str, timeout: float | None = None) -> int:
+        """Wait for the task to exit; returns its exit status."""
+        _, tasks = self._stubs()
+        resp = await self._call(
+            tasks.Wait,
+            tasks_pb2.WaitRequest(container_id=sandbox_id),
+            f"wait {sandbox_id}",
+            timeout=timeout if timeout is not None else 365 * 86400.0,
+        )
+        return int(resp.exit_status)
+
+    async def delete(self, sandbox_id: str, *, stop_timeout: float = 10.0) -> int | None:
+        """Kill (if running), wait, delete the task and the container. Idempotent.
+
+        Returns the task's exit status if there was a task. The shim unmounts the rootfs and
+        runc removes the cgroups as part of the task delete.
+        """
+        containers, tasks = self._stubs()
+        exit_status: int | None = None
+        has_task = True
+        try:
+            # The container has its own pid namespace: killing init kills everything.
+            # (all=True would make runc freeze/thaw the cgroup first -- slower, same outcome.)
+            await self.kill(sandbox_id, 9, all=False)
+        except ContainerNotFound:
+            pass  # no task, or its process already exited
+        except ContainerdError as e:
+            if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
+        try:
+            exit_status = await self.wait(sandbox_id, timeout=stop_timeout)
+        except ContainerNotFound:
+            has_task = False
+        if has_task:
+            try:
+                resp = await self._call(
+                    tasks.Delete,
+                    tasks_pb2.DeleteTaskRequest(container_id=sandbox_id),
+                    f"delete task {sandbox_id}",
+                )
+                exit_status = int(resp.exit_status)
+            except ContainerNotFound:
+                pass
+        try:
+            await self._call(
+                containers.Delete,
+                containers_pb2.DeleteContainerRequest(id=sandbox_id),
+                f"delete container {sandbox_id}",
+            )
+        except ContainerNotFound:
+            pass
+        return exit_status
+
+    # ------------------------------------------------------------------ queries
+    async def list(self) -> list[ContainerInfo]:
+        """All containers in our namespace with their task state (two concurrent calls)."""
+        containers, tasks = self._stubs()
+        cresp, tresp = await asyncio.gather(
+            self._call(containers.List, containers_pb2.ListContainersRequest(), "list containers"),
+            self._call(tasks.List, tasks_pb2.ListTasksRequest(), "list tasks"),
+        )
+        by_id = {t.id or t.container_id: t for t in tresp.tasks}
+        out = []
+        for c in cresp.containers:
+            t = by_id.get(c.id)
+            if t is None:
+                out.append(ContainerInfo(id=c.id, labels=_get_map(c.labels)))
+            else:
+                out.append(
+                    ContainerInfo(
+                        id=c.id,
+                        labels=_get_map(c.labels),
+                        pid=int(t.pid) or None,
+                        status=_STATUS.get(t.status, "unknown"),
+                        exit_status=int(t.exit_status) if t.status == task_pb2.STOPPED else None,
+                    )
+                )
+        return out
+
+    async def task_pid(self, sandbox_id: str) -> int | None:
+        """Host pid of the task's init while it is alive, else None."""
+        _, tasks = self._stubs()
+        try:
+            resp = await self._call(
+                tasks.Get, tasks_pb2.GetRequest(container_id=sandbox_id), f"get task {sandbox_id}"
+            )
+        except ContainerNotFound:
+            return None
+        p = resp.process
+        return int(p.pid) if p.status in _LIVE and p.pid else None
+
+    async def update_resources(
+        self, sandbox_id: str, cpu: float | None = None, memory_mb: int | None = None,
+        pids_max: int | None = None,
+    ) -> None:
+        """Change cgroup limits of a running sandbox (only the given ones)."""
+        res = _resources(cpu, memory_mb, pids_max)
+        if not res:
+            return
+        _, tasks = self._stubs()
+        await self._call(
+            tasks.Update,
+            tasks_pb2.UpdateTaskRequest(
+                container_id=sandbox_id,
+                resources=any_pb2.Any(type_url=RESOURCES_TYPE_URL, value=json.dumps(res).encode()),
+            ),
+            f"update {sandbox_id}",
+        )

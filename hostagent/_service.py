@@ -1,0 +1,585 @@
+"""The host agent: admits work placed on this host, runs sandboxes through a backend, serves their ops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import (
+    BadRequest,
+    CreateFailed,
+    DsecError,
+    HostRejected,
+    InternalError,
+    SandboxNotFound,
+    UnknownTemplate,
+)
+from bus.messages import (
+    CreateSandbox,
+    Done,
+    ExecChunk,
+    ExecRequest,
+    ExecResult,
+    FileOp,
+    HostEvent,
+    HostStatus,
+    InfoRequest,
+    KillRequest,
+    LayerRef,
+    PlaceBatch,
+    PlaceSandbox,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxRecord,
+    SandboxSpec,
+    SetTimeout,
+)
+from bus.runtime import Service, error_of
+from bus.streams import StreamOptions, ensure_all, ensure_kv
+
+from ._backend import Backend, Handle
+
+log = structlog.get_logger("dsec.hostagent")
+
+_state_json = msgspec.json.Encoder()
+
+
+class LocalSandbox(msgspec.Struct, kw_only=True):
+    """What this host keeps on disk about one sandbox, to recover after a crash."""
+
+    spec: SandboxSpec
+    pid: int = 0
+    extra: dict[str, Any] = {}
+    started_at: float = 0.0
+    expires_at: float = 0.0
+    state: str = "running"
+
+
+_state_dec = msgspec.json.Decoder(LocalSandbox)
+
+
+class HostAgent(Service):
+    name = "hostagent"
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        nats_url: str | None = None,
+        host_id: str | None = None,
+        data_dir: str = "/var/lib/dsec",
+        concurrency: int = 8,
+        heartbeat_s: float = 2.0,
+        pool: str = "default",
+        cpu_overcommit: float = 50.0,
+        mem_overcommit: float = 1.0,
+        max_sandboxes: int = 0,
+        persist_state: bool = True,
+        destroy_on_shutdown: bool = False,
+        stream_options: StreamOptions = StreamOptions(),
+        connection: Any = None,
+        grace_s: float = 10.0,
+    ) -> None:
+        super().__init__(nats_url, grace_s=grace_s)
+        self.backend = backend
+        self.host_id = host_id or socket.gethostname().split(".")[0].replace("_", "-")
+        if not S.valid_token(self.host_id):
+            raise ValueError(f"host id {self.host_id!r} must be 1-128 of [A-Za-z0-9_-]")
+        self.data_dir = Path(data_dir)
+        self.state_dir = self.data_dir / "hosts" / self.host_id / "sandboxes"
+        self.concurrency = concurrency
+        self.heartbeat_s = heartbeat_s
+        self.pool = pool
+        self.cpu_overcommit = cpu_overcommit
+        self.mem_overcommit = mem_overcommit
+        self.max_sandboxes = max_sandboxes
+        self.persist_state = persist_state
+        self.destroy_on_shutdown = destroy_on_shutdown
+        self.stream_options = stream_options
+        self._shared_nc = connection
+        self.live: dict[str, LocalSandbox] = {}
+        self.handles: dict[str, Handle] = {}
+        self._subs: dict[str, Subscription] = {}
+        self._creating: dict[str, asyncio.Future[None]] = {}
+        self._ops: set[asyncio.Task[Any]] = set()
+        self._kv_hosts: KeyValue | None = None
+        self._kv_sbx: KeyValue | None = None
+        self._kv_images: KeyValue | None = None
+        self._layers_cache: dict[str, list[LayerRef]] = {}
+        self.created = 0
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._shared_nc is None:
+            await super().start()
+            return
+        # Many simulated hosts can share one connection in scale runs.
+        self.nc = self._shared_nc
+        self.js = self.nc.jetstream()
+        await self.setup()
+
+    async def setup(self) -> None:
+        assert self.js is not None
+        await ensure_all(self.js, self.stream_options)
+        self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
+        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
+        self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
+        if self.persist_state:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+        await self.backend.start()
+        await self._recover()
+        await self._heartbeat()
+        self.spawn(self._heartbeat_loop(), name="heartbeat")
+        self.spawn(self._reaper_loop(), name="reaper")
+        await self.add_worker(
+            stream=S.STREAM_HOST,
+            durable=S.host_durable(self.host_id),
+            filter_subject=S.host_all(self.host_id),
+            handler=self.handle,
+            capacity=self.concurrency,
+            ack_wait_s=60.0,
+            max_ack_pending=self.concurrency,  # a burst waits in the stream, not in this process
+            name=f"host-{self.host_id}",
+        )
+        await self._event_host("up")
+
+    async def teardown(self) -> None:
+        for t in list(self._ops):
+            t.cancel()
+        for sub in list(self._subs.values()):
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+        self._subs.clear()
+        if self.destroy_on_shutdown:
+            for sid in list(self.live):
+                await self._destroy(sid, "host-shutdown", publish=True)
+        try:
+            if self._kv_hosts is not None:
+                st = self._status()
+                st.state = "down"
+                await self._kv_hosts.put(self.host_id, codec.encode(st))
+            await self._event_host("down")
+        except Exception:  # noqa: BLE001 - NATS may already be gone
+            pass
+        await self.backend.stop()
+        if self._shared_nc is not None:
+            self.nc = None  # not ours to drain
+
+    # --- state --------------------------------------------------------------------------
+    def _state_path(self, sid: str) -> Path:
+        return self.state_dir / f"{sid}.json"
+
+    def _save(self, ls: LocalSandbox) -> None:
+        if not self.persist_state:
+            return
+        p = self._state_path(ls.spec.sandbox_id)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_bytes(_state_json.encode(ls))
+        os.replace(tmp, p)
+
+    def _forget(self, sid: str) -> None:
+        if self.persist_state:
+            try:
+                self._state_path(sid).unlink()
+            except FileNotFoundError:
+                pass
+
+    async def _recover(self) -> None:
+        """Rebuild the live table from local state and what the backend still runs."""
+        if not self.persist_state:
+            return
+        known: dict[str, LocalSandbox] = {}
+        for p in self.state_dir.glob("*.json"):
+            try:
+                ls = _state_dec.decode(p.read_bytes())
+            except (msgspec.DecodeError, OSError):
+                log.warning("bad_state_file", path=str(p))
+                p.unlink(missing_ok=True)
+                continue
+            known[ls.spec.sandbox_id] = ls
+        handles = {sid: Handle(sid, ls.pid, dict(ls.extra)) for sid, ls in known.items()}
+        alive = await self.backend.recover(handles)
+        for sid, ls in known.items():
+            if sid in alive:
+                h = alive[sid]
+                ls.pid = h.pid
+                self.live[sid] = ls
+                self.handles[sid] = h
+                await self._serve_ops(sid)
+                await self._event(ls.spec, "recovered")
+                log.info("recovered", sandbox_id=sid, pid=h.pid)
+            else:
+                await self.backend.destroy(sid)
+                self._forget(sid)
+                await self._event(ls.spec, "killed", err=InternalError("sandbox was lost while the host agent was down"))
+                await self._record(ls, "killed", end_reason="lost")
+
+    # --- heartbeats -----------------------------------------------------------------------
+    def _status(self) -> HostStatus:
+        cap = self.backend.capacity()
+        cpu = mem = disk = 0.0
+        for ls in self.live.values():
+            cpu += ls.spec.cpu
+            mem += ls.spec.memory_mb
+            disk += ls.spec.disk_mb
+        return HostStatus(
+            host_id=self.host_id,
+            backend=self.backend.name,
+            at=time.time(),
+            pool=self.pool,
+            cpu_total=float(cap["cpu_total"]),
+            mem_total_mb=int(cap["mem_total_mb"]),
+            disk_total_mb=int(cap["disk_total_mb"]),
+            cpu_alloc=cpu,
+            mem_alloc_mb=int(mem),
+            mem_resident_mb=self._resident_mb,
+            disk_alloc_mb=int(disk),
+            cpu_busy=self._cpu_busy,
+            sandboxes=len(self.live),
+            max_sandboxes=self.max_sandboxes,
+            concurrency=self.concurrency,
+            layers=self._cached_layers(),
+            cpu_overcommit=self.cpu_overcommit,
+            mem_overcommit=self.mem_overcommit,
+        )
+
+    _resident_mb = 0
+    _cpu_busy = 0.0
+
+    def _cached_layers(self) -> list[str]:
+        cached = getattr(self.backend, "cached_layers", None)
+        return list(cached()) if cached else []
+
+    async def _heartbeat(self) -> None:
+        if self._kv_hosts is None:
+            return
+        try:
+            u = await self.backend.usage()
+            self._resident_mb, self._cpu_busy = u.mem_resident_mb, u.cpu_busy
+        except Exception as exc:  # noqa: BLE001 - a usage probe failure must not stop heartbeats
+            log.warning("usage_failed", error=str(exc))
+        await self._kv_hosts.put(self.host_id, codec.encode(self._status()))
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                await asyncio.wait_for(self._stopped.wait(), self.heartbeat_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self._heartbeat()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("heartbeat_failed", error=str(exc))
+
+    async def _reaper_loop(self) -> None:
+        """Kill sandboxes past their timeout."""
+        while not self._stopped.is_set():
+            try:
+                await asyncio.wait_for(self._stopped.wait(), 0.5)
+                return
+            except asyncio.TimeoutError:
+                pass
+            now = time.time()
+            for sid, ls in list(self.live.items()):
+                if ls.expires_at and now >= ls.expires_at and sid not in self._creating:
+                    log.info("sandbox_timeout", sandbox_id=sid)
+                    try:
+                        await self._destroy(sid, "timeout", publish=True)
+                    except Exception as exc:  # noqa: BLE001
+                        log.warning("reap_failed", sandbox_id=sid, error=str(exc))
+
+    # --- events and records -------------------------------------------------------------
+    async def _event(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None, detail: dict[str, str] | None = None) -> None:
+        assert self.js is not None
+        ev = SandboxEvent(
+            sandbox_id=spec.sandbox_id, kind=kind, at=time.time(), host_id=self.host_id, attempt=attempt,
+            code=err.code if err else "", description=err.description if err else "", detail=detail or {},
+        )
+        hdr = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if kind in ("ready", "failed", "killed", "rejected") else None
+        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), codec.encode(ev), headers=hdr)
+
+    async def _event_host(self, kind: str) -> None:
+        assert self.js is not None
+        await self.js.publish(S.evt_host(self.host_id, kind), codec.encode(HostEvent(host_id=self.host_id, kind=kind, at=time.time())))
+
+    async def _record(self, ls: LocalSandbox, state: str, *, end_reason: str = "") -> None:
+        if self._kv_sbx is None:
+            return
+        rec = SandboxRecord(
+            spec=ls.spec, state=state, host_id=self.host_id, created_at=ls.spec.requested_at,
+            ready_at=ls.started_at, expires_at=ls.expires_at,
+            ended_at=time.time() if state in ("killed", "failed") else 0.0, end_reason=end_reason,
+        )
+        await self._kv_sbx.put(ls.spec.sandbox_id, codec.encode(rec))
+
+    async def _claim(self, spec: SandboxSpec) -> bool:
+        """Claim the sandbox id cluster-wide; False when another host already owns it."""
+        assert self._kv_sbx is not None
+        rec = SandboxRecord(spec=spec, state="placed", host_id=self.host_id, created_at=spec.requested_at)
+        try:
+            await self._kv_sbx.create(spec.sandbox_id, codec.encode(rec))
+            return True
+        except KeyWrongLastSequenceError:
+            pass
+        try:
+            entry = await self._kv_sbx.get(spec.sandbox_id)
+        except KeyNotFoundError:
+            return True
+        try:
+            cur = codec.SANDBOX_RECORD.decode(entry.value)
+        except BadRequest:
+            return True
+        return cur.host_id == self.host_id and cur.state in ("placed", "running")
+
+    # --- create ---------------------------------------------------------------------------------
+    async def handle(self, msg: Msg) -> None:
+        try:
+            work = codec.HOST.decode(msg.data)
+        except BadRequest as exc:
+            assert self.js is not None
+            log.warning("dead_letter", subject=msg.subject, error=str(exc))
+            await self.js.publish(S.dlq(msg.subject), msg.data, headers={S.HDR_ERROR_CODE: exc.code, "Dsec-Origin": msg.subject})
+            await msg.ack()
+            return
+        match work:
+            case PlaceSandbox():
+                await self._create_one(work.spec, work.attempt, work.exclude_hosts, msg)
+                await msg.ack()
+            case PlaceBatch():
+                await asyncio.gather(*(self._create_one(s, work.attempt, [], msg) for s in work.specs))
+                await msg.ack()
+
+    def _admits(self, spec: SandboxSpec) -> str:
+        """Empty when the sandbox fits on this host now, else why not."""
+        cap = self.backend.capacity()
+        cpu = sum(ls.spec.cpu for ls in self.live.values())
+        mem = sum(ls.spec.memory_mb for ls in self.live.values())
+        disk = sum(ls.spec.disk_mb for ls in self.live.values())
+        if self.max_sandboxes and len(self.live) >= self.max_sandboxes:
+            return f"host holds its maximum of {self.max_sandboxes} sandboxes"
+        if cpu + spec.cpu > cap["cpu_total"] * self.cpu_overcommit:
+            return f"cpu: {cpu + spec.cpu:.2f} > {cap['cpu_total']} x {self.cpu_overcommit}"
+        if mem + spec.memory_mb > cap["mem_total_mb"] * self.mem_overcommit:
+            return f"memory: {mem + spec.memory_mb} MB > {cap['mem_total_mb']} MB x {self.mem_overcommit}"
+        if disk + spec.disk_mb > cap["disk_total_mb"]:
+            return f"disk: {disk + spec.disk_mb} MB > {cap['disk_total_mb']} MB"
+        return ""
+
+    async def _layers(self, template: str) -> list[LayerRef]:
+        assert self._kv_images is not None
+        try:
+            entry = await self._kv_images.get(template)
+        except KeyNotFoundError:
+            raise UnknownTemplate(f"unknown template {template!r}", template=template) from None
+        return codec.TEMPLATE.decode(entry.value).layers
+
+    async def _create_one(self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None) -> None:
+        sid = spec.sandbox_id
+        structlog.contextvars.bind_contextvars(sandbox_id=sid)
+        try:
+            if sid in self.live:
+                await self._event(spec, "ready", attempt=attempt)  # redelivery: say it again
+                return
+            if sid in self._creating:
+                await self._creating[sid]
+                return
+            why = self._admits(spec)
+            if why:
+                await self._reject(spec, attempt, excluded, why)
+                return
+            if not await self._claim(spec):
+                log.info("duplicate_create_dropped")
+                return
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._creating[sid] = fut
+            try:
+                await self._do_create(spec, attempt, msg)
+            finally:
+                self._creating.pop(sid, None)
+                fut.set_result(None)
+        finally:
+            structlog.contextvars.unbind_contextvars("sandbox_id")
+
+    async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
+        assert self.js is not None
+        err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)
+        again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, self.host_id], last_error=err.description)
+        await self.js.publish(S.REQ_CREATE, codec.encode(again), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{attempt + 1}"})
+        await self._event(spec, "rejected", attempt=attempt, err=err)
+        log.info("rejected", reason=why)
+
+    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None) -> None:
+        t0 = time.perf_counter()
+        keepalive = asyncio.create_task(self._keep_in_progress(msg)) if msg is not None else None
+        try:
+            layers = self._layers_cache.get(spec.template)
+            if layers is None:
+                layers = await self._layers(spec.template)
+            handle = await self.backend.create(spec, layers)
+        except DsecError as exc:
+            await self.backend.destroy(spec.sandbox_id)
+            await self._fail(spec, attempt, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - report, clean up, keep serving
+            log.exception("create_failed")
+            await self.backend.destroy(spec.sandbox_id)
+            await self._fail(spec, attempt, CreateFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            if keepalive is not None:
+                keepalive.cancel()
+        now = time.time()
+        ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
+        self.live[spec.sandbox_id] = ls
+        self.handles[spec.sandbox_id] = handle
+        self._save(ls)
+        await self._serve_ops(spec.sandbox_id)
+        await self._record(ls, "running")
+        await self._event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
+        self.created += 1
+        log.info("sandbox_ready", ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
+
+    async def _keep_in_progress(self, msg: Msg) -> None:
+        while True:
+            await asyncio.sleep(15)  # well inside ack_wait: keeps a slow create from being redelivered
+            try:
+                await msg.in_progress()
+            except Exception:  # noqa: BLE001
+                return
+
+    async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
+        log.warning("create_failed", code=err.code, reason=err.description)
+        await self._event(spec, "failed", attempt=attempt, err=err)
+        if self._kv_sbx is not None:
+            rec = SandboxRecord(spec=spec, state="failed", host_id=self.host_id, ended_at=time.time(), end_reason=err.code)
+            await self._kv_sbx.put(spec.sandbox_id, codec.encode(rec))
+
+    # --- destroy ----------------------------------------------------------------------------
+    async def _destroy(self, sid: str, reason: str, *, publish: bool) -> None:
+        ls = self.live.pop(sid, None)
+        self.handles.pop(sid, None)
+        sub = self._subs.pop(sid, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001
+                pass
+        await self.backend.destroy(sid)
+        self._forget(sid)
+        if ls is not None and publish:
+            await self._record(ls, "killed", end_reason=reason)
+            if reason == "timeout":
+                await self._event(ls.spec, "timeout")
+            await self._event(ls.spec, "killed", detail={"reason": reason})
+
+    # --- per-sandbox ops (core request/reply) ---------------------------------------------
+    async def _serve_ops(self, sid: str) -> None:
+        assert self.nc is not None
+        if sid in self._subs:
+            return
+        self._subs[sid] = await self.nc.subscribe(S.sbx_all(sid), cb=self._on_op)
+
+    async def _on_op(self, msg: Msg) -> None:
+        # Ops of one sandbox run concurrently: a long exec must not hold up a file read.
+        t = asyncio.create_task(self._op(msg))
+        self._ops.add(t)
+        t.add_done_callback(self._ops.discard)
+
+    async def _op(self, msg: Msg) -> None:
+        parts = msg.subject.split(".")
+        sid, op = parts[2], parts[3]
+        structlog.contextvars.bind_contextvars(sandbox_id=sid, subject=msg.subject)
+        t0 = time.perf_counter()
+        code = "ok"
+        try:
+            dec = codec.SBX_REQUEST_DECODERS.get(op)
+            if dec is None:
+                raise BadRequest(f"unknown operation {op!r}; one of {', '.join(S.SBX_OPS)}")
+            req = dec.decode(msg.data)
+            result = await self._dispatch(sid, req)
+        except DsecError as exc:
+            code = exc.code
+            result = exc.to_reply()
+        except Exception as exc:  # noqa: BLE001 - every request gets an answer
+            log.exception("op_failed")
+            result = error_of(exc)
+            code = result.code
+        finally:
+            structlog.contextvars.unbind_contextvars("sandbox_id", "subject")
+        if msg.reply:
+            try:
+                await msg.respond(codec.encode(result))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("reply_failed", sandbox_id=sid, error=str(exc))
+        log.debug("op", sandbox_id=sid, op=op, code=code, ms=round((time.perf_counter() - t0) * 1000, 2))
+
+    async def _dispatch(self, sid: str, req: Any) -> Any:
+        handle = self.handles.get(sid)
+        ls = self.live.get(sid)
+        if handle is None or ls is None:
+            raise SandboxNotFound(f"sandbox {sid} is not running on this host")
+        match req:
+            case ExecRequest():
+                return await self._exec(handle, ls, req)
+            case KillRequest(reason=reason):
+                await self._destroy(sid, reason or "user", publish=True)
+                return Done(detail="killed")
+            case SetTimeout(timeout_s=t):
+                if t <= 0:
+                    raise BadRequest("timeout must be > 0 seconds")
+                ls.expires_at = time.time() + t
+                self._save(ls)
+                await self._record(ls, "running")
+                return Done()
+            case InfoRequest():
+                return SandboxInfo(
+                    sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,
+                    started_at=ls.started_at, expires_at=ls.expires_at, metadata=ls.spec.metadata, pid=handle.pid,
+                )
+            case _:
+                return await self.backend.files(handle, req)
+
+    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult:
+        assert self.nc is not None
+        seq = 0
+        on_output = None
+        if req.stream_to:
+            nc = self.nc
+
+            async def on_output(stream: int, data: bytes) -> None:
+                nonlocal seq
+                await nc.publish(req.stream_to, codec.encode(ExecChunk(seq=seq, stream=stream, data=data)))
+                seq += 1
+
+        if ls.spec.envs:
+            req.envs = {**ls.spec.envs, **req.envs}
+        t0 = time.perf_counter()
+        res = await self.backend.exec(handle, req, on_output)
+        res.chunks = seq
+        res.duration_ms = (time.perf_counter() - t0) * 1000
+        # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
+        ev = SandboxEvent(
+            sandbox_id=handle.sandbox_id, kind="exec", at=time.time(), host_id=self.host_id,
+            detail={"cmd": req.cmd[:1024], "exit_code": str(res.exit_code), "timed_out": str(res.timed_out).lower()},
+        )
+        await self.nc.publish(S.evt_sandbox(handle.sandbox_id, "exec"), codec.encode(ev))
+        return res
+
+
+__all__ = ["HostAgent", "LocalSandbox"]

@@ -1,0 +1,1288 @@
+/*
+ * dsec-agent: PID 1 inside every dsec sandbox. It runs commands and touches files on behalf of the
+ * host, so every path it is given resolves in the sandbox's own root and mount namespace.
+ *
+ *   dsec-agent --socket PATH [--heartbeat-ms N]
+ *
+ * Single-threaded epoll loop; signals arrive through a signalfd (SIGCHLD reaps every zombie, which
+ * matters as PID 1; SIGTERM/SIGINT kill running exec process groups and exit 0).
+ *
+ * ---------------------------------------------------------------------------------------------
+ * Wire protocol (unix stream socket, exactly one request per connection)
+ *
+ *   frame := u32 len | u8 type | payload      len counts type + payload; big-endian; 1..8 MiB
+ *   u8/u32/u64/i32/i64 are big-endian; str := u32 n | n bytes (must not contain NUL)
+ *
+ * The client sends one request frame; the agent answers with one or more frames, then closes.
+ *
+ *   'P' ping                                            -> 'K' u32 protocol_version
+ *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd)
+ *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
+ *              -> any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
+ *                                'H'        (heartbeat after 5 s, or --heartbeat-ms, without a frame)
+ *                 then           'E' i32 exit_code (128+signal if killed) | u8 timed_out
+ *              The client closing the connection before 'E' kills the command's process group.
+ *              'E' follows the shell's exit, not EOF on its pipes: output already buffered is
+ *              sent, but background children that keep the pipes open don't delay the reply.
+ *   'W' write  u64 offset | u8 flags (1 = truncate) | u32 mode | str path | data (rest of frame)
+ *              -> 'Z' u64 file size afterwards.  Creates missing parent dirs (0755); mode is
+ *                 applied (umask-free) only when the file is created.
+ *   'G' read   u64 offset | u64 length | str path      -> 'D' u64 file size | data (<= 4 MiB)
+ *   'L' list   str path                                -> 'T' u32 n | n * entry     (lstat)
+ *   'M' remove str path                                -> 'K'          (recursive for dirs)
+ *   'Q' exists str path                                -> 'B' u8       (lstat: a dangling link exists)
+ *   'S' stat   u8 follow_symlinks | str path           -> 'N' entry    (entry name is "")
+ *
+ *   entry := str name | u8 kind (0 other, 1 file, 2 dir, 3 symlink) | u64 size
+ *            | u32 mode (permission bits, 07777) | i64 mtime_ns
+ *
+ * Any request may instead be answered by  'R' u32 errno | str message,  after which the agent
+ * closes.  A malformed frame gets 'R' EPROTO (EMSGSIZE if too long); the agent never exits on
+ * bad input.  Read/write only accept regular files, so a FIFO or tty can't wedge the loop
+ * (a FIFO without a reader fails the write's open with ENXIO).
+ * ---------------------------------------------------------------------------------------------
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/timerfd.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTO_VERSION 1
+#define MAX_REQ (8u << 20)
+#define READ_CAP (4u << 20)
+#define LIST_MAX (64u << 20)
+#define PIPE_CHUNK 65536
+/* Above this much unsent output we stop reading the child's pipes, so a slow client throttles
+ * the command instead of growing our memory. */
+#define OUT_HIGH (1u << 20)
+/* After the exec'd shell exits, its pipes may still be held open by background children:
+ * take what is already buffered, bounded so a chatty grandchild can't keep us here. */
+#define EXIT_DRAIN_MAX (8u << 20)
+
+enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_ERR, W_TIMER };
+enum { ST_HDR, ST_BODY, ST_EXEC, ST_CLOSING };
+
+struct conn;
+struct watch {
+    int kind;
+    struct conn *c;
+};
+
+struct conn {
+    int fd, state, dead;
+    uint32_t events;
+    uint8_t hdr[4];
+    uint32_t hdr_got;
+    uint8_t *req;
+    uint32_t req_len, req_got;
+    uint8_t *out;
+    size_t out_len, out_off, out_cap;
+    int oom;
+    struct watch w, w_out, w_err, w_tim;
+    /* exec state; pid > 0 only while the child is running and unreaped */
+    pid_t pid;
+    int pout, perr, tfd, paused, timed_out;
+    int64_t deadline, last_send;
+    struct conn *next_exec, *prev_exec, *next_dead;
+};
+
+static int ep = -1, lfd = -1, sfd = -1, devnull = -1, reserve_fd = -1;
+static struct watch w_listen = {W_LISTEN, NULL}, w_signal = {W_SIGNAL, NULL};
+static struct conn *execs, *graveyard;
+/* The host treats a long silence during an exec as a dead agent; tests shorten this. */
+static int64_t heartbeat_ns = 5LL * 1000000000LL;
+static struct rlimit child_nofile;
+static int restore_nofile;
+static int sock_dirfd = AT_FDCWD;
+static const char *sock_base;
+static dev_t sock_dev;
+static ino_t sock_ino;
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void be32(uint8_t *p, uint32_t v)
+{
+    p[0] = v >> 24; p[1] = v >> 16; p[2] = v >> 8; p[3] = v;
+}
+
+static void be64(uint8_t *p, uint64_t v)
+{
+    be32(p, v >> 32);
+    be32(p + 4, (uint32_t)v);
+}
+
+/* ------------------------------------------------------------------ output buffer / frames */
+
+static int out_reserve(struct conn *c, size_t n)
+{
+    if (c->oom)
+        return -1;
+    /* Never moves existing bytes (only conn_flush compacts), so frame offsets stay valid
+     * while a frame is being built. */
+    if (c->out_len + n <= c->out_cap)
+        return 0;
+    size_t cap = c->out_cap ? c->out_cap : 4096;
+    while (cap < c->out_len + n)
+        cap *= 2;
+    uint8_t *p = realloc(c->out, cap);
+    if (!p) {
+        c->oom = 1;
+        return -1;
+    }
+    c->out = p;
+    c->out_cap = cap;
+    return 0;
+}
+
+static void put(struct conn *c, const void *p, size_t n)
+{
+    if (out_reserve(c, n) == 0) {
+        if (n)
+            memcpy(c->out + c->out_len, p, n);
+        c->out_len += n;
+    }
+}
+
+static void put_u8(struct conn *c, uint8_t v) { put(c, &v, 1); }
+static void put_u32(struct conn *c, uint32_t v) { uint8_t b[4]; be32(b, v); put(c, b, 4); }
+static void put_u64(struct conn *c, uint64_t v) { uint8_t b[8]; be64(b, v); put(c, b, 8); }
+static void put_str(struct conn *c, const void *p, size_t n) { put_u32(c, (uint32_t)n); put(c, p, n); }
+
+/* Frames are built in place; the returned offset is patched by frame_end. Offsets, not
+ * pointers, because put() may move the buffer. */
+static size_t frame_begin(struct conn *c, char type)
+{
+    if (out_reserve(c, 5) < 0)
+        return 0;
+    size_t start = c->out_len;
+    c->out_len += 4;
+    put_u8(c, (uint8_t)type);
+    return start;
+}
+
+static void frame_end(struct conn *c, size_t start)
+{
+    if (!c->oom)
+        be32(c->out + start, (uint32_t)(c->out_len - start - 4));
+}
+
+static void reply_err(struct conn *c, int err, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if ((size_t)n >= sizeof msg)
+        n = sizeof msg - 1;
+    size_t f = frame_begin(c, 'R');
+    put_u32(c, (uint32_t)err);
+    put_str(c, msg, (size_t)n);
+    frame_end(c, f);
+}
+
+static void put_entry(struct conn *c, const char *name, size_t name_len, const struct stat *st)
+{
+    uint8_t kind = S_ISREG(st->st_mode) ? 1 : S_ISDIR(st->st_mode) ? 2 : S_ISLNK(st->st_mode) ? 3 : 0;
+    put_str(c, name, name_len);
+    put_u8(c, kind);
+    put_u64(c, (uint64_t)st->st_size);
+    put_u32(c, st->st_mode & 07777);
+    put_u64(c, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
+}
+
+/* ------------------------------------------------------------------ request reader */
+
+struct rd {
+    const uint8_t *p;
+    size_t n;
+    int bad, nul;
+};
+
+static int rd_need(struct rd *r, size_t n)
+{
+    if (r->bad || r->n < n) {
+        r->bad = 1;
+        return 0;
+    }
+    return 1;
+}
+
+static uint8_t rd_u8(struct rd *r)
+{
+    if (!rd_need(r, 1))
+        return 0;
+    uint8_t v = r->p[0];
+    r->p++, r->n--;
+    return v;
+}
+
+static uint32_t rd_u32(struct rd *r)
+{
+    if (!rd_need(r, 4))
+        return 0;
+    uint32_t v = (uint32_t)r->p[0] << 24 | (uint32_t)r->p[1] << 16 | (uint32_t)r->p[2] << 8 | r->p[3];
+    r->p += 4, r->n -= 4;
+    return v;
+}
+
+static uint64_t rd_u64(struct rd *r)
+{
+    uint64_t hi = rd_u32(r);
+    return hi << 32 | rd_u32(r);
+}
+
+/* Returns a malloc'd NUL-terminated copy (never NULL unless out of memory or malformed). */
+static char *rd_cstr(struct rd *r)
+{
+    uint32_t n = rd_u32(r);
+    if (!rd_need(r, n))
+        return NULL;
+    if (memchr(r->p, 0, n))
+        r->nul = 1;
+    char *s = malloc((size_t)n + 1);
+    if (!s) {
+        r->bad = 1;
+        return NULL;
+    }
+    memcpy(s, r->p, n);
+    s[n] = 0;
+    r->p += n, r->n -= n;
+    return s;
+}
+
+/* Common validation after a request's fields are read; 0 if an error reply was queued. */
+static int rd_done(struct conn *c, struct rd *r, int allow_rest)
+{
+    if (r->bad || (!allow_rest && r->n)) {
+        reply_err(c, EPROTO, "malformed request");
+        return 0;
+    }
+    if (r->nul) {
+        reply_err(c, EINVAL, "string argument contains a NUL byte");
+        return 0;
+    }
+    return 1;
+}
+
+/* ------------------------------------------------------------------ connections */
+
+static void ep_ctl(int op, int fd, struct watch *w, uint32_t ev)
+{
+    struct epoll_event e = {.events = ev, .data.ptr = w};
+    epoll_ctl(ep, op, fd, &e);
+}
+
+static void conn_set_events(struct conn *c, uint32_t ev)
+{
+    if (c->fd >= 0 && ev != c->events) {
+        ep_ctl(EPOLL_CTL_MOD, c->fd, &c->w, ev);
+        c->events = ev;
+    }
+}
+
+static void close_watched(int *fd)
+{
+    if (*fd >= 0) {
+        epoll_ctl(ep, EPOLL_CTL_DEL, *fd, NULL);
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+static void exec_unlink(struct conn *c)
+{
+    if (c->prev_exec)
+        c->prev_exec->next_exec = c->next_exec;
+    else if (execs == c)
+        execs = c->next_exec;
+    if (c->next_exec)
+        c->next_exec->prev_exec = c->prev_exec;
+    c->next_exec = c->prev_exec = NULL;
+}
+
+static void exec_release(struct conn *c)
+{
+    close_watched(&c->pout);
+    close_watched(&c->perr);
+    close_watched(&c->tfd);
+    exec_unlink(c);
+}
+
+static void conn_close(struct conn *c)
+{
+    if (c->dead)
+        return;
+    /* Still running means the client gave up on it; the child stays unreaped until the generic
+     * SIGCHLD loop collects it, so its pid (and process group id) can't have been reused. */
+    if (c->pid > 0)
+        kill(-c->pid, SIGKILL);
+    c->pid = 0;
+    exec_release(c);
+    close_watched(&c->fd);
+    c->dead = 1;
+    c->next_dead = graveyard;
+    graveyard = c;
+}
+
+static void exec_set_paused(struct conn *c, int paused)
+{
+    if (c->paused == paused)
+        return;
+    c->paused = paused;
+    /* DEL rather than a zero event mask: EPOLLHUP is reported regardless of the mask and a
+     * paused pipe whose writer is gone would spin the loop. */
+    if (c->pout >= 0)
+        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, c->pout, &c->w_out, EPOLLIN);
+    if (c->perr >= 0)
+        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, c->perr, &c->w_err, EPOLLIN);
+}
+
+static void conn_flush(struct conn *c)
+{
+    if (c->oom) {
+        conn_close(c);
+        return;
+    }
+    while (c->out_off < c->out_len) {
+        ssize_t n = send(c->fd, c->out + c->out_off, c->out_len - c->out_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+            c->out_off += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        conn_close(c);
+        return;
+    }
+    size_t pending = c->out_len - c->out_off;
+    if (!pending) {
+        c->out_off = c->out_len = 0;
+        if (c->state == ST_CLOSING) {
+            conn_close(c);
+            return;
+        }
+    } else if (c->out_off >= c->out_cap / 2) {
+        memmove(c->out, c->out + c->out_off, pending);
+        c->out_len = pending;
+        c->out_off = 0;
+    }
+    uint32_t ev = 0;
+    if (c->state == ST_EXEC)
+        ev = EPOLLIN | EPOLLRDHUP;
+    else if (c->state != ST_CLOSING)
+        ev = EPOLLIN;
+    if (pending)
+        ev |= EPOLLOUT;
+    conn_set_events(c, ev);
+    if (c->state == ST_EXEC) {
+        if (pending > OUT_HIGH)
+            exec_set_paused(c, 1);
+        else if (pending <= OUT_HIGH / 2)
+            exec_set_paused(c, 0);
+    }
+}
+
+static void finish(struct conn *c)
+{
+    c->state = ST_CLOSING;
+    free(c->req);
+    c->req = NULL;
+    conn_flush(c);
+}
+
+/* ------------------------------------------------------------------ exec */
+
+/* One read from a child pipe straight into the output buffer as an 'O' frame.
+ * Returns 1 on data, 0 when the pipe is finished (EOF/error, now closed), -1 if nothing to read. */
+static int pipe_read(struct conn *c, int stream)
+{
+    int *fdp = stream == 1 ? &c->pout : &c->perr;
+    if (*fdp < 0)
+        return 0;
+    if (out_reserve(c, 6 + PIPE_CHUNK) < 0)
+        return 0;
+    for (;;) {
+        uint8_t *h = c->out + c->out_len;
+        ssize_t n = read(*fdp, h + 6, PIPE_CHUNK);
+        if (n > 0) {
+            be32(h, (uint32_t)n + 2);
+            h[4] = 'O';
+            h[5] = (uint8_t)stream;
+            c->out_len += 6 + (size_t)n;
+            c->last_send = now_ns();
+            return 1;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return -1;
+        close_watched(fdp);
+        return 0;
+    }
+}
+
+static void on_pipe(struct conn *c, int stream)
+{
+    if (c->paused)
+        return;
+    pipe_read(c, stream);
+    conn_flush(c);
+}
+
+static void exec_exited(struct conn *c, int status)
+{
+    c->pid = 0;
+    for (int stream = 1; stream <= 2; stream++) {
+        size_t got = 0;
+        while (got < EXIT_DRAIN_MAX && pipe_read(c, stream) == 1)
+            got += PIPE_CHUNK;
+    }
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
+    exec_release(c);
+    size_t f = frame_begin(c, 'E');
+    put_u32(c, (uint32_t)code);
+    put_u8(c, (uint8_t)c->timed_out);
+    frame_end(c, f);
+    c->paused = 0;
+    finish(c);
+}
+
+static void timer_arm(struct conn *c)
+{
+    int64_t next = c->last_send + heartbeat_ns;
+    if (c->deadline && !c->timed_out && c->deadline < next)
+        next = c->deadline;
+    struct itimerspec its = {0};
+    its.it_value.tv_sec = next / 1000000000LL;
+    its.it_value.tv_nsec = next % 1000000000LL;
+    timerfd_settime(c->tfd, TFD_TIMER_ABSTIME, &its, NULL);
+}
+
+static void on_timer(struct conn *c)
+{
+    uint64_t ticks;
+    if (read(c->tfd, &ticks, sizeof ticks) < 0 && errno == EAGAIN)
+        return;
+    int64_t now = now_ns();
+    if (c->deadline && !c->timed_out && now >= c->deadline && c->pid > 0) {
+        c->timed_out = 1;
+        kill(-c->pid, SIGKILL);
+    }
+    if (now - c->last_send >= heartbeat_ns) {
+        size_t f = frame_begin(c, 'H');
+        frame_end(c, f);
+        c->last_send = now;
+        conn_flush(c);
+        if (c->dead)
+            return;
+    }
+    timer_arm(c);
+}
+
+static char *default_env[] = {
+    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME=/root",
+    NULL,
+};
+
+/* vfork: no page-table copy, so spawning costs the same however big we get. Not posix_spawn:
+ * glibc's leaves its internal signals (32, 33) ignored in the child, and ignored dispositions
+ * survive execve. */
+static pid_t spawn_shell(char *cmd, const char *cwd, char **envp, int out_fd, int err_fd, int *err)
+{
+    /* The child runs on our memory until execve; its errno comes back through here. */
+    volatile int child_err = 0;
+    char *argv[] = {"/bin/sh", "-c", cmd, NULL};
+    sigset_t none;
+    sigemptyset(&none);
+    pid_t pid = vfork();
+    if (pid == 0) {
+        /* Only plain syscalls from here on. out_fd/err_fd are >= 3 (fds 0-2 are always open in
+         * the agent), so dup2 really duplicates and clears close-on-exec. */
+        if (setsid() < 0 || dup2(devnull, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0 ||
+            (*cwd && chdir(cwd) < 0)) {
+            child_err = errno;
+            _exit(127);
+        }
+        if (restore_nofile)
+            setrlimit(RLIMIT_NOFILE, &child_nofile);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        execve("/bin/sh", argv, envp);
+        child_err = errno ? errno : ENOEXEC;
+        _exit(127);
+    }
+    if (pid < 0) {
+        *err = errno;
+        return -1;
+    }
+    if (child_err) {
+        waitpid(pid, NULL, 0);
+        *err = child_err;
+        return -1;
+    }
+    return pid;
+}
+
+static void op_exec(struct conn *c, struct rd *r)
+{
+    char *cmd = NULL, *cwd = NULL, **envp = NULL;
+    uint32_t nenv = 0, i;
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, tfd = -1;
+
+    uint32_t timeout_ms = rd_u32(r);
+    cmd = rd_cstr(r);
+    cwd = rd_cstr(r);
+    nenv = rd_u32(r);
+    if (nenv > r->n / 4)
+        r->bad = 1;
+    if (!r->bad) {
+        envp = calloc((size_t)nenv + 1, sizeof *envp);
+        if (!envp)
+            r->bad = 1;
+        for (i = 0; i < nenv && !r->bad; i++)
+            envp[i] = rd_cstr(r);
+    }
+    if (!rd_done(c, r, 0))
+        goto out;
+
+    if (*cwd) {
+        struct stat st;
+        if (stat(cwd, &st) < 0) {
+            reply_err(c, errno, "cwd %s: %s", cwd, strerror(errno));
+            goto out;
+        }
+        if (!S_ISDIR(st.st_mode)) {
+            reply_err(c, ENOTDIR, "cwd %s: %s", cwd, strerror(ENOTDIR));
+            goto out;
+        }
+    }
+    tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+    if (tfd < 0 || pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) {
+        reply_err(c, errno, "exec setup: %s", strerror(errno));
+        goto out;
+    }
+    /* Only our read ends are non-blocking: the child must see ordinary blocking stdout/stderr. */
+    fcntl(po[0], F_SETFL, O_NONBLOCK);
+    fcntl(pe[0], F_SETFL, O_NONBLOCK);
+
+    int err = 0;
+    pid_t pid = spawn_shell(cmd, cwd, nenv ? envp : default_env, po[1], pe[1], &err);
+    close(po[1]);
+    close(pe[1]);
+    po[1] = pe[1] = -1;
+    if (pid < 0) {
+        reply_err(c, err, "spawn /bin/sh: %s", strerror(err));
+        goto out;
+    }
+
+    c->pid = pid;
+    c->pout = po[0];
+    c->perr = pe[0];
+    c->tfd = tfd;
+    po[0] = pe[0] = tfd = -1;
+    c->state = ST_EXEC;
+    c->last_send = now_ns();
+    c->deadline = timeout_ms ? c->last_send + (int64_t)timeout_ms * 1000000LL : 0;
+    ep_ctl(EPOLL_CTL_ADD, c->pout, &c->w_out, EPOLLIN);
+    ep_ctl(EPOLL_CTL_ADD, c->perr, &c->w_err, EPOLLIN);
+    ep_ctl(EPOLL_CTL_ADD, c->tfd, &c->w_tim, EPOLLIN);
+    timer_arm(c);
+    c->next_exec = execs;
+    if (execs)
+        execs->prev_exec = c;
+    execs = c;
+    free(c->req);
+    c->req = NULL;
+    conn_set_events(c, EPOLLIN | EPOLLRDHUP);
+
+out:
+    for (i = 0; envp && i < nenv; i++)
+        free(envp[i]);
+    free(envp);
+    free(cmd);
+    free(cwd);
+    for (i = 0; i < 2; i++) {
+        if (po[i] >= 0) close(po[i]);
+        if (pe[i] >= 0) close(pe[i]);
+    }
+    if (tfd >= 0) close(tfd);
+    if (c->state != ST_EXEC)
+        finish(c);
+}
+
+/* ------------------------------------------------------------------ file operations */
+
+static int mkdir_parents(const char *path)
+{
+    char *buf = strdup(path);
+    if (!buf)
+        return -1;
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = 0;
+        if (mkdir(buf, 0755) < 0 && errno != EEXIST) {
+            int e = errno;
+            free(buf);
+            errno = e;
+            return -1;
+        }
+        *p = '/';
+    }
+    free(buf);
+    return 0;
+}
+
+static void op_write(struct conn *c, struct rd *r)
+{
+    uint64_t off = rd_u64(r);
+    uint8_t flags = rd_u8(r);
+    uint32_t mode = rd_u32(r) & 07777;
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 1))
+        goto out;
+    if (!*path || off > (uint64_t)INT64_MAX) {
+        reply_err(c, EINVAL, "invalid path or offset");
+        goto out;
+    }
+    int created = 1;
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, mode);
+    if (fd < 0 && errno == ENOENT && mkdir_parents(path) == 0)
+        fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, mode);
+    if (fd < 0 && errno == EEXIST) {
+        created = 0;
+        /* O_NONBLOCK: opening a FIFO for writing would otherwise block until a reader appears. */
+        fd = open(path, O_WRONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    }
+    if (fd < 0) {
+        reply_err(c, errno, "open %s: %s", path, strerror(errno));
+        goto out;
+    }
+    struct stat st;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        reply_err(c, EINVAL, "%s: not a regular file", path);
+        close(fd);
+        goto out;
+    }
+    if (created)
+        fchmod(fd, mode);
+    else if ((flags & 1) && ftruncate(fd, 0) < 0) {
+        reply_err(c, errno, "truncate %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    const uint8_t *p = r->p;
+    size_t left = r->n;
+    while (left) {
+        ssize_t n = pwrite(fd, p, left, (off_t)off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            reply_err(c, n < 0 ? errno : EIO, "write %s: %s", path, strerror(n < 0 ? errno : EIO));
+            close(fd);
+            goto out;
+        }
+        p += n, left -= (size_t)n, off += (uint64_t)n;
+    }
+    if (fstat(fd, &st) < 0)
+        st.st_size = 0;
+    if (close(fd) < 0) {
+        reply_err(c, errno, "close %s: %s", path, strerror(errno));
+        goto out;
+    }
+    size_t f = frame_begin(c, 'Z');
+    put_u64(c, (uint64_t)st.st_size);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_read(struct conn *c, struct rd *r)
+{
+    uint64_t off = rd_u64(r);
+    uint64_t len = rd_u64(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    if (off > (uint64_t)INT64_MAX) {
+        reply_err(c, EINVAL, "invalid offset");
+        goto out;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    if (fd < 0) {
+        reply_err(c, errno, "open %s: %s", path, strerror(errno));
+        goto out;
+    }
+    struct stat st = {0};
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        int e = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        reply_err(c, e, "%s: %s", path, e == EISDIR ? strerror(EISDIR) : "not a regular file");
+        close(fd);
+        goto out;
+    }
+    size_t want = len > READ_CAP ? READ_CAP : (size_t)len;
+    size_t f = frame_begin(c, 'D');
+    put_u64(c, (uint64_t)st.st_size);
+    if (out_reserve(c, want) < 0) {
+        close(fd);
+        goto out;
+    }
+    size_t got = 0;
+    while (got < want) {
+        ssize_t n = pread(fd, c->out + c->out_len + got, want - got, (off_t)(off + got));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            int e = errno;
+            c->out_len = f;
+            reply_err(c, e, "read %s: %s", path, strerror(e));
+            close(fd);
+            goto out;
+        }
+        if (n == 0)
+            break;
+        got += (size_t)n;
+    }
+    c->out_len += got;
+    frame_end(c, f);
+    close(fd);
+out:
+    free(path);
+}
+
+static void op_list(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
+    if (!d) {
+        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
+        if (dfd >= 0)
+            close(dfd);
+        goto out;
+    }
+    size_t f = frame_begin(c, 'T');
+    size_t count_at = c->out_len;
+    put_u32(c, 0);
+    uint32_t count = 0;
+    struct dirent *de;
+    for (;;) {
+        errno = 0;
+        de = readdir(d);
+        if (!de)
+            break;
+        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* removed while we were listing */
+        put_entry(c, de->d_name, strlen(de->d_name), &st);
+        count++;
+        if (c->out_len - f > LIST_MAX) {
+            errno = EFBIG;
+            break;
+        }
+    }
+    int e = errno;
+    closedir(d);
+    if (e) {
+        c->out_len = f;
+        reply_err(c, e, "readdir %s: %s", path, strerror(e));
+        goto out;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static int rm_errno;
+static char rm_path[PATH_MAX];
+
+static int rm_one(const char *p, const struct stat *st, int type, struct FTW *ftw)
+{
+    (void)st;
+    (void)ftw;
+    int rc = (type == FTW_DP || type == FTW_DNR) ? rmdir(p) : unlink(p);
+    if (rc < 0 && errno != ENOENT) {
+        rm_errno = errno;
+        snprintf(rm_path, sizeof rm_path, "%s", p);
+        return 1;
+    }
+    return 0;
+}
+
+static void op_remove(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        reply_err(c, errno, "remove %s: %s", path, strerror(errno));
+        goto out;
+    }
+    if (S_ISDIR(st.st_mode)) {
+        rm_errno = 0;
+        int rc = nftw(path, rm_one, 32, FTW_DEPTH | FTW_PHYS);
+        if (rc != 0) {
+            int e = rm_errno ? rm_errno : errno;
+            reply_err(c, e, "remove %s: %s", rm_errno ? rm_path : path, strerror(e));
+            goto out;
+        }
+    } else if (unlink(path) < 0) {
+        reply_err(c, errno, "remove %s: %s", path, strerror(errno));
+        goto out;
+    }
+    size_t f = frame_begin(c, 'K');
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_exists(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    int yes = lstat(path, &st) == 0;
+    if (!yes && errno != ENOENT && errno != ENOTDIR) {
+        reply_err(c, errno, "lstat %s: %s", path, strerror(errno));
+        goto out;
+    }
+    size_t f = frame_begin(c, 'B');
+    put_u8(c, (uint8_t)yes);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_stat(struct conn *c, struct rd *r)
+{
+    uint8_t follow = rd_u8(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
+        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
+        goto out;
+    }
+    size_t f = frame_begin(c, 'N');
+    put_entry(c, "", 0, &st);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_ping(struct conn *c, struct rd *r)
+{
+    if (!rd_done(c, r, 0))
+        return;
+    size_t f = frame_begin(c, 'K');
+    put_u32(c, PROTO_VERSION);
+    frame_end(c, f);
+}
+
+static void dispatch(struct conn *c)
+{
+    struct rd r = {c->req + 1, c->req_len - 1, 0, 0};
+    switch (c->req[0]) {
+    case 'X': op_exec(c, &r); return; /* finishes itself: it may keep the connection */
+    case 'P': op_ping(c, &r); break;
+    case 'W': op_write(c, &r); break;
+    case 'G': op_read(c, &r); break;
+    case 'L': op_list(c, &r); break;
+    case 'M': op_remove(c, &r); break;
+    case 'Q': op_exists(c, &r); break;
+    case 'S': op_stat(c, &r); break;
+    default: reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
+    }
+    finish(c);
+}
+
+/* ------------------------------------------------------------------ event handlers */
+
+static void conn_read(struct conn *c)
+{
+    for (;;) {
+        uint8_t *dst;
+        size_t want;
+        if (c->state == ST_HDR) {
+            dst = c->hdr + c->hdr_got;
+            want = 4 - c->hdr_got;
+        } else if (c->state == ST_BODY) {
+            dst = c->req + c->req_got;
+            want = c->req_len - c->req_got;
+        } else {
+            /* Mid-exec the client only ever goes away; any bytes it sends are ignored. */
+            uint8_t scratch[4096];
+            dst = scratch;
+            want = sizeof scratch;
+            ssize_t n = read(c->fd, dst, want);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+                conn_close(c);
+                return;
+            }
+            if (n < 0 && errno == EINTR)
+                continue;
+            return;
+        }
+        ssize_t n = read(c->fd, dst, want);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN)
+            return;
+        if (n <= 0) {
+            conn_close(c);
+            return;
+        }
+        if (c->state == ST_HDR) {
+            c->hdr_got += (uint32_t)n;
+            if (c->hdr_got < 4)
+                continue;
+            uint32_t len = (uint32_t)c->hdr[0] << 24 | (uint32_t)c->hdr[1] << 16 | (uint32_t)c->hdr[2] << 8 | c->hdr[3];
+            if (len == 0 || len > MAX_REQ) {
+                if (len)
+                    reply_err(c, EMSGSIZE, "request frame of %u bytes exceeds %u", len, MAX_REQ);
+                else
+                    reply_err(c, EPROTO, "empty request frame");
+                finish(c);
+                return;
+            }
+            c->req = malloc(len);
+            if (!c->req) {
+                reply_err(c, ENOMEM, "out of memory");
+                finish(c);
+                return;
+            }
+            c->req_len = len;
+            c->req_got = 0;
+            c->state = ST_BODY;
+        } else {
+            c->req_got += (uint32_t)n;
+            if (c->req_got == c->req_len) {
+                dispatch(c);
+                return;
+            }
+        }
+    }
+}
+
+static void on_conn(struct conn *c, uint32_t ev)
+{
+    if (ev & EPOLLOUT) {
+        conn_flush(c);
+        if (c->dead)
+            return;
+    }
+    if (c->state == ST_CLOSING) {
+        if (ev & (EPOLLHUP | EPOLLERR))
+            conn_close(c);
+        return;
+    }
+    if (ev & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
+        conn_read(c);
+}
+
+static void conn_new(int fd)
+{
+    struct conn *c = calloc(1, sizeof *c);
+    if (!c) {
+        close(fd);
+        return;
+    }
+    c->fd = fd;
+    c->pout = c->perr = c->tfd = -1;
+    c->state = ST_HDR;
+    c->w = (struct watch){W_CONN, c};
+    c->w_out = (struct watch){W_OUT, c};
+    c->w_err = (struct watch){W_ERR, c};
+    c->w_tim = (struct watch){W_TIMER, c};
+    c->events = EPOLLIN;
+    ep_ctl(EPOLL_CTL_ADD, fd, &c->w, EPOLLIN);
+}
+
+static void on_listen(void)
+{
+    for (int i = 0; i < 64; i++) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0) {
+            conn_new(fd);
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        if ((errno == EMFILE || errno == ENFILE) && reserve_fd >= 0) {
+            /* Out of fds: a level-triggered listener would spin forever, so spend the reserved
+             * fd to accept and refuse one connection with a proper error. */
+            close(reserve_fd);
+            reserve_fd = -1;
+            fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd >= 0) {
+                static const char msg[] = "agent out of file descriptors";
+                uint8_t buf[64];
+                be32(buf, 1 + 4 + 4 + sizeof msg - 1);
+                buf[4] = 'R';
+                be32(buf + 5, EMFILE);
+                be32(buf + 9, sizeof msg - 1);
+                memcpy(buf + 13, msg, sizeof msg - 1);
+                send(fd, buf, 13 + sizeof msg - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+                close(fd);
+            }
+            reserve_fd = fcntl(devnull, F_DUPFD_CLOEXEC, 0);
+            continue;
+        }
+        return;
+    }
+}
+
+static void shutdown_now(void)
+{
+    for (struct conn *c = execs; c; c = c->next_exec)
+        if (c->pid > 0)
+            kill(-c->pid, SIGKILL);
+    struct stat st;
+    if (fstatat(sock_dirfd, sock_base, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == sock_dev && st.st_ino == sock_ino)
+        unlinkat(sock_dirfd, sock_base, 0);
+    _exit(0);
+}
+
+static void reap(void)
+{
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (struct conn *c = execs; c; c = c->next_exec) {
+            if (c->pid == pid) {
+                exec_exited(c, status);
+                break;
+            }
+        }
+    }
+}
+
+static void on_signal(void)
+{
+    struct signalfd_siginfo si[16];
+    ssize_t n;
+    while ((n = read(sfd, si, sizeof si)) > 0) {
+        for (size_t i = 0; i < (size_t)n / sizeof si[0]; i++)
+            if (si[i].ssi_signo == SIGTERM || si[i].ssi_signo == SIGINT)
+                shutdown_now();
+    }
+    reap();
+}
+
+/* ------------------------------------------------------------------ setup */
+
+static void die(const char *what)
+{
+    fprintf(stderr, "dsec-agent: %s: %s\n", what, strerror(errno));
+    exit(1);
+}
+
+static void setup_socket(const char *path)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    const char *slash = strrchr(path, '/');
+    sock_base = slash ? slash + 1 : path;
+    if (!*sock_base) {
+        errno = EINVAL;
+        die("socket path");
+    }
+    if (strlen(path) < sizeof sa.sun_path) {
+        snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+        if (slash) {
+            /* Keep a handle on the directory for the unlink at shutdown, even if cwd changes. */
+            char *dir = strndup(path, (size_t)(slash - path));
+            sock_dirfd = open(*dir ? dir : "/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+            free(dir);
+            if (sock_dirfd < 0)
+                die("socket directory");
+        }
+    } else {
+        /* sun_path is 108 bytes; longer paths are reached through the directory's fd. */
+        char *dir = strndup(path, slash ? (size_t)(slash - path) : 1);
+        sock_dirfd = open(slash ? (*dir ? dir : "/") : ".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        free(dir);
+        if (sock_dirfd < 0)
+            die("socket directory");
+        if ((size_t)snprintf(sa.sun_path, sizeof sa.sun_path, "/proc/self/fd/%d/%s", sock_dirfd, sock_base) >= sizeof sa.sun_path) {
+            errno = ENAMETOOLONG;
+            die("socket path");
+        }
+    }
+    if (unlinkat(sock_dirfd, sock_base, 0) < 0 && errno != ENOENT)
+        die("remove stale socket");
+    lfd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (lfd < 0)
+        die("socket");
+    mode_t old = umask(0177);
+    int rc = bind(lfd, (struct sockaddr *)&sa, sizeof sa);
+    umask(old);
+    if (rc < 0)
+        die("bind");
+    fchmodat(sock_dirfd, sock_base, 0600, 0);
+    struct stat st;
+    if (fstatat(sock_dirfd, sock_base, &st, AT_SYMLINK_NOFOLLOW) < 0)
+        die("stat socket");
+    sock_dev = st.st_dev;
+    sock_ino = st.st_ino;
+    if (listen(lfd, SOMAXCONN) < 0)
+        die("listen");
+}
+
+int main(int argc, char **argv)
+{
+    const char *path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--socket") && i + 1 < argc)
+            path = argv[++i];
+        else if (!strncmp(argv[i], "--socket=", 9))
+            path = argv[i] + 9;
+        else if (!strcmp(argv[i], "--heartbeat-ms") && i + 1 < argc && atoi(argv[i + 1]) > 0)
+            heartbeat_ns = (int64_t)atoi(argv[++i]) * 1000000LL;
+        else if (!strcmp(argv[i], "--version")) {
+            printf("dsec-agent protocol %d\n", PROTO_VERSION);
+            return 0;
+        } else {
+            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N]\n");
+            return 2;
+        }
+    }
+    if (!path) {
+        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N]\n");
+        return 2;
+    }
+
+    /* A container may start us with 0-2 closed; new fds must never land there, or a pipe
+     * could become the agent's own "stdout" and dup2 onto itself in the child. */
+    for (int fd = 0; fd < 3; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) < 0)
+            break;
+
+    /* Each running exec costs us four fds. Commands get the original limit back (spawn_shell):
+     * some programs size tables by it or close every fd up to it. */
+    if (getrlimit(RLIMIT_NOFILE, &child_nofile) == 0 && child_nofile.rlim_cur < child_nofile.rlim_max) {
+        struct rlimit rl = child_nofile;
+        rl.rlim_cur = rl.rlim_max < 65536 ? rl.rlim_max : 65536;
+        if (rl.rlim_cur > child_nofile.rlim_cur && setrlimit(RLIMIT_NOFILE, &rl) == 0)
+            restore_nofile = 1;
+    }
+
+    /* Not PID 1 (tests, debugging): still adopt orphaned grandchildren so they get reaped and
+     * timeouts behave the same. */
+    if (getpid() != 1)
+        prctl(PR_SET_CHILD_SUBREAPER, 1);
+
+    devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (devnull < 0) {
+        /* No /dev/null in this root: an empty pipe gives the same immediate EOF on stdin. */
+        int p[2];
+        if (pipe2(p, O_CLOEXEC) < 0)
+            die("stdin pipe");
+        close(p[1]);
+        devnull = p[0];
+    }
+    reserve_fd = fcntl(devnull, F_DUPFD_CLOEXEC, 0);
+
+    /* Dispositions set to SIG_IGN survive exec: clear any our parent left (SIGPIPE is the usual
+     * one) so commands start with defaults without a per-spawn reset. We never need SIGPIPE:
+     * socket writes use MSG_NOSIGNAL. */
+    for (int sig = 1; sig < NSIG; sig++)
+        if (sig != SIGKILL && sig != SIGSTOP)
+            signal(sig, SIG_DFL);
+
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGINT);
+    /* Blocked signals are queued even for PID 1 in a pid namespace (unblocked SIG_DFL ones are
+     * dropped there), so the signalfd sees SIGTERM from the runtime. */
+    if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
+        die("sigprocmask");
+    sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
+    if (sfd < 0)
+        die("signalfd");
+
+    setup_socket(path);
+
+    ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0)
+        die("epoll_create1");
+    ep_ctl(EPOLL_CTL_ADD, lfd, &w_listen, EPOLLIN);
+    ep_ctl(EPOLL_CTL_ADD, sfd, &w_signal, EPOLLIN);
+    reap(); /* children inherited across exec (if any) */
+
+    struct epoll_event evs[128];
+    for (;;) {
+        int n = epoll_wait(ep, evs, 128, -1);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            die("epoll_wait");
+        }
+        for (int i = 0; i < n; i++) {
+            struct watch *w = evs[i].data.ptr;
+            if (w->kind == W_LISTEN) {
+                on_listen();
+                continue;
+            }
+            if (w->kind == W_SIGNAL) {
+                on_signal();
+                continue;
+            }
+            struct conn *c = w->c;
+            if (c->dead)
+                continue;
+            switch (w->kind) {
+            case W_CONN: on_conn(c, evs[i].events); break;
+            case W_OUT: on_pipe(c, 1); break;
+            case W_ERR: on_pipe(c, 2); break;
+            case W_TIMER: if (c->tfd >= 0) on_timer(c); break;
+            }
+        }
+        while (graveyard) {
+            struct conn *c = graveyard;
+            graveyard = c->next_dead;
+            free(c->req);
+            free(c->out);
+            free(c);
+        }
+    }
+}

@@ -1,0 +1,244 @@
+"""The host table: heartbeats from KV plus this replica's own in-flight reservations.
+
+Every decision costs O(k): ``choose`` probes a bounded random sample of hosts and every figure it
+needs (reserved cpu, memory, disk, count) is kept as a running sum, never recomputed.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from bus.messages import HostStatus, SandboxSpec
+
+STALE_AFTER_S = 10.0
+RESERVATION_TTL_S = 10.0
+HEARTBEAT_SLACK_S = 1.0  # a reservation older than (heartbeat.at - this) is counted by the heartbeat
+
+
+@dataclass(slots=True)
+class Reservation:
+    sandbox_id: str
+    cpu: float
+    mem_mb: int
+    disk_mb: int
+    at: float
+    ls: bool = False  # latency-sensitive
+
+
+@dataclass(slots=True)
+class HostEntry:
+    status: HostStatus
+    seen_at: float
+    reservations: dict[str, Reservation] = field(default_factory=dict)
+    # running sums of ``reservations``
+    r_cpu: float = 0.0
+    r_mem: int = 0
+    r_disk: int = 0
+    r_ls_cpu: float = 0.0
+
+    def reserved(self) -> tuple[float, int, int, int]:
+        return self.r_cpu, self.r_mem, self.r_disk, len(self.reservations)
+
+    def add(self, r: Reservation) -> None:
+        old = self.reservations.pop(r.sandbox_id, None)
+        if old is not None:
+            self._sub(old)
+        self.reservations[r.sandbox_id] = r
+        self.r_cpu += r.cpu
+        self.r_mem += r.mem_mb
+        self.r_disk += r.disk_mb
+        if r.ls:
+            self.r_ls_cpu += r.cpu
+
+    def drop(self, sandbox_id: str) -> None:
+        r = self.reservations.pop(sandbox_id, None)
+        if r is not None:
+            self._sub(r)
+
+    def _sub(self, r: Reservation) -> None:
+        self.r_cpu -= r.cpu
+        self.r_mem -= r.mem_mb
+        self.r_disk -= r.disk_mb
+        if r.ls:
+            self.r_ls_cpu -= r.cpu
+        if not self.reservations:
+            self.r_cpu = self.r_ls_cpu = 0.0
+            self.r_mem = self.r_disk = 0
+
+    def expire(self, older_than: float) -> None:
+        """Drop reservations made before ``older_than`` (dict order is insertion order)."""
+        res = self.reservations
+        while res:
+            sid = next(iter(res))
+            if res[sid].at >= older_than:
+                break
+            self.drop(sid)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Placement policy knobs.
+
+    Overcommit: each host reports its pool's ratios in its heartbeat (hosts enforce them on admission);
+    ``pool_cpu_overcommit`` lets placement be stricter for a pool without restarting hosts.
+    """
+
+    sample_k: int = 8  # candidates scored per decision: cost does not grow with host count
+    strategy: str = "spread"  # spread or pack
+    ls_cpu_headroom: float = 0.5  # latency-sensitive needs this many really idle cores left
+    mem_resident_limit: float = 0.95  # resident memory + newcomers must stay under this share of RAM
+    locality_weight: float = 0.5
+    pool_cpu_overcommit: dict[str, float] = field(default_factory=dict)
+
+
+def cpu_limit(st: HostStatus, policy: Policy) -> float:
+    over = policy.pool_cpu_overcommit.get(st.pool, st.cpu_overcommit)
+    return st.cpu_total * min(over, st.cpu_overcommit) if st.cpu_overcommit else st.cpu_total * over
+
+
+class HostTable:
+    def __init__(self, policy: Policy = Policy()) -> None:
+        self.policy = policy
+        self.hosts: dict[str, HostEntry] = {}
+        self._ids: list[str] = []
+        self._pos: dict[str, int] = {}
+        self._rng = random.Random()
+        self._version = 0  # bumped on every change that can free room
+        self._full: dict[tuple, int] = {}  # request shape -> version at which a full scan found no host
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def update(self, st: HostStatus, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self._version += 1
+        e = self.hosts.get(st.host_id)
+        if e is None:
+            self.hosts[st.host_id] = HostEntry(st, now)
+            self._pos[st.host_id] = len(self._ids)
+            self._ids.append(st.host_id)
+            return
+        e.status = st
+        e.seen_at = now
+        # The heartbeat now counts what the host admitted before it was sent.
+        e.expire(max(st.at - HEARTBEAT_SLACK_S, now - RESERVATION_TTL_S))
+
+    def remove(self, host_id: str) -> None:
+        if self.hosts.pop(host_id, None) is None:
+            return
+        self._version += 1
+        i = self._pos.pop(host_id)
+        last = self._ids.pop()
+        if last != host_id:
+            self._ids[i] = last
+            self._pos[last] = i
+
+    def ready_hosts(self) -> list[str]:
+        now = time.time()
+        return [h for h, e in self.hosts.items() if e.status.state == "ready" and now - e.seen_at < STALE_AFTER_S]
+
+    def why_not(self, e: HostEntry, spec: SandboxSpec) -> str:
+        """Empty when ``spec`` fits on the host as this replica sees it, else the reason."""
+        st = e.status
+        rn = len(e.reservations)
+        if st.max_sandboxes and st.sandboxes + rn + 1 > st.max_sandboxes:
+            return "max_sandboxes"
+        if st.cpu_alloc + e.r_cpu + spec.cpu > cpu_limit(st, self.policy):
+            return "cpu"
+        # Memory: requested memory within the pool's overcommit, and the host's real resident
+        # memory plus the newcomers' expected share below the physical limit.
+        mem_over = max(st.mem_overcommit, 1.0)
+        if st.mem_alloc_mb + e.r_mem + spec.memory_mb > st.mem_total_mb * mem_over:
+            return "memory"
+        if st.mem_resident_mb + (e.r_mem + spec.memory_mb) / mem_over > st.mem_total_mb * self.policy.mem_resident_limit:
+            return "memory-resident"
+        if st.disk_total_mb and st.disk_alloc_mb + e.r_disk + spec.disk_mb > st.disk_total_mb:
+            return "disk"
+        if spec.priority == "latency-sensitive":
+            # Latency-sensitive work is not overcommitted: its requested cores fit in the real cores,
+            # and the cores really idle right now leave it room.
+            if st.cpu_alloc_ls + e.r_ls_cpu + spec.cpu > st.cpu_total:
+                return "cpu-ls"
+            if st.cpu_total - st.cpu_busy - e.r_ls_cpu < min(spec.cpu, self.policy.ls_cpu_headroom):
+                return "cpu-busy"
+        return ""
+
+    def fits(self, e: HostEntry, spec: SandboxSpec) -> bool:
+        return not self.why_not(e, spec)
+
+    def score(self, e: HostEntry, spec: SandboxSpec, layers: frozenset[str] | set[str]) -> float:
+        st = e.status
+        cpu_frac = (st.cpu_alloc + e.r_cpu) / max(cpu_limit(st, self.policy), 1e-9)
+        mem_frac = (max(st.mem_alloc_mb, st.mem_resident_mb) + e.r_mem) / max(st.mem_total_mb, 1)
+        load = cpu_frac if cpu_frac > mem_frac else mem_frac
+        s = -load if self.policy.strategy == "spread" else load
+        if layers and st.layers:
+            s += self.policy.locality_weight * len(layers.intersection(st.layers)) / len(layers)
+        if spec.priority == "latency-sensitive":
+            s += 0.5 * (st.cpu_total - st.cpu_busy - e.r_ls_cpu) / max(st.cpu_total, 1e-9)
+        return s
+
+    def _eligible(self, hid: str, e: HostEntry | None, spec: SandboxSpec, exclude: set[str] | frozenset[str], now: float) -> bool:
+        if e is None or hid in exclude:
+            return False
+        st = e.status
+        return st.state == "ready" and now - e.seen_at <= STALE_AFTER_S and st.backend == spec.backend and st.pool == spec.pool
+
+    def choose(self, spec: SandboxSpec, exclude: set[str] | frozenset[str] = frozenset(), layers: frozenset[str] | set[str] = frozenset(), now: float | None = None) -> str | None:
+        """Probe a bounded random sample of live hosts of the right backend and pool; best of up to k that fit."""
+        ids = self._ids
+        n = len(ids)
+        if not n:
+            return None
+        now = time.time() if now is None else now
+        k = self.policy.sample_k
+        hosts = self.hosts
+        best_score = 0.0
+        best: str | None = None
+        tried = 0
+        if n <= 4 * k:
+            candidates = ids
+        else:
+            rnd = self._rng.random
+            candidates = [ids[int(rnd() * n)] for _ in range(4 * k)]
+        for hid in candidates:
+            e = hosts.get(hid)
+            if not self._eligible(hid, e, spec, exclude, now) or self.why_not(e, spec):  # type: ignore[arg-type]
+                continue
+            sc = self.score(e, spec, layers)  # type: ignore[arg-type]
+            if best is None or sc > best_score:
+                best_score, best = sc, hid
+            tried += 1
+            if tried >= k:
+                break
+        if best is None and n > 4 * k:
+            # Sampling found nothing: one full scan (from a random start) before declaring the cluster full,
+            # skipped while nothing changed since the last full scan for a request of this shape failed.
+            shape = (spec.backend, spec.pool, spec.priority, spec.cpu, spec.memory_mb, spec.disk_mb)
+            if not exclude and self._full.get(shape) == self._version:
+                return None
+            start = int(self._rng.random() * n)
+            for i in range(n):
+                hid = ids[(start + i) % n]
+                e = hosts.get(hid)
+                if self._eligible(hid, e, spec, exclude, now) and not self.why_not(e, spec):  # type: ignore[arg-type]
+                    return hid
+            if not exclude:
+                if len(self._full) > 1024:
+                    self._full.clear()
+                self._full[shape] = self._version
+        return best
+
+    def reserve(self, host_id: str, spec: SandboxSpec, now: float | None = None) -> None:
+        e = self.hosts.get(host_id)
+        if e is not None:
+            e.add(Reservation(spec.sandbox_id, spec.cpu, spec.memory_mb, spec.disk_mb, time.time() if now is None else now, spec.priority == "latency-sensitive"))
+
+    def release(self, host_id: str, sandbox_id: str) -> None:
+        """Undo a reservation whose hand-off to the host failed."""
+        e = self.hosts.get(host_id)
+        if e is not None:
+            e.drop(sandbox_id)
+            self._version += 1

@@ -1,0 +1,126 @@
+"""Operator queries: cluster status and audit replay."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, InvalidArgument, Unavailable
+from bus.runtime import connect, nats_url
+
+STALE_S = 10.0
+
+
+async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dict[str, Any]:
+    nc = await connect(url, name="dsec-status", connect_attempts=2, connect_timeout_s=timeout)
+    try:
+        js = nc.jetstream(timeout=timeout)
+        hosts = []
+        templates: list[str] = []
+        n_sbx = 0
+        try:
+            kv = await js.key_value(S.KV_HOSTS)
+            for k in await _keys(kv):
+                st = codec.HOST_STATUS.decode((await kv.get(k)).value)
+                age = time.time() - st.at
+                d = msgspec.structs.asdict(st)
+                d["age_s"] = round(age, 2)
+                if st.state == "ready" and age > STALE_S:
+                    d["state"] = "stale"
+                hosts.append(d)
+            kvi = await js.key_value(S.KV_IMAGES)
+            templates = sorted(await _keys(kvi))
+            n_sbx = sum(h["sandboxes"] for h in hosts if h["state"] == "ready")
+        except NotFoundError:
+            pass
+        return {
+            "nats_url": nats_url(url),
+            "hosts": hosts,
+            "ready_hosts": sum(1 for h in hosts if h["state"] == "ready"),
+            "templates": templates,
+            "sandboxes": n_sbx,
+        }
+    finally:
+        await nc.close()
+
+
+async def _keys(kv: Any) -> list[str]:
+    try:
+        return await kv.keys()
+    except Exception:  # noqa: BLE001 - nats-py raises NoKeysError for an empty bucket
+        return []
+
+
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_since(since: str | None) -> dt.datetime | None:
+    if not since:
+        return None
+    m = _AGE.match(since.strip())
+    if m:
+        secs = float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+        return dt.datetime.now(dt.timezone.utc) - dt.timedelta(seconds=secs)
+    try:
+        return dt.datetime.fromtimestamp(float(since), dt.timezone.utc)
+    except ValueError:
+        pass
+    try:
+        t = dt.datetime.fromisoformat(since.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidArgument(f"--since {since!r}: use ISO time, unix seconds, or an age like 10m, 2h, 1d") from None
+    return t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)
+
+
+async def replay_events(
+    url: str | None = None, *, since: str | None = None, sandbox_id: str | None = None, kinds: list[str] | None = None, idle_timeout: float = 2.0
+) -> AsyncIterator[dict[str, Any]]:
+    """Yield every event kept in DSEC_EVT (oldest first) from ``since``, until caught up."""
+    start = parse_since(since)
+    if sandbox_id is not None and not S.valid_token(sandbox_id):
+        raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
+    subject = S.evt_sandbox_all(sandbox_id) if sandbox_id else "dsec.evt.>"
+    nc = await connect(url, name="dsec-audit", connect_attempts=2, connect_timeout_s=5)
+    try:
+        js = nc.jetstream()
+        try:
+            info = await js.stream_info(S.STREAM_EVT)
+        except NotFoundError:
+            raise Unavailable("no event stream: has `dsec up` ever run against this NATS?") from None
+        if info.state.messages == 0:
+            return
+        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat()) if start else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        sub = await js.subscribe(subject, stream=S.STREAM_EVT, ordered_consumer=True, config=cfg, cb=queue.put)
+        try:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), idle_timeout)
+                except asyncio.TimeoutError:
+                    return
+                try:
+                    ev = codec.EVENT.decode(msg.data)
+                except BadRequest:
+                    continue
+                d = msgspec.structs.asdict(ev)
+                d["type"] = type(ev).__name__
+                d["seq"] = msg.metadata.sequence.stream
+                d["subject"] = msg.subject
+                if not kinds or d.get("kind") in kinds:
+                    yield d
+                if msg.metadata.num_pending == 0:
+                    return
+        finally:
+            await sub.unsubscribe()
+    finally:
+        await nc.close()

@@ -1,0 +1,454 @@
+"""The asynchronous client: ``AsyncSandbox``."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.codec import decode_reply
+from bus.errors import BadRequest, ErrorReply, InvalidArgument, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.messages import (
+    CreateBatch,
+    CreateSandbox,
+    Done,
+    ExecRequest,
+    ExecResult,
+    Exists,
+    FileData,
+    FileExists,
+    FileList,
+    FileListing,
+    FileRead,
+    FileRemove,
+    FileWrite,
+    FileWritten,
+    InfoRequest,
+    KillRequest,
+    NetworkSpec,
+    SandboxEvent,
+    SandboxSpec,
+    SetTimeout,
+)
+from bus.messages import SandboxInfo as WireInfo
+from bus.runtime import connect, nats_url
+
+from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
+from .errors import CommandExitError, CommandTimeoutError
+
+CHUNK = 512 * 1024  # under any NATS server's default max_payload (1 MiB)
+OutputHandler = Callable[[str], Any]
+
+_conns: dict[tuple[int, str], NATS] = {}
+
+
+async def _nc(url: str | None) -> NATS:
+    """One connection per event loop and URL, shared by every sandbox object."""
+    key = (id(asyncio.get_running_loop()), nats_url(url))
+    nc = _conns.get(key)
+    if nc is None or nc.is_closed:
+        nc = await connect(url, name="dsec-sdk", connect_attempts=3, connect_timeout_s=5.0)
+        _conns[key] = nc
+    return nc
+
+
+async def close_connections() -> None:
+    loop_id = id(asyncio.get_running_loop())
+    for key in [k for k in _conns if k[0] == loop_id]:
+        nc = _conns.pop(key)
+        if not nc.is_closed:
+            await nc.drain()
+
+
+def _check_positive(name: str, value: Any, *, lo: float, hi: float, integer: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an integer" if integer else "a number"
+        raise InvalidArgument(f"{name} must be {kind}, got {value!r}")
+    if not (lo <= value <= hi):
+        raise InvalidArgument(f"{name} must be between {lo:g} and {hi:g}, got {value!r}")
+
+
+def build_spec(
+    template: str = "base",
+    *,
+    backend: str = "container",
+    cpu: float = 1.0,
+    memory_mb: int = 512,
+    disk_mb: int = 1024,
+    timeout: float = 300,
+    envs: dict[str, str] | None = None,
+    metadata: dict[str, str] | None = None,
+    network: dict[str, list[str]] | None = None,
+    priority: str = "best-effort",
+    pool: str = "default",
+    profile: str = "default",
+    lease: float | None = None,
+    create_timeout: float = 120.0,
+    sandbox_id: str | None = None,
+) -> SandboxSpec:
+    """Validate create arguments client-side so mistakes fail fast with a clear message."""
+    if not isinstance(template, str) or not template:
+        raise InvalidArgument(f"template must be a non-empty string, got {template!r}")
+    if backend not in ("container", "fncall", "microvm", "vm", "sim"):
+        raise InvalidArgument(f"backend must be one of container, fncall, microvm, vm, sim; got {backend!r}")
+    _check_positive("cpu", cpu, lo=0.01, hi=256)
+    _check_positive("memory_mb", memory_mb, lo=16, hi=1024 * 1024, integer=True)
+    _check_positive("disk_mb", disk_mb, lo=1, hi=16 * 1024 * 1024, integer=True)
+    _check_positive("timeout", timeout, lo=1, hi=30 * 86400)
+    _check_positive("create_timeout", create_timeout, lo=0.1, hi=86400)
+    if priority not in ("best-effort", "latency-sensitive"):
+        raise InvalidArgument(f"priority must be 'best-effort' or 'latency-sensitive', got {priority!r}")
+    for name, d in (("envs", envs), ("metadata", metadata)):
+        if d is not None and (not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())):
+            raise InvalidArgument(f"{name} must be a dict of str to str, got {d!r}")
+    net = None
+    if network is not None:
+        if not isinstance(network, dict) or set(network) - {"allow_out"}:
+            raise InvalidArgument(f"network must look like {{'allow_out': [...]}}, got {network!r}")
+        allow = network.get("allow_out", [])
+        if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
+            raise InvalidArgument(f"network['allow_out'] must be a list of CIDR, host:port or domain strings, got {allow!r}")
+        net = NetworkSpec(allow_out=list(allow))
+    if lease is not None:
+        _check_positive("lease", lease, lo=1, hi=86400)
+    sid = sandbox_id or f"sb-{uuid.uuid4().hex[:20]}"
+    if not S.valid_token(sid):
+        raise InvalidArgument(f"sandbox_id must be 1-128 of [A-Za-z0-9_-], got {sid!r}")
+    now = time.time()
+    return SandboxSpec(
+        sandbox_id=sid, template=template, backend=backend, cpu=float(cpu), memory_mb=memory_mb, disk_mb=disk_mb,
+        timeout_s=float(timeout), envs=dict(envs or {}), metadata=dict(metadata or {}), priority=priority, pool=pool,
+        profile=profile, network=net, lease_s=float(lease or 0), requested_at=now, create_deadline=now + create_timeout,
+    )
+
+
+class _Waiter:
+    """Collects lifecycle events for a set of sandbox ids until each is ready or failed."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.pending_ids = set(ids)
+        self.results: dict[str, SandboxEvent] = {}
+        self.last: dict[str, SandboxEvent] = {}
+        self.done = asyncio.Event()
+        if not ids:
+            self.done.set()
+
+    async def on_msg(self, msg: Any) -> None:
+        try:
+            ev = codec.EVENT.decode(msg.data)
+        except BadRequest:
+            return
+        if not isinstance(ev, SandboxEvent):
+            return
+        self.last[ev.sandbox_id] = ev
+        if ev.kind in ("ready", "failed") and ev.sandbox_id in self.pending_ids:
+            self.pending_ids.discard(ev.sandbox_id)
+            self.results[ev.sandbox_id] = ev
+            if not self.pending_ids:
+                self.done.set()
+
+
+class AsyncCommands:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    async def run(
+        self,
+        cmd: str,
+        *,
+        envs: dict[str, str] | None = None,
+        cwd: str | None = None,
+        timeout: float = 60,
+        on_stdout: OutputHandler | None = None,
+        on_stderr: OutputHandler | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` with /bin/sh; raise CommandExitError on a non-zero exit."""
+        if not isinstance(cmd, str) or not cmd:
+            raise InvalidArgument(f"cmd must be a non-empty string, got {cmd!r}")
+        _check_positive("timeout", timeout, lo=0.001, hi=86400)
+        if envs is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
+            raise InvalidArgument("envs must be a dict of str to str")
+        nc = self._sb._nc
+        req = ExecRequest(cmd=cmd, envs=dict(envs or {}), cwd=cwd or "", timeout_s=float(timeout))
+        sub = None
+        received = 0
+        all_chunks = asyncio.Event()
+        expected: list[int] = []
+        if on_stdout or on_stderr:
+            req.stream_to = nc.new_inbox()
+
+            async def on_chunk(msg: Any) -> None:
+                nonlocal received
+                ch = codec.EXEC_CHUNK.decode(msg.data)
+                fn = on_stdout if ch.stream == 1 else on_stderr
+                if fn is not None:
+                    r = fn(ch.data.decode("utf-8", "replace"))
+                    if inspect.isawaitable(r):
+                        await r
+                received += 1
+                if expected and received >= expected[0]:
+                    all_chunks.set()
+
+            sub = await nc.subscribe(req.stream_to, cb=on_chunk)
+        try:
+            res: ExecResult = await self._sb._request("exec", req, ExecResult, timeout=timeout + 10)
+            if sub is not None and res.chunks > received:
+                expected.append(res.chunks)
+                try:
+                    await asyncio.wait_for(all_chunks.wait(), 5)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            if sub is not None:
+                await sub.unsubscribe()
+        out = CommandResult(
+            stdout=res.stdout.decode("utf-8", "replace"), stderr=res.stderr.decode("utf-8", "replace"),
+            exit_code=res.exit_code, duration_ms=res.duration_ms,
+        )
+        if res.timed_out:
+            out.error = f"command timed out after {timeout}s and was killed"
+            raise CommandTimeoutError(out.error, out)
+        if res.exit_code != 0:
+            out.error = f"exit code {res.exit_code}"
+            raise CommandExitError(out)
+        return out
+
+
+class AsyncFilesystem:
+    def __init__(self, sb: "AsyncSandbox") -> None:
+        self._sb = sb
+
+    @staticmethod
+    def _path(path: Any) -> str:
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise InvalidArgument(f"path must be an absolute path string, got {path!r}")
+        return path
+
+    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> WriteInfo:
+        path = self._path(path)
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
+        data = bytes(data)
+        off = 0
+        size = 0
+        while True:
+            piece = data[off:off + CHUNK]
+            w = await self._sb._request("files", FileWrite(path=path, data=piece, offset=off, truncate=off == 0, mode=mode), FileWritten)
+            size = w.size
+            off += len(piece)
+            if off >= len(data):
+                break
+        return WriteInfo(path=path, size=size)
+
+    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        path = self._path(path)
+        if format not in ("text", "bytes"):
+            raise InvalidArgument(f"format must be 'text' or 'bytes', got {format!r}")
+        parts: list[bytes] = []
+        off = 0
+        while True:
+            d = await self._sb._request("files", FileRead(path=path, offset=off, length=CHUNK), FileData)
+            parts.append(d.data)
+            off += len(d.data)
+            if off >= d.size or not d.data:
+                break
+        raw = b"".join(parts)
+        return raw.decode("utf-8", "replace") if format == "text" else raw
+
+    async def list(self, path: str) -> list[EntryInfo]:
+        res = await self._sb._request("files", FileList(path=self._path(path)), FileListing)
+        return [EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in res.entries]
+
+    async def remove(self, path: str) -> None:
+        await self._sb._request("files", FileRemove(path=self._path(path)), Done)
+
+    async def exists(self, path: str) -> bool:
+        return (await self._sb._request("files", FileExists(path=self._path(path)), Exists)).exists
+
+
+class AsyncSandbox:
+    """A live sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it at the end."""
+
+    def __init__(self, sandbox_id: str, nc: NATS, *, host_id: str = "", spec: SandboxSpec | None = None) -> None:
+        self.sandbox_id = sandbox_id
+        self.host_id = host_id
+        self.spec = spec
+        self._nc = nc
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFilesystem(self)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
+
+    # --- creation ------------------------------------------------------------------------
+    @classmethod
+    async def create(
+        cls,
+        template: str = "base",
+        *,
+        nats_url: str | None = None,
+        create_timeout: float = 120.0,
+        on_pending: Callable[[str], Any] | None = None,
+        **kwargs: Any,
+    ) -> "AsyncSandbox":
+        """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments)."""
+        spec = build_spec(template, create_timeout=create_timeout, **kwargs)
+        return (await cls._create_many([spec], nats_url, create_timeout, on_pending, batch=False))[0]
+
+    @classmethod
+    async def create_batch(
+        cls,
+        count: int,
+        template: str = "base",
+        *,
+        nats_url: str | None = None,
+        create_timeout: float = 120.0,
+        **kwargs: Any,
+    ) -> list["AsyncSandbox"]:
+        """Create ``count`` alike sandboxes with one request message; each gets its own events and record."""
+        _check_positive("count", count, lo=1, hi=100_000, integer=True)
+        specs = [build_spec(template, create_timeout=create_timeout, **kwargs) for _ in range(count)]
+        batch_id = f"batch-{uuid.uuid4().hex[:16]}"
+        for s in specs:
+            s.batch_id = batch_id
+        return await cls._create_many(specs, nats_url, create_timeout, None, batch=True)
+
+    @classmethod
+    async def _create_many(
+        cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool
+    ) -> list["AsyncSandbox"]:
+        nc = await _nc(url)
+        js = nc.jetstream()
+        waiter = _Waiter([s.sandbox_id for s in specs])
+        pending_seen: set[str] = set()
+
+        async def on_msg(msg: Any) -> None:
+            await waiter.on_msg(msg)
+            ev = waiter.last.get(msg.subject.split(".")[3])
+            if ev is not None and ev.kind == "pending" and ev.sandbox_id not in pending_seen:
+                pending_seen.add(ev.sandbox_id)
+                if on_pending is not None:
+                    r = on_pending(ev.sandbox_id)
+                    if inspect.isawaitable(r):
+                        await r
+
+        subject = S.EVT_SANDBOX_ALL if len(specs) > 16 else None
+        subs = [await nc.subscribe(subject, cb=on_msg)] if subject else [await nc.subscribe(S.evt_sandbox_all(s.sandbox_id), cb=on_msg) for s in specs]
+        try:
+            try:
+                if batch:
+                    bid = specs[0].batch_id
+                    await js.publish(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=bid, specs=specs)), headers={S.HDR_MSG_ID: bid})
+                else:
+                    for s in specs:
+                        await js.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), headers={S.HDR_MSG_ID: s.sandbox_id})
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
+            try:
+                await asyncio.wait_for(waiter.done.wait(), create_timeout)
+            except asyncio.TimeoutError:
+                for s in specs:
+                    if s.sandbox_id not in waiter.results:
+                        await nc.publish(S.sbx(s.sandbox_id, "kill"), codec.encode(KillRequest(reason="create-timeout")))
+                last = {waiter.last[i].kind for i in waiter.pending_ids if i in waiter.last}
+                why = "waiting for capacity (pending)" if "pending" in last else f"last state: {', '.join(sorted(last)) or 'no answer from placement'}"
+                raise SandboxTimeout(f"{len(waiter.pending_ids)} of {len(specs)} sandbox(es) not ready within {create_timeout}s; {why}") from None
+        finally:
+            for sub in subs:
+                await sub.unsubscribe()
+        failed = [waiter.results[s.sandbox_id] for s in specs if waiter.results[s.sandbox_id].kind == "failed"]
+        out = [cls(s.sandbox_id, nc, host_id=waiter.results[s.sandbox_id].host_id, spec=s) for s in specs if waiter.results[s.sandbox_id].kind == "ready"]
+        if failed:
+            for sb in out:
+                await sb.kill()
+            ev = failed[0]
+            raise from_reply(ErrorReply(code=ev.code or "create_failed", description=ev.description or "create failed", context={"sandbox_id": ev.sandbox_id}))
+        return out
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, *, nats_url: str | None = None) -> "AsyncSandbox":
+        if not isinstance(sandbox_id, str) or not S.valid_token(sandbox_id):
+            raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
+        nc = await _nc(nats_url)
+        sb = cls(sandbox_id, nc)
+        info = await sb.get_info()
+        sb.host_id = info.host_id
+        return sb
+
+    @classmethod
+    async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:
+        nc = await _nc(nats_url)
+        kv = await nc.jetstream().key_value(S.KV_SANDBOXES)
+        out: list[SandboxInfo] = []
+        try:
+            keys = await kv.keys()
+        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
+            return out
+        for k in keys:
+            try:
+                e = await kv.get(k)
+            except KeyNotFoundError:
+                continue
+            try:
+                rec = codec.SANDBOX_RECORD.decode(e.value)
+            except BadRequest:
+                continue
+            if state and rec.state != state:
+                continue
+            out.append(SandboxInfo(
+                sandbox_id=rec.spec.sandbox_id, template=rec.spec.template, state=rec.state, host_id=rec.host_id,
+                started_at=rec.ready_at, expires_at=rec.expires_at, metadata=rec.spec.metadata, cpu=rec.spec.cpu, memory_mb=rec.spec.memory_mb,
+            ))
+        return out
+
+    # --- requests -------------------------------------------------------------------------------
+    async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
+        try:
+            msg = await self._nc.request(S.sbx(self.sandbox_id, op), codec.encode(req), timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise SandboxNotFound(f"sandbox {self.sandbox_id} is not running (killed, timed out, or never created)") from None
+        except nats.errors.TimeoutError:
+            raise SandboxTimeout(f"sandbox {self.sandbox_id} did not answer {op} within {timeout:g}s") from None
+        return decode_reply(msg.data, result_type)
+
+    async def kill(self) -> None:
+        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine."""
+        try:
+            await self._request("kill", KillRequest(), Done)
+        except SandboxNotFound:
+            pass
+
+    async def set_timeout(self, timeout: float) -> None:
+        _check_positive("timeout", timeout, lo=1, hi=30 * 86400)
+        await self._request("timeout", SetTimeout(timeout_s=float(timeout)), Done)
+
+    async def get_info(self) -> SandboxInfo:
+        i: WireInfo = await self._request("info", InfoRequest(), WireInfo)
+        return SandboxInfo(sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id, started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata)
+
+    async def is_running(self) -> bool:
+        try:
+            await self.get_info()
+            return True
+        except SandboxNotFound:
+            return False
+
+    async def __aenter__(self) -> "AsyncSandbox":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.kill()
+
+
+__all__ = ["AsyncSandbox", "AsyncCommands", "AsyncFilesystem", "build_spec", "close_connections"]

@@ -1,0 +1,192 @@
+"""The ``dsec`` command line. Services add their own subcommands through the ``dsec.cli`` entry-point group."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from importlib.metadata import entry_points
+from typing import Any
+
+from bus.errors import DsecError
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
+
+
+# --- status ------------------------------------------------------------------------------
+async def _status(args: argparse.Namespace) -> int:
+    from ._admin import cluster_status
+
+    try:
+        st = await cluster_status(args.nats_url, timeout=args.timeout)
+    except DsecError as exc:
+        if args.json:
+            _print_json({"ok": False, "error": exc.code, "description": exc.description})
+        else:
+            print(f"dsec: {exc.description}", file=sys.stderr)
+        return 1
+    ok = st["ready_hosts"] > 0
+    st["ok"] = ok
+    if args.json:
+        _print_json(st)
+    else:
+        print(f"nats: {st['nats_url']}  hosts ready: {st['ready_hosts']}/{len(st['hosts'])}  templates: {', '.join(st['templates']) or '-'}  sandboxes: {st['sandboxes']}")
+        for h in st["hosts"]:
+            print(f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s")
+    return 0 if ok else 1
+
+
+# --- sandbox -----------------------------------------------------------------------------
+def _sandbox(args: argparse.Namespace) -> int:
+    from . import Sandbox
+    from ._sync import _run
+    from ._async import close_connections
+
+    kw = {"nats_url": args.nats_url} if args.nats_url else {}
+    try:
+        if args.sbx_cmd == "create":
+            envs = dict(e.split("=", 1) for e in args.env or [])
+            sb = Sandbox.create(args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout, envs=envs, **kw)
+            if args.json:
+                _print_json({"sandbox_id": sb.sandbox_id, "host_id": sb.host_id})
+            else:
+                print(sb.sandbox_id)
+        elif args.sbx_cmd == "exec":
+            from .errors import CommandExitError
+
+            sb = Sandbox.connect(args.sandbox_id, **kw)
+            cmd = " ".join(args.command) if len(args.command) > 1 else args.command[0]
+            try:
+                r = sb.commands.run(cmd, timeout=args.timeout, cwd=args.cwd)
+            except CommandExitError as exc:
+                r = exc.result
+            sys.stdout.write(r.stdout)
+            sys.stderr.write(r.stderr)
+            return r.exit_code
+        elif args.sbx_cmd == "ls":
+            items = Sandbox.list(**kw)
+            if args.json:
+                _print_json([i.__dict__ for i in items])
+            else:
+                for i in items:
+                    left = max(0, i.expires_at - time.time())
+                    print(f"{i.sandbox_id}  {i.template:<10} {i.host_id:<20} {i.state:<8} expires in {left:.0f}s")
+        elif args.sbx_cmd == "kill":
+            for sid in args.sandbox_ids:
+                _run(_kill(sid, args.nats_url))
+        return 0
+    except DsecError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        _run(close_connections())
+
+
+async def _kill(sid: str, url: str | None) -> None:
+    from ._async import AsyncSandbox, _nc
+
+    await AsyncSandbox(sid, await _nc(url)).kill()
+
+
+# --- audit ------------------------------------------------------------------------------
+async def _audit(args: argparse.Namespace) -> int:
+    from ._admin import replay_events
+
+    n = 0
+    try:
+        async for ev in replay_events(args.nats_url, since=args.since, sandbox_id=args.sandbox, kinds=args.kind):
+            n += 1
+            if args.json:
+                _print_json(ev)
+            else:
+                at = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ev["at"])) + f".{int(ev['at'] * 1000) % 1000:03d}Z"
+                who = ev.get("sandbox_id") or ev.get("host_id") or ev.get("name", "")
+                extra = " ".join(f"{k}={v}" for k, v in ev.items() if k not in ("type", "at", "sandbox_id", "kind", "seq", "subject") and v not in ("", {}, 0))
+                print(f"{ev['seq']:>8} {at} {ev['type']:<14} {ev['kind']:<10} {who} {extra}")
+    except DsecError as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 1
+    if not args.json:
+        print(f"({n} events)", file=sys.stderr)
+    return 0
+
+
+# --- up ------------------------------------------------------------------------------------
+def _up(args: argparse.Namespace) -> int:
+    from ._up import run_up
+
+    return run_up(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="dsec", description="dsec: sandboxes for training and evaluating AI agents")
+    ap.add_argument("--nats-url", default=None, help="default: $DSEC_NATS_URL or nats://127.0.0.1:4222")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="start the whole dev stack in the foreground (Ctrl-C stops it)")
+    up.add_argument("--data-dir", default="/var/lib/dsec")
+    up.add_argument("--port", type=int, default=4222)
+    up.add_argument("--host-id", default=None)
+    up.add_argument("--backend", default="container", choices=["container", "sim"])
+    up.add_argument("--concurrency", type=int, default=8)
+    up.add_argument("--placement-replicas", type=int, default=1)
+    up.add_argument("--ready-timeout", type=float, default=300.0)
+    up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
+    up.set_defaults(func=_up)
+
+    st = sub.add_parser("status", help="exit 0 when the stack answers and at least one host is ready")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.set_defaults(func=lambda a: asyncio.run(_status(a)))
+
+    sb = sub.add_parser("sandbox", help="create, exec in, list and kill sandboxes")
+    sbs = sb.add_subparsers(dest="sbx_cmd", required=True)
+    c = sbs.add_parser("create")
+    c.add_argument("--template", default="base")
+    c.add_argument("--backend", default="container")
+    c.add_argument("--cpu", type=float, default=1.0)
+    c.add_argument("--memory-mb", type=int, default=512)
+    c.add_argument("--disk-mb", type=int, default=1024)
+    c.add_argument("--timeout", type=float, default=300)
+    c.add_argument("--env", action="append", metavar="K=V")
+    c.add_argument("--json", action="store_true")
+    e = sbs.add_parser("exec")
+    e.add_argument("sandbox_id")
+    e.add_argument("command", nargs="+")
+    e.add_argument("--timeout", type=float, default=60)
+    e.add_argument("--cwd", default=None)
+    ls = sbs.add_parser("ls")
+    ls.add_argument("--json", action="store_true")
+    k = sbs.add_parser("kill")
+    k.add_argument("sandbox_ids", nargs="+")
+    sb.set_defaults(func=_sandbox)
+
+    au = sub.add_parser("audit", help="read the event stream kept for audit")
+    aus = au.add_subparsers(dest="audit_cmd", required=True)
+    r = aus.add_parser("replay", help="replay events by time, optionally for one sandbox")
+    r.add_argument("--since", default=None, help="ISO time, unix seconds, or an age like 10m, 2h, 1d (default: everything)")
+    r.add_argument("--sandbox", default=None)
+    r.add_argument("--kind", action="append", help="only these event kinds (repeatable)")
+    r.add_argument("--json", action="store_true")
+    r.set_defaults(func=lambda a: asyncio.run(_audit(a)))
+
+    for ep in entry_points(group="dsec.cli"):
+        try:
+            ep.load()(sub)
+        except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the CLI
+            print(f"dsec: plugin {ep.name!r} failed to load: {exc}", file=sys.stderr)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    rc = args.func(args)
+    sys.exit(rc or 0)
+
+
+if __name__ == "__main__":
+    main()
