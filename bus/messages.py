@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from msgspec import Struct
+from msgspec import Struct, field
 
 Priority = Literal["best-effort", "latency-sensitive"]
 Backend = Literal["container", "fncall", "microvm", "vm", "sim"]
@@ -191,6 +191,78 @@ class Lease(Struct, kw_only=True, tag=True):
     renewed_at: float
     ttl_s: float
     owner: str = ""
+
+
+# --- security profiles (KV ``dsec_profiles``: guard writes them, host agents enforce them) ---
+class SyscallArg(Struct, kw_only=True):
+    """One comparison on a system call argument (OCI/libseccomp semantics).
+
+    ``op``: eq, ne, lt, le, gt, ge or masked_eq (``arg & mask == value``). A ``mask`` that fits in
+    32 bits compares only the low 32 bits, which is what the kernel itself looks at for ``int``
+    arguments such as an ioctl request (set high bits can't dodge the rule).
+    """
+
+    index: int
+    op: str
+    value: int
+    mask: int = 0
+
+
+class SyscallRule(Struct, kw_only=True):
+    names: list[str]
+    args: list[SyscallArg] = []  # all must hold
+    errno: int = 1  # deny rules: the error returned (EPERM)
+    comment: str = ""
+
+
+class SyscallPolicy(Struct, kw_only=True):
+    """An allow-list: a call that no rule allows fails with ``default_errno``.
+
+    ``deny`` rules are explicit refusals that are also reported (audit): they are checked before
+    the allow rules. ``enosys`` calls fail quietly with ENOSYS so libc falls back (clone3).
+    ``native_only`` kills a process that uses another syscall ABI (i386 ``int 0x80``, x32).
+    """
+
+    default_errno: int = 1
+    allow: list[str] = []
+    allow_if: list[SyscallRule] = []
+    deny: list[SyscallRule] = []
+    enosys: list[str] = []
+    native_only: bool = True
+
+
+class FsPolicy(Struct, kw_only=True):
+    """Filesystem access inside the sandbox, enforced with Landlock (holds for root too)."""
+
+    landlock: bool = True
+    required: bool = True  # refuse to start the sandbox on a kernel without Landlock
+    read_only: list[str] = field(default_factory=lambda: ["/"])  # read and execute beneath these
+    writable: list[str] = []  # full access beneath these (created when missing)
+    devices: list[str] = []  # read/write/ioctl existing device nodes beneath these
+    masked_paths: list[str] = []  # hidden (/proc and /sys entries)
+    readonly_paths: list[str] = []  # mounted read-only
+
+
+class AuditPolicy(Struct, kw_only=True):
+    """What guard does when the sandbox trips a rule: record, kill or quarantine (kill + mark)."""
+
+    seccomp: str = "record"
+    landlock: str = "record"
+    other: str = "record"  # network, control-plane and other reported kinds
+
+
+class SecurityProfile(Struct, kw_only=True, tag=True):
+    """A named, versioned security profile, kept in KV ``dsec_profiles`` under its name."""
+
+    name: str
+    version: int = 1
+    description: str = ""
+    fs: FsPolicy = field(default_factory=FsPolicy)
+    syscalls: SyscallPolicy = field(default_factory=SyscallPolicy)
+    capabilities: list[str] = []
+    no_new_privileges: bool = True
+    audit: AuditPolicy = field(default_factory=AuditPolicy)
+    updated_at: float = 0.0
 
 
 # --- live sandbox ops (core request/reply on dsec.sbx.<id>.<op>) ------------------------

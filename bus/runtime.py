@@ -4,6 +4,7 @@ SIGTERM -> stop intake, finish in-flight work within a grace period, then drain 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -44,28 +45,47 @@ async def connect(
     servers = nats_url(url).split(",")
     if user_credentials is None:
         user_credentials = os.environ.get("DSEC_NATS_CREDS") or None
+    kwargs.setdefault("error_cb", _log_nats_error)
     deadline = time.monotonic() + connect_timeout_s
     delay = 0.05
     last: Exception | None = None
     for _ in range(connect_attempts):
+        # nats-py retries a first connect max_reconnect_attempts times by itself: bound it by our deadline.
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        nc = NATS()
         try:
-            return await nats.connect(
-                servers=servers,
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=max_reconnect_attempts,
-                reconnect_time_wait=0.5,
-                user_credentials=user_credentials,
-                **kwargs,
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=servers,
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=max_reconnect_attempts,
+                    reconnect_time_wait=0.5,
+                    user_credentials=user_credentials,
+                    **kwargs,
+                ),
+                remaining,
             )
+            return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
-            last = exc
+            last = exc if not isinstance(exc, asyncio.TimeoutError) else nc.last_error or exc
+            try:
+                await nc.close()
+            except Exception:  # noqa: BLE001 - never connected
+                pass
             if time.monotonic() + delay > deadline:
                 break
             await asyncio.sleep(delay)  # retry back-off
             delay = min(delay * 2, 1.0)
-    raise Unavailable(f"cannot reach NATS at {','.join(servers)}: {last}")
+    raise Unavailable(f"cannot reach NATS at {','.join(servers)}: {last or 'timed out'}")
+
+
+async def _log_nats_error(exc: Exception) -> None:
+    """One line per connection error (nats-py's default prints a whole traceback for each retry)."""
+    logging.getLogger("dsec.nats").warning("nats: %s: %s", type(exc).__name__, exc)
 
 
 def reply_bytes(result: Any) -> bytes:

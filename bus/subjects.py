@@ -31,6 +31,7 @@ KV_HOSTS = "dsec_hosts"
 KV_SANDBOXES = "dsec_sandboxes"
 KV_IMAGES = "dsec_images"
 KV_PROFILES = "dsec_profiles"
+KV_QUARANTINE = "dsec_quarantine"  # guard: sandbox id -> the GuardViolation that quarantined it
 KV_ROLLOUTS = "dsec_rollouts"
 KV_LEASES = "dsec_leases"
 OBJ_CHUNKS = "dsec_chunks"

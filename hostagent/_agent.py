@@ -71,6 +71,16 @@ class ExecOutcome(msgspec.Struct):
     timed_out: bool = False
 
 
+class AgentInfo(msgspec.Struct):
+    """What a ping tells: the protocol and the confinement the agent applied to itself."""
+
+    protocol: int
+    landlock_abi: int = 0  # the kernel's Landlock ABI the agent used (0: Landlock not applied)
+    landlock: bool = False  # filesystem rules enforced
+    seccomp_log: bool = False  # the audited seccomp filter is installed
+    audit_session: bool = False  # the sandbox has its own audit session id
+
+
 class DirEntry(msgspec.Struct):
     name: str
     path: str
@@ -257,22 +267,23 @@ class AgentClient:
 
     # -- operations ------------------------------------------------------------------
 
-    async def ping(self) -> None:
+    async def ping(self) -> AgentInfo:
         kind, body = await self._call(_frame(b"P"))
         if kind != ord("K"):
             raise _unexpected(kind)
         version = _U32.unpack_from(body)[0] if len(body) >= 4 else 0
         if version != PROTOCOL_VERSION:
             raise AgentError(_errno.EPROTO, f"agent speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+        abi, flags = struct.unpack_from(">II", body, 4) if len(body) >= 12 else (0, 0)
+        return AgentInfo(version, abi, bool(flags & 1), bool(flags & 2), bool(flags & 4))
 
-    async def wait_ready(self, timeout_s: float = 10.0, interval_s: float = 0.005) -> None:
+    async def wait_ready(self, timeout_s: float = 10.0, interval_s: float = 0.005) -> AgentInfo:
         """Poll ``ping`` until the agent answers; AgentUnavailable after ``timeout_s``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:
             try:
-                await self.ping()
-                return
+                return await self.ping()
             except AgentUnavailable as e:
                 if loop.time() >= deadline:
                     raise AgentUnavailable(e.errno, f"agent not ready after {timeout_s}s: {e.message}") from e
@@ -431,6 +442,7 @@ __all__ = [
     "AgentBuildError",
     "AgentClient",
     "AgentError",
+    "AgentInfo",
     "AgentUnavailable",
     "DirEntry",
     "ExecOutcome",

@@ -72,34 +72,56 @@ class Backend(Protocol):
 
 
 class SimBackend:
-    """Creates nothing: runs the real host-agent code paths for control-plane scale runs only."""
+    """Creates nothing: runs the real host-agent code paths for control-plane scale runs only.
+
+    It reports resident memory as ``resident_fraction`` of what its sandboxes requested, so placement's
+    resident-memory admission has something real-looking to work with.
+    """
 
     name = "sim"
 
-    def __init__(self, cpu_total: float = 64.0, mem_total_mb: int = 256 * 1024, disk_total_mb: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        cpu_total: float = 64.0,
+        mem_total_mb: int = 256 * 1024,
+        disk_total_mb: int = 4 * 1024 * 1024,
+        *,
+        resident_fraction: float = 0.25,
+        busy_per_sandbox: float = 0.01,
+    ) -> None:
         self._cap = {"cpu_total": cpu_total, "mem_total_mb": mem_total_mb, "disk_total_mb": disk_total_mb}
         self._files: dict[str, dict[str, bytes]] = {}
+        self._mem: dict[str, int] = {}
+        self._resident_mb = 0
+        self.resident_fraction = resident_fraction
+        self.busy_per_sandbox = busy_per_sandbox
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
         self._files.clear()
+        self._mem.clear()
+        self._resident_mb = 0
 
     async def create(self, spec: SandboxSpec, layers: list[LayerRef]) -> Handle:
-        self._files[spec.sandbox_id] = {}
+        if spec.sandbox_id not in self._mem:
+            mb = int(spec.memory_mb * self.resident_fraction)
+            self._mem[spec.sandbox_id] = mb
+            self._resident_mb += mb
         return Handle(spec.sandbox_id)
 
     async def destroy(self, sandbox_id: str) -> None:
         self._files.pop(sandbox_id, None)
+        self._resident_mb -= self._mem.pop(sandbox_id, 0)
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None) -> ExecResult:
         return ExecResult(exit_code=0)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
-        fs = self._files.get(handle.sandbox_id)
-        if fs is None:
+        if handle.sandbox_id not in self._mem:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} is gone")
+        fs = self._files.setdefault(handle.sandbox_id, {})
         match op:
             case FileWrite(path=p, data=d, offset=off, truncate=tr):
                 old = b"" if tr and off == 0 else fs.get(p, b"")
@@ -124,7 +146,7 @@ class SimBackend:
         return {}
 
     async def usage(self) -> Usage:
-        return Usage()
+        return Usage(mem_resident_mb=self._resident_mb, cpu_busy=min(self._cap["cpu_total"], len(self._mem) * self.busy_per_sandbox))
 
     def capacity(self) -> dict[str, float]:
         return dict(self._cap)

@@ -32,10 +32,13 @@ from bus.messages import (
     SandboxSpec,
 )
 
-from ._agent import AgentClient, AgentError, AgentUnavailable, ensure_agent_binary
+from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, ensure_agent_binary
 from ._backend import Handle, OnOutput, Usage
 from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime
 from ._containerd_daemon import ContainerdDaemon
+from ._profiles import Enforcement, compile_profile
+from ._profiles_builtin import default_profile
+from ._network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
 
@@ -51,6 +54,7 @@ DEFAULT_ENV = {
 LABEL_SANDBOX = "dsec.sandbox"
 MEM_CGROUP = Path("/sys/fs/cgroup/memory")
 READ_CHUNK = 4 * 1024 * 1024
+AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
 
 
 def _mounted(path: str) -> bool:
@@ -62,6 +66,7 @@ class ContainerBackend:
     """Sandboxes as runc containers driven through containerd's gRPC API."""
 
     name = "container"
+    enforces_profiles = True  # create() takes security=Enforcement (the sandbox's guard profile)
 
     def __init__(
         self,
@@ -72,6 +77,7 @@ class ContainerBackend:
         shim_group_size: int = 16,
         lazy_mount: str | None = None,
         pids_max: int = 1024,
+        network: NetworkConfig | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.containerd_address = containerd_address
@@ -89,6 +95,8 @@ class ContainerBackend:
         self._groups: dict[str, set[str]] = {}
         self._group_of: dict[str, str] = {}
         self._cpu_prev: tuple[float, float] | None = None
+        self._default_enf: Enforcement | None = None
+        self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +111,7 @@ class ContainerBackend:
         else:
             address, runc_root = self.containerd_address, None
         self.rt = ContainerRuntime(address, runc_root=runc_root)
+        await self.net.start()
 
     async def stop(self) -> None:
         if self.rt is not None:
@@ -116,6 +125,7 @@ class ContainerBackend:
             for digest, mnt in list(self._layer_mounts.items()):
                 await asyncio.to_thread(subprocess.run, ["umount", mnt], capture_output=True)
                 self._layer_mounts.pop(digest, None)
+        await self.net.stop()  # kernel state (netns, veths, nft) stays for the sandboxes that live on
 
     # --- layers ------------------------------------------------------------------------------
     async def _layer_dir(self, ref: LayerRef) -> str:
@@ -170,9 +180,12 @@ class ContainerBackend:
                 if not members:
                     del self._groups[g]
 
-    async def create(self, spec: SandboxSpec, layers: list[LayerRef]) -> Handle:
+    async def create(self, spec: SandboxSpec, layers: list[LayerRef], security: Enforcement | None = None) -> Handle:
+        """Start the sandbox confined by ``security`` (the built-in default profile when None)."""
         assert self.rt is not None
         sid = spec.sandbox_id
+        if security is None:
+            security = self._default_security()
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
@@ -182,11 +195,17 @@ class ContainerBackend:
             raise CreateFailed(f"cannot allocate {spec.disk_mb} MB of disk: {exc}") from None
         layout = RootfsLayout(sdir).create()
         group = self._pick_group(sid)
+        net = None
+        if self.net.wanted(spec.network):
+            assert spec.network is not None
+            net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
+            if net.hosts:
+                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, net.hosts)
         try:
             pid = await self.rt.create_and_start(
                 sid,
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
-                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock"],
+                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
                 env=DEFAULT_ENV,
                 cpu=spec.cpu,
                 memory_mb=spec.memory_mb,
@@ -195,17 +214,63 @@ class ContainerBackend:
                 hostname="sandbox",
                 labels={LABEL_SANDBOX: sid, "dsec.template": spec.template},
                 group=group,
+                netns_path=net.netns if net else None,
+                stdout_path=os.path.join(sdir, AGENT_LOG),
+                seccomp_profile=security.seccomp,
+                capabilities=security.capabilities,
+                masked_paths=security.masked_paths,
+                readonly_paths=security.readonly_paths,
+                no_new_privileges=security.no_new_privileges,
             )
         except ContainerdError as exc:
             self._leave_group(sid)
             raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
-        try:
-            await client.wait_ready(15.0, 0.002)
-        except AgentError as exc:
-            raise CreateFailed(f"sandbox agent did not start: {exc}") from None
+        info = await self._wait_agent(sid, sdir, client)
+        if security.landlock_required and not info.landlock:
+            raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self._clients[sid] = client
-        return Handle(sid, pid, {"dir": sdir, "group": group or ""})
+        return Handle(sid, pid, {
+            "dir": sdir, "group": group or "", "profile": security.profile, "profile_version": security.version,
+            "landlock_abi": info.landlock_abi, "seccomp_log": info.seccomp_log, "audit_session": info.audit_session,
+            **({"net": net.to_extra()} if net else {}),
+        })
+
+    def _default_security(self) -> Enforcement:
+        if self._default_enf is None:
+            self._default_enf = compile_profile(default_profile())
+        return self._default_enf
+
+    async def _wait_agent(self, sid: str, sdir: str, client: AgentClient) -> AgentInfo:
+        """The agent's ping, or CreateFailed with its last words as soon as it exits (say, a
+        confinement it could not apply) instead of after the whole ready timeout."""
+        assert self.rt is not None
+        ready = asyncio.ensure_future(client.wait_ready(15.0, 0.002))
+        exited = asyncio.ensure_future(self.rt.wait(sid))
+        try:
+            await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if ready.done() and not ready.cancelled() and ready.exception() is None:
+            return ready.result()
+        if not ready.done() and exited.done() and not exited.cancelled() and exited.exception() is not None:
+            try:  # could not watch the task: just wait for the agent
+                return await ready
+            except AgentError as exc:
+                raise CreateFailed(f"sandbox agent did not start: {exc}") from None
+        ready.cancel()
+        try:
+            await ready
+        except (asyncio.CancelledError, AgentError):
+            pass
+        try:
+            with open(os.path.join(sdir, AGENT_LOG), errors="replace") as f:
+                last = f.read()[-2000:].strip()
+        except OSError:
+            last = ""
+        exc = ready.exception() if ready.done() and not ready.cancelled() else None
+        why = f"exited: {last}" if last else (str(exc) if exc else "exited")
+        raise CreateFailed(f"sandbox agent did not start: {why}")
 
     async def destroy(self, sandbox_id: str) -> None:
         assert self.rt is not None
@@ -214,6 +279,7 @@ class ContainerBackend:
             await self.rt.delete(sandbox_id)
         finally:
             self._leave_group(sandbox_id)
+            await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
             await self.scratch.release_async(sandbox_id)
 
     # --- ops ---------------------------------------------------------------------------------------
@@ -293,6 +359,7 @@ class ContainerBackend:
         for d in self.layers_dir.iterdir() if self.layers_dir.exists() else []:
             if _mounted(str(d)):
                 self._layer_mounts[d.name] = str(d)
+        await self.net.recover({sid: h.extra.get("net") for sid, h in alive.items()})
         return alive
 
     async def usage(self) -> Usage:

@@ -7,10 +7,12 @@ the runc shim mounts it at `<bundle>/rootfs` and unmounts it when the task is de
 
 Spec defaults follow Docker's: new pid/mount/uts/ipc/network namespaces (network: an empty netns
 unless a netns path is given), Docker's masked/read-only /proc and /sys paths, Docker's default
-capability set minus NET_RAW, no_new_privileges, deny-all device cgroup (runc adds the standard
-null/zero/full/random/urandom/tty/ptmx), cgroup v1 cpu/memory(+memsw, no swap)/pids limits, and a
-small seccomp deny-list (keyring, bpf, perf, io_uring, userfaultfd, namespace creation, mount
-API, modules, kexec, ...).
+capability set minus NET_RAW and MKNOD, no_new_privileges, deny-all device cgroup (runc adds the
+standard null/zero/full/random/urandom/tty/ptmx), cgroup v1 cpu/memory(+memsw, no swap)/pids
+limits. Security settings come from the sandbox's guard profile (`hostagent._profiles`:
+`seccomp_profile`, `capabilities`, `masked_paths`, `readonly_paths`); without one, the built-in
+default profile's seccomp allow-list applies (native syscall ABI only; mount API, namespaces,
+bpf, perf, io_uring, userfaultfd, keyrings, modules, kexec, ptrace ... refused).
 
 Shim grouping: containers created with the same `group` carry the spec annotation
 `io.containerd.runc.v2.group`, which makes containerd-shim-runc-v2 (1.6) reuse one shim process
@@ -25,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import platform
 import resource
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Protocol, Sequence
@@ -65,13 +66,13 @@ DEFAULT_OOM_SCORE_ADJ = 500  # sandboxes die before host services under global m
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Docker's default set without NET_RAW (raw sockets are an attack surface; unprivileged ICMP
-# "ping sockets" are enabled instead via net.ipv4.ping_group_range in our private netns).
+# "ping sockets" are enabled instead via net.ipv4.ping_group_range in our private netns) and
+# without MKNOD (no device nodes). The guard profile's list replaces this one.
 DEFAULT_CAPABILITIES: tuple[str, ...] = (
     "CAP_CHOWN",
     "CAP_DAC_OVERRIDE",
     "CAP_FSETID",
     "CAP_FOWNER",
-    "CAP_MKNOD",
     "CAP_SETGID",
     "CAP_SETUID",
     "CAP_SETFCAP",
@@ -104,29 +105,6 @@ READONLY_PATHS: tuple[str, ...] = (
     "/proc/sysrq-trigger",
 )
 
-# Syscalls refused with EPERM. Most already need a capability we do not grant; listing them
-# anyway is cheap defence in depth. io_uring/bpf/perf/userfaultfd/keyctl are reachable without
-# capabilities and are frequent sources of kernel exploits.
-SECCOMP_DENY: tuple[str, ...] = (
-    "acct", "add_key", "bpf", "create_module", "delete_module", "finit_module", "fsconfig",
-    "fsmount", "fsopen", "fspick", "get_kernel_syms", "init_module", "io_uring_enter",
-    "io_uring_register", "io_uring_setup", "kexec_file_load", "kexec_load", "keyctl",
-    "lookup_dcookie", "mount", "mount_setattr", "move_mount", "name_to_handle_at", "nfsservctl",
-    "open_by_handle_at", "open_tree", "perf_event_open", "pivot_root", "query_module",
-    "quotactl", "quotactl_fd", "reboot", "request_key", "setns", "swapoff", "swapon", "syslog",
-    "umount", "umount2", "unshare", "uselib", "userfaultfd", "vhangup",
-)
-_CLONE_NS_FLAGS = (
-    0x00020000,  # CLONE_NEWNS
-    0x02000000,  # CLONE_NEWCGROUP
-    0x04000000,  # CLONE_NEWUTS
-    0x08000000,  # CLONE_NEWIPC
-    0x10000000,  # CLONE_NEWUSER
-    0x20000000,  # CLONE_NEWPID
-    0x40000000,  # CLONE_NEWNET
-)
-_EPERM = 1
-_ENOSYS = 38
 
 
 # ----------------------------------------------------------------------------- errors
@@ -235,30 +213,18 @@ def _resources(cpu: float | None, memory_mb: int | None, pids_max: int | None) -
     return res
 
 
+_default_seccomp: dict[str, Any] | None = None
+
+
 def _seccomp() -> dict[str, Any]:
-    m = platform.machine()
-    if m in ("x86_64", "amd64"):
-        arches = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
-    elif m in ("aarch64", "arm64"):
-        arches = ["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"]
-    else:
-        arches = []
-    rules: list[dict[str, Any]] = [
-        {"names": list(SECCOMP_DENY), "action": "SCMP_ACT_ERRNO", "errnoRet": _EPERM},
-        # glibc falls back to clone(2) on ENOSYS; clone3's flags live in memory and can't be
-        # filtered, so refuse it outright (what Docker does).
-        {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS},
-    ]
-    for flag in _CLONE_NS_FLAGS:
-        rules.append(
-            {
-                "names": ["clone"],
-                "action": "SCMP_ACT_ERRNO",
-                "errnoRet": _EPERM,
-                "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
-            }
-        )
-    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": arches, "syscalls": rules}
+    """The built-in default profile's OCI seccomp object (callers without a guard profile)."""
+    global _default_seccomp
+    if _default_seccomp is None:
+        from ._profiles import compile_oci_seccomp
+        from ._profiles_builtin import default_profile
+
+        _default_seccomp = compile_oci_seccomp(default_profile().syscalls)
+    return _default_seccomp
 
 
 def build_spec(
@@ -280,8 +246,16 @@ def build_spec(
     nofile: int = 65536,
     shm_mb: int = 64,
     capabilities: Sequence[str] = DEFAULT_CAPABILITIES,
+    seccomp_profile: dict[str, Any] | None = None,
+    masked_paths: Sequence[str] = MASKED_PATHS,
+    readonly_paths: Sequence[str] = READONLY_PATHS,
+    no_new_privileges: bool = True,
 ) -> dict[str, Any]:
-    """The OCI runtime spec (as a dict) for one sandbox container."""
+    """The OCI runtime spec (as a dict) for one sandbox container.
+
+    `seccomp_profile`: the OCI `linux.seccomp` object to use (from the sandbox's guard profile);
+    None with `seccomp=True` uses the built-in default profile's.
+    """
     if not args:
         raise ValueError("args must not be empty")
     envd = {"PATH": DEFAULT_PATH, "HOME": "/root", "HOSTNAME": hostname}
@@ -298,7 +272,7 @@ def build_spec(
         "cwd": cwd,
         "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
         "rlimits": [{"type": "RLIMIT_NOFILE", "hard": (n := _max_nofile(nofile)), "soft": n}],
-        "noNewPrivileges": True,
+        "noNewPrivileges": bool(no_new_privileges),
     }
     if oom_score_adj is not None:
         process["oomScoreAdj"] = int(oom_score_adj)
@@ -343,14 +317,14 @@ def build_spec(
         "resources": resources,
         "cgroupsPath": f"{CGROUP_PARENT}/{sandbox_id}",
         "namespaces": namespaces,
-        "maskedPaths": list(MASKED_PATHS),
-        "readonlyPaths": list(READONLY_PATHS),
+        "maskedPaths": list(masked_paths),
+        "readonlyPaths": list(readonly_paths),
     }
     if netns_path is None:
         # Only in our own fresh netns: never write sysctls into a namespace we were handed.
         linux["sysctl"] = {"net.ipv4.ping_group_range": "0 2147483647"}
     if seccomp:
-        linux["seccomp"] = _seccomp()
+        linux["seccomp"] = seccomp_profile if seccomp_profile is not None else _seccomp()
     ann = dict(annotations or {})
     if group:
         ann[GROUP_ANNOTATION] = group
@@ -498,6 +472,11 @@ class ContainerRuntime:
         annotations: dict[str, str] | None = None,
         oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ,
         seccomp: bool = True,
+        seccomp_profile: dict[str, Any] | None = None,
+        capabilities: Sequence[str] = DEFAULT_CAPABILITIES,
+        masked_paths: Sequence[str] = MASKED_PATHS,
+        readonly_paths: Sequence[str] = READONLY_PATHS,
+        no_new_privileges: bool = True,
     ) -> int:
         """Create the container and its task, start it; return the init's host pid.
 
@@ -519,6 +498,11 @@ class ContainerRuntime:
             annotations=annotations,
             oom_score_adj=oom_score_adj,
             seccomp=seccomp,
+            seccomp_profile=seccomp_profile,
+            capabilities=capabilities,
+            masked_paths=masked_paths,
+            readonly_paths=readonly_paths,
+            no_new_privileges=no_new_privileges,
         )
         containers, tasks = self._stubs()
         runtime = containers_pb2.Container.Runtime(name=RUNTIME)

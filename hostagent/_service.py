@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 import socket
 import time
@@ -51,10 +52,12 @@ from bus.runtime import Service, error_of
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._backend import Backend, Handle
+from ._profiles import ProfileCache
 
 log = structlog.get_logger("dsec.hostagent")
 
 _state_json = msgspec.json.Encoder()
+LAYERS_TTL_S = 10.0
 
 
 class LocalSandbox(msgspec.Struct, kw_only=True):
@@ -69,6 +72,29 @@ class LocalSandbox(msgspec.Struct, kw_only=True):
 
 
 _state_dec = msgspec.json.Decoder(LocalSandbox)
+
+
+class _Sink:
+    """Receives every message of a per-sandbox ops subscription without a task per subscription.
+
+    nats-py runs one task per callback subscription; a host holding thousands of sandboxes would hold
+    thousands of idle tasks and pay a task per create. A subscription made with ``future=`` gets its
+    messages handed over synchronously (``set_result``), which this object turns into a call.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, msg: Msg) -> None:
+        self.fn(msg)
 
 
 class HostAgent(Service):
@@ -119,7 +145,22 @@ class HostAgent(Service):
         self._kv_sbx: KeyValue | None = None
         self._kv_images: KeyValue | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
+        self._layers_at: dict[str, float] = {}
         self.created = 0
+        # Running sums of what live sandboxes requested: admission and heartbeats are O(1), not O(live).
+        self._alloc_cpu = 0.0
+        self._alloc_ls_cpu = 0.0
+        self._alloc_mem = 0
+        self._alloc_disk = 0
+        self._deadlines: list[tuple[float, str]] = []  # heap of (expires_at, sandbox id); stale entries skipped
+        self._leased: dict[str, set[str]] = {}  # lease key (owner or sandbox id) -> leased sandboxes here
+        self._lease_seen: dict[str, tuple[int, float]] = {}  # lease key -> (KV revision, local time it changed)
+        self._lease_checked = 0.0
+        self._lease_min = float("inf")  # shortest lease among leased sandboxes here (sets the check period)
+        self._kv_leases: KeyValue | None = None
+        self.profiles: ProfileCache | None = None  # guard's security profiles (backends that enforce them)
+        self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
+        self._ops_sink = _Sink(self._on_op_now)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -133,10 +174,15 @@ class HostAgent(Service):
 
     async def setup(self) -> None:
         assert self.js is not None
-        await ensure_all(self.js, self.stream_options)
+        if self._shared_nc is None:  # many sim hosts on one connection: their runner set streams up once
+            await ensure_all(self.js, self.stream_options)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
         self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
         self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
+        if getattr(self.backend, "enforces_profiles", False):
+            # guard's profiles, watched in KV; built-in copies until guard has written them
+            self.profiles = ProfileCache()
+            await self.profiles.start(self.js)
         if self.persist_state:
             self.state_dir.mkdir(parents=True, exist_ok=True)
         await self.backend.start()
@@ -176,6 +222,8 @@ class HostAgent(Service):
             await self._event_host("down")
         except Exception:  # noqa: BLE001 - NATS may already be gone
             pass
+        if self.profiles is not None:
+            await self.profiles.stop()
         await self.backend.stop()
         if self._shared_nc is not None:
             self.nc = None  # not ours to drain
@@ -219,6 +267,7 @@ class HostAgent(Service):
                 h = alive[sid]
                 ls.pid = h.pid
                 self.live[sid] = ls
+                self._track(ls, 1)
                 self.handles[sid] = h
                 await self._serve_ops(sid)
                 await self._event(ls.spec, "recovered")
@@ -232,11 +281,7 @@ class HostAgent(Service):
     # --- heartbeats -----------------------------------------------------------------------
     def _status(self) -> HostStatus:
         cap = self.backend.capacity()
-        cpu = mem = disk = 0.0
-        for ls in self.live.values():
-            cpu += ls.spec.cpu
-            mem += ls.spec.memory_mb
-            disk += ls.spec.disk_mb
+        cpu, mem, disk = self._alloc_cpu, self._alloc_mem, self._alloc_disk
         return HostStatus(
             host_id=self.host_id,
             backend=self.backend.name,
@@ -256,7 +301,36 @@ class HostAgent(Service):
             layers=self._cached_layers(),
             cpu_overcommit=self.cpu_overcommit,
             mem_overcommit=self.mem_overcommit,
+            cpu_alloc_ls=self._alloc_ls_cpu,
         )
+
+    def _track(self, ls: LocalSandbox, sign: int) -> None:
+        """Count a sandbox in (+1) or out (-1) of this host's allocation, deadlines and leases."""
+        spec = ls.spec
+        self._alloc_cpu += sign * spec.cpu
+        self._alloc_mem += sign * spec.memory_mb
+        self._alloc_disk += sign * spec.disk_mb
+        if spec.priority == "latency-sensitive":
+            self._alloc_ls_cpu += sign * spec.cpu
+        if not self.live:
+            self._alloc_cpu = self._alloc_ls_cpu = 0.0
+            self._alloc_mem = self._alloc_disk = 0
+        if spec.lease_s > 0:
+            key = spec.owner or spec.sandbox_id
+            if sign > 0:
+                self._leased.setdefault(key, set()).add(spec.sandbox_id)
+                self._lease_min = min(self._lease_min, spec.lease_s)
+            else:
+                ids = self._leased.get(key)
+                if ids is not None:
+                    ids.discard(spec.sandbox_id)
+                    if not ids:
+                        del self._leased[key]
+                        self._lease_seen.pop(key, None)
+                        if not self._leased:
+                            self._lease_min = float("inf")
+        if sign > 0 and ls.expires_at:
+            heapq.heappush(self._deadlines, (ls.expires_at, spec.sandbox_id))
 
     _resident_mb = 0
     _cpu_busy = 0.0
@@ -295,12 +369,54 @@ class HostAgent(Service):
                 return
             except asyncio.TimeoutError:
                 pass
+            if self._working:
+                await self._keep_in_progress(time.monotonic())
             now = time.time()
-            for sid, ls in list(self.live.items()):
-                if ls.expires_at and now >= ls.expires_at and sid not in self._creating:
-                    log.info("sandbox_timeout", sandbox_id=sid)
+            dl = self._deadlines
+            while dl and dl[0][0] <= now:
+                at, sid = heapq.heappop(dl)
+                ls = self.live.get(sid)
+                if ls is None or ls.expires_at != at or sid in self._creating:
+                    continue  # gone, or its timeout was changed (a newer entry is in the heap)
+                log.info("sandbox_timeout", sandbox_id=sid)
+                try:
+                    await self._destroy(sid, "timeout", publish=True)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("reap_failed", sandbox_id=sid, error=str(exc))
+            if self._leased:
+                try:
+                    await self._reap_leases(now)
+                except Exception as exc:  # noqa: BLE001 - KV unavailable: try again next round
+                    log.warning("lease_check_failed", error=str(exc))
+
+    async def _reap_leases(self, now: float) -> None:
+        """Kill sandboxes whose client lease was not renewed within their ``lease_s`` (the trainer died).
+
+        One KV read per lease key (an owner's key covers all its sandboxes) every quarter of the shortest
+        lease here; a renewal is seen as a change of the key's revision, so host and client clocks never meet.
+        """
+        if now - self._lease_checked < max(0.25, self._lease_min / 4):
+            return
+        self._lease_checked = now
+        if self._kv_leases is None:
+            assert self.js is not None
+            self._kv_leases = await ensure_kv(self.js, S.KV_LEASES)
+        for key, ids in list(self._leased.items()):
+            try:
+                rev = (await self._kv_leases.get(key)).revision
+            except KeyNotFoundError:
+                rev = 0
+            seen = self._lease_seen.get(key)
+            if seen is None or seen[0] != rev:
+                seen = self._lease_seen[key] = (rev, now)
+            for sid in list(ids):
+                ls = self.live.get(sid)
+                if ls is None or sid in self._creating:
+                    continue
+                if now - max(seen[1], ls.started_at) > ls.spec.lease_s:
+                    log.info("lease_expired", sandbox_id=sid, lease_key=key)
                     try:
-                        await self._destroy(sid, "timeout", publish=True)
+                        await self._destroy(sid, "lease-expired", publish=True)
                     except Exception as exc:  # noqa: BLE001
                         log.warning("reap_failed", sandbox_id=sid, error=str(exc))
 
@@ -359,18 +475,22 @@ class HostAgent(Service):
             return
         match work:
             case PlaceSandbox():
-                await self._create_one(work.spec, work.attempt, work.exclude_hosts, msg)
+                # First hand-off of a first attempt: JetStream's de-duplication of <id>:<attempt> already
+                # guarantees no other host got this id, so the KV claim round trip is skipped. Redeliveries
+                # and re-placements (attempt > 0) claim, as every batch member does.
+                first = work.attempt == 0 and (msg.metadata.num_delivered if msg.metadata else 1) == 1
+                await self._create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first)
                 await msg.ack()
             case PlaceBatch():
-                await asyncio.gather(*(self._create_one(s, work.attempt, [], msg) for s in work.specs))
+                await self._create_batch(work, msg)
                 await msg.ack()
 
     def _admits(self, spec: SandboxSpec) -> str:
         """Empty when the sandbox fits on this host now, else why not."""
         cap = self.backend.capacity()
-        cpu = sum(ls.spec.cpu for ls in self.live.values())
-        mem = sum(ls.spec.memory_mb for ls in self.live.values())
-        disk = sum(ls.spec.disk_mb for ls in self.live.values())
+        cpu, mem, disk = self._alloc_cpu, self._alloc_mem, self._alloc_disk
+        if spec.priority == "latency-sensitive" and self._alloc_ls_cpu + spec.cpu > cap["cpu_total"]:
+            return f"latency-sensitive cpu: {self._alloc_ls_cpu + spec.cpu:.2f} > {cap['cpu_total']} real cores"
         if self.max_sandboxes and len(self.live) >= self.max_sandboxes:
             return f"host holds its maximum of {self.max_sandboxes} sandboxes"
         if cpu + spec.cpu > cap["cpu_total"] * self.cpu_overcommit:
@@ -387,34 +507,67 @@ class HostAgent(Service):
             entry = await self._kv_images.get(template)
         except KeyNotFoundError:
             raise UnknownTemplate(f"unknown template {template!r}", template=template) from None
-        return codec.TEMPLATE.decode(entry.value).layers
+        layers = codec.TEMPLATE.decode(entry.value).layers
+        self._layers_cache[template] = layers  # a create reads KV at most once per LAYERS_TTL_S per template
+        self._layers_at[template] = time.monotonic()
+        return layers
 
-    async def _create_one(self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None) -> None:
+    async def _create_one(self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False) -> None:
+        # (no structlog context binding here: it costs more than the rest of a simulated create;
+        # the log lines of this path name the sandbox themselves)
         sid = spec.sandbox_id
-        structlog.contextvars.bind_contextvars(sandbox_id=sid)
+        if sid in self.live:
+            await self._event(spec, "ready", attempt=attempt)  # redelivery: say it again
+            return
+        if sid in self._creating:
+            await self._creating[sid]
+            return
+        why = self._admits(spec)
+        if why:
+            if held and self._kv_sbx is not None:  # give back the batch's claim so another host can take it
+                await self._kv_sbx.delete(sid)
+            await self._reject(spec, attempt, excluded, why)
+            return
+        if claim and not await self._claim(spec):
+            log.info("duplicate_create_dropped", sandbox_id=sid)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._creating[sid] = fut
         try:
-            if sid in self.live:
-                await self._event(spec, "ready", attempt=attempt)  # redelivery: say it again
-                return
-            if sid in self._creating:
-                await self._creating[sid]
-                return
-            why = self._admits(spec)
-            if why:
-                await self._reject(spec, attempt, excluded, why)
-                return
-            if not await self._claim(spec):
-                log.info("duplicate_create_dropped")
-                return
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._creating[sid] = fut
-            try:
-                await self._do_create(spec, attempt, msg)
-            finally:
-                self._creating.pop(sid, None)
-                fut.set_result(None)
+            await self._do_create(spec, attempt, msg)
         finally:
-            structlog.contextvars.unbind_contextvars("sandbox_id")
+            self._creating.pop(sid, None)
+            fut.set_result(None)
+
+    async def _create_batch(self, work: PlaceBatch, msg: Msg) -> None:
+        """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
+        pipelined, one round trip for the whole batch, then each member is created as a single one."""
+        assert self.js is not None
+        todo = [s for s in work.specs if s.sandbox_id not in self.live and s.sandbox_id not in self._creating and not self._admits(s)]
+        claimed: set[str] = set()
+        if todo:
+            assert self.nc is not None
+            nc = self.nc
+
+            async def claim(s: SandboxSpec) -> bool:
+                rec = SandboxRecord(spec=s, state="placed", host_id=self.host_id, created_at=s.requested_at)
+                try:  # a KV create: stored only if the key has no value yet
+                    reply = await nc.request(
+                        f"$KV.{S.KV_SANDBOXES}.{s.sandbox_id}", codec.encode(rec), timeout=30.0,
+                        headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+                    )
+                except Exception:  # noqa: BLE001 - no answer: the one-by-one path below claims again
+                    return False
+                return b'"error"' not in reply.data
+
+            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo))):
+                if ok:
+                    claimed.add(s.sandbox_id)
+        # Members not claimed above (taken already, or admission said no) take the one-by-one path,
+        # which re-checks the claim and rejects or re-places as a single create would.
+        await asyncio.gather(*(
+            self._create_one(s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed) for s in work.specs
+        ))
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         assert self.js is not None
@@ -422,49 +575,69 @@ class HostAgent(Service):
         again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, self.host_id], last_error=err.description)
         await self.js.publish(S.REQ_CREATE, codec.encode(again), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{attempt + 1}"})
         await self._event(spec, "rejected", attempt=attempt, err=err)
-        log.info("rejected", reason=why)
+        log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
     async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None) -> None:
         t0 = time.perf_counter()
-        keepalive = asyncio.create_task(self._keep_in_progress(msg)) if msg is not None else None
+        if msg is not None:  # the reaper loop tells JetStream a slow create is still in progress
+            self._working[spec.sandbox_id] = [msg, time.monotonic()]
         try:
             layers = self._layers_cache.get(spec.template)
-            if layers is None:
+            if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
                 layers = await self._layers(spec.template)
-            handle = await self.backend.create(spec, layers)
+            if self.profiles is not None:
+                handle = await self.backend.create(spec, layers, security=self.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
+            else:
+                handle = await self.backend.create(spec, layers)
         except DsecError as exc:
             await self.backend.destroy(spec.sandbox_id)
             await self._fail(spec, attempt, exc)
             return
         except Exception as exc:  # noqa: BLE001 - report, clean up, keep serving
-            log.exception("create_failed")
+            log.exception("create_failed", sandbox_id=spec.sandbox_id)
             await self.backend.destroy(spec.sandbox_id)
             await self._fail(spec, attempt, CreateFailed(f"{type(exc).__name__}: {exc}"))
             return
         finally:
-            if keepalive is not None:
-                keepalive.cancel()
+            self._working.pop(spec.sandbox_id, None)
         now = time.time()
         ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
         self.live[spec.sandbox_id] = ls
+        self._track(ls, 1)
         self.handles[spec.sandbox_id] = handle
         self._save(ls)
         await self._serve_ops(spec.sandbox_id)
-        await self._record(ls, "running")
-        await self._event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
+        # The record and the ready event: two acked writes pipelined into one round trip.
+        assert self.js is not None
+        rec = SandboxRecord(
+            spec=spec, state="running", host_id=self.host_id, created_at=spec.requested_at, ready_at=ls.started_at, expires_at=ls.expires_at,
+        )
+        ev = SandboxEvent(
+            sandbox_id=spec.sandbox_id, kind="ready", at=time.time(), host_id=self.host_id, attempt=attempt,
+            detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"},
+        )
+        f1 = await self.js.publish_async(f"$KV.{S.KV_SANDBOXES}.{spec.sandbox_id}", codec.encode(rec))
+        f2 = await self.js.publish_async(S.evt_sandbox(spec.sandbox_id, "ready"), codec.encode(ev), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
+        done, _ = await asyncio.wait((f1, f2), timeout=30.0)
+        if len(done) < 2 or f1.exception() is not None or f2.exception() is not None:
+            f1.cancel()
+            f2.cancel()
+            raise InternalError(f"record or ready event of {spec.sandbox_id} not stored")  # un-acked: redelivered
         self.created += 1
-        log.info("sandbox_ready", ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
+        log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 
-    async def _keep_in_progress(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(15)  # well inside ack_wait: keeps a slow create from being redelivered
-            try:
-                await msg.in_progress()
-            except Exception:  # noqa: BLE001
-                return
+    async def _keep_in_progress(self, now: float) -> None:
+        """Every 15 s (well inside ack_wait) a create still running says so, so it is not redelivered."""
+        for w in list(self._working.values()):
+            if now - w[1] >= 15.0:
+                w[1] = now
+                try:
+                    await w[0].in_progress()
+                except Exception:  # noqa: BLE001
+                    pass
 
     async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
-        log.warning("create_failed", code=err.code, reason=err.description)
+        log.warning("create_failed", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
         await self._event(spec, "failed", attempt=attempt, err=err)
         if self._kv_sbx is not None:
             rec = SandboxRecord(spec=spec, state="failed", host_id=self.host_id, ended_at=time.time(), end_reason=err.code)
@@ -473,6 +646,8 @@ class HostAgent(Service):
     # --- destroy ----------------------------------------------------------------------------
     async def _destroy(self, sid: str, reason: str, *, publish: bool) -> None:
         ls = self.live.pop(sid, None)
+        if ls is not None:
+            self._track(ls, -1)
         self.handles.pop(sid, None)
         sub = self._subs.pop(sid, None)
         if sub is not None:
@@ -493,9 +668,12 @@ class HostAgent(Service):
         assert self.nc is not None
         if sid in self._subs:
             return
-        self._subs[sid] = await self.nc.subscribe(S.sbx_all(sid), cb=self._on_op)
+        self._subs[sid] = await self.nc.subscribe(S.sbx_all(sid), future=self._ops_sink)  # type: ignore[arg-type]
 
     async def _on_op(self, msg: Msg) -> None:
+        self._on_op_now(msg)
+
+    def _on_op_now(self, msg: Msg) -> None:
         # Ops of one sandbox run concurrently: a long exec must not hold up a file read.
         t = asyncio.create_task(self._op(msg))
         self._ops.add(t)
@@ -544,6 +722,7 @@ class HostAgent(Service):
                 if t <= 0:
                     raise BadRequest("timeout must be > 0 seconds")
                 ls.expires_at = time.time() + t
+                heapq.heappush(self._deadlines, (ls.expires_at, sid))
                 self._save(ls)
                 await self._record(ls, "running")
                 return Done()
@@ -559,6 +738,9 @@ class HostAgent(Service):
         assert self.nc is not None
         seq = 0
         on_output = None
+        if req.stream_to and not req.stream_to.startswith("_INBOX."):
+            # Output goes only to a reply inbox: never let a client make us publish on control subjects.
+            raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")
         if req.stream_to:
             nc = self.nc
 

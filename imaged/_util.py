@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_DATA_DIR = "/var/lib/dsec"
-DEFAULT_CHUNK_SIZE = 1024 * 1024
+DEFAULT_CHUNK_SIZE = 256 * 1024  # small enough that a lazy read fetches little, big enough for few round trips
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from nats.js.api import StorageType
+
+from bus.streams import StreamOptions
+
 from ._service import Placement
 from ._table import Policy
+
+MEMORY_EVENTS_MAX_BYTES = 512 * 1024**2  # memory streams share the server's memory store
 
 
 def main() -> None:
@@ -16,8 +22,15 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=256, help="requests handled at once by this replica")
     ap.add_argument("--strategy", choices=["spread", "pack"], default="spread")
     ap.add_argument("--sample-k", type=int, default=8)
+    ap.add_argument("--ack-wait", type=float, default=10.0, help="seconds before a dead replica's requests are redelivered")
+    ap.add_argument("--pending-delay", type=float, default=0.5, help="first re-try delay of a request no host fits")
+    ap.add_argument("--stream-storage", choices=["file", "memory"], default="file", help="storage of streams this replica creates (memory: scale benchmarks)")
     args = ap.parse_args()
-    svc = Placement(args.nats_url, replica_id=args.replica_id, capacity=args.capacity, policy=Policy(sample_k=args.sample_k, strategy=args.strategy))
+    storage = StorageType.MEMORY if args.stream_storage == "memory" else StorageType.FILE
+    svc = Placement(
+        args.nats_url, replica_id=args.replica_id, capacity=args.capacity, policy=Policy(sample_k=args.sample_k, strategy=args.strategy),
+        ack_wait_s=args.ack_wait, pending_delay_s=args.pending_delay, stream_options=StreamOptions(storage=storage, events_max_bytes=MEMORY_EVENTS_MAX_BYTES if storage == StorageType.MEMORY else StreamOptions().events_max_bytes),
+    )
     asyncio.run(svc.run())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import socket
 import time
@@ -10,16 +11,18 @@ import uuid
 
 import structlog
 from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
-from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEvent, SandboxSpec, TemplateManifest
+from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxEvent, SandboxSpec, TemplateManifest
 from bus.runtime import Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
+from ._consume import BatchConsumer
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
@@ -50,7 +53,14 @@ def validate_spec(spec: SandboxSpec) -> None:
 
 
 class Placement(Service):
-    """Chooses a host for each create request and hands it to that host's work subject."""
+    """Chooses a host for each create request and hands it to that host's work subject.
+
+    Hot path, per batch of messages JetStream delivered together: decode, choose (O(k)), reserve, then
+    publish every hand-off without waiting in between, wait for all their acks at once, and only then
+    ack the requests. A hand-off carries ``Nats-Msg-Id = <sandbox>:<attempt>`` so a request redelivered
+    after a replica died is de-duplicated by JetStream instead of being placed twice; batches are
+    guarded by the host agent's claim of each id.
+    """
 
     name = "placement"
 
@@ -64,6 +74,8 @@ class Placement(Service):
         pending_delay_s: float = 0.5,
         max_attempts: int = MAX_ATTEMPTS,
         stream_options: StreamOptions = StreamOptions(),
+        ack_wait_s: float = 10.0,
+        handoff_timeout_s: float = 10.0,
         grace_s: float = 10.0,
     ) -> None:
         super().__init__(nats_url, grace_s=grace_s)
@@ -73,34 +85,54 @@ class Placement(Service):
         self.pending_delay_s = pending_delay_s
         self.max_attempts = max_attempts
         self.stream_options = stream_options
+        self.ack_wait_s = ack_wait_s
+        self.handoff_timeout_s = handoff_timeout_s
         self.templates: dict[str, TemplateManifest] = {}
+        self._template_layers: dict[str, frozenset[str]] = {}
         self.placed = 0
+        self.consumer: BatchConsumer | None = None
         self._kv_hosts: KeyValue | None = None
         self._kv_images: KeyValue | None = None
+        self._kv_sbx: KeyValue | None = None
         self._hosts_seen = asyncio.Event()
+        self._templates_seen = asyncio.Event()
 
     async def setup(self) -> None:
-        assert self.js is not None
+        assert self.js is not None and self.nc is not None
         await ensure_all(self.js, self.stream_options)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
         self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
-        self.spawn(self._watch_hosts(), name="watch-hosts")
-        self.spawn(self._watch_templates(), name="watch-templates")
-        await self.add_worker(
+        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
+        self.spawn(self._watch(self._kv_hosts, self._on_host, self._hosts_seen), name="watch-hosts")
+        self.spawn(self._watch(self._kv_images, self._on_template, self._templates_seen), name="watch-templates")
+        try:  # start taking work once the host table holds what KV holds (else every early request waits)
+            await asyncio.wait_for(asyncio.gather(self._hosts_seen.wait(), self._templates_seen.wait()), 10.0)
+        except asyncio.TimeoutError:
+            log.warning("initial_watch_slow")
+        self.consumer = BatchConsumer(
+            self.nc,
+            self.js,
             stream=S.STREAM_REQ,
-            durable=S.PLACEMENT_DURABLE,
-            filter_subject="dsec.req.>",
-            handler=self.handle,
+            config=ConsumerConfig(
+                durable_name=S.PLACEMENT_DURABLE,
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                filter_subject=f"{S.PREFIX}.req.>",
+                ack_wait=self.ack_wait_s,
+                max_deliver=-1,
+                max_ack_pending=max(self.capacity * 16, 4096),  # shared by every replica
+                max_waiting=512,
+            ),
             capacity=self.capacity,
-            ack_wait_s=30.0,
-            max_ack_pending=max(self.capacity * 8, 1024),  # shared by every replica
-            name="placement",
+            on_batch=self.handle_batch,
+            name=f"placement-{self.replica_id}",
         )
+        await self.consumer.start()
+        self.workers.append(self.consumer)  # type: ignore[arg-type]  # same stop_intake/finish interface
 
     # --- watches -------------------------------------------------------------------
-    async def _watch_hosts(self) -> None:
-        assert self._kv_hosts is not None
-        watcher = await self._kv_hosts.watchall()
+    async def _watch(self, kv: KeyValue, on_entry, seen: asyncio.Event) -> None:
+        watcher = await kv.watchall()
         try:
             while not self._stopped.is_set():
                 try:
@@ -112,48 +144,36 @@ class Placement(Service):
                         return
                     raise
                 if entry is None:
-                    self._hosts_seen.set()
+                    seen.set()  # the initial snapshot is in
                     continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self.table.remove(entry.key)
-                    continue
-                try:
-                    self.table.update(codec.HOST_STATUS.decode(entry.value))
-                except BadRequest as exc:
-                    log.warning("bad_heartbeat", key=entry.key, error=str(exc))
+                on_entry(entry)
         finally:
             try:
                 await watcher.stop()
             except Exception:  # noqa: BLE001
                 pass
 
-    async def _watch_templates(self) -> None:
-        assert self._kv_images is not None
-        watcher = await self._kv_images.watchall()
+    def _on_host(self, entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.table.remove(entry.key)
+            return
         try:
-            while not self._stopped.is_set():
-                try:
-                    entry = await watcher.updates(timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                except Exception:  # noqa: BLE001
-                    if self._stopped.is_set():
-                        return
-                    raise
-                if entry is None:
-                    continue
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
-                    self.templates.pop(entry.key, None)
-                    continue
-                try:
-                    self.templates[entry.key] = codec.TEMPLATE.decode(entry.value)
-                except BadRequest as exc:
-                    log.warning("bad_manifest", key=entry.key, error=str(exc))
-        finally:
-            try:
-                await watcher.stop()
-            except Exception:  # noqa: BLE001
-                pass
+            self.table.update(codec.HOST_STATUS.decode(entry.value))
+        except BadRequest as exc:
+            log.warning("bad_heartbeat", key=entry.key, error=str(exc))
+
+    def _on_template(self, entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.templates.pop(entry.key, None)
+            self._template_layers.pop(entry.key, None)
+            return
+        try:
+            t = codec.TEMPLATE.decode(entry.value)
+        except BadRequest as exc:
+            log.warning("bad_manifest", key=entry.key, error=str(exc))
+            return
+        self.templates[entry.key] = t
+        self._template_layers[entry.key] = frozenset(l.digest for l in t.layers)
 
     async def template(self, name: str) -> TemplateManifest | None:
         t = self.templates.get(name)
@@ -165,35 +185,111 @@ class Placement(Service):
             return None
         if not entry.value:
             return None
-        return codec.TEMPLATE.decode(entry.value)
+        try:
+            return codec.TEMPLATE.decode(entry.value)
+        except BadRequest as exc:  # a broken manifest is an unknown template, not a request redelivered forever
+            log.warning("bad_manifest", key=name, error=str(exc))
+            return None
+
+    async def _layers_of(self, name: str) -> frozenset[str] | None:
+        layers = self._template_layers.get(name)
+        if layers is not None:
+            return layers
+        t = await self.template(name)  # not seen by the watch yet: ask KV
+        return None if t is None else frozenset(l.digest for l in t.layers)
 
     # --- events ---------------------------------------------------------------------
+    def _event_bytes(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> bytes:
+        return codec.encode(SandboxEvent(
+            sandbox_id=spec.sandbox_id, kind=kind, at=time.time(), host_id=host_id, attempt=attempt,
+            code=err.code if err else "", description=err.description if err else "",
+        ))
+
     async def event(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, dedup: bool = True) -> None:
+        """An event that must not be lost (acked by the stream)."""
         assert self.js is not None
-        ev = SandboxEvent(
-            sandbox_id=spec.sandbox_id,
-            kind=kind,
-            at=time.time(),
-            host_id=host_id,
-            attempt=attempt,
-            code=err.code if err else "",
-            description=err.description if err else "",
-        )
         headers = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if dedup else None
-        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), codec.encode(ev), headers=headers)
+        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err), headers=headers)
+
+    async def _event_async(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None) -> asyncio.Future:
+        assert self.js is not None
+        return await self.js.publish_async(
+            S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, err=err),
+            headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"},
+        )
+
+    async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
+        """An informational event (placed, pending): a core publish the stream still records, no ack round trip."""
+        assert self.nc is not None
+        await self.nc.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err))
 
     # --- the handler -------------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
-        try:
-            req = codec.REQ.decode(msg.data)
-        except BadRequest as exc:
-            await self.dead_letter(msg, exc)
-            return
-        match req:
-            case CreateSandbox():
-                await self.place_one(msg, req)
-            case CreateBatch():
+        """Handle one request message (tests and tools; the consumer hands over whole batches)."""
+        await self.handle_batch([msg])
+
+    async def handle_batch(self, msgs: list[Msg]) -> None:
+        assert self.js is not None
+        js = self.js
+        now = time.time()
+        # (msg, future, host or "", spec or None, attempt)
+        outs: list[tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]] = []
+        for msg in msgs:
+            try:
+                req = codec.REQ.decode(msg.data)
+            except BadRequest as exc:
+                await self.dead_letter(msg, exc)
+                continue
+            if type(req) is CreateBatch:
                 await self.place_batch(msg, req)
+                continue
+            spec = req.spec
+            if req.attempt == 0 and (msg.metadata.num_delivered if msg.metadata else 1) == 1:
+                await self._note(spec, "requested")  # where a sandbox's audit trail starts
+            err, layers = await self._precheck(spec, now)
+            if err is None and req.attempt >= self.max_attempts:
+                err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
+            if err is not None:
+                log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
+                outs.append((msg, await self._event_async(spec, "failed", attempt=req.attempt, err=err), "", None, req.attempt))
+                continue
+            host = self.table.choose(spec, set(req.exclude_hosts) if req.exclude_hosts else frozenset(), layers, now)
+            if host is None and req.exclude_hosts:
+                host = self.table.choose(spec, frozenset(), layers, now)  # every host was tried once; try again
+            if host is None:
+                await self.pending(msg, spec, req.attempt)
+                continue
+            self.table.reserve(host, spec, now)
+            place = PlaceSandbox(
+                spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
+                placed_by=self.replica_id, placed_at=now,
+            )
+            fut = await js.publish_async(
+                S.host_create(host), codec.encode(place), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"}
+            )
+            outs.append((msg, fut, host, spec, req.attempt))
+        if not outs:
+            return
+        futs = [o[1] for o in outs]
+        _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
+        for f in not_done:
+            f.cancel()
+        for msg, fut, host, spec, attempt in outs:
+            if fut.cancelled() or fut.exception() is not None:
+                # The hand-off may or may not be stored: redeliver; its Nats-Msg-Id makes a re-send harmless.
+                if host and spec is not None:
+                    self.table.release(host, spec.sandbox_id)
+                log.warning("handoff_failed", error=repr(None if fut.cancelled() else fut.exception()))
+                await msg.nak()
+                continue
+            if host and spec is not None:
+                if fut.result().duplicate:
+                    # An earlier delivery of this request already handed it off (maybe elsewhere).
+                    self.table.release(host, spec.sandbox_id)
+                else:
+                    await self._note(spec, "placed", attempt=attempt, host_id=host)
+                    self.placed += 1
+            await msg.ack()
 
     async def dead_letter(self, msg: Msg, exc: DsecError) -> None:
         """Malformed work is kept (not dropped) on the DLQ stream with the reason, then acked."""
@@ -206,86 +302,92 @@ class Placement(Service):
         )
         await msg.ack()
 
-    async def _precheck(self, spec: SandboxSpec) -> tuple[DsecError | None, set[str]]:
+    async def _precheck(self, spec: SandboxSpec, now: float | None = None) -> tuple[DsecError | None, frozenset[str]]:
         try:
             validate_spec(spec)
         except DsecError as exc:
-            return exc, set()
-        if spec.create_deadline and time.time() > spec.create_deadline:
-            return SandboxTimeout(f"create request for {spec.sandbox_id} expired before a host was found"), set()
-        tmpl = await self.template(spec.template)
-        if tmpl is None:
-            return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), set()
-        return None, {l.digest for l in tmpl.layers}
-
-    async def place_one(self, msg: Msg, req: CreateSandbox) -> None:
-        spec = req.spec
-        structlog.contextvars.bind_contextvars(sandbox_id=spec.sandbox_id, subject=msg.subject)
-        try:
-            err, layers = await self._precheck(spec)
-            if err is not None:
-                await self.event(spec, "failed", attempt=req.attempt, err=err)
-                await msg.ack()
-                log.info("create_refused", code=err.code, reason=err.description)
-                return
-            if req.attempt >= self.max_attempts:
-                err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
-                await self.event(spec, "failed", attempt=req.attempt, err=err)
-                await msg.ack()
-                return
-            exclude = set(req.exclude_hosts)
-            host = self.table.choose(spec, exclude, layers)
-            if host is None and exclude:
-                host = self.table.choose(spec, set(), layers)  # every host was tried once; try again
-            if host is None:
-                await self.pending(msg, spec, req.attempt)
-                return
-            self.table.reserve(host, spec)
-            place = PlaceSandbox(
-                spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
-                placed_by=self.replica_id, placed_at=time.time(),
-            )
-            await self.js.publish(  # type: ignore[union-attr]
-                S.host_create(host), codec.encode(place), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"}
-            )
-            await self.event(spec, "placed", attempt=req.attempt, host_id=host)
-            await msg.ack()
-            self.placed += 1
-            log.debug("placed", host_id=host, attempt=req.attempt)
-        finally:
-            structlog.contextvars.unbind_contextvars("sandbox_id", "subject")
+            return exc, frozenset()
+        if spec.create_deadline and (now or time.time()) > spec.create_deadline:
+            return SandboxTimeout(f"create request for {spec.sandbox_id} expired before a host was found"), frozenset()
+        layers = await self._layers_of(spec.template)
+        if layers is None:
+            return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), frozenset()
+        return None, layers
 
     async def pending(self, msg: Msg, spec: SandboxSpec, attempt: int) -> None:
         """No host fits: the request waits in the stream (NAK with delay); clients see ``pending``."""
         delivered = msg.metadata.num_delivered if msg.metadata else 1
         if delivered == 1 or delivered % 20 == 0:
-            await self.event(spec, "pending", attempt=attempt, err=NoCapacity("no host has room; waiting"), dedup=False)
+            await self._note(spec, "pending", attempt=attempt, err=NoCapacity("no host has room; waiting"))
         await msg.nak(delay=min(self.pending_delay_s * (1 + delivered // 10), 5.0))
 
+    async def _already_claimed(self, specs: list[SandboxSpec]) -> set[str]:
+        """Ids some host already claimed (a redelivered batch must not hand them off again)."""
+        if self._kv_sbx is None:
+            return set()
+        kv = self._kv_sbx
+
+        async def one(sid: str) -> str | None:
+            try:
+                await kv.get(sid)
+                return sid
+            except KeyNotFoundError:
+                return None
+
+        found = await asyncio.gather(*(one(s.sandbox_id) for s in specs), return_exceptions=True)
+        return {f for f in found if isinstance(f, str)}
+
     async def place_batch(self, msg: Msg, req: CreateBatch) -> None:
-        """A batch lands on as few hosts as possible; specs that fit nowhere go back as single requests."""
+        """A batch lands on as few messages as hosts chosen; specs that fit nowhere go back as single requests.
+
+        A redelivered batch (the replica died between hand-off and ack) skips the ids a host already
+        claimed; for the rest, the host agents' claim of each id keeps a second host from creating it.
+        """
         assert self.js is not None
+        js = self.js
+        now = time.time()
+        specs = req.specs
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        if delivered > 1:
+            done = await self._already_claimed(specs)
+            specs = [s for s in specs if s.sandbox_id not in done]
         by_host: dict[str, list[SandboxSpec]] = {}
         leftovers: list[SandboxSpec] = []
-        for spec in req.specs:
-            err, layers = await self._precheck(spec)
+        futs: list[asyncio.Future] = []
+        for spec in specs:
+            if delivered == 1 and req.attempt == 0:
+                await self._note(spec, "requested")
+            err, layers = await self._precheck(spec, now)
             if err is not None:
-                await self.event(spec, "failed", err=err)
+                futs.append(await self._event_async(spec, "failed", err=err))
                 continue
-            host = self.table.choose(spec, set(), layers)
+            host = self.table.choose(spec, frozenset(), layers, now)
             if host is None:
                 leftovers.append(spec)
                 continue
-            self.table.reserve(host, spec)
+            self.table.reserve(host, spec, now)
             by_host.setdefault(host, []).append(spec)
-        for host, specs in by_host.items():
-            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=specs, attempt=req.attempt, placed_by=self.replica_id, placed_at=time.time())
-            await self.js.publish(S.host_create(host), codec.encode(pb), headers={S.HDR_MSG_ID: f"{req.batch_id}:{host}:{req.attempt}"})
-            for spec in specs:
-                await self.event(spec, "placed", host_id=host)
+        for host, hspecs in by_host.items():
+            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now)
+            digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
+            futs.append(await js.publish_async(S.host_create(host), codec.encode(pb), headers={S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
-            await self.js.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
+            futs.append(await js.publish_async(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id}))
+        if futs:
+            _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
+            for f in not_done:
+                f.cancel()
+            if any(f.cancelled() or f.exception() is not None for f in futs):
+                for host, hspecs in by_host.items():
+                    for s in hspecs:
+                        self.table.release(host, s.sandbox_id)
+                log.warning("batch_handoff_failed", batch_id=req.batch_id)
+                await msg.nak()
+                return
+        for host, hspecs in by_host.items():
+            for spec in hspecs:
+                await self._note(spec, "placed", host_id=host)
         self.placed += sum(len(v) for v in by_host.values())
         await msg.ack()
 

@@ -49,6 +49,71 @@ CHUNK = 512 * 1024  # under any NATS server's default max_payload (1 MiB)
 OutputHandler = Callable[[str], Any]
 
 _conns: dict[tuple[int, str], NATS] = {}
+BATCH_CHUNK = 1000  # specs per request message (well under any server's max_payload)
+
+
+class _LeaseKeeper:
+    """One client lease per process and NATS URL: a single KV key (the owner id) renewed in the background.
+
+    Every sandbox created with ``lease=`` carries this owner; its host reaps it when the key stops changing
+    for longer than the sandbox's lease (the trainer died). One write per ``ttl / 3`` however many
+    sandboxes the client holds.
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.owner = f"lease-{uuid.uuid4().hex[:20]}"
+        self.ttl = float("inf")
+        self.kv: Any = None
+        self.task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    async def ensure(self, ttl: float) -> str:
+        if ttl < self.ttl:
+            self.ttl = ttl
+            self._wake.set()
+        if self.kv is None:
+            from bus.streams import ensure_kv
+
+            self.kv = await ensure_kv(self.nc.jetstream(), S.KV_LEASES)
+        if self.task is None or self.task.done():
+            await self.renew()  # the key exists before any create names it
+            self.task = asyncio.ensure_future(self._loop())
+        return self.owner
+
+    async def renew(self) -> None:
+        from bus.messages import Lease
+
+        await self.kv.put(self.owner, codec.encode(Lease(sandbox_id=self.owner, owner=self.owner, renewed_at=time.time(), ttl_s=self.ttl)))
+
+    async def _loop(self) -> None:
+        while not self.nc.is_closed:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.2, self.ttl / 3))
+            except asyncio.TimeoutError:
+                pass
+            try:
+                await self.renew()
+            except Exception:  # noqa: BLE001 - NATS away for a moment: the next round tries again
+                pass
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+_leases: dict[tuple[int, str], _LeaseKeeper] = {}
+
+
+async def _lease_owner(nc: NATS, url: str | None, ttl: float) -> str:
+    key = (id(asyncio.get_running_loop()), nats_url(url))
+    keeper = _leases.get(key)
+    if keeper is None or keeper.nc is not nc:
+        if keeper is not None:
+            keeper.stop()
+        keeper = _leases[key] = _LeaseKeeper(nc)
+    return await keeper.ensure(ttl)
 
 
 async def _nc(url: str | None) -> NATS:
@@ -61,10 +126,24 @@ async def _nc(url: str | None) -> NATS:
     return nc
 
 
+_jsctx: dict[int, Any] = {}
+
+
+def _js(nc: NATS) -> Any:
+    """One JetStream context per connection (making one per create shows up in profiles)."""
+    js = _jsctx.get(id(nc))
+    if js is None or js._nc is not nc:
+        js = _jsctx[id(nc)] = nc.jetstream()
+    return js
+
+
 async def close_connections() -> None:
     loop_id = id(asyncio.get_running_loop())
+    for key in [k for k in _leases if k[0] == loop_id]:
+        _leases.pop(key).stop()
     for key in [k for k in _conns if k[0] == loop_id]:
         nc = _conns.pop(key)
+        _jsctx.pop(id(nc), None)
         if not nc.is_closed:
             await nc.drain()
 
@@ -143,18 +222,40 @@ class _Waiter:
             self.done.set()
 
     async def on_msg(self, msg: Any) -> None:
+        self.feed(msg)
+
+    def feed(self, msg: Any) -> SandboxEvent | None:
         try:
             ev = codec.EVENT.decode(msg.data)
         except BadRequest:
-            return
+            return None
         if not isinstance(ev, SandboxEvent):
-            return
+            return None
         self.last[ev.sandbox_id] = ev
         if ev.kind in ("ready", "failed") and ev.sandbox_id in self.pending_ids:
             self.pending_ids.discard(ev.sandbox_id)
             self.results[ev.sandbox_id] = ev
             if not self.pending_ids:
                 self.done.set()
+        return ev
+
+
+class _Sink:
+    """Takes every message of a subscription made with ``future=``: no task per subscription (one per create)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], None]) -> None:
+        self.fn = fn
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, msg: Any) -> None:
+        self.fn(msg)
 
 
 class AsyncCommands:
@@ -314,11 +415,18 @@ class AsyncSandbox:
         *,
         nats_url: str | None = None,
         create_timeout: float = 120.0,
+        sandbox_ids: list[str] | None = None,
         **kwargs: Any,
     ) -> list["AsyncSandbox"]:
-        """Create ``count`` alike sandboxes with one request message; each gets its own events and record."""
+        """Create ``count`` alike sandboxes with one request message (per 1,000); each gets its own events and record.
+
+        ``sandbox_ids`` (optional, ``count`` of them) names the sandboxes instead of random ids.
+        """
         _check_positive("count", count, lo=1, hi=100_000, integer=True)
-        specs = [build_spec(template, create_timeout=create_timeout, **kwargs) for _ in range(count)]
+        if sandbox_ids is not None and (len(sandbox_ids) != count or len(set(sandbox_ids)) != count):
+            raise InvalidArgument(f"sandbox_ids must be {count} distinct ids")
+        ids = sandbox_ids or [None] * count
+        specs = [build_spec(template, create_timeout=create_timeout, sandbox_id=ids[i], **kwargs) for i in range(count)]
         batch_id = f"batch-{uuid.uuid4().hex[:16]}"
         for s in specs:
             s.batch_id = batch_id
@@ -329,27 +437,43 @@ class AsyncSandbox:
         cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool
     ) -> list["AsyncSandbox"]:
         nc = await _nc(url)
-        js = nc.jetstream()
+        js = _js(nc)
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
 
-        async def on_msg(msg: Any) -> None:
-            await waiter.on_msg(msg)
-            ev = waiter.last.get(msg.subject.split(".")[3])
+        def on_event(msg: Any) -> None:
+            if msg.subject.split(".")[3] not in waiter.pending_ids:
+                return  # another caller's sandbox (wildcard subscriptions of big batches)
+            ev = waiter.feed(msg)
             if ev is not None and ev.kind == "pending" and ev.sandbox_id not in pending_seen:
                 pending_seen.add(ev.sandbox_id)
                 if on_pending is not None:
                     r = on_pending(ev.sandbox_id)
                     if inspect.isawaitable(r):
-                        await r
+                        asyncio.ensure_future(r)
 
-        subject = S.EVT_SANDBOX_ALL if len(specs) > 16 else None
-        subs = [await nc.subscribe(subject, cb=on_msg)] if subject else [await nc.subscribe(S.evt_sandbox_all(s.sandbox_id), cb=on_msg) for s in specs]
+        async def on_msg(msg: Any) -> None:
+            on_event(msg)
+
+        leased = [s for s in specs if s.lease_s > 0]
+        if leased:
+            owner = await _lease_owner(nc, url, min(s.lease_s for s in leased))
+            for s in leased:
+                s.owner = s.owner or owner
+        if len(specs) > 16:  # only the kinds a create waits for: placed/rejected of everyone are not our business
+            subs = [await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.{kind}", cb=on_msg) for kind in ("ready", "failed", "pending")]
+        else:
+            sink = _Sink(on_event)
+            subs = [await nc.subscribe(S.evt_sandbox_all(s.sandbox_id), future=sink) for s in specs]  # type: ignore[arg-type]
         try:
             try:
                 if batch:
                     bid = specs[0].batch_id
-                    await js.publish(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=bid, specs=specs)), headers={S.HDR_MSG_ID: bid})
+                    chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
+                    await asyncio.gather(*(
+                        js.publish(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), headers={S.HDR_MSG_ID: f"{bid}-{n}"})
+                        for n, c in enumerate(chunks)
+                    ))
                 else:
                     for s in specs:
                         await js.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), headers={S.HDR_MSG_ID: s.sandbox_id})

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from bus.auth import AuthConfig
 from bus.errors import DsecError
 from bus.natsd import NatsServer, NatsServerError
 
@@ -78,24 +79,31 @@ def run_up(args: argparse.Namespace) -> int:
     data = Path(args.data_dir).resolve()
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    nats = NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"))
+    auth = None if args.no_auth else AuthConfig.load_or_create(data / "auth.json")
+    nats = NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"), extra_config=auth.config_block() if auth else "")
     try:
         nats.start()
     except NatsServerError as exc:
         print(f"dsec up: {exc}", file=sys.stderr)
         return 1
     _say(f"NATS JetStream at {nats.url} (pid {nats.pid})")
-    env = {**os.environ, "DSEC_NATS_URL": nats.url, "PYTHONUNBUFFERED": "1"}
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def env(role: str) -> dict[str, str]:
+        # Each service connects as its own NATS user, with only the subjects it needs.
+        return {**base_env, "DSEC_NATS_URL": auth.url_for(role, nats.url) if auth else nats.url}
+
     py = sys.executable
     host_id = args.host_id or socket.gethostname().split(".")[0]
-    children = [Child("imaged", [py, "-m", "imaged", "serve", "--data-dir", str(data)], env, logs)]
-    children += [Child(f"placement-{i}", [py, "-m", "placement"], env, logs) for i in range(args.placement_replicas)]
+    children = [Child("imaged", [py, "-m", "imaged", "serve", "--data-dir", str(data)], env("imaged"), logs)]
+    children += [Child(f"placement-{i}", [py, "-m", "placement"], env("placement"), logs) for i in range(args.placement_replicas)]
+    children.append(Child("guard", [py, "-m", "guard"], env("guard"), logs))
     children.append(
         Child(
             "hostagent",
             [py, "-m", "hostagent", "--data-dir", str(data), "--host-id", host_id, "--backend", args.backend,
              "--concurrency", str(args.concurrency), "--destroy-on-shutdown"],
-            env,
+            env("hostagent"),
             logs,
         )
     )

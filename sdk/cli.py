@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import sys
 import time
 from importlib.metadata import entry_points
@@ -49,8 +50,11 @@ def _sandbox(args: argparse.Namespace) -> int:
     kw = {"nats_url": args.nats_url} if args.nats_url else {}
     try:
         if args.sbx_cmd == "create":
+            if any("=" not in e for e in args.env or []):
+                print(f"dsec: --env takes K=V, got {[e for e in args.env if '=' not in e]}", file=sys.stderr)
+                return 2
             envs = dict(e.split("=", 1) for e in args.env or [])
-            sb = Sandbox.create(args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout, envs=envs, **kw)
+            sb = Sandbox.create(args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout, envs=envs, pool=args.pool, **kw)
             if args.json:
                 _print_json({"sandbox_id": sb.sandbox_id, "host_id": sb.host_id})
             else:
@@ -59,7 +63,8 @@ def _sandbox(args: argparse.Namespace) -> int:
             from .errors import CommandExitError
 
             sb = Sandbox.connect(args.sandbox_id, **kw)
-            cmd = " ".join(args.command) if len(args.command) > 1 else args.command[0]
+            # One argument is a shell command line; several are an argv, quoted so the shell keeps them apart.
+            cmd = shlex.join(args.command) if len(args.command) > 1 else args.command[0]
             try:
                 r = sb.commands.run(cmd, timeout=args.timeout, cwd=args.cwd)
             except CommandExitError as exc:
@@ -153,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--disk-mb", type=int, default=1024)
     c.add_argument("--timeout", type=float, default=300)
     c.add_argument("--env", action="append", metavar="K=V")
+    c.add_argument("--pool", default="default", help="the pool of hosts to place it in")
     c.add_argument("--json", action="store_true")
     e = sbs.add_parser("exec")
     e.add_argument("sandbox_id")

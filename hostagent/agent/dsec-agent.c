@@ -2,7 +2,25 @@
  * dsec-agent: PID 1 inside every dsec sandbox. It runs commands and touches files on behalf of the
  * host, so every path it is given resolves in the sandbox's own root and mount namespace.
  *
- *   dsec-agent --socket PATH [--heartbeat-ms N]
+ *   dsec-agent --socket PATH [--heartbeat-ms N] [confinement options]
+ *
+ * Confinement (the host agent passes these from the sandbox's guard profile; applied to the agent
+ * itself after its socket is bound and before it serves anything, so every exec'd command and
+ * every file operation inherits them -- there is no moment when user code runs unconfined):
+ *   --landlock-ro PATH    read and execute beneath PATH
+ *   --landlock-rw PATH    full access beneath PATH (created if missing); no device nodes
+ *   --landlock-dev PATH   read, write, truncate and device ioctls on existing nodes beneath PATH
+ *   --landlock-required   exit instead of running unconfined when the kernel lacks Landlock
+ *   --seccomp-bpf HEX     a classic-BPF seccomp program (struct sock_filter, native byte order,
+ *                         hex) installed with SECCOMP_FILTER_FLAG_LOG on top of the runtime's
+ *                         filter, so the calls it refuses are reported to the kernel audit log
+ *   --audit-loginuid N    set our audit login uid (only possible while it is unset): the kernel
+ *                         then gives this sandbox its own audit session id, inherited by every
+ *                         process in it and unchangeable from inside, which is how the host maps
+ *                         an audit record of an already-exited process back to its sandbox
+ * Landlock uses the best ABI the kernel offers (2: REFER, 3: TRUNCATE, 5: IOCTL_DEV, 6: signal and
+ * abstract-socket scoping, 7: audit logging of denials of exec'd programs). The ping reply reports
+ * what was applied.
  *
  * Single-threaded epoll loop; signals arrive through a signalfd (SIGCHLD reaps every zombie, which
  * matters as PID 1; SIGTERM/SIGINT kill running exec process groups and exit 0).
@@ -16,6 +34,8 @@
  * The client sends one request frame; the agent answers with one or more frames, then closes.
  *
  *   'P' ping                                            -> 'K' u32 protocol_version
+ *              | u32 landlock_abi (0: none) | u32 confinement flags (1 Landlock enforced,
+ *                2 seccomp log filter installed, 4 audit session set)   (older agents: version only)
  *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd)
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
  *              -> any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
@@ -55,11 +75,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/timerfd.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -106,6 +129,12 @@ struct conn {
 };
 
 static int ep = -1, lfd = -1, sfd = -1, devnull = -1, reserve_fd = -1;
+/* What confinement was applied (reported by ping). */
+#define CONF_LANDLOCK 1u
+#define CONF_SECCOMP_LOG 2u
+#define CONF_AUDIT_SESSION 4u
+static int conf_landlock_abi;
+static uint32_t conf_flags;
 static struct watch w_listen = {W_LISTEN, NULL}, w_signal = {W_SIGNAL, NULL};
 static struct conn *execs, *graveyard;
 /* The host treats a long silence during an exec as a dead agent; tests shorten this. */
@@ -914,6 +943,8 @@ static void op_ping(struct conn *c, struct rd *r)
         return;
     size_t f = frame_begin(c, 'K');
     put_u32(c, PROTO_VERSION);
+    put_u32(c, (uint32_t)conf_landlock_abi);
+    put_u32(c, conf_flags);
     frame_end(c, f);
 }
 
@@ -1166,6 +1197,226 @@ static void setup_socket(const char *path)
         die("listen");
 }
 
+/* ------------------------------------------------------------------ confinement */
+
+/* Landlock UAPI, spelled out: the build host's headers may predate the ABI the kernel offers. */
+#ifndef SYS_landlock_create_ruleset
+#define SYS_landlock_create_ruleset 444
+#define SYS_landlock_add_rule 445
+#define SYS_landlock_restrict_self 446
+#endif
+#define LL_CREATE_RULESET_VERSION (1u << 0)
+#define LL_RULE_PATH_BENEATH 1
+#define LL_FS_EXECUTE (1ull << 0)
+#define LL_FS_WRITE_FILE (1ull << 1)
+#define LL_FS_READ_FILE (1ull << 2)
+#define LL_FS_READ_DIR (1ull << 3)
+#define LL_FS_REMOVE_DIR (1ull << 4)
+#define LL_FS_REMOVE_FILE (1ull << 5)
+#define LL_FS_MAKE_CHAR (1ull << 6)
+#define LL_FS_MAKE_DIR (1ull << 7)
+#define LL_FS_MAKE_REG (1ull << 8)
+#define LL_FS_MAKE_SOCK (1ull << 9)
+#define LL_FS_MAKE_FIFO (1ull << 10)
+#define LL_FS_MAKE_BLOCK (1ull << 11)
+#define LL_FS_MAKE_SYM (1ull << 12)
+#define LL_FS_REFER (1ull << 13)    /* ABI 2 */
+#define LL_FS_TRUNCATE (1ull << 14) /* ABI 3 */
+#define LL_FS_IOCTL_DEV (1ull << 15) /* ABI 5 */
+#define LL_SCOPE_ABSTRACT_UNIX_SOCKET (1ull << 0) /* ABI 6 */
+#define LL_SCOPE_SIGNAL (1ull << 1)              /* ABI 6 */
+#define LL_RESTRICT_SELF_LOG_NEW_EXEC_ON (1u << 1) /* ABI 7 */
+/* Rights that make sense on a non-directory. */
+#define LL_FILE_RIGHTS (LL_FS_EXECUTE | LL_FS_WRITE_FILE | LL_FS_READ_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV)
+
+struct ll_ruleset_attr {
+    uint64_t handled_access_fs;
+    uint64_t handled_access_net; /* ABI 4 */
+    uint64_t scoped;             /* ABI 6 */
+};
+
+struct ll_path_beneath_attr {
+    uint64_t allowed_access;
+    int32_t parent_fd;
+} __attribute__((packed));
+
+#define MAX_FS_RULES 64
+enum { FS_RO, FS_RW, FS_DEV };
+static struct {
+    const char *path;
+    int kind;
+} fs_rules[MAX_FS_RULES];
+static int n_fs_rules, landlock_required;
+static const char *seccomp_hex;
+static long audit_loginuid = -1;
+
+static void add_fs_rule(const char *path, int kind)
+{
+    if (n_fs_rules == MAX_FS_RULES || path[0] != '/') {
+        fprintf(stderr, "dsec-agent: bad or too many --landlock-* paths (max %d, absolute)\n", MAX_FS_RULES);
+        exit(2);
+    }
+    fs_rules[n_fs_rules].path = path;
+    fs_rules[n_fs_rules].kind = kind;
+    n_fs_rules++;
+}
+
+static int mkdir_all(const char *path, mode_t mode)
+{
+    char buf[PATH_MAX];
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    for (char *p = buf + 1;; p++) {
+        if (*p != '/' && *p)
+            continue;
+        char saved = *p;
+        *p = 0;
+        if (mkdir(buf, mode) < 0 && errno != EEXIST)
+            return -1;
+        if (!saved)
+            return 0;
+        *p = saved;
+    }
+}
+
+static void apply_landlock(void)
+{
+    if (!n_fs_rules)
+        return;
+    int abi = (int)syscall(SYS_landlock_create_ruleset, NULL, 0, LL_CREATE_RULESET_VERSION);
+    if (abi < 1) {
+        if (landlock_required)
+            die("Landlock is required by the sandbox profile but the kernel does not offer it");
+        fprintf(stderr, "dsec-agent: Landlock unavailable (%s); filesystem rules NOT enforced\n", strerror(errno));
+        return;
+    }
+    uint64_t handled = (LL_FS_MAKE_SYM << 1) - 1; /* ABI 1: bits 0..12 */
+    if (abi >= 2)
+        handled |= LL_FS_REFER;
+    if (abi >= 3)
+        handled |= LL_FS_TRUNCATE;
+    if (abi >= 5)
+        handled |= LL_FS_IOCTL_DEV;
+    struct ll_ruleset_attr attr = {.handled_access_fs = handled};
+    size_t attr_size = abi >= 6 ? sizeof attr : abi >= 4 ? 16 : 8;
+    if (abi >= 6)
+        attr.scoped = LL_SCOPE_ABSTRACT_UNIX_SOCKET | LL_SCOPE_SIGNAL;
+    int rs = (int)syscall(SYS_landlock_create_ruleset, &attr, attr_size, 0);
+    if (rs < 0)
+        die("landlock_create_ruleset");
+
+    const uint64_t ro = LL_FS_EXECUTE | LL_FS_READ_FILE | LL_FS_READ_DIR;
+    const uint64_t rw = handled & ~(LL_FS_MAKE_CHAR | LL_FS_MAKE_BLOCK);
+    const uint64_t dev = (LL_FS_READ_FILE | LL_FS_READ_DIR | LL_FS_WRITE_FILE | LL_FS_TRUNCATE | LL_FS_IOCTL_DEV) & handled;
+    for (int i = 0; i < n_fs_rules; i++) {
+        const char *p = fs_rules[i].path;
+        int kind = fs_rules[i].kind;
+        int fd = open(p, O_PATH | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT && kind == FS_RW) {
+            /* A writable path the image lacks (say /workspace): make it, world-writable+sticky
+             * like /tmp when its name says it is a temp dir. */
+            const char *base = strrchr(p, '/');
+            mode_t mode = base && strstr(base, "tmp") ? 01777 : 0755;
+            if (mkdir_all(p, 0755) == 0) {
+                chmod(p, mode);
+                fd = open(p, O_PATH | O_CLOEXEC);
+            }
+        }
+        if (fd < 0) {
+            if (errno == ENOENT || errno == ENOTDIR)
+                continue; /* nothing there: nothing to grant */
+            die(p);
+        }
+        struct stat st;
+        if (fstat(fd, &st) < 0)
+            die(p);
+        struct ll_path_beneath_attr pb = {
+            .allowed_access = kind == FS_RO ? ro : kind == FS_RW ? rw : dev,
+            .parent_fd = fd,
+        };
+        if (!S_ISDIR(st.st_mode))
+            pb.allowed_access &= LL_FILE_RIGHTS;
+        pb.allowed_access &= handled;
+        if (pb.allowed_access && syscall(SYS_landlock_add_rule, rs, LL_RULE_PATH_BENEATH, &pb, 0) < 0)
+            die("landlock_add_rule");
+        close(fd);
+    }
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("PR_SET_NO_NEW_PRIVS");
+    unsigned flags = abi >= 7 ? LL_RESTRICT_SELF_LOG_NEW_EXEC_ON : 0;
+    if (syscall(SYS_landlock_restrict_self, rs, flags) < 0)
+        die("landlock_restrict_self");
+    close(rs);
+    conf_landlock_abi = abi;
+    conf_flags |= CONF_LANDLOCK;
+}
+
+static int hexval(char ch)
+{
+    return ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : ch >= 'A' && ch <= 'F' ? ch - 'A' + 10 : -1;
+}
+
+static void apply_seccomp_log_filter(void)
+{
+    if (!seccomp_hex)
+        return;
+    size_t n = strlen(seccomp_hex);
+    if (n == 0 || n % (2 * sizeof(struct sock_filter)) || n / 2 / sizeof(struct sock_filter) > BPF_MAXINSNS) {
+        errno = EINVAL;
+        die("--seccomp-bpf");
+    }
+    unsigned char *buf = malloc(n / 2);
+    if (!buf)
+        die("malloc");
+    for (size_t i = 0; i < n / 2; i++) {
+        int hi = hexval(seccomp_hex[2 * i]), lo = hexval(seccomp_hex[2 * i + 1]);
+        if (hi < 0 || lo < 0) {
+            errno = EINVAL;
+            die("--seccomp-bpf");
+        }
+        buf[i] = (unsigned char)(hi << 4 | lo);
+    }
+    struct sock_fprog prog = {.len = (unsigned short)(n / 2 / sizeof(struct sock_filter)), .filter = (struct sock_filter *)buf};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("PR_SET_NO_NEW_PRIVS");
+    /* FLAG_LOG: the kernel audits every non-allow action of this filter (runc 1.1 cannot ask
+     * for that on its own filter); being the newest filter, ours decides ties, so its
+     * refusals are the ones logged. */
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_LOG, &prog) < 0)
+        die("seccomp(SECCOMP_SET_MODE_FILTER)");
+    free(buf);
+    conf_flags |= CONF_SECCOMP_LOG;
+}
+
+static void set_audit_session(void)
+{
+    if (audit_loginuid < 0)
+        return;
+    char v[32];
+    int n = snprintf(v, sizeof v, "%ld", audit_loginuid);
+    int fd = open("/proc/self/loginuid", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, v, (size_t)n) != n) {
+        /* Already set (a host agent started from a login session) or no audit support: the
+         * host falls back to mapping live pids through their cgroup. */
+        fprintf(stderr, "dsec-agent: cannot set audit loginuid: %s\n", strerror(errno));
+    } else {
+        conf_flags |= CONF_AUDIT_SESSION;
+    }
+    if (fd >= 0)
+        close(fd);
+}
+
+/* Order matters: the session id first (Landlock then forbids writing /proc), Landlock next,
+ * the seccomp filter last (it may refuse calls the steps before need). */
+static void apply_confinement(void)
+{
+    set_audit_session();
+    apply_landlock();
+    apply_seccomp_log_filter();
+}
+
 int main(int argc, char **argv)
 {
     const char *path = NULL;
@@ -1176,16 +1427,28 @@ int main(int argc, char **argv)
             path = argv[i] + 9;
         else if (!strcmp(argv[i], "--heartbeat-ms") && i + 1 < argc && atoi(argv[i + 1]) > 0)
             heartbeat_ns = (int64_t)atoi(argv[++i]) * 1000000LL;
+        else if (!strcmp(argv[i], "--landlock-ro") && i + 1 < argc)
+            add_fs_rule(argv[++i], FS_RO);
+        else if (!strcmp(argv[i], "--landlock-rw") && i + 1 < argc)
+            add_fs_rule(argv[++i], FS_RW);
+        else if (!strcmp(argv[i], "--landlock-dev") && i + 1 < argc)
+            add_fs_rule(argv[++i], FS_DEV);
+        else if (!strcmp(argv[i], "--landlock-required"))
+            landlock_required = 1;
+        else if (!strcmp(argv[i], "--seccomp-bpf") && i + 1 < argc)
+            seccomp_hex = argv[++i];
+        else if (!strcmp(argv[i], "--audit-loginuid") && i + 1 < argc)
+            audit_loginuid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--version")) {
             printf("dsec-agent protocol %d\n", PROTO_VERSION);
             return 0;
         } else {
-            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N]\n");
+            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
             return 2;
         }
     }
     if (!path) {
-        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N]\n");
+        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
         return 2;
     }
 
@@ -1241,6 +1504,7 @@ int main(int argc, char **argv)
         die("signalfd");
 
     setup_socket(path);
+    apply_confinement();
 
     ep = epoll_create1(EPOLL_CLOEXEC);
     if (ep < 0)

@@ -1,0 +1,24 @@
+"""Guard decides: security profiles (KV ``dsec_profiles``) and the audit watcher.
+
+Host agents enforce the profiles (``hostagent._profiles``); the two never import each other.
+Run it with ``python -m guard``.
+"""
+
+from ._kernel import AUDIT_LOGINUID, Denial, KernelAudit, SandboxMap, parse_record
+from ._profiles import DEFAULT_VERSION, DENY_IOCTLS, builtin_profiles, default_profile, strict_profile
+from ._service import Guard, publish_profiles
+
+__all__ = [
+    "AUDIT_LOGINUID",
+    "DEFAULT_VERSION",
+    "DENY_IOCTLS",
+    "Denial",
+    "Guard",
+    "KernelAudit",
+    "SandboxMap",
+    "builtin_profiles",
+    "default_profile",
+    "parse_record",
+    "publish_profiles",
+    "strict_profile",
+]

@@ -1,0 +1,300 @@
+"""The guard service: publishes the security profiles and watches for sandboxes that break them.
+
+- At start it writes its built-in profiles to KV ``dsec_profiles`` (idempotent: only a missing
+  profile or an older version is replaced; the bucket keeps earlier revisions).
+- The audit watcher consumes DSEC_EVT with the durable ``guard-audit`` consumer (sandbox
+  lifecycle, violations reported by other components) and, on a host, the kernel's audit records
+  of seccomp and Landlock denials (``KernelAudit``). Each denial becomes a ``GuardViolation`` on
+  ``dsec.evt.guard.violation``; the sandbox's profile says what follows: ``record``, ``kill``
+  (a core request to ``dsec.sbx.<id>.kill``) or ``quarantine`` (kill, and the violation is kept
+  in KV ``dsec_quarantine`` under the sandbox id so a trainer can discard the episode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, DsecError
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SecurityProfile
+from bus.runtime import PullWorker, Service
+from bus.streams import StreamOptions, ensure_all, ensure_kv
+
+from ._kernel import Denial, KernelAudit
+from ._profiles import builtin_profiles
+
+log = structlog.get_logger("dsec.guard")
+
+_PROFILE_DEC = msgspec.msgpack.Decoder(SecurityProfile)
+AGENT_EXE = "/.dsec/bin/dsec-agent"  # the sandbox's own agent: acts for the host API, never killed for it
+SOURCE = "guard.kernel"
+ACTIONS = ("record", "kill", "quarantine")
+
+
+def _same(a: SecurityProfile, b: SecurityProfile) -> bool:
+    return msgspec.structs.replace(a, updated_at=0.0) == msgspec.structs.replace(b, updated_at=0.0)
+
+
+async def publish_profiles(kv: KeyValue, profiles: Iterable[SecurityProfile]) -> dict[str, str]:
+    """Write each profile unless the bucket already holds it at the same or a newer version.
+
+    Returns what happened per profile: created, updated, kept. Safe with several guards racing.
+    """
+    done: dict[str, str] = {}
+    for p in profiles:
+        for _ in range(5):
+            try:
+                entry = await kv.get(p.name)
+            except KeyNotFoundError:
+                entry = None
+            doc = msgspec.structs.replace(p, updated_at=time.time())
+            try:
+                if entry is None or not entry.value:
+                    await kv.create(p.name, codec.encode(doc))
+                    done[p.name] = "created"
+                    break
+                try:
+                    cur = _PROFILE_DEC.decode(entry.value)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    cur = None
+                if cur is not None and cur.version >= p.version:
+                    if cur.version == p.version and not _same(cur, p):
+                        log.warning("profile_differs_at_same_version", profile=p.name, version=p.version,
+                                    note="kept the stored one; bump the version to replace it")
+                    done[p.name] = "kept"
+                    break
+                await kv.update(p.name, codec.encode(doc), last=entry.revision)
+                done[p.name] = "updated"
+                break
+            except KeyWrongLastSequenceError:
+                continue  # another guard wrote meanwhile: look again
+    return done
+
+
+class _NewEventsWorker(PullWorker):
+    """The audit consumer starts at new events when first created (no replay of old history)."""
+
+    def consumer_config(self) -> ConsumerConfig:
+        cfg = super().consumer_config()
+        cfg.deliver_policy = DeliverPolicy.NEW
+        cfg.ack_policy = AckPolicy.EXPLICIT
+        return cfg
+
+
+class Guard(Service):
+    name = "guard"
+
+    def __init__(
+        self,
+        nats_url: str | None = None,
+        *,
+        host_id: str | None = None,
+        kernel_audit: bool = True,
+        enable_audit: bool = True,
+        cgroup_parent: str = "/dsec",
+        profiles: dict[str, SecurityProfile] | None = None,
+        report_interval_s: float = 1.0,
+        stream_options: StreamOptions = StreamOptions(),
+        grace_s: float = 5.0,
+    ) -> None:
+        super().__init__(nats_url, grace_s=grace_s)
+        self.host_id = host_id or socket.gethostname().split(".")[0]
+        self.kernel_audit = kernel_audit
+        self.enable_audit = enable_audit
+        self.cgroup_parent = cgroup_parent
+        self.builtin = profiles if profiles is not None else builtin_profiles()
+        self.report_interval_s = report_interval_s
+        self.stream_options = stream_options
+        self.kernel: KernelAudit | None = None
+        self.profiles: dict[str, SecurityProfile] = {}
+        self.published: dict[str, str] = {}
+        self.violations = 0
+        self._kv_profiles: KeyValue | None = None
+        self._kv_sbx: KeyValue | None = None
+        self._kv_quarantine: KeyValue | None = None
+        self._watcher: Any = None
+        self._sandbox_profile: dict[str, str] = {}
+        self._enforced: set[str] = set()
+        self._gone: dict[str, float] = {}
+        self._last: dict[tuple[str, str, str], tuple[float, int]] = {}
+
+    # --- lifecycle --------------------------------------------------------------------------
+    async def setup(self) -> None:
+        assert self.js is not None
+        await ensure_all(self.js, self.stream_options)
+        self._kv_profiles = await ensure_kv(self.js, S.KV_PROFILES)
+        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
+        self._kv_quarantine = await ensure_kv(self.js, S.KV_QUARANTINE)
+        self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
+        log.info("profiles_published", **self.published)
+        self._watcher = await self._kv_profiles.watchall()
+        self.spawn(self._watch_profiles(), name="profiles-watch")
+        w = _NewEventsWorker(
+            self.js, stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
+            handler=self._on_event, capacity=64, ack_wait_s=30.0, name="guard-audit",
+        )
+        await w.start()
+        self.workers.append(w)
+        if self.kernel_audit:
+            k = KernelAudit(self._on_denial, cgroup_parent=self.cgroup_parent, enable_audit=self.enable_audit)
+            try:
+                await k.start()
+                self.kernel = k
+            except OSError as exc:
+                log.warning("kernel_audit_unavailable", error=str(exc), note="needs root (CAP_AUDIT_READ) on the host")
+
+    async def teardown(self) -> None:
+        if self.kernel is not None:
+            await self.kernel.stop()
+        if self._watcher is not None:
+            try:
+                await self._watcher.stop()
+            except Exception:  # noqa: BLE001
+                pass
+
+    async def _watch_profiles(self) -> None:
+        assert self._watcher is not None
+        try:
+            async for entry in self._watcher:
+                if entry is None:
+                    continue
+                if entry.operation in ("DEL", "PURGE"):
+                    self.profiles.pop(entry.key, None)
+                    continue
+                try:
+                    self.profiles[entry.key] = _PROFILE_DEC.decode(entry.value)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("bad_profile", profile=entry.key, error=str(exc))
+        except asyncio.CancelledError:
+            pass
+
+    # --- policy ---------------------------------------------------------------------------------
+    async def _audit_policy(self, sid: str) -> AuditPolicy:
+        name = self._sandbox_profile.get(sid)
+        if name is None and self._kv_sbx is not None:
+            try:
+                rec = codec.SANDBOX_RECORD.decode((await self._kv_sbx.get(sid)).value)
+                name = rec.spec.profile or "default"
+            except (KeyNotFoundError, BadRequest):
+                name = "default"
+            self._sandbox_profile[sid] = name
+        p = self.profiles.get(name or "default") or self.builtin.get(name or "default") or self.builtin.get("default")
+        return p.audit if p is not None else AuditPolicy()
+
+    @staticmethod
+    def _action(policy: AuditPolicy, kind: str) -> str:
+        a = getattr(policy, kind, None) if kind in ("seccomp", "landlock") else policy.other
+        return a if a in ACTIONS else "record"
+
+    # --- kernel denials ---------------------------------------------------------------------------
+    def _on_denial(self, d: Denial) -> None:
+        if d.sandbox_id in self._gone:
+            return
+        self.spawn(self._handle_denial(d))
+
+    async def _handle_denial(self, d: Denial) -> None:
+        now = time.monotonic()
+        key = (d.sandbox_id, d.kind, d.what)
+        last, suppressed = self._last.get(key, (0.0, 0))
+        policy = await self._audit_policy(d.sandbox_id)
+        action = self._action(policy, d.kind)
+        by_agent = d.detail.get("exe") == AGENT_EXE
+        if by_agent:
+            action = "record"  # the agent works for whoever holds the host API
+        enforce = action != "record" and d.sandbox_id not in self._enforced
+        if now - last < self.report_interval_s and not enforce:
+            self._last[key] = (last, suppressed + 1)
+            return
+        self._last[key] = (now, 0)
+        detail = {k: v for k, v in d.detail.items() if v}
+        detail["source"] = SOURCE
+        if d.killed:
+            detail["process_killed"] = "true"
+        if by_agent:
+            detail["process"] = "agent"
+        if suppressed:
+            detail["suppressed"] = str(suppressed)
+        v = GuardViolation(
+            sandbox_id=d.sandbox_id, at=time.time(), kind=d.kind, what=d.what, action=action,
+            host_id=self.host_id, detail=detail,
+        )
+        self.violations += 1
+        log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
+        assert self.js is not None
+        try:
+            await self.js.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("violation_publish_failed", error=str(exc))
+        if enforce:
+            await self._enforce(v)
+
+    async def _enforce(self, v: GuardViolation) -> None:
+        sid = v.sandbox_id
+        if sid in self._enforced:
+            return
+        self._enforced.add(sid)
+        if v.action == "quarantine" and self._kv_quarantine is not None:
+            try:
+                await self._kv_quarantine.put(sid, codec.encode(v))
+            except Exception as exc:  # noqa: BLE001
+                log.warning("quarantine_record_failed", sandbox_id=sid, error=str(exc))
+        assert self.nc is not None
+        reason = f"guard-{v.action}: {v.kind} {v.what}"[:200]
+        try:
+            reply = await self.nc.request(S.sbx(sid, "kill"), codec.encode(KillRequest(reason=reason)), timeout=15)
+            codec.decode_reply(reply.data, codec.REPLY_TYPES["kill"])
+            log.info("sandbox_killed_by_guard", sandbox_id=sid, reason=reason)
+        except DsecError as exc:
+            log.warning("guard_kill_refused", sandbox_id=sid, code=exc.code, error=str(exc))
+        except Exception as exc:  # noqa: BLE001 - no responders, timeout
+            log.warning("guard_kill_failed", sandbox_id=sid, error=repr(exc))
+
+    # --- DSEC_EVT --------------------------------------------------------------------------------
+    async def _on_event(self, msg: Msg) -> None:
+        try:
+            ev = codec.EVENT.decode(msg.data)
+        except BadRequest:
+            await msg.ack()
+            return
+        try:
+            if isinstance(ev, SandboxEvent):
+                if ev.kind in ("killed", "failed", "timeout"):
+                    self._forget(ev.sandbox_id)
+                elif ev.kind in ("ready", "recovered"):
+                    self._gone.pop(ev.sandbox_id, None)
+            elif isinstance(ev, GuardViolation) and ev.detail.get("source") != SOURCE and ev.sandbox_id not in self._gone:
+                # Reported by another component (say, the network filter): apply the profile.
+                action = self._action(await self._audit_policy(ev.sandbox_id), ev.kind)
+                if action != "record" and ev.action == "record":
+                    await self._enforce(msgspec.structs.replace(ev, action=action))
+        except Exception:  # noqa: BLE001 - one bad event must not wedge the consumer
+            log.exception("audit_event_failed", subject=msg.subject)
+        await msg.ack()
+
+    def _forget(self, sid: str) -> None:
+        now = time.monotonic()
+        self._gone[sid] = now
+        self._sandbox_profile.pop(sid, None)
+        self._enforced.discard(sid)
+        for k in [k for k in self._last if k[0] == sid]:
+            del self._last[k]
+        if self.kernel is not None:
+            self.kernel.map.forget(sid)
+        if len(self._gone) > 10000:  # bounded memory: drop the oldest
+            for k in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
+                del self._gone[k]
+
+
+__all__ = ["Guard", "publish_profiles"]

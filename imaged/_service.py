@@ -1,0 +1,122 @@
+"""The image service (``python -m imaged serve``): makes sure the ``base`` template exists and answers
+the ``dsec.img.*`` core requests (list, build, remove, stats). Replicas share a queue group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, DsecError
+from bus.messages import Done
+from bus.runtime import Service, error_of
+from bus.streams import ensure_all
+
+from ._build import ImageBuilder, ensure_base_template, remove_template
+from ._manifests import list_manifests, require_manifest
+from ._messages import (
+    IMG_BUILD_REQ,
+    IMG_REMOVE_REQ,
+    IMG_STATS_REQ,
+    ImageBuilt,
+    ImageList,
+    ImageStats,
+)
+from ._store import BlobStore, open_blob_store
+from ._util import data_dir as _data_dir
+
+QUEUE = "imaged"
+
+
+class ImagedService(Service):
+    name = "imaged"
+
+    def __init__(self, nats_url: str | None = None, *, data_dir: str | os.PathLike[str] | None = None, ensure_base: bool = True, **kw: Any) -> None:
+        super().__init__(nats_url, **kw)
+        self.data_dir = _data_dir(data_dir)
+        self.ensure_base = ensure_base
+        self.store: BlobStore | None = None
+        self.base_ready = asyncio.Event()
+        self._build_lock = asyncio.Lock()
+
+    async def setup(self) -> None:
+        assert self.nc is not None and self.js is not None
+        await ensure_all(self.js)
+        self.store = open_blob_store(self.js)
+        for subject, handler in (
+            (S.IMG_LIST, self._on_list),
+            (S.IMG_BUILD, self._on_build),
+            (S.IMG_REMOVE, self._on_remove),
+            (S.IMG_STATS, self._on_stats),
+        ):
+            await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
+        if self.ensure_base:
+            self.spawn(self._ensure_base())
+        else:
+            self.base_ready.set()
+
+    async def _ensure_base(self) -> None:
+        delay = 0.5
+        for attempt in range(8):
+            try:
+                m = await ensure_base_template(self.js, self.data_dir, store=self.store)
+                self.log.info("base_template_ready", digest=m.layers[0].digest if m.layers else "")
+                self.base_ready.set()
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, bounded
+                self.log.warning("base_template_failed", attempt=attempt, error=str(exc))
+                await asyncio.sleep(delay)  # retry back-off
+                delay = min(delay * 2, 10.0)
+
+    def _wrap(self, handler: Any) -> Any:
+        async def cb(msg: Msg) -> None:
+            try:
+                result = await handler(msg)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
+                if not isinstance(exc, DsecError):
+                    self.log.exception("img_request_failed", subject=msg.subject)
+                result = error_of(exc)
+            if msg.reply:
+                await msg.respond(codec.encode(result))
+
+        return cb
+
+    async def _on_list(self, msg: Msg) -> Any:
+        assert self.js is not None
+        return ImageList(templates=await list_manifests(self.js))
+
+    async def _on_build(self, msg: Msg) -> Any:
+        req = _decode(IMG_BUILD_REQ, msg.data)
+        async with self._build_lock:
+            builder = ImageBuilder(self.js, self.data_dir, store=self.store)
+            res = await builder.build_template(
+                req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description
+            )
+        return ImageBuilt(manifest=res.manifest, uploaded_bytes=res.uploaded_bytes, seconds=res.seconds)
+
+    async def _on_remove(self, msg: Msg) -> Any:
+        assert self.js is not None
+        req = _decode(IMG_REMOVE_REQ, msg.data)
+        await remove_template(self.js, req.name, prune=req.prune, store=self.store, data_dir=self.data_dir)
+        return Done(detail=f"removed {req.name}")
+
+    async def _on_stats(self, msg: Msg) -> Any:
+        assert self.js is not None
+        req = _decode(IMG_STATS_REQ, msg.data)
+        m = await require_manifest(self.js, req.name)
+        return ImageStats(name=m.name, total_bytes=sum(lay.size for lay in m.layers), layers=m.layers)
+
+    async def teardown(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+
+
+def _decode(dec: Any, data: bytes) -> Any:
+    try:
+        return dec.decode(data)
+    except Exception as exc:  # noqa: BLE001
+        raise BadRequest(f"malformed request: {exc}") from None

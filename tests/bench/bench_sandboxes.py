@@ -1,0 +1,436 @@
+"""Benchmark of the whole sandbox path on one host (a script, not a test).
+
+    python tests/bench/bench_sandboxes.py [-n 100] [--concurrency 16] [--profile prof.txt]
+
+A fresh stack in this process: an embedded NATS JetStream server, one placement replica and a host
+agent with the container backend (a private containerd + runc) in a temp data dir, and a busybox
+``base`` template. Through the real SDK it measures
+
+* create latency, sequential (one at a time) and under a concurrent burst of N, and creates/s of the burst;
+* exec round trip of ``true`` (p50 / p99);
+* host memory per idle sandbox: RSS and PSS (from /proc/<pid>/smaps_rollup) of the containerd shims
+  (shared by a group of sandboxes: apportioned), of the agent that is PID 1 in each sandbox, of the
+  growth of containerd and of this process (host agent + placement + SDK: an upper bound of the host
+  agent's bookkeeping) per sandbox; the sandbox's memory cgroup usage; and the drop of MemAvailable
+  per sandbox (everything, kernel included: mounts, loop devices, page tables);
+* CPU time per create, by process: this process, its children (mkfs, ...), containerd, shims + runc.
+
+``--profile FILE`` samples this process with py-spy during the burst and prints where its time goes.
+Everything it starts is stopped by pid and its data dir removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bus import NatsServer, codec, connect, ensure_all  # noqa: E402
+from bus import subjects as S  # noqa: E402
+from bus.messages import LayerRef, TemplateManifest  # noqa: E402
+from bus.streams import ensure_kv  # noqa: E402
+from hostagent import HostAgent  # noqa: E402
+from hostagent._container import ContainerBackend  # noqa: E402
+from imaged._busybox import build_busybox_rootfs  # noqa: E402
+from placement import Placement  # noqa: E402
+from sdk import AsyncSandbox  # noqa: E402
+import sdk._async  # noqa: E402
+
+KiB = 1024
+MiB = 1 << 20
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------------ measuring
+def pct(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+def smaps(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes from /proc/<pid>/smaps_rollup; (0, 0) if the process is gone."""
+    rss = pss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * KiB
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return rss, pss
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def pids_matching(*needles: str) -> list[int]:
+    me = os.getpid()
+    out = []
+    for n in os.listdir("/proc"):
+        if n.isdigit() and int(n) != me:
+            c = cmdline(int(n))
+            if all(x in c for x in needles):
+                out.append(int(n))
+    return out
+
+
+def cpu_s(pid: int, children: bool = False) -> float:
+    """utime+stime (and the same of waited-for children) of a process, in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    own = int(fields[11]) + int(fields[12])
+    kids = int(fields[13]) + int(fields[14])
+    return ((own + kids) if children else own) / CLK
+
+
+def machine_cpu_s() -> float:
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return (sum(vals) - vals[3] - vals[4]) / CLK  # busy = all but idle and iowait
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * KiB
+    return 0
+
+
+class CpuMeter:
+    """CPU seconds by part of the stack between two snapshots."""
+
+    def __init__(self, data_dir: str, containerd_pid: int) -> None:
+        self.data_dir = data_dir
+        self.containerd_pid = containerd_pid
+        self.shim_cpu_gone = 0.0
+        self._shims: dict[int, float] = {}
+
+    def _shim_total(self) -> float:
+        live = {p: cpu_s(p, children=True) for p in pids_matching("containerd-shim", self.data_dir)}
+        # Shims exit when their group empties: keep the last reading of the ones that went away.
+        for p, v in self._shims.items():
+            if p not in live:
+                self.shim_cpu_gone += v
+        self._shims = live
+        return sum(live.values()) + self.shim_cpu_gone
+
+    def snapshot(self) -> dict[str, float]:
+        me = os.getpid()
+        return {
+            "this process (host agent + placement + SDK)": cpu_s(me),
+            "its children (mkfs.ext4, mount, ...)": cpu_s(me, children=True) - cpu_s(me),
+            "containerd": cpu_s(self.containerd_pid, children=True),
+            "shims + runc": self._shim_total(),
+            "machine (all busy CPU)": machine_cpu_s(),
+        }
+
+
+# ------------------------------------------------------------------------------------------ the stack
+class Stack:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.dir = Path(tempfile.mkdtemp(prefix="dsec-bench-", dir="/tmp"))
+        self.nats = NatsServer(self.dir / "nats", port=0)
+        self.placement: Placement | None = None
+        self.host: HostAgent | None = None
+        self.backend: ContainerBackend | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        self.nats.start()
+        self.url = self.nats.url
+        nc = await connect(self.url)
+        js = nc.jetstream()
+        await ensure_all(js)
+        rootfs = self.dir / "rootfs"
+        build_busybox_rootfs(str(rootfs))
+        kv = await ensure_kv(js, S.KV_IMAGES)
+        await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest="sha256:" + "0" * 64, kind="dir", path=str(rootfs))])))
+        await nc.close()
+        self.placement = Placement(self.url, replica_id="bench-p1")
+        await self.placement.start()
+        self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group)
+        self.host = HostAgent(self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True)
+        await self.host.start()
+        deadline = time.monotonic() + 15
+        while "bench" not in self.placement.table.hosts and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # readiness poll
+
+    async def stop(self) -> list[str]:
+        with contextlib.suppress(Exception):
+            await sdk._async.close_connections()
+        if self.host is not None:
+            await self.host.shutdown()
+        if self.placement is not None:
+            await self.placement.shutdown()
+        self.nats.stop()
+        d = str(self.dir)
+        with open("/proc/self/mountinfo") as f:
+            left = [ln.split()[4] for ln in f if d in ln]
+        left += [f"pid {p}: {cmdline(p)}" for p in pids_matching(d)]
+        if not left:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        return left
+
+    def create(self, sid: str | None = None) -> "asyncio.Future[AsyncSandbox]":
+        return AsyncSandbox.create(nats_url=self.url, memory_mb=self.args.memory_mb, disk_mb=self.args.disk_mb, cpu=self.args.cpu, timeout=3600, create_timeout=600, sandbox_id=sid)
+
+
+async def timed(coro) -> tuple[float, object]:
+    t = time.perf_counter()
+    r = await coro
+    return (time.perf_counter() - t) * 1000, r
+
+
+class Profiler:
+    """py-spy attached to this process; SIGINT makes it write what it sampled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("py-spy")
+        if exe is None:
+            print("  (py-spy not installed: pip install py-spy)")
+            return
+        self.proc = subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw", "--nonblocking", "-o", self.path],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)  # py-spy attaches; not a synchronisation of the system under test
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def report(self, top: int = 25) -> None:
+        if self.proc is None or not os.path.exists(self.path):
+            return
+        own: collections.Counter[str] = collections.Counter()
+        incl: collections.Counter[str] = collections.Counter()
+        total = 0
+        for line in open(self.path):
+            stack, _, n = line.rstrip("\n").rpartition(" ")
+            if not stack:
+                continue
+            k = int(n)
+            total += k
+            frames = stack.split(";")
+            own[_short(frames[-1])] += k
+            for fr in {_short(f) for f in frames}:
+                incl[fr] += k
+        if not total:
+            return
+        print(f"\n  py-spy, this process during the burst ({total} samples; file {self.path})")
+        print("  self time:")
+        for fr, k in own.most_common(top):
+            print(f"    {100 * k / total:5.1f}%  {fr}")
+        print("  inclusive (dsec code):")
+        shown = 0
+        for fr, k in incl.most_common():
+            if any(p in fr for p in ("hostagent/", "placement/", "bus/", "sdk/")):
+                print(f"    {100 * k / total:5.1f}%  {fr}")
+                shown += 1
+                if shown >= top:
+                    break
+
+
+def _short(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file dir/file.py)"
+    name, _, loc = frame.partition(" (")
+    loc = loc.rstrip(")")
+    path = loc.rsplit(":", 1)[0]
+    parts = path.split("/")
+    return f"{name} ({'/'.join(parts[-2:])})"
+
+
+# ------------------------------------------------------------------------------------------ the run
+async def run(args: argparse.Namespace) -> None:
+    st = Stack(args)
+    print(f"dsec sandbox benchmark: N={args.n}, host concurrency {args.concurrency}, {os.cpu_count()} cores, "
+          f"sandbox cpu={args.cpu} memory_mb={args.memory_mb} disk_mb={args.disk_mb}, shim group {args.shim_group}")
+    await st.start()
+    assert st.backend is not None and st.host is not None and st.backend.daemon is not None
+    containerd_pid = st.backend.daemon.pid or 0
+    cpu = CpuMeter(str(st.dir), containerd_pid)
+    try:
+        # Warm up (first create compiles nothing any more, but fills caches and connections).
+        for _ in range(3):
+            sb = await st.create()
+            await sb.commands.run("true")
+            await sb.kill()
+
+        # --- sequential creates, kept alive as idle sandboxes -------------------------------------
+        me = os.getpid()
+        before_self, before_cd, before_avail = smaps(me), smaps(containerd_pid), mem_available()
+        c0 = cpu.snapshot()
+        seq: list[float] = []
+        sbs: list[AsyncSandbox] = []
+        t_all = time.perf_counter()
+        for _ in range(args.n):
+            ms, sb = await timed(st.create())
+            seq.append(ms)
+            sbs.append(sb)  # type: ignore[arg-type]
+        seq_wall = time.perf_counter() - t_all
+        c1 = cpu.snapshot()
+
+        # --- exec round trip ------------------------------------------------------------------------
+        ex: list[float] = []
+        target = sbs[0]
+        for _ in range(args.exec_n):
+            ms, _r = await timed(target.commands.run("true"))
+            ex.append(ms)
+        # and across sandboxes, one after the other
+        ex_many: list[float] = []
+        for sb in sbs:
+            ms, _r = await timed(sb.commands.run("true"))
+            ex_many.append(ms)
+
+        # --- memory of N idle sandboxes ---------------------------------------------------------------
+        await asyncio.sleep(args.settle)  # let them go idle (measurement settle time, not synchronisation)
+        n = len(sbs)
+        agents = [smaps(st.host.handles[sb.sandbox_id].pid) for sb in sbs]
+        shim_pids = pids_matching("containerd-shim", str(st.dir))
+        shims = [smaps(p) for p in shim_pids]
+        after_self, after_cd, after_avail = smaps(me), smaps(containerd_pid), mem_available()
+        cg_usage, cg_rss, cg_cache = [], [], []
+        for sb in sbs:
+            base = Path("/sys/fs/cgroup/memory/dsec") / sb.sandbox_id
+            with contextlib.suppress(OSError):
+                cg_usage.append(int((base / "memory.usage_in_bytes").read_text()))
+                stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines())
+                cg_rss.append(int(stat.get("total_rss", 0)))
+                cg_cache.append(int(stat.get("total_cache", 0)))
+
+        def mib(b: float) -> str:
+            return f"{b / MiB:6.2f} MiB"
+
+        agent_rss = statistics.mean(a[0] for a in agents)
+        agent_pss = statistics.mean(a[1] for a in agents)
+        shim_rss = sum(s[0] for s in shims) / n
+        shim_pss = sum(s[1] for s in shims) / n
+        self_rss = (after_self[0] - before_self[0]) / n
+        self_pss = (after_self[1] - before_self[1]) / n
+        cd_rss = (after_cd[0] - before_cd[0]) / n
+        cd_pss = (after_cd[1] - before_cd[1]) / n
+
+        # --- kill them (sequentially, timed) ---------------------------------------------------------
+        kills: list[float] = []
+        for sb in sbs:
+            ms, _r = await timed(sb.kill())
+            kills.append(ms)
+        sbs = []
+
+        # --- burst ------------------------------------------------------------------------------------
+        prof = Profiler(args.profile) if args.profile else None
+        if prof:
+            prof.start()
+        c2 = cpu.snapshot()
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(timed(st.create()) for _ in range(args.n)), return_exceptions=True)
+        burst_wall = time.perf_counter() - t0
+        c3 = cpu.snapshot()
+        if prof:
+            prof.stop()
+        ok = [r for r in res if isinstance(r, tuple)]
+        burst = [r[0] for r in ok]
+        sbs = [r[1] for r in ok]  # type: ignore[misc]
+        fails = [r for r in res if not isinstance(r, tuple)]
+        await asyncio.gather(*(sb.kill() for sb in sbs))
+        sbs = []
+
+        # --- report -----------------------------------------------------------------------------------
+        print()
+        print(f"creates, sequential (N={args.n}):  p50 {pct(seq, 50):7.1f} ms   p99 {pct(seq, 99):7.1f} ms   max {max(seq):7.1f} ms   ({args.n / seq_wall:.1f}/s)")
+        print(f"creates, burst of {args.n} at once:   p50 {pct(burst, 50):7.1f} ms   p99 {pct(burst, 99):7.1f} ms   max {max(burst or [0]):7.1f} ms")
+        print(f"burst throughput:                {len(burst) / burst_wall:7.1f} creates/s  ({len(burst)} in {burst_wall:.2f} s, {len(fails)} failed)")
+        print(f"exec `true`, same sandbox (x{args.exec_n}): p50 {pct(ex, 50):6.2f} ms   p99 {pct(ex, 99):6.2f} ms")
+        print(f"exec `true`, across {n} sandboxes:  p50 {pct(ex_many, 50):6.2f} ms   p99 {pct(ex_many, 99):6.2f} ms")
+        print(f"kill, sequential:                p50 {pct(kills, 50):7.1f} ms   p99 {pct(kills, 99):7.1f} ms")
+        print()
+        print(f"host memory per idle sandbox ({n} idle, busybox, {len(shim_pids)} shim processes):")
+        print(f"  {'':44} {'RSS':>10} {'PSS':>10}")
+        print(f"  {'agent (PID 1 in the sandbox)':44} {mib(agent_rss):>10} {mib(agent_pss):>10}")
+        print(f"  {'containerd-shim (shared, apportioned)':44} {mib(shim_rss):>10} {mib(shim_pss):>10}")
+        print(f"  {'containerd growth':44} {mib(cd_rss):>10} {mib(cd_pss):>10}")
+        print(f"  {'host agent bookkeeping (process growth)*':44} {mib(self_rss):>10} {mib(self_pss):>10}")
+        tot_pss = agent_pss + shim_pss + cd_pss + max(self_pss, 0)
+        tot_rss = agent_rss + shim_rss + cd_rss + max(self_rss, 0)
+        print(f"  {'total (processes)':44} {mib(tot_rss):>10} {mib(tot_pss):>10}")
+        print(f"  memory cgroup usage per sandbox: mean {mib(statistics.mean(cg_usage))} (rss {mib(statistics.mean(cg_rss))}, cache {mib(statistics.mean(cg_cache))})")
+        print(f"  MemAvailable drop per sandbox (everything, kernel included): {mib((before_avail - after_avail) / n)}")
+        print("  * this process runs the host agent, placement and the SDK: its growth bounds the host agent's share from above")
+        print()
+
+        def cpu_report(a: dict[str, float], b: dict[str, float], count: int, title: str) -> None:
+            print(f"CPU per create, {title}:")
+            for k in a:
+                print(f"  {k:46} {1000 * (b[k] - a[k]) / count:7.1f} ms")
+
+        cpu_report(c0, c1, args.n, "sequential")
+        cpu_report(c2, c3, max(1, len(burst)), "burst")
+        if prof:
+            prof.report()
+    finally:
+        for sb in sbs:
+            with contextlib.suppress(Exception):
+                await sb.kill()
+        left = await st.stop()
+        if left:
+            print(f"LEFT BEHIND under {st.dir}: {left}", file=sys.stderr)
+            sys.exit(1)
+        print("\nclean: no mounts, containers or processes left under the data dir")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=100, help="sandboxes (sequential run, idle set and burst size)")
+    ap.add_argument("--concurrency", type=int, default=16, help="the host agent's concurrent creates")
+    ap.add_argument("--exec-n", type=int, default=500)
+    ap.add_argument("--cpu", type=float, default=0.25)
+    ap.add_argument("--memory-mb", type=int, default=64)
+    ap.add_argument("--disk-mb", type=int, default=64)
+    ap.add_argument("--shim-group", type=int, default=16, help="sandboxes per containerd shim process")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds idle before measuring memory")
+    ap.add_argument("--profile", default=None, help="py-spy raw output file (samples this process during the burst)")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("needs root (containerd, mounts, cgroups)")
+    from bus import log as _log
+
+    _log.configure(level=os.environ.get("DSEC_LOG_LEVEL", "WARNING"))
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Fixtures of the placement tests: a fresh nats-server per test (durable names are fixed), helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+
+from bus import codec
+from bus import subjects as S
+from bus.messages import LayerRef, SandboxEvent, TemplateManifest
+from bus.natsd import NatsServer
+from bus.runtime import connect
+from bus.streams import ensure_all, ensure_kv
+
+LAYER = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def nats_srv():
+    d = tempfile.mkdtemp(prefix="dsec-pl-")
+    srv = NatsServer(d, port=0)
+    srv.start()
+    yield srv
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+async def nc(nats_srv) -> AsyncIterator:
+    c = await connect(nats_srv.url, name="test")
+    js = c.jetstream()
+    await ensure_all(js)
+    kv = await ensure_kv(js, S.KV_IMAGES)
+    await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest=LAYER)])))
+    yield c
+    # the SDK keeps one connection per loop and URL: drop it with the server
+    from sdk._async import close_connections
+
+    await close_connections()
+    await c.close()
+
+
+async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, list[SandboxEvent]]:
+    """Every event of ``kinds`` in DSEC_EVT, per sandbox id (read straight from the stream)."""
+    out: dict[str, list[SandboxEvent]] = {}
+    info = await js.stream_info(S.STREAM_EVT)
+    last = info.state.last_seq
+    if not last:
+        return out
+    sub = await js.subscribe(f"{S.PREFIX}.evt.>", ordered_consumer=True)
+    try:
+        while True:
+            m = await sub.next_msg(timeout=5)
+            ev = codec.EVENT.decode(m.data)
+            if isinstance(ev, SandboxEvent) and ev.kind in kinds:
+                out.setdefault(ev.sandbox_id, []).append(ev)
+            if m.metadata.sequence.stream >= last:
+                break
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def eventually(check, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = check()
+        if asyncio.iscoroutine(r):
+            r = await r
+        if r:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.02)  # poll interval, not synchronisation

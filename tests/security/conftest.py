@@ -1,0 +1,279 @@
+"""Fixtures for the red-team suites: a whole dsec stack per test, on real parts.
+
+``stack`` (function-scoped) starts, in this process, a private NATS JetStream, placement, and a
+host agent with the container backend (its own containerd + runc under a temp data dir) with the
+busybox ``base`` template, and yields a :class:`SecStack`: ``await stack.create(**kw)`` makes an
+``AsyncSandbox`` on it (same arguments as ``AsyncSandbox.create``). At the end every sandbox is
+killed and everything is removed again: containers, mounts, containerd and its shims (by pid),
+and the sandbox networks (netns mounts, veths, the nft table) the stack's host agent owned.
+
+``make_stack(**options)`` builds one with options: ``network`` (a dict of
+``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
+listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
+kernel audit reader; ``stack.guard``). Each stack gets its own nft table, veth prefix, netns prefix and /22 address pool,
+so stacks never touch each other's (or a real host agent's) network state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import string
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.conftest import eventually
+from tests.integration.conftest import data_dir_leftovers, force_cleanup, register_base_template, stack_skip_reason
+
+SKIP_REASON = stack_skip_reason()
+
+
+def _free_prefix() -> str:
+    """A veth prefix ``dsq<c>`` no other live stack on this machine uses (by its links and netns)."""
+    try:
+        taken = {n[:4] for n in os.listdir("/sys/class/net") if n.startswith("dsq")}
+        taken |= {n[5:9] for n in os.listdir("/run/netns") if n.startswith("dsec-dsq")} if os.path.isdir("/run/netns") else set()
+    except OSError:
+        taken = set()
+    free = [f"dsq{c}" for c in string.ascii_lowercase + string.digits if f"dsq{c}" not in taken]
+    if not free:
+        raise RuntimeError("no free network prefix for a test stack")
+    return random.choice(free)
+
+
+def network_config(prefix: str, **overrides: Any) -> Any:
+    from hostagent._network import NetworkConfig
+
+    idx = (string.ascii_lowercase + string.digits).index(prefix[3])
+    kw: dict[str, Any] = dict(
+        pool=f"10.210.{idx * 4}.0/22", table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-",
+    )
+    kw.update(overrides)
+    return NetworkConfig(**kw)
+
+
+def network_leftovers(cfg: Any) -> list[str]:
+    """Kernel state of a network config that is still there: veths, netns mounts, set elements."""
+    import subprocess
+
+    left = [f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(cfg.ifprefix)]
+    if os.path.isdir(cfg.netns_dir):
+        left += [f"netns {n}" for n in os.listdir(cfg.netns_dir) if n.startswith(cfg.netns_prefix)]
+    with open("/proc/self/mountinfo") as f:
+        left += [f"mount {ln.split()[4]}" for ln in f if f"/{cfg.netns_prefix}" in ln.split()[4]]
+    for s in ("allow_net", "allow_port"):
+        r = subprocess.run(["nft", "list", "set", "inet", cfg.table, s], capture_output=True, text=True)
+        if r.returncode == 0 and "elements" in r.stdout:
+            left.append(f"nft elements in {s}: {r.stdout.strip()}")
+    return left
+
+
+@dataclass
+class SecStack:
+    url: str
+    uid: str
+    data_dir: Path
+    host_id: str
+    net: Any  # NetworkConfig
+    host: Any  # HostAgent
+    backend: Any  # ContainerBackend
+    placement: Any
+    nc: Any
+    nats: Any  # bus.natsd.NatsServer
+    sandboxes: list[Any] = field(default_factory=list)
+    guard: Any = None  # guard.Guard, with make_stack(guard=True)
+
+    async def create(self, **kw: Any) -> Any:
+        """``AsyncSandbox.create`` on this stack (killed at the end of the test)."""
+        from sdk import AsyncSandbox
+
+        kw.setdefault("sandbox_id", f"sb-{self.uid}-{uuid.uuid4().hex[:8]}")
+        sb = await AsyncSandbox.create(nats_url=self.url, **kw)
+        self.sandboxes.append(sb)
+        return sb
+
+    def handle(self, sb: Any) -> Any:
+        return self.host.handles[sb.sandbox_id]
+
+    def attachment(self, sb: Any) -> Any:
+        """The sandbox's network (netns path, ip, host-side veth), or None."""
+        return self.backend.net.attachment(sb.sandbox_id)
+
+    async def new_hostagent(self) -> None:
+        """Stop the host agent (sandboxes keep running) and start a fresh one on the same data dir."""
+        from hostagent._container import ContainerBackend
+
+        self.host.destroy_on_shutdown = False
+        await self.host.shutdown()
+        self.host.destroy_on_shutdown = True
+        self.backend = ContainerBackend(str(self.data_dir), scratch_size_gb=16, network=self.net)
+        self.host = _hostagent(self.backend, self.url, self.host_id, self.data_dir)
+        await self.host.start()
+
+    def network_leftovers(self) -> list[str]:
+        return network_leftovers(self.net)
+
+
+def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path) -> Any:
+    from hostagent import HostAgent
+
+    return HostAgent(backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
+    if SKIP_REASON is not None:
+        pytest.skip(SKIP_REASON)
+    from bus import connect, ensure_all
+    from bus.natsd import NatsServer
+    from hostagent._container import ContainerBackend
+    from imaged._busybox import build_busybox_rootfs
+    from placement import Placement
+    import sdk._async
+
+    made: list[SecStack] = []
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+
+    async def make(*, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False) -> SecStack:
+        uid = uuid.uuid4().hex[:8]
+        data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
+        nats_dir = tempfile.mkdtemp(prefix=f"dsec-secnats-{uid}-", dir="/tmp")  # not under data_dir: it outlives close()
+        nats = NatsServer(nats_dir, host=nats_host, port=0)
+        nats.start()
+
+        async def stop_nats() -> None:
+            await asyncio.to_thread(nats.stop)
+            shutil.rmtree(nats_dir, ignore_errors=True)
+
+        cleanups.append(stop_nats)
+        url = nats.url
+        prefix = _free_prefix()
+        net = network_config(prefix, **({"control_plane": (url,)} | (network or {})))
+        nc = await connect(url, name="dsec-sec-tests")
+        await ensure_all(nc.jetstream())
+        rootfs = data_dir / "rootfs"
+        await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
+        await register_base_template(nc.jetstream(), str(rootfs))
+        placement = Placement(url, replica_id=f"p-{uid}")
+        backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net)
+        host_id = f"sec-{uid}"
+        st = SecStack(url, uid, data_dir, host_id, net, _hostagent(backend, url, host_id, data_dir), backend, placement, nc, nats)
+
+        async def close() -> None:
+            problems: list[str] = []
+            for sb in st.sandboxes:
+                with contextlib.suppress(Exception):
+                    await sb.kill()
+            with contextlib.suppress(Exception):
+                await sdk._async.close_connections()
+            with contextlib.suppress(Exception):
+                await st.host.shutdown()
+            with contextlib.suppress(Exception):
+                await placement.shutdown()
+            if st.guard is not None:
+                with contextlib.suppress(Exception):
+                    await st.guard.shutdown()
+            with contextlib.suppress(Exception):
+                await nc.close()
+            left = data_dir_leftovers(data_dir)
+            if left:
+                problems.append(f"left under {data_dir}: {left}")
+                await force_cleanup(data_dir)
+            # The kernel frees a netns (and its veth pair) asynchronously once its last process is gone.
+            with contextlib.suppress(AssertionError):
+                await eventually(lambda: not network_leftovers(net), timeout=15, what="sandbox networks to be gone")
+            netleft = network_leftovers(net)
+            if netleft:
+                problems.append(f"network state left: {netleft}")
+            from hostagent._network import NetworkManager
+
+            m = NetworkManager(net)
+            try:
+                await m.purge()  # the table itself (and ip_forward, if this was the last dsec table)
+            finally:
+                await m.stop()
+            if not any(str(data_dir) in ln for ln in open("/proc/self/mountinfo")):
+                shutil.rmtree(data_dir, ignore_errors=True)
+            assert not problems, problems
+
+        cleanups.append(close)
+        if guard:
+            from guard import Guard
+
+            st.guard = Guard(url, host_id=f"guard-{uid}")
+            await st.guard.start()
+        await placement.start()
+        await st.host.start()
+        await eventually(lambda: host_id in placement.table.hosts, timeout=15, what="placement to see the host")
+        made.append(st)
+        return st
+
+    try:
+        yield make
+    finally:
+        errors: list[BaseException] = []
+        for c in reversed(cleanups):
+            try:
+                await c()
+            except BaseException as exc:  # noqa: BLE001 - run every cleanup, report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(make_stack: Callable[..., Awaitable[SecStack]]) -> SecStack:
+    return await make_stack()
+
+
+async def until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``pred`` (sync or async) until true, with a deadline."""
+    await eventually(pred, timeout=timeout, what=what)
+
+
+# ----------------------------------------------------------------------------- red-team tally
+_TALLY: list[tuple[str, str, str]] = []  # (test, "blocked" | "allowed", what)
+
+
+class RedTeam:
+    """Records each attack a test asserted to be blocked (and each positive control that had to
+    work), so the run ends with a count of blocked attacks."""
+
+    def __init__(self, test: str) -> None:
+        self.test = test
+
+    def blocked(self, what: str) -> None:
+        _TALLY.append((self.test, "blocked", what))
+
+    def allowed(self, what: str) -> None:
+        _TALLY.append((self.test, "allowed", what))
+
+
+@pytest.fixture
+def redteam(request: pytest.FixtureRequest) -> RedTeam:
+    return RedTeam(request.node.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _TALLY:
+        return
+    blocked = [t for t in _TALLY if t[1] == "blocked"]
+    allowed = [t for t in _TALLY if t[1] == "allowed"]
+    tr = terminalreporter
+    tr.section("red team")
+    for test, _kind, what in blocked:
+        tr.write_line(f"BLOCKED  {what}   [{test.split('::')[-1]}]")
+    tr.write_line(f"{len(blocked)} attacks blocked; {len(allowed)} positive controls passed")
+
+
+__all__ = ["SecStack", "RedTeam", "network_config", "network_leftovers", "until", "SKIP_REASON"]

@@ -1,0 +1,616 @@
+"""Red team: filesystem, syscall, capability and resource attacks by root inside real sandboxes.
+
+Every attack runs as root inside a sandbox of the real stack (NATS, placement, host agent with
+containerd + runc, the busybox ``base`` template) and asserts one specific block: an errno
+(EPERM from seccomp, EACCES from Landlock, EROFS from a read-only mount) or the process killed
+(SIGSYS: status 159). Every group also has positive controls: the same tool doing something
+allowed works in the sandbox, and where it matters the same binary succeeds on the unconfined
+host, so a broken sandbox or a broken tool can't pass as "blocked".
+
+Attack binaries are tiny static C programs (``progs/``) compiled on the host with ``gcc -static``
+and copied in through the files API. 32-bit syscalls go through ``int $0x80`` from a 64-bit binary
+(no 32-bit toolchain is needed for that, and it is what an attacker would do).
+
+The run ends with the red-team tally (``conftest.RedTeam``): the number of attacks blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.security.conftest import SKIP_REASON, until
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+
+PROGS = Path(__file__).with_name("progs")
+EPERM, EACCES, EROFS, ENOSPC = 1, 13, 30, 28
+SIGSYS_STATUS = 128 + 31
+
+# i386 syscall numbers (asm/unistd_32.h): what `int $0x80` dispatches on.
+I386 = {
+    "getpid": 20, "mount": 21, "umount2": 52, "ptrace": 26, "init_module": 128, "pivot_root": 217,
+    "kexec_load": 283, "keyctl": 288, "unshare": 310, "perf_event_open": 336, "setns": 346,
+    "bpf": 357, "io_uring_setup": 425,
+}
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x20000, 0x10000000, 0x20000000, 0x40000000
+O_RDWR_CREAT = 0x42
+FIONREAD = 0x541B
+
+
+# ------------------------------------------------------------------------------------------ helpers
+@pytest.fixture(scope="module")
+def progs() -> Iterator[dict[str, bytes]]:
+    """The attack tools, compiled once per module: name -> static binary."""
+    d = tempfile.mkdtemp(prefix="dsec-redteam-")
+    out: dict[str, bytes] = {}
+    try:
+        for src in sorted(PROGS.glob("*.c")):
+            exe = os.path.join(d, src.stem)
+            r = subprocess.run(["gcc", "-static", "-O1", "-Wall", "-o", exe, str(src)], capture_output=True, text=True)
+            assert r.returncode == 0, f"cannot build {src.name}: {r.stderr}"
+            out[src.stem] = Path(exe).read_bytes()
+        out["_dir"] = d.encode()
+        yield out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def host_tool(progs: dict[str, bytes], name: str) -> str:
+    return os.path.join(progs["_dir"].decode(), name)
+
+
+def nr(name: str) -> int:
+    from hostagent._profiles import syscall_numbers
+
+    return syscall_numbers()[name]
+
+
+class Result:
+    def __init__(self, code: int, out: str) -> None:
+        self.code = code
+        self.out = out
+
+    @property
+    def errno(self) -> int | None:
+        m = re.search(r"errno=(\d+)", self.out)
+        return int(m.group(1)) if m else None
+
+    def __repr__(self) -> str:
+        return f"Result(code={self.code}, out={self.out!r})"
+
+
+async def sh(sb: Any, cmd: str, timeout: float = 60) -> Result:
+    """Run ``cmd`` in the sandbox; never raises on a non-zero exit."""
+    import sdk
+
+    try:
+        r = await sb.commands.run(cmd, timeout=timeout)
+    except sdk.CommandExitError as e:
+        r = e.result
+    return Result(r.exit_code, (r.stdout + r.stderr).strip())
+
+
+async def push(sb: Any, progs: dict[str, bytes], *names: str) -> None:
+    for n in names:
+        await sb.files.write(f"/tmp/{n}", progs[n], mode=0o755)
+
+
+async def sysx(sb: Any, *args: Any) -> Result:
+    return await sh(sb, "/tmp/sysx " + " ".join(str(a) for a in args))
+
+
+def host_sysx(progs: dict[str, bytes], *args: Any) -> Result:
+    r = subprocess.run([host_tool(progs, "sysx"), *map(str, args)], capture_output=True, text=True, timeout=30)
+    return Result(r.returncode, (r.stdout + r.stderr).strip())
+
+
+def assert_errno(r: Result, *errnos: int, what: str) -> None:
+    assert r.code != 0 and r.errno in errnos, f"{what}: expected errno in {errnos}, got {r}"
+
+
+def cap_bits(status: str, field: str) -> int:
+    m = re.search(rf"^{field}:\s*([0-9a-f]+)$", status, re.M)
+    assert m, f"{field} missing from /proc/self/status"
+    return int(m.group(1), 16)
+
+
+# ------------------------------------------------------------------------- filesystem (Landlock)
+async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, redteam: Any) -> None:
+    sb = await stack.create(timeout=300)
+    before = await sh(sb, "md5sum /bin/busybox /etc/passwd")
+    assert before.code == 0, before
+
+    # Positive controls: root writes, renames and removes freely where work happens.
+    for d in ("/tmp", "/workspace", "/root", "/home", "/var/tmp", "/run", "/dev/shm"):
+        r = await sh(sb, f"echo data > {d}/f && mv {d}/f {d}/g && cat {d}/g && rm {d}/g && mkdir {d}/sub && rmdir {d}/sub")
+        assert r.code == 0 and r.out == "data", (d, r)
+        redteam.allowed(f"write/rename/remove under {d}")
+    r = await sh(sb, "echo x > /dev/null && head -c 4 /dev/zero | wc -c")
+    assert r.code == 0 and r.out.endswith("4"), r
+    r = await sh(sb, "id -u && cat /etc/passwd | head -1")
+    assert r.out.startswith("0\nroot:"), r
+
+    await sh(sb, "printf '#!/bin/sh\\necho HIJACKED\\n' > /tmp/evil && chmod +x /tmp/evil")
+    attacks = {
+        "overwrite /bin/sh": "echo HIJACKED > /bin/sh",
+        "overwrite /bin/busybox": "cat /tmp/evil > /bin/busybox",
+        "cp over /bin/busybox": "cp /tmp/evil /bin/busybox",
+        "append to /etc/passwd": "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd",
+        "truncate /bin/busybox": "truncate -s 0 /bin/busybox",
+        "rename /bin/sh away": "mv /bin/sh /tmp/sh",
+        "rename over /bin/sh": "mv /tmp/evil /bin/sh",
+        "unlink /bin/sh": "rm -f /bin/sh",
+        "unlink /bin/busybox": "rm -f /bin/busybox",
+        "unlink /etc/passwd": "rm -f /etc/passwd",
+        "symlink over /bin/sh": "ln -sf /tmp/evil /bin/sh",
+        "hard link /bin/busybox into /tmp": "ln /bin/busybox /tmp/bb-link",
+        "plant /usr/local/bin/python": "cp /tmp/evil /usr/local/bin/python",
+        "plant /etc/ld.so.preload": "touch /etc/ld.so.preload",
+        "sed -i /etc/passwd": "sed -i s/root/toor/ /etc/passwd",
+        "mkdir in /usr": "mkdir /usr/evil",
+        "replace /bin (rename dir)": "mv /bin /tmp/bin",
+    }
+    for what, cmd in attacks.items():
+        r = await sh(sb, cmd)
+        assert r.code != 0, f"{what} succeeded: {r}"
+        assert "Permission denied" in r.out or "Operation not permitted" in r.out or "Invalid cross-device" in r.out, (what, r)
+        redteam.blocked(f"landlock: {what}")
+    # Nothing changed, and the shell still is the shell.
+    after = await sh(sb, "md5sum /bin/busybox /etc/passwd")
+    assert after.out == before.out
+    r = await sh(sb, "echo still-sh; ls /usr/local/bin /tmp/bb-link 2>&1")
+    assert r.out.startswith("still-sh") and "python" not in r.out and "bb-link: No such file" in r.out, r
+    # The same writes through the files API hit the same wall (the agent itself is confined).
+    import sdk
+
+    for path in ("/bin/sh", "/etc/passwd", "/usr/bin/new"):
+        with pytest.raises(sdk.DsecError):
+            await sb.files.write(path, b"HIJACKED")
+        redteam.blocked(f"landlock: files API write {path}")
+    with pytest.raises(sdk.DsecError):
+        await sb.files.remove("/bin/busybox")
+    redteam.blocked("landlock: files API remove /bin/busybox")
+    await sb.files.write("/workspace/ok.txt", b"fine")
+    assert await sb.files.read("/workspace/ok.txt") == "fine"
+    redteam.allowed("files API write /workspace")
+
+
+# -------------------------------------------------------------------------------- file ioctls
+IOCTLS = {
+    "FICLONE": 0x40049409,
+    "FICLONERANGE": 0x4020940D,
+    "FIDEDUPERANGE": 0xC0189436,
+    "XFS_IOC_SWAPEXT": 0xC0C0586D,
+    "XFS_IOC_EXCHANGE_RANGE": 0x40285881,
+    "EXT4_IOC_MOVE_EXT": 0xC028660F,
+}
+
+
+async def test_extent_swap_and_clone_ioctls_refused(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    from guard import DENY_IOCTLS
+
+    assert {k: DENY_IOCTLS[k] for k in IOCTLS} == IOCTLS, "test and profile disagree on ioctl numbers"
+    sb = await stack.create()
+    await push(sb, progs, "sysx")
+    await sh(sb, "echo target > /workspace/t && echo donor > /tmp/d")
+    # Positive control: ioctls in general still work (FIONREAD on a regular file).
+    r = await sysx(sb, nr("ioctl"), "cat:/workspace/t", FIONREAD, "buf:8")
+    assert r.code == 0, r
+    redteam.allowed("ioctl FIONREAD")
+    with tempfile.TemporaryDirectory(prefix="dsec-ioctl-") as hd:
+        Path(hd, "t").write_text("target")
+        Path(hd, "d").write_text("donor")
+        for name, cmd in IOCTLS.items():
+            # Unconfined, the same call reaches the filesystem (which says "not here", never EPERM).
+            h = host_sysx(progs, nr("ioctl"), f"fd:{hd}/t:{O_RDWR_CREAT}", cmd, f"cat:{hd}/d")
+            assert h.errno not in (None, EPERM) or h.code == 0, (name, h)
+            for high in (0, 1 << 32, 0xFFFFFFFF << 32):  # set high bits must not dodge the filter
+                r = await sysx(sb, nr("ioctl"), f"fd:/workspace/t:{O_RDWR_CREAT}", cmd | high, "cat:/tmp/d")
+                assert_errno(r, EPERM, what=f"{name} {cmd | high:#x}")
+                redteam.blocked(f"seccomp: ioctl {name} (request {cmd | high:#x})")
+    assert (await sh(sb, "cat /workspace/t")).out == "target"
+
+
+# ---------------------------------------------------------------------------------- syscalls
+def _native_attacks() -> dict[str, list[Any]]:
+    return {
+        "mount tmpfs": [nr("mount"), "s:none", "s:/tmp", "s:tmpfs", 0, 0],
+        "mount proc": [nr("mount"), "s:proc", "s:/tmp", "s:proc", 0, 0],
+        "umount2 /proc": [nr("umount2"), "s:/proc", 2],
+        "pivot_root": [nr("pivot_root"), "s:/tmp", "s:/tmp"],
+        "fsopen": [nr("fsopen"), "s:tmpfs", 0],
+        "fspick": [nr("fspick"), -100, "s:/", 0],
+        "open_tree": [nr("open_tree"), -100, "s:/", 1],
+        "move_mount": [nr("move_mount"), -100, "s:/tmp", -100, "s:/mnt", 0],
+        "mount_setattr": [nr("mount_setattr"), -100, "s:/", 0, "buf:32", 32],
+        "unshare(CLONE_NEWUSER)": [nr("unshare"), CLONE_NEWUSER],
+        "unshare(CLONE_NEWNS)": [nr("unshare"), CLONE_NEWNS],
+        "unshare(NEWUSER|NEWNS)": [nr("unshare"), CLONE_NEWUSER | CLONE_NEWNS],
+        "unshare(CLONE_NEWNET)": [nr("unshare"), CLONE_NEWNET],
+        "clone(CLONE_NEWUSER)": [nr("clone"), CLONE_NEWUSER | 17, 0, 0, 0, 0],
+        "clone(CLONE_NEWPID)": [nr("clone"), CLONE_NEWPID | 17, 0, 0, 0, 0],
+        "setns(mnt ns)": [nr("setns"), "cat:/proc/self/ns/mnt", 0],
+        "setns(user ns)": [nr("setns"), "cat:/proc/self/ns/user", 0],
+        "bpf(PROG_LOAD)": [nr("bpf"), 5, "buf:128", 128],
+        "bpf(MAP_CREATE)": [nr("bpf"), 0, "buf:128", 128],
+        "perf_event_open": [nr("perf_event_open"), "buf:128", 0, -1, -1, 0],
+        "io_uring_setup": [nr("io_uring_setup"), 8, "buf:120"],
+        "kexec_load": [nr("kexec_load"), 0, 0, 0, 0],
+        "kexec_file_load": [nr("kexec_file_load"), "cat:/bin/busybox", "cat:/bin/busybox", 1, "s:", 0],
+        "init_module": [nr("init_module"), "buf:64", 64, "s:"],
+        "finit_module": [nr("finit_module"), "cat:/bin/busybox", "s:", 0],
+        "delete_module": [nr("delete_module"), "s:ext4", 0],
+        "keyctl(GET_KEYRING_ID)": [nr("keyctl"), 0, -3, 1],
+        "add_key": [nr("add_key"), "s:user", "s:k", "buf:4", 4, -3],
+        "request_key": [nr("request_key"), "s:user", "s:k", 0, -3],
+        "userfaultfd": [nr("userfaultfd"), 0],
+        "open_by_handle_at": [nr("open_by_handle_at"), "cat:/", "buf:128", 0],
+        "name_to_handle_at": [nr("name_to_handle_at"), -100, "s:/etc/passwd", "buf:136", "buf:4", 0],
+        "ptrace(PTRACE_ATTACH, 1)": [nr("ptrace"), 16, 1, 0, 0],
+        "process_vm_readv(1)": [nr("process_vm_readv"), 1, "buf:16", 1, "buf:16", 1, 0],
+        "mknod char device (mem 1:1)": [nr("mknod"), "s:/tmp/mem", 0o20600, 0x0101],
+        "mknodat block device (8:0)": [nr("mknodat"), -100, "s:/tmp/sda", 0o60600, 0x0800],
+        "syslog(READ_ALL)": [nr("syslog"), 3, "buf:64", 64],
+        "reboot": [nr("reboot"), 0xFEE1DEAD, 0x28121969, 0x1234567],
+        "swapon": [nr("swapon"), "s:/tmp/swap", 0],
+        "settimeofday": [nr("settimeofday"), "buf:16", 0],
+        "iopl(3)": [nr("iopl"), 3],
+        "acct": [nr("acct"), "s:/tmp/acct"],
+    }
+
+
+async def test_dangerous_syscalls_refused(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    sb = await stack.create()
+    await push(sb, progs, "sysx")
+    # Positive controls: the tool works, harmless relatives of the refused calls are allowed.
+    for what, args in {
+        "getpid": [nr("getpid")],
+        "unshare(0)": [nr("unshare"), 0],
+        "unshare(CLONE_FS)": [nr("unshare"), 0x200],
+        "mknod FIFO": [nr("mknod"), "s:/tmp/fifo", 0o10644, 0],
+        "mknodat regular file": [nr("mknodat"), -100, "s:/tmp/reg", 0o100644, 0],
+        "landlock_create_ruleset(version)": [nr("landlock_create_ruleset"), 0, 0, 1],
+    }.items():
+        r = await sysx(sb, *args)
+        assert r.code == 0, (what, r)
+        redteam.allowed(what)
+    r = await sh(sb, "ls -l /tmp/fifo | cut -c1")
+    assert r.out == "p", r
+    # Unconfined on the host, the very same binary gets through for a sample of them (run as a
+    # throwaway process; nothing it does outlives it).
+    for what, args in {
+        "unshare(CLONE_NEWUSER)": [nr("unshare"), CLONE_NEWUSER],
+        "io_uring_setup": [nr("io_uring_setup"), 8, "buf:120"],
+        "keyctl(GET_KEYRING_ID)": [nr("keyctl"), 0, -3, 1],
+        "userfaultfd": [nr("userfaultfd"), 0],
+        "name_to_handle_at": [nr("name_to_handle_at"), -100, "s:/etc/passwd", "buf:136", "buf:4", 0],
+    }.items():
+        h = host_sysx(progs, *args)
+        assert h.code == 0 or h.errno not in (None, EPERM), (f"host control {what}", h)
+    for what, args in _native_attacks().items():
+        r = await sysx(sb, *args)
+        assert_errno(r, EPERM, what=what)
+        redteam.blocked(f"seccomp: {what}")
+    r = await sh(sb, "ls /tmp/mem /tmp/sda 2>&1; grep -c ' /tmp ' /proc/mounts")
+    assert "No such file" in r.out and r.out.endswith("0"), r
+
+
+async def test_32bit_syscall_abi_is_killed(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """int $0x80 from a 64-bit process: the compat syscall table, where a native-only filter that
+    forgot to check the architecture would match the wrong numbers."""
+    sb = await stack.create()
+    await push(sb, progs, "sysx")
+    # Positive controls: on the host the compat ABI works for this binary, inside the native one does.
+    h = host_sysx(progs, "-32", I386["getpid"])
+    assert h.code == 0, f"host: int $0x80 getpid should work (IA32 emulation): {h}"
+    r = await sysx(sb, nr("getpid"))
+    assert r.code == 0, r
+    redteam.allowed("native getpid")
+    attacks = {
+        "getpid": [I386["getpid"]],
+        "mount": [I386["mount"], "s:none", "s:/tmp", "s:tmpfs", 0, 0],
+        "umount2": [I386["umount2"], "s:/proc", 2],
+        "unshare(NEWUSER|NEWNS)": [I386["unshare"], CLONE_NEWUSER | CLONE_NEWNS],
+        "setns": [I386["setns"], "cat:/proc/self/ns/mnt", 0],
+        "bpf": [I386["bpf"], 0, "buf:128", 128],
+        "perf_event_open": [I386["perf_event_open"], "buf:128", 0, -1, -1, 0],
+        "io_uring_setup": [I386["io_uring_setup"], 8, "buf:120"],
+        "kexec_load": [I386["kexec_load"], 0, 0, 0, 0],
+        "init_module": [I386["init_module"], "buf:64", 64, "s:"],
+        "keyctl": [I386["keyctl"], 0, -3, 1],
+        "ptrace": [I386["ptrace"], 0],
+        "pivot_root": [I386["pivot_root"], "s:/tmp", "s:/tmp"],
+    }
+    for what, args in attacks.items():
+        r = await sysx(sb, "-32", *args)
+        assert r.code == SIGSYS_STATUS, f"i386 {what}: expected the process killed by SIGSYS, got {r}"
+        redteam.blocked(f"seccomp arch: i386 {what}")
+    # x32 ABI: the x86_64 arch with bit 30 set in the syscall number.
+    r = await sysx(sb, 0x40000000 | nr("getpid"))
+    assert r.code == SIGSYS_STATUS, f"x32 getpid: {r}"
+    redteam.blocked("seccomp arch: x32 getpid")
+    r = await sysx(sb, 0x40000000 | nr("mount"), "s:none", "s:/tmp", "s:tmpfs", 0, 0)
+    assert r.code == SIGSYS_STATUS, f"x32 mount: {r}"
+    redteam.blocked("seccomp arch: x32 mount")
+    assert (await sh(sb, "echo alive")).out == "alive"
+
+
+# ------------------------------------------------------------------------------- /proc and /sys
+async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    sb = await stack.create(memory_mb=128)
+    await push(sb, progs, "sysx")
+    # Positive controls: readable.
+    r = await sh(sb, "cat /proc/sys/kernel/ostype /sys/fs/cgroup/memory/memory.limit_in_bytes")
+    assert r.code == 0 and r.out.split() == ["Linux", str(128 << 20)], r
+    redteam.allowed("read /proc/sys and own cgroup")
+    blocked = {
+        # written with the value already there: harmless even if it got through
+        "/proc/sys/kernel/core_pattern": "cat /proc/sys/kernel/core_pattern > /proc/sys/kernel/core_pattern",
+        "/proc/sys/kernel/sysrq": "cat /proc/sys/kernel/sysrq > /proc/sys/kernel/sysrq",
+        "/proc/sys/vm/overcommit_memory": "cat /proc/sys/vm/overcommit_memory > /proc/sys/vm/overcommit_memory",
+        "/proc/sysrq-trigger": "echo h > /proc/sysrq-trigger",  # h: print help, the harmless one
+        "/proc/self/oom_score_adj (lower)": "echo -1000 > /proc/self/oom_score_adj",
+        "/proc/1/mem (the agent's memory)": "echo x > /proc/1/mem",
+        "/sys/kernel/uevent_helper": "echo /tmp/x > /sys/kernel/uevent_helper",
+        "cgroup release_agent": "echo /tmp/x > /sys/fs/cgroup/memory/release_agent",
+        "cgroup notify_on_release": "echo 1 > /sys/fs/cgroup/memory/notify_on_release",
+        "cgroup memory.limit_in_bytes (raise)": "echo -1 > /sys/fs/cgroup/memory/memory.limit_in_bytes",
+        "cgroup pids.max (raise)": "echo max > /sys/fs/cgroup/pids/pids.max",
+        "cgroup.procs (move)": "echo $$ > /sys/fs/cgroup/pids/cgroup.procs",
+        "mkdir child cgroup": "mkdir /sys/fs/cgroup/memory/escape",
+    }
+    for what, cmd in blocked.items():
+        r = await sh(sb, cmd)
+        assert r.code != 0, f"{what}: {r}"
+        assert any(s in r.out for s in ("Read-only file system", "Permission denied", "Operation not permitted", "No such file")), (what, r)
+        redteam.blocked(f"write {what}")
+    # A fresh cgroup (or any) mount for a release_agent escape: refused before it starts.
+    await sh(sb, "mkdir -p /tmp/cg")
+    r = await sysx(sb, nr("mount"), "s:cgroup", "s:/tmp/cg", "s:cgroup", 0, "s:memory")
+    assert_errno(r, EPERM, what="mount cgroup v1")
+    redteam.blocked("mount cgroup v1 hierarchy (release_agent escape)")
+    r = await sysx(sb, nr("mount"), "s:cgroup2", "s:/tmp/cg", "s:cgroup2", 0, 0)
+    assert_errno(r, EPERM, what="mount cgroup2")
+    redteam.blocked("mount cgroup2")
+    r = await sh(sb, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; grep -c ' /tmp/cg ' /proc/mounts")
+    assert r.out.split() == [str(128 << 20), "0"], r
+    # Masked: present but empty/hidden.
+    r = await sh(sb, "wc -c < /proc/kcore; ls /proc/keys /sys/firmware 2>&1 | wc -l")
+    assert r.out.split()[0] == "0", r
+    redteam.blocked("read /proc/kcore (masked)")
+
+
+async def test_capability_set(stack: Any, redteam: Any) -> None:
+    sb = await stack.create()
+    r = await sh(sb, "cat /proc/self/status")
+    eff, bnd, prm = (cap_bits(r.out, f) for f in ("CapEff", "CapBnd", "CapPrm"))
+    assert cap_bits(r.out, "CapAmb") == 0 and cap_bits(r.out, "CapInh") == 0
+    dropped = {
+        "CAP_DAC_READ_SEARCH": 2, "CAP_LINUX_IMMUTABLE": 9, "CAP_NET_ADMIN": 12, "CAP_NET_RAW": 13,
+        "CAP_IPC_LOCK": 14, "CAP_SYS_MODULE": 16, "CAP_SYS_RAWIO": 17, "CAP_SYS_PTRACE": 19,
+        "CAP_SYS_PACCT": 20, "CAP_SYS_ADMIN": 21, "CAP_SYS_BOOT": 22, "CAP_SYS_NICE": 23,
+        "CAP_SYS_RESOURCE": 24, "CAP_SYS_TIME": 25, "CAP_SYS_TTY_CONFIG": 26, "CAP_MKNOD": 27,
+        "CAP_LEASE": 28, "CAP_AUDIT_CONTROL": 30, "CAP_MAC_OVERRIDE": 32, "CAP_MAC_ADMIN": 33,
+        "CAP_SYSLOG": 34, "CAP_WAKE_ALARM": 35, "CAP_BLOCK_SUSPEND": 36, "CAP_AUDIT_READ": 37,
+        "CAP_PERFMON": 38, "CAP_BPF": 39, "CAP_CHECKPOINT_RESTORE": 40,
+    }
+    for name, bit in dropped.items():
+        assert not (eff >> bit) & 1 and not (bnd >> bit) & 1 and not (prm >> bit) & 1, f"{name} still held"
+        redteam.blocked(f"capability {name} dropped (effective, permitted, bounding)")
+    for name, bit in {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_KILL": 5, "CAP_SETUID": 7, "CAP_NET_BIND_SERVICE": 10}.items():
+        assert (eff >> bit) & 1, f"{name} should be kept"
+    assert re.search(r"^NoNewPrivs:\s*1$", r.out, re.M) and re.search(r"^Seccomp:\s*2$", r.out, re.M), r.out
+    assert re.search(r"^Seccomp_filters:\s*2$", r.out, re.M), "runtime filter + the agent's audited filter"
+    # Functional checks: a kept capability works, a dropped one doesn't.
+    r = await sh(sb, "touch /tmp/c && chown 1234:1234 /tmp/c && stat -c %u /tmp/c")
+    assert r.out == "1234", r
+    redteam.allowed("chown with CAP_CHOWN")
+    r = await sh(sb, "chattr +i /tmp/c 2>&1 || echo refused")
+    assert "refused" in r.out or "Operation not permitted" in r.out or "not supported" in r.out.lower(), r
+    r = await sh(sb, "hostname evil")
+    assert r.code != 0, r
+    redteam.blocked("sethostname")
+
+
+# ---------------------------------------------------------------------------------- isolation
+async def test_other_sandboxes_and_the_host_are_invisible(stack: Any, redteam: Any) -> None:
+    a = await stack.create()
+    b = await stack.create()
+    await b.commands.run("echo topsecret > /workspace/answers-b.txt && (sleep 31337 > /dev/null 2>&1 &)")
+    r = await sh(b, "ps -o args | grep -c '[s]leep 31337'; cat /workspace/answers-b.txt")
+    assert r.out.split() == ["1", "topsecret"], r
+    redteam.allowed("sandbox sees its own files and processes")
+    r = await sh(a, "ps -o pid,args")
+    assert "31337" not in r.out and len(r.out.splitlines()) <= 4, r  # header, agent, sh, ps
+    redteam.blocked("see another sandbox's processes")
+    r = await sh(a, "find / -xdev -name 'answers-*' 2>/dev/null; ls /workspace")
+    assert "answers-b" not in r.out, r
+    redteam.blocked("see another sandbox's files")
+    r = await sh(a, "cat /proc/mounts /proc/self/mountinfo")
+    assert b.sandbox_id not in r.out, r
+    hs = stack.handle(b)
+    r = await sh(a, f"kill -9 {hs.pid} 2>&1; ls /proc/{hs.pid} 2>&1 | head -1")
+    assert r.code == 0 and ("No such" in r.out or "can't kill" in r.out or "not found" in r.out.lower()), r
+    assert (await sh(b, "echo b-alive")).out == "b-alive"
+    redteam.blocked("signal another sandbox's agent by host pid")
+    # No host paths: the data dir, the host's root and containerd state are not reachable.
+    r = await sh(a, f"ls {stack.data_dir} /run/containerd /var/lib 2>&1; ls /proc/1/root/ | head -50")
+    assert str(stack.data_dir) + ":" not in r.out and "No such file" in r.out, r
+    redteam.blocked("reach host paths")
+
+
+# ---------------------------------------------------------------------------------- floods
+async def test_fork_flood_stays_inside(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    pids_max = stack.backend.pids_max
+    a = await stack.create()
+    b = await stack.create()
+    await push(a, progs, "forkflood")
+    t0 = time.monotonic()
+    r = await sh(a, "/tmp/forkflood", timeout=120)
+    m = re.search(r"forks=(\d+) errno=(\d+)", r.out)
+    assert m, r
+    forks, err = int(m.group(1)), int(m.group(2))
+    assert err == 11 and 0 < forks < pids_max, f"the pids limit ({pids_max}) should stop the flood with EAGAIN: {r}"
+    redteam.blocked(f"fork flood (stopped at {forks} forks by pids.max={pids_max})")
+    # The host and the neighbour were never starved; the attacker's sandbox recovers.
+    assert subprocess.run(["true"]).returncode == 0
+    assert (await sh(b, "echo neighbour-ok")).out == "neighbour-ok"
+    await until(lambda: _pids_current(a.sandbox_id) < 10, timeout=30, what="the flood's processes to be gone")
+    assert (await sh(a, "echo recovered")).out == "recovered"
+    assert time.monotonic() - t0 < 120
+
+
+def _pids_current(sid: str) -> int:
+    try:
+        return int(Path(f"/sys/fs/cgroup/pids/dsec/{sid}/pids.current").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+async def test_memory_flood_is_killed_inside(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    a = await stack.create(memory_mb=96)
+    b = await stack.create()
+    await push(a, progs, "memflood")
+    with open("/proc/meminfo") as f:
+        avail_before = int(next(ln for ln in f if ln.startswith("MemAvailable:")).split()[1]) // 1024
+    r = await sh(a, "/tmp/memflood 4096", timeout=120)
+    last = [ln for ln in r.out.splitlines() if ln.isdigit()]
+    assert r.code == 137, f"the flood should be OOM-killed (SIGKILL) inside its cgroup: {r.code} {r.out[-200:]}"
+    assert last and int(last[-1]) <= 96, f"got past the 96 MiB limit: {last[-1:]}"
+    redteam.blocked(f"memory flood (OOM-killed at {last[-1]} MiB of 96)")
+    failcnt = Path(f"/sys/fs/cgroup/memory/dsec/{a.sandbox_id}/memory.failcnt").read_text().strip()
+    assert int(failcnt) > 0
+    with open("/proc/meminfo") as f:
+        avail_after = int(next(ln for ln in f if ln.startswith("MemAvailable:")).split()[1]) // 1024
+    assert avail_after > avail_before - 512, (avail_before, avail_after)
+    assert (await sh(b, "echo neighbour-ok")).out == "neighbour-ok"
+    assert (await sh(a, "echo survived")).out == "survived"  # only the hog died, not the sandbox
+
+
+async def test_disk_flood_hits_enospc_at_disk_mb(stack: Any, redteam: Any) -> None:
+    sb = await stack.create(disk_mb=64)
+    r = await sh(sb, "dd if=/dev/zero of=/workspace/fill bs=1M count=512 2>&1; sync; du -m /workspace/fill | cut -f1", timeout=120)
+    assert "No space left on device" in r.out, r
+    used = int(r.out.split()[-1])
+    assert used <= 64, f"wrote {used} MiB into a 64 MiB disk"
+    redteam.blocked(f"disk flood (ENOSPC after {used} MiB of disk_mb=64)")
+    r = await sh(sb, "echo more > /tmp/more")
+    assert r.code != 0 and "No space left" in r.out, r
+    redteam.blocked("disk flood via /tmp (same quota)")
+    r = await sh(sb, "rm /workspace/fill && echo small > /tmp/small && cat /tmp/small")
+    assert r.out == "small", r
+    redteam.allowed("writes work again after freeing space")
+    assert shutil.disk_usage(stack.data_dir).free > 1 << 30
+
+
+# ---------------------------------------------------------------------------- guard, audit, KV
+async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import GuardViolation
+
+    st = await make_stack(guard=True)
+    if st.guard.kernel is None:
+        pytest.skip("kernel audit not readable here")
+    got: list[GuardViolation] = []
+
+    async def on(msg: Any) -> None:
+        got.append(codec.EVENT.decode(msg.data))
+
+    sub = await st.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on)
+    try:
+        sb = await st.create()
+        await push(sb, progs, "sysx")
+        # Positive control: ordinary work is not reported.
+        await sb.commands.run("echo fine > /tmp/ok && ls / > /dev/null && cat /etc/passwd > /dev/null")
+        await sysx(sb, nr("mount"), "s:none", "s:/tmp", "s:tmpfs", 0, 0)
+        await sh(sb, "echo evil > /etc/passwd")
+        await sysx(sb, "-32", I386["unshare"], CLONE_NEWUSER)
+        await sysx(sb, nr("ioctl"), f"fd:/workspace/t:{O_RDWR_CREAT}", 0x1_C0C0586D, "cat:/etc/passwd")
+
+        def find(kind: str, pred: Any) -> GuardViolation | None:
+            return next((v for v in got if v.kind == kind and v.sandbox_id == sb.sandbox_id and pred(v)), None)
+
+        await until(lambda: find("seccomp", lambda v: v.what == "mount"), timeout=10, what="mount violation")
+        await until(lambda: find("landlock", lambda v: "fs.write_file" in v.what and "/etc/passwd" in v.what), timeout=10, what="landlock violation")
+        await until(lambda: find("seccomp", lambda v: v.what.startswith("i386") and v.detail.get("process_killed") == "true"), timeout=10, what="i386 violation")
+        await until(lambda: find("seccomp", lambda v: v.what == "ioctl"), timeout=10, what="ioctl violation")
+        mount = find("seccomp", lambda v: v.what == "mount")
+        assert mount is not None and mount.action == "record" and mount.detail["exe"] == "/tmp/sysx" and mount.host_id
+        assert all(v.sandbox_id == sb.sandbox_id for v in got), got
+        assert not [v for v in got if "/tmp/ok" in v.what], got
+        for what in ("mount", "landlock write /etc/passwd", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
+            redteam.blocked(f"audit: {what} reported with the sandbox id")
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    st = await make_stack(guard=True)
+    if st.guard.kernel is None:
+        pytest.skip("kernel audit not readable here")
+    strict = await st.create(profile="strict")
+    relaxed = await st.create()  # default profile: record only
+    await push(strict, progs, "sysx")
+    await push(relaxed, progs, "sysx")
+    assert (await sh(strict, "echo fine")).out == "fine"  # positive control: normal work is fine
+    await sysx(relaxed, nr("bpf"), 0, "buf:128", 128)
+    await sysx(strict, nr("bpf"), 0, "buf:128", 128)
+
+    async def gone() -> bool:
+        return not await strict.is_running()
+
+    await until(gone, timeout=20, what="guard to kill the strict sandbox")
+    redteam.blocked("strict profile: sandbox killed after a refused bpf()")
+    assert await relaxed.is_running()
+    assert (await sh(relaxed, "echo still-here")).out == "still-here"
+    rec = await _sandbox_record(st, strict.sandbox_id)
+    assert rec.state == "killed" and rec.end_reason.startswith("guard-kill: seccomp bpf"), rec
+
+
+async def _sandbox_record(st: Any, sid: str) -> Any:
+    from bus import codec
+    from bus import subjects as S
+
+    kv = await st.nc.jetstream().key_value(S.KV_SANDBOXES)
+    return codec.SANDBOX_RECORD.decode((await kv.get(sid)).value)
+
+
+async def test_profiles_come_from_kv(make_stack: Any, redteam: Any) -> None:
+    """Guard writes the profiles; the host agent watches them and enforces what it finds."""
+    import msgspec
+
+    import sdk
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import SecurityProfile
+    from guard import DEFAULT_VERSION, default_profile
+
+    st = await make_stack(guard=True)
+    kv = await st.nc.jetstream().key_value(S.KV_PROFILES)
+    dec = msgspec.msgpack.Decoder(SecurityProfile)
+    stored = {k: dec.decode((await kv.get(k)).value) for k in ("default", "strict")}
+    assert stored["default"].version == DEFAULT_VERSION and stored["strict"].audit.seccomp == "kill"
+    # A profile an operator adds: only /workspace writable.
+    custom = msgspec.structs.replace(default_profile(), name="ws-only", version=1)
+    custom.fs.writable = ["/workspace"]
+    await kv.put("ws-only", codec.encode(custom))
+    await until(lambda: "ws-only" in st.host.profiles.profiles, timeout=10, what="host agent to see the new profile")
+    sb = await st.create(profile="ws-only")
+    r = await sh(sb, "echo a > /workspace/a && echo ok; echo b > /tmp/b")
+    assert r.out.startswith("ok") and "Permission denied" in r.out, r
+    redteam.blocked("custom profile from KV: /tmp not writable")
+    with pytest.raises(sdk.DsecError):
+        await st.create(profile="no-such-profile", create_timeout=30)
+    redteam.blocked("unknown profile refused (no silent fallback)")
