@@ -67,6 +67,7 @@ class PlaceSandbox(Struct, kw_only=True, tag=True):
     exclude_hosts: list[str] = []
     placed_by: str = ""
     placed_at: float = 0.0
+    claim: bool = False  # hand-off of a redelivered request: hosts claim each id before creating
 
 
 class PlaceBatch(Struct, kw_only=True, tag=True):
@@ -76,6 +77,7 @@ class PlaceBatch(Struct, kw_only=True, tag=True):
     attempt: int = 0
     placed_by: str = ""
     placed_at: float = 0.0
+    claim: bool = False  # hand-off of a redelivered request: hosts claim each id before creating
 
 
 HostMessage = PlaceSandbox | PlaceBatch

@@ -125,10 +125,11 @@ class Guard(Service):
         self._kv_sbx: KeyValue | None = None
         self._kv_quarantine: KeyValue | None = None
         self._watcher: Any = None
+        self._watch_task: asyncio.Task[None] | None = None
         self._sandbox_profile: dict[str, str] = {}
         self._enforced: set[str] = set()
         self._gone: dict[str, float] = {}
-        self._last: dict[tuple[str, str, str], tuple[float, int]] = {}
+        self._last: dict[tuple[str, str, str, bool], tuple[float, int]] = {}
 
     # --- lifecycle --------------------------------------------------------------------------
     async def setup(self) -> None:
@@ -140,7 +141,8 @@ class Guard(Service):
         self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
         log.info("profiles_published", **self.published)
         self._watcher = await self._kv_profiles.watchall()
-        self.spawn(self._watch_profiles(), name="profiles-watch")
+        # not self.spawn(): it runs until teardown, which shutdown reaches only after spawned work ends
+        self._watch_task = asyncio.create_task(self._watch_profiles(), name="guard-profiles-watch")
         w = _NewEventsWorker(
             self.js, stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
             handler=self._on_event, capacity=64, ack_wait_s=30.0, name="guard-audit",
@@ -158,6 +160,12 @@ class Guard(Service):
     async def teardown(self) -> None:
         if self.kernel is not None:
             await self.kernel.stop()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            try:
+                await self._watch_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
         if self._watcher is not None:
             try:
                 await self._watcher.stop()
@@ -200,24 +208,24 @@ class Guard(Service):
 
     # --- kernel denials ---------------------------------------------------------------------------
     def _on_denial(self, d: Denial) -> None:
+        """Called by the kernel reader for every denial: the same denial of the same sandbox is
+        reported at most once per ``report_interval_s`` (the next report counts the repeats).
+        The first report also carries out the policy, so folding repeats never skips a kill."""
         if d.sandbox_id in self._gone:
             return
-        self.spawn(self._handle_denial(d))
-
-    async def _handle_denial(self, d: Denial) -> None:
-        now = time.monotonic()
-        key = (d.sandbox_id, d.kind, d.what)
-        last, suppressed = self._last.get(key, (0.0, 0))
-        policy = await self._audit_policy(d.sandbox_id)
-        action = self._action(policy, d.kind)
         by_agent = d.detail.get("exe") == AGENT_EXE
-        if by_agent:
-            action = "record"  # the agent works for whoever holds the host API
-        enforce = action != "record" and d.sandbox_id not in self._enforced
-        if now - last < self.report_interval_s and not enforce:
+        key = (d.sandbox_id, d.kind, d.what, by_agent)
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (0.0, 0))
+        if now - last < self.report_interval_s:
             self._last[key] = (last, suppressed + 1)
             return
         self._last[key] = (now, 0)
+        self.spawn(self._handle_denial(d, by_agent, suppressed))
+
+    async def _handle_denial(self, d: Denial, by_agent: bool, suppressed: int) -> None:
+        policy = await self._audit_policy(d.sandbox_id)
+        action = "record" if by_agent else self._action(policy, d.kind)  # the agent works for the host API
         detail = {k: v for k, v in d.detail.items() if v}
         detail["source"] = SOURCE
         if d.killed:
@@ -237,7 +245,7 @@ class Guard(Service):
             await self.js.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
         except Exception as exc:  # noqa: BLE001
             log.warning("violation_publish_failed", error=str(exc))
-        if enforce:
+        if action != "record":
             await self._enforce(v)
 
     async def _enforce(self, v: GuardViolation) -> None:

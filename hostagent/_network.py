@@ -1,54 +1,61 @@
 """Per-sandbox network namespaces with a default-deny egress allowlist enforced on the host side.
 
 Only sandboxes created with a non-empty ``network={"allow_out": [...]}`` get a network: a named
-netns (``/run/netns/dsec-<sandbox id>``) with ``lo`` and one veth (``eth0``), a /30 out of a private
-pool (default 10.200.0.0/16: host end ``.1``, sandbox end ``.2``, default route via ``.1``), and
-masquerade for the egress the allowlist opens. Every other sandbox gets runc's empty netns (only
-loopback): no veth, no address, no rules -- the cheapest and the safest default.
+netns (``/run/netns/dsec-dsx-<sandbox id>``) with ``lo`` and one veth (``eth0``), a /30 out of a
+private pool (default 10.200.0.0/16: host end ``.1``, sandbox end ``.2``, default route via ``.1``,
+no IPv6), and masquerade for the egress the allowlist opens. Every other sandbox keeps runc's empty
+netns (only loopback): no veth, no address, no rules -- the cheapest and the safest default.
 
 Enforcement lives in the host's network namespace (``table inet dsec``), on the host side of the
-veth, where root inside the sandbox (no CAP_NET_ADMIN in the host netns, and no way to reach it)
-cannot change it. The ruleset is static; a sandbox only adds set elements keyed by its host-side
-veth name, which the kernel -- not the sandbox -- attaches to each packet::
+veth, where root inside the sandbox (no CAP_NET_ADMIN there, and no way to reach that netns) cannot
+change it. The ruleset is static; a sandbox only adds set elements keyed by its host-side veth
+name, which the kernel -- not the sandbox -- attaches to each packet::
 
-    input    iifname "dsx*"  -> reject                      (the host itself: every local address,
-                                                             127/8, the veth's own .1, NATS, ...)
-    forward  dsx* -> dsx*    -> reject                      (sandbox to sandbox)
+    input    iifname "dsx*"  -> reject  to_host           (every local address of the host: its
+                                                          IPs, 127/8, the veth's own .1 -- NATS,
+                                                          the host agent, any host service)
+    forward  dsx* -> dsx*    -> reject  between_sandboxes
              dsx* -> *       -> egress
-             * -> dsx*       -> established/related only    (nothing can open a connection in)
-    egress   IPv6            -> reject
-             spoofed source  -> drop  (fib saddr . iif: the source must route back via this veth)
-             daddr @deny_net -> reject  (loopback, link-local/metadata, multicast, the pool,
-                                          control-plane addresses: whatever the allowlist says)
-             iifname . daddr @allow_net                          -> accept
-             iifname . daddr . l4proto . dport @allow_port       -> accept
-             otherwise       -> reject
+             * -> dsx*       -> established/related, else drop  inbound
+             [neither side a sandbox, and ip_forward was 0 before us -> drop  forward_guard]
+    egress   IPv6            -> reject  ipv6
+             spoofed source  -> drop    spoofed   (fib saddr . iif: must route back via this veth)
+             daddr @deny_net -> reject  denied    (0/8, 127/8, 169.254/16 incl. metadata,
+                                                   multicast, 240/4, the pool, control plane)
+             iifname . daddr @allow_net                      -> accept
+             iifname . daddr . l4proto . dport @allow_port   -> accept  (tcp and udp)
+             otherwise       -> reject  not_allowed
     postrouting  dsx* -> not dsx*  -> masquerade
 
-Each reject/drop has its own named counter so a test (or an audit) can tell which rule fired.
+"reject" is a TCP reset for TCP (a blocked connect fails at once with ECONNREFUSED, never rate
+limited) and ICMP admin-prohibited otherwise (EHOSTUNREACH). Each has a named counter (the word
+after it above), so a test or an audit can tell which rule stopped what.
 
 Allowlist entries: ``CIDR`` or ``IP`` (every port and protocol), ``host:port`` or ``host:lo-hi``
 (TCP and UDP to those ports; host is an IP, CIDR or domain), or ``domain`` (every port). Domains
-are resolved by the host agent (its own resolver, or the ``nameservers`` it is configured with)
-when the sandbox is created; the addresses go into the sets and the names into the sandbox's
-``/etc/hosts``, so name lookup inside the sandbox needs no DNS at all and a sandbox can never make
-a name point anywhere the host did not resolve it to. (A DNS proxy answering only allowlisted names
-would follow records that change over a sandbox's life; the trade-off is in the report.)
-An entry that can only name forbidden addresses (inside a deny range, or one of the host's own
-addresses) fails the create with ``invalid_argument``; broader entries (``0.0.0.0/0``) are accepted
-and the kernel still refuses the forbidden part.
+are resolved by the host agent (the host's resolver, or the ``nameservers`` it is configured
+with) when the sandbox is created; the addresses go into the sets and the names into the
+sandbox's ``/etc/hosts``, so a lookup inside the sandbox needs no DNS and no sandbox can make an
+allowlisted name point anywhere the host did not resolve it to. An entry that can only name
+forbidden addresses (inside a deny range, or one of the host's own addresses) fails the create
+with ``invalid_argument``; broader entries (``0.0.0.0/0``) are accepted and the kernel still
+refuses the forbidden part.
 
-Speed: netns + veth + addresses + routes through pyroute2, the set elements through libnftables
-(in-process, one transaction), all in one dedicated worker thread (it switches its own netns with
-``unshare``/``setns``; the rest of the agent never leaves the host netns). Teardown deletes the set
-elements and unmounts the netns; the kernel destroys the veth pair with the netns once the
-sandbox's last process is gone (batched, asynchronous), so the /30 is reused only once its old veth
-is gone.
+Speed: all kernel work runs in one worker thread (it switches its own netns with unshare/setns;
+the rest of the agent never leaves the host netns). The hot path talks raw rtnetlink (3 batched
+round trips) and libnftables in-process (one transaction); pyroute2 serves the rare paths (dumps,
+recovery, deletes). A small warm pool of pre-made networks (netns + veth + addresses + routes)
+takes even that off the create path: a create adopts one (a bind mount, an alias, the set
+elements) and the pool refills in the background, one network per worker job. Teardown deletes
+the set elements and unmounts the netns; the kernel destroys the veth pair with the netns once
+the sandbox's last process is gone (batched, asynchronous), so a /30 is reused only once its old
+veth is gone (next-fit allocation makes that the rare case anyway).
 
-Recovery: the kernel is the record. On start the base ruleset is re-applied in one transaction that
-keeps set elements; after the containers are recovered, the elements of live sandboxes are
-re-added (idempotent) and everything that belongs to no live sandbox (veths, netns mounts,
-elements) is removed. Slots are re-learned from the host ends' addresses.
+Recovery: the kernel is the record. The base ruleset is (re)applied in one transaction that keeps
+set elements; after the containers are recovered, the elements of live sandboxes are re-added
+(idempotent) and everything of this agent's that belongs to no live sandbox (veths, netns mounts,
+set elements, pre-made networks) is removed. Slots are re-learned from the host ends' addresses.
+Nothing in the kernel is touched until a sandbox asks for a network (or there is state to recover).
 """
 
 from __future__ import annotations
@@ -108,6 +115,7 @@ MAX_PORT = 65535
 
 _CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
+WARM_TAG = "@warm-"  # netns file names of pre-made networks (never a sandbox id: '@' is not allowed there)
 _MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _DOMAIN_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*\.?$")
@@ -119,7 +127,10 @@ class NetworkConfig:
     """Where sandbox networks come from and what they may never reach.
 
     ``table``/``ifprefix``/``netns_prefix``/``pool`` name everything this host agent owns in the
-    kernel; two agents on one machine (tests) must use different ones. ``deny_out`` adds
+    kernel; two agents on one machine (tests) must use different ones, and neither ``ifprefix``
+    may be a prefix of the other (the rules match veth names by prefix; recovery removes what
+    carries its prefix and belongs to no live sandbox). ``netns_prefix`` defaults to
+    ``dsec-<ifprefix>-``, which keeps the netns names of such agents apart as well. ``deny_out`` adds
     never-reachable CIDRs (the control plane's addresses: NATS servers, object store, other hosts);
     ``control_plane`` adds host names or URLs resolved at start for the same purpose.
     ``nameservers`` (``ip`` or ``ip:port``): the resolver for allowlisted domains; empty means the
@@ -130,7 +141,7 @@ class NetworkConfig:
     table: str = "dsec"
     ifprefix: str = "dsx"
     netns_dir: str = "/run/netns"
-    netns_prefix: str = "dsec-"
+    netns_prefix: str = ""  # default: f"dsec-{ifprefix}-"
     deny_out: tuple[str, ...] = ()
     control_plane: tuple[str, ...] = ()
     nameservers: tuple[str, ...] = ()
@@ -138,6 +149,7 @@ class NetworkConfig:
     max_ips_per_domain: int = 16
     resolve_timeout_s: float = 3.0
     state_dir: str = "/run/dsec"
+    warm_pool: int = 8  # networks made ahead of time (netns + veth + addresses), off the create path
 
     def __post_init__(self) -> None:
         pool = ipaddress.ip_network(self.pool)
@@ -147,6 +159,10 @@ class NetworkConfig:
             raise ValueError(f"ifprefix must be 2-6 of [a-z0-9] starting with {FAMILY_PREFIX!r}, got {self.ifprefix!r}")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,31}", self.table):
             raise ValueError(f"bad nft table name {self.table!r}")
+        if not self.netns_prefix:
+            object.__setattr__(self, "netns_prefix", f"dsec-{self.ifprefix}-")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}-", self.netns_prefix):
+            raise ValueError(f"netns_prefix must be 1-64 of [A-Za-z0-9_.-] ending in '-', got {self.netns_prefix!r}")
         for d in self.deny_out:
             ipaddress.IPv4Network(d, strict=False)
 
@@ -484,6 +500,115 @@ class NftError(RuntimeError):
     pass
 
 
+
+# ----------------------------------------------------------------------------- rtnetlink (hot path)
+class Rtnl:
+    """The few rtnetlink requests a sandbox network needs, batched: several messages per send,
+    one ack each. A socket is bound to the netns it was created in."""
+
+    _NEWLINK, _GETLINK, _NEWADDR, _NEWROUTE = 16, 18, 20, 24
+    _REQ, _ACK, _EXCL, _CREATE = 0x1, 0x4, 0x200, 0x400
+    _IFF_UP = 0x1
+    _IFLA_IFNAME, _IFLA_IFALIAS, _IFLA_LINKINFO, _IFLA_NET_NS_FD = 3, 20, 18, 28
+    _IFLA_INFO_KIND, _IFLA_INFO_DATA, _VETH_INFO_PEER = 1, 2, 1
+    _IFA_ADDRESS, _IFA_LOCAL = 1, 2
+    _RTA_GATEWAY = 5
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, 0)  # NETLINK_ROUTE
+        self.sock.bind((0, 0))
+        self.seq = 0
+
+    def close(self) -> None:
+        self.sock.close()
+
+    @staticmethod
+    def _attr(kind: int, data: bytes) -> bytes:
+        n = 4 + len(data)
+        return struct.pack("=HH", n, kind) + data + b"\0" * ((4 - n % 4) % 4)
+
+    @staticmethod
+    def _ifinfo(index: int = 0, up: bool = False) -> bytes:
+        f = Rtnl._IFF_UP if up else 0
+        return struct.pack("=BxHiII", 0, 0, index, f, f)
+
+    @classmethod
+    def new_veth(cls, name: str, peer: str, peer_netns_fd: int) -> tuple[int, int, bytes]:
+        a = cls._attr
+        # (the peer cannot be created up: a veth end opens only once its peer is registered)
+        peer_msg = cls._ifinfo() + a(cls._IFLA_IFNAME, peer.encode() + b"\0") + a(cls._IFLA_NET_NS_FD, struct.pack("=I", peer_netns_fd))
+        info = a(cls._IFLA_INFO_KIND, b"veth\0") + a(cls._IFLA_INFO_DATA, a(cls._VETH_INFO_PEER, peer_msg))
+        return cls._NEWLINK, cls._CREATE | cls._EXCL, cls._ifinfo(up=True) + a(cls._IFLA_IFNAME, name.encode() + b"\0") + a(cls._IFLA_LINKINFO, info)
+
+    @classmethod
+    def set_up(cls, index: int) -> tuple[int, int, bytes]:
+        return cls._NEWLINK, 0, cls._ifinfo(index, up=True)
+
+    @classmethod
+    def set_alias(cls, index: int, alias: str) -> tuple[int, int, bytes]:
+        return cls._NEWLINK, 0, cls._ifinfo(index) + cls._attr(cls._IFLA_IFALIAS, alias.encode())
+
+    @classmethod
+    def set_alias_by_name(cls, name: str, alias: str) -> tuple[int, int, bytes]:
+        return cls._NEWLINK, 0, cls._ifinfo() + cls._attr(cls._IFLA_IFNAME, name.encode() + b"\0") + cls._attr(cls._IFLA_IFALIAS, alias.encode())
+
+    @classmethod
+    def new_addr(cls, index: int, ip: str, prefixlen: int) -> tuple[int, int, bytes]:
+        raw = socket.inet_aton(ip)
+        body = struct.pack("=BBBBI", socket.AF_INET, prefixlen, 0, 0, index) + cls._attr(cls._IFA_LOCAL, raw) + cls._attr(cls._IFA_ADDRESS, raw)
+        return cls._NEWADDR, cls._CREATE | cls._EXCL, body
+
+    @classmethod
+    def new_default_route(cls, gateway: str) -> tuple[int, int, bytes]:
+        # main table, static, universe scope, unicast
+        body = struct.pack("=BBBBBBBBI", socket.AF_INET, 0, 0, 0, 254, 4, 0, 1, 0) + cls._attr(cls._RTA_GATEWAY, socket.inet_aton(gateway))
+        return cls._NEWROUTE, cls._CREATE | cls._EXCL, body
+
+    def call(self, msgs: list[tuple[int, int, bytes]]) -> None:
+        """Send all messages in one datagram; wait for every ack; raise the first error."""
+        buf = bytearray()
+        seqs = []
+        for kind, flags, body in msgs:
+            self.seq += 1
+            seqs.append(self.seq)
+            buf += struct.pack("=IHHII", 16 + len(body), kind, self._REQ | self._ACK | flags, self.seq, 0) + body
+        self.sock.sendto(bytes(buf), (0, 0))
+        pending = set(seqs)
+        err = 0
+        while pending:
+            for mtype, seq, payload in self._recv():
+                if mtype == 2 and seq in pending:  # NLMSG_ERROR (0 = ack)
+                    pending.discard(seq)
+                    code = -struct.unpack("=i", payload[:4])[0]
+                    if code and not err:
+                        err = code
+        if err:
+            raise OSError(err, f"rtnetlink: {os.strerror(err)}")
+
+    def index_of(self, name: str) -> int:
+        self.seq += 1
+        body = self._ifinfo() + self._attr(self._IFLA_IFNAME, name.encode() + b"\0")
+        self.sock.sendto(struct.pack("=IHHII", 16 + len(body), self._GETLINK, self._REQ, self.seq, 0) + body, (0, 0))
+        while True:
+            for mtype, seq, payload in self._recv():
+                if seq != self.seq:
+                    continue
+                if mtype == 2:
+                    code = -struct.unpack("=i", payload[:4])[0]
+                    raise OSError(code, f"rtnetlink: no link {name!r}: {os.strerror(code)}")
+                if mtype == self._NEWLINK:
+                    return struct.unpack("=BxHiII", payload[:16])[2]
+
+    def _recv(self) -> list[tuple[int, int, bytes]]:
+        data = self.sock.recv(65536)
+        out = []
+        off = 0
+        while off + 16 <= len(data):
+            n, mtype, _flags, seq, _pid = struct.unpack("=IHHII", data[off : off + 16])
+            out.append((mtype, seq, data[off + 16 : off + n]))
+            off += (n + 3) & ~3
+        return out
+
 # ----------------------------------------------------------------------------- attachment
 @dataclass
 class Attachment:
@@ -528,6 +653,7 @@ class NetworkManager:
         self._pool_exec: concurrent.futures.ThreadPoolExecutor | None = None
         # --- worker-thread state ---
         self._ipr: Any = None
+        self._nl: Rtnl | None = None
         self._nft: Nft | None = None
         self._root_ns_fd = -1
         self._root_ns_ino = 0
@@ -536,7 +662,12 @@ class NetworkManager:
         self._draining: dict[int, tuple[str, float]] = {}  # slot -> (old host ifname, since)
         self._next = 0
         self._host_addrs: tuple[float, set[ipaddress.IPv4Address]] = (0.0, set())
-        self.stats: dict[str, list[float]] = {"setup_ms": [], "teardown_ms": []}
+        self._warm: list[Attachment] = []  # pre-made networks, oldest first
+        self._warm_seq = 0
+        self._refill_task: asyncio.Task[None] | None = None
+        # setup_ms: the create path (pool hit or made inline); make_ms: making one network (netns,
+        # veth, addresses, routes) wherever it happens; teardown_ms: the destroy path.
+        self.stats: dict[str, list[float]] = {"setup_ms": [], "make_ms": [], "teardown_ms": [], "pool_hits": [], "pool_misses": []}
 
     # --- plumbing ---------------------------------------------------------------------------
     def _exec(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -555,6 +686,7 @@ class NetworkManager:
         self._root_ns_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._root_ns_ino = os.fstat(self._root_ns_fd).st_ino
         self._ipr = IPRoute()
+        self._nl = Rtnl()
         self._nft = Nft()
 
     def _w_check_root_ns(self) -> None:
@@ -602,10 +734,10 @@ class NetworkManager:
             raise CreateFailed(f"network isolation is unavailable on this host ({self.unavailable})")
         try:
             self._w_start()
-        except Exception as exc:
-            self.unavailable = f"{type(exc).__name__}: {exc}"
-            log.error("network_unavailable", error=self.unavailable)
-            raise CreateFailed(f"network isolation is unavailable on this host ({self.unavailable})") from None
+        except Exception as exc:  # tried again by the next sandbox that wants a network
+            why = f"{type(exc).__name__}: {exc}"
+            log.error("network_unavailable", error=why)
+            raise CreateFailed(f"network isolation is unavailable on this host ({why})") from None
         self._started = True
 
     def _w_has_state(self) -> bool:
@@ -650,8 +782,18 @@ class NetworkManager:
     def _base_ruleset(self, guard: bool) -> str:
         t = f"inet {self.cfg.table}"
         p = f'"{self.cfg.ifprefix}*"'
+        # TCP gets a reset (never rate-limited: a blocked connect fails at once, ECONNREFUSED);
+        # the rest ICMP admin-prohibited (EHOSTUNREACH; the kernel rate-limits these per peer).
         rej = "reject with icmpx admin-prohibited"
         deny = ", ".join(str(n) for n in self.deny)
+
+        def reject(chain: str, match: str, counter: str) -> list[str]:
+            m = f"{match} " if match else ""
+            return [
+                f'add rule {t} {chain} {m}meta l4proto tcp counter name "{counter}" reject with tcp reset',
+                f'add rule {t} {chain} {m}counter name "{counter}" {rej}',
+            ]
+
         lines = [
             f"add table {t}",
             f"add set {t} deny_net {{ type ipv4_addr; flags interval; auto-merge; }}",
@@ -667,18 +809,18 @@ class NetworkManager:
             *(f"flush chain {t} {c}" for c in ("sbx_input", "sbx_forward", "sbx_egress", "sbx_nat")),
             # The host itself: any local address (its IPs, 127/8, the veth's own .1) -- services,
             # NATS, the host agent. Nothing from a sandbox is delivered locally.
-            f'add rule {t} sbx_input iifname {p} counter name "to_host" {rej}',
-            f'add rule {t} sbx_forward iifname {p} oifname {p} counter name "between_sandboxes" {rej}',
+            *reject("sbx_input", f"iifname {p}", "to_host"),
+            *reject("sbx_forward", f"iifname {p} oifname {p}", "between_sandboxes"),
             f"add rule {t} sbx_forward iifname {p} jump sbx_egress",
             f"add rule {t} sbx_forward oifname {p} ct state established,related accept",
             f'add rule {t} sbx_forward oifname {p} counter name "inbound" drop',
             f'add rule {t} sbx_egress meta nfproto ipv6 counter name "ipv6" {rej}',
             f'add rule {t} sbx_egress fib saddr . iif oif missing counter name "spoofed" drop',
-            f'add rule {t} sbx_egress ip daddr @deny_net counter name "denied" {rej}',
+            *reject("sbx_egress", "ip daddr @deny_net", "denied"),
             f"add rule {t} sbx_egress ct state established,related accept",
             f"add rule {t} sbx_egress iifname . ip daddr @allow_net accept",
             f"add rule {t} sbx_egress meta l4proto {{ tcp, udp }} iifname . ip daddr . meta l4proto . th dport @allow_port accept",
-            f'add rule {t} sbx_egress counter name "not_allowed" {rej}',
+            *reject("sbx_egress", "", "not_allowed"),
             f"add rule {t} sbx_nat iifname {p} oifname != {p} masquerade",
         ]
         if guard:
@@ -717,8 +859,16 @@ class NetworkManager:
         return (int(a) - int(self.pool.network_address)) // 4
 
     async def stop(self) -> None:
+        if self._refill_task is not None:
+            self._refill_task.cancel()
+            try:
+                await self._refill_task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._refill_task = None
         if self._pool_exec is not None:
             try:
+                await self._run(self._w_drain_warm)
                 await self._run(self._w_close)
             finally:
                 self._pool_exec.shutdown(wait=True)
@@ -728,6 +878,9 @@ class NetworkManager:
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+        if self._nl is not None:
+            self._nl.close()
+            self._nl = None
         if self._nft is not None:
             self._nft.close()
             self._nft = None
@@ -762,6 +915,77 @@ class NetworkManager:
         except Exception as exc:  # noqa: BLE001
             log.exception("network_setup_failed", sandbox_id=sid)
             raise CreateFailed(f"cannot set up the sandbox network: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._kick_refill()
+
+    # --- warm pool ----------------------------------------------------------------------------
+    def _kick_refill(self) -> None:
+        """Top the pool of pre-made networks up in the background, one network per worker job, so
+        a create waits behind at most one of them."""
+        if self.cfg.warm_pool <= 0 or (self._refill_task is not None and not self._refill_task.done()):
+            return
+        self._refill_task = asyncio.get_running_loop().create_task(self._refill())
+
+    async def _refill(self) -> None:
+        try:
+            while await self._run(self._w_refill_one):
+                pass
+        except Exception:  # noqa: BLE001 - creates still work (inline); try again next time
+            log.exception("warm_pool_refill_failed")
+
+    def _w_refill_one(self) -> bool:
+        if not self._started or self.unavailable or len(self._warm) >= self.cfg.warm_pool:
+            return False
+        self._w_check_root_ns()
+        self._warm_seq += 1
+        key = f"{WARM_TAG}{self._warm_seq}"
+        slot = self._w_alloc(key)
+        gw, ip, _ = self.slot_addrs(slot)
+        att = Attachment("", slot, self._random_ifname(), ip, gw, self.netns_path(key), {"allow_net": [], "allow_port": []})
+        t0 = time.perf_counter()
+        try:
+            self._w_make_netns(att, alias=key)
+        except BaseException:
+            self._w_umount(att.netns)
+            self._used.pop(slot, None)
+            self._draining[slot] = (att.ifname, time.monotonic())
+            raise
+        self.stats["make_ms"].append((time.perf_counter() - t0) * 1000)
+        self._warm.append(att)
+        return len(self._warm) < self.cfg.warm_pool
+
+    def _random_ifname(self) -> str:
+        return self.cfg.ifprefix + base64.b32encode(os.urandom(10)).decode().lower()[: IFNAMSIZ - len(self.cfg.ifprefix)]
+
+    def _w_adopt(self, att: Attachment, sid: str) -> None:
+        """Give a pre-made network to a sandbox: its netns gets the sandbox's name, its veth the
+        sandbox id as alias. (A second bind mount, then the old one removed: MS_MOVE is refused
+        under shared mount propagation.)"""
+        path = self.netns_path(sid)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+        except FileExistsError:
+            self._w_umount(path)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
+        os.close(fd)
+        if _libc.mount(att.netns.encode(), path.encode(), None, _MS_BIND, None) != 0:
+            e = ctypes.get_errno()
+            os.unlink(path)
+            raise OSError(e, f"bind-mount netns at {path}: {os.strerror(e)}")
+        self._w_umount(att.netns)
+        att.netns = path
+        att.sandbox_id = sid
+        self._used[att.slot] = sid
+        assert self._nl is not None
+        self._nl.call([Rtnl.set_alias_by_name(att.ifname, sid[:255])])
+
+    def _w_drain_warm(self) -> None:
+        """Drop the pre-made networks (stop, purge): unmounted, the kernel destroys them."""
+        while self._warm:
+            att = self._warm.pop()
+            self._w_umount(att.netns)
+            self._used.pop(att.slot, None)
+            self._draining[att.slot] = (att.ifname, time.monotonic())
 
     def _w_alloc(self, sid: str) -> int:
         now = time.monotonic()
@@ -771,7 +995,7 @@ class NetworkManager:
                 continue
             old = self._draining.get(slot)
             if old is not None:
-                if self._ipr.link_lookup(ifname=old[0]):
+                if self._w_link_exists(old[0]):
                     if now - old[1] < 10.0:
                         continue  # the kernel is still destroying its netns: try the next /30
                     self._w_del_link(old[0])  # kept alive by something else: take it down
@@ -789,26 +1013,42 @@ class NetworkManager:
         if sid in self._att:
             return self._att[sid]  # redelivered create
         plan = compile_allowlist(entries, resolved, self.deny, self._w_host_addrs())
-        slot = self._w_alloc(sid)
-        gw, ip, _ = self.slot_addrs(slot)
-        host_if = self.ifname(sid)
-        path = self.netns_path(sid)
-        att = Attachment(sid, slot, host_if, ip, gw, path, plan.elements(host_if), plan.hosts)
-        self._att[sid] = att
+        warm = self._warm.pop(0) if self._warm else None
+        if warm is not None:
+            att = warm
+            att.elements, att.hosts = plan.elements(att.ifname), plan.hosts
+        else:
+            slot = self._w_alloc(sid)
+            gw, ip, _ = self.slot_addrs(slot)
+            host_if = self.ifname(sid)
+            att = Attachment(sid, slot, host_if, ip, gw, self.netns_path(sid), plan.elements(host_if), plan.hosts)
+            self._att[sid] = att
         try:
-            self._w_make_netns(att)
+            if warm is not None:
+                self._w_adopt(att, sid)
+                self._att[sid] = att
+            else:
+                t1 = time.perf_counter()
+                self._w_make_netns(att, alias=sid)
+                self.stats["make_ms"].append((time.perf_counter() - t1) * 1000)
             assert self._nft is not None
             self._nft.run(self._elements_cmd("add", att.elements))
         except BaseException:
-            self._w_teardown(sid)
+            if sid in self._att:
+                self._w_teardown(sid)
+            elif warm is not None:  # failed before the sandbox owned it
+                self._w_umount(att.netns)
+                self._used.pop(att.slot, None)
+                self._draining[att.slot] = (att.ifname, time.monotonic())
             raise
+        self.stats["pool_hits" if warm is not None else "pool_misses"].append(1.0)
         att.setup_ms = (time.perf_counter() - t0) * 1000
         self.stats["setup_ms"].append(att.setup_ms)
         return att
 
-    def _w_make_netns(self, att: Attachment) -> None:
-        from pyroute2 import IPRoute
-
+    def _w_make_netns(self, att: Attachment, alias: str) -> None:
+        """netns + veth + addresses + route: 3 netlink round trips, raw (pyroute2 serves the rare
+        paths: dumps, recovery, deletes -- its per-call overhead is most of the cost here)."""
         path = att.netns
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
@@ -816,7 +1056,7 @@ class NetworkManager:
             self._w_umount(path)  # leftover of a crashed create of this very sandbox
             fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0)
         os.close(fd)
-        ns_ipr = None
+        ns_nl: Rtnl | None = None
         try:
             if _libc.unshare(_CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), f"unshare(CLONE_NEWNET): {os.strerror(ctypes.get_errno())}")
@@ -829,35 +1069,29 @@ class NetworkManager:
                 for key, val in (("ipv4/ping_group_range", "0 2147483647"), ("ipv6/conf/all/disable_ipv6", "1"), ("ipv6/conf/default/disable_ipv6", "1")):
                     with open(f"/proc/sys/net/{key}", "w") as f:
                         f.write(val)
-                ns_ipr = IPRoute()
+                ns_nl = Rtnl()
             finally:
                 if _libc.setns(self._root_ns_fd, _CLONE_NEWNET) != 0:
                     # This thread is stuck in a sandbox's netns: refuse all further network work.
                     self.unavailable = "network worker could not return to the host netns"
                     log.critical("netns_setns_back_failed", errno=ctypes.get_errno())
             self._w_check_root_ns()
+            assert self._nl is not None and ns_nl is not None
             nsfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                self._ipr.link("add", ifname=att.ifname, kind="veth", state="up", peer={"ifname": "eth0", "net_ns_fd": nsfd})
+                # the host end created up; the sandbox end named eth0, straight in its netns
+                self._nl.call([Rtnl.new_veth(att.ifname, "eth0", nsfd)])
             finally:
                 os.close(nsfd)
-            idx = self._ipr.link_lookup(ifname=att.ifname)[0]
+            idx = self._nl.index_of(att.ifname)
             with open(f"/proc/sys/net/ipv6/conf/{att.ifname}/disable_ipv6", "w") as f:
                 f.write("1")
-            self._ipr.addr("add", index=idx, address=att.gateway, prefixlen=30)
-            try:
-                self._ipr.link("set", index=idx, ifalias=att.sandbox_id[:255])
-            except Exception:  # noqa: BLE001 - cosmetic (ip link shows the sandbox id)
-                pass
-            assert ns_ipr is not None
-            ns_ipr.link("set", index=1, state="up")  # lo is always ifindex 1 in a fresh netns
-            eth = ns_ipr.link_lookup(ifname="eth0")[0]
-            ns_ipr.addr("add", index=eth, address=att.ip, prefixlen=30)
-            ns_ipr.link("set", index=eth, state="up")
-            ns_ipr.route("add", dst="0.0.0.0/0", gateway=att.gateway)
+            self._nl.call([Rtnl.new_addr(idx, att.gateway, 30), Rtnl.set_alias(idx, alias[:255])])
+            eth = ns_nl.index_of("eth0")
+            ns_nl.call([Rtnl.set_up(1), Rtnl.set_up(eth), Rtnl.new_addr(eth, att.ip, 30), Rtnl.new_default_route(att.gateway)])  # lo: ifindex 1
         finally:
-            if ns_ipr is not None:
-                ns_ipr.close()
+            if ns_nl is not None:
+                ns_nl.close()
 
     def _elements_cmd(self, verb: str, elements: dict[str, list[str]]) -> str:
         t = f"inet {self.cfg.table}"
@@ -880,9 +1114,16 @@ class NetworkManager:
         att = self._att.pop(sid, None)
         host_if = att.ifname if att else self.ifname(sid)
         path = att.netns if att else self.netns_path(sid)
-        link = self._ipr.link_lookup(ifname=host_if)
-        if att is None and not link and not os.path.lexists(path):
-            return  # never had a network here
+        link: list[int] = []
+        if att is None:  # not ours in memory (a failed create, an orphan): look at the kernel
+            link = self._ipr.link_lookup(ifname=host_if)
+            if not link:  # made from the warm pool: a random name, the sandbox id as alias
+                for l in self._ipr.get_links():
+                    if l.get_attr("IFLA_IFALIAS") == sid and (l.get_attr("IFLA_IFNAME") or "").startswith(self.cfg.ifprefix):
+                        host_if, link = l.get_attr("IFLA_IFNAME"), [l["index"]]
+                        break
+            if not link and not os.path.lexists(path):
+                return  # never had a network here
         # 1. the allowlist (fail closed first)
         try:
             if att is not None and any(att.elements.values()):
@@ -908,6 +1149,16 @@ class NetworkManager:
             self._draining[slot] = (host_if, time.monotonic())
         if att is not None:
             self.stats["teardown_ms"].append((time.perf_counter() - t0) * 1000)
+
+    def _w_link_exists(self, name: str) -> bool:
+        assert self._nl is not None
+        try:
+            self._nl.index_of(name)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.ENODEV:
+                return False
+            raise
 
     def _w_umount(self, path: str) -> None:
         if _libc.umount2(path.encode(), _MNT_DETACH) != 0:
@@ -962,6 +1213,9 @@ class NetworkManager:
             await self._run(self._w_recover, alive)
         except CreateFailed as exc:
             log.error("network_recover_failed", error=str(exc))
+            return
+        if self._started:
+            self._kick_refill()
 
     def _w_recover(self, alive: dict[str, dict[str, Any] | None]) -> None:
         self._w_init()
@@ -1006,6 +1260,7 @@ class NetworkManager:
                 orphans += 1
         if self._used:
             self._next = (max(self._used) + 1) % self.nslots
+        self._w_drain_warm()
         log.info("network_recovered", live=len(self._att), stale_elements=removed, orphans=orphans)
 
     # --- tests / dev stacks -------------------------------------------------------------------
@@ -1016,6 +1271,7 @@ class NetworkManager:
 
     def _w_purge(self) -> None:
         self._w_init()
+        self._w_drain_warm()
         self._started = False
         assert self._nft is not None
         for sid in list(self._att):

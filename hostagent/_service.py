@@ -51,6 +51,7 @@ from bus.messages import (
 from bus.runtime import Service, error_of
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
+from ._acks import JsAcks, StoreError, acks_for
 from ._backend import Backend, Handle
 from ._profiles import ProfileCache
 
@@ -161,6 +162,8 @@ class HostAgent(Service):
         self.profiles: ProfileCache | None = None  # guard's security profiles (backends that enforce them)
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
         self._ops_sink = _Sink(self._on_op_now)
+        self._stop_fut: asyncio.Future[Any] | None = None
+        self._acks: JsAcks | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -176,6 +179,8 @@ class HostAgent(Service):
         assert self.js is not None
         if self._shared_nc is None:  # many sim hosts on one connection: their runner set streams up once
             await ensure_all(self.js, self.stream_options)
+        assert self.nc is not None
+        self._acks = await acks_for(self.nc)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
         self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
         self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
@@ -225,6 +230,8 @@ class HostAgent(Service):
         if self.profiles is not None:
             await self.profiles.stop()
         await self.backend.stop()
+        if self._acks is not None and self._shared_nc is None:
+            await self._acks.stop()
         if self._shared_nc is not None:
             self.nc = None  # not ours to drain
 
@@ -349,13 +356,18 @@ class HostAgent(Service):
             log.warning("usage_failed", error=str(exc))
         await self._kv_hosts.put(self.host_id, codec.encode(self._status()))
 
+    async def _pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until shutdown; True when stopping. One shared stop future, no task per call
+        (``wait_for(event.wait())`` made a task each time: 1,600 simulated hosts made thousands a second)."""
+        if self._stop_fut is None:
+            self._stop_fut = asyncio.ensure_future(self._stopped.wait())
+        await asyncio.wait((self._stop_fut,), timeout=seconds)
+        return self._stopped.is_set()
+
     async def _heartbeat_loop(self) -> None:
         while not self._stopped.is_set():
-            try:
-                await asyncio.wait_for(self._stopped.wait(), self.heartbeat_s)
+            if await self._pause(self.heartbeat_s):
                 return
-            except asyncio.TimeoutError:
-                pass
             try:
                 await self._heartbeat()
             except Exception as exc:  # noqa: BLE001
@@ -364,11 +376,8 @@ class HostAgent(Service):
     async def _reaper_loop(self) -> None:
         """Kill sandboxes past their timeout."""
         while not self._stopped.is_set():
-            try:
-                await asyncio.wait_for(self._stopped.wait(), 0.5)
+            if await self._pause(0.5):
                 return
-            except asyncio.TimeoutError:
-                pass
             if self._working:
                 await self._keep_in_progress(time.monotonic())
             now = time.time()
@@ -478,7 +487,7 @@ class HostAgent(Service):
                 # First hand-off of a first attempt: JetStream's de-duplication of <id>:<attempt> already
                 # guarantees no other host got this id, so the KV claim round trip is skipped. Redeliveries
                 # and re-placements (attempt > 0) claim, as every batch member does.
-                first = work.attempt == 0 and (msg.metadata.num_delivered if msg.metadata else 1) == 1
+                first = work.attempt == 0 and not work.claim and (msg.metadata.num_delivered if msg.metadata else 1) == 1
                 await self._create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first)
                 await msg.ack()
             case PlaceBatch():
@@ -534,7 +543,7 @@ class HostAgent(Service):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, msg)
+            await self._do_create(spec, attempt, msg, claimed=claim or held)
         finally:
             self._creating.pop(sid, None)
             fut.set_result(None)
@@ -543,22 +552,27 @@ class HostAgent(Service):
         """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
         pipelined, one round trip for the whole batch, then each member is created as a single one."""
         assert self.js is not None
+        if not (work.claim or work.attempt or (msg.metadata.num_delivered if msg.metadata else 1) > 1):
+            # First hand-off of a first-time batch: create first, then claim with the record itself
+            # (see _do_create); a copy handed to another host after a placement crash loses that race.
+            await asyncio.gather(*(self._create_one(s, work.attempt, [], msg, claim=False) for s in work.specs))
+            return
         todo = [s for s in work.specs if s.sandbox_id not in self.live and s.sandbox_id not in self._creating and not self._admits(s)]
         claimed: set[str] = set()
         if todo:
             assert self.nc is not None
             nc = self.nc
 
+            assert self._acks is not None
+            acks = self._acks
+
             async def claim(s: SandboxSpec) -> bool:
                 rec = SandboxRecord(spec=s, state="placed", host_id=self.host_id, created_at=s.requested_at)
                 try:  # a KV create: stored only if the key has no value yet
-                    reply = await nc.request(
-                        f"$KV.{S.KV_SANDBOXES}.{s.sandbox_id}", codec.encode(rec), timeout=30.0,
-                        headers={"Nats-Expected-Last-Subject-Sequence": "0"},
-                    )
-                except Exception:  # noqa: BLE001 - no answer: the one-by-one path below claims again
+                    await acks.store(f"$KV.{S.KV_SANDBOXES}.{s.sandbox_id}", codec.encode(rec), {"Nats-Expected-Last-Subject-Sequence": "0"})
+                    return True
+                except Exception:  # noqa: BLE001 - taken or no answer: the one-by-one path below claims again
                     return False
-                return b'"error"' not in reply.data
 
             for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo))):
                 if ok:
@@ -577,7 +591,13 @@ class HostAgent(Service):
         await self._event(spec, "rejected", attempt=attempt, err=err)
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
-    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None) -> None:
+    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True) -> None:
+        """Create, then store the record and announce ``ready``.
+
+        ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
+        record itself is the claim, written with a KV create once the sandbox exists: if another host's
+        record is there first, this copy is destroyed silently and the other host's stands.
+        """
         t0 = time.perf_counter()
         if msg is not None:  # the reaper loop tells JetStream a slow create is still in progress
             self._working[spec.sandbox_id] = [msg, time.monotonic()]
@@ -607,24 +627,53 @@ class HostAgent(Service):
         self.handles[spec.sandbox_id] = handle
         self._save(ls)
         await self._serve_ops(spec.sandbox_id)
-        # The record and the ready event: two acked writes pipelined into one round trip.
         assert self.js is not None
-        rec = SandboxRecord(
+        rec = codec.encode(SandboxRecord(
             spec=spec, state="running", host_id=self.host_id, created_at=spec.requested_at, ready_at=ls.started_at, expires_at=ls.expires_at,
-        )
+        ))
+        if claimed:
+            await self._store(f"$KV.{S.KV_SANDBOXES}.{spec.sandbox_id}", rec)
+        elif not await self._claim_record(spec.sandbox_id, rec):
+            await self._destroy(spec.sandbox_id, "duplicate", publish=False)
+            log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
+            return
         ev = SandboxEvent(
             sandbox_id=spec.sandbox_id, kind="ready", at=time.time(), host_id=self.host_id, attempt=attempt,
             detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"},
         )
-        f1 = await self.js.publish_async(f"$KV.{S.KV_SANDBOXES}.{spec.sandbox_id}", codec.encode(rec))
-        f2 = await self.js.publish_async(S.evt_sandbox(spec.sandbox_id, "ready"), codec.encode(ev), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
-        done, _ = await asyncio.wait((f1, f2), timeout=30.0)
-        if len(done) < 2 or f1.exception() is not None or f2.exception() is not None:
-            f1.cancel()
-            f2.cancel()
-            raise InternalError(f"record or ready event of {spec.sandbox_id} not stored")  # un-acked: redelivered
+        await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), codec.encode(ev), {S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
         self.created += 1
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
+
+    async def _store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """An acked JetStream write (raises when not stored: the work stays un-acked and is redelivered)."""
+        assert self._acks is not None
+        try:
+            await self._acks.store(subject, data, headers)
+        except (StoreError, asyncio.TimeoutError) as exc:
+            raise InternalError(f"not stored on {subject}: {exc}") from None
+
+    async def _claim_record(self, sid: str, rec: bytes) -> bool:
+        """Write the record only if the id has none (a KV create); False when another host owns the id."""
+        assert self._acks is not None and self._kv_sbx is not None
+        try:
+            await self._acks.store(f"$KV.{S.KV_SANDBOXES}.{sid}", rec, {"Nats-Expected-Last-Subject-Sequence": "0"})
+            return True
+        except StoreError:
+            pass
+        try:
+            await self._kv_sbx.create(sid, rec)  # handles a deleted key's tombstone
+            return True
+        except KeyWrongLastSequenceError:
+            pass
+        try:
+            cur = codec.SANDBOX_RECORD.decode((await self._kv_sbx.get(sid)).value)
+        except (KeyNotFoundError, BadRequest):
+            return False
+        if cur.host_id == self.host_id and cur.state in ("placed", "running"):
+            await self._kv_sbx.put(sid, rec)  # ours (an earlier delivery of the same work)
+            return True
+        return False
 
     async def _keep_in_progress(self, now: float) -> None:
         """Every 15 s (well inside ack_wait) a create still running says so, so it is not redelivered."""

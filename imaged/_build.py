@@ -193,7 +193,7 @@ class ImageBuilder:
             chunks=[f"sha256:{c}" for c in chunks],
             chunk_size=self.chunk_size,
         )
-        self.progress(stage, 1, 1)
+        self.progress(stage, ref.size, ref.size)
         up_bytes, up_chunks = await self.upload_layer(ref, blob)
         return LayerBuild(ref=ref, uploaded_bytes=up_bytes, uploaded_chunks=up_chunks, built=built, source=src.describe())
 

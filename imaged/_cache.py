@@ -83,6 +83,8 @@ class Counters:
     corrupt_chunks: int = 0
     fetches: int = 0
     reads: int = 0
+    fetch_seconds: float = 0.0  # summed wall time of store gets
+    read_seconds: float = 0.0  # summed wall time of reads (FUSE side latency, including fetches)
 
 
 class ChunkCache:
@@ -240,6 +242,7 @@ class ChunkCache:
         if meta is None:
             raise FileNotFoundError(hexd)
         self.counters.reads += 1
+        t_read = time.monotonic()
         if self.trace is not None:
             self.trace.write(f"{hexd[:12]} {off} {size}\n")
         end = min(off + size, meta.size)
@@ -267,6 +270,7 @@ class ChunkCache:
             meta.last_access = time.time()
             return parts[0] if len(parts) == 1 else b"".join(parts)
         finally:
+            self.counters.read_seconds += time.monotonic() - t_read
             for c in needed:
                 self.pins[c] -= 1
                 if self.pins[c] <= 0:
@@ -337,7 +341,9 @@ class ChunkCache:
                 async with self._fetch_sem:
                     if self.fault_delay_s:
                         await asyncio.sleep(self.fault_delay_s)  # test knob: a slow store
+                    t0 = time.monotonic()
                     data = await asyncio.wait_for(self.store.get(chunk_key(c)), min(self.attempt_timeout_s, remaining))
+                    self.counters.fetch_seconds += time.monotonic() - t0
                 self.counters.fetches += 1
                 self.counters.downloaded_bytes += len(data)
                 if len(data) != want or sha256_bytes(data) != c:
@@ -455,6 +461,8 @@ class ChunkCache:
             "corrupt_chunks": c.corrupt_chunks,
             "fetches": c.fetches,
             "reads": c.reads,
+            "fetch_seconds": round(c.fetch_seconds, 3),
+            "read_seconds": round(c.read_seconds, 3),
             **self.extra_daemon_info,
         }
 

@@ -22,6 +22,7 @@ from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, S
 from bus.runtime import Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
+from ._acks import JsAcks, acks_for
 from ._consume import BatchConsumer
 from ._table import HostTable, Policy
 
@@ -91,6 +92,7 @@ class Placement(Service):
         self._template_layers: dict[str, frozenset[str]] = {}
         self.placed = 0
         self.consumer: BatchConsumer | None = None
+        self.acks: JsAcks | None = None
         self._kv_hosts: KeyValue | None = None
         self._kv_images: KeyValue | None = None
         self._kv_sbx: KeyValue | None = None
@@ -100,6 +102,7 @@ class Placement(Service):
     async def setup(self) -> None:
         assert self.js is not None and self.nc is not None
         await ensure_all(self.js, self.stream_options)
+        self.acks = await acks_for(self.nc)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
         self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
         self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
@@ -212,10 +215,10 @@ class Placement(Service):
         await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err), headers=headers)
 
     async def _event_async(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None) -> asyncio.Future:
-        assert self.js is not None
-        return await self.js.publish_async(
+        assert self.acks is not None
+        return await self.acks.publish(
             S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, err=err),
-            headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"},
+            {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"},
         )
 
     async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
@@ -229,8 +232,8 @@ class Placement(Service):
         await self.handle_batch([msg])
 
     async def handle_batch(self, msgs: list[Msg]) -> None:
-        assert self.js is not None
-        js = self.js
+        assert self.acks is not None
+        acks = self.acks
         now = time.time()
         # (msg, future, host or "", spec or None, attempt)
         outs: list[tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]] = []
@@ -262,11 +265,9 @@ class Placement(Service):
             self.table.reserve(host, spec, now)
             place = PlaceSandbox(
                 spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
-                placed_by=self.replica_id, placed_at=now,
+                placed_by=self.replica_id, placed_at=now, claim=(msg.metadata.num_delivered if msg.metadata else 1) > 1,
             )
-            fut = await js.publish_async(
-                S.host_create(host), codec.encode(place), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"}
-            )
+            fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
             outs.append((msg, fut, host, spec, req.attempt))
         if not outs:
             return
@@ -283,13 +284,17 @@ class Placement(Service):
                 await msg.nak()
                 continue
             if host and spec is not None:
-                if fut.result().duplicate:
+                if b'"duplicate":true' in fut.result():
                     # An earlier delivery of this request already handed it off (maybe elsewhere).
                     self.table.release(host, spec.sandbox_id)
                 else:
                     await self._note(spec, "placed", attempt=attempt, host_id=host)
                     self.placed += 1
             await msg.ack()
+
+    async def teardown(self) -> None:
+        if self.acks is not None:
+            await self.acks.stop()
 
     async def dead_letter(self, msg: Msg, exc: DsecError) -> None:
         """Malformed work is kept (not dropped) on the DLQ stream with the reason, then acked."""
@@ -343,8 +348,8 @@ class Placement(Service):
         A redelivered batch (the replica died between hand-off and ack) skips the ids a host already
         claimed; for the rest, the host agents' claim of each id keeps a second host from creating it.
         """
-        assert self.js is not None
-        js = self.js
+        assert self.acks is not None
+        acks = self.acks
         now = time.time()
         specs = req.specs
         delivered = msg.metadata.num_delivered if msg.metadata else 1
@@ -368,12 +373,12 @@ class Placement(Service):
             self.table.reserve(host, spec, now)
             by_host.setdefault(host, []).append(spec)
         for host, hspecs in by_host.items():
-            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now)
+            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1)
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
-            futs.append(await js.publish_async(S.host_create(host), codec.encode(pb), headers={S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
+            futs.append(await acks.publish(S.host_create(host), codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
-            futs.append(await js.publish_async(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id}))
+            futs.append(await acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: spec.sandbox_id}))
         if futs:
             _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
             for f in not_done:

@@ -58,6 +58,7 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--memory-mb", type=int, default=512)
     c.add_argument("--disk-mb", type=int, default=1024)
     c.add_argument("--mem-overcommit", type=float, default=4.0, help="hosts' memory overcommit (resident memory still admitted)")
+    c.add_argument("--host-cpus", type=float, default=0, help="cores per simulated host (0: 64, or more when the count would not fit at 50x)")
     c.add_argument("--warmup", type=int, default=20, help="sequential creates per client before timing")
     c.add_argument("--create-timeout", type=float, default=120.0)
     c.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
@@ -168,19 +169,33 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     })
     py = sys.executable
-    # simulated hosts
+    # placement first: its ensure_all() must not race the simulated hosts' consumer creation
+    for r in range(args.replicas):
+        procs.append(_Proc(f"placement-{r}", [py, "-m", "placement", "--replica-id", f"p{r}", "--capacity", str(args.placement_capacity),
+                                              "--stream-storage", args.storage], env, logs))
+
+    async def placement_ready() -> bool:
+        try:
+            ci = await js.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
+            return (ci.num_waiting or 0) >= args.replicas
+        except Exception:  # noqa: BLE001
+            return False
+
+    t_setup = time.monotonic()
+    await _wait("placement replicas", placement_ready, 60, procs)
+    # simulated hosts, big enough to hold the whole run (not a capacity test) at 50x cpu overcommit
+    total = args.count + args.warmup * args.clients
+    host_cpus = args.host_cpus or max(64.0, math.ceil(1.25 * total * args.cpu / (args.sim_hosts * 50.0)))
+    host_mem = int(max(1024 * 1024, 1.25 * total * args.memory_mb / (args.sim_hosts * args.mem_overcommit)))
     n_procs = args.sim_procs or min(4, max(2, math.ceil(args.sim_hosts / 400)))  # 2 cores: at least 2
     per = [args.sim_hosts // n_procs + (1 if i < args.sim_hosts % n_procs else 0) for i in range(n_procs)]
     first = 0
     for i, n in enumerate(per):
-        e = dict(env, DSEC_SIM_FIRST=str(first))
+        e = dict(env, DSEC_SIM_FIRST=str(first), DSEC_SIM_CPU=str(host_cpus), DSEC_SIM_MEM_MB=str(host_mem))
         procs.append(_Proc(f"sim-{i}", [py, "-m", "hostagent", "--backend", "sim", "--sim-hosts", str(n), "--host-id", "sim",
                                         "--data-dir", str(tmp / "data"), "--concurrency", str(args.host_concurrency),
                                         "--mem-overcommit", str(args.mem_overcommit)], e, logs))
         first += n
-    for r in range(args.replicas):
-        procs.append(_Proc(f"placement-{r}", [py, "-m", "placement", "--replica-id", f"p{r}", "--capacity", str(args.placement_capacity),
-                                              "--stream-storage", args.storage], env, logs))
     kv_hosts = await ensure_kv(js, S.KV_HOSTS)
 
     async def hosts_ready() -> bool:
@@ -193,16 +208,8 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
         except Exception:  # noqa: BLE001
             return False
 
-    async def placement_ready() -> bool:
-        try:
-            ci = await js.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
-            return (ci.num_waiting or 0) >= args.replicas
-        except Exception:  # noqa: BLE001
-            return False
-
-    t_setup = time.monotonic()
     await _wait("simulated hosts", hosts_ready, 60 + args.sim_hosts / 20, procs)
-    await _wait("placement replicas", placement_ready, 60, procs)
+    await _wait("placement's host table", placement_ready, 60, procs)
     setup_s = time.monotonic() - t_setup
     del kv_hosts
 
@@ -286,8 +293,12 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
         "clients": args.clients,
         "concurrency_per_client": args.concurrency,
         "storage": args.storage,
+        "host_cpus": host_cpus,
         "setup_s": round(setup_s, 2),
         "cpu_s": cpu_s,
+        # what the run really got from the machine: on a shared box the rate alone misleads
+        "cores_used": round(sum(cpu_s.values()) / span, 2) if span > 0 else 0.0,
+        "cpu_us_per_create": round(sum(cpu_s.values()) / n_ok * 1e6, 1) if n_ok else 0.0,
         "cpus": os.cpu_count(),
     }
 

@@ -109,8 +109,8 @@ def cpu_s(pid: int, children: bool = False) -> float:
 
 def machine_cpu_s() -> float:
     with open("/proc/stat") as f:
-        vals = [int(x) for x in f.readline().split()[1:]]
-    return (sum(vals) - vals[3] - vals[4]) / CLK  # busy = all but idle and iowait
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK  # user nice system irq softirq (not idle, iowait, steal)
 
 
 def mem_available() -> int:
@@ -121,11 +121,36 @@ def mem_available() -> int:
     return 0
 
 
+def _cpuacct_dsec() -> float:
+    """CPU of every sandbox alive now (their cgroups go away with them: snapshot before killing)."""
+    total = 0
+    for p in Path("/sys/fs/cgroup/cpuacct/dsec").glob("*/cpuacct.usage"):
+        with contextlib.suppress(OSError, ValueError):
+            total += int(p.read_text())
+    return total / 1e9
+
+
+def _kthreads_cpu() -> float:
+    total = 0.0
+    for n in os.listdir("/proc"):
+        if not n.isdigit():
+            continue
+        try:
+            with open(f"/proc/{n}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if n == "2" or fields[1] == "2":  # kthreadd and its children
+            total += (int(fields[11]) + int(fields[12])) / CLK
+    return total
+
+
 class CpuMeter:
     """CPU seconds by part of the stack between two snapshots."""
 
-    def __init__(self, data_dir: str, containerd_pid: int) -> None:
+    def __init__(self, data_dir: str, containerd_pid: int, nats_pid: int | None = None) -> None:
         self.data_dir = data_dir
+        self.nats_pid = nats_pid
         self.containerd_pid = containerd_pid
         self.shim_cpu_gone = 0.0
         self._shims: dict[int, float] = {}
@@ -141,13 +166,99 @@ class CpuMeter:
 
     def snapshot(self) -> dict[str, float]:
         me = os.getpid()
-        return {
+        snap = {
             "this process (host agent + placement + SDK)": cpu_s(me),
             "its children (mkfs.ext4, mount, ...)": cpu_s(me, children=True) - cpu_s(me),
             "containerd": cpu_s(self.containerd_pid, children=True),
             "shims + runc": self._shim_total(),
-            "machine (all busy CPU)": machine_cpu_s(),
+            "nats-server": cpu_s(self.nats_pid) if self.nats_pid else 0.0,
+            "inside the sandboxes (cpuacct dsec/*)": _cpuacct_dsec(),
+            "kernel threads (kworker, loop, ...)": _kthreads_cpu(),
         }
+        total = machine_cpu_s()
+        snap["other (interrupts, other processes on the machine)"] = total - sum(snap.values())
+        snap["machine (all busy CPU)"] = total
+        return snap
+
+
+# ------------------------------------------------------------------------------------------ phases
+PHASES: dict[str, list[float]] = collections.defaultdict(list)
+
+
+def _wrap(cls: type, name: str, label: str) -> None:
+    """Time every call of ``cls.name`` into PHASES[label] (the benchmark's own instrumentation)."""
+    orig = getattr(cls, name)
+    if asyncio.iscoroutinefunction(orig):
+        async def timed_async(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return await orig(*a, **k)
+            finally:
+                PHASES[label].append((time.perf_counter() - t) * 1000)
+
+        setattr(cls, name, timed_async)
+    else:
+        def timed_sync(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                PHASES[label].append((time.perf_counter() - t) * 1000)
+
+        setattr(cls, name, timed_sync)
+
+
+def instrument() -> list[str]:
+    """Wrap the steps of a create; returns the labels in path order."""
+    from hostagent._agent import AgentClient
+    from hostagent._containerd import ContainerRuntime
+    from hostagent._quota import ScratchFS
+    from hostagent._rootfs import RootfsLayout
+
+    steps = [
+        (HostAgent, "_create_one", "host: whole create (claim .. ready event)"),
+        (HostAgent, "_claim", "host:  claim id in KV (create)"),
+        (HostAgent, "_do_create", "host:  create .. ready event"),
+        (ContainerBackend, "create", "host:   backend.create"),
+        (ScratchFS, "allocate", "host:    scratch fs (mkfs + loop + mount)"),
+        (ScratchFS, "_reserve", "host:     budget check (lists all images)"),
+        (ScratchFS, "_make_image", "host:     mkfs.ext4"),
+        (ScratchFS, "_attach_and_mount", "host:     loop device + mount"),
+        (RootfsLayout, "create", "host:    upper/work/run dirs"),
+        (ContainerRuntime, "create_and_start", "host:    containerd: container+task create+start"),
+        (AgentClient, "wait_ready", "host:    agent answers"),
+        (HostAgent, "_serve_ops", "host:   subscribe to ops"),
+        (HostAgent, "_record", "host:   KV record (put)"),
+        (HostAgent, "_event", "host:   event (acked publish)"),
+        (HostAgent, "_save", "host:   local state file"),
+        (Placement, "handle_batch", "placement: handle a batch"),
+    ]
+    for cls, name, label in steps:
+        _wrap(cls, name, label)
+    # containerd's gRPC calls, one label per call kind ("create container", "create task", "start task", ...)
+    orig_call = ContainerRuntime._call
+
+    async def timed_call(self, method, request, what, timeout=None):  # type: ignore[no-untyped-def]
+        t = time.perf_counter()
+        try:
+            return await orig_call(self, method, request, what, timeout)
+        finally:
+            PHASES["host:     grpc " + " ".join(what.split()[:2])].append((time.perf_counter() - t) * 1000)
+
+    ContainerRuntime._call = timed_call  # type: ignore[method-assign]
+    labels = [label for _, _, label in steps]
+    i = labels.index("host:    containerd: container+task create+start") + 1
+    labels[i:i] = ["host:     grpc create container", "host:     grpc create task", "host:     grpc start task"]
+    return labels
+
+
+def phase_report(labels: list[str], e2e: list[float], title: str) -> None:
+    print(f"where a create's time goes, {title} (p50 / mean ms per call; e2e = SDK create .. ready):")
+    print(f"  {'SDK create, end to end':58} {pct(e2e, 50):7.1f} {statistics.mean(e2e):7.1f}")
+    for label in labels:
+        xs = PHASES.get(label, [])
+        if xs:
+            print(f"  {label:58} {pct(xs, 50):7.1f} {statistics.mean(xs):7.1f}   (x{len(xs)})")
 
 
 # ------------------------------------------------------------------------------------------ the stack
@@ -278,11 +389,13 @@ def _short(frame: str) -> str:
 async def run(args: argparse.Namespace) -> None:
     st = Stack(args)
     print(f"dsec sandbox benchmark: N={args.n}, host concurrency {args.concurrency}, {os.cpu_count()} cores, "
-          f"sandbox cpu={args.cpu} memory_mb={args.memory_mb} disk_mb={args.disk_mb}, shim group {args.shim_group}")
+          f"sandbox cpu={args.cpu} memory_mb={args.memory_mb} disk_mb={args.disk_mb}, shim group {args.shim_group}; "
+          f"load average at start {open('/proc/loadavg').read().split()[0]}")
     await st.start()
     assert st.backend is not None and st.host is not None and st.backend.daemon is not None
     containerd_pid = st.backend.daemon.pid or 0
-    cpu = CpuMeter(str(st.dir), containerd_pid)
+    cpu = CpuMeter(str(st.dir), containerd_pid, st.nats.pid)
+    labels = instrument()
     try:
         # Warm up (first create compiles nothing any more, but fills caches and connections).
         for _ in range(3):
@@ -293,6 +406,7 @@ async def run(args: argparse.Namespace) -> None:
         # --- sequential creates, kept alive as idle sandboxes -------------------------------------
         me = os.getpid()
         before_self, before_cd, before_avail = smaps(me), smaps(containerd_pid), mem_available()
+        PHASES.clear()
         c0 = cpu.snapshot()
         seq: list[float] = []
         sbs: list[AsyncSandbox] = []
@@ -303,6 +417,7 @@ async def run(args: argparse.Namespace) -> None:
             sbs.append(sb)  # type: ignore[arg-type]
         seq_wall = time.perf_counter() - t_all
         c1 = cpu.snapshot()
+        seq_phases = {k: list(v) for k, v in PHASES.items()}
 
         # --- exec round trip ------------------------------------------------------------------------
         ex: list[float] = []
@@ -355,11 +470,13 @@ async def run(args: argparse.Namespace) -> None:
         prof = Profiler(args.profile) if args.profile else None
         if prof:
             prof.start()
+        PHASES.clear()
         c2 = cpu.snapshot()
         t0 = time.perf_counter()
         res = await asyncio.gather(*(timed(st.create()) for _ in range(args.n)), return_exceptions=True)
         burst_wall = time.perf_counter() - t0
         c3 = cpu.snapshot()
+        burst_phases = {k: list(v) for k, v in PHASES.items()}
         if prof:
             prof.stop()
         ok = [r for r in res if isinstance(r, tuple)]
@@ -399,6 +516,13 @@ async def run(args: argparse.Namespace) -> None:
 
         cpu_report(c0, c1, args.n, "sequential")
         cpu_report(c2, c3, max(1, len(burst)), "burst")
+        print()
+        PHASES.clear()
+        PHASES.update(seq_phases)
+        phase_report(labels, seq, "sequential")
+        PHASES.clear()
+        PHASES.update(burst_phases)
+        phase_report(labels, burst, f"burst of {args.n} (includes waiting for a slot and for CPU)")
         if prof:
             prof.report()
     finally:

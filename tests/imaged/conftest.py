@@ -292,7 +292,7 @@ def seaweed():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(5)
+                proc.wait(2)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
@@ -311,3 +311,7 @@ def make_tree(root: Path, files: dict[str, bytes | str], *, links: dict[str, str
         p.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, p)
     return root
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slow: minutes-long tests (debootstrap); run with DSEC_SLOW=1")

@@ -19,7 +19,6 @@ from bus import subjects as S
 from bus.errors import UnknownTemplate
 from imaged import (
     ImageBuilder,
-    NatsBlobStore,
     ensure_base_template,
     get_template,
     list_templates,
@@ -148,26 +147,28 @@ async def test_remove_and_prune(js, tmp_path: Path, uid: str) -> None:
     assert not Path(lay.path).exists()
 
 
-async def test_ensure_base_template_is_idempotent_and_fast(js, tmp_path: Path) -> None:
+async def test_ensure_base_template_is_idempotent_and_fast(js, tmp_path: Path, uid: str, mounts: list) -> None:
     data = tmp_path / "data"
-    kv = await js.key_value(S.KV_IMAGES)
-    try:
-        await kv.delete("base")
-    except Exception:  # noqa: BLE001
-        pass
-    m = await ensure_base_template(js, data)
-    assert m.name == "base" and len(m.layers) == 1
+    name = f"base-{uid}"  # not "base": other tests share this NATS server
+    m = await ensure_base_template(js, data, name=name)
+    assert m.name == name and len(m.layers) == 1
     lay = m.layers[0]
-    assert lay.kind == "erofs" and Path(lay.path).is_file()
+    assert lay.kind == "erofs" and lay.role == "base" and Path(lay.path).is_file()
     assert Path(lay.path).parent == data / "images" / "blobs"
     t0 = time.monotonic()
-    m2 = await ensure_base_template(js, data)
+    m2 = await ensure_base_template(js, data, name=name)
     assert time.monotonic() - t0 < 1.0
     assert m2 == m
     # another data dir (another machine): the blob is assembled from the store, the path follows
-    m3 = await ensure_base_template(js, tmp_path / "data2")
+    m3 = await ensure_base_template(js, tmp_path / "data2", name=name)
     assert m3.layers[0].digest == lay.digest and Path(m3.layers[0].path).is_file()
     assert Path(m3.layers[0].path).read_bytes() == Path(lay.path).read_bytes()
+    assert (await get_template(js, name)).layers[0].path == m3.layers[0].path
+    # the busybox rootfs really is in the layer
+    mnt = tmp_path / "mnt"
+    mount_erofs(lay.path, mnt)
+    mounts.append(mnt)
+    assert (mnt / "bin/busybox").is_file() and os.readlink(mnt / "bin/sh") == "/bin/busybox"
 
 
 def _cli(nats_url: str, *args: str, data_dir: Path) -> subprocess.CompletedProcess:

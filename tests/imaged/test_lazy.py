@@ -19,7 +19,7 @@ from imaged import ImageBuilder, host_image_stats, read_cache_index
 from imaged._store import chunk_key
 from imaged._util import digest_hex
 
-from .conftest import REPO, await_for, make_tree, mount_erofs, needs_fuse, umount, wait_for
+from .conftest import REPO, await_for, make_tree, mount_erofs, needs_fuse, umount
 
 pytestmark = needs_fuse
 CHUNK = 64 * 1024

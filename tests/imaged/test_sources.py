@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import os
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import ImageError, InvalidArgument
+from bus.errors import InvalidArgument
 from imaged import apply_tar, mkfs_erofs, parse_source
 from imaged._sources import dir_fingerprint, stage_source
 from imaged._util import sha256_file

@@ -129,7 +129,8 @@ async def test_batch_create_gives_exactly_one_ready_per_id(nats_srv, nc) -> None
             await a.shutdown()
 
 
-async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc) -> None:
+@pytest.mark.parametrize("claim", [False, True], ids=["record-claims-after-create", "claim-before-create"])
+async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc, claim) -> None:
     """What a replica dying between hand-off and ack can cause: the same batch members on two hosts."""
     url = nats_srv.url
     js = nc.jetstream()
@@ -139,7 +140,7 @@ async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc) -> None:
     try:
         specs = [build_spec("base", backend="sim") for _ in range(40)]
         for hid, part in (("ha", specs), ("hb", specs[10:] + [build_spec("base", backend="sim")])):
-            pb = PlaceBatch(batch_id="bx", host_id=hid, specs=part)
+            pb = PlaceBatch(batch_id="bx", host_id=hid, specs=part, claim=claim)
             await js.publish(S.host_create(hid), codec.encode(pb), headers={S.HDR_MSG_ID: f"bx:{hid}"})
         want = {s.sandbox_id for s in specs} | {part[-1].sandbox_id}
         await eventually(lambda: a.created + b.created >= 41, what="all created")

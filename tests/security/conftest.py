@@ -62,15 +62,24 @@ def network_config(prefix: str, **overrides: Any) -> Any:
     return NetworkConfig(**kw)
 
 
-def network_leftovers(cfg: Any) -> list[str]:
-    """Kernel state of a network config that is still there: veths, netns mounts, set elements."""
+def network_leftovers(cfg: Any, *, warm_ok: bool = False) -> list[str]:
+    """Kernel state of a network config that is still there: veths, netns mounts, set elements.
+    ``warm_ok``: ignore the host agent's pool of pre-made (unassigned) networks."""
     import subprocess
 
-    left = [f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(cfg.ifprefix)]
+    from hostagent._network import WARM_TAG
+
+    def warm_link(n: str) -> bool:
+        try:
+            return Path(f"/sys/class/net/{n}/ifalias").read_text().startswith(WARM_TAG)
+        except OSError:
+            return False
+
+    left = [f"link {n}" for n in os.listdir("/sys/class/net") if n.startswith(cfg.ifprefix) and not (warm_ok and warm_link(n))]
     if os.path.isdir(cfg.netns_dir):
-        left += [f"netns {n}" for n in os.listdir(cfg.netns_dir) if n.startswith(cfg.netns_prefix)]
+        left += [f"netns {n}" for n in os.listdir(cfg.netns_dir) if n.startswith(cfg.netns_prefix) and not (warm_ok and WARM_TAG in n)]
     with open("/proc/self/mountinfo") as f:
-        left += [f"mount {ln.split()[4]}" for ln in f if f"/{cfg.netns_prefix}" in ln.split()[4]]
+        left += [f"mount {mp}" for mp in (ln.split()[4] for ln in f) if f"/{cfg.netns_prefix}" in mp and not (warm_ok and WARM_TAG in mp)]
     for s in ("allow_net", "allow_port"):
         r = subprocess.run(["nft", "list", "set", "inet", cfg.table, s], capture_output=True, text=True)
         if r.returncode == 0 and "elements" in r.stdout:
@@ -120,8 +129,8 @@ class SecStack:
         self.host = _hostagent(self.backend, self.url, self.host_id, self.data_dir)
         await self.host.start()
 
-    def network_leftovers(self) -> list[str]:
-        return network_leftovers(self.net)
+    def network_leftovers(self, *, warm_ok: bool = True) -> list[str]:
+        return network_leftovers(self.net, warm_ok=warm_ok)
 
 
 def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path) -> Any:

@@ -16,7 +16,6 @@ The run ends with the red-team tally (``conftest.RedTeam``): the number of attac
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import shutil
@@ -34,7 +33,7 @@ from tests.security.conftest import SKIP_REASON, until
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 PROGS = Path(__file__).with_name("progs")
-EPERM, EACCES, EROFS, ENOSPC = 1, 13, 30, 28
+EPERM, EACCES, EXDEV, EROFS, ENOSPC = 1, 13, 18, 30, 28
 SIGSYS_STATUS = 128 + 31
 
 # i386 syscall numbers (asm/unistd_32.h): what `int $0x80` dispatches on.
@@ -126,7 +125,7 @@ def cap_bits(status: str, field: str) -> int:
 
 
 # ------------------------------------------------------------------------- filesystem (Landlock)
-async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, redteam: Any) -> None:
+async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
     sb = await stack.create(timeout=300)
     before = await sh(sb, "md5sum /bin/busybox /etc/passwd")
     assert before.code == 0, before
@@ -141,36 +140,59 @@ async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, re
     r = await sh(sb, "id -u && cat /etc/passwd | head -1")
     assert r.out.startswith("0\nroot:"), r
 
+    await push(sb, progs, "sysx")
     await sh(sb, "printf '#!/bin/sh\\necho HIJACKED\\n' > /tmp/evil && chmod +x /tmp/evil")
+    # Through the shell, the way an agent would try (busybox itself runs these, so attacks on the
+    # busybox binary's contents go through sysx below, where ETXTBSY can't be what stops them).
     attacks = {
-        "overwrite /bin/sh": "echo HIJACKED > /bin/sh",
-        "overwrite /bin/busybox": "cat /tmp/evil > /bin/busybox",
-        "cp over /bin/busybox": "cp /tmp/evil /bin/busybox",
         "append to /etc/passwd": "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd",
-        "truncate /bin/busybox": "truncate -s 0 /bin/busybox",
-        "rename /bin/sh away": "mv /bin/sh /tmp/sh",
-        "rename over /bin/sh": "mv /tmp/evil /bin/sh",
+        "sed -i /etc/passwd": "sed -i s/root/toor/ /etc/passwd",
         "unlink /bin/sh": "rm -f /bin/sh",
         "unlink /bin/busybox": "rm -f /bin/busybox",
         "unlink /etc/passwd": "rm -f /etc/passwd",
-        "symlink over /bin/sh": "ln -sf /tmp/evil /bin/sh",
+        "symlink planted in /usr/local/bin": "ln -s /tmp/evil /usr/local/bin/python3",
+        "rename over /bin/sh": "mv -f /tmp/evil /bin/sh",
         "hard link /bin/busybox into /tmp": "ln /bin/busybox /tmp/bb-link",
         "plant /usr/local/bin/python": "cp /tmp/evil /usr/local/bin/python",
         "plant /etc/ld.so.preload": "touch /etc/ld.so.preload",
-        "sed -i /etc/passwd": "sed -i s/root/toor/ /etc/passwd",
         "mkdir in /usr": "mkdir /usr/evil",
-        "replace /bin (rename dir)": "mv /bin /tmp/bin",
+        "move /bin away": "mv /bin /tmp/bin",
+        "rm -rf /usr /etc": "rm -rf /usr /etc",
     }
     for what, cmd in attacks.items():
         r = await sh(sb, cmd)
         assert r.code != 0, f"{what} succeeded: {r}"
-        assert "Permission denied" in r.out or "Operation not permitted" in r.out or "Invalid cross-device" in r.out, (what, r)
+        assert "Permission denied" in r.out or "Invalid cross-device" in r.out, (what, r)
+        redteam.blocked(f"landlock: {what}")
+    # The same as raw syscalls, each with its errno (EXDEV: Landlock refuses a cross-directory
+    # link/rename without the REFER right with EXDEV).
+    O_WRONLY, O_TRUNC, O_APPEND = 0o1, 0o1000, 0o2000
+    raw = {
+        "open /bin/busybox for writing": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY], (EACCES,)),
+        "open /bin/busybox O_TRUNC": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY | O_TRUNC], (EACCES,)),
+        "truncate(/bin/busybox)": ([nr("truncate"), "s:/bin/busybox", 0], (EACCES,)),
+        "open /etc/passwd O_APPEND": ([nr("openat"), -100, "s:/etc/passwd", O_WRONLY | O_APPEND], (EACCES,)),
+        "rename(/tmp/evil, /bin/sh)": ([nr("rename"), "s:/tmp/evil", "s:/bin/sh"], (EACCES, EXDEV)),
+        "renameat2 RENAME_EXCHANGE /tmp/evil <-> /bin/busybox": (
+            [nr("renameat2"), -100, "s:/tmp/evil", -100, "s:/bin/busybox", 2], (EACCES, EXDEV)),
+        "rename(/bin/sh, /bin/sh.old)": ([nr("rename"), "s:/bin/sh", "s:/bin/sh.old"], (EACCES,)),
+        "unlink(/bin/busybox)": ([nr("unlink"), "s:/bin/busybox"], (EACCES,)),
+        "link(/bin/busybox, /tmp/bb)": ([nr("link"), "s:/bin/busybox", "s:/tmp/bb"], (EACCES, EXDEV)),
+        "symlink into /usr/local/bin": ([nr("symlink"), "s:/tmp/evil", "s:/usr/local/bin/python3"], (EACCES,)),
+        "mknod regular file in /etc": ([nr("mknodat"), -100, "s:/etc/x", 0o100644, 0], (EACCES,)),
+        "rmdir /usr/local/bin": ([nr("rmdir"), "s:/usr/local/bin"], (EACCES,)),
+        "rename(/etc, /tmp/etc)": ([nr("rename"), "s:/etc", "s:/tmp/etc"], (EACCES, EXDEV)),
+    }
+    for what, (args, errnos) in raw.items():
+        r = await sh(sb, "exec /tmp/sysx " + " ".join(map(str, args)))
+        assert_errno(r, *errnos, what=what)
         redteam.blocked(f"landlock: {what}")
     # Nothing changed, and the shell still is the shell.
     after = await sh(sb, "md5sum /bin/busybox /etc/passwd")
     assert after.out == before.out
-    r = await sh(sb, "echo still-sh; ls /usr/local/bin /tmp/bb-link 2>&1")
+    r = await sh(sb, "echo still-sh; ls /usr/local/bin /tmp/bb-link /tmp/bb 2>&1; readlink /bin/sh")
     assert r.out.startswith("still-sh") and "python" not in r.out and "bb-link: No such file" in r.out, r
+    assert "/tmp/bb: No such file" in r.out and r.out.endswith("busybox"), r
     # The same writes through the files API hit the same wall (the agent itself is confined).
     import sdk
 
@@ -357,12 +379,13 @@ async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[s
     blocked = {
         # written with the value already there: harmless even if it got through
         "/proc/sys/kernel/core_pattern": "cat /proc/sys/kernel/core_pattern > /proc/sys/kernel/core_pattern",
-        "/proc/sys/kernel/sysrq": "cat /proc/sys/kernel/sysrq > /proc/sys/kernel/sysrq",
         "/proc/sys/vm/overcommit_memory": "cat /proc/sys/vm/overcommit_memory > /proc/sys/vm/overcommit_memory",
-        "/proc/sysrq-trigger": "echo h > /proc/sysrq-trigger",  # h: print help, the harmless one
+        "/proc/sys/fs/file-max": "cat /proc/sys/fs/file-max > /proc/sys/fs/file-max",
+        "/proc/sys/kernel/modprobe": "echo /tmp/x > /proc/sys/kernel/modprobe",
         "/proc/self/oom_score_adj (lower)": "echo -1000 > /proc/self/oom_score_adj",
         "/proc/1/mem (the agent's memory)": "echo x > /proc/1/mem",
-        "/sys/kernel/uevent_helper": "echo /tmp/x > /sys/kernel/uevent_helper",
+        "/proc/1/attr/current": "echo x > /proc/1/attr/current",
+        "/sys/kernel/mm/transparent_hugepage/enabled": "echo never > /sys/kernel/mm/transparent_hugepage/enabled",
         "cgroup release_agent": "echo /tmp/x > /sys/fs/cgroup/memory/release_agent",
         "cgroup notify_on_release": "echo 1 > /sys/fs/cgroup/memory/notify_on_release",
         "cgroup memory.limit_in_bytes (raise)": "echo -1 > /sys/fs/cgroup/memory/memory.limit_in_bytes",
@@ -370,7 +393,12 @@ async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[s
         "cgroup.procs (move)": "echo $$ > /sys/fs/cgroup/pids/cgroup.procs",
         "mkdir child cgroup": "mkdir /sys/fs/cgroup/memory/escape",
     }
+    if os.path.exists("/proc/sysrq-trigger"):  # not in every kernel (CONFIG_MAGIC_SYSRQ)
+        blocked["/proc/sysrq-trigger"] = "echo h > /proc/sysrq-trigger"  # h: print help, the harmless one
     for what, cmd in blocked.items():
+        target = cmd.rsplit(">", 1)[-1].strip() if ">" in cmd else ""
+        if target.startswith(("/proc/sys/", "/sys/kernel/")) and not os.path.exists(target):
+            continue  # this kernel lacks the knob: nothing to attack
         r = await sh(sb, cmd)
         assert r.code != 0, f"{what}: {r}"
         assert any(s in r.out for s in ("Read-only file system", "Permission denied", "Operation not permitted", "No such file")), (what, r)
@@ -385,10 +413,16 @@ async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[s
     redteam.blocked("mount cgroup2")
     r = await sh(sb, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; grep -c ' /tmp/cg ' /proc/mounts")
     assert r.out.split() == [str(128 << 20), "0"], r
-    # Masked: present but empty/hidden.
-    r = await sh(sb, "wc -c < /proc/kcore; ls /proc/keys /sys/firmware 2>&1 | wc -l")
-    assert r.out.split()[0] == "0", r
-    redteam.blocked("read /proc/kcore (masked)")
+    # Masked: what the host shows there reads as empty inside.
+    from guard._profiles import MASKED_PATHS
+
+    for p in (p for p in MASKED_PATHS if os.path.exists(p)):
+        host_has = bool(os.listdir(p)) if os.path.isdir(p) else bool(Path(p).read_bytes()[:1])
+        if not host_has:
+            continue
+        r = await sh(sb, f"if [ -d {p} ]; then ls -A {p} | wc -l; else cat {p} | wc -c; fi")
+        assert r.out == "0", (p, r)
+        redteam.blocked(f"read {p} (masked)")
 
 
 async def test_capability_set(stack: Any, redteam: Any) -> None:
@@ -446,7 +480,8 @@ async def test_other_sandboxes_and_the_host_are_invisible(stack: Any, redteam: A
     redteam.blocked("signal another sandbox's agent by host pid")
     # No host paths: the data dir, the host's root and containerd state are not reachable.
     r = await sh(a, f"ls {stack.data_dir} /run/containerd /var/lib 2>&1; ls /proc/1/root/ | head -50")
-    assert str(stack.data_dir) + ":" not in r.out and "No such file" in r.out, r
+    for p in (stack.data_dir, "/run/containerd", "/var/lib"):
+        assert f"ls: {p}: No such file or directory" in r.out, (p, r)
     redteam.blocked("reach host paths")
 
 
@@ -489,8 +524,8 @@ async def test_memory_flood_is_killed_inside(stack: Any, progs: dict[str, bytes]
     assert r.code == 137, f"the flood should be OOM-killed (SIGKILL) inside its cgroup: {r.code} {r.out[-200:]}"
     assert last and int(last[-1]) <= 96, f"got past the 96 MiB limit: {last[-1:]}"
     redteam.blocked(f"memory flood (OOM-killed at {last[-1]} MiB of 96)")
-    failcnt = Path(f"/sys/fs/cgroup/memory/dsec/{a.sandbox_id}/memory.failcnt").read_text().strip()
-    assert int(failcnt) > 0
+    oom = Path(f"/sys/fs/cgroup/memory/dsec/{a.sandbox_id}/memory.oom_control").read_text()
+    assert int(re.search(r"oom_kill (\d+)", oom).group(1)) >= 1, oom  # the cgroup's own OOM killer did it
     with open("/proc/meminfo") as f:
         avail_after = int(next(ln for ln in f if ln.startswith("MemAvailable:")).split()[1]) // 1024
     assert avail_after > avail_before - 512, (avail_before, avail_after)
@@ -503,11 +538,11 @@ async def test_disk_flood_hits_enospc_at_disk_mb(stack: Any, redteam: Any) -> No
     r = await sh(sb, "dd if=/dev/zero of=/workspace/fill bs=1M count=512 2>&1; sync; du -m /workspace/fill | cut -f1", timeout=120)
     assert "No space left on device" in r.out, r
     used = int(r.out.split()[-1])
-    assert used <= 64, f"wrote {used} MiB into a 64 MiB disk"
+    assert used <= 64 + 4, f"wrote {used} MiB into a 64 MiB disk"  # ~disk_mb usable; du rounds up
     redteam.blocked(f"disk flood (ENOSPC after {used} MiB of disk_mb=64)")
-    r = await sh(sb, "echo more > /tmp/more")
-    assert r.code != 0 and "No space left" in r.out, r
-    redteam.blocked("disk flood via /tmp (same quota)")
+    r = await sh(sb, "dd if=/dev/zero of=/tmp/more bs=1M count=16 2>&1; du -k /tmp/more | cut -f1")
+    assert "No space left on device" in r.out and int(r.out.split()[-1]) < 1024, r
+    redteam.blocked("disk flood via /tmp (the same quota)")
     r = await sh(sb, "rm /workspace/fill && echo small > /tmp/small && cat /tmp/small")
     assert r.out == "small", r
     redteam.allowed("writes work again after freeing space")
@@ -548,8 +583,8 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
         await until(lambda: find("seccomp", lambda v: v.what == "ioctl"), timeout=10, what="ioctl violation")
         mount = find("seccomp", lambda v: v.what == "mount")
         assert mount is not None and mount.action == "record" and mount.detail["exe"] == "/tmp/sysx" and mount.host_id
-        assert all(v.sandbox_id == sb.sandbox_id for v in got), got
-        assert not [v for v in got if "/tmp/ok" in v.what], got
+        # (the reader sees the whole host: other stacks' sandboxes may show up too -- not ours to judge)
+        assert not [v for v in got if v.sandbox_id == sb.sandbox_id and "/tmp/ok" in v.what], got
         for what in ("mount", "landlock write /etc/passwd", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
             redteam.blocked(f"audit: {what} reported with the sandbox id")
     finally:
@@ -568,15 +603,16 @@ async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: d
     await sysx(relaxed, nr("bpf"), 0, "buf:128", 128)
     await sysx(strict, nr("bpf"), 0, "buf:128", 128)
 
-    async def gone() -> bool:
-        return not await strict.is_running()
+    async def killed() -> bool:
+        return (await _sandbox_record(st, strict.sandbox_id)).state == "killed"
 
-    await until(gone, timeout=20, what="guard to kill the strict sandbox")
-    redteam.blocked("strict profile: sandbox killed after a refused bpf()")
-    assert await relaxed.is_running()
-    assert (await sh(relaxed, "echo still-here")).out == "still-here"
+    await until(killed, timeout=20, what="guard to kill the strict sandbox")
     rec = await _sandbox_record(st, strict.sandbox_id)
-    assert rec.state == "killed" and rec.end_reason.startswith("guard-kill: seccomp bpf"), rec
+    assert rec.end_reason.startswith("guard-kill: seccomp bpf"), rec
+    assert strict.sandbox_id not in st.host.live
+    redteam.blocked("strict profile: sandbox killed after a refused bpf()")
+    assert (await _sandbox_record(st, relaxed.sandbox_id)).state == "running"
+    assert (await sh(relaxed, "echo still-here")).out == "still-here"
 
 
 async def _sandbox_record(st: Any, sid: str) -> Any:
@@ -614,3 +650,27 @@ async def test_profiles_come_from_kv(make_stack: Any, redteam: Any) -> None:
     with pytest.raises(sdk.DsecError):
         await st.create(profile="no-such-profile", create_timeout=30)
     redteam.blocked("unknown profile refused (no silent fallback)")
+
+
+async def test_agent_that_cannot_confine_itself_fails_the_create(stack: Any) -> None:
+    """Fail closed: an agent that can't apply its confinement exits, and the create fails at once
+    with the agent's own words (not after the ready timeout, and never runs unconfined)."""
+    import dataclasses
+    import uuid
+
+    from bus.errors import CreateFailed
+    from bus.messages import SandboxSpec
+    from guard import default_profile
+    from hostagent._profiles import compile_profile
+
+    broken = dataclasses.replace(compile_profile(default_profile()), agent_args=("--seccomp-bpf", "zz"))
+    sid = f"sb-{stack.uid}-broken-{uuid.uuid4().hex[:6]}"
+    layers = await stack.host._layers("base")
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(CreateFailed) as ei:
+            await stack.backend.create(SandboxSpec(sandbox_id=sid), layers, security=broken)
+    finally:
+        await stack.backend.destroy(sid)
+    assert time.monotonic() - t0 < 10
+    assert "--seccomp-bpf" in str(ei.value), ei.value

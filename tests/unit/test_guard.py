@@ -1,0 +1,400 @@
+"""Guard's profiles and audit reader, and the host agent's compilation of profiles (no containers).
+
+The seccomp program the host compiles for the in-sandbox agent is run here through a small
+classic-BPF interpreter, so its decisions (architecture check, 32-bit masked ioctl compare,
+namespace flags, device nodes) are checked exactly as the kernel would evaluate them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from bus import codec
+from bus import subjects as S
+from bus.messages import GuardViolation, KillRequest, SandboxRecord, SandboxSpec, SecurityProfile
+from guard import DENY_IOCTLS, Denial, KernelAudit, SandboxMap, builtin_profiles, default_profile, parse_record, publish_profiles
+from guard import _profiles as gp
+from hostagent import _profiles as hp
+from hostagent import _profiles_builtin as hb
+from tests.conftest import eventually
+
+X86_64, I386 = 0xC000003E, 0x40000003
+ALLOW, KILL = hp.SECCOMP_RET_ALLOW, hp.SECCOMP_RET_KILL_PROCESS
+EPERM = hp.SECCOMP_RET_ERRNO | 1
+TABLE = {"getpid": 39, "mount": 165, "ioctl": 16, "clone": 56, "unshare": 272, "mknod": 133, "mknodat": 259, "bpf": 321, "setns": 308, "read": 0}
+
+
+def run_bpf(prog: bytes, nr: int, arch: int = X86_64, args: tuple[int, ...] = ()) -> int:
+    """Evaluate a seccomp classic-BPF program on one syscall (the subset the compiler emits)."""
+    a6 = (list(args) + [0] * 6)[:6]
+    data = struct.pack("=iIQ6Q", nr, arch, 0, *a6)
+    insns = [struct.unpack_from("=HBBI", prog, i) for i in range(0, len(prog), 8)]
+    acc, pc = 0, 0
+    for _ in range(10000):
+        code, jt, jf, k = insns[pc]
+        if code == 0x20:
+            acc = struct.unpack_from("=I", data, k)[0]
+        elif code == 0x54:
+            acc &= k
+        elif code == 0x15:
+            pc += jt if acc == k else jf
+        elif code == 0x35:
+            pc += jt if acc >= k else jf
+        elif code == 0x06:
+            return k
+        else:
+            raise AssertionError(f"unexpected BPF opcode {code:#x}")
+        pc += 1
+    raise AssertionError("BPF program did not return")
+
+
+@pytest.fixture(scope="module")
+def prog() -> bytes:
+    return hp.compile_log_filter(default_profile().syscalls, table=hp.syscall_numbers(), arch=("SCMP_ARCH_X86_64", X86_64, 0x40000000))
+
+
+# --------------------------------------------------------------------------------- profiles
+def test_host_builtin_copy_equals_guards_profiles() -> None:
+    assert hb.builtin_profiles() == builtin_profiles()
+    g = Path(gp.__file__).read_text()
+    h = Path(hb.__file__).read_text()
+    body = lambda t: t[t.index('"""', 3) + 3:]  # noqa: E731 - everything after the module docstring
+    assert body(g) == body(h), "hostagent/_profiles_builtin.py must be guard/_profiles.py verbatim (below the docstring)"
+
+
+def test_default_profile_shape() -> None:
+    p = default_profile()
+    assert not set(gp.ALLOW) & set(gp.DENY)
+    assert {"mount", "bpf", "io_uring_setup", "keyctl", "ptrace", "open_by_handle_at", "setns", "kexec_load"} <= set(gp.DENY)
+    assert "ioctl" in gp.ALLOW and "clone" not in gp.ALLOW and "unshare" not in gp.ALLOW
+    assert not {"CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_MKNOD", "CAP_NET_RAW", "CAP_SYS_PTRACE", "CAP_BPF"} & set(p.capabilities)
+    assert p.fs.read_only == ["/"] and {"/tmp", "/workspace"} <= set(p.fs.writable)
+    assert DENY_IOCTLS["XFS_IOC_SWAPEXT"] == 0xC0C0586D and DENY_IOCTLS["FICLONE"] == 0x40049409
+    assert DENY_IOCTLS["FIDEDUPERANGE"] == 0xC0189436 and DENY_IOCTLS["EXT4_IOC_MOVE_EXT"] == 0xC028660F
+    strict = builtin_profiles()["strict"]
+    assert strict.audit.seccomp == "kill" and strict.syscalls == p.syscalls
+    # round trip through the bus encoding
+    assert msgspec.msgpack.decode(codec.encode(p), type=SecurityProfile) == p
+
+
+def test_oci_seccomp_is_an_allow_list_for_the_native_abi_only() -> None:
+    oci = hp.compile_oci_seccomp(default_profile().syscalls, arch=("SCMP_ARCH_X86_64", X86_64, 0x40000000))
+    assert oci["defaultAction"] == "SCMP_ACT_ERRNO" and oci["defaultErrnoRet"] == 1
+    assert oci["architectures"] == ["SCMP_ARCH_X86_64"]  # i386 and x32 calls hit the bad-arch action
+    allow = oci["syscalls"][0]
+    assert allow["action"] == "SCMP_ACT_ALLOW" and "ioctl" in allow["names"] and "mount" not in allow["names"]
+    denied = {n for r in oci["syscalls"] if r["action"] == "SCMP_ACT_ERRNO" and "args" not in r for n in r["names"]}
+    assert {"mount", "bpf", "setns", "io_uring_setup"} <= denied
+    clone = [r for r in oci["syscalls"] if r["names"] == ["clone"]]
+    assert clone == [{"names": ["clone"], "action": "SCMP_ACT_ALLOW", "args": [
+        {"index": 0, "value": gp.CLONE_NS_MASK, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]}]
+    # libseccomp would drop a conditional ioctl rule next to the unconditional allow: not emitted
+    assert not [r for r in oci["syscalls"] if r["names"] == ["ioctl"]]
+    assert {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38} in oci["syscalls"]
+
+
+def test_agent_filter_decisions(prog: bytes) -> None:
+    n = hp.syscall_numbers()
+    assert run_bpf(prog, n["getpid"]) == ALLOW
+    assert run_bpf(prog, n["read"]) == ALLOW
+    for name in ("mount", "bpf", "setns", "io_uring_setup", "keyctl", "kexec_load", "init_module", "open_by_handle_at", "ptrace"):
+        assert run_bpf(prog, n[name]) == EPERM, name
+    # foreign ABIs are killed whatever the call
+    assert run_bpf(prog, 20, arch=I386) == KILL
+    assert run_bpf(prog, 21, arch=I386) == KILL
+    assert run_bpf(prog, 0x40000000 | n["getpid"]) == KILL
+    # ioctls: compared on the low 32 bits, high bits can't dodge
+    for name, cmd in DENY_IOCTLS.items():
+        for high in (0, 1 << 32, 0xFFFFFFFF << 32):
+            assert run_bpf(prog, n["ioctl"], args=(3, cmd | high, 0)) == EPERM, (name, high)
+    assert run_bpf(prog, n["ioctl"], args=(3, 0x541B, 0)) == ALLOW  # FIONREAD
+    assert run_bpf(prog, n["ioctl"], args=(3, 0xFFFFFFFF_C0189437, 0)) == ALLOW  # musl sign-extends: still fine
+    # namespaces
+    assert run_bpf(prog, n["clone"], args=(17,)) == ALLOW
+    assert run_bpf(prog, n["clone"], args=(0x10000000 | 17,)) == EPERM
+    assert run_bpf(prog, n["clone"], args=(0x00020000,)) == EPERM
+    assert run_bpf(prog, n["unshare"], args=(0,)) == ALLOW
+    assert run_bpf(prog, n["unshare"], args=(0x200,)) == ALLOW
+    assert run_bpf(prog, n["unshare"], args=(0x80,)) == EPERM  # CLONE_NEWTIME
+    assert run_bpf(prog, n["unshare"], args=(0x10000000,)) == EPERM
+    # device nodes only
+    assert run_bpf(prog, n["mknod"], args=(0, 0o020600, 0x101)) == EPERM
+    assert run_bpf(prog, n["mknod"], args=(0, 0o010644, 0)) == ALLOW
+    assert run_bpf(prog, n["mknodat"], args=(0, 0, 0o060600, 0x800)) == EPERM
+    assert run_bpf(prog, n["mknodat"], args=(0, 0, 0o100644, 0)) == ALLOW
+
+
+def test_compile_profile_agent_args() -> None:
+    e = hp.compile_profile(default_profile())
+    args = list(e.agent_args)
+    assert args[:2] == ["--landlock-ro", "/"] and "--landlock-required" in args
+    assert args[args.index("--audit-loginuid") + 1] == str(hp.AUDIT_LOGINUID)
+    pairs = list(zip(args, args[1:]))
+    assert ("--landlock-rw", "/tmp") in pairs and ("--landlock-rw", "/workspace") in pairs and ("--landlock-dev", "/dev") in pairs
+    bpf = bytes.fromhex(args[args.index("--seccomp-bpf") + 1])
+    assert len(bpf) % 8 == 0 and len(bpf) // 8 < hp.BPF_MAXINSNS
+    assert e.capabilities == tuple(default_profile().capabilities) and e.landlock_required
+    off = msgspec.structs.replace(default_profile(), fs=msgspec.structs.replace(default_profile().fs, landlock=False))
+    assert not [a for a in hp.compile_profile(off).agent_args if a.startswith("--landlock")]
+    with pytest.raises(Exception):
+        hp.landlock_args(msgspec.structs.replace(default_profile().fs, writable=["relative/path"]))
+
+
+# ------------------------------------------------------------------------------ audit records
+def test_parse_record() -> None:
+    serial, f = parse_record('audit(1795943804.067:3): auid=1685284195 uid=0 ses=2 pid=18551 comm="sc" exe=2F746D702F612062 sig=0 arch=c000003e syscall=110 code=0x50000')
+    assert serial == "3" and f["comm"] == "sc" and f["exe"] == "/tmp/a b" and f["syscall"] == "110" and f["ses"] == "2"
+
+
+def _fake_host(tmp: Path, sid: str, agent_pid: int, ses: int) -> SandboxMap:
+    (tmp / "proc" / str(agent_pid)).mkdir(parents=True)
+    (tmp / "proc" / str(agent_pid) / "sessionid").write_text(f"{ses}")
+    (tmp / "proc" / str(agent_pid) / "cgroup").write_text(f"12:pids:/dsec/{sid}\n1:name=systemd:/\n")
+    cg = tmp / "cg" / "pids" / "dsec" / sid
+    cg.mkdir(parents=True)
+    (cg / "cgroup.procs").write_text(f"{agent_pid}\n")
+    return SandboxMap("/dsec", proc=str(tmp / "proc"), cgroup_root=str(tmp / "cg"))
+
+
+def test_kernel_records_map_to_sandboxes(tmp_path: Path) -> None:
+    m = _fake_host(tmp_path, "sb-one", 4242, 9)
+    got: list[Denial] = []
+    k = KernelAudit(got.append, sandbox_map=m)
+    auid = 1685284195
+    # a process that already exited: found by its audit session
+    k.feed(1326, f'audit(1.0:10): auid={auid} uid=0 gid=0 ses=9 pid=99999 comm="sysx" exe="/tmp/sysx" sig=0 arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
+    # a 32-bit call, killed
+    k.feed(1326, f'audit(1.0:11): auid={auid} uid=0 gid=0 ses=9 pid=99998 comm="sysx" exe="/tmp/sysx" sig=31 arch=40000003 syscall=21 compat=1 ip=0x1 code=0x80000000')
+    # not a sandbox: ignored
+    k.feed(1326, 'audit(1.0:12): auid=4294967295 uid=0 gid=0 ses=4294967295 pid=99997 comm="x" exe="/x" sig=0 arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
+    # Landlock: access + domain + syscall + end of event
+    k.feed(1423, 'audit(1.0:13): domain=abc blockers=fs.write_file path="/etc/passwd" dev="overlay" ino=5')
+    k.feed(1424, 'audit(1.0:13): domain=abc status=allocated mode=enforcing pid=4242 uid=0 exe="/.dsec/bin/dsec-agent" comm="dsec-agent"')
+    k.feed(1300, f'audit(1.0:13): arch=c000003e syscall=257 success=no exit=-13 ppid=4242 pid=99996 auid={auid} uid=0 ses=9 comm="sh" exe="/bin/busybox" key=(null)')
+    k.feed(1320, "audit(1.0:13): ")
+    # Landlock without a syscall record: the domain's creator names the sandbox
+    k.feed(1423, 'audit(1.0:14): domain=abc blockers=fs.remove_file path="/bin" dev="overlay" ino=6')
+    k._flush()
+    assert [(d.kind, d.sandbox_id, d.what, d.killed) for d in got] == [
+        ("seccomp", "sb-one", "mount", False),
+        ("seccomp", "sb-one", "i386 mount", True),
+        ("landlock", "sb-one", "fs.write_file /etc/passwd", False),
+        ("landlock", "sb-one", "fs.remove_file /bin", False),
+    ]
+    assert got[0].detail["exe"] == "/tmp/sysx" and got[2].detail["comm"] == "sh"
+
+
+# ------------------------------------------------------------------------------ KV and service
+async def test_publish_profiles_is_idempotent_and_versioned(nats_server: Any) -> None:
+    from nats.js.api import KeyValueConfig
+
+    from bus import connect
+    from bus.streams import KV_BUCKETS
+
+    nc = await connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        bucket = f"t_profiles_{uuid.uuid4().hex[:8]}"
+        kv = await js.create_key_value(config=KeyValueConfig(bucket=bucket, history=KV_BUCKETS[S.KV_PROFILES]["history"]))
+        p = default_profile()
+        assert await publish_profiles(kv, [p]) == {"default": "created"}
+        assert await publish_profiles(kv, [p]) == {"default": "kept"}
+        assert await publish_profiles(kv, [msgspec.structs.replace(p, version=p.version + 1)]) == {"default": "updated"}
+        assert await publish_profiles(kv, [p]) == {"default": "kept"}  # never downgrades an operator's newer one
+        hist = await kv.history("default")
+        assert len(hist) == 2
+        await js.delete_key_value(bucket)
+    finally:
+        await nc.close()
+
+
+async def test_host_profile_cache_watches_kv(nats_server: Any) -> None:
+    from bus import connect
+    from bus.streams import ensure_kv
+
+    nc = await connect(nats_server.url)
+    cache = hp.ProfileCache()
+    try:
+        js = nc.jetstream()
+        kv = await ensure_kv(js, S.KV_PROFILES)
+        name = f"t-{uuid.uuid4().hex[:8]}"
+        await cache.start(js)
+        assert cache.enforcement("default").profile == "default"  # KV may be empty: built-in copy
+        with pytest.raises(hp.UnknownProfile):
+            cache.enforcement(name)
+        custom = msgspec.structs.replace(default_profile(), name=name, version=3)
+        await kv.put(name, codec.encode(custom))
+        await eventually(lambda: name in cache.profiles, timeout=5, what="the watch to deliver")
+        assert cache.enforcement(name).version == 3
+        await kv.put(name, b"garbage")  # a bad document never replaces the last good one
+        await kv.delete(name)
+        await eventually(lambda: name not in cache.profiles, timeout=5, what="the delete")
+    finally:
+        await cache.stop()
+        await nc.close()
+
+
+async def test_guard_applies_the_sandboxs_audit_policy(nats_server: Any) -> None:
+    """A denial of a strict sandbox: violation published, kill requested on dsec.sbx.<id>.kill."""
+    from bus import connect
+    from bus.streams import ensure_kv
+    from guard import Guard
+
+    nc = await connect(nats_server.url)
+    g = Guard(nats_server.url, host_id="h-test", kernel_audit=False)
+    await g.start()
+    try:
+        js = nc.jetstream()
+        sbx = await ensure_kv(js, S.KV_SANDBOXES)
+        strict_id, default_id = f"sb-s-{uuid.uuid4().hex[:6]}", f"sb-d-{uuid.uuid4().hex[:6]}"
+        for sid, prof in ((strict_id, "strict"), (default_id, "default")):
+            await sbx.put(sid, codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=sid, profile=prof), state="running")))
+        kills: list[tuple[str, KillRequest]] = []
+        violations: list[GuardViolation] = []
+
+        async def on_kill(msg: Any) -> None:
+            kills.append((msg.subject, codec.SBX_KILL.decode(msg.data)))
+            from bus.messages import Done
+
+            await msg.respond(codec.encode(Done(detail="killed")))
+
+        async def on_violation(msg: Any) -> None:
+            violations.append(codec.EVENT.decode(msg.data))
+
+        s1 = await nc.subscribe(S.sbx(strict_id, "kill"), cb=on_kill)
+        s2 = await nc.subscribe(S.sbx(default_id, "kill"), cb=on_kill)
+        s3 = await nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation)
+        await nc.flush()
+        for sid in (strict_id, default_id):
+            g._on_denial(Denial(kind="seccomp", sandbox_id=sid, what="bpf", detail={"exe": "/tmp/x", "pid": "7"}))
+            g._on_denial(Denial(kind="seccomp", sandbox_id=sid, what="bpf", detail={"exe": "/tmp/x", "pid": "8"}))
+        await eventually(lambda: len(violations) >= 2 and len(kills) >= 1, timeout=5, what="violations and the kill")
+        await asyncio.sleep(0.2)  # let a wrong second kill or report show up, if there were one
+        assert [k[0] for k in kills] == [S.sbx(strict_id, "kill")]
+        assert kills[0][1].reason == "guard-kill: seccomp bpf"
+        by = {v.sandbox_id: v for v in violations}
+        assert by[strict_id].action == "kill" and by[default_id].action == "record"
+        assert len(violations) == 2, "the repeat within the report interval is folded"
+        # The agent acting for the host API is recorded, never killed for.
+        g._on_denial(Denial(kind="landlock", sandbox_id=strict_id, what="fs.write_file /etc/x", detail={"exe": "/.dsec/bin/dsec-agent"}))
+        await eventually(lambda: len(violations) == 3, timeout=5, what="agent violation")
+        assert violations[-1].action == "record" and violations[-1].detail["process"] == "agent"
+        for s in (s1, s2, s3):
+            await s.unsubscribe()
+    finally:
+        await g.shutdown()
+        await nc.close()
+
+
+# ------------------------------------------------------------------------------- the agent itself
+def _landlock_abi() -> int:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.syscall(444, None, ctypes.c_size_t(0), ctypes.c_uint32(1)))
+
+
+@pytest.fixture(scope="module")
+def agent_bin(tmp_path_factory: Any) -> str:
+    from hostagent._agent import ensure_agent_binary
+
+    return ensure_agent_binary(str(tmp_path_factory.mktemp("agent")))
+
+
+@pytest.mark.skipif(_landlock_abi() < 1, reason="kernel without Landlock")
+async def test_agent_confines_itself_before_serving(tmp_path: Path, agent_bin: str) -> None:
+    """The agent applies Landlock and its audited seccomp filter to itself; commands inherit both."""
+    import os
+    import signal
+    import subprocess
+
+    from hostagent._agent import AgentClient, AgentError
+
+    binary = agent_bin
+    rw = tmp_path / "rw"
+    sock = str(tmp_path / "agent.sock")
+    bpf = hp.compile_log_filter(default_profile().syscalls).hex()
+    args = [binary, "--socket", sock, "--landlock-ro", "/", "--landlock-rw", str(rw), "--landlock-dev", "/dev",
+            "--landlock-required", "--seccomp-bpf", bpf]
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client = AgentClient(sock, expected_pid=proc.pid)
+        info = await client.wait_ready(10)
+        assert info.landlock and info.landlock_abi == _landlock_abi() and info.seccomp_log and not info.audit_session
+        assert rw.is_dir()  # created because it was missing
+        out = await client.exec(f"echo in > {rw}/f && cat {rw}/f && echo x > /dev/null && echo ok")
+        assert out.exit_code == 0 and out.stdout == b"in\nok\n", out
+        out = await client.exec(f"echo x > {tmp_path}/outside")
+        assert out.exit_code != 0 and b"Permission denied" in out.stderr, out
+        out = await client.exec("grep -E '^(NoNewPrivs|Seccomp):' /proc/self/status")
+        assert out.stdout.split() == [b"NoNewPrivs:", b"1", b"Seccomp:", b"2"], out
+        with pytest.raises(AgentError) as ei:
+            await client.write_file(str(tmp_path / "nope"), b"x")
+        assert ei.value.errno == 13
+        await client.write_file(str(rw / "yes"), b"x")
+        assert (rw / "yes").read_bytes() == b"x"
+        assert not (tmp_path / "outside").exists() and not (tmp_path / "nope").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        if os.path.exists(sock):
+            os.unlink(sock)  # the confined agent may not remove it itself
+
+
+async def test_agent_exits_on_a_bad_seccomp_program(tmp_path: Path, agent_bin: str) -> None:
+    import subprocess
+
+    r = subprocess.run([agent_bin, "--socket", str(tmp_path / "s.sock"), "--seccomp-bpf", "zz"], capture_output=True, timeout=10)
+    assert r.returncode != 0 and b"--seccomp-bpf" in r.stderr
+
+
+async def test_guard_quarantines_and_acts_on_other_components_reports(nats_server: Any) -> None:
+    """``quarantine`` kills and keeps the violation in KV dsec_quarantine; a violation another
+    component published (say, the network filter, action "record") gets the profile's ``other``."""
+    from bus import connect
+    from bus.messages import AuditPolicy, Done
+    from bus.streams import ensure_kv
+    from guard import Guard
+
+    q = msgspec.structs.replace(default_profile(), name=f"q-{uuid.uuid4().hex[:6]}", audit=AuditPolicy(seccomp="quarantine", landlock="record", other="kill"))
+    nc = await connect(nats_server.url)
+    g = Guard(nats_server.url, host_id="h-test", kernel_audit=False, profiles={**builtin_profiles(), q.name: q})
+    await g.start()
+    subs = []
+    try:
+        js = nc.jetstream()
+        sbx = await ensure_kv(js, S.KV_SANDBOXES)
+        a, b = f"sb-qa-{uuid.uuid4().hex[:6]}", f"sb-qb-{uuid.uuid4().hex[:6]}"
+        for sid in (a, b):
+            await sbx.put(sid, codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=sid, profile=q.name), state="running")))
+        kills: list[tuple[str, str]] = []
+
+        async def on_kill(msg: Any) -> None:
+            kills.append((msg.subject.split(".")[2], codec.SBX_KILL.decode(msg.data).reason))
+            await msg.respond(codec.encode(Done(detail="killed")))
+
+        for sid in (a, b):
+            subs.append(await nc.subscribe(S.sbx(sid, "kill"), cb=on_kill))
+        await nc.flush()
+        g._on_denial(Denial(kind="seccomp", sandbox_id=a, what="keyctl", detail={"exe": "/tmp/x"}))
+        await js.publish(S.EVT_GUARD_VIOLATION, codec.encode(GuardViolation(
+            sandbox_id=b, at=0.0, kind="network", what="egress to 203.0.113.9:443", action="record", detail={"source": "hostagent.network"})))
+        await eventually(lambda: len(kills) == 2, timeout=10, what="both kills")
+        assert dict(kills) == {a: "guard-quarantine: seccomp keyctl", b: "guard-kill: network egress to 203.0.113.9:443"}
+        qkv = await js.key_value(S.KV_QUARANTINE)
+        v = codec.EVENT.decode((await qkv.get(a)).value)
+        assert isinstance(v, GuardViolation) and v.action == "quarantine" and v.what == "keyctl"
+        with pytest.raises(Exception):
+            await qkv.get(b)
+    finally:
+        for s in subs:
+            await s.unsubscribe()
+        await g.shutdown()
+        await nc.close()
