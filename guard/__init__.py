@@ -5,7 +5,7 @@ Run it with ``python -m guard``.
 """
 
 from ._kernel import AUDIT_LOGINUID, Denial, KernelAudit, SandboxMap, parse_record
-from ._profiles import DEFAULT_VERSION, DENY_IOCTLS, builtin_profiles, default_profile, strict_profile
+from bus.profiles import DEFAULT_VERSION, DENY_IOCTLS, builtin_profiles, default_profile, strict_profile
 from ._service import Guard, publish_profiles
 
 __all__ = [

@@ -33,7 +33,7 @@ from bus.runtime import PullWorker, Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._kernel import Denial, KernelAudit
-from ._profiles import builtin_profiles
+from bus.profiles import builtin_profiles
 
 log = structlog.get_logger("dsec.guard")
 

@@ -37,7 +37,7 @@ from ._backend import Handle, OnOutput, Usage
 from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
-from ._profiles_builtin import default_profile
+from bus.profiles import default_profile
 from ._network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount

@@ -221,7 +221,7 @@ def _seccomp() -> dict[str, Any]:
     global _default_seccomp
     if _default_seccomp is None:
         from ._profiles import compile_oci_seccomp
-        from ._profiles_builtin import default_profile
+        from bus.profiles import default_profile
 
         _default_seccomp = compile_oci_seccomp(default_profile().syscalls)
     return _default_seccomp

@@ -3,7 +3,7 @@ into what this host enforces at sandbox start.
 
 Guard decides (it writes ``SecurityProfile`` documents to the KV bucket); the host agent enforces,
 and never asks guard anything: ``ProfileCache`` keeps every profile from a KV watch in memory and
-falls back to a built-in copy of guard's profiles (``_profiles_builtin``) while the bucket has none,
+falls back to the built-in profiles in ``bus.profiles`` while the bucket has none,
 so a create never waits on guard and keeps working while guard restarts.
 
 ``compile_profile`` produces an ``Enforcement``:
@@ -40,7 +40,7 @@ from bus import subjects as S
 from bus.errors import InvalidArgument
 from bus.messages import FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy
 
-from ._profiles_builtin import builtin_profiles
+from bus.profiles import builtin_profiles
 
 log = structlog.get_logger("dsec.hostagent.profiles")
 

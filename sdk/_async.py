@@ -460,7 +460,7 @@ class AsyncSandbox:
             owner = await _lease_owner(nc, url, min(s.lease_s for s in leased))
             for s in leased:
                 s.owner = s.owner or owner
-        if len(specs) > 16:  # only the kinds a create waits for: placed/rejected of everyone are not our business
+        if len(specs) > 5000:  # huge batches: wildcards (only the kinds a create waits for), not one SUB per id
             subs = [await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.{kind}", cb=on_msg) for kind in ("ready", "failed", "pending")]
         else:
             sink = _Sink(on_event)

@@ -20,9 +20,8 @@ from bus import codec
 from bus import subjects as S
 from bus.messages import GuardViolation, KillRequest, SandboxRecord, SandboxSpec, SecurityProfile
 from guard import DENY_IOCTLS, Denial, KernelAudit, SandboxMap, builtin_profiles, default_profile, parse_record, publish_profiles
-from guard import _profiles as gp
+from bus import profiles as gp
 from hostagent import _profiles as hp
-from hostagent import _profiles_builtin as hb
 from tests.conftest import eventually
 
 X86_64, I386 = 0xC000003E, 0x40000003
@@ -61,14 +60,6 @@ def prog() -> bytes:
 
 
 # --------------------------------------------------------------------------------- profiles
-def test_host_builtin_copy_equals_guards_profiles() -> None:
-    assert hb.builtin_profiles() == builtin_profiles()
-    g = Path(gp.__file__).read_text()
-    h = Path(hb.__file__).read_text()
-    body = lambda t: t[t.index('"""', 3) + 3:]  # noqa: E731 - everything after the module docstring
-    assert body(g) == body(h), "hostagent/_profiles_builtin.py must be guard/_profiles.py verbatim (below the docstring)"
-
-
 def test_default_profile_shape() -> None:
     p = default_profile()
     assert not set(gp.ALLOW) & set(gp.DENY)

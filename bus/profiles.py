@@ -1,15 +1,20 @@
-"""The host agent's built-in copy of guard's profiles (guard/_profiles.py, kept equal by
-tests/unit/test_guard.py): what a sandbox gets while KV ``dsec_profiles`` has no such profile yet.
+"""The built-in security profiles guard publishes: ``default`` and ``strict``.
 
-The two services never import each other, so the fallback lives here as its own copy. Change
-guard/_profiles.py first, then copy it here verbatim below this docstring.
+A profile is data (``bus.messages.SecurityProfile``); the host agent turns it into the OCI spec's
+seccomp filter, capabilities and masked/read-only paths plus the in-sandbox agent's Landlock rules
+and audited seccomp filter (``hostagent._profiles``). Bump ``DEFAULT_VERSION`` whenever the content
+changes: guard replaces a stored profile only by a newer version, so an operator's edit that
+raised the version is kept.
+
+They live in ``bus`` because both sides need them: guard publishes them, and the host agent uses
+them as its fallback while the KV bucket has none yet (so a create never waits on guard).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from bus.messages import AuditPolicy, FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy, SyscallRule
+from .messages import AuditPolicy, FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy, SyscallRule
 
 DEFAULT_VERSION = 1
 
