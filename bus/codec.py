@@ -19,7 +19,13 @@ from .messages import (
     FileOp,
     FileWritten,
     HostMessage,
+    BuildImage,
+    HostImageStats,
+    HostImageStatsRequest,
     HostStatus,
+    ImageStatsRequest,
+    ListImages,
+    RemoveImage,
     InfoRequest,
     KillRequest,
     Lease,
@@ -69,6 +75,12 @@ SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
 EXEC_CHUNK = Decoder(ExecChunk)
+HOST_IMG_STATS_REQ = Decoder(HostImageStatsRequest)  # dsec.img.host.<id>.stats
+HOST_IMG_STATS = Decoder(HostImageStats)
+IMG_LIST_REQ = Decoder(ListImages)  # dsec.img.list
+IMG_BUILD_REQ = Decoder(BuildImage)  # dsec.img.build
+IMG_REMOVE_REQ = Decoder(RemoveImage)  # dsec.img.rm
+IMG_STATS_REQ = Decoder(ImageStatsRequest)  # dsec.img.stats
 
 SBX_REQUEST_DECODERS = {
     "exec": SBX_EXEC,

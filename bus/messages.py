@@ -380,6 +380,88 @@ class Done(Struct, kw_only=True, tag=True):
     detail: str = ""
 
 
+
+# --- image cache stats (core request/reply on dsec.img.host.<host>.stats) ----------------------------
+class LayerCacheStats(Struct, kw_only=True):
+    """One layer as this host's lazy loader sees it (a nested value)."""
+
+    digest: str  # sha256:<hex>
+    total_bytes: int
+    fetched_bytes: int  # bytes of this layer's chunks present in the local cache
+    chunks: int = 0
+    cached_chunks: int = 0
+
+
+class HostImageStatsRequest(Struct, kw_only=True, tag=True):
+    """Request on ``bus.subjects.host_img_stats(host_id)``; empty digests = every known layer."""
+
+    digests: list[str] = []
+
+
+class HostImageStats(Struct, kw_only=True, tag=True):
+    """Reply from a host's lazy loader (core request/reply on ``host_img_stats(host_id)``)."""
+
+    host_id: str
+    at: float
+    mode: str = "lazy"  # lazy | prefetch
+    pid: int = 0
+    layers: list[LayerCacheStats] = []
+    cache_bytes: int = 0  # bytes of chunks on local disk
+    max_cache_bytes: int = 0
+    downloaded_bytes: int = 0  # fetched from the blob store since the daemon started
+    cache_written_bytes: int = 0  # written to the local cache since the daemon started
+    evicted_bytes: int = 0
+    fetch_failures: int = 0
+    corrupt_chunks: int = 0
+
+
+
+
+# --- image service (core request/reply on dsec.img.*) ------------------------------------------------
+class ListImages(Struct, kw_only=True, tag=True):
+    """Request on ``bus.subjects.IMG_LIST``."""
+
+
+class ImageList(Struct, kw_only=True, tag=True):
+    templates: list[TemplateManifest] = []
+
+
+class BuildImage(Struct, kw_only=True, tag=True):
+    """Request on ``bus.subjects.IMG_BUILD``: sources are paths on the image service's machine,
+    ``layer:<digest>`` or ``template:<name>``."""
+
+    name: str
+    base: str
+    workspace: str = ""
+    toolkit: str = ""
+    description: str = ""
+
+
+class ImageBuilt(Struct, kw_only=True, tag=True):
+    manifest: TemplateManifest
+    uploaded_bytes: int = 0
+    seconds: float = 0.0
+
+
+class RemoveImage(Struct, kw_only=True, tag=True):
+    """Request on ``bus.subjects.IMG_REMOVE``."""
+
+    name: str
+    prune: bool = False
+
+
+class ImageStatsRequest(Struct, kw_only=True, tag=True):
+    """Request on ``bus.subjects.IMG_STATS``: a template's size and layers."""
+
+    name: str
+
+
+class ImageStats(Struct, kw_only=True, tag=True):
+    name: str
+    total_bytes: int
+    layers: list[LayerRef] = []
+
+
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
     "ReqMessage",
     "HostMessage",

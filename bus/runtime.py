@@ -278,7 +278,12 @@ class Service:
                 loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.shutdown()))
             except (NotImplementedError, RuntimeError):
                 pass
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            # A half-started service still releases what it took (processes, mounts) before failing.
+            await self.shutdown()
+            raise
         self.log.info("service_started", service=self.name)
         await self._stopped.wait()
         await self._shutdown_done.wait()

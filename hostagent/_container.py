@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno as _errno
+import json
 import os
 import subprocess
 
@@ -155,7 +156,14 @@ class ContainerBackend:
             return target
 
     def cached_layers(self) -> list[str]:
-        return [f"sha256:{d}" for d in self._layer_mounts]
+        """Layers this host holds: mounted ones, plus what the lazy loader's cache index has fetched."""
+        held = {f"sha256:{d}" for d in self._layer_mounts}
+        try:
+            index = json.loads((self.data_dir / "cache" / "index.json").read_text())
+            held.update(k for k, v in index.items() if v.get("fetched_bytes", 0) > 0)
+        except (OSError, ValueError, AttributeError):
+            pass  # no lazy loader on this host (yet)
+        return sorted(held)
 
     # --- create / destroy -------------------------------------------------------------------
     def _pick_group(self, sid: str) -> str | None:

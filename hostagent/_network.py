@@ -16,7 +16,7 @@ name, which the kernel -- not the sandbox -- attaches to each packet::
                                                           the host agent, any host service)
     forward  dsx* -> dsx*    -> reject  between_sandboxes
              dsx* -> *       -> egress
-             * -> dsx*       -> established/related, else drop  inbound
+             * -> dsx*       -> replies from its allowlisted peers (+ related ICMP), else drop  inbound
              [neither side a sandbox, and ip_forward was 0 before us -> drop  forward_guard]
     egress   IPv6            -> reject  ipv6
              spoofed source  -> drop    spoofed   (fib saddr . iif: must route back via this veth)
@@ -812,12 +812,17 @@ class NetworkManager:
             *reject("sbx_input", f"iifname {p}", "to_host"),
             *reject("sbx_forward", f"iifname {p} oifname {p}", "between_sandboxes"),
             f"add rule {t} sbx_forward iifname {p} jump sbx_egress",
-            f"add rule {t} sbx_forward oifname {p} ct state established,related accept",
+            # Into a sandbox: only replies, and only from what *its* allowlist names (a /30 is
+            # reused after its old owner is gone; a stale conntrack entry must not let the old
+            # owner's peers in), plus ICMP errors about its own flows (path MTU).
+            f"add rule {t} sbx_forward oifname {p} ct state established,related oifname . ip saddr @allow_net accept",
+            f"add rule {t} sbx_forward oifname {p} ct state established,related meta l4proto {{ tcp, udp }} oifname . ip saddr . meta l4proto . th sport @allow_port accept",
+            f"add rule {t} sbx_forward oifname {p} ct state related meta l4proto icmp accept",
             f'add rule {t} sbx_forward oifname {p} counter name "inbound" drop',
             f'add rule {t} sbx_egress meta nfproto ipv6 counter name "ipv6" {rej}',
             f'add rule {t} sbx_egress fib saddr . iif oif missing counter name "spoofed" drop',
             *reject("sbx_egress", "ip daddr @deny_net", "denied"),
-            f"add rule {t} sbx_egress ct state established,related accept",
+            # no "established" shortcut: every packet out is checked against this veth's elements
             f"add rule {t} sbx_egress iifname . ip daddr @allow_net accept",
             f"add rule {t} sbx_egress meta l4proto {{ tcp, udp }} iifname . ip daddr . meta l4proto . th dport @allow_port accept",
             *reject("sbx_egress", "", "not_allowed"),

@@ -96,6 +96,9 @@ def run_up(args: argparse.Namespace) -> int:
     py = sys.executable
     host_id = args.host_id or socket.gethostname().split(".")[0]
     children = [Child("imaged", [py, "-m", "imaged", "serve", "--data-dir", str(data)], env("imaged"), logs)]
+    children.append(
+        Child("lazy-loader", [py, "-m", "imaged.lazy", "--data-dir", str(data), "--mount", str(data / "lazy"), "--host-id", host_id], env("imaged"), logs)
+    )
     children += [Child(f"placement-{i}", [py, "-m", "placement"], env("placement"), logs) for i in range(args.placement_replicas)]
     children.append(Child("guard", [py, "-m", "guard"], env("guard"), logs))
     children.append(

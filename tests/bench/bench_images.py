@@ -243,7 +243,7 @@ async def bench_python(js: Any, nats_url: str, data_dir: Path, work: Path, chunk
 
 # --- (b) fan-out: N sandboxes, N workspace layers, one base ---------------------------------------------------
 async def build_workspaces(js: Any, data_dir: Path, work: Path, base_digest: str, n: int, ws_mib: int, chunk: int) -> list[Any]:
-    builder = ImageBuilder(js, data_dir, chunk_size=chunk)
+    builder = ImageBuilder(js, work / "ws-data", chunk_size=chunk)  # throw-away blobs: not in the cached data dir
     layers = []
     files_per = 8
     for i in range(n):

@@ -391,6 +391,9 @@ async def run(args: argparse.Namespace) -> None:
     print(f"dsec sandbox benchmark: N={args.n}, host concurrency {args.concurrency}, {os.cpu_count()} cores, "
           f"sandbox cpu={args.cpu} memory_mb={args.memory_mb} disk_mb={args.disk_mb}, shim group {args.shim_group}; "
           f"load average at start {open('/proc/loadavg').read().split()[0]}")
+    b0, w0 = machine_cpu_s(), time.monotonic()
+    await asyncio.sleep(1.0)  # measures what else keeps the machine busy (other processes), before we start
+    print(f"cores already busy with other work before the run: {(machine_cpu_s() - b0) / (time.monotonic() - w0):.2f} of {os.cpu_count()}")
     await st.start()
     assert st.backend is not None and st.host is not None and st.backend.daemon is not None
     containerd_pid = st.backend.daemon.pid or 0

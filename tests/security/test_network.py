@@ -39,8 +39,6 @@ import pytest
 import pytest_asyncio
 
 from hostagent._network import (
-    AllowPlan,
-    NetworkConfig,
     NetworkManager,
     _dns_answers,
     compile_allowlist,
@@ -276,8 +274,19 @@ def host_rules(table: str) -> str:
 
 
 def host_ipv4_addresses() -> list[str]:
+    """The host's own IPv4 addresses that stay put during a test: not loopback, and not on the
+    veths of sandboxes or test hosts (other tests' come and go -- an address that vanishes
+    mid-probe would turn a local destination into one routed off this machine)."""
     r = subprocess.run(["ip", "-4", "-j", "addr"], capture_output=True, text=True, check=True)
-    return [a["local"] for link in json.loads(r.stdout) for a in link.get("addr_info", []) if not a["local"].startswith("127.")]
+    return [a["local"] for link in json.loads(r.stdout) if not link["ifname"].startswith(("ds", "dt"))
+            for a in link.get("addr_info", []) if not a["local"].startswith("127.")]
+
+
+def assert_stays_here(ip: str, *devs: str) -> None:
+    """SAFETY: traffic to ``ip`` from a sandbox must end on this machine: a local address of the
+    host, or routed to one of our own veths (``devs``)."""
+    route = run("ip", "-4", "route", "get", ip).stdout
+    assert route.startswith("local ") or any(f"dev {d} " in route + " " for d in devs), f"{ip} would leave this machine: {route}"
 
 
 def in_netns(path: str, fn: Callable[[], Any]) -> Any:
@@ -382,6 +391,7 @@ class TestHost:
         self.gw = str(self.net.network_address + 1)
         self.ip = str(self.net.network_address + 2)
         self.listeners: list[Listener] = []
+        self.extra_routes: list[str] = []
 
     def start(self) -> None:
         taken = run("ip", "-4", "route", "show", str(self.net)).stdout.strip()
@@ -395,8 +405,19 @@ class TestHost:
                     ["ip", "route", "add", "10.0.0.0/8", "via", self.gw]):
             run("ip", "netns", "exec", self.ns, *cmd)
         # SAFETY: traffic to the test host must stay on this machine.
-        route = run("ip", "route", "get", self.ip).stdout
-        assert f"dev {self.veth}" in route, route
+        assert_stays_here(self.ip, self.veth)
+        _OUR_DEVS.add(self.veth)
+
+    async def add_service(self, ip: str) -> Listener:
+        """Give the test host one more address (routed to it from the host) with a listener on it."""
+        run("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{ip}/32", "dev", "eth0")
+        run("ip", "route", "add", f"{ip}/32", "via", self.ip, "dev", self.veth)
+        self.extra_routes.append(ip)
+        assert_stays_here(ip, self.veth)
+        t, u = in_netns(self.nspath, lambda: _sockets(ip, 0))
+        lis = await listen(t, u, "testhost")
+        self.listeners.append(lis)
+        return lis
 
     async def listen(self, port: int = 0) -> Listener:
         t, u = in_netns(self.nspath, lambda: _sockets("0.0.0.0", port))
@@ -423,8 +444,11 @@ class TestHost:
     def stop(self) -> None:
         for lis in self.listeners:
             lis.close()
+        for ip in self.extra_routes:
+            run("ip", "route", "del", f"{ip}/32", check=False)
         run("ip", "netns", "del", self.ns, check=False)
         run("ip", "link", "del", self.veth, check=False)
+        _OUR_DEVS.discard(self.veth)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -463,6 +487,8 @@ async def blocked(rt: RedTeam, table: str | None, sb: Any, what: str, counter: s
     accepted there. Which rule fired is told by its named counter, read before and after.
     """
     before = counters(table) if counter else {}
+    if str(args[0]) in ("tcp", "udp", "icmp"):
+        _safe_target(str(args[1]))
     out = await probe(sb, *args)
     kind = str(args[0])
     expect = EXPECT.get(kind, ("EPERM",))
@@ -475,7 +501,18 @@ async def blocked(rt: RedTeam, table: str | None, sb: Any, what: str, counter: s
     return out
 
 
+_OUR_DEVS: set[str] = set()  # veths of this run's test hosts (filled by the fixture)
+
+
+def _safe_target(ip: str) -> None:
+    """SAFETY: never send from a sandbox to an address that would be routed off this machine."""
+    if ip.startswith("127."):
+        return  # the sandbox's own loopback
+    assert_stays_here(ip, *_OUR_DEVS, *[n for n in os.listdir("/sys/class/net") if n.startswith("dsq")])
+
+
 async def reach(sb: Any, ip: str, port: int, rt: RedTeam, what: str) -> str:
+    _safe_target(ip)
     out = await probe(sb, "tcp", ip, port, "hi")
     assert out.code == 0 and out.stdout.startswith("ok hello-from-"), f"positive control {what}: {out}"
     rt.allowed(what)
@@ -653,7 +690,8 @@ async def test_host_is_unreachable_even_when_everything_is_allowed(
     redteam.allowed("the host's own service answers the host on all its addresses")
     host_listener.tcp_peers.clear()
     t = stack.net.table
-    for ip in sorted(set(host_ipv4_addresses()) | {att.gateway}):
+    for ip in sorted(set(host_ipv4_addresses()) | {att.gateway, testhost.gw}):
+        assert_stays_here(ip)
         what = "the veth's host end" if ip == att.gateway else f"host address {ip}"
         await blocked(redteam, t, a, f"allow-all sandbox -> {what} (TCP)", "to_host", "tcp", ip, host_listener.port, "x")
         await blocked(redteam, t, a, f"allow-all sandbox -> {what} (UDP)", "to_host", "udp", ip, host_listener.port, "x")
@@ -662,9 +700,18 @@ async def test_host_is_unreachable_even_when_everything_is_allowed(
     lo = await probe(a, "tcp", "127.0.0.1", host_listener.port, "x")
     assert lo.code != 0 and "ECONNREFUSED" in lo.text, lo
     redteam.blocked("allow-all sandbox -> 127.0.0.1 (the host's loopback services) [own loopback]")
-    # the cloud metadata address is refused by the deny set, whatever the allowlist
-    await blocked(redteam, t, a, "allow-all sandbox -> 169.254.169.254:80 (metadata, UDP)", "denied", "udp", "169.254.169.254", 80, "x")
-    await blocked(redteam, t, a, "allow-all sandbox -> 169.254.169.254:80 (metadata, TCP)", "denied", "tcp", "169.254.169.254", 80, "x")
+    # The cloud metadata address is refused by the deny set, whatever the allowlist. For this
+    # test it lives in the test host (routed there, so nothing could ever leave this machine):
+    # the host itself reaches it, the allow-all sandbox does not.
+    meta = await testhost.add_service("169.254.169.254")
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("169.254.169.254", meta.port), 5)
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"hello-from-testhost")
+    writer.close()
+    redteam.allowed("the (test) metadata service answers the host")
+    meta.tcp_peers.clear()
+    await blocked(redteam, t, a, "allow-all sandbox -> metadata 169.254.169.254 (TCP)", "denied", "tcp", "169.254.169.254", meta.port, "x")
+    await blocked(redteam, t, a, "allow-all sandbox -> metadata 169.254.169.254 (UDP)", "denied", "udp", "169.254.169.254", meta.port, "x")
+    assert meta.hits == 0
     assert host_listener.hits == 0, f"the host service was reached from the sandbox: {host_listener.tcp_peers + host_listener.udp_peers}"
 
 
@@ -901,7 +948,15 @@ async def test_root_of_the_netns_still_cannot_pass(
     d = delta(c0, counters(t))
     assert 0 not in types and d.get("to_host", 0) >= 2 and d.get("between_sandboxes", 0) >= 1, (out, d)
     redteam.blocked("netns root sends raw ICMP echo to the host, its other interface and sandbox B [to_host, between_sandboxes]")
-    # 4. a port A's allowlist does not name
+    # 4. the host's loopback: route 127/8 out of eth0 instead of lo (the host drops such martians)
+    for cmd in (["ip", "route", "del", "local", "127.0.0.0/8", "dev", "lo", "table", "local"],
+                ["ip", "route", "add", "127.0.0.0/8", "via", aa.gateway, "dev", "eth0", "onlink"]):
+        r = run(*ns, *cmd, check=False)
+        assert r.returncode == 0, (cmd, r.stderr)
+    out = ns_py(NS_CONNECT, "127.0.0.1", str(host_listener.port), "")
+    assert "connected" not in out, out
+    redteam.blocked("netns root routes 127.0.0.0/8 to the host to reach its loopback services [martian, dropped]")
+    # 5. a port A's allowlist does not name
     c0 = counters(t)
     out = ns_py(NS_CONNECT, testhost.ip, str(other.port), "")
     assert "connected" not in out and counters(t)["not_allowed"] > c0["not_allowed"], out

@@ -6,7 +6,6 @@ control plane use the session's NATS plus, for templates, one placement replica 
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
