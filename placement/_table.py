@@ -90,6 +90,7 @@ class Policy:
     ls_cpu_headroom: float = 0.5  # latency-sensitive needs this many really idle cores left
     mem_resident_limit: float = 0.95  # resident memory + newcomers must stay under this share of RAM
     locality_weight: float = 0.5
+    batch_hosts: int = 32  # a batch spreads over at most about this many hosts (fewer, bigger hand-offs)
     pool_cpu_overcommit: dict[str, float] = field(default_factory=dict)
 
 

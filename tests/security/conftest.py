@@ -156,6 +156,12 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     async def make(*, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False) -> SecStack:
         uid = uuid.uuid4().hex[:8]
         data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
+
+        async def remove_data_dir() -> None:  # runs last; also when make() failed half-way
+            if data_dir.exists() and not any(str(data_dir) in ln for ln in open("/proc/self/mountinfo")):
+                shutil.rmtree(data_dir, ignore_errors=True)
+
+        cleanups.append(remove_data_dir)
         nats_dir = tempfile.mkdtemp(prefix=f"dsec-secnats-{uid}-", dir="/tmp")  # not under data_dir: it outlives close()
         nats = NatsServer(nats_dir, host=nats_host, port=0)
         nats.start()
