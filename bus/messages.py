@@ -40,6 +40,7 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     requested_at: float = 0.0  # unix seconds, set by the client
     batch_id: str = ""
     create_deadline: float = 0.0  # unix seconds; placement fails the request after this (0: none)
+    reply_to: str = ""  # core subject where the client hears this create's outcome (ready/failed/pending); the events are in DSEC_EVT regardless
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------

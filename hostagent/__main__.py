@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--max-sandboxes", type=int, default=0)
     ap.add_argument("--containerd-address", default=None, help="default: start a private containerd under the data dir")
     ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
+    ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
     args = ap.parse_args()
     _log.configure()
@@ -34,7 +35,7 @@ def main() -> None:
     from ._container import ContainerBackend
     from ._service import HostAgent
 
-    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address)
+    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address, warm_pool=args.warm_pool)
     agent = HostAgent(
         backend, nats_url=args.nats_url, host_id=args.host_id, data_dir=args.data_dir, concurrency=args.concurrency,
         pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,

@@ -35,7 +35,7 @@ from bus.messages import (
 
 from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, ensure_agent_binary
 from ._backend import Handle, OnOutput, Usage
-from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime
+from ._containerd import CGROUP_PARENT, CPU_PERIOD_US, ContainerdError, ContainerRuntime
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
 from bus.profiles import default_profile
@@ -52,10 +52,27 @@ DEFAULT_ENV = {
     "HOME": "/root",
     "LANG": "C.UTF-8",
 }
-LABEL_SANDBOX = "dsec.sandbox"
+LABEL_SANDBOX = "dsec.sandbox"  # set once the container serves a sandbox (at once, or when claimed from the pool)
+LABEL_CONTAINER = "dsec.container"  # every container this backend made
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEM_CGROUP = Path("/sys/fs/cgroup/memory")
 READ_CHUNK = 4 * 1024 * 1024
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
+
+
+def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
+    """Apply a claimed warm container's limits straight to its cgroup v1 files (no runc round trip)."""
+    base = CGROUP_ROOT / "cpu" / CGROUP_PARENT.lstrip("/") / cid
+    (base / "cpu.shares").write_text(str(max(2, int(cpu * 1024))))
+    (base / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * CPU_PERIOD_US))))
+    mem = CGROUP_ROOT / "memory" / CGROUP_PARENT.lstrip("/") / cid
+    limit = str(memory_mb * 1024 * 1024)
+    memsw = mem / "memory.memsw.limit_in_bytes"
+    # memory+swap must stay >= memory: raise memsw first when growing, lower memory first when shrinking.
+    order = [memsw, mem / "memory.limit_in_bytes"] if memory_mb >= 64 else [mem / "memory.limit_in_bytes", memsw]
+    for f in order:
+        if f.exists():
+            f.write_text(limit)
 
 
 def _mounted(path: str) -> bool:
@@ -79,6 +96,7 @@ class ContainerBackend:
         lazy_mount: str | None = None,
         pids_max: int = 1024,
         network: NetworkConfig | None = None,
+        warm_pool: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.containerd_address = containerd_address
@@ -98,6 +116,16 @@ class ContainerBackend:
         self._cpu_prev: tuple[float, float] | None = None
         self._default_enf: Enforcement | None = None
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
+        # Warm pool: started sandboxes waiting per (layers, disk, profile), handed out on create with the
+        # requested limits applied, so a create skips runc's cold start. Container ids differ from
+        # sandbox ids for pooled ones: _cid maps sandbox id -> container id.
+        self.warm_pool = warm_pool
+        self._cid: dict[str, str] = {}
+        self._pool: dict[tuple[Any, ...], list[tuple[str, int, str]]] = {}
+        self._pool_args: dict[tuple[Any, ...], tuple[list[str], int, Enforcement]] = {}
+        self._refilling: dict[tuple[Any, ...], asyncio.Task[None]] = {}
+        self._warm_info: dict[str, AgentInfo] = {}
+        self._stopping = False
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -115,7 +143,20 @@ class ContainerBackend:
         await self.net.start()
 
     async def stop(self) -> None:
+        self._stopping = True
+        for t in list(self._refilling.values()):
+            t.cancel()
+        for t in list(self._refilling.values()):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+        self._pool.clear()
         if self.rt is not None:
+            # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
+            for c in await self.rt.list():
+                if c.labels.get(LABEL_CONTAINER) and not c.labels.get(LABEL_SANDBOX):
+                    await self._remove(c.id, None)
             alive = [c for c in await self.rt.list() if c.labels.get(LABEL_SANDBOX)]
             await self.rt.close()
         else:
@@ -197,30 +238,56 @@ class ContainerBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
-        try:
-            sdir = await self.scratch.allocate_async(sid, spec.disk_mb)
-        except ScratchError as exc:
-            raise CreateFailed(f"cannot allocate {spec.disk_mb} MB of disk: {exc}") from None
-        layout = RootfsLayout(sdir).create()
-        group = self._pick_group(sid)
+        if self.warm_pool > 0 and not self.net.wanted(spec.network):
+            key = (tuple(l.digest for l in layers), spec.disk_mb, security.profile, security.version)
+            self._pool_args[key] = (lowers, spec.disk_mb, security)
+            handle = await self._claim_warm(key, spec)
+            self._refill(key)
+            if handle is not None:
+                return handle
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
             net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
-            if net.hosts:
-                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, net.hosts)
+        labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
+        pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels)
+        self._cid[sid] = sid
+        return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
+
+    @staticmethod
+    def _extra(cid: str, sdir: str, group: str, security: Enforcement, info: AgentInfo, net: Any) -> dict[str, Any]:
+        return {
+            "cid": cid, "dir": sdir, "group": group or "", "profile": security.profile, "profile_version": security.version,
+            "landlock_abi": info.landlock_abi, "seccomp_log": info.seccomp_log, "audit_session": info.audit_session,
+            **({"net": net.to_extra()} if net else {}),
+        }
+
+    async def _start(
+        self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
+        labels: dict[str, str] | None = None,
+    ) -> tuple[int, str, str, AgentInfo]:
+        """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
+        assert self.rt is not None
+        try:
+            sdir = await self.scratch.allocate_async(cid, disk_mb)
+        except ScratchError as exc:
+            raise CreateFailed(f"cannot allocate {disk_mb} MB of disk: {exc}") from None
+        layout = RootfsLayout(sdir).create()
+        if net is not None and net.hosts:
+            await asyncio.to_thread(write_hosts_file, layout.upper, lowers, net.hosts)
+        group = self._pick_group(cid)
         try:
             pid = await self.rt.create_and_start(
-                sid,
+                cid,
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
                 args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
                 env=DEFAULT_ENV,
-                cpu=spec.cpu,
-                memory_mb=spec.memory_mb,
+                cpu=cpu,
+                memory_mb=memory_mb,
                 pids_max=self.pids_max,
                 bind_mounts=[(os.path.dirname(self.agent_bin), AGENT_DIR_IN_SANDBOX, True), (layout.run, RUN_DIR_IN_SANDBOX, False)],
                 hostname="sandbox",
-                labels={LABEL_SANDBOX: sid, "dsec.template": spec.template},
+                labels={LABEL_CONTAINER: cid, **(labels or {})},
                 group=group,
                 netns_path=net.netns if net else None,
                 stdout_path=os.path.join(sdir, AGENT_LOG),
@@ -231,18 +298,58 @@ class ContainerBackend:
                 no_new_privileges=security.no_new_privileges,
             )
         except ContainerdError as exc:
-            self._leave_group(sid)
+            self._leave_group(cid)
             raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
-        info = await self._wait_agent(sid, sdir, client)
+        info = await self._wait_agent(cid, sdir, client)
         if security.landlock_required and not info.landlock:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
-        self._clients[sid] = client
-        return Handle(sid, pid, {
-            "dir": sdir, "group": group or "", "profile": security.profile, "profile_version": security.version,
-            "landlock_abi": info.landlock_abi, "seccomp_log": info.seccomp_log, "audit_session": info.audit_session,
-            **({"net": net.to_extra()} if net else {}),
-        })
+        self._clients[cid] = client
+        return pid, sdir, group or "", info
+
+    # --- warm pool ---------------------------------------------------------------------------------
+    async def _claim_warm(self, key: tuple[Any, ...], spec: SandboxSpec) -> Handle | None:
+        assert self.rt is not None
+        entries = self._pool.get(key)
+        while entries:
+            cid, pid, sdir = entries.pop()
+            try:
+                await asyncio.to_thread(_set_limits, cid, spec.cpu, spec.memory_mb)
+                await self.rt.set_labels(cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
+            except (OSError, ContainerdError) as exc:
+                log.warning("warm_claim_failed", container=cid, error=str(exc))
+                await self._remove(cid, None)
+                continue
+            sid = spec.sandbox_id
+            self._cid[sid] = cid
+            self._clients[sid] = self._clients.pop(cid)
+            security = self._pool_args[key][2]
+            info = self._warm_info.pop(cid)
+            return Handle(sid, pid, self._extra(cid, sdir, self._group_of.get(cid, ""), security, info, None))
+        return None
+
+    def _refill(self, key: tuple[Any, ...]) -> None:
+        t = self._refilling.get(key)
+        if t is None or t.done():
+            self._refilling[key] = asyncio.ensure_future(self._refill_loop(key))
+
+    async def _refill_loop(self, key: tuple[Any, ...]) -> None:
+        # One at a time: refilling competes with cold creates for the same CPU.
+        lowers, disk_mb, security = self._pool_args[key]
+        entries = self._pool.setdefault(key, [])
+        while not self._stopping and len(entries) < self.warm_pool:
+            cid = f"wp-{os.urandom(8).hex()}"
+            try:
+                pid, sdir, _, info = await self._start(cid, lowers, disk_mb, 1.0, 64, security, None)
+            except asyncio.CancelledError:
+                await asyncio.shield(self._remove(cid, None))  # stopped half-way: leave no scratch or task
+                raise
+            except Exception as exc:  # noqa: BLE001 - the pool is an optimisation: cold creates still work
+                log.warning("warm_pool_start_failed", error=str(exc))
+                await self._remove(cid, None)
+                return
+            self._warm_info[cid] = info
+            entries.append((cid, pid, sdir))
 
     def _default_security(self) -> Enforcement:
         if self._default_enf is None:
@@ -281,14 +388,23 @@ class ContainerBackend:
         raise CreateFailed(f"sandbox agent did not start: {why}")
 
     async def destroy(self, sandbox_id: str) -> None:
+        await self._remove(self._cid.pop(sandbox_id, sandbox_id), sandbox_id)
+
+    async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None
-        self._clients.pop(sandbox_id, None)
+        self._clients.pop(cid, None)
+        if sandbox_id is not None:
+            self._clients.pop(sandbox_id, None)
+        self._warm_info.pop(cid, None)
+        # Leave the shim group before the delete: a container started meanwhile must not join a shim
+        # whose last member is going away (that shim would exit under it).
+        self._leave_group(cid)
         try:
-            await self.rt.delete(sandbox_id)
+            await self.rt.delete(cid)
         finally:
-            self._leave_group(sandbox_id)
-            await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
-            await self.scratch.release_async(sandbox_id)
+            if sandbox_id is not None:
+                await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
+            await self.scratch.release_async(cid)
 
     # --- ops ---------------------------------------------------------------------------------------
     def _client(self, handle: Handle) -> AgentClient:
@@ -343,25 +459,29 @@ class ContainerBackend:
         for c in await self.rt.list():
             sid = c.labels.get(LABEL_SANDBOX)
             if not sid:
+                if c.labels.get(LABEL_CONTAINER):
+                    log.info("removing_unclaimed_warm_container", container=c.id)
+                    await self._remove(c.id, None)  # a warm-pool container nobody claimed
                 continue
             h = known.get(sid)
             if h is None or c.status != "running" or not c.pid:
                 log.info("removing_orphan_container", sandbox_id=sid, status=c.status)
-                await self.destroy(sid)
+                await self._remove(c.id, sid)
                 continue
-            sdir = h.extra.get("dir") or await self.scratch.allocate_async(sid, 1)
+            sdir = h.extra.get("dir") or await self.scratch.allocate_async(c.id, 1)
             client = AgentClient(os.path.join(RootfsLayout(sdir).run, "agent.sock"), expected_pid=c.pid)
             try:
                 await client.wait_ready(5.0)
             except AgentError as exc:
                 log.warning("recover_agent_unreachable", sandbox_id=sid, error=str(exc))
-                await self.destroy(sid)
+                await self._remove(c.id, sid)
                 continue
             self._clients[sid] = client
+            self._cid[sid] = c.id
             g = h.extra.get("group") or ""
             if g:
-                self._groups.setdefault(g, set()).add(sid)
-                self._group_of[sid] = g
+                self._groups.setdefault(g, set()).add(c.id)
+                self._group_of[c.id] = g
             alive[sid] = Handle(sid, c.pid, h.extra)
         # Layers already mounted from an earlier run are reused as they are.
         for d in self.layers_dir.iterdir() if self.layers_dir.exists() else []:
@@ -373,9 +493,9 @@ class ContainerBackend:
     async def usage(self) -> Usage:
         per: dict[str, int] = {}
         total = 0
-        for sid in list(self._clients):
+        for sid, cid in list(self._cid.items()):
             try:
-                b = int((MEM_CGROUP / CGROUP_PARENT.lstrip("/") / sid / "memory.usage_in_bytes").read_text())
+                b = int((MEM_CGROUP / CGROUP_PARENT.lstrip("/") / cid / "memory.usage_in_bytes").read_text())
             except (OSError, ValueError):
                 continue
             per[sid] = b // (1 << 20)

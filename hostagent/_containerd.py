@@ -39,7 +39,7 @@ from containerd.services.containers.v1 import containers_pb2, containers_pb2_grp
 from containerd.services.tasks.v1 import tasks_pb2, tasks_pb2_grpc  # noqa: E402
 from containerd.types import mount_pb2  # noqa: E402
 from containerd.types.task import task_pb2  # noqa: E402
-from google.protobuf import any_pb2  # noqa: E402
+from google.protobuf import any_pb2, field_mask_pb2  # noqa: E402
 
 __all__ = [
     "ContainerRuntime",
@@ -651,6 +651,19 @@ class ContainerRuntime:
             return None
         p = resp.process
         return int(p.pid) if p.status in _LIVE and p.pid else None
+
+    async def set_labels(self, sandbox_id: str, labels: dict[str, str]) -> None:
+        """Set (add or replace) the given labels of a container, leaving the others."""
+        containers, _ = self._stubs()
+        c = containers_pb2.Container(id=sandbox_id)
+        _set_map(c.labels, labels)
+        await self._call(
+            containers.Update,
+            containers_pb2.UpdateContainerRequest(
+                container=c, update_mask=field_mask_pb2.FieldMask(paths=[f"labels.{k}" for k in labels])
+            ),
+            f"label {sandbox_id}",
+        )
 
     async def update_resources(
         self, sandbox_id: str, cpu: float | None = None, memory_mb: int | None = None,

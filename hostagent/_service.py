@@ -437,7 +437,10 @@ class HostAgent(Service):
             code=err.code if err else "", description=err.description if err else "", detail=detail or {},
         )
         hdr = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if kind in ("ready", "failed", "killed", "rejected") else None
-        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), codec.encode(ev), headers=hdr)
+        data = codec.encode(ev)
+        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), data, headers=hdr)
+        if spec.reply_to and kind in ("ready", "failed") and self.nc is not None:
+            await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
 
     async def _event_host(self, kind: str) -> None:
         assert self.js is not None
@@ -641,7 +644,10 @@ class HostAgent(Service):
             sandbox_id=spec.sandbox_id, kind="ready", at=time.time(), host_id=self.host_id, attempt=attempt,
             detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"},
         )
-        await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), codec.encode(ev), {S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
+        data = codec.encode(ev)
+        await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
+        if spec.reply_to and self.nc is not None:
+            await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
         self.created += 1
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 

@@ -215,16 +215,20 @@ class Placement(Service):
         await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err), headers=headers)
 
     async def _event_async(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None) -> asyncio.Future:
-        assert self.acks is not None
-        return await self.acks.publish(
-            S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, err=err),
-            {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"},
-        )
+        assert self.acks is not None and self.nc is not None
+        data = self._event_bytes(spec, kind, attempt=attempt, err=err)
+        fut = await self.acks.publish(S.evt_sandbox(spec.sandbox_id, kind), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"})
+        if spec.reply_to and kind == "failed":
+            await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
+        return fut
 
     async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
         """An informational event (placed, pending): a core publish the stream still records, no ack round trip."""
         assert self.nc is not None
-        await self.nc.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err))
+        data = self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err)
+        await self.nc.publish(S.evt_sandbox(spec.sandbox_id, kind), data)
+        if spec.reply_to and kind == "pending":
+            await self.nc.publish(spec.reply_to, data)
 
     # --- the handler -------------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
@@ -237,6 +241,14 @@ class Placement(Service):
         now = time.time()
         # (msg, future, host or "", spec or None, attempt)
         outs: list[tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]] = []
+        # First-time single creates that arrived together are grouped by host: runs of ``per_host`` go to
+        # the same host (chosen as for any create) in one hand-off, so a host gets one message for several
+        # creates. A group is a batch to the host: it claims each id with its record, so a copy re-placed
+        # after this replica died cannot be created twice.
+        groups: dict[str, list[tuple[Msg, SandboxSpec]]] = {}
+        per_host = max(1, -(-len(msgs) // max(1, self.table.policy.batch_hosts)))
+        cur: str | None = None
+        run = 0
         for msg in msgs:
             try:
                 req = codec.REQ.decode(msg.data)
@@ -256,7 +268,20 @@ class Placement(Service):
                 log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
                 outs.append((msg, await self._event_async(spec, "failed", attempt=req.attempt, err=err), "", None, req.attempt))
                 continue
+            first = req.attempt == 0 and not req.exclude_hosts and (msg.metadata.num_delivered if msg.metadata else 1) == 1
+            if first and cur is not None and run < per_host:
+                e = self.table.hosts.get(cur)
+                if e is not None and e.status.backend == spec.backend and e.status.pool == spec.pool and not self.table.why_not(e, spec):
+                    run += 1
+                    self.table.reserve(cur, spec, now)
+                    groups[cur].append((msg, spec))
+                    continue
             host = self.table.choose(spec, set(req.exclude_hosts) if req.exclude_hosts else frozenset(), layers, now)
+            if host is not None and first:
+                cur, run = host, 1
+                self.table.reserve(host, spec, now)
+                groups.setdefault(host, []).append((msg, spec))
+                continue
             if host is None and req.exclude_hosts:
                 host = self.table.choose(spec, frozenset(), layers, now)  # every host was tried once; try again
             if host is None:
@@ -269,6 +294,18 @@ class Placement(Service):
             )
             fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
             outs.append((msg, fut, host, spec, req.attempt))
+        for host, members in groups.items():
+            if len(members) == 1:
+                msg, spec = members[0]
+                place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
+                fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:0"})
+            else:
+                ids = ",".join(sp.sandbox_id for _, sp in members)
+                digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
+                pb = PlaceBatch(batch_id=f"g-{digest}", host_id=host, specs=[sp for _, sp in members], placed_by=self.replica_id, placed_at=now)
+                fut = await acks.publish(S.host_create(host), codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
+            for msg, spec in members:
+                outs.append((msg, fut, host, spec, 0))
         if not outs:
             return
         futs = [o[1] for o in outs]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import time
 import uuid
 from collections.abc import Callable
@@ -144,6 +145,8 @@ async def close_connections() -> None:
     for key in [k for k in _conns if k[0] == loop_id]:
         nc = _conns.pop(key)
         _jsctx.pop(id(nc), None)
+        _replies.pop(id(nc), None)
+        _acks.pop(id(nc), None)
         if not nc.is_closed:
             await nc.drain()
 
@@ -218,8 +221,10 @@ class _Waiter:
         self.results: dict[str, SandboxEvent] = {}
         self.last: dict[str, SandboxEvent] = {}
         self.done = asyncio.Event()
+        self.fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # done, awaitable without a task
         if not ids:
             self.done.set()
+            self.fut.set_result(None)
 
     async def on_msg(self, msg: Any) -> None:
         self.feed(msg)
@@ -231,13 +236,124 @@ class _Waiter:
             return None
         if not isinstance(ev, SandboxEvent):
             return None
+        return self.feed_event(ev)
+
+    def feed_event(self, ev: SandboxEvent) -> SandboxEvent:
         self.last[ev.sandbox_id] = ev
         if ev.kind in ("ready", "failed") and ev.sandbox_id in self.pending_ids:
             self.pending_ids.discard(ev.sandbox_id)
             self.results[ev.sandbox_id] = ev
             if not self.pending_ids:
                 self.done.set()
+                if not self.fut.done():
+                    self.fut.set_result(None)
         return ev
+
+
+class _Replies:
+    """One inbox per connection where hosts and placement tell this client the outcome of its creates.
+
+    A create names it in ``spec.reply_to``; no subscription per create, and only the events a create
+    waits for (ready, failed, pending) come back. They are core messages: should one be lost (a
+    reconnect), the waiting create finds the outcome in the DSEC_EVT stream (``_Waiter`` re-checks).
+    """
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.subject = nc.new_inbox()
+        self.waiters: dict[str, Callable[[SandboxEvent], None]] = {}
+        self.sub: Any = None
+
+    async def start(self) -> "_Replies":
+        if self.sub is None:
+            self.sub = await self.nc.subscribe(self.subject, future=_Sink(self._on))  # type: ignore[arg-type]
+        return self
+
+    def _on(self, msg: Any) -> None:
+        try:
+            ev = codec.EVENT.decode(msg.data)
+        except BadRequest:
+            return
+        if isinstance(ev, SandboxEvent):
+            fn = self.waiters.get(ev.sandbox_id)
+            if fn is not None:
+                fn(ev)
+
+
+_replies: dict[int, _Replies] = {}
+
+
+class _Acks:
+    """Acked JetStream publishes for create requests: one reply subscription per connection, a counter
+    for tokens (``js.publish`` makes an ``os.urandom`` token and a request each time)."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox() + "."
+        self._n = itertools.count()
+        self._futs: dict[str, asyncio.Future[bytes]] = {}
+        self.sub: Any = None
+
+    async def start(self) -> "_Acks":
+        if self.sub is None:
+            self.sub = await self.nc.subscribe(self.prefix + "*", future=_Sink(self._on))  # type: ignore[arg-type]
+        return self
+
+    def _on(self, msg: Any) -> None:
+        f = self._futs.pop(msg.subject[len(self.prefix):], None)
+        if f is None or f.done():
+            return
+        if not msg.data:
+            f.set_exception(Unavailable("the dsec control plane did not accept the request (no stream answered); is `dsec up` running?"))
+        elif msg.data.startswith(b'{"error"'):
+            f.set_exception(Unavailable(f"the request was not stored: {msg.data.decode(errors='replace')[:200]}"))
+        else:
+            f.set_result(msg.data)
+
+    async def store(self, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> bytes:
+        token = str(next(self._n))
+        f: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._futs[token] = f
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+            return await asyncio.wait_for(f, timeout)
+        except asyncio.TimeoutError:
+            raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?") from None
+        finally:
+            self._futs.pop(token, None)
+
+
+_acks: dict[int, _Acks] = {}
+
+
+async def _acks_for(nc: NATS) -> _Acks:
+    a = _acks.get(id(nc))
+    if a is None or a.nc is not nc:
+        a = _acks[id(nc)] = _Acks(nc)
+    return await a.start()
+
+
+async def _replies_for(nc: NATS) -> _Replies:
+    r = _replies.get(id(nc))
+    if r is None or r.nc is not nc:
+        r = _replies[id(nc)] = _Replies(nc)
+    return await r.start()
+
+
+async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
+    """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path)."""
+    for kind in ("ready", "failed"):
+        try:
+            m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind))
+        except Exception:  # noqa: BLE001 - none yet (or the stream is unreachable right now)
+            continue
+        try:
+            ev = codec.EVENT.decode(m.data)
+        except BadRequest:
+            continue
+        if isinstance(ev, SandboxEvent):
+            return ev
+    return None
 
 
 class _Sink:
@@ -256,6 +372,33 @@ class _Sink:
 
     def set_result(self, msg: Any) -> None:
         self.fn(msg)
+
+
+RECHECK_AFTER_S = 3.0  # a create silent this long looks its outcome up in the stream (lost reply?)
+
+
+async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float]) -> None:
+    """Wait until every id is ready or failed; raise TimeoutError after ``timeout``.
+
+    Outcomes arrive on the reply inbox; an id not heard of for a while (a reply lost in a reconnect)
+    is looked up in DSEC_EVT, at growing intervals so a long wait for capacity costs little.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    interval = RECHECK_AFTER_S
+    while not waiter.done.is_set():
+        left = deadline - loop.time()
+        if left <= 0:
+            raise asyncio.TimeoutError
+        await asyncio.wait((waiter.fut,), timeout=min(left, interval))
+        if waiter.done.is_set():
+            return
+        now = time.monotonic()
+        quiet = [sid for sid in list(waiter.pending_ids) if now - heard.get(sid, 0.0) >= interval][:256]
+        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid) for sid in quiet)):
+            if ev is not None:
+                waiter.feed_event(ev)
+        interval = min(interval * 2, 30.0)
 
 
 class AsyncCommands:
@@ -440,47 +583,47 @@ class AsyncSandbox:
         js = _js(nc)
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
+        heard: dict[str, float] = {}
 
-        def on_event(msg: Any) -> None:
-            if msg.subject.split(".")[3] not in waiter.pending_ids:
-                return  # another caller's sandbox (wildcard subscriptions of big batches)
-            ev = waiter.feed(msg)
-            if ev is not None and ev.kind == "pending" and ev.sandbox_id not in pending_seen:
+        def on_event(ev: SandboxEvent) -> None:
+            if ev.sandbox_id not in waiter.pending_ids:
+                return
+            heard[ev.sandbox_id] = time.monotonic()
+            waiter.feed_event(ev)
+            if ev.kind == "pending" and ev.sandbox_id not in pending_seen:
                 pending_seen.add(ev.sandbox_id)
                 if on_pending is not None:
                     r = on_pending(ev.sandbox_id)
                     if inspect.isawaitable(r):
                         asyncio.ensure_future(r)
 
-        async def on_msg(msg: Any) -> None:
-            on_event(msg)
+        replies = await _replies_for(nc)
+        for s in specs:
+            s.reply_to = replies.subject
+            replies.waiters[s.sandbox_id] = on_event
 
         leased = [s for s in specs if s.lease_s > 0]
         if leased:
             owner = await _lease_owner(nc, url, min(s.lease_s for s in leased))
             for s in leased:
                 s.owner = s.owner or owner
-        if len(specs) > 5000:  # huge batches: wildcards (only the kinds a create waits for), not one SUB per id
-            subs = [await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.{kind}", cb=on_msg) for kind in ("ready", "failed", "pending")]
-        else:
-            sink = _Sink(on_event)
-            subs = [await nc.subscribe(S.evt_sandbox_all(s.sandbox_id), future=sink) for s in specs]  # type: ignore[arg-type]
         try:
             try:
+                acks = await _acks_for(nc)
                 if batch:
                     bid = specs[0].batch_id
                     chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
                     await asyncio.gather(*(
-                        js.publish(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), headers={S.HDR_MSG_ID: f"{bid}-{n}"})
+                        acks.store(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
                         for n, c in enumerate(chunks)
                     ))
                 else:
                     for s in specs:
-                        await js.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), headers={S.HDR_MSG_ID: s.sandbox_id})
+                        await acks.store(S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: s.sandbox_id})
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
             try:
-                await asyncio.wait_for(waiter.done.wait(), create_timeout)
+                await _wait_outcomes(waiter, js, create_timeout, heard)
             except asyncio.TimeoutError:
                 for s in specs:
                     if s.sandbox_id not in waiter.results:
@@ -489,8 +632,8 @@ class AsyncSandbox:
                 why = "waiting for capacity (pending)" if "pending" in last else f"last state: {', '.join(sorted(last)) or 'no answer from placement'}"
                 raise SandboxTimeout(f"{len(waiter.pending_ids)} of {len(specs)} sandbox(es) not ready within {create_timeout}s; {why}") from None
         finally:
-            for sub in subs:
-                await sub.unsubscribe()
+            for s in specs:
+                replies.waiters.pop(s.sandbox_id, None)
         failed = [waiter.results[s.sandbox_id] for s in specs if waiter.results[s.sandbox_id].kind == "failed"]
         out = [cls(s.sandbox_id, nc, host_id=waiter.results[s.sandbox_id].host_id, spec=s) for s in specs if waiter.results[s.sandbox_id].kind == "ready"]
         if failed:

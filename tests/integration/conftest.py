@@ -111,19 +111,21 @@ def cgroups_of(sid: str) -> list[str]:
 
 
 async def sandbox_leftovers(
-    sid: str, data_dir: str | Path, *, host_id: str | None = None, pid: int | None = None, rt: Any = None
+    sid: str, data_dir: str | Path, *, host_id: str | None = None, pid: int | None = None, rt: Any = None, cid: str | None = None
 ) -> list[str]:
-    """Everything of sandbox ``sid`` still on this host; empty when the kill removed it all."""
+    """Everything of sandbox ``sid`` (container ``cid``, the same unless it came from the warm pool)
+    still on this host; empty when the kill removed it all."""
     data_dir = Path(data_dir)
+    cid = cid or sid
     left: list[str] = []
     if rt is not None:
-        left += [f"container {c.id} ({c.status})" for c in await rt.list() if c.id == sid]
-    left += [f"mount {ln.split()[4]}" for ln in mounts_mentioning(sid)]
-    left += [f"cgroup {p}" for p in cgroups_of(sid)]
-    for p in (data_dir / "scratch" / sid, data_dir / "scratch" / f"{sid}.img"):
+        left += [f"container {c.id} ({c.status})" for c in await rt.list() if c.id == cid or c.labels.get("dsec.sandbox") == sid]
+    left += [f"mount {ln.split()[4]}" for ln in mounts_mentioning(cid)]
+    left += [f"cgroup {p}" for p in cgroups_of(cid)]
+    for p in (data_dir / "scratch" / cid, data_dir / "scratch" / f"{cid}.img"):
         if p.exists():
             left.append(f"scratch {p}")
-    left += [f"loop {d}" for d in loop_devices_backed_by(f"/{sid}.img")]
+    left += [f"loop {d}" for d in loop_devices_backed_by(f"/{cid}.img")]
     if host_id is not None:
         st = data_dir / "hosts" / host_id / "sandboxes" / f"{sid}.json"
         if st.exists():
@@ -216,6 +218,7 @@ class Stack:
     placements: list[Any]  # placement.Placement
     nc: Any  # the tests' own NATS connection
     extra: dict[str, Any] = field(default_factory=dict)
+    _cids: dict[str, str] = field(default_factory=dict)
 
     @property
     def js(self) -> Any:
@@ -229,14 +232,22 @@ class Stack:
         return f"{tag}-{self.uid}-{uuid.uuid4().hex[:8]}"
 
     async def leftovers(self, sid: str, pid: int | None = None) -> list[str]:
-        return await sandbox_leftovers(sid, self.data_dir, host_id=self.host_id, pid=pid, rt=self.backend.rt)
+        return await sandbox_leftovers(sid, self.data_dir, host_id=self.host_id, pid=pid, rt=self.backend.rt, cid=self.cid(sid))
 
     async def assert_gone(self, sid: str, pid: int | None = None, timeout: float = 15.0) -> None:
-        await assert_sandbox_gone(sid, self.data_dir, host_id=self.host_id, pid=pid, rt=self.backend.rt, timeout=timeout)
+        await assert_sandbox_gone(sid, self.data_dir, host_id=self.host_id, pid=pid, rt=self.backend.rt, timeout=timeout, cid=self.cid(sid))
         assert sid not in self.host.live
 
     def pid_of(self, sid: str) -> int:
+        self.cid(sid)  # remember the container id while the sandbox lives
         return self.host.handles[sid].pid
+
+    def cid(self, sid: str) -> str:
+        """The sandbox's container id (a warm-pool container's own id when it was claimed from the pool)."""
+        h = self.host.handles.get(sid)
+        if h is not None:
+            self._cids[sid] = h.extra.get("cid", sid)
+        return self._cids.get(sid, sid)
 
     @contextlib.asynccontextmanager
     async def sandbox(self, **kw: Any) -> AsyncIterator[Any]:
@@ -300,7 +311,7 @@ async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     before = await register_base_template(js, str(rootfs))
     host_id = f"it-{uid}"
     placements = [Placement(url, replica_id=f"p{i}-{uid}") for i in (1, 2)]
-    backend = ContainerBackend(str(data_dir), scratch_size_gb=64)
+    backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=2)
     host = HostAgent(
         backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), pool=f"it-{uid}",
         concurrency=16, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,

@@ -193,9 +193,9 @@ async def test_connect_list_kill_removes_everything(stack: Stack) -> None:
         assert listed[sid].metadata == {"run": stack.uid} and listed[sid].host_id == stack.host_id
 
         # Everything the sandbox has on the host, before the kill.
-        assert cgroups_of(sid), "the sandbox has cgroups"
+        assert cgroups_of(stack.cid(sid)), "the sandbox has cgroups"
         assert await stack.leftovers(sid, pid), "the probes see a live sandbox"
-        assert any(c.id == sid and c.status == "running" for c in await stack.backend.rt.list())
+        assert any(c.id == stack.cid(sid) and c.labels.get("dsec.sandbox") == sid and c.status == "running" for c in await stack.backend.rt.list())
     finally:
         await sb.kill()
     await stack.assert_gone(sid, pid)
@@ -262,7 +262,7 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
         assert [d for d in netdevs if d] == ["lo"]
 
         # disk_mb: writing past it fails with ENOSPC inside the sandbox; the host disk is untouched.
-        img = stack.data_dir / "scratch" / f"{sid}.img"
+        img = stack.data_dir / "scratch" / f"{stack.cid(sid)}.img"
         with pytest.raises(CommandExitError) as ei:
             await sb.commands.run("dd if=/dev/zero of=/tmp/fill bs=1M count=100")
         assert "No space left on device" in ei.value.stderr
@@ -276,7 +276,7 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
         on_host = img.stat().st_blocks * 512
         assert 16 * MiB <= on_host <= (32 + 8) * MiB, f"{on_host / MiB:.1f} MiB of host disk for a 32 MB sandbox"
         assert img.stat().st_size <= (32 + 8) * MiB
-        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in (stack.data_dir / "scratch" / sid / "upper").rglob("*") if p.is_file()))
+        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in (stack.data_dir / "scratch" / stack.cid(sid) / "upper").rglob("*") if p.is_file()))
         assert upper >= 16 * MiB  # the fill file is in the upper dir on that image (not elsewhere on the host)
         df = (await sb.commands.run("df -m / | tail -1")).stdout.split()
         assert 24 <= int(df[1]) <= 40, df  # the sandbox sees a root of about disk_mb
@@ -324,5 +324,6 @@ async def test_200_concurrent_creates_two_replicas(stack: Stack) -> None:
     finally:
         await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
     await asyncio.gather(*(stack.assert_gone(sid, pids.get(sid), timeout=60) for sid in ids))
-    assert not [p for p in (stack.data_dir / "scratch").iterdir() if p.name.startswith(tuple(ids))]
+    cids = tuple(stack.cid(sid) for sid in ids)
+    assert not [p for p in (stack.data_dir / "scratch").iterdir() if p.name.startswith(cids)]
     assert not [sid for sid in ids if sid in stack.host.live]

@@ -173,6 +173,10 @@ async def test_lease_not_renewed_is_reaped(nats_srv, nc) -> None:
         t0 = time.monotonic()
         await eventually(lambda: kept.sandbox_id not in h.live, timeout=5, what="lease reaped")
         assert time.monotonic() - t0 < 3.0
+        async def killed() -> bool:
+            return kept.sandbox_id in await ready_counts(nc.jetstream(), ("killed",))
+
+        await eventually(killed, timeout=5, what="killed event")
         evs = await ready_counts(nc.jetstream(), ("killed",))
         assert evs[kept.sandbox_id][0].detail["reason"] == "lease-expired"
         # sandboxes without a lease are left alone
@@ -264,3 +268,25 @@ def test_bench_command_registers_and_runs_small(tmp_path) -> None:
     res = bench.run(args)
     assert res["lost"] == 0 and res["duplicated"] == 0 and res["client_errors"] == 0, res
     assert res["created"] == 400 and res["ready_events"] == 402 and res["creates_per_s"] > 0
+
+
+async def test_lost_outcome_reply_is_found_in_the_stream(nats_srv, nc, monkeypatch) -> None:
+    """Outcomes come back as core messages on the client's reply inbox; if one is lost, the stream has it."""
+    from sdk import _async
+
+    monkeypatch.setattr(_async, "RECHECK_AFTER_S", 0.2)
+    monkeypatch.setattr(_async._Replies, "_on", lambda self, msg: None)  # every reply is lost
+    url = nats_srv.url
+    h = agent(url, "quiet")
+    pl = Placement(url, grace_s=2)
+    await h.start()
+    await pl.start()
+    try:
+        sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10)
+        assert sb.host_id == "quiet"
+        with pytest.raises(Exception) as ei:
+            await AsyncSandbox.create("nope", backend="sim", nats_url=url, create_timeout=10)
+        assert getattr(ei.value, "code", "") == "unknown_template"
+    finally:
+        await pl.shutdown()
+        await h.shutdown()
