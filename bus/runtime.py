@@ -255,6 +255,7 @@ class Service:
         self.nc = await connect(self.nats_url, name=self.name)
         self.js = self.nc.jetstream()
         await self.setup()
+        await self.nc.flush()  # subscriptions are live on the server when start() returns
 
     def spawn(self, coro: Awaitable[Any], *, name: str | None = None) -> asyncio.Task[Any]:
         """Run background work that shutdown() waits for (or cancels after the grace period)."""

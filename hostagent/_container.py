@@ -113,6 +113,7 @@ class ContainerBackend:
         self._clients: dict[str, AgentClient] = {}
         self._groups: dict[str, set[str]] = {}
         self._group_of: dict[str, str] = {}
+        self._group_up: set[str] = set()  # groups whose shim is running
         self._cpu_prev: tuple[float, float] | None = None
         self._default_enf: Enforcement | None = None
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
@@ -163,11 +164,44 @@ class ContainerBackend:
             alive = []
         # Leave containerd up while sandboxes live: a restarted agent recovers them through it.
         if self.daemon is not None and not alive:
+            await self._reap_idle_shims()
             await self.daemon.stop()
             for digest, mnt in list(self._layer_mounts.items()):
                 await asyncio.to_thread(subprocess.run, ["umount", mnt], capture_output=True)
                 self._layer_mounts.pop(digest, None)
         await self.net.stop()  # kernel state (netns, veths, nft) stays for the sandboxes that live on
+
+    async def _reap_idle_shims(self, grace_s: float = 5.0) -> None:
+        """With no container left, our shims should exit on their own; stop any that lingers, by pid.
+
+        containerd asks a shim to shut down after its last container's delete; when containerd itself
+        stops right after, that request can be lost and the idle shim would stay forever."""
+        assert self.daemon is not None
+        needle = f"-address\0{self.daemon.address}".encode()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while True:
+            pids = []
+            for d in os.listdir("/proc"):
+                if d.isdigit():
+                    try:
+                        with open(f"/proc/{d}/cmdline", "rb") as f:
+                            cmd = f.read()
+                    except OSError:
+                        continue
+                    if b"containerd-shim" in cmd and needle in cmd:
+                        pids.append(int(d))
+            if not pids:
+                return
+            if loop.time() > deadline:
+                for pid in pids:
+                    log.warning("stopping_idle_shim", pid=pid)
+                    try:
+                        os.kill(pid, 9)
+                    except ProcessLookupError:
+                        pass
+                return
+            await asyncio.sleep(0.1)  # poll interval while shims exit
 
     # --- layers ------------------------------------------------------------------------------
     async def _layer_dir(self, ref: LayerRef) -> str:
@@ -210,8 +244,10 @@ class ContainerBackend:
     def _pick_group(self, sid: str) -> str | None:
         if self.shim_group_size <= 1:
             return None
+        # Only join a group whose shim is up: two creates starting the same group's shim at once
+        # can race in containerd and leave a second shim behind.
         for g, members in self._groups.items():
-            if len(members) < self.shim_group_size:
+            if g in self._group_up and len(members) < self.shim_group_size:
                 members.add(sid)
                 self._group_of[sid] = g
                 return g
@@ -228,6 +264,7 @@ class ContainerBackend:
                 members.discard(sid)
                 if not members:
                     del self._groups[g]
+                    self._group_up.discard(g)
 
     async def create(self, spec: SandboxSpec, layers: list[LayerRef], security: Enforcement | None = None) -> Handle:
         """Start the sandbox confined by ``security`` (the built-in default profile when None)."""
@@ -300,6 +337,8 @@ class ContainerBackend:
         except ContainerdError as exc:
             self._leave_group(cid)
             raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
+        if group:
+            self._group_up.add(group)
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
         info = await self._wait_agent(cid, sdir, client)
         if security.landlock_required and not info.landlock:
@@ -482,7 +521,14 @@ class ContainerBackend:
             if g:
                 self._groups.setdefault(g, set()).add(c.id)
                 self._group_of[c.id] = g
+                self._group_up.add(g)
             alive[sid] = Handle(sid, c.pid, h.extra)
+        # Scratch disks of containers that never got started (the agent died half-way) serve nobody.
+        keep = set(self._cid.values()) | {c.id for c in await self.rt.list()}
+        for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):
+            if cid not in keep:
+                log.info("releasing_orphan_scratch", container=cid)
+                await self.scratch.release_async(cid)
         # Layers already mounted from an earlier run are reused as they are.
         for d in self.layers_dir.iterdir() if self.layers_dir.exists() else []:
             if _mounted(str(d)):

@@ -290,3 +290,31 @@ async def test_lost_outcome_reply_is_found_in_the_stream(nats_srv, nc, monkeypat
     finally:
         await pl.shutdown()
         await h.shutdown()
+
+
+async def test_every_host_rejecting_ends_in_a_clear_failure_after_bounded_attempts(nats_srv, nc) -> None:
+    url = nats_srv.url
+    js = nc.jetstream()
+    liar = agent(url, "liar2", backend=SimBackend(cpu_total=0.5), cpu_overcommit=1.0, heartbeat_s=3600)
+    pl = Placement(url, pending_delay_s=0.05, max_attempts=3, grace_s=2)
+    await liar.start()
+    kv = await ensure_kv(js, S.KV_HOSTS)
+    fake = HostStatus(host_id="liar2", backend="sim", at=time.time() + 3600, cpu_total=64, mem_total_mb=1 << 20, disk_total_mb=1 << 24)
+    await kv.put("liar2", codec.encode(fake))
+    await pl.start()
+    try:
+        await eventually(lambda: "liar2" in pl.table.hosts and pl.table.hosts["liar2"].status.cpu_total == 64, what="fake heartbeat seen")
+        with pytest.raises(Exception) as ei:
+            await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10, sandbox_id="never")
+        assert getattr(ei.value, "code", "") == "no_capacity" and "after 3 attempts" in str(ei.value)
+        async def settled() -> bool:
+            evs = await ready_counts(js, ("rejected", "failed", "ready"))
+            return len(evs.get("never", [])) >= 4
+
+        await eventually(settled, timeout=5, what="3 rejections and the failure in the stream")
+        evs = await ready_counts(js, ("rejected", "failed", "ready"))
+        assert sorted(e.kind for e in evs["never"]) == ["failed", "rejected", "rejected", "rejected"]
+        assert sorted(e.attempt for e in evs["never"] if e.kind == "rejected") == [0, 1, 2]
+    finally:
+        await pl.shutdown()
+        await liar.shutdown()

@@ -414,7 +414,7 @@ async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[s
     r = await sh(sb, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes; grep -c ' /tmp/cg ' /proc/mounts")
     assert r.out.split() == [str(128 << 20), "0"], r
     # Masked: what the host shows there reads as empty inside.
-    from guard._profiles import MASKED_PATHS
+    from bus.profiles import MASKED_PATHS
 
     for p in (p for p in MASKED_PATHS if os.path.exists(p)):
         host_has = bool(os.listdir(p)) if os.path.isdir(p) else bool(Path(p).read_bytes()[:1])
