@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 from . import subjects as S
 
 DAY = 86_400.0
+HOST_CONSUMERS_LIMIT = 100_000
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
             name=S.STREAM_HOST,
             subjects=S.HOST_SUBJECTS,
             retention=RetentionPolicy.WORK_QUEUE,
+            max_consumers=HOST_CONSUMERS_LIMIT,  # one durable consumer per host; the server's default caps at 1,000
             storage=opts.storage,
             duplicate_window=opts.dedup_window_s,
             num_replicas=opts.replicas,

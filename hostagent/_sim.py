@@ -31,7 +31,6 @@ from nats.js import JetStreamContext
 from nats.js.api import StorageType
 
 from bus.runtime import PullWorker, connect
-from bus import subjects as S
 from bus.subjects import host_durable
 from bus.streams import StreamOptions, ensure_all
 
@@ -111,17 +110,7 @@ class SimPuller:
         self._inbox = mux.inbox(self.durable)
 
     async def start(self) -> None:
-        for attempt in range(20):
-            try:
-                await self.js.add_consumer(self.stream, self._cfg_worker.consumer_config())
-                break
-            except Exception as exc:  # noqa: BLE001
-                # Another process's ensure_all() put the stream's consumer limit back to the server's
-                # default (1,000 on nats-server >= 2.15) for a moment: raise it again and retry.
-                if "maximum consumers" not in str(exc) or attempt == 19:
-                    raise
-                await raise_consumer_limit(self.js)
-                await asyncio.sleep(0.05 * (attempt + 1))  # back-off before retrying
+        await self.js.add_consumer(self.stream, self._cfg_worker.consumer_config())
         self.mux.pullers[self.durable] = self
         self.maybe_pull()
 
@@ -188,22 +177,6 @@ class SimHostAgent(HostAgent):
         return w
 
 
-HOST_CONSUMERS_LIMIT = 100_000
-
-
-async def raise_consumer_limit(js: JetStreamContext) -> None:
-    """One durable consumer per host: lift DSEC_HOST's consumer limit above nats-server 2.15's default of 1,000.
-
-    (``bus.streams`` does not set ``max_consumers``, so every ``ensure_all`` puts the default back; real
-    clusters over 1,000 hosts need ``max_consumers`` in the DSEC_HOST stream config.)
-    """
-    info = await js.stream_info(S.STREAM_HOST)
-    cfg = info.config
-    if cfg.max_consumers is None or cfg.max_consumers < HOST_CONSUMERS_LIMIT:  # -1 means "the server default" on 2.15
-        cfg.max_consumers = HOST_CONSUMERS_LIMIT
-        await js.update_stream(cfg)
-
-
 def _env_float(name: str, default: float) -> float:
     v = os.environ.get(name)
     return float(v) if v else default
@@ -227,7 +200,6 @@ async def run_sim_hosts(args: argparse.Namespace) -> None:
     storage = StorageType.MEMORY if os.environ.get("DSEC_SIM_STORAGE", "file") == "memory" else StorageType.FILE
     mem = storage == StorageType.MEMORY  # memory streams share the server's memory store (1 GB embedded)
     await ensure_all(js, StreamOptions(storage=storage, events_max_bytes=512 * 1024**2 if mem else StreamOptions().events_max_bytes))  # once for all hosts here
-    await raise_consumer_limit(js)
     heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", 2.0 if args.sim_hosts <= 400 else 5.0)
     mux = _InboxMux(nc)
     await mux.start()

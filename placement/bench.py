@@ -119,7 +119,7 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-create-"))
     logs = tmp / "logs"
     logs.mkdir()
     srv = NatsServer(tmp / "nats", port=0)

@@ -22,6 +22,7 @@ Everything it starts is stopped by pid and its data dir removed at the end.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 import asyncio
 import collections
 import contextlib
@@ -285,7 +286,7 @@ class Stack:
         await nc.close()
         self.placement = Placement(self.url, replica_id="bench-p1")
         await self.placement.start()
-        self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group)
+        self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool)
         self.host = HostAgent(self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True)
         await self.host.start()
         deadline = time.monotonic() + 15
@@ -310,6 +311,16 @@ class Stack:
 
     def create(self, sid: str | None = None) -> "asyncio.Future[AsyncSandbox]":
         return AsyncSandbox.create(nats_url=self.url, memory_mb=self.args.memory_mb, disk_mb=self.args.disk_mb, cpu=self.args.cpu, timeout=3600, create_timeout=600, sandbox_id=sid)
+
+
+async def wait_pool_full(backend: Any, size: int, timeout: float = 600.0) -> None:
+    """With a warm pool, measure from a full pool (as a host that had a quiet moment would be)."""
+    if size <= 0:
+        return
+    deadline = time.monotonic() + timeout
+    while sum(len(v) for v in backend._pool.values()) < size and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)  # poll interval while the pool refills
+    print(f"warm pool: {sum(len(v) for v in backend._pool.values())} started sandboxes ready")
 
 
 async def timed(coro) -> tuple[float, object]:
@@ -406,6 +417,8 @@ async def run(args: argparse.Namespace) -> None:
             await sb.commands.run("true")
             await sb.kill()
 
+        await wait_pool_full(st.backend, args.warm_pool)
+
         # --- sequential creates, kept alive as idle sandboxes -------------------------------------
         me = os.getpid()
         before_self, before_cd, before_avail = smaps(me), smaps(containerd_pid), mem_available()
@@ -468,6 +481,8 @@ async def run(args: argparse.Namespace) -> None:
             ms, _r = await timed(sb.kill())
             kills.append(ms)
         sbs = []
+
+        await wait_pool_full(st.backend, args.warm_pool)
 
         # --- burst ------------------------------------------------------------------------------------
         prof = Profiler(args.profile) if args.profile else None
@@ -548,6 +563,7 @@ def main() -> None:
     ap.add_argument("--memory-mb", type=int, default=64)
     ap.add_argument("--disk-mb", type=int, default=64)
     ap.add_argument("--shim-group", type=int, default=16, help="sandboxes per containerd shim process")
+    ap.add_argument("--warm-pool", type=int, default=0, help="started sandboxes kept ready per template (0: every create is cold)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds idle before measuring memory")
     ap.add_argument("--profile", default=None, help="py-spy raw output file (samples this process during the burst)")
     args = ap.parse_args()

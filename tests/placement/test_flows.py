@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 def agent(url: str, hid: str, **kw) -> HostAgent:
     backend = kw.pop("backend", None) or SimBackend()
     kw.setdefault("heartbeat_s", 0.2)
-    return HostAgent(backend, nats_url=url, host_id=hid, data_dir=tempfile.mkdtemp(prefix="dsec-pl-host-"), persist_state=False, grace_s=2, **kw)
+    # persist_state=False: nothing is written under data_dir
+    return HostAgent(backend, nats_url=url, host_id=hid, data_dir=os.path.join(tempfile.gettempdir(), "dsec-pl-unused"), persist_state=False, grace_s=2, **kw)
 
 
 async def test_host_rejects_and_request_is_replaced_elsewhere(nats_srv, nc) -> None:
