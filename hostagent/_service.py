@@ -34,7 +34,6 @@ from bus.messages import (
     ExecChunk,
     ExecRequest,
     ExecResult,
-    FileOp,
     HostEvent,
     HostStatus,
     InfoRequest,
@@ -51,7 +50,7 @@ from bus.messages import (
 from bus.runtime import Service, error_of
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
-from ._acks import JsAcks, StoreError, acks_for
+from bus.acks import JsAcks, Sink, StoreError, acks_for
 from ._backend import Backend, Handle
 from ._profiles import ProfileCache
 
@@ -73,29 +72,6 @@ class LocalSandbox(msgspec.Struct, kw_only=True):
 
 
 _state_dec = msgspec.json.Decoder(LocalSandbox)
-
-
-class _Sink:
-    """Receives every message of a per-sandbox ops subscription without a task per subscription.
-
-    nats-py runs one task per callback subscription; a host holding thousands of sandboxes would hold
-    thousands of idle tasks and pay a task per create. A subscription made with ``future=`` gets its
-    messages handed over synchronously (``set_result``), which this object turns into a call.
-    """
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def cancelled(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, msg: Msg) -> None:
-        self.fn(msg)
 
 
 class HostAgent(Service):
@@ -161,7 +137,7 @@ class HostAgent(Service):
         self._kv_leases: KeyValue | None = None
         self.profiles: ProfileCache | None = None  # guard's security profiles (backends that enforce them)
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
-        self._ops_sink = _Sink(self._on_op_now)
+        self._ops_sink = Sink(self._on_op_now)
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: JsAcks | None = None
 
@@ -563,9 +539,6 @@ class HostAgent(Service):
         todo = [s for s in work.specs if s.sandbox_id not in self.live and s.sandbox_id not in self._creating and not self._admits(s)]
         claimed: set[str] = set()
         if todo:
-            assert self.nc is not None
-            nc = self.nc
-
             assert self._acks is not None
             acks = self._acks
 
@@ -792,7 +765,7 @@ class HostAgent(Service):
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult:
         assert self.nc is not None
         seq = 0
-        on_output = None
+        on_output: Any = None
         if req.stream_to and not req.stream_to.startswith("_INBOX."):
             # Output goes only to a reply inbox: never let a client make us publish on control subjects.
             raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")

@@ -22,7 +22,7 @@ from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, S
 from bus.runtime import Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
-from ._acks import JsAcks, acks_for
+from bus.acks import JsAcks, acks_for
 from ._consume import BatchConsumer
 from ._table import HostTable, Policy
 

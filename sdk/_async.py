@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import time
 import uuid
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from bus.messages import (
     SetTimeout,
 )
 from bus.messages import SandboxInfo as WireInfo
+from bus.acks import Sink, StoreError, acks_for, release_acks
 from bus.runtime import connect, nats_url
 
 from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
@@ -146,7 +146,7 @@ async def close_connections() -> None:
         nc = _conns.pop(key)
         _jsctx.pop(id(nc), None)
         _replies.pop(id(nc), None)
-        _acks.pop(id(nc), None)
+        await release_acks(nc)
         if not nc.is_closed:
             await nc.drain()
 
@@ -266,7 +266,7 @@ class _Replies:
 
     async def start(self) -> "_Replies":
         if self.sub is None:
-            self.sub = await self.nc.subscribe(self.subject, future=_Sink(self._on))  # type: ignore[arg-type]
+            self.sub = await self.nc.subscribe(self.subject, future=Sink(self._on))  # type: ignore[arg-type]
         return self
 
     def _on(self, msg: Any) -> None:
@@ -283,54 +283,15 @@ class _Replies:
 _replies: dict[int, _Replies] = {}
 
 
-class _Acks:
-    """Acked JetStream publishes for create requests: one reply subscription per connection, a counter
-    for tokens (``js.publish`` makes an ``os.urandom`` token and a request each time)."""
-
-    def __init__(self, nc: NATS) -> None:
-        self.nc = nc
-        self.prefix = nc.new_inbox() + "."
-        self._n = itertools.count()
-        self._futs: dict[str, asyncio.Future[bytes]] = {}
-        self.sub: Any = None
-
-    async def start(self) -> "_Acks":
-        if self.sub is None:
-            self.sub = await self.nc.subscribe(self.prefix + "*", future=_Sink(self._on))  # type: ignore[arg-type]
-        return self
-
-    def _on(self, msg: Any) -> None:
-        f = self._futs.pop(msg.subject[len(self.prefix):], None)
-        if f is None or f.done():
-            return
-        if not msg.data:
-            f.set_exception(Unavailable("the dsec control plane did not accept the request (no stream answered); is `dsec up` running?"))
-        elif msg.data.startswith(b'{"error"'):
-            f.set_exception(Unavailable(f"the request was not stored: {msg.data.decode(errors='replace')[:200]}"))
-        else:
-            f.set_result(msg.data)
-
-    async def store(self, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> bytes:
-        token = str(next(self._n))
-        f: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._futs[token] = f
-        try:
-            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
-            return await asyncio.wait_for(f, timeout)
-        except asyncio.TimeoutError:
-            raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?") from None
-        finally:
-            self._futs.pop(token, None)
-
-
-_acks: dict[int, _Acks] = {}
-
-
-async def _acks_for(nc: NATS) -> _Acks:
-    a = _acks.get(id(nc))
-    if a is None or a.nc is not nc:
-        a = _acks[id(nc)] = _Acks(nc)
-    return await a.start()
+async def _store(nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> bytes:
+    """An acked JetStream publish of a request, with the control plane's failure as ``Unavailable``."""
+    fut = await (await acks_for(nc)).publish(subject, data, headers)
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except asyncio.TimeoutError:
+        raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?") from None
+    except StoreError as exc:
+        raise Unavailable(f"the request was not stored ({exc}); is `dsec up` running?") from None
 
 
 async def _replies_for(nc: NATS) -> _Replies:
@@ -354,24 +315,6 @@ async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
         if isinstance(ev, SandboxEvent):
             return ev
     return None
-
-
-class _Sink:
-    """Takes every message of a subscription made with ``future=``: no task per subscription (one per create)."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[[Any], None]) -> None:
-        self.fn = fn
-
-    def cancelled(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return False
-
-    def set_result(self, msg: Any) -> None:
-        self.fn(msg)
 
 
 RECHECK_AFTER_S = 3.0  # a create silent this long looks its outcome up in the stream (lost reply?)
@@ -630,17 +573,16 @@ class AsyncSandbox:
                 s.owner = s.owner or owner
         try:
             try:
-                acks = await _acks_for(nc)
                 if batch:
                     bid = specs[0].batch_id
                     chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
                     await asyncio.gather(*(
-                        acks.store(S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
+                        _store(nc, S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
                         for n, c in enumerate(chunks)
                     ))
                 else:
                     for s in specs:
-                        await acks.store(S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: s.sandbox_id})
+                        await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: s.sandbox_id})
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
             try:

@@ -20,7 +20,13 @@ class StoreError(Exception):
     """The stream refused the write (its JSON error answer is the message)."""
 
 
-class _Sink:
+class Sink:
+    """Takes every message of a subscription made with ``future=``: no task per subscription.
+
+    nats-py runs one task per callback subscription; one made with ``future=`` gets its messages
+    handed over synchronously (``set_result``), which this object turns into a plain call.
+    """
+
     __slots__ = ("fn",)
 
     def __init__(self, fn: Any) -> None:
@@ -49,7 +55,7 @@ class JsAcks:
     async def start(self) -> "JsAcks":
         if self._sub is None:
             self.prefix = self.nc.new_inbox() + "."
-            self._sub = await self.nc.subscribe(self.prefix + "*", future=_Sink(self._on_reply))  # type: ignore[arg-type]
+            self._sub = await self.nc.subscribe(self.prefix + "*", future=Sink(self._on_reply))  # type: ignore[arg-type]
             self._sweeper = asyncio.ensure_future(self._sweep())
         return self
 
@@ -115,3 +121,13 @@ async def acks_for(nc: NATS) -> JsAcks:
     if a is None or a.nc is not nc:
         a = _shared[id(nc)] = JsAcks(nc)
     return await a.start()
+
+
+async def release_acks(nc: NATS) -> None:
+    """Stop and forget the pipeline of a connection that is being closed."""
+    a = _shared.pop(id(nc), None)
+    if a is not None:
+        await a.stop()
+
+
+__all__ = ["JsAcks", "Sink", "StoreError", "acks_for", "release_acks"]
