@@ -75,6 +75,21 @@ def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
             f.write_text(limit)
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
 def _mounted(path: str) -> bool:
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == path for line in f)
@@ -195,11 +210,13 @@ class ContainerBackend:
                 return
             if loop.time() > deadline:
                 for pid in pids:
+                    # A shim is the subreaper of its containers' inits: a `runc init` left parked by a
+                    # create cut short would outlive it holding the sandbox's mounts, so it goes first.
+                    for child in _children(pid):
+                        log.warning("stopping_orphan_container_init", pid=child, shim=pid)
+                        _kill(child)
                     log.warning("stopping_idle_shim", pid=pid)
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
+                    _kill(pid)
                 return
             await asyncio.sleep(0.1)  # poll interval while shims exit
 

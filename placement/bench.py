@@ -224,7 +224,7 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
             "create_timeout": args.create_timeout, "warmup": args.warmup, "go_subject": go_subject,
             "result_file": str(tmp / f"client-{i}.json"),
         }
-        c = _Proc(f"client-{i}", [py, "-m", "placement._benchclient", json.dumps(params)], env, logs, pipe=True)
+        c = _Proc(f"client-{i}", [py, "-m", "sdk._benchclient", json.dumps(params)], env, logs, pipe=True)
         clients.append(c)
         procs.append(c)
     loop = asyncio.get_running_loop()

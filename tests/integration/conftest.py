@@ -150,10 +150,14 @@ async def assert_sandbox_gone(sid: str, data_dir: str | Path, *, timeout: float 
 
 
 def data_dir_leftovers(data_dir: str | Path) -> list[str]:
-    """Mounts and live processes (containerd, shims) under a host agent's data dir."""
+    """Mounts, loop devices and live processes (containerd, shims) under a host agent's data dir.
+
+    A loop device still attached to a scratch image means its filesystem is still mounted in some
+    other mount namespace (say, a container init outliving its shim)."""
     d = str(data_dir)
     left = [f"mount {ln.split()[4]}" for ln in mounts_mentioning(d)]
     left += [f"process {pid}: {cmd}" for pid, cmd in processes_mentioning(d).items()]
+    left += [f"loop {dev}" for dev in loop_devices_backed_by(d)]
     return left
 
 

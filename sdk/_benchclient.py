@@ -1,6 +1,6 @@
 """One client process of ``dsec bench create``: drives creates through the real SDK path.
 
-Run by the benchmark as ``python -m placement._benchclient '<json params>'``; it connects, warms up,
+Run by the benchmark as ``python -m sdk._benchclient '<json params>'``; it connects, warms up,
 prints ``ready``, waits for the go message, runs its share of creates with a bounded number in flight,
 then writes its latencies and requested ids to the result file and prints ``done``.
 """
