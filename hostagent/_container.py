@@ -434,11 +434,17 @@ class ContainerBackend:
             await ready
         except (asyncio.CancelledError, AgentError):
             pass
-        try:
-            with open(os.path.join(sdir, AGENT_LOG), errors="replace") as f:
-                last = f.read()[-2000:].strip()
-        except OSError:
-            last = ""
+        # The shim copies the agent's stderr to the log on its own schedule: give it a moment.
+        last = ""
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while not last and asyncio.get_running_loop().time() < deadline:
+            try:
+                with open(os.path.join(sdir, AGENT_LOG), errors="replace") as f:
+                    last = f.read()[-2000:].strip()
+            except OSError:
+                pass
+            if not last:
+                await asyncio.sleep(0.05)  # poll interval while the shim flushes
         exc = ready.exception() if ready.done() and not ready.cancelled() else None
         why = f"exited: {last}" if last else (str(exc) if exc else "exited")
         raise CreateFailed(f"sandbox agent did not start: {why}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from bus import codec
 from bus import subjects as S
@@ -31,7 +31,10 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
         try:
             kv = await js.key_value(S.KV_HOSTS)
             for k in await _keys(kv):
-                st = codec.HOST_STATUS.decode((await kv.get(k)).value)
+                try:
+                    st = codec.HOST_STATUS.decode((await kv.get(k)).value)
+                except (KeyNotFoundError, BadRequest):
+                    continue  # gone since the listing, or not a heartbeat: not a host to report
                 age = time.time() - st.at
                 d = msgspec.structs.asdict(st)
                 d["age_s"] = round(age, 2)

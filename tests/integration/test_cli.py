@@ -48,8 +48,8 @@ async def test_status(stack: Stack) -> None:
     mine = [h for h in st["hosts"] if h["host_id"] == stack.host_id]
     assert mine and mine[0]["state"] == "ready" and mine[0]["backend"] == "container" and mine[0]["pool"] == stack.pool
     assert "base" in st["templates"]
-    rc, out, _ = await dsec("status", url=stack.url)
-    assert rc == 0 and stack.host_id in out
+    rc, out, err = await dsec("status", url=stack.url)
+    assert rc == 0 and stack.host_id in out, (out, err)
 
 
 async def test_status_without_nats() -> None:
