@@ -32,26 +32,14 @@ from hostagent._quota import ScratchFS
 from hostagent._rootfs import RootfsLayout, overlay_mount
 from imaged._busybox import build_busybox_rootfs
 
+from .conftest import needs_stack
+
 MiB = 1 << 20
 
 
-def _skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root"
-    for tool in ("containerd", "containerd-shim-runc-v2", "runc", "mkfs.ext4"):
-        if shutil.which(tool) is None and shutil.which(tool, path="/usr/sbin:/sbin") is None:
-            return f"{tool} not installed"
-    if not os.path.exists("/bin/busybox"):
-        return "busybox-static not installed"
-    if not os.path.isdir("/sys/fs/cgroup/memory"):
-        return "needs cgroups v1 (memory controller at /sys/fs/cgroup/memory)"
-    return None
-
-
-_reason = _skip_reason()
 pytestmark = [
     pytest.mark.containerd,
-    pytest.mark.skipif(_reason is not None, reason=_reason or ""),
+    needs_stack,
 ]
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,6 +14,7 @@ from bus.messages import LayerRef, SandboxEvent, TemplateManifest
 from bus.natsd import NatsServer
 from bus.runtime import connect
 from bus.streams import ensure_all, ensure_kv
+from tests.conftest import eventually  # noqa: F401 - re-exported for the placement tests
 
 LAYER = "sha256:" + "ab" * 32
 
@@ -66,14 +65,3 @@ async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, lis
     return out
 
 
-async def eventually(check, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        r = check()
-        if asyncio.iscoroutine(r):
-            r = await r
-        if r:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)  # poll interval, not synchronisation
