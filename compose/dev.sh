@@ -8,7 +8,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 venv="${DSEC_VENV:-$here/.venv}"
 
-debs=(containerd runc erofs-utils fuse3 libfuse3-dev pkg-config busybox-static iproute2 nftables
+debs=(containerd runc erofs-utils fuse3 busybox-static iproute2 nftables
       e2fsprogs util-linux gcc libc6-dev python3 python3-venv python3-dev debootstrap kmod)
 
 need_root() {

@@ -10,7 +10,7 @@ Public surface (everything else is internal, in ``_modules``):
 * host side: ``python -m imaged.lazy`` (FUSE); ``read_cache_index`` / ``host_image_stats`` to read what
   a host has cached.
 
-The lazy loader itself (``imaged.lazy``) imports pyfuse3 and trio; nothing here does.
+The lazy loader (``imaged.lazy``) speaks the FUSE protocol itself (``imaged._fuse``): no libfuse.
 """
 
 from ._build import (

@@ -9,39 +9,31 @@ fetches a whole layer when it is opened (the baseline the lazy mode is measured 
 
 The host agent mounts a layer with ``mount -t erofs -o ro M/<hex> <data_dir>/layers/<hex>``.
 
-pyfuse3 runs on trio; NATS (nats-py) needs asyncio, so the chunk cache and every bus call run in an
-asyncio loop on a second thread, and FUSE handlers await them through ``AsyncioBridge``.
-
-Restarts: the cache survives (chunks, layer metadata, index.json). A FUSE mount dies with its daemon,
-and so does every EROFS mount made on one of its files (reads fail with EIO / ENOTCONN): after a
-restart the host agent must remount its layers (``daemon.json`` carries the daemon's pid and start
-time, so a change tells it). On start the daemon lazily detaches a stale FUSE mount left at M.
+Restarts lose nothing: the FUSE connection is kept open by a holder process (``imaged._fuse``), so a
+daemon that crashes, is killed or upgraded leaves M and every EROFS mount on its files in place;
+the next daemon takes the connection over, the kernel resends the reads the old one had not
+answered, and the cache (chunks, layer metadata, index.json) carries on. On SIGTERM/SIGINT the
+daemon unmounts M when nothing uses it, and otherwise keeps it for its successor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import errno
 import logging
 import os
 import signal
-import stat
 import sys
-import threading
 import time
-from collections.abc import Coroutine
 from typing import Any
-
-import pyfuse3
-import trio
 
 from bus import codec
 from bus import subjects as S
 from bus.runtime import connect
 
 from ._cache import ChunkCache, FetchFailed
+from ._fuse import ROOT_INODE, Attr, FuseError, FuseMount, Session, lock_exclusive
 from ._messages import HOST_STATS_REQUEST
 from ._store import open_blob_store
 from ._util import data_dir as _data_dir
@@ -50,242 +42,101 @@ from ._util import is_hex_digest
 
 log = logging.getLogger("dsec.imaged.lazy")
 
-ROOT = pyfuse3.ROOT_INODE
-_TTL = 3600.0
+
+def layer_inode(hexd: str) -> int:
+    """A layer's inode number, derived from its digest: a daemon that takes over a live connection
+    must understand the node ids its predecessor handed to the kernel."""
+    return int(hexd[:15], 16) + 2  # 60 bits, never the root (1)
 
 
-class AsyncioBridge:
-    """An asyncio loop on its own thread; trio code awaits coroutines run there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self._run, name="dsec-lazy-asyncio", daemon=True)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
-        """Blocking call from a plain thread (start-up and shut-down)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        """Await ``coro`` (run on the asyncio loop) from trio without blocking trio."""
-        token = trio.lowlevel.current_trio_token()
-        done = trio.Event()
-        fut: concurrent.futures.Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-        def wake(_: object) -> None:
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                pass
-
-        fut.add_done_callback(wake)
-        await done.wait()
-        return fut.result()
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-class LazyFS(pyfuse3.Operations):
+class LazyFS:
     """Root directory of layer files; every file is read-only and immutable."""
 
-    def __init__(self, bridge: AsyncioBridge, cache: ChunkCache, mode: str = "lazy") -> None:
-        super().__init__()
-        self.bridge = bridge
+    def __init__(self, cache: ChunkCache, mode: str = "lazy") -> None:
         self.cache = cache
         self.mode = mode
         self.by_ino: dict[int, str] = {}
-        self.by_hex: dict[str, int] = {}
-        self._next = ROOT + 1
-        self._uid = os.getuid()
-        self._gid = os.getgid()
         self._mounted_at = time.time_ns()
 
-    def _ino(self, hexd: str) -> int:
-        ino = self.by_hex.get(hexd)
-        if ino is None:
-            ino = self._next
-            self._next += 1
-            self.by_hex[hexd] = ino
-            self.by_ino[ino] = hexd
-        return ino
+    def _hex_of(self, ino: int) -> str | None:
+        hexd = self.by_ino.get(ino)
+        if hexd is None:
+            # a node id from before a takeover: the layer's metadata is in the cache already
+            for h in self.cache.layers:
+                if layer_inode(h) == ino:
+                    self.by_ino[ino] = hexd = h
+                    break
+        return hexd
 
-    def _attr(self, ino: int, size: int, *, is_dir: bool = False) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
-        a.st_ino = ino
-        a.generation = 0
-        a.entry_timeout = _TTL
-        a.attr_timeout = _TTL
-        a.st_mode = (stat.S_IFDIR | 0o555) if is_dir else (stat.S_IFREG | 0o444)
-        a.st_nlink = 2 if is_dir else 1
-        a.st_uid = 0
-        a.st_gid = 0
-        a.st_rdev = 0
-        a.st_size = size
-        a.st_blksize = 4096
-        a.st_blocks = (size + 511) // 512
-        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self._mounted_at
-        return a
+    def _attr(self, hexd: str, size: int) -> Attr:
+        ino = layer_inode(hexd)
+        self.by_ino[ino] = hexd
+        return Attr(ino, size, mtime_ns=self._mounted_at)
 
-    async def getattr(self, inode: int, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        if inode == ROOT:
-            return self._attr(ROOT, 0, is_dir=True)
-        hexd = self.by_ino.get(inode)
+    async def getattr(self, ino: int) -> Attr:
+        if ino == ROOT_INODE:
+            return Attr(ROOT_INODE, 0, is_dir=True, mtime_ns=self._mounted_at)
+        hexd = self._hex_of(ino)
         meta = self.cache.layers.get(hexd) if hexd else None
         if meta is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attr(inode, meta.size)
+            raise FuseError(errno.ENOENT)
+        return self._attr(meta.hex, meta.size)
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: Any = None) -> pyfuse3.EntryAttributes:
-        if parent_inode != ROOT:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+    async def lookup(self, parent: int, name: bytes) -> Attr:
+        if parent != ROOT_INODE:
+            raise FuseError(errno.ENOENT)
         n = name.decode("utf-8", "replace")
         if n in (".", ".."):
-            return self._attr(ROOT, 0, is_dir=True)
+            return Attr(ROOT_INODE, 0, is_dir=True, mtime_ns=self._mounted_at)
         if n.startswith("sha256:"):
             n = n[7:]
         if not is_hex_digest(n):
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise FuseError(errno.ENOENT)
         meta = self.cache.layers.get(n)
         if meta is None:
             try:
-                meta = await self.bridge.call(self.cache.layer(n))
+                meta = await self.cache.layer(n)
             except Exception as exc:  # noqa: BLE001 - NATS / store away: the lookup fails, not the daemon
                 log.warning("lookup %s failed: %s", n, exc)
-                raise pyfuse3.FUSEError(errno.EIO) from None
+                raise FuseError(errno.EIO) from None
         if meta is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
-        return self._attr(self._ino(n), meta.size)
+            raise FuseError(errno.ENOENT)
+        return self._attr(n, meta.size)
 
-    async def opendir(self, inode: int, ctx: Any) -> int:
-        if inode != ROOT:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
-        return ROOT
+    def readdir(self, ino: int) -> list[tuple[bytes, Attr]]:
+        return [(h.encode(), self._attr(h, self.cache.layers[h].size)) for h in sorted(self.cache.layers)]
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        names = sorted(self.cache.layers)
-        for i, hexd in enumerate(names):
-            if i < start_id:
-                continue
-            meta = self.cache.layers[hexd]
-            if not pyfuse3.readdir_reply(token, hexd.encode(), self._attr(self._ino(hexd), meta.size), i + 1):
-                break
-
-    async def releasedir(self, fh: int) -> None:
-        return None
-
-    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-        if inode == ROOT:
-            raise pyfuse3.FUSEError(errno.EISDIR)
+    async def open(self, ino: int, flags: int) -> int:
+        if ino == ROOT_INODE:
+            raise FuseError(errno.EISDIR)
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
-            raise pyfuse3.FUSEError(errno.EROFS)
-        hexd = self.by_ino.get(inode)
+            raise FuseError(errno.EROFS)
+        hexd = self._hex_of(ino)
         if hexd is None or hexd not in self.cache.layers:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise FuseError(errno.ENOENT)
         if self.mode == "prefetch":
             try:
-                await self.bridge.call(self.cache.prefetch(hexd))
+                await self.cache.prefetch(hexd)
             except FetchFailed:
-                raise pyfuse3.FUSEError(errno.EIO) from None
-        return pyfuse3.FileInfo(fh=inode, keep_cache=True)
+                raise FuseError(errno.EIO) from None
+        return ino
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
-        hexd = self.by_ino.get(fh)
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        hexd = self._hex_of(fh)
         if hexd is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
+            raise FuseError(errno.EBADF)
         try:
-            return await self.bridge.call(self.cache.read(hexd, off, size))
+            return await self.cache.read(hexd, offset, size)
         except FetchFailed:
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            raise FuseError(errno.EIO) from None
         except FileNotFoundError:
-            raise pyfuse3.FUSEError(errno.ENOENT) from None
+            raise FuseError(errno.ENOENT) from None
         except Exception as exc:  # noqa: BLE001 - never crash the daemon on one read
-            log.exception("read %s@%d+%d failed: %s", hexd, off, size, exc)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+            log.exception("read %s@%d+%d failed: %s", hexd, offset, size, exc)
+            raise FuseError(errno.EIO) from None
 
-    async def release(self, fh: int) -> None:
-        return None
-
-    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
-        return not (mode & os.W_OK)
-
-    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
-        s = pyfuse3.StatvfsData()
-        total = sum(m.size for m in self.cache.layers.values())
-        s.f_bsize = 4096
-        s.f_frsize = 4096
-        s.f_blocks = (total + 4095) // 4096
-        s.f_bfree = 0
-        s.f_bavail = 0
-        s.f_files = len(self.cache.layers) + 1
-        s.f_ffree = 0
-        s.f_favail = 0
-        s.f_namemax = 255
-        return s
-
-
-# --- mount point hygiene ---------------------------------------------------------------------------
-def mounts_at(path: str) -> list[str]:
-    """File system types mounted exactly at ``path`` (from /proc/self/mountinfo)."""
-    real = os.path.realpath(path)
-    out = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) > 4 and parts[4].encode().decode("unicode_escape") == real:
-                    sep = parts.index("-")
-                    out.append(parts[sep + 1])
-    except OSError:
-        pass
-    return out
-
-
-_libc = None
-
-
-def _umount2(path: str, flags: int = 0) -> int:
-    """umount2(2) straight from libc: no canonicalisation, so no stat() that a dead FUSE would hang."""
-    global _libc
-    import ctypes
-    import ctypes.util
-
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    if _libc.umount2(os.fsencode(path), flags) != 0:
-        return ctypes.get_errno()
-    return 0
-
-
-MNT_DETACH = 2
-
-
-def clear_stale_mount(path: str) -> None:
-    """Lazily detach whatever FUSE mount a dead daemon left at ``path``."""
-    for _ in range(8):
-        kinds = mounts_at(path)
-        if not kinds:
-            return
-        if not any(k.startswith("fuse") for k in kinds):
-            raise SystemExit(f"{path} has a non-FUSE mount ({kinds}); refusing to mount over it")
-        log.warning("detaching a stale FUSE mount at %s", path)
-        _umount2(path, MNT_DETACH)
-
-
-def unmount(path: str) -> None:
-    err = _umount2(path)
-    if err and mounts_at(path):
-        log.warning(
-            "umount %s: %s; detaching lazily (EROFS mounts on its files will get EIO)", path, os.strerror(err)
-        )
-        _umount2(path, MNT_DETACH)
+    def statfs(self) -> tuple[int, int]:
+        return sum(m.size for m in self.cache.layers.values()), len(self.cache.layers) + 1
 
 
 # --- main ------------------------------------------------------------------------------------------
@@ -356,18 +207,54 @@ async def _teardown(nc: Any, cache: ChunkCache) -> None:
                 await nc.close()
 
 
-async def _serve_trio() -> None:
-    async with trio.open_nursery() as nursery:
-
-        async def watch_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    nursery.cancel_scope.cancel()
-                    return
-
-        nursery.start_soon(watch_signals)
-        await pyfuse3.main(min_tasks=4, max_tasks=128)
-        nursery.cancel_scope.cancel()
+async def _serve(args: argparse.Namespace, mount: str, cache_root: str, host: str) -> int:
+    os.makedirs(cache_root, exist_ok=True)
+    try:
+        lock = lock_exclusive(os.path.join(cache_root, "lazy.lock"))
+    except BlockingIOError:
+        log.error("another lazy loader serves %s", cache_root)
+        return 1
+    try:
+        nc, cache = await asyncio.wait_for(_setup(args, cache_root, host), 60)
+    except Exception as exc:  # noqa: BLE001
+        log.error("start-up failed: %s", exc)
+        os.close(lock)
+        return 1
+    rc = 0
+    fm = FuseMount(mount, os.path.join(cache_root, "fuse.json"))
+    try:
+        fd = fm.open()
+        session = Session(fd, LazyFS(cache, args.mode), initialized=fm.taken_over)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, session.stop)
+        cache.extra_daemon_info.update({"mount": mount, "mounted": True, "taken_over": fm.taken_over, "holder_pid": fm.holder_pid})
+        cache.write_daemon_info()
+        log.info(
+            "serving %s (mode=%s, cache=%s, host=%s, store=%s%s)", mount, args.mode, cache_root, host, cache.store.url,
+            ", took over the live connection" if fm.taken_over else "",
+        )
+        try:
+            why = await session.serve()
+            log.info("FUSE loop ended: %s", why)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("FUSE loop failed: %s", exc)
+            rc = 1
+        unfinished = await session.drain(10.0)
+        if unfinished:
+            log.warning("%d reads still running at exit: the kernel resends them to the next daemon", unfinished)
+        outcome = fm.close()
+        cache.extra_daemon_info.update({"mounted": outcome == "kept", "stopped_at": time.time()})
+    except Exception as exc:  # noqa: BLE001
+        log.error("cannot serve %s: %s", mount, exc)
+        rc = 1
+    finally:
+        try:
+            await asyncio.wait_for(_teardown(nc, cache), 15)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("teardown: %s", exc)
+        os.close(lock)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,51 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     d = _data_dir(args.data_dir)
     mount = os.path.abspath(args.mount or str(d / "lazy"))
-    host = _host_id(args.host_id)
-    cache_root = str(d / "cache")
-    os.makedirs(mount, exist_ok=True)
-    clear_stale_mount(mount)
-
-    bridge = AsyncioBridge()
-    bridge.start()
-    try:
-        nc, cache = bridge.run(_setup(args, cache_root, host), timeout=60)
-    except BaseException as exc:
-        log.error("start-up failed: %s", exc)
-        bridge.stop()
-        return 1
-    ops = LazyFS(bridge, cache, args.mode)
-    opts = set(pyfuse3.default_options)
-    opts |= {"fsname=dsec-lazy", "subtype=dsec", "ro", "allow_other"}
-    opts.discard("default_permissions")
-    pyfuse3.init(ops, mount, opts)
-    cache.extra_daemon_info.update({"mount": mount, "mounted": True})
-    bridge.run(_write_info(cache), timeout=10)
-    log.info("serving %s (mode=%s, cache=%s, host=%s, store=%s)", mount, args.mode, cache_root, host, cache.store.url)
-    rc = 0
-    try:
-        trio.run(_serve_trio)
-    except BaseException as exc:  # noqa: BLE001
-        log.exception("FUSE loop failed: %s", exc)
-        rc = 1
-    finally:
-        unmount(mount)
-        try:
-            pyfuse3.close(unmount=False)
-        except Exception:  # noqa: BLE001
-            pass
-        cache.extra_daemon_info.update({"mounted": False, "stopped_at": time.time()})
-        try:
-            bridge.run(_teardown(nc, cache), timeout=15)
-        except Exception as exc:  # noqa: BLE001
-            log.warning("teardown: %s", exc)
-        bridge.stop()
+    rc = asyncio.run(_serve(args, mount, str(d / "cache"), _host_id(args.host_id)))
     log.info("stopped")
     return rc
-
-
-async def _write_info(cache: ChunkCache) -> None:
-    cache.write_daemon_info()
 
 
 if __name__ == "__main__":

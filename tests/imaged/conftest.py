@@ -39,11 +39,6 @@ def _missing() -> str | None:
 def _fuse_missing() -> str | None:
     if not os.path.exists("/dev/fuse"):
         return "needs /dev/fuse"
-    try:
-        import pyfuse3  # noqa: F401
-        import trio  # noqa: F401
-    except ImportError:
-        return "needs pyfuse3 + trio (pip install pyfuse3)"
     return None
 
 
@@ -77,7 +72,8 @@ async def await_for(check: Callable[[], Any], timeout: float = 15.0, what: str =
 
 
 def mounted(path: str | Path) -> bool:
-    p = os.path.realpath(path)
+    # resolve only the parent: stat()ing a FUSE mount point waits on its daemon
+    p = os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == p for line in f)
 
@@ -133,7 +129,8 @@ class LazyDaemon:
     log: Path | None = None
 
     def start(self, timeout: float = 30.0) -> "LazyDaemon":
-        self.mount.mkdir(parents=True, exist_ok=True)
+        if not mounted(self.mount):  # a live FUSE mount point is not stat()ed: its daemon may be gone
+            self.mount.mkdir(parents=True, exist_ok=True)
         self.log = self.data_dir / f"lazy-{time.monotonic_ns()}.log"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
@@ -196,10 +193,27 @@ class LazyDaemon:
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
 
+    def holder(self) -> int:
+        """The pid of the process keeping the FUSE connection open (0 when there is none)."""
+        from imaged._fuse import holder_of
+
+        return holder_of(self.data_dir / "cache" / "fuse.json")
+
+    def release(self) -> None:
+        """Stop the daemon and end its FUSE connection for good (kill the holder, unmount)."""
+        self.stop()
+        pid = self.holder()
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: not self.holder(), 10, "the FUSE holder to exit")
+        umount(self.mount)
+
 
 @pytest.fixture
-def lazy_daemons(nats_server, tmp_path):
-    """Factory of lazy daemons; each is stopped (by pid) and its mount point cleared at the end."""
+def lazy_daemons(nats_server, tmp_path, mounts):
+    """Factory of lazy daemons; each is stopped (by pid), its FUSE connection ended and its mount point
+    cleared at the end, before the EROFS mounts on its files (``mounts``) go: if a test fails while no
+    daemon serves a live connection, ending the connection is what unblocks them."""
     made: list[LazyDaemon] = []
 
     def make(data_dir: Path | None = None, mount: Path | None = None, args: list[str] | None = None, env: dict | None = None,
@@ -217,8 +231,7 @@ def lazy_daemons(nats_server, tmp_path):
 
     yield make
     for d in made:
-        d.stop()
-        umount(d.mount)
+        d.release()
 
 
 # --- SeaweedFS (a real S3-compatible server) ---------------------------------------------------------
