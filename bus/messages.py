@@ -243,7 +243,10 @@ class FsPolicy(Struct, kw_only=True):
     writable: list[str] = []  # full access beneath these (created when missing)
     devices: list[str] = []  # read/write/ioctl existing device nodes beneath these
     masked_paths: list[str] = []  # hidden (/proc and /sys entries)
-    readonly_paths: list[str] = []  # mounted read-only
+    # Mounted read-only (a read-only bind of the path onto itself; absent from the image: skipped).
+    # Unlike Landlock this also refuses metadata changes (chmod, chown, xattrs, times, inode flags).
+    # None may hold a writable or device path.
+    readonly_paths: list[str] = []
 
 
 class AuditPolicy(Struct, kw_only=True):

@@ -6,6 +6,13 @@ and audited seccomp filter (``hostagent._profiles``). Bump ``DEFAULT_VERSION`` w
 changes: guard replaces a stored profile only by a newer version, so an operator's edit that
 raised the version is kept.
 
+System paths are guarded twice. Landlock (``fs.read_only``) refuses writing, creating, renaming and
+removing there, but Landlock has no rights for metadata: root would still chmod, chown, touch,
+set or remove xattrs and change inode flags of /bin/sh. So they are also read-only mounts
+(``fs.readonly_paths``), which refuse all of that with EROFS. The price: a write there now fails
+on the mount flag before Landlock sees it, so it is no longer in Landlock's audit records (writes
+elsewhere outside the writable paths still are).
+
 They live in ``bus`` because both sides need them: guard publishes them, and the host agent uses
 them as its fallback while the KV bucket has none yet (so a create never waits on guard).
 """
@@ -16,7 +23,7 @@ import msgspec
 
 from .messages import AuditPolicy, FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy, SyscallRule
 
-DEFAULT_VERSION = 1
+DEFAULT_VERSION = 2
 
 # Docker's default allow-list (moby profiles/seccomp/default.json) without the calls we refuse
 # outright below (io_uring, name_to_handle_at, ...), plus a few newer harmless calls.
@@ -146,6 +153,10 @@ MASKED_PATHS: tuple[str, ...] = (
     "/sys/devices/virtual/powercap",
 )
 READONLY_PATHS: tuple[str, ...] = ("/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger")
+# Read-only mounts over the image's system directories (runc skips those an image lacks; a merged-/usr
+# image's /bin -> usr/bin symlink is followed). None may hold a writable path: a mount covers all
+# beneath it.
+SYSTEM_PATHS: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 
 # Docker's default capabilities without NET_RAW and MKNOD. Never granted: SYS_ADMIN, NET_ADMIN,
 # SYS_MODULE, SYS_RAWIO, SYS_PTRACE, SYS_TIME, SYS_BOOT, BPF, PERFMON, DAC_READ_SEARCH, ...
@@ -193,11 +204,12 @@ def default_profile() -> SecurityProfile:
     return SecurityProfile(
         name="default",
         version=DEFAULT_VERSION,
-        description="Root in the sandbox, but system paths read-only (Landlock), Docker-like seccomp allow-list "
+        description="Root in the sandbox, but system paths read-only (Landlock, and read-only mounts for /usr, /bin, "
+        "/sbin, /lib*, /etc), Docker-like seccomp allow-list "
         "with mount/namespace/bpf/io_uring/extent-swap calls refused and reported, no dangerous capabilities.",
         fs=FsPolicy(
             landlock=True, required=True, read_only=["/"], writable=list(WRITABLE), devices=list(DEVICES),
-            masked_paths=list(MASKED_PATHS), readonly_paths=list(READONLY_PATHS),
+            masked_paths=list(MASKED_PATHS), readonly_paths=[*READONLY_PATHS, *SYSTEM_PATHS],
         ),
         syscalls=_syscalls(),
         capabilities=list(CAPABILITIES),
@@ -219,4 +231,4 @@ def builtin_profiles() -> dict[str, SecurityProfile]:
     return {p.name: p for p in (default_profile(), strict_profile())}
 
 
-__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "builtin_profiles", "default_profile", "strict_profile"]
+__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "SYSTEM_PATHS", "builtin_profiles", "default_profile", "strict_profile"]

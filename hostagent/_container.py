@@ -132,7 +132,7 @@ class ContainerBackend:
         self._cpu_prev: tuple[float, float] | None = None
         self._default_enf: Enforcement | None = None
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
-        # Warm pool: started sandboxes waiting per (layers, disk, profile), handed out on create with the
+        # Warm pool: started sandboxes waiting per (layers, disk, compiled profile), handed out on create with the
         # requested limits applied, so a create skips runc's cold start. Container ids differ from
         # sandbox ids for pooled ones: _cid maps sandbox id -> container id.
         self.warm_pool = warm_pool
@@ -141,6 +141,7 @@ class ContainerBackend:
         self._pool_args: dict[tuple[Any, ...], tuple[list[str], int, Enforcement]] = {}
         self._refilling: dict[tuple[Any, ...], asyncio.Task[None]] = {}
         self._warm_info: dict[str, AgentInfo] = {}
+        self._retiring: set[asyncio.Task[None]] = set()  # removals of warm containers of a changed profile
         self._stopping = False
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -168,6 +169,11 @@ class ContainerBackend:
             except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
                 pass
         self._pool.clear()
+        for t in list(self._retiring):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the listing below removes what is left
+                pass
         if self.rt is not None:
             # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
             for c in await self.rt.list():
@@ -293,8 +299,12 @@ class ContainerBackend:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
         if self.warm_pool > 0 and not self.net.wanted(spec.network):
-            key = (tuple(l.digest for l in layers), spec.disk_mb, security.profile, security.version)
+            # Keyed by what the profile compiles to, not its name and version: a pooled container's
+            # seccomp filter, capabilities, read-only mounts and Landlock rules were fixed when it
+            # started, so it may only serve a sandbox whose profile compiles to the very same.
+            key = (tuple(l.digest for l in layers), spec.disk_mb, security.profile, security.fingerprint)
             self._pool_args[key] = (lowers, spec.disk_mb, security)
+            self._retire_stale(key)
             handle = await self._claim_warm(key, spec)
             self._refill(key)
             if handle is not None:
@@ -367,6 +377,7 @@ class ContainerBackend:
     async def _claim_warm(self, key: tuple[Any, ...], spec: SandboxSpec) -> Handle | None:
         assert self.rt is not None
         entries = self._pool.get(key)
+        security = self._pool_args[key][2]  # before any await: a concurrent create may retire the key
         while entries:
             cid, pid, sdir = entries.pop()
             try:
@@ -379,12 +390,40 @@ class ContainerBackend:
             sid = spec.sandbox_id
             self._cid[sid] = cid
             self._clients[sid] = self._clients.pop(cid)
-            security = self._pool_args[key][2]
             info = self._warm_info.pop(cid)
             return Handle(sid, pid, self._extra(cid, sdir, self._group_of.get(cid, ""), security, info, None))
         return None
 
+    def _retire_stale(self, key: tuple[Any, ...]) -> None:
+        """Drop the pools started for an earlier content of the same profile (same image and disk):
+        they can never be claimed again, and would hold their containers until the agent stops."""
+        for old in [k for k in self._pool_args if k[:3] == key[:3] and k != key]:
+            tasks = []
+            t = self._refilling.pop(old, None)
+            if t is not None and not t.done():
+                t.cancel()  # a container it was starting is removed by the loop itself
+                tasks.append(t)
+            entries = self._pool.pop(old, [])
+            stale = list(entries)
+            entries.clear()  # a claim looping over this very list must find it empty now
+            del self._pool_args[old]
+            if stale:
+                log.info("warm_pool_retired", profile=key[2], containers=len(stale))
+                tasks.append(asyncio.ensure_future(self._remove_all([cid for cid, _, _ in stale])))
+            for t in tasks:  # stop() waits for them
+                self._retiring.add(t)
+                t.add_done_callback(self._retiring.discard)
+
+    async def _remove_all(self, cids: list[str]) -> None:
+        for cid in cids:
+            try:
+                await self._remove(cid, None)
+            except Exception as exc:  # noqa: BLE001 - stop() and recover() remove unclaimed ones too
+                log.warning("warm_pool_remove_failed", container=cid, error=str(exc))
+
     def _refill(self, key: tuple[Any, ...]) -> None:
+        if key not in self._pool_args:
+            return  # retired while this create claimed from it
         t = self._refilling.get(key)
         if t is None or t.done():
             self._refilling[key] = asyncio.ensure_future(self._refill_loop(key))

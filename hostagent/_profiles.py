@@ -11,6 +11,8 @@ so a create never waits on guard and keeps working while guard restarts.
 - ``seccomp``: the OCI ``linux.seccomp`` object for runc (an allow-list; only the native syscall
   ABI, so i386 ``int 0x80`` and x32 calls are killed by the architecture check).
 - ``capabilities``, ``masked_paths``, ``readonly_paths``, ``no_new_privileges`` for the OCI spec.
+  ``readonly_paths`` become read-only mounts (runc's ``linux.readonlyPaths``); a profile whose
+  read-only mount would cover one of its writable or device paths is refused.
 - ``agent_args``: the in-sandbox agent's command-line options: its Landlock rules and a second,
   audited seccomp filter (classic BPF compiled here) holding the profile's ``deny`` rules. The
   agent installs both on itself before it serves anything, so every command inherits them.
@@ -25,12 +27,15 @@ request, as the kernel does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import platform
 import re
 import struct
 import subprocess
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -240,6 +245,22 @@ def landlock_args(fs: FsPolicy) -> list[str]:
     return args
 
 
+def readonly_mounts(fs: FsPolicy) -> tuple[str, ...]:
+    """``fs.readonly_paths`` checked: absolute, and none covering a writable or device path (a
+    read-only mount takes everything beneath it, so /tmp under a read-only / would stop working)."""
+    out: list[str] = []
+    for p in fs.readonly_paths:
+        if not p.startswith("/"):
+            raise InvalidArgument(f"read-only mount path {p!r} is not absolute")
+        p = os.path.normpath(p)
+        for w in (*fs.writable, *fs.devices):
+            w = os.path.normpath(w)
+            if w == p or w.startswith(p.rstrip("/") + "/"):
+                raise InvalidArgument(f"read-only mount {p!r} would cover writable path {w!r}")
+        out.append(p)
+    return tuple(dict.fromkeys(out))
+
+
 # --- enforcement -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Enforcement:
@@ -255,6 +276,15 @@ class Enforcement:
     agent_args: tuple[str, ...]
     landlock_required: bool
 
+    @cached_property
+    def fingerprint(self) -> str:
+        """Digest of everything that shapes the container: a warm container started for one
+        fingerprint must never serve a sandbox whose profile compiles to another (a profile can
+        change under the same name and version)."""
+        doc = [self.seccomp, self.capabilities, self.masked_paths, self.readonly_paths, self.no_new_privileges,
+               self.agent_args, self.landlock_required]
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
 
 def compile_profile(p: SecurityProfile) -> Enforcement:
     caps = tuple(c if c.startswith("CAP_") else f"CAP_{c}" for c in (x.upper() for x in p.capabilities))
@@ -266,7 +296,7 @@ def compile_profile(p: SecurityProfile) -> Enforcement:
         seccomp=compile_oci_seccomp(p.syscalls),
         capabilities=caps,
         masked_paths=tuple(p.fs.masked_paths),
-        readonly_paths=tuple(p.fs.readonly_paths),
+        readonly_paths=readonly_mounts(p.fs),
         no_new_privileges=p.no_new_privileges,
         agent_args=tuple(args),
         landlock_required=p.fs.landlock and p.fs.required,
@@ -363,5 +393,6 @@ __all__ = [
     "compile_profile",
     "landlock_args",
     "native_arch",
+    "readonly_mounts",
     "syscall_numbers",
 ]

@@ -10,7 +10,8 @@ and the sandbox networks (netns mounts, veths, the nft table) the stack's host a
 ``make_stack(**options)`` builds one with options: ``network`` (a dict of
 ``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
-kernel audit reader; ``stack.guard``). Each stack gets its own nft table, veth prefix, netns prefix and /22 address pool,
+kernel audit reader; ``stack.guard``), ``warm_pool`` (started containers the host agent keeps
+ready per image and profile). Each stack gets its own nft table, veth prefix, netns prefix and /22 address pool,
 so stacks never touch each other's (or a real host agent's) network state.
 """
 
@@ -153,7 +154,9 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     made: list[SecStack] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
 
-    async def make(*, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False) -> SecStack:
+    async def make(
+        *, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False, warm_pool: int = 0,
+    ) -> SecStack:
         uid = uuid.uuid4().hex[:8]
         data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
 
@@ -180,7 +183,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
         await register_base_template(nc.jetstream(), str(rootfs))
         placement = Placement(url, replica_id=f"p-{uid}")
-        backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net)
+        backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net, warm_pool=warm_pool)
         host_id = f"sec-{uid}"
         st = SecStack(url, uid, data_dir, host_id, net, _hostagent(backend, url, host_id, data_dir), backend, placement, nc, nats)
 

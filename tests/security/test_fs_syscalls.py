@@ -16,6 +16,7 @@ The run ends with the red-team tally (``conftest.RedTeam``): the number of attac
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -124,7 +125,7 @@ def cap_bits(status: str, field: str) -> int:
     return int(m.group(1), 16)
 
 
-# ------------------------------------------------------------------------- filesystem (Landlock)
+# ------------------------------------------------------- filesystem (Landlock, read-only mounts)
 async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
     sb = await stack.create(timeout=300)
     before = await sh(sb, "md5sum /bin/busybox /etc/passwd")
@@ -144,49 +145,59 @@ async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, pr
     await sh(sb, "printf '#!/bin/sh\\necho HIJACKED\\n' > /tmp/evil && chmod +x /tmp/evil")
     # Through the shell, the way an agent would try (busybox itself runs these, so attacks on the
     # busybox binary's contents go through sysx below, where ETXTBSY can't be what stops them).
+    # Since the system paths are read-only mounts, the mount refuses most of these before Landlock
+    # sees them (EROFS; EXDEV for a link or rename across the mount's edge). Landlock still holds
+    # them beneath (and alone guards the rest of the image outside the writable paths: see the last
+    # raw calls, and the guard-violation test).
     attacks = {
-        "append to /etc/passwd": "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd",
-        "sed -i /etc/passwd": "sed -i s/root/toor/ /etc/passwd",
-        "unlink /bin/sh": "rm -f /bin/sh",
-        "unlink /bin/busybox": "rm -f /bin/busybox",
-        "unlink /etc/passwd": "rm -f /etc/passwd",
-        "symlink planted in /usr/local/bin": "ln -s /tmp/evil /usr/local/bin/python3",
-        "rename over /bin/sh": "mv -f /tmp/evil /bin/sh",
-        "hard link /bin/busybox into /tmp": "ln /bin/busybox /tmp/bb-link",
-        "plant /usr/local/bin/python": "cp /tmp/evil /usr/local/bin/python",
-        "plant /etc/ld.so.preload": "touch /etc/ld.so.preload",
-        "mkdir in /usr": "mkdir /usr/evil",
-        "move /bin away": "mv /bin /tmp/bin",
-        "rm -rf /usr /etc": "rm -rf /usr /etc",
+        "append to /etc/passwd": ("echo 'evil::0:0::/:/bin/sh' >> /etc/passwd", EROFS),
+        "sed -i /etc/passwd": ("sed -i s/root/toor/ /etc/passwd", EROFS),
+        "unlink /bin/sh": ("rm -f /bin/sh", EROFS),
+        "unlink /bin/busybox": ("rm -f /bin/busybox", EROFS),
+        "unlink /etc/passwd": ("rm -f /etc/passwd", EROFS),
+        "symlink planted in /usr/local/bin": ("ln -s /tmp/evil /usr/local/bin/python3", EROFS),
+        "rename over /bin/sh": ("mv -f /tmp/evil /bin/sh", EROFS),
+        "hard link /bin/busybox into /tmp": ("ln /bin/busybox /tmp/bb-link", EXDEV),
+        "plant /usr/local/bin/python": ("cp /tmp/evil /usr/local/bin/python", EROFS),
+        "plant /etc/ld.so.preload": ("touch /etc/ld.so.preload", EROFS),
+        "mkdir in /usr": ("mkdir /usr/evil", EROFS),
+        "move /bin away": ("mv /bin /tmp/bin", EACCES),
+        "rm -rf /usr /etc": ("rm -rf /usr /etc", EROFS),
     }
-    for what, cmd in attacks.items():
+    message = {EROFS: "Read-only file system", EXDEV: "Invalid cross-device link", EACCES: "Permission denied"}
+    blocker = {EROFS: "read-only mount", EXDEV: "read-only mount", EACCES: "landlock"}
+    for what, (cmd, err) in attacks.items():
         r = await sh(sb, cmd)
         assert r.code != 0, f"{what} succeeded: {r}"
-        assert "Permission denied" in r.out or "Invalid cross-device" in r.out, (what, r)
-        redteam.blocked(f"landlock: {what}")
-    # The same as raw syscalls, each with its errno (EXDEV: Landlock refuses a cross-directory
-    # link/rename without the REFER right with EXDEV).
-    O_WRONLY, O_TRUNC, O_APPEND = 0o1, 0o1000, 0o2000
+        assert message[err] in r.out, (what, r)
+        redteam.blocked(f"{blocker[err]}: {what}")
+    # The same as raw syscalls, each with its errno (EXDEV: the mount's edge, or Landlock refusing
+    # a cross-directory link/rename without the REFER right).
+    O_WRONLY, O_CREAT, O_TRUNC, O_APPEND = 0o1, 0o100, 0o1000, 0o2000
     raw = {
-        "open /bin/busybox for writing": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY], (EACCES,)),
-        "open /bin/busybox O_TRUNC": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY | O_TRUNC], (EACCES,)),
-        "truncate(/bin/busybox)": ([nr("truncate"), "s:/bin/busybox", 0], (EACCES,)),
-        "open /etc/passwd O_APPEND": ([nr("openat"), -100, "s:/etc/passwd", O_WRONLY | O_APPEND], (EACCES,)),
-        "rename(/tmp/evil, /bin/sh)": ([nr("rename"), "s:/tmp/evil", "s:/bin/sh"], (EACCES, EXDEV)),
+        "open /bin/busybox for writing": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY], EROFS),
+        "open /bin/busybox O_TRUNC": ([nr("openat"), -100, "s:/bin/busybox", O_WRONLY | O_TRUNC], EROFS),
+        "truncate(/bin/busybox)": ([nr("truncate"), "s:/bin/busybox", 0], EROFS),
+        "open /etc/passwd O_APPEND": ([nr("openat"), -100, "s:/etc/passwd", O_WRONLY | O_APPEND], EROFS),
+        "rename(/tmp/evil, /bin/sh)": ([nr("rename"), "s:/tmp/evil", "s:/bin/sh"], EXDEV),
         "renameat2 RENAME_EXCHANGE /tmp/evil <-> /bin/busybox": (
-            [nr("renameat2"), -100, "s:/tmp/evil", -100, "s:/bin/busybox", 2], (EACCES, EXDEV)),
-        "rename(/bin/sh, /bin/sh.old)": ([nr("rename"), "s:/bin/sh", "s:/bin/sh.old"], (EACCES,)),
-        "unlink(/bin/busybox)": ([nr("unlink"), "s:/bin/busybox"], (EACCES,)),
-        "link(/bin/busybox, /tmp/bb)": ([nr("link"), "s:/bin/busybox", "s:/tmp/bb"], (EACCES, EXDEV)),
-        "symlink into /usr/local/bin": ([nr("symlink"), "s:/tmp/evil", "s:/usr/local/bin/python3"], (EACCES,)),
-        "mknod regular file in /etc": ([nr("mknodat"), -100, "s:/etc/x", 0o100644, 0], (EACCES,)),
-        "rmdir /usr/local/bin": ([nr("rmdir"), "s:/usr/local/bin"], (EACCES,)),
-        "rename(/etc, /tmp/etc)": ([nr("rename"), "s:/etc", "s:/tmp/etc"], (EACCES, EXDEV)),
+            [nr("renameat2"), -100, "s:/tmp/evil", -100, "s:/bin/busybox", 2], EXDEV),
+        "rename(/bin/sh, /bin/sh.old)": ([nr("rename"), "s:/bin/sh", "s:/bin/sh.old"], EROFS),
+        "unlink(/bin/busybox)": ([nr("unlink"), "s:/bin/busybox"], EROFS),
+        "link(/bin/busybox, /tmp/bb)": ([nr("link"), "s:/bin/busybox", "s:/tmp/bb"], EXDEV),
+        "symlink into /usr/local/bin": ([nr("symlink"), "s:/tmp/evil", "s:/usr/local/bin/python3"], EROFS),
+        "mknod regular file in /etc": ([nr("mknodat"), -100, "s:/etc/x", 0o100644, 0], EROFS),
+        "rmdir /usr/local/bin": ([nr("rmdir"), "s:/usr/local/bin"], EROFS),
+        "rename(/etc, /tmp/etc)": ([nr("rename"), "s:/etc", "s:/tmp/etc"], EACCES),
+        # Outside the read-only mounts and the writable paths only Landlock stands.
+        "create /evil in the root dir": ([nr("openat"), -100, "s:/evil", O_WRONLY | O_CREAT, 0o755], EACCES),
+        "mkdir /var/evil": ([nr("mkdir"), "s:/var/evil", 0o755], EACCES),
+        "rename(/var/tmp, /var/tmp.old)": ([nr("rename"), "s:/var/tmp", "s:/var/tmp.old"], EACCES),
     }
-    for what, (args, errnos) in raw.items():
+    for what, (args, err) in raw.items():
         r = await sh(sb, "exec /tmp/sysx " + " ".join(map(str, args)))
-        assert_errno(r, *errnos, what=what)
-        redteam.blocked(f"landlock: {what}")
+        assert_errno(r, err, what=what)
+        redteam.blocked(f"{blocker[err]}: {what}")
     # Nothing changed, and the shell still is the shell.
     after = await sh(sb, "md5sum /bin/busybox /etc/passwd")
     assert after.out == before.out
@@ -199,13 +210,286 @@ async def test_system_files_cannot_be_written_replaced_or_removed(stack: Any, pr
     for path in ("/bin/sh", "/etc/passwd", "/usr/bin/new"):
         with pytest.raises(sdk.DsecError):
             await sb.files.write(path, b"HIJACKED")
-        redteam.blocked(f"landlock: files API write {path}")
+        redteam.blocked(f"read-only mount: files API write {path}")
     with pytest.raises(sdk.DsecError):
         await sb.files.remove("/bin/busybox")
-    redteam.blocked("landlock: files API remove /bin/busybox")
+    redteam.blocked("read-only mount: files API remove /bin/busybox")
     await sb.files.write("/workspace/ok.txt", b"fine")
     assert await sb.files.read("/workspace/ok.txt") == "fine"
     redteam.allowed("files API write /workspace")
+
+
+# ------------------------------------------------------------------- system paths: read-only mounts
+FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR = 0x40086602, 0x401C5820
+FS_NODUMP_FL = 0x40
+MS_REMOUNT, MS_BIND, MS_RDONLY, MNT_DETACH = 0x20, 0x1000, 0x1, 2
+AT_FDCWD, AT_SYMLINK_NOFOLLOW = -100, 0x100
+S_IFIFO = 0o010000
+O_WRONLY, O_CREAT, O_TRUNC = 0o1, 0o100, 0o1000
+# security.capability, VFS_CAP_REVISION_2: magic, then permitted/inheritable (CAP_NET_BIND_SERVICE)
+FILE_CAPS = "hex:" + "00000002" + "00040000" + "00000000" + "00000000" + "00000000"
+SYSTEM_MOUNTS = ("/usr", "/bin", "/sbin", "/etc")  # the busybox image's system dirs (no /lib*)
+
+
+def mount_options(mountinfo: str) -> dict[str, str]:
+    """mount point -> its per-mount options (the last mount on a path is the one in effect)."""
+    return {f[4]: f[5] for f in (ln.split() for ln in mountinfo.splitlines()) if len(f) > 5}
+
+
+async def test_system_paths_are_read_only_mounts(stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """Landlock has no rights for metadata, so root could chmod, chown, touch, set xattrs and inode
+    flags on /bin/sh. The profile's system paths are read-only mounts too: each of those fails with
+    EROFS there, while the very same call works on a workspace or scratch file (run first, so a
+    broken tool or sandbox can't pass as blocked)."""
+    sb = await stack.create()
+    await push(sb, progs, "sysx")
+    meta = "stat -c '%n %f %u %g %Y %Z' / /bin/busybox /bin/sh /etc /etc/passwd /etc/shadow /usr/bin /sbin; md5sum /bin/busybox"
+    before = await sh(sb, meta)
+    assert before.code == 0, before
+    opts = mount_options((await sh(sb, "cat /proc/self/mountinfo")).out)
+    for p in SYSTEM_MOUNTS:
+        assert opts.get(p, "").split(",")[0] == "ro", f"{p} is not a read-only mount: {opts}"
+    for p in ("/", "/.dsec/run"):
+        assert opts[p].split(",")[0] == "rw", (p, opts)
+    for p in ("/tmp", "/workspace", "/root", "/home", "/var/tmp"):
+        assert p not in opts, f"{p} should stay on the writable root mount: {opts}"
+    r = await sh(sb, "echo x > /workspace/ctl && echo x > /tmp/ctl && echo x > /root/ctl && echo x > /workspace/victim && "
+                     "printf '#!/bin/sh\\necho HIJACKED\\n' > /tmp/evil && chmod +x /tmp/evil && echo ok")
+    assert r.out == "ok", r
+
+    # (what, attack, its errno, the same call on a workspace/scratch path, that call's errno: 0 = works)
+    cases: list[tuple[str, list[Any], int, list[Any], int]] = [
+        ("chmod u+s /bin/busybox", [nr("chmod"), "s:/bin/busybox", 0o4755], EROFS, [nr("chmod"), "s:/workspace/ctl", 0o4755], 0),
+        ("chmod 0666 /etc/shadow", [nr("fchmodat"), AT_FDCWD, "s:/etc/shadow", 0o666], EROFS, [nr("fchmodat"), AT_FDCWD, "s:/tmp/ctl", 0o666], 0),
+        ("chmod 0777 /usr/bin (a directory)", [nr("chmod"), "s:/usr/bin", 0o777], EROFS, [nr("chmod"), "s:/root", 0o777], 0),
+        ("fchmod through an fd of /bin/busybox", [nr("fchmod"), "cat:/bin/busybox", 0o6777], EROFS, [nr("fchmod"), "cat:/workspace/ctl", 0o6777], 0),
+        ("chown /bin/busybox to 1000", [nr("chown"), "s:/bin/busybox", 1000, 1000], EROFS, [nr("chown"), "s:/workspace/ctl", 1000, 1000], 0),
+        ("lchown the /bin/sh symlink", [nr("lchown"), "s:/bin/sh", 1000, 1000], EROFS, [nr("lchown"), "s:/tmp/ctl", 1000, 1000], 0),
+        ("fchownat /etc/passwd", [nr("fchownat"), AT_FDCWD, "s:/etc/passwd", 1000, 1000, AT_SYMLINK_NOFOLLOW], EROFS,
+         [nr("fchownat"), AT_FDCWD, "s:/root/ctl", 1000, 1000, AT_SYMLINK_NOFOLLOW], 0),
+        ("setxattr user.* on /bin/busybox", [nr("setxattr"), "s:/bin/busybox", "s:user.evil", "s:x", 1, 0], EROFS,
+         [nr("setxattr"), "s:/workspace/ctl", "s:user.evil", "s:x", 1, 0], 0),
+        ("setxattr security.capability (file caps) on /bin/busybox",
+         [nr("setxattr"), "s:/bin/busybox", "s:security.capability", FILE_CAPS, 20, 0], EROFS,
+         [nr("setxattr"), "s:/workspace/ctl", "s:security.capability", FILE_CAPS, 20, 0], 0),
+        # trusted.* needs CAP_SYS_ADMIN, so the workspace refuses it too (EPERM); on a system path
+        # the mount refuses it first. (trusted.overlay.opaque on /etc would hide the whole image's /etc.)
+        ("setxattr trusted.overlay.opaque on /etc", [nr("lsetxattr"), "s:/etc", "s:trusted.overlay.opaque", "s:y", 1, 0], EROFS,
+         [nr("lsetxattr"), "s:/workspace", "s:trusted.overlay.opaque", "s:y", 1, 0], EPERM),
+        ("removexattr user.* on /bin/busybox", [nr("removexattr"), "s:/bin/busybox", "s:user.evil"], EROFS,
+         [nr("removexattr"), "s:/workspace/ctl", "s:user.evil"], 0),
+        ("removexattr security.capability on /bin/busybox", [nr("lremovexattr"), "s:/bin/busybox", "s:security.capability"], EROFS,
+         [nr("lremovexattr"), "s:/workspace/ctl", "s:security.capability"], 0),
+        ("utimensat (now) on /etc/passwd", [nr("utimensat"), AT_FDCWD, "s:/etc/passwd", 0, 0], EROFS,
+         [nr("utimensat"), AT_FDCWD, "s:/tmp/ctl", 0, 0], 0),
+        ("utimes (back to 1970) on /bin/busybox", [nr("utimes"), "s:/bin/busybox", "buf:32"], EROFS, [nr("utimes"), "s:/workspace/ctl", "buf:32"], 0),
+        ("truncate(/bin/busybox)", [nr("truncate"), "s:/bin/busybox", 0], EROFS, [nr("truncate"), "s:/workspace/ctl", 0], 0),
+        ("open /etc/passwd O_WRONLY|O_TRUNC", [nr("openat"), AT_FDCWD, "s:/etc/passwd", O_WRONLY | O_TRUNC], EROFS,
+         [nr("openat"), AT_FDCWD, "s:/tmp/ctl", O_WRONLY | O_TRUNC], 0),
+        ("hard link /bin/busybox out into /workspace", [nr("link"), "s:/bin/busybox", "s:/workspace/bb"], EXDEV,
+         [nr("link"), "s:/workspace/ctl", "s:/workspace/ctl-link"], 0),
+        ("hard link /tmp/evil into /usr/bin", [nr("link"), "s:/tmp/evil", "s:/usr/bin/evil"], EROFS,
+         [nr("link"), "s:/tmp/evil", "s:/tmp/evil-link"], 0),
+        ("mknod a fifo in /bin", [nr("mknodat"), AT_FDCWD, "s:/bin/fifo", S_IFIFO | 0o644, 0], EROFS,
+         [nr("mknodat"), AT_FDCWD, "s:/workspace/fifo", S_IFIFO | 0o644, 0], 0),
+        ("create /usr/bin/python3", [nr("openat"), AT_FDCWD, "s:/usr/bin/python3", O_WRONLY | O_CREAT, 0o755], EROFS,
+         [nr("openat"), AT_FDCWD, "s:/workspace/python3", O_WRONLY | O_CREAT, 0o755], 0),
+        ("symlink /usr/bin/python3 -> /tmp/evil", [nr("symlink"), "s:/tmp/evil", "s:/usr/bin/python3"], EROFS,
+         [nr("symlink"), "s:/tmp/evil", "s:/workspace/py"], 0),
+        ("rename /tmp/evil over /bin/sh", [nr("rename"), "s:/tmp/evil", "s:/bin/sh"], EXDEV,
+         [nr("rename"), "s:/workspace/python3", "s:/workspace/victim"], 0),
+        ("rename /bin/busybox over /bin/sh", [nr("rename"), "s:/bin/busybox", "s:/bin/sh"], EROFS,
+         [nr("rename"), "s:/tmp/evil-link", "s:/tmp/ctl-copy"], 0),
+        ("renameat2 RENAME_EXCHANGE /bin/sh <-> /bin/busybox", [nr("renameat2"), AT_FDCWD, "s:/bin/sh", AT_FDCWD, "s:/bin/busybox", 2], EROFS,
+         [nr("renameat2"), AT_FDCWD, "s:/workspace/py", AT_FDCWD, "s:/workspace/victim", 2], 0),
+        ("chattr +d (FS_IOC_SETFLAGS) on /bin/busybox", [nr("ioctl"), "cat:/bin/busybox", FS_IOC_SETFLAGS, f"hex:{FS_NODUMP_FL:02x}000000"], EROFS,
+         [nr("ioctl"), "cat:/tmp/ctl", FS_IOC_SETFLAGS, f"hex:{FS_NODUMP_FL:02x}000000"], 0),
+        ("FS_IOC_FSSETXATTR on /etc/passwd", [nr("ioctl"), "cat:/etc/passwd", FS_IOC_FSSETXATTR, "buf:28"], EROFS,
+         [nr("ioctl"), "cat:/root/ctl", FS_IOC_FSSETXATTR, "buf:28"], 0),
+    ]
+    for what, attack, err, control, control_err in cases:
+        c = await sysx(sb, *control)
+        if control_err:
+            assert_errno(c, control_err, what=f"{what}: the same call on the workspace")
+        else:
+            assert c.code == 0, f"positive control for {what!r} failed: {c}"
+            redteam.allowed(f"{what}: the same call on a workspace/scratch path")
+        r = await sysx(sb, *attack)
+        assert_errno(r, err, what=what)
+        redteam.blocked(f"read-only mount: {what}")
+    # The controls really changed the workspace and scratch files.
+    r = await sh(sb, "stat -c '%n %a %u %F' /workspace/ctl /tmp/ctl /root/ctl /workspace/fifo /workspace/ctl-link")
+    assert r.code == 0 and r.out.splitlines() == [
+        "/workspace/ctl 777 1000 regular empty file", "/tmp/ctl 666 1000 regular empty file",
+        "/root/ctl 644 1000 regular file", "/workspace/fifo 644 0 fifo", "/workspace/ctl-link 777 1000 regular empty file",
+    ], r
+
+    # Through the shell, the way an agent would try.
+    for what, cmd in {
+        "chmod -R 777 /usr": "chmod -R 777 /usr",
+        "chown root:1000 /etc/shadow": "chown 0:1000 /etc/shadow",
+        "touch -d 2000-01-01 /bin/busybox": "touch -d '2000-01-01 00:00' /bin/busybox",
+        "touch -c /etc/passwd": "touch -c /etc/passwd",
+        "truncate -s 0 /etc/passwd": "truncate -s 0 /etc/passwd",
+        "mv /tmp/evil /usr/bin/sh": "mv -f /tmp/evil /usr/bin/sh",
+    }.items():
+        r = await sh(sb, cmd)
+        assert r.code != 0 and "Read-only file system" in r.out, (what, r)
+        redteam.blocked(f"read-only mount: {what}")
+
+    # The mounts can't be undone: the whole mount API is refused (and CAP_SYS_ADMIN is gone).
+    for what, args in {
+        "remount /usr read-write": [nr("mount"), "s:none", "s:/usr", 0, MS_REMOUNT | MS_BIND, 0],
+        "remount /etc read-write (no MS_BIND)": [nr("mount"), "s:none", "s:/etc", 0, MS_REMOUNT, 0],
+        "umount2 /usr to uncover the writable root": [nr("umount2"), "s:/usr", MNT_DETACH],
+        "bind /tmp over /bin": [nr("mount"), "s:/tmp", "s:/bin", 0, MS_BIND, 0],
+        "mount_setattr clearing MOUNT_ATTR_RDONLY on /usr": [nr("mount_setattr"), AT_FDCWD, "s:/usr", 0, "hex:" + "00" * 8 + "01" + "00" * 23, 32],
+        "open_tree clone of /usr": [nr("open_tree"), AT_FDCWD, "s:/usr", 1],
+    }.items():
+        r = await sysx(sb, *args)
+        assert_errno(r, EPERM, what=what)
+        redteam.blocked(f"seccomp: {what}")
+    assert (await sysx(sb, nr("getpid"))).code == 0  # the tool itself still works
+
+    after = await sh(sb, meta)
+    assert after.out == before.out, (before, after)
+    opts = mount_options((await sh(sb, "cat /proc/self/mountinfo")).out)
+    assert all(opts[p].split(",")[0] == "ro" for p in SYSTEM_MOUNTS), opts
+    # The files API (the agent is confined the same way) can't change them either.
+    import sdk
+
+    for path in ("/etc/passwd", "/usr/bin/new", "/bin/sh"):
+        with pytest.raises(sdk.DsecError):
+            await sb.files.write(path, b"HIJACKED", mode=0o4755)
+        redteam.blocked(f"read-only mount: files API write {path}")
+    await sb.files.write("/workspace/ok", b"fine", mode=0o4755)
+    assert await sb.files.read("/workspace/ok") == "fine"
+
+
+def _merged_usr_rootfs(base: Path, dest: Path) -> None:
+    """The busybox image laid out like a merged-/usr distribution: /bin, /sbin and /lib symlinks
+    into /usr, /lib64 a symlink to nothing, no /lib32 or /libx32 at all."""
+    shutil.copytree(base, dest, symlinks=True)
+    for d in ("bin", "sbin"):
+        for name in os.listdir(dest / d):
+            os.rename(dest / d / name, dest / "usr" / d / name)
+        os.rmdir(dest / d)
+        os.symlink(f"usr/{d}", dest / d)
+    (dest / "usr" / "lib").mkdir()
+    (dest / "usr" / "lib" / "libc.so.6").write_bytes(b"\x7fELF")
+    os.symlink("usr/lib", dest / "lib")
+    os.symlink("usr/lib64", dest / "lib64")
+
+
+async def test_merged_usr_image_system_paths_are_read_only(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """An image whose /bin, /sbin, /lib are symlinks into /usr (and whose /lib64 dangles, /lib32 is
+    missing) starts under the same profile, and what the symlinks lead to is read-only too."""
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import LayerRef, TemplateManifest
+
+    st = await make_stack()
+    rootfs = st.data_dir / "rootfs-merged-usr"
+    await asyncio.to_thread(_merged_usr_rootfs, st.data_dir / "rootfs", rootfs)
+    kv = await st.nc.jetstream().key_value(S.KV_IMAGES)
+    await kv.put("merged-usr", codec.encode(TemplateManifest(
+        name="merged-usr", created_at=time.time(), description="busybox, merged /usr (tests)",
+        layers=[LayerRef(role="base", digest="sha256:" + "1" * 64, kind="dir", path=str(rootfs))],
+    )))
+    sb = await st.create(template="merged-usr")
+    await push(sb, progs, "sysx")
+    r = await sh(sb, "for l in /bin /sbin /lib /lib64; do readlink $l; done; ls /lib32 2>&1; echo x > /workspace/f && /bin/busybox echo alive")
+    assert r.out.splitlines() == ["usr/bin", "usr/sbin", "usr/lib", "usr/lib64", "ls: /lib32: No such file or directory", "alive"], r
+    opts = mount_options((await sh(sb, "cat /proc/self/mountinfo")).out)
+    assert opts["/usr"].split(",")[0] == "ro" and opts["/etc"].split(",")[0] == "ro" and opts["/"].split(",")[0] == "rw", opts
+    for what, attack, err, control in [
+        ("chmod /bin/busybox (really /usr/bin/busybox)", [nr("chmod"), "s:/bin/busybox", 0o4755], EROFS, [nr("chmod"), "s:/workspace/f", 0o4755]),
+        ("chown /lib/libc.so.6", [nr("chown"), "s:/lib/libc.so.6", 1000, 1000], EROFS, [nr("chown"), "s:/workspace/f", 1000, 1000]),
+        ("setxattr on /sbin/init's target", [nr("setxattr"), "s:/sbin/init", "s:user.evil", "s:x", 1, 0], EROFS,
+         [nr("setxattr"), "s:/workspace/f", "s:user.evil", "s:x", 1, 0]),
+        ("utimensat /lib/libc.so.6", [nr("utimensat"), AT_FDCWD, "s:/lib/libc.so.6", 0, 0], EROFS, [nr("utimensat"), AT_FDCWD, "s:/workspace/f", 0, 0]),
+        ("create /lib64 (the dangling symlink's target)", [nr("openat"), AT_FDCWD, "s:/lib64", O_WRONLY | O_CREAT, 0o755], EROFS,
+         [nr("openat"), AT_FDCWD, "s:/workspace/g", O_WRONLY | O_CREAT, 0o755]),
+        # The symlinks themselves live in the root dir, where Landlock refuses replacing them.
+        ("replace the /bin symlink", [nr("rename"), "s:/tmp/evil", "s:/bin"], EACCES, [nr("rename"), "s:/workspace/g", "s:/workspace/f"]),
+        ("unlink the /lib symlink", [nr("unlink"), "s:/lib"], EACCES, [nr("unlink"), "s:/workspace/f"]),
+    ]:
+        if what == "replace the /bin symlink":
+            await sh(sb, "ln -s /tmp/evilbin /tmp/evil")
+        c = await sysx(sb, *control)
+        assert c.code == 0, f"positive control for {what!r} failed: {c}"
+        redteam.allowed(f"merged /usr: {what}: the same call on the workspace")
+        r = await sysx(sb, *attack)
+        assert_errno(r, err, what=what)
+        redteam.blocked(f"{'read-only mount' if err == EROFS else 'landlock'}: merged /usr: {what}")
+    r = await sh(sb, "readlink /bin; readlink /lib; stat -c '%a %u' /usr/bin/busybox /usr/lib/libc.so.6")
+    assert r.out.splitlines() == ["usr/bin", "usr/lib", "755 0", "644 0"], r
+
+
+async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """A pooled container's mounts were fixed when it started: a sandbox claimed from the pool has
+    the same read-only mounts as a cold one, and a profile that changed (even under the same name
+    and version) never gets a container started for its old content."""
+    import msgspec
+
+    from bus import codec
+    from bus import subjects as S
+    from bus.profiles import SYSTEM_PATHS, default_profile
+
+    st = await make_stack(warm_pool=1)
+    backend = st.backend
+
+    def pooled(profile: str) -> list[tuple[Any, ...]]:
+        return [k for k, v in backend._pool.items() if k[2] == profile and v]
+
+    cold = await st.create()
+    await until(lambda: pooled("default"), timeout=60, what="a warm container for the default profile")
+    warm = await st.create()
+    assert st.handle(warm).extra["cid"].startswith("wp-") and st.handle(cold).extra["cid"] == cold.sandbox_id
+    ro: dict[str, dict[str, str]] = {}
+    for sb in (cold, warm):
+        opts = mount_options((await sh(sb, "cat /proc/self/mountinfo")).out)
+        ro[sb.sandbox_id] = {p: o.split(",")[0] for p, o in opts.items() if not p.startswith("/.dsec")}
+        await push(sb, progs, "sysx")
+        await sh(sb, "echo x > /workspace/f")
+        c = await sysx(sb, nr("chmod"), "s:/workspace/f", 0o4755)
+        assert c.code == 0, c
+        assert_errno(await sysx(sb, nr("chmod"), "s:/bin/busybox", 0o4755), EROFS, what="chmod /bin/busybox")
+    assert ro[cold.sandbox_id] == ro[warm.sandbox_id] and all(ro[warm.sandbox_id][p] == "ro" for p in SYSTEM_MOUNTS), ro
+    redteam.allowed("warm pool: chmod in the workspace")
+    redteam.blocked("read-only mount: chmod /bin/busybox in a sandbox claimed from the warm pool")
+
+    # An operator edits profile "edit" in place (same name, same version): first without /etc
+    # among its read-only mounts, then with it again.
+    kv = await st.nc.jetstream().key_value(S.KV_PROFILES)
+    full = msgspec.structs.replace(default_profile(), name="edit", version=7)
+    no_etc = msgspec.structs.replace(full, fs=msgspec.structs.replace(full.fs, readonly_paths=[p for p in full.fs.readonly_paths if p != "/etc"]))
+    await kv.put("edit", codec.encode(no_etc))
+    await until(lambda: "edit" in st.host.profiles.profiles, timeout=10, what="the host agent to see profile edit")
+    loose = await st.create(profile="edit")
+    await push(loose, progs, "sysx")
+    c = await sysx(loose, nr("chmod"), "s:/etc/hostname", 0o600)
+    assert c.code == 0, f"without /etc among its read-only mounts the profile leaves /etc's metadata open: {c}"
+    await until(lambda: pooled("edit"), timeout=60, what="a warm container for profile edit without /etc")
+    stale_key = pooled("edit")[0]
+    stale_cids = [cid for cid, _, _ in backend._pool[stale_key]]
+    await kv.put("edit", codec.encode(full))
+    await until(lambda: "/etc" in st.host.profiles.profiles["edit"].fs.readonly_paths, timeout=10, what="the edited profile")
+    tight = await st.create(profile="edit")
+    assert st.handle(tight).extra["cid"] not in stale_cids
+    await push(tight, progs, "sysx")
+    opts = mount_options((await sh(tight, "cat /proc/self/mountinfo")).out)
+    assert opts.get("/etc", "").split(",")[0] == "ro", opts
+    await sh(tight, "echo x > /tmp/f")
+    assert (await sysx(tight, nr("chmod"), "s:/tmp/f", 0o600)).code == 0
+    assert_errno(await sysx(tight, nr("chmod"), "s:/etc/hostname", 0o600), EROFS, what="chmod /etc/hostname after the edit")
+    redteam.blocked("warm pool: a container started for a profile's old content is not handed out after an edit")
+
+    async def stale_gone() -> bool:
+        live = {c.id for c in await backend.rt.list()}
+        return stale_key not in backend._pool and not live & set(stale_cids)
+
+    await until(stale_gone, timeout=30, what="the warm containers of the old content to be removed")
 
 
 # -------------------------------------------------------------------------------- file ioctls
@@ -570,7 +854,8 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
         # Positive control: ordinary work is not reported.
         await sb.commands.run("echo fine > /tmp/ok && ls / > /dev/null && cat /etc/passwd > /dev/null")
         await sysx(sb, nr("mount"), "s:none", "s:/tmp", "s:tmpfs", 0, 0)
-        await sh(sb, "echo evil > /etc/passwd")
+        # (not a system path: a read-only mount refuses those before Landlock sees them)
+        await sh(sb, "echo evil > /var/evil")
         await sysx(sb, "-32", I386["unshare"], CLONE_NEWUSER)
         await sysx(sb, nr("ioctl"), f"fd:/workspace/t:{O_RDWR_CREAT}", 0x1_C0C0586D, "cat:/etc/passwd")
 
@@ -578,14 +863,14 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
             return next((v for v in got if v.kind == kind and v.sandbox_id == sb.sandbox_id and pred(v)), None)
 
         await until(lambda: find("seccomp", lambda v: v.what == "mount"), timeout=10, what="mount violation")
-        await until(lambda: find("landlock", lambda v: "fs.write_file" in v.what and "/etc/passwd" in v.what), timeout=10, what="landlock violation")
+        await until(lambda: find("landlock", lambda v: "fs.make_reg" in v.what and "/var" in v.what), timeout=10, what="landlock violation")
         await until(lambda: find("seccomp", lambda v: v.what.startswith("i386") and v.detail.get("process_killed") == "true"), timeout=10, what="i386 violation")
         await until(lambda: find("seccomp", lambda v: v.what == "ioctl"), timeout=10, what="ioctl violation")
         mount = find("seccomp", lambda v: v.what == "mount")
         assert mount is not None and mount.action == "record" and mount.detail["exe"] == "/tmp/sysx" and mount.host_id
         # (the reader sees the whole host: other stacks' sandboxes may show up too -- not ours to judge)
         assert not [v for v in got if v.sandbox_id == sb.sandbox_id and "/tmp/ok" in v.what], got
-        for what in ("mount", "landlock write /etc/passwd", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
+        for what in ("mount", "landlock create /var/evil", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
             redteam.blocked(f"audit: {what} reported with the sandbox id")
     finally:
         await sub.unsubscribe()

@@ -138,6 +138,29 @@ def test_compile_profile_agent_args() -> None:
         hp.landlock_args(msgspec.structs.replace(default_profile().fs, writable=["relative/path"]))
 
 
+def test_system_paths_become_read_only_mounts() -> None:
+    """Landlock can't refuse metadata changes, so the system paths are read-only mounts as well;
+    the spec hands them to runc, and a profile whose read-only mount would swallow one of its own
+    writable paths is refused rather than quietly breaking that path."""
+    from hostagent._containerd import build_spec
+
+    fs = default_profile().fs
+    e = hp.compile_profile(default_profile())
+    assert set(gp.SYSTEM_PATHS) <= set(e.readonly_paths) and set(gp.READONLY_PATHS) <= set(e.readonly_paths)
+    assert {"/usr", "/bin", "/sbin", "/lib", "/lib64", "/etc"} <= set(gp.SYSTEM_PATHS)
+    assert not {"/tmp", "/workspace", "/root", "/home", "/var", "/"} & set(e.readonly_paths)
+    spec = build_spec("sb-x", args=["/init"], env={}, cpu=1.0, memory_mb=64, pids_max=64, readonly_paths=e.readonly_paths)
+    assert spec["linux"]["readonlyPaths"] == list(e.readonly_paths) and spec["root"]["readonly"] is False
+    for bad in (["/"], ["/var"], ["/workspace"], ["/dev"], ["etc"]):
+        with pytest.raises(hp.InvalidArgument):
+            hp.readonly_mounts(msgspec.structs.replace(fs, readonly_paths=bad))
+    assert hp.readonly_mounts(msgspec.structs.replace(fs, readonly_paths=["/usr/", "/usr", "/opt"])) == ("/usr", "/opt")
+    # The warm pool keys on the fingerprint: same name and version, other mounts -> other key.
+    no_etc = msgspec.structs.replace(default_profile(), fs=msgspec.structs.replace(fs, readonly_paths=[p for p in fs.readonly_paths if p != "/etc"]))
+    assert hp.compile_profile(no_etc).fingerprint != e.fingerprint
+    assert hp.compile_profile(default_profile()).fingerprint == e.fingerprint
+
+
 # ------------------------------------------------------------------------------ audit records
 def test_parse_record() -> None:
     serial, f = parse_record('audit(1795943804.067:3): auid=1685284195 uid=0 ses=2 pid=18551 comm="sc" exe=2F746D702F612062 sig=0 arch=c000003e syscall=110 code=0x50000')

@@ -8,6 +8,7 @@
  * ARG: an integer (decimal, 0x hex, may exceed 32 bits), or
  *      s:TEXT          pointer to a NUL-terminated copy of TEXT (in low memory, usable by -32)
  *      buf:N           pointer to N zero bytes
+ *      hex:HEX         pointer to the bytes HEX spells (two hex digits a byte)
  *      fd:PATH:FLAGS   a descriptor from open(PATH, FLAGS, 0644) (FLAGS an integer)
  *      cat:PATH        a descriptor from open(PATH, O_RDONLY)
  * Prints "ret=R errno=E" and exits 0 if the call returned >= 0, else 1. A call the kernel kills
@@ -46,6 +47,15 @@ static unsigned long parse(const char *a)
     }
     if (!strncmp(a, "buf:", 4))
         return (unsigned long)low_alloc(strtoul(a + 4, NULL, 0));
+    if (!strncmp(a, "hex:", 4)) {
+        size_t n = strlen(a + 4) / 2;
+        unsigned char *p = low_alloc(n);
+        for (size_t k = 0; k < n; k++) {
+            char byte[3] = {a[4 + 2 * k], a[5 + 2 * k], 0};
+            p[k] = (unsigned char)strtoul(byte, NULL, 16);
+        }
+        return (unsigned long)p;
+    }
     if (!strncmp(a, "cat:", 4)) {
         int fd = open(a + 4, O_RDONLY);
         if (fd < 0) {
