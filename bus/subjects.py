@@ -109,6 +109,13 @@ def evt_host(host_id: str, kind: str) -> str:
 
 EVT_GUARD_VIOLATION = f"{PREFIX}.evt.guard.violation"
 
+# --- dropped sandbox packets (host agent's nftables -> guard, through the kernel) ---------
+# The host agent logs each packet its egress rules refuse to this NFLOG group, prefixed
+# "<NFLOG_PREFIX> <rule>"; guard listens on the group. Only one listener can hold a group per
+# network namespace, so two stacks on one machine (tests) must use different groups.
+NFLOG_GROUP = 7301
+NFLOG_PREFIX = "dsec-drop"
+
 
 def evt_image(name: str, kind: str) -> str:
     return f"{PREFIX}.evt.image.{_tok(name)}.{kind}"

@@ -1,10 +1,12 @@
-"""Guard decides: security profiles (KV ``dsec_profiles``) and the audit watcher.
+"""Guard decides: security profiles (KV ``dsec_profiles``) and the audit watcher (kernel audit
+records of seccomp/Landlock denials, and the packets the host's egress rules drop).
 
 Host agents enforce the profiles (``hostagent._profiles``); the two never import each other.
 Run it with ``python -m guard``.
 """
 
 from ._kernel import AUDIT_LOGINUID, Denial, KernelAudit, SandboxMap, parse_record
+from ._nflog import NflogError, NflogReader
 from bus.profiles import DEFAULT_VERSION, DENY_IOCTLS, builtin_profiles, default_profile, strict_profile
 from ._service import Guard, publish_profiles
 
@@ -15,6 +17,8 @@ __all__ = [
     "Denial",
     "Guard",
     "KernelAudit",
+    "NflogError",
+    "NflogReader",
     "SandboxMap",
     "builtin_profiles",
     "default_profile",

@@ -33,6 +33,7 @@ from bus.runtime import PullWorker, Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._kernel import Denial, KernelAudit
+from ._nflog import NflogError, NflogReader
 from bus.profiles import builtin_profiles
 
 log = structlog.get_logger("dsec.guard")
@@ -108,6 +109,9 @@ class Guard(Service):
         report_interval_s: float = 1.0,
         stream_options: StreamOptions = StreamOptions(),
         grace_s: float = 5.0,
+        nflog_group: int | None = S.NFLOG_GROUP,
+        net_report_rate_per_s: float = 5.0,
+        net_report_burst: int = 20,
     ) -> None:
         super().__init__(nats_url, grace_s=grace_s)
         self.host_id = host_id or socket.gethostname().split(".")[0]
@@ -118,6 +122,10 @@ class Guard(Service):
         self.report_interval_s = report_interval_s
         self.stream_options = stream_options
         self.kernel: KernelAudit | None = None
+        self.nflog_group = nflog_group  # None: don't read dropped packets (run one per sandbox host)
+        self.net_report_rate_per_s = net_report_rate_per_s
+        self.net_report_burst = net_report_burst
+        self.nflog: NflogReader | None = None
         self.profiles: dict[str, SecurityProfile] = {}
         self.published: dict[str, str] = {}
         self.violations = 0
@@ -156,10 +164,19 @@ class Guard(Service):
                 self.kernel = k
             except OSError as exc:
                 log.warning("kernel_audit_unavailable", error=str(exc), note="needs root (CAP_AUDIT_READ) on the host")
+        if self.kernel_audit and self.nflog_group is not None:  # the same host-side duty as the audit reader
+            r = NflogReader(self._on_denial, group=self.nflog_group, rate_per_s=self.net_report_rate_per_s, burst=self.net_report_burst)
+            try:
+                await r.start()
+                self.nflog = r
+            except NflogError as exc:
+                log.warning("nflog_unavailable", error=str(exc), note="needs CAP_NET_ADMIN in the host netns; dropped packets go unreported")
 
     async def teardown(self) -> None:
         if self.kernel is not None:
             await self.kernel.stop()
+        if self.nflog is not None:
+            await self.nflog.stop()
         if self._watch_task is not None:
             self._watch_task.cancel()
             try:
@@ -221,6 +238,7 @@ class Guard(Service):
             self._last[key] = (last, suppressed + 1)
             return
         self._last[key] = (now, 0)
+        self.violations += 1  # counted when decided, so a test can tell when every report is out
         self.spawn(self._handle_denial(d, by_agent, suppressed))
 
     async def _handle_denial(self, d: Denial, by_agent: bool, suppressed: int) -> None:
@@ -238,7 +256,6 @@ class Guard(Service):
             sandbox_id=d.sandbox_id, at=time.time(), kind=d.kind, what=d.what, action=action,
             host_id=self.host_id, detail=detail,
         )
-        self.violations += 1
         log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
         assert self.js is not None
         try:
@@ -300,6 +317,8 @@ class Guard(Service):
             del self._last[k]
         if self.kernel is not None:
             self.kernel.map.forget(sid)
+        if self.nflog is not None:
+            self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest
             for k in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
                 del self._gone[k]

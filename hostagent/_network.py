@@ -31,6 +31,15 @@ name, which the kernel -- not the sandbox -- attaches to each packet::
 limited) and ICMP admin-prohibited otherwise (EHOSTUNREACH). Each has a named counter (the word
 after it above), so a test or an audit can tell which rule stopped what.
 
+Every packet a sandbox sends that a rule above refuses (to_host, between_sandboxes, ipv6,
+spoofed, denied, not_allowed) is also logged to the NFLOG group ``log_group`` with the prefix
+``"dsec-drop <counter name>"`` (``bus.subjects.NFLOG_PREFIX``), by a rule with the same match just
+before it; guard listens there and reports the drop for the sandbox whose veth (alias = sandbox
+id) the packet came in on. The log rule first passes a per-veth token bucket (the dynamic set
+``drop_log``), so a flood logs at most ``log_burst`` packets at once and ``log_rate_per_s`` after
+that, per sandbox, and one sandbox's flood cannot hide another's drops; counter ``logged`` counts
+what was logged. Inbound drops (packets *to* a sandbox) are not the sandbox's doing: not logged.
+
 Allowlist entries: ``CIDR`` or ``IP`` (every port and protocol), ``host:port`` or ``host:lo-hi``
 (TCP and UDP to those ports; host is an IP, CIDR or domain), or ``domain`` (every port). Domains
 are resolved by the host agent (the host's resolver, or the ``nameservers`` it is configured
@@ -80,6 +89,7 @@ from typing import Any, Callable, Iterable, TypeVar
 
 import structlog
 
+from bus import subjects as S
 from bus.errors import CreateFailed, InvalidArgument
 from bus.messages import NetworkSpec
 
@@ -108,7 +118,7 @@ DEFAULT_DENY: tuple[str, ...] = (
     "224.0.0.0/4",  # multicast
     "240.0.0.0/4",  # reserved + limited broadcast
 )
-COUNTERS: tuple[str, ...] = ("to_host", "between_sandboxes", "inbound", "ipv6", "spoofed", "denied", "not_allowed", "forward_guard")
+COUNTERS: tuple[str, ...] = ("to_host", "between_sandboxes", "inbound", "ipv6", "spoofed", "denied", "not_allowed", "forward_guard", "logged")
 FAMILY_PREFIX = "ds"  # every dsec instance's veth names start with this (the forwarding guard keys on it)
 IFNAMSIZ = 15
 MAX_PORT = 65535
@@ -150,6 +160,9 @@ class NetworkConfig:
     resolve_timeout_s: float = 3.0
     state_dir: str = "/run/dsec"
     warm_pool: int = 8  # networks made ahead of time (netns + veth + addresses), off the create path
+    log_group: int = S.NFLOG_GROUP  # NFLOG group guard reads dropped packets from; -1: do not log drops
+    log_rate_per_s: int = 10  # per sandbox, after the burst
+    log_burst: int = 20
 
     def __post_init__(self) -> None:
         pool = ipaddress.ip_network(self.pool)
@@ -165,16 +178,20 @@ class NetworkConfig:
             raise ValueError(f"netns_prefix must be 1-64 of [A-Za-z0-9_.-] ending in '-', got {self.netns_prefix!r}")
         for d in self.deny_out:
             ipaddress.IPv4Network(d, strict=False)
+        if not -1 <= self.log_group <= 0xFFFF or self.log_rate_per_s < 1 or self.log_burst < 1:
+            raise ValueError(f"log_group must be -1..65535 and log_rate_per_s, log_burst >= 1, got {self.log_group}, {self.log_rate_per_s}, {self.log_burst}")
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "NetworkConfig":
-        """DSEC_NET_POOL, DSEC_NET_DENY (comma-separated CIDRs), DSEC_NET_NAMESERVERS; the servers of
+        """DSEC_NET_POOL, DSEC_NET_DENY (comma-separated CIDRs), DSEC_NET_NAMESERVERS, DSEC_NFLOG_GROUP; the servers of
         DSEC_NATS_URL are added to the control plane (so they are never reachable from a sandbox)."""
         e = os.environ if env is None else env
         split = lambda k: tuple(x.strip() for x in e.get(k, "").split(",") if x.strip())  # noqa: E731
         kw: dict[str, Any] = {"deny_out": split("DSEC_NET_DENY"), "nameservers": split("DSEC_NET_NAMESERVERS"), "control_plane": split("DSEC_NATS_URL")}
         if e.get("DSEC_NET_POOL"):
             kw["pool"] = e["DSEC_NET_POOL"]
+        if e.get("DSEC_NFLOG_GROUP"):
+            kw["log_group"] = int(e["DSEC_NFLOG_GROUP"])
         return cls(**kw)
 
 
@@ -787,9 +804,20 @@ class NetworkManager:
         rej = "reject with icmpx admin-prohibited"
         deny = ", ".join(str(n) for n in self.deny)
 
+        def logged(chain: str, match: str, counter: str) -> list[str]:
+            if self.cfg.log_group < 0:
+                return []
+            m = f"{match} " if match else ""
+            bucket = f"update @drop_log {{ iifname limit rate {self.cfg.log_rate_per_s}/second burst {self.cfg.log_burst} packets }}"
+            return [
+                f'add rule {t} {chain} {m}{bucket} counter name "logged" '
+                f'log prefix "{S.NFLOG_PREFIX} {counter}" group {self.cfg.log_group} snaplen 96'
+            ]
+
         def reject(chain: str, match: str, counter: str) -> list[str]:
             m = f"{match} " if match else ""
             return [
+                *logged(chain, match, counter),
                 f'add rule {t} {chain} {m}meta l4proto tcp counter name "{counter}" reject with tcp reset',
                 f'add rule {t} {chain} {m}counter name "{counter}" {rej}',
             ]
@@ -799,6 +827,8 @@ class NetworkManager:
             f"add set {t} deny_net {{ type ipv4_addr; flags interval; auto-merge; }}",
             f"add set {t} allow_net {{ type ifname . ipv4_addr; flags interval; }}",
             f"add set {t} allow_port {{ type ifname . ipv4_addr . inet_proto . inet_service; flags interval; }}",
+            # one token bucket per sandbox veth for the drop log; idle ones expire
+            f"add set {t} drop_log {{ type ifname; flags dynamic,timeout; timeout 60s; size 65536; }}",
             *(f"add counter {t} {c}" for c in COUNTERS),
             f"add chain {t} sbx_input {{ type filter hook input priority filter - 10; policy accept; }}",
             f"add chain {t} sbx_forward {{ type filter hook forward priority filter - 10; policy accept; }}",
@@ -819,7 +849,9 @@ class NetworkManager:
             f"add rule {t} sbx_forward oifname {p} ct state established,related meta l4proto {{ tcp, udp }} oifname . ip saddr . meta l4proto . th sport @allow_port accept",
             f"add rule {t} sbx_forward oifname {p} ct state related meta l4proto icmp accept",
             f'add rule {t} sbx_forward oifname {p} counter name "inbound" drop',
+            *logged("sbx_egress", "meta nfproto ipv6", "ipv6"),
             f'add rule {t} sbx_egress meta nfproto ipv6 counter name "ipv6" {rej}',
+            *logged("sbx_egress", "fib saddr . iif oif missing", "spoofed"),
             f'add rule {t} sbx_egress fib saddr . iif oif missing counter name "spoofed" drop',
             *reject("sbx_egress", "ip daddr @deny_net", "denied"),
             # no "established" shortcut: every packet out is checked against this veth's elements

@@ -88,7 +88,10 @@ def parse_since(since: str | None) -> dt.datetime | None:
 async def replay_events(
     url: str | None = None, *, since: str | None = None, sandbox_id: str | None = None, kinds: list[str] | None = None, idle_timeout: float = 2.0
 ) -> AsyncIterator[dict[str, Any]]:
-    """Yield every event kept in DSEC_EVT (oldest first) from ``since``, until caught up."""
+    """Yield every event kept in DSEC_EVT (oldest first) from ``since``, until caught up.
+
+    With ``sandbox_id``: that sandbox's lifecycle events and the guard violations about it (those
+    live on one subject for all sandboxes, so they are filtered here by their ``sandbox_id``)."""
     start = parse_since(since)
     if sandbox_id is not None and not S.valid_token(sandbox_id):
         raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
@@ -103,6 +106,8 @@ async def replay_events(
         if info.state.messages == 0:
             return
         cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat()) if start else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        if sandbox_id:
+            cfg.filter_subjects = [subject, S.EVT_GUARD_VIOLATION]
         queue: asyncio.Queue[Any] = asyncio.Queue()
         sub = await js.subscribe(subject, stream=S.STREAM_EVT, ordered_consumer=True, config=cfg, cb=queue.put)
         try:
@@ -119,7 +124,7 @@ async def replay_events(
                 d["type"] = type(ev).__name__
                 d["seq"] = msg.metadata.sequence.stream
                 d["subject"] = msg.subject
-                if not kinds or d.get("kind") in kinds:
+                if (not kinds or d.get("kind") in kinds) and (not sandbox_id or d.get("sandbox_id") == sandbox_id):
                     yield d
                 if msg.metadata.num_pending == 0:
                     return

@@ -10,9 +10,10 @@ and the sandbox networks (netns mounts, veths, the nft table) the stack's host a
 ``make_stack(**options)`` builds one with options: ``network`` (a dict of
 ``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
-kernel audit reader; ``stack.guard``), ``warm_pool`` (started containers the host agent keeps
-ready per image and profile). Each stack gets its own nft table, veth prefix, netns prefix and /22 address pool,
-so stacks never touch each other's (or a real host agent's) network state.
+kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
+(started containers the host agent keeps ready per image and profile). Each stack gets its own nft
+table, veth prefix, netns prefix, /22 address pool and NFLOG group, so stacks never touch each
+other's (or a real host agent's) network state.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def network_config(prefix: str, **overrides: Any) -> Any:
     idx = (string.ascii_lowercase + string.digits).index(prefix[3])
     kw: dict[str, Any] = dict(
         pool=f"10.210.{idx * 4}.0/22", table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-",
+        log_group=7400 + idx,  # one NFLOG listener per group: each stack's guard gets its own
     )
     kw.update(overrides)
     return NetworkConfig(**kw)
@@ -228,7 +230,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         if guard:
             from guard import Guard
 
-            st.guard = Guard(url, host_id=f"guard-{uid}")
+            st.guard = Guard(url, host_id=f"guard-{uid}", nflog_group=net.log_group)
             await st.guard.start()
         await placement.start()
         await st.host.start()

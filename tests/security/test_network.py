@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import struct
@@ -47,7 +48,7 @@ from hostagent._network import (
 from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
-from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, network_config, network_leftovers
+from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, network_config, network_leftovers, until
 
 pytestmark = [pytest.mark.containerd]
 needs_stack = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
@@ -64,6 +65,7 @@ NETPROBE_C = r"""
  *   netprobe raw                 socket(AF_INET, SOCK_RAW, IPPROTO_ICMP)
  *   netprobe packet              socket(AF_PACKET, SOCK_RAW, ETH_P_ALL)
  *   netprobe nft TABLE           nfnetlink batch: delete table inet TABLE
+ *   netprobe flood IP PORT N     N one-byte UDP datagrams to PORT, PORT+1, ... (1000 ports, cycled)
  * Prints "ok ..." (exit 0), "err ERRNONAME ..." (exit 1) or "timeout" (exit 2). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -186,6 +188,19 @@ static int nft(const char *table) {
     printf("ok no-error\n");
     return 0;
 }
+static int flood(const char *ip, const char *port, const char *count) {
+    struct sockaddr_in sa;
+    if (addr(ip, port, &sa)) { errno = EINVAL; return fail("address"); }
+    int s = socket(AF_INET, SOCK_DGRAM, 0);
+    if (s < 0) return fail("socket");
+    int n = atoi(count), base = atoi(port), sent = 0;
+    for (int i = 0; i < n; i++) {
+        sa.sin_port = htons(base + i % 1000);
+        if (sendto(s, "x", 1, 0, (struct sockaddr *)&sa, sizeof sa) == 1) sent++;
+    }
+    printf("ok sent %d\n", sent);
+    return 0;
+}
 int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IONBF, 0);
     if (argc >= 4 && !strcmp(argv[1], "tcp")) return tcp(argv[2], argv[3], argc > 4 ? argv[4] : NULL);
@@ -200,6 +215,7 @@ int main(int argc, char **argv) {
         printf("ok packet socket\n"); return 0;
     }
     if (argc >= 3 && !strcmp(argv[1], "nft")) return nft(argv[2]);
+    if (argc >= 5 && !strcmp(argv[1], "flood")) return flood(argv[2], argv[3], argv[4]);
     fprintf(stderr, "usage: netprobe tcp|udp|raw|packet|nft ...\n");
     return 64;
 }
@@ -269,8 +285,10 @@ def counters(table: str) -> dict[str, int]:
 
 
 def host_rules(table: str) -> str:
-    """The host's sandbox ruleset as text, without counter values (nft -s)."""
-    return subprocess.run(["nft", "-s", "list", "table", "inet", table], capture_output=True, text=True, check=True).stdout
+    """The host's sandbox ruleset as text, without counter values (nft -s) nor the drop log's
+    token buckets (elements of set drop_log: kernel state every logged drop updates, not rules)."""
+    text = subprocess.run(["nft", "-s", "list", "table", "inet", table], capture_output=True, text=True, check=True).stdout
+    return re.sub(r"(set drop_log \{[^}]*?)\s*elements = \{[^}]*\}", r"\1", text)
 
 
 def host_ipv4_addresses() -> list[str]:
@@ -1122,3 +1140,200 @@ async def test_setup_latency(stack: SecStack, testhost: TestHost, capsys: pytest
         print(f"sandbox create through the SDK, sequential: {t_plain:.1f} ms without network, {t_net:.1f} ms with")
     pooled = rows[2][1]
     assert pct(pooled["setup_ms"], 0.5) < 10.0 and pct(pooled["teardown_ms"], 0.5) < 10.0
+
+
+# ============================================================================= drops reach the guard
+class Violations:
+    """Every GuardViolation published on the stack's bus, as it arrives."""
+
+    __test__ = False
+
+    def __init__(self) -> None:
+        self.got: list[Any] = []
+        self._sub: Any = None
+
+    async def start(self, nc: Any) -> "Violations":
+        from bus import codec
+        from bus import subjects as S
+
+        async def on(msg: Any) -> None:
+            self.got.append(codec.EVENT.decode(msg.data))
+
+        self._sub = await nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on)
+        await nc.flush()
+        return self
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+
+    def network(self, sid: str) -> list[Any]:
+        return [v for v in self.got if v.kind == "network" and v.sandbox_id == sid]
+
+    def find(self, sid: str, proto: str, dst: str, dport: int | None = None) -> Any:
+        return next((v for v in self.network(sid) if v.detail.get("proto") == proto and v.detail.get("dst") == dst
+                     and (dport is None or v.detail.get("dport") == str(dport))), None)
+
+    async def expect(self, sid: str, proto: str, dst: str, dport: int | None, rule: str) -> Any:
+        await eventually(lambda: self.find(sid, proto, dst, dport), timeout=10, what=f"a network violation of {sid}: {proto} {dst}:{dport}")
+        v = self.find(sid, proto, dst, dport)
+        assert v.detail["rule"] == rule and v.detail.get("source") == "guard.kernel" and v.host_id, v
+        assert v.what == (f"{proto} {dst}:{dport}" if dport is not None else v.what), v
+        return v
+
+
+async def _guarded_stack(make_stack: Any, **kw: Any) -> tuple[SecStack, Violations]:
+    st = await make_stack(guard=True, **kw)
+    if st.guard.nflog is None:
+        pytest.fail(f"guard could not bind NFLOG group {st.net.log_group} (another listener on this machine holds it?)")
+    return st, await Violations().start(st.nc)
+
+
+@needs_stack
+async def test_dropped_packets_are_reported_for_their_sandbox(
+    nats_alias: str, make_stack: Any, testhost: TestHost, host_listener: Listener, netprobe_bin: bytes, redteam: RedTeam
+) -> None:
+    """Each denied packet a sandbox sends -- to the host, the control plane, another sandbox, a
+    destination its allowlist does not name -- becomes a guard violation naming that sandbox and
+    what it tried; allowed traffic is not reported."""
+    st, vs = await _guarded_stack(make_stack, nats_host=nats_alias)
+    try:
+        th = await testhost.listen()
+        other = await testhost.listen()
+        a = await with_probe(await st.create(network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
+        b = await with_probe(await st.create(network={"allow_out": ["198.51.100.0/24"]}), netprobe_bin)
+        aa, ba = st.attachment(a), st.attachment(b)
+        t = st.net.table
+        # positive control: allowed TCP and UDP are neither logged by the kernel nor reported
+        c0 = counters(t)
+        await reach(a, testhost.ip, th.port, redteam, "A -> its allowlisted host:port (TCP), not reported")
+        udp = await probe(a, "udp", testhost.ip, th.port, "u")
+        assert udp.code == 0 and "echo-from-testhost u" in udp.stdout, udp
+        redteam.allowed("A -> its allowlisted host:port (UDP), not reported")
+        assert counters(t)["logged"] == c0["logged"], delta(c0, counters(t))
+        host_ip = next(ip for ip in host_ipv4_addresses() if ip != nats_alias)
+        attacks = [
+            ("the host (veth's host end), TCP", "to_host", "tcp", aa.gateway, host_listener.port),
+            (f"the host ({host_ip}), UDP", "to_host", "udp", host_ip, host_listener.port),
+            ("NATS client port", "to_host", "tcp", nats_alias, st.nats.port),
+            ("NATS client port, UDP", "to_host", "udp", nats_alias, st.nats.port),
+            ("sandbox B", "between_sandboxes", "tcp", ba.ip, 7000),
+            ("sandbox B, UDP", "between_sandboxes", "udp", ba.ip, 7001),
+            ("a non-allowlisted port, TCP", "not_allowed", "tcp", testhost.ip, other.port),
+            ("a non-allowlisted port, UDP", "not_allowed", "udp", testhost.ip, other.port),
+        ]
+        for what, rule, proto, ip, port in attacks:
+            await blocked(redteam, t, a, f"A -> {what}", rule, proto, ip, port, "x")
+            v = await vs.expect(a.sandbox_id, proto, ip, port, rule)
+            assert v.action == "record" and v.detail["src"] == aa.ip and v.detail["ifname"] == aa.ifname, v
+            redteam.blocked(f"A -> {what}: reported to guard as {v.what!r} [{rule}]")
+        # ICMP has no port: reported by type
+        await blocked(redteam, t, a, "A -> sandbox B (ICMP echo)", "between_sandboxes", "icmp", ba.ip)
+        v = await vs.expect(a.sandbox_id, "icmp", ba.ip, None, "between_sandboxes")
+        assert v.what == f"icmp {ba.ip} type 8", v
+        # the other sandbox did nothing and is blamed for nothing; allowed traffic was never reported
+        assert vs.network(b.sandbox_id) == [], vs.network(b.sandbox_id)
+        assert vs.find(a.sandbox_id, "tcp", testhost.ip, th.port) is None and vs.find(a.sandbox_id, "udp", testhost.ip, th.port) is None
+        assert other.hits == 0 and host_listener.hits == 0
+        # the audit trail: `dsec audit replay --sandbox A` shows A's drops (and nothing of B's)
+        from tests.integration.test_cli import dsec
+
+        rc, out, err = await dsec("audit", "replay", "--sandbox", a.sandbox_id, "--kind", "network", "--json", url=st.url)
+        assert rc == 0, err
+        replayed = [json.loads(ln) for ln in out.splitlines() if ln.strip()]
+        assert sorted(e["what"] for e in replayed) == sorted(v.what for v in vs.network(a.sandbox_id)), replayed
+        assert all(e["type"] == "GuardViolation" and e["sandbox_id"] == a.sandbox_id for e in replayed)
+        rc, out, err = await dsec("audit", "replay", "--sandbox", a.sandbox_id, url=st.url)
+        lines = [ln.split() for ln in out.splitlines()]
+        assert rc == 0 and any(ln[2:5] == ["GuardViolation", "network", a.sandbox_id] and f"what=tcp {ba.ip}:7000" in " ".join(ln) for ln in lines), out
+        assert any(ln[2:5] == ["SandboxEvent", "ready", a.sandbox_id] for ln in lines), out
+    finally:
+        await vs.stop()
+
+
+@needs_stack
+async def test_a_flood_of_drops_is_rate_limited_per_sandbox(make_stack: Any, testhost: TestHost, netprobe_bin: bytes, redteam: RedTeam) -> None:
+    """2000 denied datagrams to 1000 different ports: every one is dropped, a bounded number is
+    reported (the kernel's per-veth bucket, then the guard's), and a second sandbox's drop right
+    after is still reported -- one sandbox's flood does not use up another's reports."""
+    st, vs = await _guarded_stack(make_stack)
+    try:
+        th = await testhost.listen()
+        a = await with_probe(await st.create(network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
+        b = await with_probe(await st.create(network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
+        t = st.net.table
+        g = st.guard
+        c0, p0 = counters(t), g.nflog.packets
+        t0 = time.monotonic()
+        out = await probe(a, "flood", testhost.ip, 20000, 2000)
+        elapsed = time.monotonic() - t0
+        assert out.code == 0 and out.stdout.strip() == "ok sent 2000", out
+        c1 = counters(t)
+        dropped, logged = c1["not_allowed"] - c0["not_allowed"], c1["logged"] - c0["logged"]
+        assert dropped >= 2000, delta(c0, c1)
+        burst, rate = st.net.log_burst, st.net.log_rate_per_s
+        assert 1 <= logged <= burst + rate * elapsed + 1, (logged, elapsed)
+        # barrier: the guard has read every logged packet, and every report it decided on is here
+        await eventually(lambda: g.nflog.packets - p0 >= logged, timeout=10, what="guard to read the logged drops")
+        await eventually(lambda: len(vs.got) == g.violations, timeout=10, what="every report on the bus")
+        flood = vs.network(a.sandbox_id)
+        assert 1 <= len(flood) <= min(logged, g.net_report_burst + g.net_report_rate_per_s * (time.monotonic() - t0) + 1), (len(flood), logged)
+        assert all(v.detail["rule"] == "not_allowed" and v.detail["proto"] == "udp" and v.detail["dst"] == testhost.ip for v in flood)
+        redteam.blocked(f"UDP flood of 2000 denied packets: all dropped, {len(flood)} reports on the bus ({logged} logged by the kernel)")
+        # a second sandbox is reported at once
+        await blocked(redteam, t, b, "B -> a non-allowlisted port right after A's flood", "not_allowed", "tcp", testhost.ip, 20001, "x")
+        await vs.expect(b.sandbox_id, "tcp", testhost.ip, 20001, "not_allowed")
+        redteam.blocked("B's drop still reported during A's flood [per-sandbox buckets]")
+    finally:
+        await vs.stop()
+
+
+@needs_stack
+async def test_dropped_packets_apply_the_sandbox_audit_policy(
+    make_stack: Any, testhost: TestHost, host_listener: Listener, netprobe_bin: bytes, redteam: RedTeam
+) -> None:
+    """A profile whose audit policy quarantines on network violations: the first denied packet
+    gets the sandbox killed and marked; a default-profile sandbox doing the same is only recorded."""
+    import msgspec
+
+    from bus import codec
+    from bus import subjects as S
+    from guard import default_profile
+
+    st, vs = await _guarded_stack(make_stack)
+    try:
+        base = default_profile()
+        prof = msgspec.structs.replace(base, name="net-quarantine", version=1, audit=msgspec.structs.replace(base.audit, other="quarantine"))
+        await (await st.nc.jetstream().key_value(S.KV_PROFILES)).put(prof.name, codec.encode(prof))
+        await until(lambda: prof.name in st.host.profiles.profiles and prof.name in st.guard.profiles, timeout=10, what="the profile to reach host agent and guard")
+        th = await testhost.listen()
+        q = await with_probe(await st.create(profile=prof.name, network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
+        r = await with_probe(await st.create(network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
+        await reach(q, testhost.ip, th.port, redteam, "quarantine-profile sandbox -> its allowlisted port (not reported)")
+        kv_sbx = await st.nc.jetstream().key_value(S.KV_SANDBOXES)
+
+        async def state(sid: str) -> Any:
+            return codec.SANDBOX_RECORD.decode((await kv_sbx.get(sid)).value)
+
+        assert (await state(q.sandbox_id)).state == "running"
+        gq, gr = st.attachment(q).gateway, st.attachment(r).gateway
+        await blocked(redteam, st.net.table, r, "default-profile sandbox -> a host service", "to_host", "tcp", gr, host_listener.port, "x")
+        await blocked(redteam, st.net.table, q, "quarantine-profile sandbox -> a host service", "to_host", "tcp", gq, host_listener.port, "x")
+        v = await vs.expect(q.sandbox_id, "tcp", gq, host_listener.port, "to_host")
+
+        async def killed() -> bool:
+            return (await state(q.sandbox_id)).state == "killed"
+
+        await until(killed, timeout=20, what="guard to quarantine the sandbox")
+        rec = await state(q.sandbox_id)
+        assert rec.end_reason.startswith("guard-quarantine: network tcp"), rec
+        quarantined = codec.EVENT.decode((await (await st.nc.jetstream().key_value(S.KV_QUARANTINE)).get(q.sandbox_id)).value)
+        assert quarantined.kind == "network" and quarantined.action == "quarantine" and quarantined.detail["rule"] == "to_host", quarantined
+        assert v.action == "quarantine"
+        redteam.blocked("quarantine profile: sandbox killed and marked after one denied packet")
+        vr = await vs.expect(r.sandbox_id, "tcp", gr, host_listener.port, "to_host")
+        assert vr.action == "record"
+        assert (await state(r.sandbox_id)).state == "running" and (await sh(r, "echo still-here")).stdout.strip() == "still-here"
+        redteam.allowed("default profile: the same drop is recorded, the sandbox keeps running")
+    finally:
+        await vs.stop()

@@ -412,3 +412,71 @@ async def test_guard_quarantines_and_acts_on_other_components_reports(nats_serve
             await s.unsubscribe()
         await g.shutdown()
         await nc.close()
+
+
+# ------------------------------------------------------------------------------- dropped packets (NFLOG)
+def _nla(kind: int, data: bytes) -> bytes:
+    n = 4 + len(data)
+    return struct.pack("=HH", n, kind) + data + b"\0" * ((4 - n % 4) % 4)
+
+
+def _nflog_packet(payload: bytes, *, ifindex: int = 1, prefix: str = "dsec-drop not_allowed", hw: int = 0x0800) -> bytes:
+    """An NFULNL_MSG_PACKET body as the kernel lays it out (nfgenmsg + attributes)."""
+    from guard._nflog import NFULA_IFINDEX_INDEV, NFULA_PACKET_HDR, NFULA_PAYLOAD, NFULA_PREFIX
+
+    return (struct.pack("=BBH", 2, 0, 0) + _nla(NFULA_PACKET_HDR, struct.pack("!HBx", hw, 2)) + _nla(NFULA_IFINDEX_INDEV, struct.pack("!I", ifindex))
+            + _nla(NFULA_PREFIX, prefix.encode() + b"\0") + _nla(NFULA_PAYLOAD, payload))
+
+
+def _ipv4(proto: int, src: str, dst: str, l4: bytes) -> bytes:
+    import socket
+
+    return struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(l4), 1, 0, 64, proto, 0, socket.inet_aton(src), socket.inet_aton(dst)) + l4
+
+
+def test_nflog_messages_become_network_denials(tmp_path: Path) -> None:
+    import ipaddress
+    import socket
+
+    from guard._nflog import IfaceMap, NflogReader, config_msg, parse_ip, parse_packet_msg
+
+    # The interface: ifindex 1 is lo everywhere; its "sysfs" alias names the sandbox.
+    lo = socket.if_indextoname(1)
+    (tmp_path / lo).mkdir()
+    (tmp_path / lo / "ifalias").write_text("sb-net-1\n")
+    tcp = _ipv4(6, "10.210.0.2", "10.210.0.1", struct.pack("!HHII", 40000, 4222, 0, 0))
+    udp = _ipv4(17, "10.210.0.2", "198.18.0.2", struct.pack("!HHHH", 5353, 53, 9, 0))
+    icmp = _ipv4(1, "10.210.0.2", "10.210.0.6", bytes([8, 0, 0, 0]))
+    v6 = (struct.pack("!IHBB", 6 << 28, 8, 17, 64) + ipaddress.IPv6Address("fd00::2").packed + ipaddress.IPv6Address("2001:db8::1").packed
+          + struct.pack("!HHHH", 1234, 443, 8, 0))
+    assert parse_ip(v6) == (6, "udp", "fd00::2", "2001:db8::1", 1234, 443, -1)
+    assert parse_ip(tcp)[1:] == ("tcp", "10.210.0.2", "10.210.0.1", 40000, 4222, -1)
+    d = parse_packet_msg(_nflog_packet(tcp, prefix="dsec-drop to_host"))
+    assert d is not None and d.rule == "to_host" and d.what == "tcp 10.210.0.1:4222" and d.ifindex == 1
+    assert parse_packet_msg(_nflog_packet(tcp, prefix="someone-else to_host")) is None  # not our rules
+    assert parse_packet_msg(_nflog_packet(b"\x00junk")).proto == "unknown"  # reported, never crashes the reader
+    assert config_msg(7301, 1, [(1, b"\x01")])[18:20] == struct.pack("!H", 7301)  # the group, big-endian res_id
+
+    got: list[Denial] = []
+    r = NflogReader(got.append, group=7301, rate_per_s=0.001, burst=3, iface_map=IfaceMap(str(tmp_path)))
+    r.feed(_nflog_packet(udp))
+    r.feed(_nflog_packet(icmp, prefix="dsec-drop between_sandboxes"))
+    r.feed(_nflog_packet(v6, hw=0x86DD, prefix="dsec-drop ipv6"))
+    assert [(x.sandbox_id, x.kind, x.what, x.detail["rule"]) for x in got] == [
+        ("sb-net-1", "network", "udp 198.18.0.2:53", "not_allowed"),
+        ("sb-net-1", "network", "icmp 10.210.0.6 type 8", "between_sandboxes"),
+        ("sb-net-1", "network", "udp [2001:db8::1]:443", "ipv6"),
+    ]
+    assert got[0].detail == {"rule": "not_allowed", "proto": "udp", "dst": "198.18.0.2", "src": "10.210.0.2", "dport": "53", "sport": "5353", "ifname": lo}
+    # over the per-sandbox bucket: held back, counted into the sandbox's next report
+    for _ in range(10):
+        r.feed(_nflog_packet(udp))
+    assert len(got) == 3 and r.held == 10 and r.packets == 13
+    r._buckets["sb-net-1"].tokens = 1.0
+    r.feed(_nflog_packet(tcp))
+    assert len(got) == 4 and got[-1].detail["held_back"] == "10"
+    # an interface whose alias is no sandbox id (a warm network) is not blamed on anyone
+    (tmp_path / lo / "ifalias").write_text("@warm-3\n")
+    r.forget("sb-net-1")
+    r.feed(_nflog_packet(tcp))
+    assert len(got) == 4 and r.unmapped == 1
