@@ -128,6 +128,26 @@ class NatsServer:
             time.sleep(0.02)  # polling interval of a readiness probe, not a synchronisation sleep
         raise NatsServerError(f"nats-server not ready after {timeout}s ({last}); see {self.log_file}")
 
+    def reload(self, extra_config: str | None = None, timeout: float = 10.0) -> None:
+        """Rewrite the config (say, users issued since the start) and have the running server re-read it
+        (SIGHUP); returns once the server reports the new load time."""
+        if self.proc is None or self.proc.poll() is not None:
+            raise NatsServerError("nats-server is not running")
+        if extra_config is not None:
+            self.extra_config = extra_config
+        before = self._varz().get("config_load_time")
+        (self.data_dir / "nats-server.conf").write_text(self.config_text())
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while self._varz().get("config_load_time") == before:
+            if time.monotonic() > deadline:
+                raise NatsServerError(f"nats-server did not reload its config within {timeout}s; see {self.log_file}")
+            time.sleep(0.02)  # polling interval of a reload probe
+
+    def _varz(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/varz", timeout=2) as resp:
+            return json.loads(resp.read())
+
     def stop(self, grace: float = 10.0) -> None:
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:

@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 import nats.errors
@@ -19,8 +20,10 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import log as _log
+from .auth import ANONYMOUS_USER, inbox_prefix
 from .codec import encode
 from .errors import DsecError, ErrorReply, InternalError, Unavailable
+from .subjects import valid_token
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -43,6 +46,10 @@ async def connect(
 ) -> NATS:
     """Connect to NATS, retrying the first connect a bounded number of times (in attempts and time)."""
     servers = nats_url(url).split(",")
+    user = kwargs.get("user") or urlsplit(servers[0]).username
+    user = unquote(user) if user else ANONYMOUS_USER
+    if valid_token(user):  # each user may only receive under its own prefix (bus.auth): replies must come back there
+        kwargs.setdefault("inbox_prefix", inbox_prefix(user))
     if user_credentials is None:
         user_credentials = os.environ.get("DSEC_NATS_CREDS") or None
     kwargs.setdefault("error_cb", _log_nats_error)

@@ -56,6 +56,14 @@ def valid_token(token: str) -> bool:
     return bool(_TOKEN.match(token))
 
 
+def valid_inbox(subject: str) -> bool:
+    """True for a reply inbox (``_INBOX.<tokens>``, no wildcards): the only place services send
+    a client-named reply, so a spec or request can never aim a service's own permissions at a
+    control subject (a host's work, an event, a KV key)."""
+    parts = subject.split(".")
+    return len(parts) >= 2 and parts[0] == "_INBOX" and all(_TOKEN.match(p) for p in parts[1:])
+
+
 def _tok(token: str) -> str:
     if not valid_token(token):
         raise ValueError(f"not a valid subject token: {token!r}")

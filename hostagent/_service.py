@@ -26,6 +26,7 @@ from bus.errors import (
     HostRejected,
     InternalError,
     SandboxNotFound,
+    SandboxTimeout,
     UnknownTemplate,
 )
 from bus.messages import (
@@ -415,7 +416,7 @@ class HostAgent(Service):
         hdr = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if kind in ("ready", "failed", "killed", "rejected") else None
         data = codec.encode(ev)
         await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), data, headers=hdr)
-        if spec.reply_to and kind in ("ready", "failed") and self.nc is not None:
+        if kind in ("ready", "failed") and spec.reply_to and self.nc is not None and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
 
     async def _event_host(self, kind: str) -> None:
@@ -466,12 +467,17 @@ class HostAgent(Service):
                 # First hand-off of a first attempt: JetStream's de-duplication of <id>:<attempt> already
                 # guarantees no other host got this id, so the KV claim round trip is skipped. Redeliveries
                 # and re-placements (attempt > 0) claim, as every batch member does.
-                first = work.attempt == 0 and not work.claim and (msg.metadata.num_delivered if msg.metadata else 1) == 1
+                # A hand-off placed longer ago than half the window may be a replay JetStream no longer
+                # de-duplicates: it claims too.
+                first = work.attempt == 0 and not work.claim and (msg.metadata.num_delivered if msg.metadata else 1) == 1 and self._fresh(work.placed_at)
                 await self._create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first)
                 await msg.ack()
             case PlaceBatch():
                 await self._create_batch(work, msg)
                 await msg.ack()
+
+    def _fresh(self, placed_at: float) -> bool:
+        return abs(time.time() - placed_at) < self.stream_options.dedup_window_s / 2
 
     def _admits(self, spec: SandboxSpec) -> str:
         """Empty when the sandbox fits on this host now, else why not."""
@@ -510,6 +516,13 @@ class HostAgent(Service):
         if sid in self._creating:
             await self._creating[sid]
             return
+        if spec.create_deadline and time.time() > spec.create_deadline:
+            # The client gave up (and its kill found nothing): a late or replayed hand-off starts nothing.
+            if held and self._kv_sbx is not None:
+                await self._kv_sbx.delete(sid)
+            log.info("create_expired", sandbox_id=sid)
+            await self._event(spec, "failed", attempt=attempt, err=SandboxTimeout(f"create request for {sid} expired before the host started it"))
+            return
         why = self._admits(spec)
         if why:
             if held and self._kv_sbx is not None:  # give back the batch's claim so another host can take it
@@ -531,7 +544,7 @@ class HostAgent(Service):
         """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
         pipelined, one round trip for the whole batch, then each member is created as a single one."""
         assert self.js is not None
-        if not (work.claim or work.attempt or (msg.metadata.num_delivered if msg.metadata else 1) > 1):
+        if not (work.claim or work.attempt or (msg.metadata.num_delivered if msg.metadata else 1) > 1) and self._fresh(work.placed_at):
             # First hand-off of a first-time batch: create first, then claim with the record itself
             # (see _do_create); a copy handed to another host after a placement crash loses that race.
             await asyncio.gather(*(self._create_one(s, work.attempt, [], msg, claim=False) for s in work.specs))
@@ -619,7 +632,7 @@ class HostAgent(Service):
         )
         data = codec.encode(ev)
         await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
-        if spec.reply_to and self.nc is not None:
+        if spec.reply_to and self.nc is not None and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
         self.created += 1
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
@@ -766,7 +779,7 @@ class HostAgent(Service):
         assert self.nc is not None
         seq = 0
         on_output: Any = None
-        if req.stream_to and not req.stream_to.startswith("_INBOX."):
+        if req.stream_to and not S.valid_inbox(req.stream_to):
             # Output goes only to a reply inbox: never let a client make us publish on control subjects.
             raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")
         if req.stream_to:

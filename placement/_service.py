@@ -51,6 +51,8 @@ def validate_spec(spec: SandboxSpec) -> None:
         raise InvalidArgument(f"priority must be one of {sorted(VALID_PRIORITIES)}, got {spec.priority!r}")
     if not spec.template:
         raise InvalidArgument("template must be a non-empty name")
+    if spec.reply_to and not S.valid_inbox(spec.reply_to):
+        raise InvalidArgument(f"reply_to must be an _INBOX subject, got {spec.reply_to!r}")
 
 
 class Placement(Service):
@@ -218,7 +220,7 @@ class Placement(Service):
         assert self.acks is not None and self.nc is not None
         data = self._event_bytes(spec, kind, attempt=attempt, err=err)
         fut = await self.acks.publish(S.evt_sandbox(spec.sandbox_id, kind), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"})
-        if spec.reply_to and kind == "failed":
+        if kind == "failed" and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
         return fut
 
@@ -227,7 +229,7 @@ class Placement(Service):
         assert self.nc is not None
         data = self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err)
         await self.nc.publish(S.evt_sandbox(spec.sandbox_id, kind), data)
-        if spec.reply_to and kind == "pending":
+        if kind == "pending" and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)
 
     # --- the handler -------------------------------------------------------------------
@@ -255,6 +257,11 @@ class Placement(Service):
             except BadRequest as exc:
                 await self.dead_letter(msg, exc)
                 continue
+            bad = next((s.sandbox_id for s in (req.specs if type(req) is CreateBatch else [req.spec]) if not S.valid_token(s.sandbox_id)), None)
+            if bad is not None:
+                # No event subject can name it (a dot or wildcard would reach other sandboxes' subjects).
+                await self.dead_letter(msg, InvalidArgument(f"sandbox_id {bad!r} must be 1-128 of [A-Za-z0-9_-]"))
+                continue
             if type(req) is CreateBatch:
                 await self.place_batch(msg, req)
                 continue
@@ -268,7 +275,8 @@ class Placement(Service):
                 log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
                 outs.append((msg, await self._event_async(spec, "failed", attempt=req.attempt, err=err), "", None, req.attempt))
                 continue
-            first = req.attempt == 0 and not req.exclude_hosts and (msg.metadata.num_delivered if msg.metadata else 1) == 1
+            fresh = self._fresh(spec, now)
+            first = fresh and req.attempt == 0 and not req.exclude_hosts and (msg.metadata.num_delivered if msg.metadata else 1) == 1
             if first and cur is not None and run < per_host:
                 e = self.table.hosts.get(cur)
                 if e is not None and e.status.backend == spec.backend and e.status.pool == spec.pool and not self.table.why_not(e, spec):
@@ -290,7 +298,7 @@ class Placement(Service):
             self.table.reserve(host, spec, now)
             place = PlaceSandbox(
                 spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
-                placed_by=self.replica_id, placed_at=now, claim=(msg.metadata.num_delivered if msg.metadata else 1) > 1,
+                placed_by=self.replica_id, placed_at=now, claim=not fresh or (msg.metadata.num_delivered if msg.metadata else 1) > 1,
             )
             fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
             outs.append((msg, fut, host, spec, req.attempt))
@@ -355,6 +363,13 @@ class Placement(Service):
         if layers is None:
             return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), frozenset()
         return None, layers
+
+    def _fresh(self, spec: SandboxSpec, now: float) -> bool:
+        """True while JetStream's de-duplication of the request still covers it (asked for within half
+        the window). An older first delivery may be a replay published after the window closed (or a
+        made-up timestamp): its host claims the id in KV before starting anything, so a killed sandbox
+        is never started again. SDK deadlines can outlast the window (create_timeout up to a day)."""
+        return abs(now - spec.requested_at) < self.stream_options.dedup_window_s / 2
 
     async def pending(self, msg: Msg, spec: SandboxSpec, attempt: int) -> None:
         """No host fits: the request waits in the stream (NAK with delay); clients see ``pending``."""
@@ -424,7 +439,8 @@ class Placement(Service):
             self.table.reserve(host, spec, now)
             by_host.setdefault(host, []).append(spec)
         for host, hspecs in by_host.items():
-            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1)
+            stale = not all(self._fresh(s, now) for s in hspecs)
+            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale)
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
             futs.append(await acks.publish(S.host_create(host), codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:

@@ -11,7 +11,7 @@ from nats.js.api import ConsumerConfig
 
 from bus import codec
 from bus import subjects as S
-from bus.auth import AuthConfig
+from bus.auth import AuthConfig, inbox_prefix
 from bus.messages import HostStatus
 from bus.natsd import NatsServer
 from bus.runtime import connect
@@ -33,6 +33,7 @@ def authed():
 
 async def _errors(url: str, **kw):
     errs: list[str] = []
+    kw.setdefault("inbox_prefix", inbox_prefix(kw.get("user", "client")))  # the only inboxes each user may receive on
 
     async def on_err(e: Exception) -> None:
         errs.append(str(e))
@@ -77,7 +78,7 @@ async def test_sandbox_credential_reaches_only_its_own_subjects(authed) -> None:
 
     sub = await admin.subscribe("dsec.sbx.>", cb=on_msg)
     await admin.flush()
-    nc, errs = await _errors(srv.url, user=user, password=pw, inbox_prefix=f"_INBOX_sb-mine".encode())
+    nc, errs = await _errors(srv.url, user=user, password=pw)
     try:
         await nc.publish(S.sbx("sb-mine", "exec"), b"x")
         await nc.publish(S.sbx("sb-other", "exec"), b"x")

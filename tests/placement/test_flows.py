@@ -141,7 +141,7 @@ async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc, claim) ->
     try:
         specs = [build_spec("base", backend="sim") for _ in range(40)]
         for hid, part in (("ha", specs), ("hb", specs[10:] + [build_spec("base", backend="sim")])):
-            pb = PlaceBatch(batch_id="bx", host_id=hid, specs=part, claim=claim)
+            pb = PlaceBatch(batch_id="bx", host_id=hid, specs=part, claim=claim, placed_at=time.time())
             await js.publish(S.host_create(hid), codec.encode(pb), headers={S.HDR_MSG_ID: f"bx:{hid}"})
         want = {s.sandbox_id for s in specs} | {part[-1].sandbox_id}
         await eventually(lambda: a.created + b.created >= 41, what="all created")

@@ -7,7 +7,10 @@ busybox ``base`` template, and yields a :class:`SecStack`: ``await stack.create(
 killed and everything is removed again: containers, mounts, containerd and its shims (by pid),
 and the sandbox networks (netns mounts, veths, the nft table) the stack's host agent owned.
 
-``make_stack(**options)`` builds one with options: ``network`` (a dict of
+``make_stack(**options)`` builds one with options: ``auth`` (NATS with the per-role users and
+permissions ``dsec up`` configures: each service connects as its role, ``stack.nc`` as ``admin``,
+``stack.url`` is the anonymous client's URL; ``stack.auth`` the ``bus.auth.AuthConfig``),
+``dedup_window_s`` (the streams' de-duplication window, for replay tests), ``network`` (a dict of
 ``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
 kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
@@ -104,6 +107,12 @@ class SecStack:
     nats: Any  # bus.natsd.NatsServer
     sandboxes: list[Any] = field(default_factory=list)
     guard: Any = None  # guard.Guard, with make_stack(guard=True)
+    auth: Any = None  # bus.auth.AuthConfig, with make_stack(auth=True)
+    stream_options: Any = None  # bus.streams.StreamOptions the services run with
+
+    def url_as(self, role: str) -> str:
+        """NATS URL of a service role (or named user) on an ``auth`` stack; the plain URL otherwise."""
+        return self.auth.url_for(role, self.url) if self.auth is not None else self.url
 
     async def create(self, **kw: Any) -> Any:
         """``AsyncSandbox.create`` on this stack (killed at the end of the test)."""
@@ -129,17 +138,21 @@ class SecStack:
         await self.host.shutdown()
         self.host.destroy_on_shutdown = True
         self.backend = ContainerBackend(str(self.data_dir), scratch_size_gb=16, network=self.net)
-        self.host = _hostagent(self.backend, self.url, self.host_id, self.data_dir)
+        self.host = _hostagent(self.backend, self.url_as("hostagent"), self.host_id, self.data_dir, self.stream_options)
         await self.host.start()
 
     def network_leftovers(self, *, warm_ok: bool = True) -> list[str]:
         return network_leftovers(self.net, warm_ok=warm_ok)
 
 
-def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path) -> Any:
+def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None) -> Any:
+    from bus.streams import StreamOptions
     from hostagent import HostAgent
 
-    return HostAgent(backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0)
+    return HostAgent(
+        backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
+        stream_options=stream_options or StreamOptions(),
+    )
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -148,6 +161,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         pytest.skip(SKIP_REASON)
     from bus import connect, ensure_all
     from bus.natsd import NatsServer
+    from bus.streams import StreamOptions
     from hostagent._container import ContainerBackend
     from imaged._busybox import build_busybox_rootfs
     from placement import Placement
@@ -158,6 +172,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
 
     async def make(
         *, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False, warm_pool: int = 0,
+        auth: bool = False, dedup_window_s: float | None = None,
     ) -> SecStack:
         uid = uuid.uuid4().hex[:8]
         data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
@@ -168,7 +183,13 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
 
         cleanups.append(remove_data_dir)
         nats_dir = tempfile.mkdtemp(prefix=f"dsec-secnats-{uid}-", dir="/tmp")  # not under data_dir: it outlives close()
-        nats = NatsServer(nats_dir, host=nats_host, port=0)
+        authcfg = None
+        if auth:
+            from bus.auth import AuthConfig
+
+            # As `dsec up` does: the users file under the data dir, its authorization block in NATS' config.
+            authcfg = AuthConfig.load_or_create(Path(nats_dir) / "auth.json")
+        nats = NatsServer(nats_dir, host=nats_host, port=0, extra_config=authcfg.config_block() if authcfg else "")
         nats.start()
 
         async def stop_nats() -> None:
@@ -177,17 +198,25 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
 
         cleanups.append(stop_nats)
         url = nats.url
+
+        def url_as(role: str) -> str:
+            return authcfg.url_for(role, url) if authcfg is not None else url
+
+        opts = StreamOptions() if dedup_window_s is None else StreamOptions(dedup_window_s=dedup_window_s)
         prefix = _free_prefix()
         net = network_config(prefix, **({"control_plane": (url,)} | (network or {})))
-        nc = await connect(url, name="dsec-sec-tests")
-        await ensure_all(nc.jetstream())
+        nc = await connect(url_as("admin"), name="dsec-sec-tests")
+        await ensure_all(nc.jetstream(), opts)
         rootfs = data_dir / "rootfs"
         await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
         await register_base_template(nc.jetstream(), str(rootfs))
-        placement = Placement(url, replica_id=f"p-{uid}")
+        placement = Placement(url_as("placement"), replica_id=f"p-{uid}", stream_options=opts)
         backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net, warm_pool=warm_pool)
         host_id = f"sec-{uid}"
-        st = SecStack(url, uid, data_dir, host_id, net, _hostagent(backend, url, host_id, data_dir), backend, placement, nc, nats)
+        st = SecStack(
+            url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts), backend, placement, nc, nats,
+            auth=authcfg, stream_options=opts,
+        )
 
         async def close() -> None:
             problems: list[str] = []
@@ -230,7 +259,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         if guard:
             from guard import Guard
 
-            st.guard = Guard(url, host_id=f"guard-{uid}", nflog_group=net.log_group)
+            st.guard = Guard(url_as("guard"), host_id=f"guard-{uid}", nflog_group=net.log_group)
             await st.guard.start()
         await placement.start()
         await st.host.start()
