@@ -475,7 +475,7 @@ class ContainerBackend:
             pass
         # The shim copies the agent's stderr to the log on its own schedule: give it a moment.
         last = ""
-        deadline = asyncio.get_running_loop().time() + 2.0
+        deadline = asyncio.get_running_loop().time() + 5.0
         while not last and asyncio.get_running_loop().time() < deadline:
             try:
                 with open(os.path.join(sdir, AGENT_LOG), errors="replace") as f:
