@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno as _errno
 import json
 import os
@@ -93,6 +94,25 @@ def _kill(pid: int) -> None:
 def _mounted(path: str) -> bool:
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == path for line in f)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_MS_RDONLY = 1
+
+
+def _mount_erofs(blob: str, target: str) -> None:
+    """Mount an EROFS image straight from its file (Linux 6.12+): no loop device per layer, and the
+    reads go to the file itself (the lazy loader's FUSE file). Older kernels want a block device:
+    then mount(8) sets up a loop device."""
+    if _libc.mount(blob.encode(), target.encode(), b"erofs", _MS_RDONLY, None) == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (_errno.ENOTBLK, _errno.EINVAL):
+        raise ImageError(f"cannot mount layer {blob} at {target}: {os.strerror(err)}")
+    r = subprocess.run(["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ImageError(f"cannot mount layer {blob} at {target}: {r.stderr.strip()}")
 
 
 class ContainerBackend:
@@ -246,9 +266,10 @@ class ContainerBackend:
             os.makedirs(target, exist_ok=True)
             if not _mounted(target):
                 blob = ref.path if ref.path and os.path.exists(ref.path) else os.path.join(self.lazy_mount, hexd)
-                r = await asyncio.to_thread(subprocess.run, ["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
-                if r.returncode != 0:
-                    raise ImageError(f"cannot mount layer {ref.digest} ({ref.role}) from {blob}: {r.stderr.strip()}")
+                try:
+                    await asyncio.to_thread(_mount_erofs, blob, target)
+                except ImageError as exc:
+                    raise ImageError(f"layer {ref.digest} ({ref.role}): {exc}") from None
             # One mount per layer per host, shared by every sandbox that uses it (one page cache).
             self._layer_mounts[hexd] = target
             return target

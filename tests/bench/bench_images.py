@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from bus.natsd import NatsServer  # noqa: E402
 from bus.runtime import connect  # noqa: E402
 from bus.streams import ensure_all  # noqa: E402
+from hostagent._container import _mount_erofs  # noqa: E402
 from imaged import ImageBuilder, python_rootfs  # noqa: E402
 from imaged._util import digest_hex  # noqa: E402
 
@@ -91,7 +92,7 @@ class Mounts:
 
     def erofs(self, blob: str | Path, target: Path) -> Path:
         target.mkdir(parents=True, exist_ok=True)
-        sh("mount", "-t", "erofs", "-o", "ro", str(blob), str(target))
+        _mount_erofs(str(blob), str(target))  # as the host agent does: from the file, no loop device
         self.stack.append(target)
         return target
 

@@ -243,7 +243,7 @@ async def test_system_paths_are_read_only_mounts(stack: Any, progs: dict[str, by
     broken tool or sandbox can't pass as blocked)."""
     sb = await stack.create()
     await push(sb, progs, "sysx")
-    meta = "stat -c '%n %f %u %g %Y %Z' / /bin/busybox /bin/sh /etc /etc/passwd /etc/shadow /usr/bin /sbin; md5sum /bin/busybox"
+    meta = "stat -c '%n %f %u %g %Y %Z' /bin/busybox /bin/sh /etc /etc/passwd /etc/shadow /usr/bin /sbin; md5sum /bin/busybox"
     before = await sh(sb, meta)
     assert before.code == 0, before
     opts = mount_options((await sh(sb, "cat /proc/self/mountinfo")).out)
