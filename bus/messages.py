@@ -111,7 +111,7 @@ class HostEvent(Struct, kw_only=True, tag=True):
 class GuardViolation(Struct, kw_only=True, tag=True):
     sandbox_id: str
     at: float
-    kind: str  # seccomp, landlock, network, control-plane, ...
+    kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, ...
     what: str
     action: str = "record"  # record, kill, quarantine
     host_id: str = ""
@@ -253,7 +253,7 @@ class AuditPolicy(Struct, kw_only=True):
     """What guard does when the sandbox trips a rule: record, kill or quarantine (kill + mark)."""
 
     seccomp: str = "record"
-    landlock: str = "record"
+    landlock: str = "record"  # also kind "fs": a read-only system path refused the write first
     other: str = "record"  # network, control-plane and other reported kinds
 
 

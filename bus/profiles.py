@@ -9,9 +9,9 @@ raised the version is kept.
 System paths are guarded twice. Landlock (``fs.read_only``) refuses writing, creating, renaming and
 removing there, but Landlock has no rights for metadata: root would still chmod, chown, touch,
 set or remove xattrs and change inode flags of /bin/sh. So they are also read-only mounts
-(``fs.readonly_paths``), which refuse all of that with EROFS. The price: a write there now fails
-on the mount flag before Landlock sees it, so it is no longer in Landlock's audit records (writes
-elsewhere outside the writable paths still are).
+(``fs.readonly_paths``), which refuse all of that with EROFS. A write there fails on the mount flag
+before Landlock sees it, so it is not in Landlock's audit records; guard reports it from audit
+rules of its own instead (kind ``fs``, acted on as ``audit.landlock`` says).
 
 They live in ``bus`` because both sides need them: guard publishes them, and the host agent uses
 them as its fallback while the KV bucket has none yet (so a create never waits on guard).

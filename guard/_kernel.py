@@ -11,6 +11,12 @@ CAP_AUDIT_READ, never takes auditd's place and is not rate limited like the prin
   turns audit on when it is off (``AUDIT_SET enabled=1``: no rules, no auditd; measured cost on
   syscalls is within noise) and leaves it on: it is host-wide state other readers on the host
   (another guard, auditd) may rely on by then.
+- ``type=1300`` SYSCALL with ``key="dsec-erofs"`` (+ ``1307`` CWD, ``1302`` PATH of the same event):
+  a write, unlink, rename, chmod, chown, setxattr, ... refused by a read-only mount. The system
+  paths are read-only bind mounts in a sandbox, and the VFS refuses those calls with EROFS (EXDEV
+  for a rename or link across the mount's edge) before any LSM hook runs, so Landlock never sees
+  them. ``ReadonlyRules`` installs syscall-exit audit rules for exactly those failures; see there
+  for their cost and how several guards on one host share them.
 
 Mapping a record to its sandbox, most reliable first:
 
@@ -28,17 +34,21 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
+import posixpath
 import re
 import socket
 import struct
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+
+from bus.profiles import SYSTEM_PATHS
 
 log = structlog.get_logger("dsec.guard.kernel")
 
@@ -51,7 +61,15 @@ AUDIT_STATUS_BACKLOG_LIMIT = 0x0010
 NLMSG_ERROR = 2
 NLM_F_REQUEST, NLM_F_ACK = 1, 4
 
+AUDIT_ADD_RULE = 1011
+AUDIT_DEL_RULE = 1012
+AUDIT_LIST_RULES = 1013
+NLMSG_DONE = 3
+NLM_F_DUMP = 0x300
+
 AUDIT_SYSCALL = 1300
+AUDIT_PATH = 1302
+AUDIT_CWD = 1307
 AUDIT_EOE = 1320
 AUDIT_SECCOMP = 1326
 AUDIT_LANDLOCK_ACCESS = 1423
@@ -60,6 +78,40 @@ AUDIT_LANDLOCK_DOMAIN = 1424
 AUDIT_LOGINUID = 0x64736563  # the agents' marker login uid ("dsec"); see hostagent/_profiles.py
 AUDIT_UID_UNSET = 4294967295
 ARCH_NAMES = {0xC000003E: "x86_64", 0x40000003: "i386", 0xC00000B7: "aarch64", 0x40000028: "arm"}
+
+# struct audit_rule_data (linux/audit.h): flags, action, field_count, mask[64], fields[64],
+# values[64], fieldflags[64], buflen, then the string values (here: the key).
+AUDIT_FILTER_EXIT = 0x04
+AUDIT_ALWAYS = 2
+AUDIT_F_ARCH, AUDIT_F_EXIT, AUDIT_F_FILTERKEY = 11, 103, 210
+AUDIT_EQUAL = 0x40000000
+_RULE = struct.Struct("=3I64I64I64I64II")
+# fields whose value is a string in buf: AUDIT_SUBJ_*/OBJ_* labels, WATCH, DIR, EXE
+_STRING_FIELDS = frozenset({13, 14, 15, 16, 17, 19, 20, 21, 22, 23, 105, 107, 112})
+
+READONLY_KEY = "dsec-erofs"
+READONLY_LOCK = "/run/dsec-guard-audit-rules.lock"
+NATIVE_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# Every call that modifies a path or an inode and so can fail on a read-only mount. x86_64 numbers
+# are spelled out (a stable ABI, and Debian 12's headers lack the newest calls); other
+# architectures take theirs from the C headers by name. ioctl: FS_IOC_SETFLAGS/FSSETXATTR
+# (chattr); bind: a unix socket's inode.
+READONLY_SYSCALLS_X86_64: dict[str, int] = {
+    "ioctl": 16, "open": 2, "bind": 49, "truncate": 76, "ftruncate": 77, "rename": 82, "mkdir": 83,
+    "rmdir": 84, "creat": 85, "link": 86, "unlink": 87, "symlink": 88, "chmod": 90, "fchmod": 91,
+    "chown": 92, "fchown": 93, "lchown": 94, "utime": 132, "mknod": 133, "setxattr": 188,
+    "lsetxattr": 189, "fsetxattr": 190, "removexattr": 197, "lremovexattr": 198, "fremovexattr": 199,
+    "utimes": 235, "openat": 257, "mkdirat": 258, "mknodat": 259, "fchownat": 260, "futimesat": 261,
+    "unlinkat": 263, "renameat": 264, "linkat": 265, "symlinkat": 266, "fchmodat": 268,
+    "utimensat": 280, "fallocate": 285, "renameat2": 316, "openat2": 437, "fchmodat2": 452,
+    "setxattrat": 463, "removexattrat": 466, "file_setattr": 469,
+}
+# EXDEV: a rename or link from or onto a read-only mount from another mount. Also what any `mv`
+# across two writable mounts gets first, so these are reported only when a path is a system path.
+EXDEV_SYSCALLS = ("rename", "renameat", "renameat2", "link", "linkat")
+# Which argument holds the directory fd a relative PATH item (by its index) is resolved against.
+_DIRFD_ARG = {("symlinkat", 0): "a1", ("renameat", 1): "a2", ("renameat2", 1): "a2", ("linkat", 1): "a2"}
+AT_FDCWD = 0xFFFFFF9C
 
 _NLMSG = struct.Struct("=IHHII")
 _STATUS = struct.Struct("=11I")
@@ -79,7 +131,7 @@ def parse_record(text: str) -> tuple[str, dict[str, str]]:
     for k, v in _KV.findall(body):
         if v.startswith('"') and v.endswith('"'):
             v = v[1:-1]
-        elif k in ("comm", "exe", "path", "proctitle", "name") and re.fullmatch(r"(?:[0-9A-F]{2})+", v):
+        elif k in ("comm", "exe", "path", "proctitle", "name", "cwd") and re.fullmatch(r"(?:[0-9A-F]{2})+", v):
             try:
                 v = bytes.fromhex(v).decode(errors="replace").replace("\x00", " ")
             except ValueError:
@@ -92,7 +144,7 @@ def parse_record(text: str) -> tuple[str, dict[str, str]]:
 class Denial:
     """One refused operation of a sandboxed process, as the kernel reported it."""
 
-    kind: str  # seccomp | landlock
+    kind: str  # seccomp | landlock | fs (a read-only mount refused it) | network
     sandbox_id: str
     what: str  # e.g. "mount", "i386 syscall 21", "fs.write_file /etc/passwd"
     killed: bool = False
@@ -188,6 +240,181 @@ class SandboxMap:
         return sid
 
 
+def audit_rule(arch: int, numbers: Iterable[int], exit_errno: int, key: str) -> bytes:
+    """``-a always,exit -F exit=-<exit_errno> -F arch=<arch> -S <numbers> -k <key>`` as the kernel
+    takes it. The exit value comes first: it is what rejects nearly every call."""
+    mask = [0] * 64
+    for n in numbers:
+        mask[n // 32] |= 1 << (n % 32)
+    k = key.encode()
+    fields = [AUDIT_F_EXIT, AUDIT_F_ARCH, AUDIT_F_FILTERKEY]
+    values = [-exit_errno & 0xFFFFFFFF, arch, len(k)]
+    pad = [0] * (64 - len(fields))
+    return _RULE.pack(
+        AUDIT_FILTER_EXIT, AUDIT_ALWAYS, len(fields), *mask, *fields, *pad, *values, *pad, *[AUDIT_EQUAL] * len(fields), *pad, len(k),
+    ) + k
+
+
+def rule_key(rule: bytes) -> str:
+    """The key of a ``struct audit_rule_data`` ("" without one)."""
+    v = _RULE.unpack_from(rule)
+    count, fields, values = v[2], v[67:131], v[131:195]
+    off = 0
+    for i in range(min(count, 64)):
+        # string-valued fields keep their text in buf, in field order; only the key is ours to read
+        if fields[i] == AUDIT_F_FILTERKEY:
+            return rule[_RULE.size + off:_RULE.size + off + values[i]].decode(errors="replace")
+        if fields[i] in _STRING_FIELDS:
+            off += values[i]
+    return ""
+
+
+def readonly_syscalls(machine: str | None = None) -> dict[str, int]:
+    machine = machine or os.uname().machine
+    if machine == "x86_64":
+        return dict(READONLY_SYSCALLS_X86_64)
+    return {name: nr for nr, name in _syscall_names("sys/syscall.h").items() if name in READONLY_SYSCALLS_X86_64}
+
+
+def readonly_rules(machine: str | None = None, key: str = READONLY_KEY) -> list[bytes]:
+    machine = machine or os.uname().machine
+    arch = NATIVE_ARCH.get(machine)
+    table = readonly_syscalls(machine) if arch is not None else {}
+    if not table:
+        return []
+    exdev = [table[n] for n in EXDEV_SYSCALLS if n in table]
+    return [audit_rule(arch, sorted(table.values()), errno.EROFS, key), audit_rule(arch, sorted(exdev), errno.EXDEV, key)]
+
+
+class ReadonlyRules:
+    """The kernel audit rules that report calls a read-only mount refused: EROFS from any call in
+    ``READONLY_SYSCALLS_*``, EXDEV from rename/link, native ABI only (the agent's seccomp filter
+    kills every other ABI), tagged ``READONLY_KEY``.
+
+    Cost, measured on this kernel (6.18, x86_64) with audit enabled either way: while *any* syscall
+    rule is loaded, the kernel keeps a full audit context for every syscall of every task that has
+    one (all started after audit was enabled), not just the listed calls: getpid 80 -> 110 ns,
+    stat 390 -> 500 ns, open+close 565 -> 785 ns, a failing unlink 285 -> 485 ns. Records are
+    built only for the calls that fail with those errnos, mostly sandboxes hitting their system
+    paths, and a flood of them costs what a flood of Landlock denials costs (the backlog is
+    bounded; a per-sandbox bucket in ``KernelAudit`` bounds the reports). Narrowing the rule to the
+    sandboxes' login uid would not lower that cost and would blind the guard to sandboxes whose
+    agent could not take it; a ``never,task`` rule for host processes would, but it would also
+    switch off auditing that others on the host (auditd) rely on. ``Guard(readonly_audit=False)``
+    leaves the rules out.
+
+    The rules are host-wide and every guard installs byte-identical ones, so a second add is
+    EEXIST. Sharing: each guard holds a shared flock on ``lock_path`` while it relies on them. On
+    stop it asks for the lock exclusively without waiting, which it gets only when no other guard
+    holds it, and only then deletes the rules, still holding the lock, so a guard that starts
+    meanwhile waits and adds them after the delete. A guard that dies drops its lock with its fd;
+    its rules stay until the last guard stops. Holders re-add missing rules (``ensure``) now and
+    then: someone may delete them (``auditctl -D``, a guard in a container whose /run is its own).
+    """
+
+    def __init__(self, lock_path: str = READONLY_LOCK, rules: list[bytes] | None = None) -> None:
+        self.lock_path = lock_path
+        self.rules = readonly_rules() if rules is None else rules
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def install(self) -> None:
+        if self._fd is not None:
+            return
+        if not self.rules:
+            raise OSError(errno.ENOTSUP, f"no audit rules for architecture {os.uname().machine}")
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a last guard deletes the rules
+            self.ensure()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def ensure(self) -> int:
+        """Add the rules that are missing; returns how many were."""
+        added = 0
+        for r in self.rules:
+            err, _ = KernelAudit._request(AUDIT_ADD_RULE, r)
+            if err == 0:
+                added += 1
+            elif err != errno.EEXIST:
+                raise OSError(err, f"AUDIT_ADD_RULE: {os.strerror(err)}")
+        return added
+
+    def remove(self) -> bool:
+        """Let go of the rules; deletes them if no other guard holds them. True if deleted."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return False
+        try:
+            try:
+                # Not atomic (flock drops the shared lock first), which costs nothing here: a guard
+                # that slips in keeps the rules, as it should.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            for r in self.rules:
+                err, _ = KernelAudit._request(AUDIT_DEL_RULE, r)
+                if err not in (0, errno.ENOENT):
+                    log.warning("audit_rule_not_deleted", error=os.strerror(err))
+            return True
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def listed(key: str | None = READONLY_KEY) -> list[bytes]:
+        """The rules the kernel has (with ``key``; None: all), as ``struct audit_rule_data``."""
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_AUDIT)
+        out: list[bytes] = []
+        try:
+            s.settimeout(2.0)
+            s.bind((0, 0))
+            s.send(_NLMSG.pack(_NLMSG.size, AUDIT_LIST_RULES, NLM_F_REQUEST | NLM_F_DUMP, 1, 0))
+            while True:
+                data = s.recv(1 << 20)
+                pos = 0
+                while pos + _NLMSG.size <= len(data):
+                    length, rtype, _, _, _ = _NLMSG.unpack_from(data, pos)
+                    if length < _NLMSG.size:
+                        return out
+                    body = data[pos + _NLMSG.size:pos + length]
+                    if rtype == NLMSG_DONE:
+                        return out
+                    if rtype == NLMSG_ERROR:
+                        err = -struct.unpack_from("=i", body)[0]
+                        if err:
+                            raise OSError(err, f"AUDIT_LIST_RULES: {os.strerror(err)}")
+                        return out
+                    if rtype == AUDIT_LIST_RULES and (key is None or rule_key(body) == key):
+                        out.append(body)
+                    pos += (length + 3) & ~3
+        finally:
+            s.close()
+
+
+class _Bucket:
+    __slots__ = ("tokens", "at", "held")
+
+    def __init__(self, tokens: float, at: float) -> None:
+        self.tokens, self.at, self.held = tokens, at, 0
+
+
+def _under(path: str, prefixes: Iterable[str]) -> bool:
+    p = path.rstrip("/") or "/"
+    return any(p == pre or p.startswith(pre.rstrip("/") + "/") for pre in prefixes)
+
+
+_AT_CALLS = frozenset({
+    "openat", "openat2", "mkdirat", "mknodat", "fchownat", "futimesat", "unlinkat", "renameat", "linkat", "symlinkat",
+    "fchmodat", "utimensat", "renameat2", "fchmodat2", "setxattrat", "removexattrat", "file_setattr",
+})
+
+
 class KernelAudit:
     """Reads audit records from the kernel and reports sandbox denials to ``on_denial``."""
 
@@ -199,11 +426,28 @@ class KernelAudit:
         enable_audit: bool = True,
         backlog_limit: int = 8192,
         sandbox_map: SandboxMap | None = None,
+        readonly_audit: bool = True,
+        readonly_rules: ReadonlyRules | None = None,
+        system_paths: Iterable[str] = SYSTEM_PATHS,
+        fs_rate_per_s: float = 5.0,
+        fs_burst: int = 20,
+        reassert_s: float = 10.0,
     ) -> None:
         self.on_denial = on_denial
         self.map = sandbox_map or SandboxMap(cgroup_parent)
         self.enable_audit = enable_audit
         self.backlog_limit = backlog_limit
+        self.readonly_audit = readonly_audit
+        self.rules = readonly_rules or ReadonlyRules()
+        self.system_paths = tuple(system_paths)
+        self.fs_rate_per_s = fs_rate_per_s
+        self.fs_burst = fs_burst
+        self.reassert_s = reassert_s
+        self._ro_pending: dict[str, list[tuple[int, dict[str, str]]]] = {}
+        self._buckets: dict[str, _Bucket] = {}
+        self._keep_task: asyncio.Task[None] | None = None
+        self.fs_held = 0  # read-only refusals the per-sandbox bucket held back
+        self.fs_ignored = 0  # read-only refusals of processes outside any sandbox
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._we_enabled = False
@@ -285,9 +529,42 @@ class KernelAudit:
         except OSError as exc:
             log.warning("kernel_audit_status_unavailable", error=str(exc), note="seccomp records still arrive; Landlock ones need audit enabled")
         self._loop.add_reader(sock.fileno(), self._readable)
-        log.info("kernel_audit_reader_started", audit_enabled=self.audit_enabled)
+        if self.readonly_audit and self.audit_enabled:
+            try:
+                await asyncio.to_thread(self.rules.install)
+                self._keep_task = asyncio.create_task(self._keep_rules(), name="guard-audit-rules")
+            except OSError as exc:
+                log.warning("readonly_audit_rules_unavailable", error=str(exc),
+                            note="writes refused by read-only system paths go unreported (needs CAP_AUDIT_CONTROL)")
+        log.info("kernel_audit_reader_started", audit_enabled=self.audit_enabled, readonly_rules=self.rules.held)
+
+    async def _keep_rules(self) -> None:
+        while True:
+            await asyncio.sleep(self.reassert_s)
+            try:
+                if await asyncio.to_thread(self.rules.ensure):
+                    log.warning("readonly_audit_rules_restored", note="someone deleted them")
+            except OSError as exc:
+                log.warning("readonly_audit_rules_check_failed", error=str(exc))
+
+    def forget(self, sandbox_id: str) -> None:
+        self.map.forget(sandbox_id)
+        self._buckets.pop(sandbox_id, None)
 
     async def stop(self) -> None:
+        if self._keep_task is not None:
+            self._keep_task.cancel()
+            try:
+                await self._keep_task
+            except asyncio.CancelledError:
+                pass
+            self._keep_task = None
+        if self.rules.held:
+            try:
+                removed = await asyncio.to_thread(self.rules.remove)
+                log.info("readonly_audit_rules_released", deleted=removed)
+            except OSError as exc:
+                log.warning("readonly_audit_rules_release_failed", error=str(exc))
         if self._sock is not None and self._loop is not None:
             self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
@@ -322,7 +599,9 @@ class KernelAudit:
 
     def feed(self, rtype: int, text: str) -> None:
         """Take one audit record (also the entry point for tests)."""
-        if rtype not in (AUDIT_SECCOMP, AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN, AUDIT_SYSCALL, AUDIT_EOE):
+        if rtype not in _WANTED:
+            return
+        if rtype in (AUDIT_PATH, AUDIT_CWD) and not self._ro_pending and not self._pending:
             return
         self.records += 1
         serial, f = parse_record(text)
@@ -342,22 +621,36 @@ class KernelAudit:
         if rtype == AUDIT_LANDLOCK_ACCESS:
             self._pending.setdefault(serial, []).append((rtype, f))
             return
-        if serial not in self._pending:
-            return  # a SYSCALL/EOE record of an event that isn't a Landlock denial
+        if serial in self._pending:
+            if rtype == AUDIT_EOE:
+                self._landlock(self._pending.pop(serial))
+            else:
+                self._pending[serial].append((rtype, f))
+            return
+        if rtype == AUDIT_SYSCALL:
+            # A Landlock EXDEV (refer) also matches our EXDEV rule; its Landlock records came
+            # first, so it went to the branch above and is reported once, as Landlock's.
+            if f.get("key") == READONLY_KEY:
+                self._ro_pending[serial] = [(rtype, f)]
+            return
+        if serial not in self._ro_pending:
+            return  # a record of an event that is no denial of ours
         if rtype == AUDIT_EOE:
-            self._landlock(self._pending.pop(serial))
+            self._readonly(self._ro_pending.pop(serial))
         else:
-            self._pending[serial].append((rtype, f))
+            self._ro_pending[serial].append((rtype, f))
 
     def _schedule_flush(self) -> None:
-        if self._pending and self._flush_handle is None and self._loop is not None:
+        if (self._pending or self._ro_pending) and self._flush_handle is None and self._loop is not None:
             self._flush_handle = self._loop.call_later(0.2, self._flush)
 
     def _flush(self) -> None:
-        """Landlock events without an EOE record (tasks without an audit context) after a grace."""
+        """Events whose EOE record hasn't come (or never comes) after a grace."""
         self._flush_handle = None
         for serial in list(self._pending):
             self._landlock(self._pending.pop(serial))
+        for serial in list(self._ro_pending):
+            self._readonly(self._ro_pending.pop(serial))
 
     def _syscall_name(self, arch: int, nr: int) -> str:
         key = "i386" if arch == 0x40000003 else "native"
@@ -408,6 +701,82 @@ class KernelAudit:
         }
         self._emit(Denial(kind="landlock", sandbox_id=sid, what=what, detail=detail))
 
+    def _readonly(self, recs: list[tuple[int, dict[str, str]]]) -> None:
+        sysc = recs[0][1]
+        sid = self.map.resolve(sysc)
+        if sid is None:
+            self.fs_ignored += 1  # a host process: read-only mounts refuse them too
+            return
+        try:
+            arch = int(sysc.get("arch", "0"), 16)
+            nr = int(sysc.get("syscall", "-1"))
+            err = -int(sysc.get("exit", "0"))
+        except ValueError:
+            return
+        name = _READONLY_NAMES.get(nr) if arch == NATIVE_ARCH["x86_64"] else None
+        name = name or self._syscall_name(arch, nr)
+        cwd = next((f.get("cwd", "") for t, f in recs if t == AUDIT_CWD), "")
+        items = sorted((f for t, f in recs if t == AUDIT_PATH), key=lambda f: int(f.get("item", "0") or 0))
+        named = [(p, f) for p, f in ((self._path(name, i, f.get("name", ""), cwd, sysc), f) for i, f in enumerate(items)) if p]
+        paths = [p for p, _ in named]
+        system = [(p, f) for p, f in named if _under(p, self.system_paths)]
+        if err == errno.EXDEV and not system:
+            return  # a rename/link between two other mounts: what every `mv` across mounts tries first
+        path, item = (system or named or [("", {})])[0]
+        if not self._take(sid):
+            return
+        detail = {
+            "syscall": str(nr), "syscall_name": name, "errno": errno.errorcode.get(err, str(err)), "path": path,
+            "paths": ", ".join(paths), "cwd": cwd, "pid": sysc.get("pid", ""), "comm": sysc.get("comm", ""),
+            "exe": sysc.get("exe", ""), "ses": sysc.get("ses", ""),
+        }
+        if item.get("nametype") == "PARENT":
+            detail["path_is_parent"] = "true"  # the kernel names only the directory of a name it never looked up
+        b = self._buckets[sid]
+        if b.held:
+            detail["held_back"] = str(b.held)
+            b.held = 0
+        self._emit(Denial(kind="fs", sandbox_id=sid, what=f"{name} {path}".strip(), detail=detail))
+
+    def _take(self, sid: str) -> bool:
+        """Per-sandbox token bucket: `rm -rf /usr` is one refusal per directory, each with its own
+        path, which the guard's per-denial folding cannot fold."""
+        now = time.monotonic()
+        b = self._buckets.get(sid)
+        if b is None:
+            b = self._buckets[sid] = _Bucket(float(self.fs_burst), now)
+            if len(self._buckets) > 100_000:  # bounded memory: ended sandboxes are forgotten anyway
+                for k in list(self._buckets)[:50_000]:
+                    del self._buckets[k]
+        b.tokens = min(float(self.fs_burst), b.tokens + (now - b.at) * self.fs_rate_per_s)
+        b.at = now
+        if b.tokens < 1.0:
+            b.held += 1
+            self.fs_held += 1
+            return False
+        b.tokens -= 1.0
+        return True
+
+    @staticmethod
+    def _path(syscall: str, item: int, name: str, cwd: str, sysc: dict[str, str]) -> str:
+        """A PATH record's name as the sandbox sees it: relative ones are joined to the cwd when
+        they were resolved against it (not against some other directory fd)."""
+        if not name or name == "(null)":
+            return ""
+        if name.startswith("/"):
+            return name
+        if syscall in _AT_CALLS:
+            try:
+                dirfd = int(sysc.get(_DIRFD_ARG.get((syscall, item), "a0"), "0"), 16) & 0xFFFFFFFF
+            except ValueError:
+                dirfd = 0
+            if dirfd != AT_FDCWD:
+                return name
+        if not cwd.startswith("/"):
+            return name
+        joined = posixpath.normpath(posixpath.join(cwd, name))
+        return joined + "/" if name.endswith("/") and joined != "/" else joined
+
     def _emit(self, d: Denial) -> None:
         try:
             self.on_denial(d)
@@ -415,4 +784,10 @@ class KernelAudit:
             log.exception("denial_handler_failed")
 
 
-__all__ = ["AUDIT_LOGINUID", "Denial", "KernelAudit", "SandboxMap", "parse_record"]
+_WANTED = frozenset({AUDIT_SECCOMP, AUDIT_LANDLOCK_ACCESS, AUDIT_LANDLOCK_DOMAIN, AUDIT_SYSCALL, AUDIT_EOE, AUDIT_PATH, AUDIT_CWD})
+_READONLY_NAMES = {nr: name for name, nr in READONLY_SYSCALLS_X86_64.items()}
+
+__all__ = [
+    "AUDIT_LOGINUID", "READONLY_KEY", "Denial", "KernelAudit", "ReadonlyRules", "SandboxMap", "audit_rule", "parse_record",
+    "readonly_rules",
+]

@@ -4,10 +4,12 @@
   profile or an older version is replaced; the bucket keeps earlier revisions).
 - The audit watcher consumes DSEC_EVT with the durable ``guard-audit`` consumer (sandbox
   lifecycle, violations reported by other components) and, on a host, the kernel's audit records
-  of seccomp and Landlock denials (``KernelAudit``). Each denial becomes a ``GuardViolation`` on
-  ``dsec.evt.guard.violation``; the sandbox's profile says what follows: ``record``, ``kill``
-  (a core request to ``dsec.sbx.<id>.kill``) or ``quarantine`` (kill, and the violation is kept
-  in KV ``dsec_quarantine`` under the sandbox id so a trainer can discard the episode).
+  of seccomp and Landlock denials and of writes refused by the read-only system paths
+  (``KernelAudit``; kind ``fs``, acted on like Landlock's: both enforce the profile's ``fs``).
+  Each denial becomes a ``GuardViolation`` on ``dsec.evt.guard.violation``; the sandbox's profile
+  says what follows: ``record``, ``kill`` (a core request to ``dsec.sbx.<id>.kill``) or
+  ``quarantine`` (kill, and the violation is kept in KV ``dsec_quarantine`` under the sandbox id
+  so a trainer can discard the episode).
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class Guard(Service):
         nflog_group: int | None = S.NFLOG_GROUP,
         net_report_rate_per_s: float = 5.0,
         net_report_burst: int = 20,
+        readonly_audit: bool = True,
     ) -> None:
         super().__init__(nats_url, grace_s=grace_s)
         self.host_id = host_id or socket.gethostname().split(".")[0]
@@ -122,6 +125,7 @@ class Guard(Service):
         self.report_interval_s = report_interval_s
         self.stream_options = stream_options
         self.kernel: KernelAudit | None = None
+        self.readonly_audit = readonly_audit  # audit rules for calls refused by read-only mounts (see ReadonlyRules)
         self.nflog_group = nflog_group  # None: don't read dropped packets (run one per sandbox host)
         self.net_report_rate_per_s = net_report_rate_per_s
         self.net_report_burst = net_report_burst
@@ -158,7 +162,9 @@ class Guard(Service):
         await w.start()
         self.workers.append(w)
         if self.kernel_audit:
-            k = KernelAudit(self._on_denial, cgroup_parent=self.cgroup_parent, enable_audit=self.enable_audit)
+            k = KernelAudit(
+                self._on_denial, cgroup_parent=self.cgroup_parent, enable_audit=self.enable_audit, readonly_audit=self.readonly_audit,
+            )
             try:
                 await k.start()
                 self.kernel = k
@@ -220,6 +226,9 @@ class Guard(Service):
 
     @staticmethod
     def _action(policy: AuditPolicy, kind: str) -> str:
+        # "fs": the read-only mounts and Landlock enforce one filesystem policy (the system paths
+        # are in both, and the mount refuses first), so one action for both.
+        kind = "landlock" if kind == "fs" else kind
         a = getattr(policy, kind, None) if kind in ("seccomp", "landlock") else policy.other
         return a if a in ACTIONS else "record"
 
@@ -316,7 +325,7 @@ class Guard(Service):
         for k in [k for k in self._last if k[0] == sid]:
             del self._last[k]
         if self.kernel is not None:
-            self.kernel.map.forget(sid)
+            self.kernel.forget(sid)
         if self.nflog is not None:
             self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest

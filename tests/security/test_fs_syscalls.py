@@ -854,8 +854,8 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
         # Positive control: ordinary work is not reported.
         await sb.commands.run("echo fine > /tmp/ok && ls / > /dev/null && cat /etc/passwd > /dev/null")
         await sysx(sb, nr("mount"), "s:none", "s:/tmp", "s:tmpfs", 0, 0)
-        # (not a system path: a read-only mount refuses those before Landlock sees them)
-        await sh(sb, "echo evil > /var/evil")
+        await sh(sb, "echo evil > /var/evil")  # Landlock's (no read-only mount there)
+        await sh(sb, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")  # the read-only mount's
         await sysx(sb, "-32", I386["unshare"], CLONE_NEWUSER)
         await sysx(sb, nr("ioctl"), f"fd:/workspace/t:{O_RDWR_CREAT}", 0x1_C0C0586D, "cat:/etc/passwd")
 
@@ -864,16 +864,113 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
 
         await until(lambda: find("seccomp", lambda v: v.what == "mount"), timeout=10, what="mount violation")
         await until(lambda: find("landlock", lambda v: "fs.make_reg" in v.what and "/var" in v.what), timeout=10, what="landlock violation")
+        await until(lambda: find("fs", lambda v: v.what.endswith(" /etc/passwd")), timeout=10, what="/etc/passwd violation")
         await until(lambda: find("seccomp", lambda v: v.what.startswith("i386") and v.detail.get("process_killed") == "true"), timeout=10, what="i386 violation")
         await until(lambda: find("seccomp", lambda v: v.what == "ioctl"), timeout=10, what="ioctl violation")
         mount = find("seccomp", lambda v: v.what == "mount")
         assert mount is not None and mount.action == "record" and mount.detail["exe"] == "/tmp/sysx" and mount.host_id
+        passwd = find("fs", lambda v: v.what.endswith(" /etc/passwd"))
+        assert passwd is not None and passwd.detail["errno"] == "EROFS" and passwd.detail["exe"] == "/bin/busybox", passwd
         # (the reader sees the whole host: other stacks' sandboxes may show up too -- not ours to judge)
         assert not [v for v in got if v.sandbox_id == sb.sandbox_id and "/tmp/ok" in v.what], got
-        for what in ("mount", "landlock create /var/evil", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
+        for what in ("mount", "landlock create /var/evil", "read-only mount: append to /etc/passwd", "i386 unshare", "ioctl XFS_IOC_SWAPEXT"):
             redteam.blocked(f"audit: {what} reported with the sandbox id")
     finally:
         await sub.unsubscribe()
+
+
+async def test_writes_to_read_only_system_paths_are_reported(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """The read-only mounts refuse these before Landlock sees them; guard's own audit rules report
+    them: sandbox, syscall, path (as far as the kernel names it) and errno. A host process that
+    gets EROFS is not reported."""
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import GuardViolation
+    from guard import ReadonlyRules
+
+    st = await make_stack(guard=True)
+    k = st.guard.kernel
+    if k is None or not k.rules.held:
+        pytest.skip("kernel audit rules not available here")
+    assert ReadonlyRules.listed() == k.rules.rules  # installed once, whoever else runs a guard here
+    got: list[GuardViolation] = []
+
+    async def on(msg: Any) -> None:
+        got.append(codec.EVENT.decode(msg.data))
+
+    sub = await st.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on)
+    ro = tempfile.mkdtemp(prefix="dsec-ro-host-")
+    try:
+        # A host process on a read-only mount of its own, first: by the time the sandbox's reports
+        # are in, its record has been read (the kernel delivers them in order).
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "dsec-ro-host", ro], check=True)
+        ignored = k.fs_ignored
+        assert_errno(host_sysx(progs, nr("openat"), -100, f"s:{ro}/host-file", O_WRONLY | O_CREAT, 0o644), EROFS, what="host control")
+
+        sb = await st.create()
+        await push(sb, progs, "sysx")
+        await sh(sb, "printf '#!/bin/sh\\necho HIJACKED\\n' > /tmp/evil && chmod +x /tmp/evil")
+        target = (await sh(sb, "ls /usr/bin | grep '^[a-z]' | head -1")).out
+        assert target, "no file under /usr/bin to attack"
+        r = await sh(sb, "mv /tmp/evil /workspace/evil && mv /workspace/evil /tmp/evil && echo moved")  # allowed: not reported
+        assert r.out.endswith("moved"), r
+        attacks = {
+            "echo x > /etc/passwd": (lambda: sh(sb, "echo x > /etc/passwd"), ("openat", "open", "creat"), "/etc/passwd", "EROFS"),
+            "rm /bin/sh": (lambda: sh(sb, "rm -f /bin/sh"), ("unlink", "unlinkat"), "/bin/", "EROFS"),
+            "chmod u+s /bin/busybox": (lambda: sh(sb, "chmod u+s /bin/busybox"), ("chmod", "fchmodat", "fchmodat2"), "/bin/busybox", "EROFS"),
+            f"setxattr /usr/bin/{target}": (
+                lambda: sysx(sb, nr("setxattr"), f"s:/usr/bin/{target}", "s:user.evil", "s:x", 1, 0), ("setxattr",), f"/usr/bin/{target}", "EROFS"),
+            "rename(/tmp/evil, /bin/sh)": (lambda: sysx(sb, nr("rename"), "s:/tmp/evil", "s:/bin/sh"), ("rename",), "/bin/", "EXDEV"),
+        }
+        for what, (attack, calls, path, err) in attacks.items():
+            r = await attack()
+            assert r.code != 0, (what, r)
+
+            def found(calls: tuple[str, ...] = calls, path: str = path) -> GuardViolation | None:
+                return next((v for v in got if v.sandbox_id == sb.sandbox_id and v.kind == "fs"
+                             and v.detail.get("syscall_name") in calls and v.detail.get("path") == path), None)
+
+            await until(found, timeout=10, what=f"violation for {what}")
+            v = found()
+            assert v is not None and v.what == f"{v.detail['syscall_name']} {path}" and v.detail["errno"] == err, v
+            assert v.action == "record" and v.host_id and v.detail["source"] == "guard.kernel", v
+            redteam.blocked(f"audit: read-only mount refusal ({what}) reported with the sandbox id")
+        # The files API's writes are the agent's, for the host API: recorded, never acted on.
+        import sdk
+
+        with pytest.raises(sdk.DsecError):
+            await sb.files.write("/etc/passwd", b"HIJACKED")
+        await until(lambda: any(v.sandbox_id == sb.sandbox_id and v.kind == "fs" and v.detail.get("process") == "agent" for v in got),
+                    timeout=10, what="the agent's refused write")
+        assert k.fs_ignored > ignored
+        assert not [v for v in got if ro in v.what or ro in v.detail.get("paths", "") or "moved" in v.what], got
+        assert not [v for v in got if v.sandbox_id == sb.sandbox_id and "/workspace" in v.detail.get("paths", "")], got
+        redteam.allowed("host process on a read-only mount: not reported")
+    finally:
+        await sub.unsubscribe()
+        subprocess.run(["umount", ro], capture_output=True)
+        os.rmdir(ro)
+
+
+async def test_strict_profile_kills_for_writing_a_system_file(make_stack: Any, redteam: Any) -> None:
+    st = await make_stack(guard=True)
+    if st.guard.kernel is None or not st.guard.kernel.rules.held:
+        pytest.skip("kernel audit rules not available here")
+    strict = await st.create(profile="strict")
+    relaxed = await st.create()
+    assert (await sh(strict, "echo fine > /tmp/f && cat /tmp/f")).out == "fine"  # positive control
+    await sh(relaxed, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+    await sh(strict, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+
+    async def killed() -> bool:
+        return (await _sandbox_record(st, strict.sandbox_id)).state == "killed"
+
+    await until(killed, timeout=20, what="guard to kill the strict sandbox")
+    rec = await _sandbox_record(st, strict.sandbox_id)
+    assert re.match(r"guard-kill: fs (open|openat|creat) /etc/passwd", rec.end_reason), rec
+    redteam.blocked("strict profile: sandbox killed after writing /etc/passwd (read-only mount)")
+    assert (await _sandbox_record(st, relaxed.sandbox_id)).state == "running"
+    assert (await sh(relaxed, "echo still-here")).out == "still-here"
 
 
 async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:

@@ -8,6 +8,7 @@ namespace flags, device nodes) are checked exactly as the kernel would evaluate 
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
 import uuid
 from pathlib import Path
@@ -480,3 +481,145 @@ def test_nflog_messages_become_network_denials(tmp_path: Path) -> None:
     r.forget("sb-net-1")
     r.feed(_nflog_packet(tcp))
     assert len(got) == 4 and r.unmapped == 1
+
+
+# ----------------------------------------------------------------- writes refused by read-only mounts
+def _ro_event(serial: int, syscall: int, exit: int, paths: list[tuple[str, str]], *, cwd: str = "/", pid: int = 99990,
+              auid: int = 1685284195, ses: int = 9, comm: str = "sh", exe: str = "/bin/busybox", a0: str = "ffffff9c",
+              key: str = '"dsec-erofs"') -> list[tuple[int, str]]:
+    """One event as the kernel sends it for our exit rule: SYSCALL, CWD, PATH..., PROCTITLE, EOE."""
+    h = f"audit(1795956216.279:{serial}): "
+    recs = [(1300, h + f"arch=c000003e syscall={syscall} success=no exit={exit} a0={a0} a1=b097bd0 a2=441 a3=1b6 "
+             f"items={len(paths)} ppid=14918 pid={pid} auid={auid} uid=0 gid=0 euid=0 suid=0 fsuid=0 egid=0 sgid=0 "
+             f'fsgid=0 tty=(none) ses={ses} comm="{comm}" exe="{exe}" key={key}'),
+            (1307, h + f'cwd="{cwd}"')]
+    for i, (name, nametype) in enumerate(paths):
+        recs.append((1302, h + f'item={i} name="{name}" inode=2273115 dev=00:70 mode=0100644 ouid=0 ogid=0 rdev=00:00 '
+                     f"nametype={nametype} cap_fp=0 cap_fi=0 cap_fe=0 cap_fver=0 cap_frootid=0"))
+    recs.append((1327, h + "proctitle=2F62696E2F7368"))
+    recs.append((1320, h))
+    return recs
+
+
+def test_read_only_mount_refusals_become_fs_denials(tmp_path: Path) -> None:
+    from guard._kernel import EXDEV_SYSCALLS, READONLY_SYSCALLS_X86_64 as NR
+
+    m = _fake_host(tmp_path, "sb-one", 4242, 9)
+    got: list[Denial] = []
+    k = KernelAudit(got.append, sandbox_map=m, fs_burst=8, fs_rate_per_s=0.001)
+
+    def feed(recs: list[tuple[int, str]]) -> None:
+        for t, text in recs:
+            k.feed(t, text)
+
+    # echo x >> /etc/passwd: the file exists, so the kernel names it in full
+    feed(_ro_event(100, NR["openat"], -30, [("/etc/passwd", "NORMAL")]))
+    # rm /bin/sh: the name is never looked up, so only its directory is named
+    feed(_ro_event(101, NR["unlink"], -30, [("/bin/", "PARENT")], comm="rm", a0="1a576730"))
+    # chmod u+s busybox from /usr, relative to the cwd
+    feed(_ro_event(102, NR["fchmodat"], -30, [("../bin/busybox", "NORMAL")], cwd="/usr", comm="chmod"))
+    # fsetxattr: an fd, no name at all; a process that has exited already (mapped by its session)
+    feed(_ro_event(103, NR["fsetxattr"], -30, [], pid=123456, comm="sysx", exe="/tmp/sysx"))
+    # rename(/tmp/evil, /bin/sh) across the mount's edge
+    feed(_ro_event(104, NR["rename"], -18, [("/tmp/", "PARENT"), ("/bin/", "PARENT")], comm="sysx", exe="/tmp/sysx"))
+    # an mv between two writable mounts tries rename first and gets EXDEV: not a violation
+    feed(_ro_event(105, NR["rename"], -18, [("/tmp/", "PARENT"), ("/workspace/", "PARENT")], comm="mv"))
+    # a host process on some read-only mount of its own: not ours to judge
+    feed(_ro_event(106, NR["openat"], -30, [("aud/ro/", "PARENT")], cwd="/tmp", pid=999999, auid=4294967295, ses=4294967295))
+    # relative to a directory fd: the name is kept as given (the fd's directory is unknown)
+    feed(_ro_event(107, NR["mkdirat"], -30, [("evil/", "PARENT")], a0="5"))
+    # a SYSCALL record of someone else's rule (or of a Landlock event) is not ours
+    feed(_ro_event(108, NR["openat"], -30, [("/etc/shadow", "NORMAL")], key="(null)"))
+    assert [(d.kind, d.sandbox_id, d.what) for d in got] == [
+        ("fs", "sb-one", "openat /etc/passwd"),
+        ("fs", "sb-one", "unlink /bin/"),
+        ("fs", "sb-one", "fchmodat /bin/busybox"),
+        ("fs", "sb-one", "fsetxattr"),
+        ("fs", "sb-one", "rename /bin/"),
+        ("fs", "sb-one", "mkdirat evil/"),
+    ]
+    assert got[0].detail["errno"] == "EROFS" and got[0].detail["syscall"] == "257" and got[0].detail["path"] == "/etc/passwd"
+    assert got[0].detail["exe"] == "/bin/busybox" and got[0].detail["pid"] == "99990" and "path_is_parent" not in got[0].detail
+    assert got[1].detail["path_is_parent"] == "true" and got[1].detail["comm"] == "rm"
+    assert got[4].detail["errno"] == "EXDEV" and got[4].detail["paths"] == "/tmp/, /bin/"
+    assert k.fs_ignored == 1
+    assert set(EXDEV_SYSCALLS) <= set(NR)
+
+    # A Landlock refusal that also matched the EXDEV rule (a refer denial): its Landlock records
+    # come first, and it is reported once, as Landlock's.
+    k.feed(1423, 'audit(1795956216.3:200): domain=abc blockers=fs.refer path="/var" dev="overlay" ino=6')
+    feed(_ro_event(200, NR["rename"], -18, [("/var/", "PARENT"), ("/etc/", "PARENT")]))
+    assert [(d.kind, d.what) for d in got[6:]] == [("landlock", "fs.refer /var")]
+
+    # No EOE (the flush after a grace reports it anyway).
+    feed(_ro_event(300, NR["truncate"], -30, [("/bin/busybox", "NORMAL")])[:-1])
+    k._flush()
+    assert got[-1].what == "truncate /bin/busybox"
+
+    # rm -rf /usr: one refusal per directory, each with its own path: the per-sandbox bucket holds
+    # the flood back and counts it into the sandbox's next report.
+    before = len([d for d in got if d.kind == "fs"])
+    for i in range(50):
+        feed(_ro_event(400 + i, NR["unlinkat"], -30, [(f"/usr/lib/d{i}/", "PARENT")], comm="rm"))
+    assert len([d for d in got if d.kind == "fs"]) == 8 and k.fs_held == 50 - (8 - before)
+    k._buckets["sb-one"].tokens = 1.0
+    feed(_ro_event(500, NR["chmod"], -30, [("/etc/passwd", "NORMAL")]))
+    assert got[-1].what == "chmod /etc/passwd" and got[-1].detail["held_back"] == str(k.fs_held)
+    k.forget("sb-one")
+    assert "sb-one" not in k._buckets
+
+
+def test_read_only_audit_rules_are_what_auditctl_would_send() -> None:
+    """-a always,exit -F exit=-EROFS -F arch=b64 -S ... -k dsec-erofs (and the EXDEV one), as bytes."""
+    from guard._kernel import _RULE, READONLY_SYSCALLS_X86_64 as NR, audit_rule, readonly_rules, rule_key
+
+    ro, xdev = readonly_rules("x86_64")
+    for rule, err, calls in ((ro, 30, NR.values()), (xdev, 18, [NR[n] for n in ("rename", "renameat", "renameat2", "link", "linkat")])):
+        v = _RULE.unpack_from(rule)
+        flags, action, count = v[:3]
+        mask, fields, values, ops, buflen = v[3:67], v[67:131], v[131:195], v[195:259], v[259]
+        assert (flags, action, count) == (0x04, 2, 3)  # AUDIT_FILTER_EXIT, AUDIT_ALWAYS
+        assert fields[:3] == (103, 11, 210) and values[:3] == ((-err) & 0xFFFFFFFF, 0xC000003E, len("dsec-erofs"))
+        assert ops[:3] == (0x40000000,) * 3 and not any(fields[3:]) and buflen == 10
+        assert {i * 32 + b for i, w in enumerate(mask) for b in range(32) if w >> b & 1} == set(calls)
+        assert rule_key(rule) == "dsec-erofs" and rule[_RULE.size:] == b"dsec-erofs"
+    assert 2 in NR.values() and NR["openat"] == 257 and NR["fchmodat2"] == 452 and NR["setxattr"] == 188
+    # Rules under another key are told apart by it (the kernel lists every rule of the host).
+    assert rule_key(audit_rule(0xC000003E, [2], 30, "other")) == "other"
+    assert readonly_rules("sparc64") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CAP_AUDIT_CONTROL)")
+def test_read_only_audit_rules_are_shared_by_guards() -> None:
+    """Two guards: the first to stop keeps the rules for the other; the last one deletes them
+    (unless a guard elsewhere on this machine still holds them)."""
+    import fcntl
+
+    from guard._kernel import READONLY_LOCK, ReadonlyRules
+
+    try:
+        ReadonlyRules.listed()
+    except OSError as exc:
+        pytest.skip(f"audit rules not readable here: {exc}")
+    a, b = ReadonlyRules(), ReadonlyRules()
+    try:
+        a.install()
+        b.install()  # EEXIST: tolerated
+        assert ReadonlyRules.listed() == a.rules == b.rules  # byte for byte, once each
+        assert a.ensure() == 0
+        assert a.remove() is False  # b still relies on them
+        assert ReadonlyRules.listed() == b.rules
+        b.remove()
+    finally:
+        a.remove()
+        b.remove()
+    # Nobody else holding the lock: they must be gone (and can't come back while we hold it).
+    fd = os.open(READONLY_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pytest.skip("another guard on this machine holds the rules")
+        assert ReadonlyRules.listed() == []
+    finally:
+        os.close(fd)
