@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from . import subjects as S
+from .sign import new_control_key, parse_key
 
 # JetStream API calls a read-only client needs: stream/KV info, direct gets, and ephemeral ordered
 # consumers on the event stream and the KV buckets it may read (never on the work queues).
@@ -104,13 +105,22 @@ class AuthConfig:
     passwords: dict[str, str] = field(default_factory=dict)
     sandbox_users: dict[str, str] = field(default_factory=dict)
     client_users: dict[str, str] = field(default_factory=dict)
+    # Hex HMAC key placement signs host work with (bus.sign); only placement and host agents get it.
+    control_key: str = ""
+
+    @property
+    def control_key_bytes(self) -> bytes:
+        return parse_key(self.control_key)
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> "AuthConfig":
         p = Path(path)
         if p.exists():
             d = json.loads(p.read_text())
-            cfg = cls(passwords=d.get("passwords", {}), sandbox_users=d.get("sandbox_users", {}), client_users=d.get("client_users", {}))
+            cfg = cls(
+                passwords=d.get("passwords", {}), sandbox_users=d.get("sandbox_users", {}), client_users=d.get("client_users", {}),
+                control_key=d.get("control_key", ""),
+            )
         else:
             cfg = cls()
         changed = False
@@ -118,6 +128,9 @@ class AuthConfig:
             if role not in cfg.passwords:
                 cfg.passwords[role] = secrets.token_urlsafe(24)
                 changed = True
+        if not cfg.control_key:
+            cfg.control_key = new_control_key()
+            changed = True
         if changed or not p.exists():
             cfg.save(p)
         return cfg
@@ -128,7 +141,9 @@ class AuthConfig:
         tmp = p.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"passwords": self.passwords, "sandbox_users": self.sandbox_users, "client_users": self.client_users}, f)
+            json.dump(
+                {"passwords": self.passwords, "sandbox_users": self.sandbox_users, "client_users": self.client_users, "control_key": self.control_key}, f
+            )
         os.replace(tmp, p)
 
     def issue_sandbox_credential(self, sandbox_id: str) -> tuple[str, str]:

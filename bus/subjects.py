@@ -40,6 +40,9 @@ OBJ_CHUNKS = "dsec_chunks"
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplication
 HDR_ATTEMPT = "Dsec-Attempt"
 HDR_ERROR_CODE = "Dsec-Error-Code"
+# Placement's HMAC over (subject, payload) of the work it hands a host (bus.sign): a JetStream push
+# consumer may deliver stored bytes onto any subject, past the creator's publish permissions.
+HDR_SIGNATURE = "Dsec-Signature"
 
 # --- request subjects (JetStream, DSEC_REQ) ----------------------------------
 REQ_CREATE = f"{PREFIX}.req.create"
@@ -62,6 +65,12 @@ def valid_inbox(subject: str) -> bool:
     control subject (a host's work, an event, a KV key)."""
     parts = subject.split(".")
     return len(parts) >= 2 and parts[0] == "_INBOX" and all(_TOKEN.match(p) for p in parts[1:])
+
+
+def is_stream_delivery(reply: str | None) -> bool:
+    """True when a message came from a JetStream consumer (its reply is the ack subject), not from a
+    client's core request (whose reply is an inbox)."""
+    return bool(reply) and reply.startswith("$JS.ACK.")
 
 
 def _tok(token: str) -> str:

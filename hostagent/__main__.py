@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
     ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
+    ap.add_argument("--control-key-file", default=None, help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
     args = ap.parse_args()
     _log.configure()
     os.makedirs(args.data_dir, exist_ok=True)
@@ -32,6 +33,8 @@ def main() -> None:
 
         asyncio.run(run_sim_hosts(args))
         return
+    from bus.sign import load_control_key
+
     from ._container import ContainerBackend
     from ._service import HostAgent
 
@@ -39,7 +42,7 @@ def main() -> None:
     agent = HostAgent(
         backend, nats_url=args.nats_url, host_id=args.host_id, data_dir=args.data_dir, concurrency=args.concurrency,
         pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,
-        max_sandboxes=args.max_sandboxes, destroy_on_shutdown=args.destroy_on_shutdown,
+        max_sandboxes=args.max_sandboxes, destroy_on_shutdown=args.destroy_on_shutdown, control_key=load_control_key(args.control_key_file),
     )
     asyncio.run(agent.run())
 

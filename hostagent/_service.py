@@ -49,6 +49,7 @@ from bus.messages import (
     SetTimeout,
 )
 from bus.runtime import Service, error_of
+from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from bus.acks import JsAcks, Sink, StoreError, acks_for
@@ -96,9 +97,11 @@ class HostAgent(Service):
         stream_options: StreamOptions = StreamOptions(),
         connection: Any = None,
         grace_s: float = 10.0,
+        control_key: bytes | None = None,
     ) -> None:
         super().__init__(nats_url, grace_s=grace_s)
         self.backend = backend
+        self.control_key = control_key  # with a key, only work placement signed runs (bus.sign)
         self.host_id = host_id or socket.gethostname().split(".")[0].replace("_", "-")
         if not S.valid_token(self.host_id):
             raise ValueError(f"host id {self.host_id!r} must be 1-128 of [A-Za-z0-9_-]")
@@ -454,6 +457,13 @@ class HostAgent(Service):
 
     # --- create ---------------------------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
+        if not verify(self.control_key, msg.subject, msg.data, msg.headers):
+            # Acked, so it is not redelivered forever; kept in the dead-letter stream as evidence.
+            assert self.js is not None
+            log.warning("unsigned_work_refused", subject=msg.subject, code=ERR_BAD_SIGNATURE)
+            await self.js.publish(S.dlq(msg.subject), msg.data, headers={S.HDR_ERROR_CODE: ERR_BAD_SIGNATURE, "Dsec-Origin": msg.subject})
+            await msg.ack()
+            return
         try:
             work = codec.HOST.decode(msg.data)
         except BadRequest as exc:
@@ -721,7 +731,16 @@ class HostAgent(Service):
         t.add_done_callback(self._ops.discard)
 
     async def _op(self, msg: Msg) -> None:
+        if S.is_stream_delivery(msg.reply):
+            # A push consumer anyone may create can deliver stored bytes here, past the publish
+            # permissions on dsec.sbx.<id>.*, under the stored message's own subject (a KV key like
+            # "<id>.kill" makes it look like an op); a real request's reply is an inbox. Not answered:
+            # the reply would ack the attacker's consumer.
+            log.warning("stream_delivered_op_refused", subject=msg.subject)
+            return
         parts = msg.subject.split(".")
+        if len(parts) != 4:
+            return
         sid, op = parts[2], parts[3]
         structlog.contextvars.bind_contextvars(sandbox_id=sid, subject=msg.subject)
         t0 = time.perf_counter()

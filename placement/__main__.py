@@ -8,6 +8,7 @@ import gc
 
 from nats.js.api import StorageType
 
+from bus.sign import load_control_key
 from bus.streams import StreamOptions
 
 from ._service import Placement
@@ -26,11 +27,12 @@ def main() -> None:
     ap.add_argument("--ack-wait", type=float, default=10.0, help="seconds before a dead replica's requests are redelivered")
     ap.add_argument("--pending-delay", type=float, default=0.5, help="first re-try delay of a request no host fits")
     ap.add_argument("--stream-storage", choices=["file", "memory"], default="file", help="storage of streams this replica creates (memory: scale benchmarks)")
+    ap.add_argument("--control-key-file", default=None, help="hex key to sign host work with (default: $DSEC_CONTROL_KEY; neither: unsigned)")
     args = ap.parse_args()
     storage = StorageType.MEMORY if args.stream_storage == "memory" else StorageType.FILE
     svc = Placement(
         args.nats_url, replica_id=args.replica_id, capacity=args.capacity, policy=Policy(sample_k=args.sample_k, strategy=args.strategy),
-        ack_wait_s=args.ack_wait, pending_delay_s=args.pending_delay, stream_options=StreamOptions(storage=storage, events_max_bytes=MEMORY_EVENTS_MAX_BYTES if storage == StorageType.MEMORY else StreamOptions().events_max_bytes),
+        ack_wait_s=args.ack_wait, control_key=load_control_key(args.control_key_file), pending_delay_s=args.pending_delay, stream_options=StreamOptions(storage=storage, events_max_bytes=MEMORY_EVENTS_MAX_BYTES if storage == StorageType.MEMORY else StreamOptions().events_max_bytes),
     )
     # Every request allocates and frees a few dozen objects; the default gen-0 threshold (700) would run
     # the cyclic GC hundreds of times a second in a burst. Nothing here builds reference cycles per request.

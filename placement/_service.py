@@ -20,6 +20,7 @@ from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxEvent, SandboxSpec, TemplateManifest
 from bus.runtime import Service
+from bus.sign import sign_headers
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from bus.acks import JsAcks, acks_for
@@ -80,8 +81,10 @@ class Placement(Service):
         ack_wait_s: float = 10.0,
         handoff_timeout_s: float = 10.0,
         grace_s: float = 10.0,
+        control_key: bytes | None = None,
     ) -> None:
         super().__init__(nats_url, grace_s=grace_s)
+        self.control_key = control_key  # signs every hand-off to a host (bus.sign); None: unsigned (dev)
         self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.capacity = capacity
         self.table = HostTable(policy)
@@ -300,18 +303,18 @@ class Placement(Service):
                 spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
                 placed_by=self.replica_id, placed_at=now, claim=not fresh or (msg.metadata.num_delivered if msg.metadata else 1) > 1,
             )
-            fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
+            fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
             outs.append((msg, fut, host, spec, req.attempt))
         for host, members in groups.items():
             if len(members) == 1:
                 msg, spec = members[0]
                 place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
-                fut = await acks.publish(S.host_create(host), codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:0"})
+                fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:0"})
             else:
                 ids = ",".join(sp.sandbox_id for _, sp in members)
                 digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
                 pb = PlaceBatch(batch_id=f"g-{digest}", host_id=host, specs=[sp for _, sp in members], placed_by=self.replica_id, placed_at=now)
-                fut = await acks.publish(S.host_create(host), codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
+                fut = await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
             for msg, spec in members:
                 outs.append((msg, fut, host, spec, 0))
         if not outs:
@@ -336,6 +339,10 @@ class Placement(Service):
                     await self._note(spec, "placed", attempt=attempt, host_id=host)
                     self.placed += 1
             await msg.ack()
+
+    async def _handoff(self, acks: JsAcks, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
+        subject = S.host_create(host)
+        return await acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
 
     async def teardown(self) -> None:
         if self.acks is not None:
@@ -442,7 +449,7 @@ class Placement(Service):
             stale = not all(self._fresh(s, now) for s in hspecs)
             pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale)
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
-            futs.append(await acks.publish(S.host_create(host), codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
+            futs.append(await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
             futs.append(await acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: spec.sandbox_id}))

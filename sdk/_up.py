@@ -18,6 +18,7 @@ from pathlib import Path
 from bus.auth import AuthConfig
 from bus.errors import DsecError
 from bus.natsd import NatsServer, NatsServerError
+from bus.sign import ENV_CONTROL_KEY
 
 
 class Child:
@@ -89,9 +90,15 @@ def run_up(args: argparse.Namespace) -> int:
     _say(f"NATS JetStream at {nats.url} (pid {nats.pid})")
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
+    base_env.pop(ENV_CONTROL_KEY, None)
+
     def env(role: str) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        return {**base_env, "DSEC_NATS_URL": auth.url_for(role, nats.url) if auth else nats.url}
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(role, nats.url) if auth else nats.url}
+        if auth and role in ("placement", "hostagent"):
+            # Placement signs the work it hands hosts; host agents run nothing else (bus.sign).
+            e[ENV_CONTROL_KEY] = auth.control_key
+        return e
 
     py = sys.executable
     host_id = args.host_id or socket.gethostname().split(".")[0]

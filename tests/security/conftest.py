@@ -109,6 +109,7 @@ class SecStack:
     guard: Any = None  # guard.Guard, with make_stack(guard=True)
     auth: Any = None  # bus.auth.AuthConfig, with make_stack(auth=True)
     stream_options: Any = None  # bus.streams.StreamOptions the services run with
+    control_key: bytes | None = None  # placement signs host work with it (auth stacks, as `dsec up`)
 
     def url_as(self, role: str) -> str:
         """NATS URL of a service role (or named user) on an ``auth`` stack; the plain URL otherwise."""
@@ -138,20 +139,20 @@ class SecStack:
         await self.host.shutdown()
         self.host.destroy_on_shutdown = True
         self.backend = ContainerBackend(str(self.data_dir), scratch_size_gb=16, network=self.net)
-        self.host = _hostagent(self.backend, self.url_as("hostagent"), self.host_id, self.data_dir, self.stream_options)
+        self.host = _hostagent(self.backend, self.url_as("hostagent"), self.host_id, self.data_dir, self.stream_options, self.control_key)
         await self.host.start()
 
     def network_leftovers(self, *, warm_ok: bool = True) -> list[str]:
         return network_leftovers(self.net, warm_ok=warm_ok)
 
 
-def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None) -> Any:
+def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None, control_key: bytes | None = None) -> Any:
     from bus.streams import StreamOptions
     from hostagent import HostAgent
 
     return HostAgent(
         backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
-        stream_options=stream_options or StreamOptions(),
+        stream_options=stream_options or StreamOptions(), control_key=control_key,
     )
 
 
@@ -210,12 +211,13 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         rootfs = data_dir / "rootfs"
         await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
         await register_base_template(nc.jetstream(), str(rootfs))
-        placement = Placement(url_as("placement"), replica_id=f"p-{uid}", stream_options=opts)
+        key = authcfg.control_key_bytes if authcfg else None
+        placement = Placement(url_as("placement"), replica_id=f"p-{uid}", stream_options=opts, control_key=key)
         backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net, warm_pool=warm_pool)
         host_id = f"sec-{uid}"
         st = SecStack(
-            url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts), backend, placement, nc, nats,
-            auth=authcfg, stream_options=opts,
+            url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts, key), backend, placement, nc, nats,
+            auth=authcfg, stream_options=opts, control_key=key,
         )
 
         async def close() -> None:

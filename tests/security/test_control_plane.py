@@ -572,3 +572,118 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
     finally:
         await cli.close()
 
+
+
+# ------------------------------------------------------------------------------------------ consumer delivery
+async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack: SecStack, redteam: RedTeam) -> None:
+    """NATS does not check a push consumer's ``deliver_subject`` against its creator's publish
+    permissions: an anonymous client may create a consumer on a stream it may read (events, the
+    sandbox/host/image KVs) that delivers onto a host's work subject or onto ``dsec.sbx.<id>.kill``.
+    The server delivers only while some subscription names that subject literally (a wildcard
+    subscriber, like a stream or the host agent's ``dsec.sbx.<id>.*``, is not enough), and the
+    delivery keeps the stored message's own subject: DSEC_HOST captures it under that subject, which
+    no host consumes, while the host agent's op subscription receives it as if sent to that subject.
+    The test makes the literal interest itself and puts the forged bytes into a readable KV itself
+    (the worst case, should any service ever store client bytes there); the host agent must refuse.
+    Host work is also signed by placement, so no other credential (here imaged's, which may publish
+    on ``dsec.>``) can hand a host work: it goes to the dead-letter stream with ``bad_signature``."""
+    victim = await stack.create(template="base")  # positive control: a legit create through placement
+    assert "alive" in await exec_ok(stack.nc, victim.sandbox_id)
+    redteam.allowed("anonymous client: create through placement (signed hand-off runs)")
+    host, vid, fake = stack.host_id, victim.sandbox_id, f"forged-{stack.uid}-{uuid.uuid4().hex[:6]}"
+    js = stack.js_admin  # type: ignore[attr-defined]
+    now = time.time()
+    spec = SandboxSpec(sandbox_id=fake, pool="default", requested_at=now, create_deadline=now + 60)
+    forged_place = codec.encode(PlaceSandbox(spec=spec, host_id=host, placed_at=now))
+    forged_kill = codec.encode(KillRequest(reason="forged"))
+    kv_sbx = await js.key_value(S.KV_SANDBOXES)
+    kp, kk = f"zz-place-{stack.uid}", f"{vid}.kill"  # the kill's key makes its stored subject $KV.dsec_sandboxes.<victim>.kill
+    cli = await Principal.open(stack.url, "anonymous client")
+    img = await Principal.open(stack.url_as("imaged"), "imaged credential")
+    cjs = cli.nc.jetstream()
+    watch = StartWatch(stack.host, fake)
+    seen: dict[str, list[Any]] = {"create": [], "kill": []}
+    subs: list[Any] = []
+    consumers: list[tuple[str, str]] = []
+    dlq_subject = S.dlq(S.host_create(host))
+    try:
+        # The lease bucket is the one KV a client writes, but it may not consume from it.
+        lease_subject = kv_subject(S.KV_LEASES, f"forged-{stack.uid}")
+        await cli.nc.request(lease_subject, forged_place, timeout=10)
+        await cli.denied_publish(
+            redteam, f"$JS.API.CONSUMER.CREATE.KV_{S.KV_LEASES}",
+            f'{{"stream_name":"KV_{S.KV_LEASES}","config":{{"deliver_subject":"{S.host_create(host)}"}}}}'.encode(),
+            "deliver its own lease bytes onto a host's work subject (consumer on the lease stream)",
+        )
+        await js.purge_stream(f"KV_{S.KV_LEASES}", subject=lease_subject)
+
+        for key, data in ((kp, forged_place), (kk, forged_kill)):
+            await kv_sbx.put(key, data)
+
+        async def on_create(m: Any) -> None:
+            seen["create"].append(m)
+
+        async def on_kill(m: Any) -> None:
+            seen["kill"].append(m)
+
+        subs.append(await stack.nc.subscribe(S.host_create(host), cb=on_create))
+        subs.append(await stack.nc.subscribe(S.sbx(vid, "kill"), cb=on_kill))
+        await stack.nc.flush()
+        stream = f"KV_{S.KV_SANDBOXES}"
+        for key, target in ((kp, S.host_create(host)), (kk, S.sbx(vid, "kill"))):
+            ci = await cjs.add_consumer(stream, deliver_subject=target, filter_subject=kv_subject(S.KV_SANDBOXES, key), ack_policy="none")
+            consumers.append((stream, ci.name))
+        # The server accepted both consumers and delivered: the primitive is real.
+        await eventually(lambda: seen["create"] and seen["kill"], what="the server to deliver onto the host's and the sandbox's subjects")
+        assert all(S.is_stream_delivery(m.reply) for m in seen["create"] + seen["kill"])
+        assert seen["kill"][0].subject == kv_subject(S.KV_SANDBOXES, kk)
+
+        # The host work stream captured the forged create under its stored subject, not a host's.
+        assert await stream_count(js, S.STREAM_HOST, kv_subject(S.KV_SANDBOXES, kp)) == 1
+        assert await stream_count(js, S.STREAM_HOST, S.host_create(host)) == 0
+        redteam.blocked("anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [captured under its stored subject, never consumed]")
+
+        # The forged kill reached the victim's host agent before this exec (one subscription, in order).
+        assert "alive" in await exec_ok(stack.nc, vid)
+        await eventually(lambda: not stack.host._ops, what="the host's ops to finish")
+        assert vid in stack.host.live
+        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
+        redteam.blocked("anonymous client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
+
+        # Another service's credential may publish on dsec.host.>, but only placement holds the key.
+        await img.nc.jetstream().publish(S.host_create(host), forged_place)
+
+        async def refused() -> bool:
+            try:
+                m = await js.get_last_msg(S.STREAM_DLQ, dlq_subject)
+            except Exception:  # noqa: BLE001 - not there yet
+                return False
+            return (m.headers or {}).get(S.HDR_ERROR_CODE) == "bad_signature" and m.data == forged_place
+
+        await eventually(refused, timeout=20, what="the unsigned create in the dead-letter stream with bad_signature")
+        await eventually(lambda: host_idle(stack), what="the host to ack the unsigned work")
+        assert not await watch.stop(), "the host agent started a forged create"
+        assert fake not in stack.host.live
+        redteam.blocked("imaged credential: unsigned PlaceSandbox straight onto a host's work subject [dead letter, code bad_signature]")
+
+        # Positive control: placement's signed hand-offs still run.
+        sb = await stack.create()
+        assert "alive" in await exec_ok(stack.nc, sb.sandbox_id)
+        redteam.allowed("create + exec after the forged deliveries")
+    finally:
+        with contextlib.suppress(Exception):
+            await watch.stop()
+        for stream, name in consumers:
+            with contextlib.suppress(Exception):
+                await cjs.delete_consumer(stream, name)
+        for s in subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        for key in (kp, kk):
+            with contextlib.suppress(Exception):
+                await kv_sbx.purge(key)
+        for st, subj in ((S.STREAM_DLQ, dlq_subject), (S.STREAM_HOST, kv_subject(S.KV_SANDBOXES, ">"))):
+            with contextlib.suppress(Exception):
+                await js.purge_stream(st, subject=subj)
+        await cli.close()
+        await img.close()
