@@ -60,6 +60,7 @@ from bus.messages import (
     TemplateManifest,
 )
 from bus.runtime import connect
+from bus.sign import sign_headers
 from sdk import AsyncSandbox, build_spec
 from tests.conftest import eventually
 from tests.security.conftest import SKIP_REASON, RedTeam, SecStack
@@ -481,7 +482,9 @@ async def test_expired_create_is_refused_and_never_started(stack: SecStack, redt
         redteam.blocked("create replayed after its create_deadline [placement: failed, code timeout]")
         # A hand-off that waited in the host's queue past the deadline (or was replayed there): the host refuses it.
         place = PlaceSandbox(spec=late, host_id=stack.host_id, placed_by="test", placed_at=time.time())
-        await pl.nc.jetstream().publish(S.host_create(stack.host_id), codec.encode(place), headers={S.HDR_MSG_ID: f"{late.sandbox_id}:0"})
+        data = codec.encode(place)  # signed as placement signs its hand-offs
+        hdr = sign_headers(stack.control_key, S.host_create(stack.host_id), data, {S.HDR_MSG_ID: f"{late.sandbox_id}:0"})
+        await pl.nc.jetstream().publish(S.host_create(stack.host_id), data, headers=hdr)
         await eventually(lambda: ev.of(late.sandbox_id, "failed"), timeout=20, what="the host's failed event")
         f = ev.of(late.sandbox_id, "failed")[0]
         assert f.code == "timeout" and f.host_id == stack.host_id, f
