@@ -8,6 +8,12 @@ must not run, so placement signs each hand-off with the deployment's control key
 generates it next to the NATS users, :class:`bus.auth.AuthConfig`) and a host agent with a key
 refuses anything without a valid signature. Without a key (a dev stack without auth) nothing is
 signed or checked.
+
+Two things stay open on purpose: placement's intake (``dsec.req.create``) can be fed by such a delivery
+too, but a client may ask for sandboxes anyway, so that gains nothing; and a delivery a stream
+captures is stored under the delivered message's own subject (never a host's work subject), so junk
+can sit in DSEC_HOST until its limits drop it, unread. Sandbox ops delivered this way are refused by
+their reply subject (``subjects.is_stream_delivery``).
 """
 
 from __future__ import annotations
