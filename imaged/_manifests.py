@@ -6,14 +6,14 @@ import re
 import time
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import ImageEvent, LayerRef, TemplateManifest
-from bus.streams import ensure_kv
+from bus.streams import ensure_kv, kv_keys
 
 from ._store import BlobStore
 from ._util import digest_hex, full_digest
@@ -65,13 +65,9 @@ async def put_manifest(js: JetStreamContext, manifest: TemplateManifest) -> None
 
 
 async def list_manifests(js: JetStreamContext) -> list[TemplateManifest]:
-    kv = await images_kv(js)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+    await images_kv(js)
     out = []
-    for k in sorted(keys):
+    for k in await kv_keys(js, S.KV_IMAGES):
         m = await get_manifest(js, k)
         if m is not None:
             out.append(m)

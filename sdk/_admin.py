@@ -17,6 +17,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, InvalidArgument, Unavailable
 from bus.runtime import connect, nats_url
+from bus.streams import kv_keys
 
 STALE_S = 10.0
 
@@ -30,7 +31,7 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
         n_sbx = 0
         try:
             kv = await js.key_value(S.KV_HOSTS)
-            for k in await _keys(kv):
+            for k in await kv_keys(js, S.KV_HOSTS):
                 try:
                     st = codec.HOST_STATUS.decode((await kv.get(k)).value)
                 except (KeyNotFoundError, BadRequest):
@@ -42,7 +43,13 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
                     d["state"] = "stale"
                 hosts.append(d)
             kvi = await js.key_value(S.KV_IMAGES)
-            templates = sorted(await _keys(kvi))
+            names = await kv_keys(js, S.KV_IMAGES)
+            # A removed template's key keeps its delete marker in the stream: only live entries count.
+            got = await asyncio.gather(*(kvi.get(n) for n in names), return_exceptions=True)
+            for g in got:
+                if isinstance(g, BaseException) and not isinstance(g, KeyNotFoundError):
+                    raise g
+            templates = [n for n, g in zip(names, got) if not isinstance(g, KeyNotFoundError)]
             n_sbx = sum(h["sandboxes"] for h in hosts if h["state"] == "ready")
         except NotFoundError:
             pass
@@ -55,13 +62,6 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
         }
     finally:
         await nc.close()
-
-
-async def _keys(kv: Any) -> list[str]:
-    try:
-        return await kv.keys()
-    except Exception:  # noqa: BLE001 - nats-py raises NoKeysError for an empty bucket
-        return []
 
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")

@@ -42,6 +42,7 @@ from bus.messages import (
 from bus.messages import SandboxInfo as WireInfo
 from bus.acks import Sink, StoreError, acks_for, release_acks
 from bus.runtime import connect, nats_url
+from bus.streams import kv_keys
 
 from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
 from .errors import CommandExitError, CommandTimeoutError
@@ -619,13 +620,10 @@ class AsyncSandbox:
     @classmethod
     async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:
         nc = await _nc(nats_url)
-        kv = await nc.jetstream().key_value(S.KV_SANDBOXES)
+        js = nc.jetstream()
+        kv = await js.key_value(S.KV_SANDBOXES)
         out: list[SandboxInfo] = []
-        try:
-            keys = await kv.keys()
-        except Exception:  # noqa: BLE001 - nats-py raises NoKeysError on an empty bucket
-            return out
-        for k in keys:
+        for k in await kv_keys(js, S.KV_SANDBOXES):
             try:
                 e = await kv.get(k)
             except KeyNotFoundError:
