@@ -50,6 +50,9 @@ import structlog
 
 from bus.profiles import SYSTEM_PATHS
 
+from ._netlink import NLMSG as _NLMSG
+from ._netlink import drain
+
 log = structlog.get_logger("dsec.guard.kernel")
 
 NETLINK_AUDIT = 9
@@ -113,7 +116,7 @@ EXDEV_SYSCALLS = ("rename", "renameat", "renameat2", "link", "linkat")
 _DIRFD_ARG = {("symlinkat", 0): "a1", ("renameat", 1): "a2", ("renameat2", 1): "a2", ("linkat", 1): "a2"}
 AT_FDCWD = 0xFFFFFF9C
 
-_NLMSG = struct.Struct("=IHHII")
+
 _STATUS = struct.Struct("=11I")
 _KV = re.compile(r'(\w+)=("[^"]*"|\S+)')
 _HEADER = re.compile(r"audit\((\d+\.\d+):(\d+)\):\s*")
@@ -577,24 +580,10 @@ class KernelAudit:
     # --- records ------------------------------------------------------------------------------
     def _readable(self) -> None:
         assert self._sock is not None
-        for _ in range(1024):
-            try:
-                data = self._sock.recv(65536)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    log.warning("kernel_audit_overrun", note="records were lost: the reader fell behind")
-                    continue
-                raise
-            pos = 0
-            while pos + _NLMSG.size <= len(data):
-                length, rtype, _, _, _ = _NLMSG.unpack_from(data, pos)
-                if length < _NLMSG.size:
-                    break
-                text = data[pos + _NLMSG.size:pos + length].rstrip(b"\0").decode(errors="replace")
-                self.feed(rtype, text)
-                pos += (length + 3) & ~3
+        drain(
+            self._sock, lambda rtype, body: self.feed(rtype, body.rstrip(b"\0").decode(errors="replace")),
+            batches=1024, overrun="kernel_audit_overrun", note="records were lost: the reader fell behind",
+        )
         self._schedule_flush()
 
     def feed(self, rtype: int, text: str) -> None:

@@ -42,6 +42,8 @@ import structlog
 from bus import subjects as S
 
 from ._kernel import Denial
+from ._netlink import NLMSG as _NLMSG
+from ._netlink import drain
 
 log = structlog.get_logger("dsec.guard.nflog")
 
@@ -60,7 +62,7 @@ ETH_P_IP, ETH_P_IPV6 = 0x0800, 0x86DD
 PROTO_NAMES = {1: "icmp", 6: "tcp", 17: "udp", 58: "icmpv6", 132: "sctp", 136: "udplite"}
 _V6_EXT = {0, 43, 60}  # hop-by-hop, routing, destination options: walked to find the ports
 
-_NLMSG = struct.Struct("=IHHII")
+
 _NFGEN = struct.Struct("=BBH")  # family, version, res_id (big-endian group: packed by hand)
 _NLA = struct.Struct("=HH")
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -303,24 +305,11 @@ class NflogReader:
     # --- messages ---------------------------------------------------------------------------------
     def _readable(self) -> None:
         assert self._sock is not None
-        for _ in range(256):
-            try:
-                data = self._sock.recv(65536)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    log.warning("nflog_overrun", note="drop reports were lost: the reader fell behind")
-                    continue
-                raise
-            pos = 0
-            while pos + _NLMSG.size <= len(data):
-                length, rtype, _, _, _ = _NLMSG.unpack_from(data, pos)
-                if length < _NLMSG.size:
-                    break
-                if rtype == (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET:
-                    self.feed(data[pos + _NLMSG.size:pos + length])
-                pos += (length + 3) & ~3
+        drain(self._sock, self._on_message, batches=256, overrun="nflog_overrun", note="drop reports were lost: the reader fell behind")
+
+    def _on_message(self, rtype: int, body: bytes) -> None:
+        if rtype == (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_PACKET:
+            self.feed(body)
 
     def feed(self, body: bytes) -> None:
         """Take one NFULNL_MSG_PACKET body (also the entry point for tests)."""
