@@ -52,6 +52,7 @@ from bus.profiles import SYSTEM_PATHS
 
 from ._netlink import NLMSG as _NLMSG
 from ._netlink import drain
+from ._buckets import SandboxBuckets
 
 log = structlog.get_logger("dsec.guard.kernel")
 
@@ -400,13 +401,6 @@ class ReadonlyRules:
             s.close()
 
 
-class _Bucket:
-    __slots__ = ("tokens", "at", "held")
-
-    def __init__(self, tokens: float, at: float) -> None:
-        self.tokens, self.at, self.held = tokens, at, 0
-
-
 def _under(path: str, prefixes: Iterable[str]) -> bool:
     p = path.rstrip("/") or "/"
     return any(p == pre or p.startswith(pre.rstrip("/") + "/") for pre in prefixes)
@@ -447,9 +441,10 @@ class KernelAudit:
         self.fs_burst = fs_burst
         self.reassert_s = reassert_s
         self._ro_pending: dict[str, list[tuple[int, dict[str, str]]]] = {}
-        self._buckets: dict[str, _Bucket] = {}
+        # `rm -rf /usr` is one refusal per directory, each with its own path: the per-denial folding
+        # cannot fold those, a per-sandbox bucket bounds them.
+        self._fs_limit = SandboxBuckets(fs_rate_per_s, fs_burst)
         self._keep_task: asyncio.Task[None] | None = None
-        self.fs_held = 0  # read-only refusals the per-sandbox bucket held back
         self.fs_ignored = 0  # read-only refusals of processes outside any sandbox
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -552,7 +547,7 @@ class KernelAudit:
 
     def forget(self, sandbox_id: str) -> None:
         self.map.forget(sandbox_id)
-        self._buckets.pop(sandbox_id, None)
+        self._fs_limit.forget(sandbox_id)
 
     async def stop(self) -> None:
         if self._keep_task is not None:
@@ -712,7 +707,7 @@ class KernelAudit:
         if err == errno.EXDEV and not system:
             return  # a rename/link between two other mounts: what every `mv` across mounts tries first
         path, item = (system or named or [("", {})])[0]
-        if not self._take(sid):
+        if not self._fs_limit.take(sid):
             return
         detail = {
             "syscall": str(nr), "syscall_name": name, "errno": errno.errorcode.get(err, str(err)), "path": path,
@@ -721,30 +716,15 @@ class KernelAudit:
         }
         if item.get("nametype") == "PARENT":
             detail["path_is_parent"] = "true"  # the kernel names only the directory of a name it never looked up
-        b = self._buckets[sid]
-        if b.held:
-            detail["held_back"] = str(b.held)
-            b.held = 0
+        held = self._fs_limit.held_back(sid)
+        if held:
+            detail["held_back"] = str(held)
         self._emit(Denial(kind="fs", sandbox_id=sid, what=f"{name} {path}".strip(), detail=detail))
 
-    def _take(self, sid: str) -> bool:
-        """Per-sandbox token bucket: `rm -rf /usr` is one refusal per directory, each with its own
-        path, which the guard's per-denial folding cannot fold."""
-        now = time.monotonic()
-        b = self._buckets.get(sid)
-        if b is None:
-            b = self._buckets[sid] = _Bucket(float(self.fs_burst), now)
-            if len(self._buckets) > 100_000:  # bounded memory: ended sandboxes are forgotten anyway
-                for k in list(self._buckets)[:50_000]:
-                    del self._buckets[k]
-        b.tokens = min(float(self.fs_burst), b.tokens + (now - b.at) * self.fs_rate_per_s)
-        b.at = now
-        if b.tokens < 1.0:
-            b.held += 1
-            self.fs_held += 1
-            return False
-        b.tokens -= 1.0
-        return True
+    @property
+    def fs_held(self) -> int:
+        """Read-only refusals the per-sandbox buckets held back."""
+        return self._fs_limit.held
 
     @staticmethod
     def _path(syscall: str, item: int, name: str, cwd: str, sysc: dict[str, str]) -> str:

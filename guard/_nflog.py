@@ -32,7 +32,6 @@ import ipaddress
 import re
 import socket
 import struct
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from bus import subjects as S
 from ._kernel import Denial
 from ._netlink import NLMSG as _NLMSG
 from ._netlink import drain
+from ._buckets import SandboxBuckets
 
 log = structlog.get_logger("dsec.guard.nflog")
 
@@ -206,13 +206,6 @@ class IfaceMap:
             del self.by_index[k]
 
 
-class _Bucket:
-    __slots__ = ("tokens", "at", "held")
-
-    def __init__(self, tokens: float, at: float) -> None:
-        self.tokens, self.at, self.held = tokens, at, 0
-
-
 class NflogReader:
     """Reads the drops logged to ``group`` and reports each as a network Denial to ``on_denial``."""
 
@@ -236,9 +229,8 @@ class NflogReader:
         self.map = iface_map or IfaceMap()
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._buckets: dict[str, _Bucket] = {}
+        self._limit = SandboxBuckets(rate_per_s, burst)
         self.packets = 0  # NFLOG messages of ours received (the kernel's "logged" counter, seen here)
-        self.held = 0  # reports this reader's per-sandbox bucket held back
         self.unmapped = 0  # drops from an interface that names no sandbox
 
     # --- lifecycle --------------------------------------------------------------------------
@@ -298,9 +290,14 @@ class NflogReader:
         self._sock.close()
         self._sock = None
 
+    @property
+    def held(self) -> int:
+        """Reports the per-sandbox buckets held back."""
+        return self._limit.held
+
     def forget(self, sandbox_id: str) -> None:
         self.map.forget(sandbox_id)
-        self._buckets.pop(sandbox_id, None)
+        self._limit.forget(sandbox_id)
 
     # --- messages ---------------------------------------------------------------------------------
     def _readable(self) -> None:
@@ -321,26 +318,14 @@ class NflogReader:
         if sid is None:
             self.unmapped += 1
             return
-        b = self._buckets.get(sid)
-        now = time.monotonic()
-        if b is None:
-            b = self._buckets[sid] = _Bucket(float(self.burst), now)
-            if len(self._buckets) > 100_000:  # bounded memory: ended sandboxes are forgotten anyway
-                for k in list(self._buckets)[:50_000]:
-                    del self._buckets[k]
-        b.tokens = min(float(self.burst), b.tokens + (now - b.at) * self.rate_per_s)
-        b.at = now
-        if b.tokens < 1.0:
-            b.held += 1
-            self.held += 1
+        if not self._limit.take(sid):
             return
-        b.tokens -= 1.0
         detail = drop.detail()
         if ifname:
             detail["ifname"] = ifname
-        if b.held:
-            detail["held_back"] = str(b.held)  # reports of this sandbox's drops this bucket swallowed
-            b.held = 0
+        held = self._limit.held_back(sid)
+        if held:
+            detail["held_back"] = str(held)  # reports of this sandbox's drops the bucket swallowed
         self.on_denial(Denial(kind="network", sandbox_id=sid, what=drop.what, detail=detail))
 
 

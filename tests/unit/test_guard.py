@@ -473,7 +473,7 @@ def test_nflog_messages_become_network_denials(tmp_path: Path) -> None:
     for _ in range(10):
         r.feed(_nflog_packet(udp))
     assert len(got) == 3 and r.held == 10 and r.packets == 13
-    r._buckets["sb-net-1"].tokens = 1.0
+    r._limit.buckets["sb-net-1"].tokens = 1.0
     r.feed(_nflog_packet(tcp))
     assert len(got) == 4 and got[-1].detail["held_back"] == "10"
     # an interface whose alias is no sandbox id (a warm network) is not blamed on anyone
@@ -562,11 +562,11 @@ def test_read_only_mount_refusals_become_fs_denials(tmp_path: Path) -> None:
     for i in range(50):
         feed(_ro_event(400 + i, NR["unlinkat"], -30, [(f"/usr/lib/d{i}/", "PARENT")], comm="rm"))
     assert len([d for d in got if d.kind == "fs"]) == 8 and k.fs_held == 50 - (8 - before)
-    k._buckets["sb-one"].tokens = 1.0
+    k._fs_limit.buckets["sb-one"].tokens = 1.0
     feed(_ro_event(500, NR["chmod"], -30, [("/etc/passwd", "NORMAL")]))
     assert got[-1].what == "chmod /etc/passwd" and got[-1].detail["held_back"] == str(k.fs_held)
     k.forget("sb-one")
-    assert "sb-one" not in k._buckets
+    assert "sb-one" not in k._fs_limit.buckets
 
 
 def test_read_only_audit_rules_are_what_auditctl_would_send() -> None:
