@@ -475,3 +475,15 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "Backend",
     "SandboxEventKind",
 ]
+
+
+# --- metrics (core request/reply, dsec.metrics.>) -------------------------------------
+class MetricsRequest(Struct, kw_only=True, tag=True):
+    """Asks processes for their Prometheus metrics (scatter-gather on ``dsec.metrics.scrape``)."""
+
+
+class MetricsReply(Struct, kw_only=True, tag=True):
+    service: str
+    instance: str
+    text: str  # Prometheus text exposition 0.0.4, every sample labelled with service and instance
+    at: float = 0.0

@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import log as _log
+from . import metrics as _metrics
 from .auth import ANONYMOUS_USER, inbox_prefix
 from .codec import encode
 from .errors import DsecError, ErrorReply, InternalError, Unavailable
@@ -249,6 +250,10 @@ class Service:
         self._shutdown_started = False
         self._shutdown_done = asyncio.Event()
         self.log = _log.get_logger(f"dsec.{self.name}")
+        # Prometheus metrics (bus.metrics), answered on dsec.metrics.<service>.<instance> once started.
+        self.metrics = _metrics.Registry()
+        self.metrics_port: int | None = None
+        self._exposition: _metrics.Exposition | None = None
 
     # subclasses override these two
     async def setup(self) -> None:
@@ -262,6 +267,7 @@ class Service:
         self.nc = await connect(self.nats_url, name=self.name)
         self.js = self.nc.jetstream()
         await self.setup()
+        self._exposition = await _metrics.expose(self)
         await self.nc.flush()  # subscriptions are live on the server when start() returns
 
     def spawn(self, coro: Awaitable[Any], *, name: str | None = None) -> asyncio.Task[Any]:
@@ -311,6 +317,8 @@ class Service:
                 _, pending = await asyncio.wait(set(self._tasks), timeout=self.grace_s)
                 for t in pending:
                     t.cancel()
+            if self._exposition is not None:
+                await self._exposition.stop()
             await self.teardown()
             if self.nc is not None and not self.nc.is_closed:
                 try:

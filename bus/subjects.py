@@ -51,6 +51,10 @@ REQ_CREATE_BATCH = f"{PREFIX}.req.create_batch"
 # --- status (core request/reply) ---------------------------------------------
 STATUS = f"{PREFIX}.status"
 
+# --- metrics (core request/reply; bus.metrics) -------------------------------------
+METRICS_SCRAPE = f"{PREFIX}.metrics.scrape"  # every process answers (scatter-gather)
+METRICS_ALL = f"{PREFIX}.metrics.>"
+
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
@@ -141,6 +145,11 @@ def evt_image(name: str, kind: str) -> str:
 # --- dead letters ---------------------------------------------------------------
 def dlq(origin_subject: str) -> str:
     return f"{PREFIX}.dlq.{origin_subject.replace('.', '_')}"
+
+
+def metrics(service: str, instance: str) -> str:
+    """One process's metrics: ``dsec.metrics.<service>.<instance>``."""
+    return f"{PREFIX}.metrics.{_tok(service)}.{_tok(instance)}"
 
 
 # --- image service (core request/reply) ---------------------------------------

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from bus import log as _log
+from bus.metrics import add_cli_flag as add_metrics_flag
 
 
 def main() -> None:
@@ -21,6 +22,7 @@ def main() -> None:
     ap.add_argument("--nflog-group", type=int, default=None,
                     help="NFLOG group the host agent logs dropped sandbox packets to (default: $DSEC_NFLOG_GROUP or bus.subjects.NFLOG_GROUP); -1: don't read them")
     ap.add_argument("--report-interval", type=float, default=1.0, help="seconds between two reports of the same denial of one sandbox")
+    add_metrics_flag(ap)
     args = ap.parse_args()
     _log.configure()
     from bus import subjects as S
@@ -33,6 +35,7 @@ def main() -> None:
         args.nats_url, host_id=args.host_id, kernel_audit=not args.no_kernel_audit, enable_audit=not args.no_enable_audit,
         readonly_audit=not args.no_readonly_audit, cgroup_parent=args.cgroup_parent, report_interval_s=args.report_interval, nflog_group=None if group < 0 else group,
     )
+    svc.metrics_port = args.metrics_port
     asyncio.run(svc.run())
 
 

@@ -133,6 +133,7 @@ class Guard(Service):
         self.profiles: dict[str, SecurityProfile] = {}
         self.published: dict[str, str] = {}
         self.violations = 0
+        self._violations = self.metrics.counter("dsec_guard_violations_total", "Violations guard reported, by kind and action taken", ["kind", "action"])
         self._kv_profiles: KeyValue | None = None
         self._kv_sbx: KeyValue | None = None
         self._kv_quarantine: KeyValue | None = None
@@ -266,6 +267,7 @@ class Guard(Service):
             host_id=self.host_id, detail=detail,
         )
         log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
+        self._violations.inc(kind=d.kind, action=action)
         assert self.js is not None
         try:
             await self.js.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))

@@ -7,6 +7,7 @@ import asyncio
 import os
 
 from bus import log as _log
+from bus.metrics import add_cli_flag as add_metrics_flag
 
 
 def main() -> None:
@@ -25,6 +26,7 @@ def main() -> None:
     ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
     ap.add_argument("--control-key-file", default=None, help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
+    add_metrics_flag(ap)
     args = ap.parse_args()
     _log.configure()
     os.makedirs(args.data_dir, exist_ok=True)
@@ -44,6 +46,7 @@ def main() -> None:
         pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,
         max_sandboxes=args.max_sandboxes, destroy_on_shutdown=args.destroy_on_shutdown, control_key=load_control_key(args.control_key_file),
     )
+    agent.metrics_port = args.metrics_port
     asyncio.run(agent.run())
 
 

@@ -54,6 +54,7 @@ from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from bus.acks import JsAcks, Sink, StoreError, acks_for
 from ._backend import Backend, Handle
+from ._metrics import HostMetrics
 from ._profiles import ProfileCache
 
 log = structlog.get_logger("dsec.hostagent")
@@ -144,6 +145,7 @@ class HostAgent(Service):
         self._ops_sink = Sink(self._on_op_now)
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: JsAcks | None = None
+        self.m = HostMetrics(self)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -588,6 +590,7 @@ class HostAgent(Service):
         again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, self.host_id], last_error=err.description)
         await self.js.publish(S.REQ_CREATE, codec.encode(again), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{attempt + 1}"})
         await self._event(spec, "rejected", attempt=attempt, err=err)
+        self.m.creates.inc(result="rejected")
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
     async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True) -> None:
@@ -645,6 +648,7 @@ class HostAgent(Service):
         if spec.reply_to and self.nc is not None and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
         self.created += 1
+        self.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 
     async def _store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
@@ -689,6 +693,7 @@ class HostAgent(Service):
 
     async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
         log.warning("create_failed", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
+        self.m.creates.inc(result="failed")
         await self._event(spec, "failed", attempt=attempt, err=err)
         if self._kv_sbx is not None:
             rec = SandboxRecord(spec=spec, state="failed", host_id=self.host_id, ended_at=time.time(), end_reason=err.code)
@@ -765,6 +770,7 @@ class HostAgent(Service):
                 await msg.respond(codec.encode(result))
             except Exception as exc:  # noqa: BLE001
                 log.warning("reply_failed", sandbox_id=sid, error=str(exc))
+        self.m.op(op if op in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
         log.debug("op", sandbox_id=sid, op=op, code=code, ms=round((time.perf_counter() - t0) * 1000, 2))
 
     async def _dispatch(self, sid: str, req: Any) -> Any:

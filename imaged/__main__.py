@@ -24,12 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--data-dir", default=None)
     s.add_argument("--nats-url", default=None)
     s.add_argument("--no-base", action="store_true", help="do not build the busybox base template at start")
+    from bus.metrics import add_cli_flag
+
+    add_cli_flag(s)
     sub.add_parser("lazy", help="run the host-side lazy loader (see python -m imaged.lazy --help)")
     sub.add_parser("image", help="dsec image ... commands")
     args = ap.parse_args(argv or ["serve"])
     from ._service import ImagedService
 
     svc = ImagedService(args.nats_url, data_dir=args.data_dir, ensure_base=not args.no_base)
+    svc.metrics_port = args.metrics_port
     asyncio.run(svc.run())
     return 0
 

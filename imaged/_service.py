@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -42,6 +43,8 @@ class ImagedService(Service):
         self.store: BlobStore | None = None
         self.base_ready = asyncio.Event()
         self._build_lock = asyncio.Lock()
+        self._requests = self.metrics.counter("dsec_image_requests_total", "Image service requests answered, by subject and result code", ["subject", "code"])
+        self._request_s = self.metrics.histogram("dsec_image_request_seconds", "Time to answer an image service request", ["subject"])
 
     async def setup(self) -> None:
         assert self.nc is not None and self.js is not None
@@ -74,12 +77,17 @@ class ImagedService(Service):
 
     def _wrap(self, handler: Any) -> Any:
         async def cb(msg: Msg) -> None:
+            t0 = time.perf_counter()
+            code = "ok"
             try:
                 result = await handler(msg)
             except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
                 if not isinstance(exc, DsecError):
                     self.log.exception("img_request_failed", subject=msg.subject)
                 result = error_of(exc)
+                code = result.code
+            self._requests.inc(subject=msg.subject, code=code)
+            self._request_s.observe(time.perf_counter() - t0, subject=msg.subject)
             if msg.reply:
                 await msg.respond(codec.encode(result))
 

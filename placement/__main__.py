@@ -8,6 +8,7 @@ import gc
 
 from nats.js.api import StorageType
 
+from bus.metrics import add_cli_flag as add_metrics_flag
 from bus.sign import load_control_key
 from bus.streams import StreamOptions
 
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--pending-delay", type=float, default=0.5, help="first re-try delay of a request no host fits")
     ap.add_argument("--stream-storage", choices=["file", "memory"], default="file", help="storage of streams this replica creates (memory: scale benchmarks)")
     ap.add_argument("--control-key-file", default=None, help="hex key to sign host work with (default: $DSEC_CONTROL_KEY; neither: unsigned)")
+    add_metrics_flag(ap)
     args = ap.parse_args()
     storage = StorageType.MEMORY if args.stream_storage == "memory" else StorageType.FILE
     svc = Placement(
@@ -37,6 +39,7 @@ def main() -> None:
     # Every request allocates and frees a few dozen objects; the default gen-0 threshold (700) would run
     # the cyclic GC hundreds of times a second in a burst. Nothing here builds reference cycles per request.
     gc.set_threshold(50_000, 20, 100)
+    svc.metrics_port = args.metrics_port
     asyncio.run(svc.run())
 
 

@@ -25,6 +25,7 @@ from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from bus.acks import JsAcks, acks_for
 from ._consume import BatchConsumer
+from ._metrics import PlacementMetrics
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
@@ -103,6 +104,7 @@ class Placement(Service):
         self._kv_sbx: KeyValue | None = None
         self._hosts_seen = asyncio.Event()
         self._templates_seen = asyncio.Event()
+        self.m = PlacementMetrics(self)
 
     async def setup(self) -> None:
         assert self.js is not None and self.nc is not None
@@ -208,6 +210,7 @@ class Placement(Service):
 
     # --- events ---------------------------------------------------------------------
     def _event_bytes(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> bytes:
+        self.m.event(spec, kind)
         return codec.encode(SandboxEvent(
             sandbox_id=spec.sandbox_id, kind=kind, at=time.time(), host_id=host_id, attempt=attempt,
             code=err.code if err else "", description=err.description if err else "",

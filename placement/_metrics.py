@@ -1,0 +1,40 @@
+"""What a placement replica reports to Prometheus (bus.metrics): create requests by outcome, how long
+they took to reach a host, the request queue and the host table."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from bus import subjects as S
+from bus.messages import SandboxSpec
+from bus.metrics import consumer_collector, stream_collector
+
+STREAMS = (S.STREAM_REQ, S.STREAM_HOST, S.STREAM_EVT, S.STREAM_DLQ)
+
+
+class PlacementMetrics:
+    def __init__(self, svc: Any) -> None:
+        reg = svc.metrics
+        self.events = reg.counter(
+            "dsec_placement_events_total", "Create requests seen by this replica, by what became of them (requested, placed, pending, failed)", ["kind"]
+        )
+        self.placed_s = reg.histogram("dsec_placement_seconds", "From the client's create request to its hand-off to a host")
+        hosts = reg.gauge("dsec_placement_hosts", "Hosts in this replica's table, by state", ["state"])
+        consumer_collector(reg, lambda: svc.js, lambda: [(S.STREAM_REQ, S.PLACEMENT_DURABLE)])
+        stream_collector(reg, lambda: svc.js, STREAMS)
+
+        def fill() -> None:
+            hosts.clear()
+            for e in list(svc.table.hosts.values()):
+                hosts.inc(1, state=e.status.state)
+
+        reg.collector(fill)
+
+    def event(self, spec: SandboxSpec, kind: str) -> None:
+        self.events.inc(kind=kind)
+        if kind == "placed" and spec.requested_at:
+            self.placed_s.observe(max(0.0, time.time() - spec.requested_at))
+
+
+__all__ = ["PlacementMetrics"]
