@@ -330,46 +330,26 @@ def _proc_start_monotonic() -> float:
         return time.monotonic()
 
 
-class MachineUsage:
-    """Memory and CPU of the whole machine from /proc (what the dashboard charts per host)."""
-
-    def __init__(self) -> None:
-        self._last: tuple[float, float] | None = None
-
-    def memory(self) -> dict[str, int]:
-        vals: dict[str, int] = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, _, rest = line.partition(":")
-                if k in ("MemTotal", "MemAvailable"):
-                    vals[k] = int(rest.split()[0]) * 1024
-        return {"total": vals.get("MemTotal", 0), "available": vals.get("MemAvailable", 0)}
-
-    def cpu_busy(self) -> float:
-        """Share of all cores busy since the previous call (0..1; 0 on the first)."""
-        with open("/proc/stat") as f:
-            parts = [float(x) for x in f.readline().split()[1:]]
-        idle = parts[3] + (parts[4] if len(parts) > 4 else 0.0)
-        total = sum(parts[:8])
-        last, self._last = self._last, (total, idle)
-        if last is None or total <= last[0]:
-            return 0.0
-        return max(0.0, min(1.0, 1.0 - (idle - last[1]) / (total - last[0])))
+def machine_memory() -> dict[str, int]:
+    """Total and available memory of the whole machine, from /proc/meminfo."""
+    vals: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, rest = line.partition(":")
+            if k in ("MemTotal", "MemAvailable"):
+                vals[k] = int(rest.split()[0]) * 1024
+    return {"total": vals.get("MemTotal", 0), "available": vals.get("MemAvailable", 0)}
 
 
 def machine_collector(reg: Registry) -> None:
-    usage = MachineUsage()
+    """Memory of the machine (the host agent's heartbeat has only what its sandboxes use)."""
     mem = reg.gauge("dsec_machine_memory_bytes", "Memory of the machine this process runs on", ["kind"])
-    cpu = reg.gauge("dsec_machine_cpu_busy_ratio", "Share of the machine's CPU time busy since the last scrape")
-    cores = reg.gauge("dsec_machine_cpus", "CPUs of the machine")
 
     def fill() -> None:
-        m = usage.memory()
+        m = machine_memory()
         mem.set(m["total"], kind="total")
         mem.set(m["available"], kind="available")
         mem.set(m["total"] - m["available"], kind="used")
-        cpu.set(usage.cpu_busy())
-        cores.set(os.cpu_count() or 1)
 
     reg.collector(fill)
 
@@ -560,7 +540,7 @@ __all__ = [
     "Histogram",
     "Registry",
     "Exposition",
-    "MachineUsage",
+    "machine_memory",
     "merge",
     "parse",
     "scrape_all",

@@ -19,6 +19,7 @@ from bus.auth import AuthConfig
 from bus.errors import DsecError
 from bus.natsd import NatsServer, NatsServerError
 from bus.sign import ENV_CONTROL_KEY
+from bus.subjects import METRICS_SCRAPE
 
 
 class Child:
@@ -117,6 +118,9 @@ def run_up(args: argparse.Namespace) -> int:
             logs,
         )
     )
+    if args.http_port:
+        # /metrics (every service's, gathered on the bus) and /dashboard; it reads the whole control plane.
+        children.append(Child("gateway", [py, "-m", "sdk.gateway._app", "--http-port", str(args.http_port)], env("admin"), logs))
     stop = {"flag": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -130,6 +134,9 @@ def run_up(args: argparse.Namespace) -> int:
             _say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'}), log {c.log_path}")
         st = asyncio.run(_wait_ready(nats.url, time.monotonic() + args.ready_timeout, children))
         _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}. export DSEC_NATS_URL={nats.url}")
+        if args.http_port:
+            _say(f"metrics: http://127.0.0.1:{args.http_port}/metrics (every service), dashboard: http://127.0.0.1:{args.http_port}/dashboard")
+        _say(f"metrics on the bus: request {METRICS_SCRAPE} (every process answers) or dsec.metrics.<service>.<instance>")
         _say("Ctrl-C stops everything")
         while not stop["flag"]:
             for c in children:

@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--placement-replicas", type=int, default=1)
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
+    up.add_argument("--http-port", type=int, default=3000, help="the gateway's port (/metrics, /dashboard) on 127.0.0.1; 0: no gateway")
     up.set_defaults(func=_up)
 
     st = sub.add_parser("status", help="exit 0 when the stack answers and at least one host is ready")

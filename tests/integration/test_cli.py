@@ -10,11 +10,13 @@ import os
 import shutil
 import signal
 import tempfile
+import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
+from bus.metrics import parse
 from bus.natsd import free_port
 from tests.conftest import eventually
 
@@ -146,7 +148,9 @@ async def test_dsec_up_end_to_end() -> None:
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     env = subprocess_env(url)
-    up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", f"up-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"],
+    http_port = free_port()
+    up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", f"up-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240",
+                "--http-port", str(http_port)],
                env, data.parent / f"{data.name}.log").start()
     try:
         await eventually(lambda: "dsec up: ready" in up.log() or not up.alive(), timeout=240, interval=0.2, what="dsec up to print ready")
@@ -159,6 +163,9 @@ async def test_dsec_up_end_to_end() -> None:
         finally:
             await sb.kill()
         await sdk._async.close_connections()
+        assert f"metrics: http://127.0.0.1:{http_port}/metrics" in up.log()
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode())
+        assert {"hostagent", "placement", "imaged", "guard", "gateway"} <= {lab.get("service") for _, lab, _ in parse(text)}, text[:2000]
         rc, out, err = await dsec("status", "--json", url=url)
         assert rc == 0, (out, err)
         up.signal(signal.SIGINT)

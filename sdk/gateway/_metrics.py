@@ -1,0 +1,50 @@
+"""``GET /metrics``: the Prometheus metrics of every dsec process, gathered over the bus.
+
+The gateway asks on ``dsec.metrics.scrape`` (every service answers, bus.metrics) and merges the texts
+into one exposition, each sample labelled with the service and instance that reported it; its own
+process metrics and how many processes answered are added. ``?service=NAME`` keeps only that service.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from bus.metrics import CONTENT_TYPE, Registry, merge, process_collector, scrape_all
+
+APP_KEY = web.AppKey("dsec_metrics", Registry)
+
+
+def nats_of(client: Any) -> Any:
+    """The NATS connection of the gateway's client (or the connection itself), read per request:
+    the client may connect after the routes are added."""
+    nc = getattr(client, "nc", client)
+    if nc is None or getattr(nc, "is_connected", False) is False:
+        raise web.HTTPServiceUnavailable(text="the gateway is not connected to NATS\n")
+    return nc
+
+
+def add_routes(app: web.Application, client: Any) -> None:
+    own = Registry({"service": "gateway", "instance": "gateway"})
+    process_collector(own)
+    answered = own.gauge("dsec_scrape_processes", "Processes that answered the gateway's last scrape over the bus")
+    took = own.gauge("dsec_scrape_seconds", "Time the gateway's last scrape over the bus took")
+    app[APP_KEY] = own
+
+    async def metrics(request: web.Request) -> web.Response:
+        t0 = time.perf_counter()
+        replies = await scrape_all(nats_of(client))
+        only = request.query.get("service")
+        if only:
+            replies = [r for r in replies if r.service == only]
+        answered.set(len(replies))
+        took.set(time.perf_counter() - t0)
+        text = merge([r.text for r in replies] + [await own.scrape()])
+        return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+    app.router.add_get("/metrics", metrics)
+
+
+__all__ = ["add_routes", "nats_of"]
