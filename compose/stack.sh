@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The compose dev stack (compose/docker-compose.yml) on this machine's Docker engine:
+#   bash compose/stack.sh build   base image (debootstrap, cached), Python wheels (cached), dsec:dev
+#   bash compose/stack.sh up      build, then start the stack in the background and wait until a host is ready
+#   bash compose/stack.sh down    stop it and remove its containers, network and volumes
+# DSEC_COMPOSE_PROJECT names the stack (default dsec); DSEC_NATS_PORT / DSEC_HTTP_PORT are the ports
+# published on 127.0.0.1 (default 4222 / 3000). The engine must run (dockerd --iptables=false is enough).
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+project="${DSEC_COMPOSE_PROJECT:-dsec}"
+cache="${DSEC_CACHE_DIR:-/var/cache/dsec}"
+py="${DSEC_PYTHON:-python3}"
+compose=(docker-compose -p "$project" -f compose/docker-compose.yml)
+
+wheels() {
+  # Every Python dependency as a wheel, keyed on pyproject.toml: the image build installs offline.
+  local key dir
+  key="$(sha256sum pyproject.toml | cut -c1-12)"
+  dir="$cache/wheels-$key"
+  if [ ! -f "$dir/.done" ]; then
+    rm -rf "$dir" && mkdir -p "$dir"
+    "$py" - > "$dir/requirements.txt" <<'PY'
+import tomllib
+p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join([*p["dependencies"], *p["optional-dependencies"]["images"], *p.get("build-system", {}).get("requires", []), "setuptools>=68", "wheel"]))
+PY
+    echo "dsec: wheels for the image into $dir" >&2
+    "$py" -m pip wheel -q --disable-pip-version-check -w "$dir" -r "$dir/requirements.txt" >&2
+    touch "$dir/.done"
+  fi
+  rm -rf compose/.wheels && mkdir -p compose/.wheels
+  cp -l "$dir"/*.whl compose/.wheels/ 2>/dev/null || cp "$dir"/*.whl compose/.wheels/
+}
+
+build() {
+  local base
+  base="$(bash compose/base-image.sh)"
+  wheels
+  DSEC_BASE="$base" "${compose[@]}" build -q >&2
+}
+
+wait_ready() {
+  # `dsec status` exits 0 once a host is ready and templates are there.
+  local cli="${DSEC_CLI:-$here/.venv/bin/dsec}" deadline=$((SECONDS + ${DSEC_READY_TIMEOUT:-300}))
+  until DSEC_NATS_URL="nats://127.0.0.1:${DSEC_NATS_PORT:-4222}" "$cli" status >/dev/null 2>&1; do
+    if [ $SECONDS -gt $deadline ]; then
+      echo "dsec: the compose stack is not ready; see: ${compose[*]} logs" >&2
+      return 1
+    fi
+    sleep 1  # readiness poll
+  done
+}
+
+case "${1:-}" in
+  build) build ;;
+  up)
+    build
+    "${compose[@]}" up -d --scale placement=2 >&2
+    wait_ready
+    echo "dsec: compose stack $project ready: DSEC_NATS_URL=nats://127.0.0.1:${DSEC_NATS_PORT:-4222}, gateway http://127.0.0.1:${DSEC_HTTP_PORT:-3000}/ (metrics, dashboard)"
+    ;;
+  down) "${compose[@]}" down -v --remove-orphans -t 90 >&2 ;;
+  *) echo "usage: bash compose/stack.sh build|up|down" >&2; exit 2 ;;
+esac
