@@ -3,28 +3,23 @@
 A :class:`Registry` holds counters, gauges and histograms (each with optional labels) and renders them
 as the Prometheus text exposition format 0.0.4. Gauges that mirror state (sandboxes per state, consumer
 pending counts) are filled by *collectors*, callbacks run on each scrape, so nothing is kept in step on
-the hot path. A service answers scrapes on the bus (:func:`expose`: ``dsec.metrics.scrape`` for a
-scatter-gather, ``dsec.metrics.<service>.<instance>`` for one process) and, with ``--metrics-port``, over
-HTTP; :func:`merge` joins several processes' texts into one exposition (the gateway's ``/metrics``).
+the hot path. :func:`merge` joins several processes' texts into one exposition (the gateway's
+``/metrics``). Serving them on the bus (``dsec.metrics.scrape``, ``dsec.metrics.<service>.<instance>``)
+and over HTTP (``--metrics-port``) is the runtime's part: ``bus.runtime.metrics``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import math
 import os
 import re
 import resource
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from . import log as _log
-from . import subjects as S
-from .codec import Decoder, encode
-from .messages import MetricsReply, MetricsRequest
 
 logger = _log.get_logger("dsec.metrics")
 
@@ -354,176 +349,6 @@ def machine_collector(reg: Registry) -> None:
     reg.collector(fill)
 
 
-def consumer_collector(reg: Registry, js: Callable[[], Any], consumers: Callable[[], Iterable[tuple[str, str]]]) -> None:
-    """Pending counts of durable consumers, from JetStream consumer info, on each scrape. ``js()`` and
-    ``consumers()`` (the (stream, durable) pairs) are read then: a service connects and starts its
-    workers after registering this."""
-    pending = reg.gauge("dsec_consumer_pending_messages", "Messages in the stream not yet delivered to this consumer", ["stream", "consumer"])
-    ack_pending = reg.gauge("dsec_consumer_ack_pending_messages", "Messages delivered and not yet acked", ["stream", "consumer"])
-    redelivered = reg.gauge("dsec_consumer_redelivered_messages", "Messages delivered more than once and not yet acked", ["stream", "consumer"])
-
-    async def fill() -> None:
-        for stream, durable in list(dict.fromkeys(consumers())):
-            try:
-                info = await js().consumer_info(stream, durable, timeout=2.0)
-            except Exception as exc:  # noqa: BLE001 - a consumer gone or JetStream slow: leave it out this time
-                logger.debug("consumer_info_failed", stream=stream, consumer=durable, error=str(exc))
-                for g in (pending, ack_pending, redelivered):
-                    g._children.pop((stream, durable), None)
-                continue
-            pending.set(info.num_pending or 0, stream=stream, consumer=durable)
-            ack_pending.set(info.num_ack_pending or 0, stream=stream, consumer=durable)
-            redelivered.set(info.num_redelivered or 0, stream=stream, consumer=durable)
-
-    reg.collector(fill)
-
-
-def stream_collector(reg: Registry, js: Callable[[], Any], streams: Sequence[str]) -> None:
-    """Messages and bytes held by each stream (``js()`` read on each scrape)."""
-    msgs = reg.gauge("dsec_stream_messages", "Messages held by the stream", ["stream"])
-    size = reg.gauge("dsec_stream_bytes", "Bytes held by the stream", ["stream"])
-    consumers = reg.gauge("dsec_stream_consumers", "Consumers of the stream", ["stream"])
-
-    async def fill() -> None:
-        for name in streams:
-            try:
-                info = await js().stream_info(name)
-            except Exception:  # noqa: BLE001 - not created yet
-                continue
-            msgs.set(info.state.messages, stream=name)
-            size.set(info.state.bytes, stream=name)
-            consumers.set(info.state.consumer_count, stream=name)
-
-    reg.collector(fill)
-
-
-# --- serving ---------------------------------------------------------------------------
-SCRAPE_REQUEST = Decoder(MetricsRequest)
-SCRAPE_REPLY = Decoder(MetricsReply)
-
-
-class Exposition:
-    """One process's registry served on the bus and, optionally, on an HTTP port."""
-
-    def __init__(self, registry: Registry, service: str, instance: str) -> None:
-        self.registry = registry
-        self.service = service
-        self.instance = instance
-        self._subs: list[Any] = []
-        self._server: asyncio.base_events.Server | None = None
-        self.port = 0
-
-    async def _reply(self) -> bytes:
-        return encode(MetricsReply(service=self.service, instance=self.instance, text=await self.registry.scrape(), at=time.time()))
-
-    async def _on_request(self, msg: Any) -> None:
-        if not msg.reply or not S.valid_inbox(msg.reply):
-            return  # replies go to inboxes only (bus.auth): never publish where a requester names
-        try:
-            await msg.respond(await self._reply())
-        except Exception as exc:  # noqa: BLE001 - the scraper sees the missing reply
-            logger.warning("metrics_reply_failed", error=str(exc))
-
-    async def start(self, nc: Any, *, http_port: int | None = None, http_host: str = "0.0.0.0") -> None:
-        for subject in (S.METRICS_SCRAPE, S.metrics(self.service, self.instance)):
-            self._subs.append(await nc.subscribe(subject, cb=self._on_request))
-        if http_port is not None:
-            self._server = await asyncio.start_server(self._on_http, http_host, http_port)
-            self.port = self._server.sockets[0].getsockname()[1]
-            logger.info("metrics_http", port=self.port, service=self.service)
-
-    async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection already closed
-                pass
-        self._subs.clear()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-
-    async def _on_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Just enough HTTP/1.1 for a Prometheus scraper: GET /metrics, then close."""
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
-            parts = head.split(b"\r\n", 1)[0].split()
-            if len(parts) < 2 or parts[0] not in (b"GET", b"HEAD"):
-                status, body, ctype = "405 Method Not Allowed", b"only GET\n", "text/plain"
-            elif parts[1].split(b"?")[0] != b"/metrics":
-                status, body, ctype = "404 Not Found", b"see /metrics\n", "text/plain"
-            else:
-                status, body, ctype = "200 OK", (await self.registry.scrape()).encode(), CONTENT_TYPE
-            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
-            if parts and parts[0] != b"HEAD":
-                writer.write(body)
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
-async def scrape_all(nc: Any, *, timeout: float = 2.0, quiet_s: float = 0.25) -> list[MetricsReply]:
-    """Ask every process on the bus for its metrics (scatter-gather on ``dsec.metrics.scrape``).
-
-    Replies are gathered until ``quiet_s`` passes with none new after the first, or ``timeout``.
-    """
-    inbox = nc.new_inbox()
-    got: list[MetricsReply] = []
-    arrived = asyncio.Event()
-
-    async def on(msg: Any) -> None:
-        try:
-            got.append(SCRAPE_REPLY.decode(msg.data))
-        except Exception:  # noqa: BLE001 - a malformed reply is left out
-            return
-        arrived.set()
-
-    sub = await nc.subscribe(inbox, cb=on)
-    try:
-        await nc.publish(S.METRICS_SCRAPE, encode(MetricsRequest()), reply=inbox)
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            arrived.clear()
-            try:
-                await asyncio.wait_for(arrived.wait(), left if not got else min(left, quiet_s))
-            except asyncio.TimeoutError:
-                if got:
-                    break
-    finally:
-        await sub.unsubscribe()
-    return sorted(got, key=lambda r: (r.service, r.instance))
-
-
-_BAD_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
-
-
-def instance_of(service: Any) -> str:
-    """The subject token naming one process: its host id or replica id, else hostname-pid."""
-    raw = getattr(service, "host_id", None) or getattr(service, "replica_id", None) or f"{socket.gethostname()}-{os.getpid()}"
-    return _BAD_TOKEN.sub("-", str(raw))[:128]
-
-
-async def expose(service: Any) -> Exposition:
-    """Serve a Service's registry (``service.metrics``) on the bus, and on ``service.metrics_port`` if set;
-    with what every service reports: process usage and its pull workers' consumer pending counts."""
-    reg: Registry = service.metrics
-    instance = instance_of(service)
-    reg.const_labels = {"service": service.name, "instance": instance, **reg.const_labels}
-    process_collector(reg)
-    inflight = reg.gauge("dsec_worker_inflight", "Messages a pull worker is handling now", ["consumer"])
-    reg.collector(lambda: [inflight.set(w.inflight, consumer=w.durable) for w in service.workers] and None)
-    consumer_collector(reg, lambda: service.js, lambda: [(w.stream, w.durable) for w in service.workers])
-    ex = Exposition(reg, service.name, instance)
-    await ex.start(service.nc, http_port=getattr(service, "metrics_port", None))
-    return ex
-
-
 def add_cli_flag(parser: Any) -> None:
     """``--metrics-port`` on a service's command line (default: $DSEC_METRICS_PORT, else none)."""
     env = os.environ.get("DSEC_METRICS_PORT")
@@ -539,16 +364,10 @@ __all__ = [
     "Gauge",
     "Histogram",
     "Registry",
-    "Exposition",
     "machine_memory",
     "merge",
     "parse",
-    "scrape_all",
     "process_collector",
     "machine_collector",
-    "consumer_collector",
-    "stream_collector",
     "add_cli_flag",
-    "expose",
-    "instance_of",
 ]

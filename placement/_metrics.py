@@ -1,5 +1,6 @@
 """What a placement replica reports to Prometheus (bus.metrics): create requests by outcome, how long
-they took to reach a host, the request queue and the host table."""
+they took to reach a host, the streams and the host table (the request queue's pending counts come
+with every service's consumers, bus.runtime.metrics)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 from bus import subjects as S
 from bus.messages import SandboxSpec
-from bus.metrics import consumer_collector, stream_collector
+from bus.runtime import stream_collector
 
 STREAMS = (S.STREAM_REQ, S.STREAM_HOST, S.STREAM_EVT, S.STREAM_DLQ)
 
@@ -21,7 +22,6 @@ class PlacementMetrics:
         )
         self.placed_s = reg.histogram("dsec_placement_seconds", "From the client's create request to its hand-off to a host")
         hosts = reg.gauge("dsec_placement_hosts", "Hosts in this replica's table, by state", ["state"])
-        consumer_collector(reg, lambda: svc.js, lambda: [(S.STREAM_REQ, S.PLACEMENT_DURABLE)])
         stream_collector(reg, lambda: svc.js, STREAMS)
 
         def fill() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.metrics import CONTENT_TYPE, Registry, merge, process_collector, scrape_all
+from bus.metrics import CONTENT_TYPE, Registry, merge, process_collector
+from bus.runtime import scrape_all
 
 APP_KEY = web.AppKey("dsec_metrics", Registry)
 

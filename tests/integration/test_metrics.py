@@ -11,11 +11,9 @@ import uuid
 import pytest
 from nats.js.api import StreamConfig
 
-from bus import codec
 from bus import subjects as S
-from bus.messages import MetricsRequest
-from bus.metrics import SCRAPE_REPLY, merge, parse, scrape_all
-from bus.runtime import Service, connect
+from bus.metrics import merge, parse
+from bus.runtime import Service, connect, instance_of, scrape_all, scrape_one
 from tests.conftest import eventually
 
 from .conftest import Stack, needs_stack
@@ -59,17 +57,11 @@ async def test_a_scrape_over_the_bus_shows_the_sandbox_just_created(stack: Stack
         assert _value(s, "dsec_stream_messages", stream=S.STREAM_EVT, service="placement") > 0
 
         # one process on its own subject
-        msg = await stack.nc.request(S.metrics("hostagent", stack.host_id), codec.encode(MetricsRequest()), timeout=5)
-        one = SCRAPE_REPLY.decode(msg.data)
+        one = await scrape_one(stack.nc, "hostagent", stack.host_id)
         assert (one.service, one.instance) == ("hostagent", stack.host_id)
         assert "dsec_host_sandboxes" in one.text
-    running = _value(parse((await _scrape_host(stack)).text), "dsec_host_sandboxes", state="running")
+    running = _value(parse((await scrape_one(stack.nc, "hostagent", stack.host_id)).text), "dsec_host_sandboxes", state="running")
     assert running == len(stack.host.live)
-
-
-async def _scrape_host(stack: Stack):
-    msg = await stack.nc.request(S.metrics("hostagent", stack.host_id), codec.encode(MetricsRequest()), timeout=5)
-    return SCRAPE_REPLY.decode(msg.data)
 
 
 class _Probe(Service):
@@ -111,12 +103,14 @@ async def test_pending_counts_and_the_http_port(nats_server) -> None:
             await nc.jetstream().publish(f"{stream}.x", str(i).encode())
 
         async def held() -> bool:
-            s = parse((await _one(nc, svc)).text)
+            s = parse((await scrape_one(nc, svc.name, instance_of(svc))).text)
             return (_value(s, "dsec_consumer_ack_pending_messages", stream=stream, consumer="w"),
                     _value(s, "dsec_consumer_pending_messages", stream=stream, consumer="w"),
-                    _value(s, "dsec_worker_inflight", consumer="w")) == (1, 4, 1)
+                    _value(s, "dsec_consumer_inflight_messages", consumer="w")) == (1, 4, 1)
 
         await eventually(held, what="1 message in the handler, 4 waiting in the stream")
+        s = parse((await scrape_one(nc, svc.name, instance_of(svc))).text)
+        assert _value(s, "dsec_endpoint_requests_total", endpoint="metrics") >= 1  # the scrapes so far, from the Endpoint's stats
         port = svc._exposition.port
         assert port > 0
         status, ctype, body = await asyncio.to_thread(_http_get, f"http://127.0.0.1:{port}/metrics")
@@ -127,7 +121,7 @@ async def test_pending_counts_and_the_http_port(nats_server) -> None:
         svc.release.set()
 
         async def drained() -> bool:
-            s = parse((await _one(nc, svc)).text)
+            s = parse((await scrape_one(nc, svc.name, instance_of(svc))).text)
             return _value(s, "dsec_consumer_pending_messages", stream=stream, consumer="w") == 0 and _value(s, "dsec_consumer_ack_pending_messages", stream=stream, consumer="w") == 0
 
         await eventually(drained, what="every message handled")
@@ -139,10 +133,3 @@ async def test_pending_counts_and_the_http_port(nats_server) -> None:
             await nc.close()
     with pytest.raises(OSError):  # the port is closed with the service
         await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics", timeout=2)
-
-
-async def _one(nc, svc: Service):
-    from bus.metrics import instance_of
-
-    msg = await nc.request(S.metrics(svc.name, instance_of(svc)), codec.encode(MetricsRequest()), timeout=5)
-    return SCRAPE_REPLY.decode(msg.data)
