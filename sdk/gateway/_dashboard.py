@@ -22,6 +22,8 @@ from aiohttp import web
 from bus import codec
 from bus.errors import BadRequest, DsecError
 from bus.log import get_logger
+from bus.metrics import parse
+from bus.runtime import scrape_all
 
 from .._admin import cluster_status
 from .._async import AsyncSandbox
@@ -34,6 +36,7 @@ HISTORY_S = 600.0
 RECENT_EVENTS = 200
 LISTENER_QUEUE = 500
 EVENTS_SUBJECT = "dsec.evt.>"
+MB = 1024 * 1024
 PAGE = Path(__file__).with_name("dashboard.html")
 APP_KEY = web.AppKey("dsec_dashboard", object)
 
@@ -70,13 +73,31 @@ class Dashboard:
             self._sub = None
 
     # --- hosts over time --------------------------------------------------------------------
+    async def _machine_memory_mb(self) -> dict[str, int]:
+        """Memory in use on each host's machine (its host agent's metrics; heartbeats carry only what
+        sandboxes use)."""
+        try:
+            replies = await scrape_all(nats_of(self.client), timeout=1.0, quiet_s=0.1)
+        except web.HTTPException:
+            return {}
+        used: dict[str, int] = {}
+        for r in replies:
+            if r.service == "hostagent":
+                for name, labels, value in parse(r.text):
+                    if name == "dsec_machine_memory_bytes" and labels.get("kind") == "used":
+                        used[r.instance] = int(value // MB)
+        return used
+
     async def sample(self) -> None:
         st = await cluster_status(self.url, timeout=3.0)
+        machine = await self._machine_memory_mb()
         now = time.time()
         self.hosts = st["hosts"]
         for h in self.hosts:
+            h["machine_mem_used_mb"] = machine.get(h["host_id"])
             series = self.history.setdefault(h["host_id"], collections.deque(maxlen=int(HISTORY_S / SAMPLE_S)))
-            series.append([round(now, 3), h["mem_resident_mb"], h["mem_alloc_mb"], h["mem_total_mb"], round(h["cpu_busy"], 3), h["cpu_total"]])
+            series.append([round(now, 3), h["mem_resident_mb"], h["mem_alloc_mb"], h["mem_total_mb"], round(h["cpu_busy"], 3), h["cpu_total"],
+                           h["machine_mem_used_mb"]])
         for gone in set(self.history) - {h["host_id"] for h in self.hosts}:
             del self.history[gone]
 
@@ -135,7 +156,7 @@ class Dashboard:
             "at": time.time(),
             "hosts": self.hosts,
             "history": {h: list(s) for h, s in self.history.items()},
-            "history_fields": ["at", "mem_resident_mb", "mem_alloc_mb", "mem_total_mb", "cpu_busy", "cpu_total"],
+            "history_fields": ["at", "mem_resident_mb", "mem_alloc_mb", "mem_total_mb", "cpu_busy", "cpu_total", "machine_mem_used_mb"],
             "sandboxes": sorted(sandboxes, key=lambda s: -s.get("started_at", 0)),
             "events": list(self.recent)[-50:],
         })

@@ -80,12 +80,18 @@ async def test_dashboard_shows_a_new_sandbox_and_live_events_in_chromium(stack: 
             await page.wait_for_selector(f"#events div.k-exec:has-text('{sb.sandbox_id}')", timeout=15_000)
 
             async def charted() -> bool:  # heartbeats sampled: the host's chart has its lines
-                return await page.locator(f".chart[data-host='{stack.host_id}'] svg polyline").count() >= 2
+                return await page.locator(f".chart[data-host='{stack.host_id}'] svg polyline").count() >= 3  # machine, sandboxes, cpu
 
             await eventually(charted, timeout=20, what="the host's memory and CPU chart drawn")
             assert await page.title() == "dsec dashboard"
             assert int(await page.text_content("#n-sbx") or 0) >= 1
-            await page.wait_for_timeout(4_000)  # a few more samples, so the screenshot shows lines over time
+
+            async def sampled() -> bool:  # a few samples, so the screenshot shows lines over time
+                state = await page.evaluate("fetch('/dashboard/state').then(r => r.json())")
+                return len(state["history"].get(stack.host_id, [])) >= 3
+
+            await eventually(sampled, timeout=20, what="three samples of the host")
+            await page.evaluate("refresh()")
             await page.screenshot(path=str(shot), full_page=True)
             print(f"dashboard screenshot: {shot}")
         finally:
