@@ -30,9 +30,11 @@ from typing import Any
 
 from bus import codec
 from bus import subjects as S
-from bus.runtime import connect
+from bus.metrics import add_cli_flag as add_metrics_flag
+from bus.runtime import Exposition, connect
 
 from ._cache import ChunkCache, FetchFailed
+from ._cache_metrics import cache_registry
 from ._fuse import ROOT_INODE, Attr, FuseError, FuseMount, Session, lock_exclusive
 from ._messages import HOST_STATS_REQUEST
 from ._store import open_blob_store
@@ -155,10 +157,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fetch-concurrency", type=int, default=8)
     ap.add_argument("--fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow store
     ap.add_argument("--debug", action="store_true")
+    add_metrics_flag(ap)
     return ap.parse_args(argv)
 
 
-async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[Any, ChunkCache]:
+async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[Any, ChunkCache, Exposition]:
     async def on_error(exc: Exception) -> None:
         log.warning("nats: %s: %s", type(exc).__name__, exc)
 
@@ -192,10 +195,15 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
             await msg.respond(codec.encode(error_of(exc)))
 
     await nc.subscribe(S.host_img_stats(host), cb=on_stats)
-    return nc, cache
+    reg = cache_registry(cache)
+    reg.const_labels = {"service": "lazy-loader", "instance": host}
+    metrics = Exposition(reg, "lazy-loader", host)
+    await metrics.start(nc, http_port=args.metrics_port)
+    return nc, cache, metrics
 
 
-async def _teardown(nc: Any, cache: ChunkCache) -> None:
+async def _teardown(nc: Any, cache: ChunkCache, metrics: Exposition) -> None:
+    await metrics.stop()
     await cache.close()
     try:
         await cache.store.close()
@@ -215,7 +223,7 @@ async def _serve(args: argparse.Namespace, mount: str, cache_root: str, host: st
         log.error("another lazy loader serves %s", cache_root)
         return 1
     try:
-        nc, cache = await asyncio.wait_for(_setup(args, cache_root, host), 60)
+        nc, cache, metrics = await asyncio.wait_for(_setup(args, cache_root, host), 60)
     except Exception as exc:  # noqa: BLE001
         log.error("start-up failed: %s", exc)
         os.close(lock)
@@ -250,7 +258,7 @@ async def _serve(args: argparse.Namespace, mount: str, cache_root: str, host: st
         rc = 1
     finally:
         try:
-            await asyncio.wait_for(_teardown(nc, cache), 15)
+            await asyncio.wait_for(_teardown(nc, cache, metrics), 15)
         except Exception as exc:  # noqa: BLE001
             log.warning("teardown: %s", exc)
         os.close(lock)

@@ -165,7 +165,7 @@ async def test_dsec_up_end_to_end() -> None:
         await sdk._async.close_connections()
         assert f"metrics: http://127.0.0.1:{http_port}/metrics" in up.log()
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode())
-        assert {"hostagent", "placement", "imaged", "guard", "gateway"} <= {lab.get("service") for _, lab, _ in parse(text)}, text[:2000]
+        assert {"hostagent", "placement", "imaged", "guard", "lazy-loader", "gateway"} <= {lab.get("service") for _, lab, _ in parse(text)}, text[:2000]
         rc, out, err = await dsec("status", "--json", url=url)
         assert rc == 0, (out, err)
         up.signal(signal.SIGINT)

@@ -161,7 +161,7 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
             s = parse(text)
             assert any(n == "dsec_host_creates_total" and lab.get("instance") == "compose-host" and lab.get("result") == "ready" and v >= 1 for n, lab, v in s), text[:3000]
             assert any(n == "dsec_host_sandboxes" and lab.get("state") == "running" and v >= 1 for n, lab, v in s)
-            assert {"hostagent", "placement", "imaged", "guard", "gateway"} <= {lab.get("service") for _, lab, _ in s}
+            assert {"hostagent", "placement", "imaged", "guard", "lazy-loader", "gateway"} <= {lab.get("service") for _, lab, _ in s}
             page = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard", timeout=20).read().decode()
             assert "<title>dsec dashboard</title>" in page
             state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard/state", timeout=20).read())
