@@ -167,6 +167,9 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
             state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard/state", timeout=20).read())
             assert sb.sandbox_id in {x["sandbox_id"] for x in state["sandboxes"]}
 
+            for svc in running.values():  # every service still up, none restarted (a crash loop shows here)
+                status, restarts = _docker("inspect", "-f", "{{.State.Status}} {{.RestartCount}}", svc["Name"]).split()
+                assert (status, restarts) == ("running", "0"), (svc, status, restarts, _docker("logs", "--tail", "20", svc["Name"]))
             agent_pid = int(_docker("inspect", "-f", "{{.State.Pid}}", running["hostagent"]["Name"]).strip())
             touched = _descendants(agent_pid)  # its containerd, the shims, the sandboxes' processes
             touched[agent_pid] = ""
