@@ -40,7 +40,7 @@ from ._containerd import CGROUP_PARENT, CPU_PERIOD_US, ContainerdError, Containe
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
 from bus.profiles import default_profile
-from ._network import NetworkConfig, NetworkManager, write_hosts_file
+from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
 

@@ -11,7 +11,7 @@ and the sandbox networks (netns mounts, veths, the nft table) the stack's host a
 permissions ``dsec up`` configures: each service connects as its role, ``stack.nc`` as ``admin``,
 ``stack.url`` is the anonymous client's URL; ``stack.auth`` the ``bus.auth.AuthConfig``),
 ``dedup_window_s`` (the streams' de-duplication window, for replay tests), ``network`` (a dict of
-``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
+``hostagent.network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
 kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
 (started containers the host agent keeps ready per image and profile). Each stack gets its own nft
@@ -57,7 +57,7 @@ def _free_prefix() -> str:
 
 
 def network_config(prefix: str, **overrides: Any) -> Any:
-    from hostagent._network import NetworkConfig
+    from hostagent.network import NetworkConfig
 
     idx = (string.ascii_lowercase + string.digits).index(prefix[3])
     kw: dict[str, Any] = dict(
@@ -73,7 +73,7 @@ def network_leftovers(cfg: Any, *, warm_ok: bool = False) -> list[str]:
     ``warm_ok``: ignore the host agent's pool of pre-made (unassigned) networks."""
     import subprocess
 
-    from hostagent._network import WARM_TAG
+    from hostagent.network import WARM_TAG
 
     def warm_link(n: str) -> bool:
         try:
@@ -246,7 +246,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
             netleft = network_leftovers(net)
             if netleft:
                 problems.append(f"network state left: {netleft}")
-            from hostagent._network import NetworkManager
+            from hostagent.network import NetworkManager
 
             m = NetworkManager(net)
             try:

@@ -39,12 +39,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from hostagent._network import (
-    NetworkManager,
-    _dns_answers,
-    compile_allowlist,
-    parse_allow_out,
-)
+from hostagent.network import NetworkManager, compile_allowlist, parse_allow_out
+from hostagent.network.resolver import _dns_answers
 from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
@@ -586,7 +582,7 @@ def _dns_reply(query: bytes, answers: dict[str, list[str]]) -> bytes:
 
 
 def test_dns_answer_parsing() -> None:
-    from hostagent._network import _dns_query
+    from hostagent.network.resolver import _dns_query
 
     q = _dns_query("svc.dsec.test", 0x1234)
     assert _dns_answers(_dns_reply(q, {"svc.dsec.test": ["198.18.0.2", "198.18.0.3"]}), "svc.dsec.test") == ["198.18.0.2", "198.18.0.3"]
