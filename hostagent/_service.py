@@ -573,7 +573,7 @@ class HostAgent(Service):
                 except Exception:  # noqa: BLE001 - taken or no answer: the one-by-one path below claims again
                     return False
 
-            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo))):
+            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo)), strict=True):
                 if ok:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,

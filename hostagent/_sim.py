@@ -61,10 +61,10 @@ class _InboxMux:
 
     async def _on_msg(self, msg: Msg) -> None:
         subj = msg.subject
-        if subj.startswith(self.prefix):  # a status answer to a pull request: addressed to the puller's inbox
-            p = self.pullers.get(subj[len(self.prefix) + 1:])
-        else:  # a delivered message keeps its own subject: dsec.host.<host>.<kind>
-            p = self.pullers.get(host_durable(subj.split(".", 3)[2]))
+        # A status answer to a pull request is addressed to the puller's inbox; a delivered message
+        # keeps its own subject: dsec.host.<host>.<kind>.
+        key = subj[len(self.prefix) + 1:] if subj.startswith(self.prefix) else host_durable(subj.split(".", 3)[2])
+        p = self.pullers.get(key)
         if p is not None:
             p.on_msg(msg)
 

@@ -121,7 +121,8 @@ def base_ruleset(cfg: NetworkConfig, deny_nets: list[ipaddress.IPv4Network], gua
         # reused after its old owner is gone; a stale conntrack entry must not let the old
         # owner's peers in), plus ICMP errors about its own flows (path MTU).
         f"add rule {t} sbx_forward oifname {p} ct state established,related oifname . ip saddr @allow_net accept",
-        f"add rule {t} sbx_forward oifname {p} ct state established,related meta l4proto {{ tcp, udp }} oifname . ip saddr . meta l4proto . th sport @allow_port accept",
+        f"add rule {t} sbx_forward oifname {p} ct state established,related meta l4proto {{ tcp, udp }} "
+        "oifname . ip saddr . meta l4proto . th sport @allow_port accept",
         f"add rule {t} sbx_forward oifname {p} ct state related meta l4proto icmp accept",
         f'add rule {t} sbx_forward oifname {p} counter name "inbound" drop',
         *logged("sbx_egress", "meta nfproto ipv6", "ipv6"),
