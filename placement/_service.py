@@ -18,7 +18,7 @@ from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
-from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, consumer_config, dead_letter
+from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, dead_letter
 from bus.sign import sign_headers
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 

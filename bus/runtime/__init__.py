@@ -30,7 +30,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
 ``Events(nc, publisher, host_id=)``
     ``await ev.sandbox(spec, kind, attempt=, err=, detail=, acked=, wait=)``: msg-id
     ``<id>:<kind>:<attempt>`` and the reply fan-out to the creating client's inbox; ``ev.host(...)``;
-    ``ev.best_effort(subject, struct)``.
+    ``best_effort_event(js, subject, struct)`` for events that must never fail the work.
 ``dead_letter(publisher, msg, code, description)``
     Keep malformed work on DSEC_DLQ with ``Dsec-Error-Code``/``Dsec-Error``/``Dsec-Origin``, then ack.
 """
@@ -39,7 +39,7 @@ from .connection import DEFAULT_URL, connect, nats_url
 from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
-from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, event_msg_id, sandbox_event
+from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
 from .kv import KV, Claim, Versioned, kv_keys, open_kv
 from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
 from .service import Service
@@ -61,6 +61,7 @@ __all__ = [
     "ONCE_PER_ATTEMPT",
     "REPLY_KINDS",
     "Events",
+    "best_effort_event",
     "event_msg_id",
     "sandbox_event",
     "KV",
