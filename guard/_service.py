@@ -30,8 +30,8 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SecurityProfile
-from bus.runtime import Service
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile
+from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._kernel import Denial, KernelAudit
@@ -124,8 +124,8 @@ class Guard(Service):
         self.published: dict[str, str] = {}
         self.violations = 0
         self._kv_profiles: KeyValue | None = None
-        self._kv_sbx: KeyValue | None = None
-        self._kv_quarantine: KeyValue | None = None
+        self._kv_sbx: KV[SandboxRecord] | None = None
+        self._kv_quarantine: KV[GuardViolation] | None = None
         self._watcher: Any = None
         self._watch_task: asyncio.Task[None] | None = None
         self._sandbox_profile: dict[str, str] = {}
@@ -138,8 +138,8 @@ class Guard(Service):
         assert self.js is not None
         await ensure_all(self.js, self.stream_options)
         self._kv_profiles = await ensure_kv(self.js, S.KV_PROFILES)
-        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
-        self._kv_quarantine = await ensure_kv(self.js, S.KV_QUARANTINE)
+        self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        self._kv_quarantine = await KV.open(self.js, S.KV_QUARANTINE, GuardViolation)
         self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
         log.info("profiles_published", **self.published)
         self._watcher = await self._kv_profiles.watchall()
@@ -204,11 +204,8 @@ class Guard(Service):
     async def _audit_policy(self, sid: str) -> AuditPolicy:
         name = self._sandbox_profile.get(sid)
         if name is None and self._kv_sbx is not None:
-            try:
-                rec = codec.SANDBOX_RECORD.decode((await self._kv_sbx.get(sid)).value)
-                name = rec.spec.profile or "default"
-            except (KeyNotFoundError, BadRequest):
-                name = "default"
+            rec = await self._kv_sbx.get(sid)  # missing or undecodable: the default profile
+            name = (rec.spec.profile if rec is not None else "") or "default"
             self._sandbox_profile[sid] = name
         p = self.profiles.get(name or "default") or self.builtin.get(name or "default") or self.builtin.get("default")
         return p.audit if p is not None else AuditPolicy()
@@ -255,9 +252,9 @@ class Guard(Service):
             host_id=self.host_id, detail=detail,
         )
         log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
-        assert self.js is not None
+        assert self.publisher is not None
         try:
-            await self.js.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
+            await self.publisher.store(S.EVT_GUARD_VIOLATION, codec.encode(v))
         except Exception as exc:  # noqa: BLE001
             log.warning("violation_publish_failed", error=str(exc))
         if action != "record":
@@ -270,7 +267,7 @@ class Guard(Service):
         self._enforced.add(sid)
         if v.action == "quarantine" and self._kv_quarantine is not None:
             try:
-                await self._kv_quarantine.put(sid, codec.encode(v))
+                await self._kv_quarantine.put(sid, v)
             except Exception as exc:  # noqa: BLE001
                 log.warning("quarantine_record_failed", sandbox_id=sid, error=str(exc))
         assert self.nc is not None
