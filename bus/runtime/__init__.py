@@ -40,7 +40,7 @@ from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_c
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
-from .kv import KV, Claim, Versioned, kv_keys, open_kv
+from .kv import KV, Claim, Versioned, kv_keys
 from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
 from .service import Service
 
@@ -68,7 +68,6 @@ __all__ = [
     "Claim",
     "Versioned",
     "kv_keys",
-    "open_kv",
     "ERR_WRONG_LAST_SEQUENCE",
     "PubAck",
     "Publisher",

@@ -184,8 +184,4 @@ class KV(Generic[T]):
         return Claim.LOST
 
 
-async def open_kv(js: JetStreamContext, bucket: str, type_: Any, **ensure: Any) -> KV[Any]:
-    return await KV.open(js, bucket, type_, **ensure)
-
-
-__all__ = ["Claim", "KV", "Versioned", "kv_keys", "open_kv"]
+__all__ = ["Claim", "KV", "Versioned", "kv_keys"]
