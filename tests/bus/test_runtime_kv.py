@@ -7,6 +7,7 @@ import asyncio
 import msgspec
 
 from bus.runtime import KV, Claim
+from tests.conftest import eventually
 
 
 class Rec(msgspec.Struct, tag=True):
@@ -70,3 +71,24 @@ async def test_corrupt_record_read_as_absent_and_claimable_by_one(nc, nc2, uid) 
         assert await b.claim("bad", Rec(owner="b")) == Claim.WON
     finally:
         await nc.jetstream().delete_key_value(a.bucket)
+
+
+async def test_watch_delivers_puts_and_deletes_and_skips_corrupt(nc, uid) -> None:
+    kv = await _bucket(nc, uid)
+    try:
+        await kv.put("before", Rec(owner="x"))
+        seen: dict[str, Rec] = {}
+        gone: list[str] = []
+        w = await kv.watch(lambda k, v, rev: seen.__setitem__(k, v), gone.append)
+        try:
+            await asyncio.wait_for(w.synced.wait(), 10)
+            assert seen == {"before": Rec(owner="x")}
+            await kv.raw.put("bad", b"\xc1")
+            await kv.put("after", Rec(owner="y", n=2))
+            await kv.delete("before")
+            await eventually(lambda: "after" in seen and gone == ["before"], what="put and delete seen")
+            assert "bad" not in seen and kv.corrupt == 1
+        finally:
+            await w.stop()
+    finally:
+        await nc.jetstream().delete_key_value(kv.bucket)
