@@ -122,7 +122,7 @@ class Counter(_Metric):
 
 
 def _value_samples(m: _Metric, const: tuple[tuple[str, str], ...]) -> list[str]:
-    return [f"{m.name}{_labels(const + tuple(zip(m.label_names, k)))} {_fmt(c.value)}" for k, c in m._children.items()]
+    return [f"{m.name}{_labels(const + tuple(zip(m.label_names, k, strict=True)))} {_fmt(c.value)}" for k, c in m._children.items()]
 
 
 class Gauge(_Metric):
@@ -176,9 +176,9 @@ class Histogram(_Metric):
     def samples(self, const: tuple[tuple[str, str], ...]) -> list[str]:
         out = []
         for k, h in self._children.items():
-            base = const + tuple(zip(self.label_names, k))
+            base = const + tuple(zip(self.label_names, k, strict=True))
             acc = 0
-            for b, c in zip(self.buckets, h.counts):
+            for b, c in zip(self.buckets, h.counts, strict=True):
                 acc += c
                 out.append(f"{self.name}_bucket{_labels(base + (('le', _fmt(b)),))} {acc}")
             out.append(f"{self.name}_bucket{_labels(base + (('le', '+Inf'),))} {h.count}")

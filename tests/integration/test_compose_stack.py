@@ -145,7 +145,8 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
         up = subprocess.run([*stack, "up"], env=env, capture_output=True, text=True, timeout=1200)
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-5000:]
         assert f"DSEC_NATS_URL=nats://127.0.0.1:{nats_port}" in up.stdout
-        running = {c["Service"]: c for c in (json.loads(x) for x in _docker("ps", "--filter", label, "--format", '{"Service":"{{.Label "com.docker.compose.service"}}","Name":"{{.Names}}"}').splitlines())}
+        fmt = '{"Service":"{{.Label "com.docker.compose.service"}}","Name":"{{.Names}}"}'
+        running = {c["Service"]: c for c in (json.loads(x) for x in _docker("ps", "--filter", label, "--format", fmt).splitlines())}
         assert {"nats", "placement", "guard", "imaged", "lazy-loader", "hostagent", "gateway"} <= set(running), running
         assert len(_docker("ps", "-q", "--filter", label, "--filter", "label=com.docker.compose.service=placement").split()) == 2
 
@@ -159,7 +160,8 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
 
             text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=20).read().decode()
             s = parse(text)
-            assert any(n == "dsec_host_creates_total" and lab.get("instance") == "compose-host" and lab.get("result") == "ready" and v >= 1 for n, lab, v in s), text[:3000]
+            assert any(n == "dsec_host_creates_total" and lab.get("instance") == "compose-host" and lab.get("result") == "ready" and v >= 1
+                       for n, lab, v in s), text[:3000]
             assert any(n == "dsec_host_sandboxes" and lab.get("state") == "running" and v >= 1 for n, lab, v in s)
             assert {"hostagent", "placement", "imaged", "guard", "lazy-loader", "gateway"} <= {lab.get("service") for _, lab, _ in s}
             page = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard", timeout=20).read().decode()

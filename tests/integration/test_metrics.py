@@ -115,14 +115,15 @@ async def test_pending_counts_and_the_http_port(nats_server) -> None:
         assert port > 0
         status, ctype, body = await asyncio.to_thread(_http_get, f"http://127.0.0.1:{port}/metrics")
         assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
-        assert f'dsec_consumer_pending_messages{{service="probe",instance=' in body and "# TYPE process_cpu_seconds_total counter" in body
+        assert 'dsec_consumer_pending_messages{service="probe",instance=' in body and "# TYPE process_cpu_seconds_total counter" in body
         status, _, _ = await asyncio.to_thread(_http_get, f"http://127.0.0.1:{port}/other")
         assert status == 404
         svc.release.set()
 
         async def drained() -> bool:
             s = parse((await scrape_one(nc, svc.name, instance_of(svc))).text)
-            return _value(s, "dsec_consumer_pending_messages", stream=stream, consumer="w") == 0 and _value(s, "dsec_consumer_ack_pending_messages", stream=stream, consumer="w") == 0
+            return (_value(s, "dsec_consumer_pending_messages", stream=stream, consumer="w"),
+                    _value(s, "dsec_consumer_ack_pending_messages", stream=stream, consumer="w")) == (0, 0)
 
         await eventually(drained, what="every message handled")
     finally:
