@@ -67,9 +67,12 @@ class _Metric:
         self._children: dict[tuple[str, ...], Any] = {}
 
     def _key(self, kv: dict[str, Any]) -> tuple[str, ...]:
-        if set(kv) != set(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(kv)}")
-        return tuple(str(kv[n]) for n in self.label_names)
+        if len(kv) == len(self.label_names):
+            try:
+                return tuple([str(kv[n]) for n in self.label_names])
+            except KeyError:
+                pass
+        raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(kv)}")
 
     def labels(self, **kv: Any) -> Any:
         key = self._key(kv)
@@ -354,7 +357,8 @@ def add_cli_flag(parser: Any) -> None:
     env = os.environ.get("DSEC_METRICS_PORT")
     parser.add_argument(
         "--metrics-port", type=int, default=int(env) if env else None,
-        help="also serve Prometheus metrics over HTTP on this port (0: any free port); always on the bus at dsec.metrics.<service>.<instance>",
+        help="also serve Prometheus metrics over HTTP on this port, on $DSEC_METRICS_HOST or 127.0.0.1 (0: any free port); "
+             "always on the bus at dsec.metrics.<service>.<instance>",
     )
 
 

@@ -122,12 +122,15 @@ class Exposition:
     async def _answer(self, _msg: Msg, _req: MetricsRequest) -> MetricsReply:
         return MetricsReply(service=self.service, instance=self.instance, text=await self.registry.scrape(), at=time.time())
 
-    async def start(self, nc: NATS, *, http_port: int | None = None, http_host: str = "0.0.0.0") -> None:
+    async def start(self, nc: NATS, *, http_port: int | None = None, http_host: str | None = None) -> None:
+        """Answer on the bus; with ``http_port``, also on HTTP at ``http_host`` (default $DSEC_METRICS_HOST,
+        else 127.0.0.1: a scraper on another machine needs it set to an address it can reach)."""
         self.endpoint = Endpoint(nc, "metrics", self._answer, decoder=SCRAPE_REQUEST)
         await self.endpoint.serve(S.METRICS_SCRAPE)
         await self.endpoint.serve(S.metrics(self.service, self.instance))
         if http_port is not None:
-            self._server = await asyncio.start_server(self._on_http, http_host, http_port)
+            host = http_host or os.environ.get("DSEC_METRICS_HOST") or "127.0.0.1"
+            self._server = await asyncio.start_server(self._on_http, host, http_port)
             self.port = self._server.sockets[0].getsockname()[1]
             logger.info("metrics_http", port=self.port, service=self.service)
 
