@@ -117,7 +117,7 @@ def run_up(args: argparse.Namespace) -> int:
     )
     if args.http_port:
         # /metrics (every service's, gathered on the bus) and /dashboard; it reads the whole control plane.
-        children.append(Child("gateway", [py, "-m", "sdk.gateway._app", "--http-port", str(args.http_port)], env("admin"), logs))
+        children.append(Child("gateway", [py, "-m", "sdk.gateway._standalone", "--http-port", str(args.http_port)], env("admin"), logs))
     stop = {"flag": False}
 
     def on_signal(signum: int, _frame: object) -> None:

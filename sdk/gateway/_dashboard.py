@@ -27,7 +27,7 @@ from bus.runtime import scrape_all
 
 from .._admin import cluster_status
 from .._async import AsyncSandbox
-from ._metrics import nats_of
+from ._buslink import BusLink, link_of
 
 log = get_logger("dsec.gateway.dashboard")
 
@@ -42,8 +42,8 @@ APP_KEY = web.AppKey("dsec_dashboard", object)
 
 
 class Dashboard:
-    def __init__(self, client: Any) -> None:
-        self.client = client
+    def __init__(self, link: BusLink) -> None:
+        self.link = link
         self.history: dict[str, collections.deque[list[float]]] = {}
         self.hosts: list[dict[str, Any]] = []
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_EVENTS)
@@ -52,8 +52,8 @@ class Dashboard:
         self._task: asyncio.Task[None] | None = None
 
     @property
-    def url(self) -> str | None:
-        return getattr(self.client, "nats_url", None) or getattr(self.client, "url", None)
+    def url(self) -> str:
+        return self.link.url
 
     async def start(self, _app: web.Application | None = None) -> None:
         self._task = asyncio.create_task(self._sample_loop(), name="dashboard-sampler")
@@ -76,10 +76,7 @@ class Dashboard:
     async def _machine_memory_mb(self) -> dict[str, int]:
         """Memory in use on each host's machine (its host agent's metrics; heartbeats carry only what
         sandboxes use)."""
-        try:
-            replies = await scrape_all(nats_of(self.client), timeout=1.0, quiet_s=0.1)
-        except web.HTTPException:
-            return {}
+        replies = await scrape_all(await self.link.nc(), timeout=1.0, quiet_s=0.1)
         used: dict[str, int] = {}
         for r in replies:
             if r.service == "hostagent":
@@ -115,11 +112,7 @@ class Dashboard:
     # --- events -----------------------------------------------------------------------------
     async def _ensure_subscribed(self) -> None:
         if self._sub is None:
-            try:
-                nc = nats_of(self.client)
-            except web.HTTPException:
-                return  # not connected yet: the next round tries again
-            self._sub = await nc.subscribe(EVENTS_SUBJECT, cb=self._on_event)
+            self._sub = await (await self.link.nc()).subscribe(EVENTS_SUBJECT, cb=self._on_event)
 
     async def _on_event(self, msg: Any) -> None:
         try:
@@ -183,10 +176,11 @@ class Dashboard:
 
 
 def add_routes(app: web.Application, client: Any) -> Dashboard:
-    dash = Dashboard(client)
+    """``client``: a NATS URL or the hosting gateway's client (see ``_buslink``)."""
+    dash = Dashboard(link_of(app, client))
     app[APP_KEY] = dash
     app.on_startup.append(dash.start)
-    app.on_cleanup.append(dash.stop)
+    app.on_shutdown.append(dash.stop)  # before the link closes (on_cleanup)
     app.router.add_get("/dashboard", dash.page)
     app.router.add_get("/dashboard/state", dash.state)
     app.router.add_get("/dashboard/events", dash.events)

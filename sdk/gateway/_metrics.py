@@ -15,19 +15,14 @@ from aiohttp import web
 from bus.metrics import CONTENT_TYPE, Registry, merge, process_collector
 from bus.runtime import scrape_all
 
+from ._buslink import link_of
+
 APP_KEY = web.AppKey("dsec_metrics", Registry)
 
 
-def nats_of(client: Any) -> Any:
-    """The NATS connection of the gateway's client (or the connection itself), read per request:
-    the client may connect after the routes are added."""
-    nc = getattr(client, "nc", client)
-    if nc is None or getattr(nc, "is_connected", False) is False:
-        raise web.HTTPServiceUnavailable(text="the gateway is not connected to NATS\n")
-    return nc
-
-
 def add_routes(app: web.Application, client: Any) -> None:
+    """``client``: a NATS URL or the hosting gateway's client (see ``_buslink``)."""
+    link = link_of(app, client)
     own = Registry({"service": "gateway", "instance": "gateway"})
     process_collector(own)
     answered = own.gauge("dsec_scrape_processes", "Processes that answered the gateway's last scrape over the bus")
@@ -36,7 +31,7 @@ def add_routes(app: web.Application, client: Any) -> None:
 
     async def metrics(request: web.Request) -> web.Response:
         t0 = time.perf_counter()
-        replies = await scrape_all(nats_of(client))
+        replies = await scrape_all(await link.nc())
         only = request.query.get("service")
         if only:
             replies = [r for r in replies if r.service == only]
@@ -48,4 +43,4 @@ def add_routes(app: web.Application, client: Any) -> None:
     app.router.add_get("/metrics", metrics)
 
 
-__all__ = ["add_routes", "nats_of"]
+__all__ = ["add_routes"]

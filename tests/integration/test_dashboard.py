@@ -30,9 +30,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @contextlib.asynccontextmanager
 async def gateway(stack: Stack) -> AsyncIterator[str]:
-    from sdk.gateway._app import Client, make_app
+    from sdk.gateway._standalone import make_app
 
-    runner = web.AppRunner(make_app(Client(stack.url)))
+    runner = web.AppRunner(make_app(stack.url))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -97,3 +97,32 @@ async def test_dashboard_shows_a_new_sandbox_and_live_events_in_chromium(stack: 
         finally:
             await browser.close()
     assert shot.stat().st_size > 10_000
+
+
+async def test_routes_take_the_hosting_gateways_client(stack: Stack) -> None:
+    """The full gateway hands its own object (its config carries the NATS URL); a client with a live
+    connection (``nc``) is used as it is."""
+    from types import SimpleNamespace
+
+    from bus.runtime import connect
+    from sdk.gateway import _metrics
+
+    nc = await connect(stack.url)
+    try:
+        for client in (SimpleNamespace(cfg=SimpleNamespace(nats_url=stack.url)), SimpleNamespace(nc=nc)):
+            app = web.Application()
+            _metrics.add_routes(app, client)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            try:
+                async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    assert r.status == 200
+                    assert "hostagent" in {lab.get("service") for _, lab, _ in parse(await r.text())}
+            finally:
+                await runner.cleanup()
+        assert nc.is_connected  # the client's own connection is not the routes' to close
+    finally:
+        await nc.close()
