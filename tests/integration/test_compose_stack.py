@@ -178,6 +178,10 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
             cgroups = _dsec_cgroups(touched)
             assert sb.sandbox_id in cgroups, cgroups
     finally:
+        import sdk._async
+        import sdk._sync
+
+        sdk._sync._run(sdk._async.close_connections())  # no SDK connection left reconnecting to the stack's NATS
         down = subprocess.run([*stack, "down"], env=env, capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stderr[-3000:]
     assert _docker("ps", "-aq", "--filter", label) == ""
