@@ -157,6 +157,27 @@ async def test_connect_reattaches_to_a_running_command(stack: Stack) -> None:
             await sb.commands.connect(999_999)
 
 
+async def test_connect_after_the_host_agent_forgot_the_process(stack: Stack) -> None:
+    """A host agent restart loses its process table and closes its agent connections; the agent
+    keeps the background command running, and a connect attaches to it again (and to its end)."""
+    async with stack.sandbox(memory_mb=64) as sb:
+        h = await sb.commands.run("read line; echo got-$line; exit 5", background=True, stdin=True, timeout=0)
+        await h.disconnect()
+        tasks = [p.task for p in stack.host.execio._procs.pop(sb.sandbox_id).values()]  # a restart keeps nothing
+        for t in tasks:
+            assert t is not None
+            t.cancel()  # closes the host's connection to the agent, as a dying host agent does
+        await asyncio.gather(*tasks, return_exceptions=True)
+        listed = {p.pid: p for p in await sb.commands.list()}
+        assert h.pid in listed and listed[h.pid].stdin  # the agent still runs it
+        out: list[str] = []
+        h2 = await sb.commands.connect(h.pid, on_stdout=out.append)
+        await sb.commands.send_stdin(h.pid, "x\n")
+        with pytest.raises(CommandExitError) as e:
+            await h2.wait(timeout=10)
+        assert e.value.exit_code == 5 and "".join(out) == "got-x\n"
+
+
 async def test_run_as_a_named_user(stack: Stack) -> None:
     async with stack.sandbox(memory_mb=64) as sb:
         res = await sb.commands.run("id -u; id -g; echo $HOME $USER", user="nobody")
