@@ -276,10 +276,12 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     """Run ``cmd`` with ``/bin/sh -c`` (request on ``dsec.sbx.<id>.exec``).
 
     Output: when ``stream_to`` (a client inbox) is set, every byte goes there as ``ExecChunk``
-    messages numbered from 0 across both streams, before the reply. Flow control: the client
-    answers each chunk marked ``ack`` with a ``StreamAck`` on ``dsec.sbx.<id>.ack``; the host keeps
-    a bounded window of unanswered ones and stops streaming to an inbox that does not answer
-    (the client then sees a gap, or fewer chunks than ``ExecResult.chunks``). The reply is an
+    messages numbered from 0 across both streams, before the reply. Flow control (``acks``): the
+    client answers each chunk marked ``ack`` with a ``StreamAck`` on ``dsec.sbx.<id>.ack``; the
+    host keeps a bounded window of unanswered ones (so a slow client slows the command instead of
+    NATS dropping output) and stops streaming to an inbox that does not answer (the client then
+    sees fewer chunks than ``ExecResult.chunks``). Without ``acks`` nothing is marked or waited
+    for: output may be lost on the way (the numbering shows where). The reply is an
     ``ExecResult`` holding at most ``output_cap`` bytes of each stream (the head), cut further to
     fit the server's payload limit, with the totals and ``*_truncated`` flags.
 
@@ -298,6 +300,7 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     stdin: bool = False  # give the process a stdin pipe (ProcInput writes to it); else /dev/null
     tag: str = ""  # a client-chosen name of a background process (ProcSelector.tag)
     output_cap: int = -1  # bytes of each stream kept in the ExecResult; -1: the host's default (8 MiB)
+    acks: bool = False  # the client answers chunks marked ack (flow control, see above)
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):
@@ -385,6 +388,7 @@ class ProcConnect(Struct, kw_only=True, tag=True):
     pid: int = 0
     tag: str = ""
     stream_to: str = ""
+    acks: bool = False  # as ExecRequest.acks
 
 
 class ProcDisconnect(Struct, kw_only=True, tag=True):
@@ -445,9 +449,9 @@ class FileStat(Struct, kw_only=True, tag=True):
 
 class FileWatch(Struct, kw_only=True, tag=True):
     """Stream changes beneath directory ``path`` (inotify) to ``stream_to`` as ``FsEvent``
-    messages (-> ``WatchStarted``). Flow control as for exec output: events marked ``ack`` are
-    answered with ``StreamAck``; the host sends a marked one (a keepalive when nothing changes) at
-    least every 10 s and ends a watch whose client stopped answering."""
+    messages (-> ``WatchStarted``). Flow control as for exec output, always on: events marked
+    ``ack`` are answered with ``StreamAck``; the host sends a marked one (a keepalive when nothing
+    changes) at least every 10 s and ends a watch whose client stopped answering."""
 
     path: str
     stream_to: str

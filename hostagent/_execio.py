@@ -141,11 +141,13 @@ def result_of(out: ExecOutcome) -> ExecResult:
 
 # ---------------------------------------------------------------------------------- streams
 class ClientStream:
-    """Numbered messages to one client inbox, with the ack window described above."""
+    """Numbered messages to one client inbox, with the ack window described above when the
+    client answers acks (``acks``; else nothing is marked or waited for)."""
 
-    def __init__(self, nc: NATS, inbox: str) -> None:
+    def __init__(self, nc: NATS, inbox: str, acks: bool = True) -> None:
         self.nc = nc
         self.inbox = inbox
+        self.acks = acks
         self.seq = 0
         self.acked = -1
         self.dead = False
@@ -159,7 +161,7 @@ class ClientStream:
         if self.dead:
             return False
         self._since_mark += nbytes
-        ack = force_ack or self._since_mark >= ACK_EVERY_BYTES
+        ack = self.acks and (force_ack or self._since_mark >= ACK_EVERY_BYTES)
         seq = self.seq
         self.seq += 1
         try:
@@ -309,10 +311,10 @@ class ExecIO:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    def _stream(self, sid: str, inbox: str) -> ClientStream:
+    def _stream(self, sid: str, inbox: str, acks: bool) -> ClientStream:
         st = self._streams.get((sid, inbox))
         if st is None or st.dead:
-            st = self._streams[(sid, inbox)] = ClientStream(self.nc, inbox)
+            st = self._streams[(sid, inbox)] = ClientStream(self.nc, inbox, acks)
         return st
 
     def _drop_stream(self, sid: str, st: ClientStream) -> None:
@@ -356,7 +358,7 @@ class ExecIO:
             req.envs = {**base_envs, **req.envs}
         if req.background:
             return await self._start_background(handle, req)
-        st = self._stream(handle.sandbox_id, req.stream_to) if req.stream_to else None
+        st = self._stream(handle.sandbox_id, req.stream_to, req.acks) if req.stream_to else None
         on_output = None
         if st is not None:
 
@@ -394,7 +396,7 @@ class ExecIO:
         info = ProcessInfo(pid=0, cmd=req.cmd, tag=req.tag, cwd=req.cwd, user=req.user, envs=dict(req.envs), started_at=time.time(), stdin=req.stdin)
         proc = BgProc(pid=0, info=info)
         if req.stream_to:
-            proc.streams.append(self._stream(sid, req.stream_to))
+            proc.streams.append(self._stream(sid, req.stream_to, req.acks))
         req.output_cap = 0  # the client has every byte from the stream; the end message carries the totals
 
         def on_start(pid: int) -> None:
@@ -511,7 +513,7 @@ class ExecIO:
                 if p.result is not None:
                     await self.nc.publish(inbox, codec.encode(msgspec.structs.replace(p.result, chunks=0)))
                 else:
-                    p.streams.append(self._stream(sid, inbox))
+                    p.streams.append(self._stream(sid, inbox, op.acks))
                 return ProcessStarted(pid=p.pid, tag=p.info.tag)
             case ProcDisconnect(stream_to=inbox):
                 p = self._find(sid, op.pid, op.tag)

@@ -261,7 +261,7 @@ class AsyncCommands:
             raise InvalidArgument(f"output_cap must be a byte count >= 0, got {output_cap!r}")
         req = ExecRequest(
             cmd=cmd, envs=dict(envs or {}), cwd=cwd or "", timeout_s=timeout, user=user or "", stdin=bool(stdin), tag=tag,
-            output_cap=-1 if output_cap is None else output_cap, background=background,
+            output_cap=-1 if output_cap is None else output_cap, background=background, acks=True,
         )
         if background:
             out = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP if output_cap is None else output_cap).start()
@@ -317,7 +317,7 @@ class AsyncCommands:
         _check_pid(pid)
         out = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP).start()
         try:
-            started = await self._sb._request("proc", ProcConnect(pid=pid, stream_to=out.inbox), ProcessStarted)
+            started = await self._sb._request("proc", ProcConnect(pid=pid, stream_to=out.inbox, acks=True), ProcessStarted)
         except BaseException:
             await out.close()
             raise

@@ -93,3 +93,16 @@ async def test_stream_gives_up_on_a_client_that_never_acks(nats_server, monkeypa
 @pytest.mark.parametrize("mask,kinds", [(0x100, ["create"]), (0x80 | 0x40000000, ["create"]), (0x2, ["write"]), (0x200, ["remove"]), (0x40, ["rename"]), (0x4, ["chmod"]), (0x4000, ["overflow"]), (0x8, [])])
 def test_inotify_masks_map_to_event_kinds(mask: int, kinds: list[str]) -> None:
     assert _execio._fs_kinds(mask) == kinds
+
+
+async def test_stream_without_acks_marks_nothing_and_never_waits(nats_server, monkeypatch) -> None:
+    """Clients that do not answer acks (ExecRequest.acks=False) stream as before flow control."""
+    monkeypatch.setattr(_execio, "ACK_EVERY_BYTES", 100)
+    nc = await connect(nats_server.url)
+    try:
+        st = ClientStream(nc, nc.new_inbox(), acks=False)
+        for _ in range(3 * _execio.ACK_WINDOW):
+            assert await st.send(lambda seq, ack: ExecChunk(seq=seq, stream=1, data=b"y" * 100, ack=ack), 100)
+        assert not st.dead and st.seq == 3 * _execio.ACK_WINDOW and not st._marks
+    finally:
+        await nc.close()
