@@ -257,10 +257,67 @@ class _ClientGone(Exception):
     """The client of a stream stopped answering its acks."""
 
 
-@dataclass
 class _Watch:
-    stream: ClientStream
-    task: asyncio.Task[Any] | None = None
+    """One FileWatch: the agent's inotify events as numbered FsEvents, a keepalive that needs an
+    ack at least every KEEPALIVE_S (a client that stopped answering ends the watch), an end event."""
+
+    def __init__(self, sid: str, wid: str, op: FileWatch, client: AgentClient, stream: ClientStream) -> None:
+        self.sid = sid
+        self.wid = wid
+        self.op = op
+        self.client = client
+        self.stream = stream
+        self.root = op.path.rstrip("/") or "/"
+        self.started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.task: asyncio.Task[Any] | None = None
+        self._beat: asyncio.Task[Any] | None = None
+
+    async def _on_event(self, mask: int, name: str) -> None:
+        for kind in _fs_kinds(mask):
+            path = f"{self.root.rstrip('/')}/{name}" if name else self.root
+            ev = FsEvent(seq=0, watch_id=self.wid, kind=kind, name=name, path=path, is_dir=bool(mask & IN_ISDIR))
+
+            def make(seq: int, ack: bool, ev: FsEvent = ev) -> FsEvent:
+                ev.seq, ev.ack = seq, ack
+                return ev
+
+            if not await self.stream.send(make, 64 + len(name)):
+                raise _ClientGone
+
+    async def _keepalive(self) -> None:
+        while True:
+            await asyncio.sleep(KEEPALIVE_S / 2)  # the beat's period, not synchronisation
+            if time.monotonic() - self.stream.last_sent >= KEEPALIVE_S:
+                beat = await self.stream.send(lambda seq, ack: FsEvent(seq=seq, watch_id=self.wid, kind="keepalive", ack=ack), 0, force_ack=True)
+                if not beat and self.task is not None:
+                    self.task.cancel()  # nobody answers: end the watch
+                    return
+
+    def _on_start(self) -> None:
+        self.started.set_result(None)
+        self._beat = asyncio.ensure_future(self._keepalive())
+
+    async def run(self, ended: Callable[[], None]) -> None:
+        try:
+            with agent_errors(self.sid, path=self.op.path):
+                await self.client.watch(self.op.path, self._on_event, recursive=self.op.recursive, on_start=self._on_start)
+        except DsecError as exc:
+            if not self.started.done():
+                self.started.set_exception(exc)
+                return
+            log.info("watch_ended", sandbox_id=self.sid, watch_id=self.wid, error=str(exc))
+        except _ClientGone:
+            pass
+        except asyncio.CancelledError:
+            await self._end(ended)
+            raise
+        await self._end(ended)
+
+    async def _end(self, ended: Callable[[], None]) -> None:
+        if self._beat is not None:
+            self._beat.cancel()
+        ended()
+        await self.stream.end(FsEvent(seq=self.stream.seq, watch_id=self.wid, kind="end"))
 
 
 def _fs_kinds(mask: int) -> list[str]:
@@ -545,66 +602,22 @@ class ExecIO:
         _check_inbox(op.stream_to)
         if not op.path.startswith("/"):
             raise InvalidArgument(f"path must be absolute, got {op.path!r}")
-        client = self._agent(handle)
-        wid = uuid.uuid4().hex[:16]
-        w = _Watch(stream=ClientStream(self.nc, op.stream_to))
+        w = _Watch(sid, uuid.uuid4().hex[:16], op, self._agent(handle), ClientStream(self.nc, op.stream_to))
         self._streams[(sid, op.stream_to)] = w.stream
-        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        root = op.path.rstrip("/") or "/"
+        table = self._watches.setdefault(sid, {})
+        table[w.wid] = w
 
-        async def on_event(mask: int, name: str) -> None:
-            for kind in _fs_kinds(mask):
-                path = f"{root.rstrip('/')}/{name}" if name else root
-                ev = FsEvent(seq=0, watch_id=wid, kind=kind, name=name, path=path, is_dir=bool(mask & IN_ISDIR))
+        def ended() -> None:
+            table.pop(w.wid, None)
+            self._drop_stream(sid, w.stream)
 
-                def make(seq: int, ack: bool, ev: FsEvent = ev) -> FsEvent:
-                    ev.seq, ev.ack = seq, ack
-                    return ev
-
-                if not await w.stream.send(make, 64 + len(name)):
-                    raise _ClientGone
-
-        async def keepalive() -> None:
-            while True:
-                await asyncio.sleep(KEEPALIVE_S / 2)  # the beat's period, not synchronisation
-                if time.monotonic() - w.stream.last_sent >= KEEPALIVE_S:
-                    ok = await w.stream.send(lambda seq, ack: FsEvent(seq=seq, watch_id=wid, kind="keepalive", ack=ack), 0, force_ack=True)
-                    if not ok and w.task is not None:
-                        w.task.cancel()  # nobody answers: end the watch
-                        return
-
-        beat: list[asyncio.Task[Any]] = []
-
-        def on_start() -> None:
-            started.set_result(None)
-            beat.append(asyncio.ensure_future(keepalive()))
-
-        async def run() -> None:
-            try:
-                with agent_errors(sid, path=op.path):
-                    await client.watch(op.path, on_event, recursive=op.recursive, on_start=on_start)
-            except DsecError as exc:
-                if not started.done():
-                    started.set_exception(exc)
-                    return
-                log.info("watch_ended", sandbox_id=sid, watch_id=wid, error=str(exc))
-            except (_ClientGone, asyncio.CancelledError):
-                pass
-            finally:
-                for t in beat:
-                    t.cancel()
-                self._watches.get(sid, {}).pop(wid, None)
-                self._drop_stream(sid, w.stream)
-            await w.stream.end(FsEvent(seq=w.stream.seq, watch_id=wid, kind="end"))
-
-        w.task = self._spawn(run())
-        self._watches.setdefault(sid, {})[wid] = w
+        w.task = self._spawn(w.run(ended))
         try:
-            await started
+            await w.started
         except BaseException:
-            self._watches.get(sid, {}).pop(wid, None)
+            ended()
             raise
-        return WatchStarted(watch_id=wid)
+        return WatchStarted(watch_id=w.wid)
 
     # --- metrics ---------------------------------------------------------------------------
     async def metrics(self, handle: Handle) -> Any:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import os
 import statistics
@@ -32,6 +33,12 @@ from bench_sandboxes import Stack  # noqa: E402
 MiB = 1 << 20
 
 
+def _feed(h: "hashlib._Hash", sizes: list[int], text: str) -> None:
+    data = text.encode()
+    h.update(data)
+    sizes.append(len(data))
+
+
 async def run(args: argparse.Namespace) -> None:
     stack = Stack(argparse.Namespace(shim_group=16, warm_pool=0, concurrency=4, memory_mb=256, disk_mb=4 * args.mib + 256, cpu=1.0))
     await stack.start()
@@ -42,19 +49,11 @@ async def run(args: argparse.Namespace) -> None:
         digest = (await sb.commands.run(f"head -c {raw} /dev/urandom | base64 -w 0 > /tmp/o.b64 && sha256sum /tmp/o.b64", timeout=120)).stdout.split()[0]
         streamed, capped, writes, reads = [], [], [], []
         for _ in range(args.runs):
-            h = hashlib.sha256()
-            n = 0
-
-            def sink(text: str) -> None:
-                nonlocal n
-                b = text.encode()
-                n += len(b)
-                h.update(b)
-
+            h, sizes = hashlib.sha256(), []
             t0 = time.perf_counter()
-            res = await sb.commands.run("cat /tmp/o.b64", on_stdout=sink, timeout=600)
+            res = await sb.commands.run("cat /tmp/o.b64", on_stdout=functools.partial(_feed, h, sizes), timeout=600)
             streamed.append(time.perf_counter() - t0)
-            assert n == size and h.hexdigest() == digest and res.stdout_bytes == size, (n, res.stdout_bytes)
+            assert sum(sizes) == size and h.hexdigest() == digest and res.stdout_bytes == size, (sum(sizes), res.stdout_bytes)
             t0 = time.perf_counter()
             res = await sb.commands.run("cat /tmp/o.b64", timeout=600)
             capped.append(time.perf_counter() - t0)

@@ -1,6 +1,6 @@
 """The in-sandbox agent's background commands, stdin, signals, process list, users, output caps,
 and its mkdir/rename/watch file operations -- the agent run directly on the host as an ordinary
-process (fixtures from test_agent)."""
+process (fixtures from test_agent, through conftest)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from hostagent._agent import IN_CREATE, IN_DELETE, IN_ISDIR, IN_MOVED_FROM, AgentError
-from tests.unit.test_agent import agent, agent_binary, own_agent, proc_state, until  # noqa: F401 - fixtures
+from tests.unit.test_agent import proc_state, until
 
 
 async def _started(c, cmd: str, **kw):

@@ -60,7 +60,7 @@ async def test_stream_numbers_and_asks_for_acks_within_a_window(nats_server, mon
     monkeypatch.setattr(_execio, "ACK_EVERY_BYTES", 1000)
     nc, sub, st, got = await _stream_pair(nats_server, answer=True)
     try:
-        for i in range(50):
+        for _ in range(50):
             assert await st.send(lambda seq, ack: ExecChunk(seq=seq, stream=1, data=b"x" * 500, ack=ack), 500)
         await nc.flush()
         for _ in range(100):
@@ -90,7 +90,10 @@ async def test_stream_gives_up_on_a_client_that_never_acks(nats_server, monkeypa
         await nc.close()
 
 
-@pytest.mark.parametrize("mask,kinds", [(0x100, ["create"]), (0x80 | 0x40000000, ["create"]), (0x2, ["write"]), (0x200, ["remove"]), (0x40, ["rename"]), (0x4, ["chmod"]), (0x4000, ["overflow"]), (0x8, [])])
+@pytest.mark.parametrize("mask,kinds", [
+    (0x100, ["create"]), (0x80 | 0x40000000, ["create"]), (0x2, ["write"]), (0x200, ["remove"]), (0x40, ["rename"]),
+    (0x4, ["chmod"]), (0x4000, ["overflow"]), (0x8, []),
+])
 def test_inotify_masks_map_to_event_kinds(mask: int, kinds: list[str]) -> None:
     assert _execio._fs_kinds(mask) == kinds
 
