@@ -355,6 +355,11 @@ class AsyncSandbox:
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
 
+    @property
+    def nc(self) -> NATS:
+        """The NATS connection this sandbox talks over (one per event loop and URL, shared)."""
+        return self._nc
+
     # --- creation ------------------------------------------------------------------------
     @classmethod
     async def create(
@@ -512,7 +517,10 @@ class AsyncSandbox:
 
     async def get_info(self) -> SandboxInfo:
         i: WireInfo = await self._request("info", InfoRequest(), WireInfo)
-        return SandboxInfo(sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id, started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata)
+        return SandboxInfo(
+            sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id,
+            started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata,
+        )
 
     async def get_metrics(self) -> SandboxMetrics:
         """CPU and memory (from the sandbox's cgroups) and disk use right now."""

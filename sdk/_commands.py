@@ -49,7 +49,7 @@ class _Output:
 
     def __init__(self, sb: "AsyncSandbox", on_stdout: OutputHandler | None, on_stderr: OutputHandler | None, keep: int) -> None:
         self.sb = sb
-        self.inbox = sb._nc.new_inbox()
+        self.inbox = sb.nc.new_inbox()
         self.handlers = {1: on_stdout, 2: on_stderr}
         self.decoders = {1: codecs.getincrementaldecoder("utf-8")("replace"), 2: codecs.getincrementaldecoder("utf-8")("replace")}
         self.keep = keep
@@ -62,7 +62,7 @@ class _Output:
         self._sub: Any = None
 
     async def start(self) -> "_Output":
-        self._sub = await self.sb._nc.subscribe(self.inbox, cb=self._on)
+        self._sub = await self.sb.nc.subscribe(self.inbox, cb=self._on)
         return self
 
     async def close(self) -> None:
@@ -110,7 +110,7 @@ class _Output:
                         self.error = DsecError(f"on_{'stdout' if ch.stream == 1 else 'stderr'} raised {type(exc).__name__}: {exc}")
         if ch.ack:  # after the callback: a slow handler slows the command, nothing piles up here
             try:
-                await self.sb._nc.publish(S.sbx(self.sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self.inbox, seq=ch.seq)))
+                await self.sb.nc.publish(S.sbx(self.sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self.inbox, seq=ch.seq)))
             except Exception:  # noqa: BLE001 - the host gives up on us; the gap shows below
                 pass
         self._progress.set()

@@ -54,7 +54,7 @@ class AsyncWatchHandle:
         self.path = path
         self.watch_id = ""
         self._on_event = on_event
-        self._inbox = sb._nc.new_inbox()
+        self._inbox = sb.nc.new_inbox()
         self._events: list[FilesystemEvent] = []
         self._next_seq = 0
         self._sub: Any = None
@@ -62,7 +62,7 @@ class AsyncWatchHandle:
         self.ended = asyncio.Event()
 
     async def _start(self, recursive: bool) -> "AsyncWatchHandle":
-        self._sub = await self._sb._nc.subscribe(self._inbox, cb=self._on)
+        self._sub = await self._sb.nc.subscribe(self._inbox, cb=self._on)
         try:
             res: WatchStarted = await self._sb._request("files", FileWatch(path=self.path, stream_to=self._inbox, recursive=recursive), WatchStarted)
         except BaseException:
@@ -91,7 +91,7 @@ class AsyncWatchHandle:
                     await r
         if ev.ack:
             try:
-                await self._sb._nc.publish(S.sbx(self._sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self._inbox, seq=ev.seq)))
+                await self._sb.nc.publish(S.sbx(self._sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self._inbox, seq=ev.seq)))
             except Exception:  # noqa: BLE001 - the host ends a watch nobody answers; the gap shows
                 pass
 
@@ -129,7 +129,7 @@ class AsyncFilesystem:
         return path
 
     def _chunk(self) -> int:
-        return max(64 << 10, min(MAX_CHUNK, self._sb._nc.max_payload // 2))
+        return max(64 << 10, min(MAX_CHUNK, self._sb.nc.max_payload // 2))
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> WriteInfo:
         """Write the whole file (any size: sent in chunks under the payload limit)."""
