@@ -428,16 +428,30 @@ class AgentClient:
             writer.close()
 
     async def send_stdin(self, pid: int, data: bytes = b"", close: bool = False) -> None:
-        """Queue ``data`` for the command's stdin pipe (``close``: then close it)."""
+        """Queue ``data`` for the command's stdin pipe (``close``: then close it). While the agent
+        holds 8 MiB the command has not read yet (EAGAIN: nothing was queued), this waits and
+        retries, up to ``op_timeout_s``: a slow reader slows the writer."""
         view = memoryview(data).cast("B")
+        loop = asyncio.get_running_loop()
         pos = 0
         while True:
             chunk = view[pos:pos + _WRITE_CHUNK]
-            pos += len(chunk)
-            last = pos >= len(view)
-            kind, _ = await self._call(_frame(b"I", _U32.pack(pid), bytes((1 if close and last else 0,)), chunk))
+            last = pos + len(chunk) >= len(view)
+            frame = _frame(b"I", _U32.pack(pid), bytes((1 if close and last else 0,)), chunk)
+            deadline = loop.time() + self.op_timeout_s
+            delay = 0.005
+            while True:
+                try:
+                    kind, _ = await self._call(frame)
+                    break
+                except AgentError as e:
+                    if e.errno != _errno.EAGAIN or loop.time() + delay > deadline:
+                        raise
+                await asyncio.sleep(delay)  # back-off while the command catches up on its input
+                delay = min(delay * 2, 0.2)
             if kind != ord("K"):
                 raise _unexpected(kind)
+            pos += len(chunk)
             if last:
                 return
 

@@ -502,6 +502,10 @@ class AsyncSandbox:
             raise SandboxNotFound(f"sandbox {self.sandbox_id} is not running (killed, timed out, or never created)") from None
         except nats.errors.TimeoutError:
             raise SandboxTimeout(f"sandbox {self.sandbox_id} did not answer {op} within {timeout:g}s") from None
+        except nats.errors.MaxPayloadError:
+            raise InvalidArgument(
+                f"the {op} request is larger than the NATS server's max_payload ({self._nc.max_payload} bytes): send less at once"
+            ) from None
         return decode_reply(msg.data, result_type)
 
     async def kill(self) -> None:

@@ -304,7 +304,10 @@ class AsyncCommands:
             data = data.encode()
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
-        await self._sb._request("proc", ProcInput(pid=pid, data=bytes(data)), Done)
+        view = memoryview(data).cast("B")
+        step = max(64 << 10, min(4 << 20, self._sb.nc.max_payload // 2))  # each request under the payload limit
+        for off in range(0, max(len(view), 1), step):
+            await self._sb._request("proc", ProcInput(pid=pid, data=bytes(view[off:off + step])), Done)
 
     async def close_stdin(self, pid: int) -> None:
         _check_pid(pid)

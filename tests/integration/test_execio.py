@@ -107,6 +107,12 @@ async def test_background_command_streams_and_its_stdin_round_trips(stack: Stack
         assert res.exit_code == 0 and res.stdout == "hello world\ndone-42\n" and res.pid == h.pid
         assert "".join(got) == "hello world\ndone-42\n"
         assert h.pid not in {p.pid for p in await sb.commands.list()}
+        # More stdin than one request (or the agent's 8 MiB queue) holds, to a slow reader.
+        data = os.urandom(20 * MiB)
+        h = await sb.commands.run("sleep 1; sha256sum", background=True, stdin=True, timeout=60)
+        await h.send_stdin(data)
+        await h.close_stdin()
+        assert (await h.wait(timeout=30)).stdout.split()[0] == hashlib.sha256(data).hexdigest()
 
 
 async def test_kill_sends_the_signal_and_unknown_pids_are_typed_errors(stack: Stack) -> None:

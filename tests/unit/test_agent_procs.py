@@ -61,8 +61,8 @@ async def test_stdin_round_trip_and_close(agent):
 
 async def test_large_stdin_is_queued_in_order(agent):
     c = agent.client
-    data = os.urandom(3 << 20)
-    pid, task, out = await _started(c, "sha256sum", stdin=True)
+    data = os.urandom(20 << 20)  # past the agent's 8 MiB queue, to a reader that starts late: EAGAIN, retried
+    pid, task, out = await _started(c, "sleep 0.5; sha256sum", stdin=True)
     await c.send_stdin(pid, data, close=True)
     res = await asyncio.wait_for(task, 10)
     assert res.exit_code == 0
