@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from . import log as _log
-from .auth import ANONYMOUS_USER, inbox_prefix
+from .auth import ANONYMOUS_USER, inbox_prefix, load_client_context
 from .codec import encode
 from .errors import DsecError, ErrorReply, InternalError, Unavailable
 from .subjects import valid_token
@@ -31,7 +31,11 @@ logger = _log.get_logger("dsec.bus")
 
 
 def nats_url(url: str | None = None) -> str:
-    return url or os.environ.get("DSEC_NATS_URL", DEFAULT_URL)
+    """``url``, else $DSEC_NATS_URL, else the client context `dsec up` wrote (bus.auth), else the default."""
+    if url or os.environ.get("DSEC_NATS_URL"):
+        return url or os.environ["DSEC_NATS_URL"]
+    ctx = load_client_context()
+    return ctx.url if ctx else DEFAULT_URL
 
 
 async def connect(
