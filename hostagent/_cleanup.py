@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from bus import log as _log
 
@@ -68,10 +69,10 @@ def mounts_under(data_dir: str) -> list[str]:
         return [ln.split()[4] for ln in f if _under(ln.split()[4], data_dir)]
 
 
-async def _containers(data_dir: str) -> None:
+async def _containers(data_dir: str, network: Any) -> None:
     from ._container import ContainerBackend
 
-    backend = ContainerBackend(data_dir, warm_pool=0)
+    backend = ContainerBackend(data_dir, warm_pool=0, network=network)
     await backend.start()  # adopts (or starts) the data dir's containerd: it knows the shims' tasks
     try:
         await backend.recover({})  # no sandbox is known now: every container is an orphan and removed
@@ -118,11 +119,12 @@ def _kill_all(procs: dict[int, str]) -> set[Path]:
     return cgroups
 
 
-async def cleanup(data_dir: str) -> list[str]:
-    """Remove what is left for ``data_dir``; returns what was still there after the orderly part."""
+async def cleanup(data_dir: str, network: Any = None) -> list[str]:
+    """Remove what is left for ``data_dir`` (and the kernel objects of ``network``, a NetworkConfig);
+    returns what was still there after the orderly part."""
     data_dir = os.path.realpath(data_dir)
     try:
-        await asyncio.wait_for(_containers(data_dir), 120)
+        await asyncio.wait_for(_containers(data_dir, network), 120)
     except Exception as exc:  # noqa: BLE001 - the sweep below still removes processes and mounts
         log.error("cleanup_containers_failed", error=f"{type(exc).__name__}: {exc}")
     procs = processes_naming(data_dir)
@@ -148,8 +150,8 @@ async def cleanup(data_dir: str) -> list[str]:
     return found
 
 
-def run_cleanup(data_dir: str) -> int:
-    left = asyncio.run(cleanup(data_dir))
+def run_cleanup(data_dir: str, network: Any = None) -> int:
+    left = asyncio.run(cleanup(data_dir, network))
     for item in left:
         log.warning("cleanup_removed", item=item)
     still = [f"process {p}" for p in processes_naming(os.path.realpath(data_dir))] + mounts_under(os.path.realpath(data_dir))

@@ -70,7 +70,7 @@ def _say(msg: str) -> None:
     print(f"dsec up: {msg}", flush=True)
 
 
-def _exit_text(code: int | None) -> str:
+def exit_text(code: int | None) -> str:
     if code is None:
         return "?"
     if code < 0:
@@ -236,7 +236,7 @@ class Supervisor:
                     code = s.poll()
                     if code is not None:
                         delay = s.exited(code)
-                        _say(f"{s.name} (pid {s.pid()}) exited with {_exit_text(code)}; restart {s.restarts + 1} in {delay:.1f}s; see {s.log_path}")
+                        _say(f"{s.name} (pid {s.pid()}) exited with {exit_text(code)}; restart {s.restarts + 1} in {delay:.1f}s; see {s.log_path}")
                         changed = True
                 elif s.state == "backoff" and time.monotonic() >= s.next_start:
                     s.restarts += 1

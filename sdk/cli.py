@@ -17,7 +17,7 @@ from typing import Any
 
 from bus.errors import DsecError, Unavailable
 
-# Subcommands that talk to a running stack: told within seconds when it is not there.
+# Subcommands that talk to a running stack: told within seconds when it is not there (status says it its own way).
 _STACK_COMMANDS = {"sandbox", "audit", "image"}
 
 
@@ -25,16 +25,23 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
 
 
+def _context_in_use(args: argparse.Namespace) -> Any:
+    """The client context `dsec up` wrote, unless --nats-url or $DSEC_NATS_URL says where to go instead."""
+    from bus.auth import load_client_context
+
+    if getattr(args, "nats_url", None) or os.environ.get("DSEC_NATS_URL"):
+        return None
+    return load_client_context()
+
+
 # --- status ------------------------------------------------------------------------------
 def _services(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     """What the `dsec up` supervisor of this stack says about its processes (None: no supervisor here)."""
-    from bus.auth import load_client_context
-
     from ._up import SERVICES_FILE
 
     data_dir = args.data_dir
-    if data_dir is None and not args.nats_url and not os.environ.get("DSEC_NATS_URL"):
-        ctx = load_client_context()
+    if data_dir is None:
+        ctx = _context_in_use(args)
         data_dir = ctx.data_dir if ctx else None
     if not data_dir:
         return None
@@ -47,10 +54,12 @@ def _services(args: argparse.Namespace) -> list[dict[str, Any]] | None:
 
 
 def _print_services(services: list[dict[str, Any]]) -> None:
+    from ._up import exit_text
+
     now = time.time()
     for s in services:
         up = f"up {now - s['up_since']:.0f}s" if s.get("up_since") else s["state"]
-        last = f" last exit {s['last_exit']}" if s.get("last_exit") is not None else ""
+        last = f" last exit {exit_text(s['last_exit'])}" if s.get("last_exit") is not None else ""
         print(f"  {s['name']:<24} {s['state']:<8} pid={s.get('pid') or '-':<8} restarts={s['restarts']:<3} {up}{last}")
 
 
@@ -61,6 +70,7 @@ async def _status(args: argparse.Namespace) -> int:
 
     services = _services(args)
     try:
+        _probe(args.nats_url, min(2.0, args.timeout))
         st = await cluster_status(args.nats_url, timeout=args.timeout)
     except DsecError as exc:
         if args.json:
@@ -291,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     import nats.js.errors
 
     args = build_parser().parse_args(argv)
+    ctx = _context_in_use(args)
+    if ctx is not None and ctx.data_dir:
+        # Local state of client-side work (image build caches) goes where that stack keeps its own.
+        os.environ.setdefault("DSEC_DATA_DIR", ctx.data_dir)
     errors = _NatsErrors()
     nats_log = logging.getLogger("dsec.nats")
     nats_log.addHandler(errors)
