@@ -8,6 +8,7 @@ each service in turn during a burst of creates, then SIGTERM and nothing left be
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -83,15 +84,17 @@ def one_line_error(err: str) -> None:
     assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def up() -> AsyncIterator[Up]:
+@contextlib.asynccontextmanager
+async def running_up(tag: str) -> AsyncIterator[Up]:
+    """``dsec up`` on a free port, own data dir, own context pointer and network names; whatever the
+    test did, everything is stopped and cleaned at the end."""
     import sdk._async
 
     uid = uuid.uuid4().hex[:6]
-    data = Path(tempfile.mkdtemp(prefix=f"dsec-upsv-{uid}-", dir="/tmp"))
+    data = Path(tempfile.mkdtemp(prefix=f"dsec-{tag}-{uid}-", dir="/tmp"))
     pointer = data.parent / f"{data.name}.context.json"
     port = free_port()
-    host_id = f"upsv-{uid}"
+    host_id = f"{tag}-{uid}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST") and k != "DSEC_NATS_URL"}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", DSEC_NET_PREFIX=NET_PREFIX, DSEC_NET_POOL=NET_POOL, DSEC_NFLOG_GROUP=NFLOG_GROUP)
     child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", host_id, "--ready-timeout", "240", "--context", str(pointer)],
@@ -102,7 +105,8 @@ async def up() -> AsyncIterator[Up]:
         assert child.alive(), child.log()
         yield u
     finally:
-        await sdk._async.close_connections()
+        with contextlib.suppress(Exception):  # NATS is gone once the test stopped the stack
+            await sdk._async.close_connections()
         if child.alive():
             child.signal(signal.SIGKILL)
             await child.wait(10)
@@ -113,6 +117,12 @@ async def up() -> AsyncIterator[Up]:
             shutil.rmtree(data, ignore_errors=True)
             for p in (pointer, data.parent / f"{data.name}.log"):
                 p.unlink(missing_ok=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def up() -> AsyncIterator[Up]:
+    async with running_up("upsv") as u:
+        yield u
 
 
 # ------------------------------------------------------------------------------------------ the CLI
@@ -292,13 +302,47 @@ async def test_kill_9_of_each_service_during_creates_then_sigterm_leaves_nothing
     cgroups = await _shim_cgroups(up.data)
     assert cgroups, "no sandbox cgroups seen"
     up.child.signal(signal.SIGTERM)
+    await assert_stopped_leaving_nothing(up, cgroups)
+    print(f"create outcomes per killed service: {outcomes}")
+
+
+def _nft_table_exists() -> bool:
+    return subprocess.run(["nft", "list", "table", "inet", f"dsec_{NET_PREFIX}"], capture_output=True).returncode == 0
+
+
+async def assert_stopped_leaving_nothing(up: Up, cgroups: set[Path]) -> None:
     assert await up.child.wait(240) == 0, up.child.log()
     assert "dsec up: stopped" in up.child.log()
-    left = data_dir_leftovers(up.data)
+    left = data_dir_leftovers(up.data)  # containerd, shims, FUSE holder, agents' mounts, layer mounts, loop devices
     assert not left, left
     assert not [c for c in cgroups if c.exists()]
     netns = [n for n in os.listdir("/run/netns") if n.startswith(f"dsec-{NET_PREFIX}-")] if os.path.isdir("/run/netns") else []
     assert not netns, netns
-    assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{NET_PREFIX}"], capture_output=True).returncode != 0
+    assert not _nft_table_exists()
     assert not up.pointer.exists() and not (up.data / "services.json").exists()
-    print(f"create outcomes per killed service: {outcomes}")
+
+
+async def test_sigterm_right_after_crashes_still_leaves_nothing() -> None:
+    """The host agent, the lazy loader and guard die by SIGKILL with sandboxes running (nobody to remove
+    them), and the stop comes before any restart: the final sweep removes what they left."""
+    from sdk import AsyncSandbox
+
+    async with running_up("upcr") as up:
+        url = up.operator_url
+        sbs = [
+            await AsyncSandbox.create(nats_url=url, memory_mb=32, create_timeout=CREATE_TIMEOUT),
+            await AsyncSandbox.create(nats_url=url, memory_mb=32, create_timeout=CREATE_TIMEOUT, network={"allow_out": ["192.0.2.1/32"]}),
+        ]
+        for sb in sbs:
+            assert (await sb.commands.run("echo up")).stdout == "up\n"
+        assert _nft_table_exists()
+        cgroups = await _shim_cgroups(up.data)
+        assert cgroups
+        svc = up.services()
+        for name in ("hostagent", "lazy-loader", "guard"):
+            os.kill(svc[name]["pid"], signal.SIGKILL)
+        up.child.signal(signal.SIGTERM)
+        await assert_stopped_leaving_nothing(up, cgroups)
+        assert "restarted hostagent" not in up.child.log(50000)
+        swept = (up.data / "logs" / "cleanup.log").read_text()
+        assert swept.count("removing_orphan_container") >= len(sbs), swept[-3000:]
