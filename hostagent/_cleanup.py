@@ -119,12 +119,26 @@ def _kill_all(procs: dict[int, str]) -> set[Path]:
     return cgroups
 
 
+async def _rmdir_cgroup(cg: Path, attempts: int = 50) -> None:
+    for _ in range(attempts):
+        try:
+            cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: a killed task leaves its cgroup a moment after it is reaped
+            await asyncio.sleep(0.1)
+    log.error("cleanup_cgroup_busy", cgroup=str(cg))
+
+
 async def cleanup(data_dir: str, network: Any = None) -> list[str]:
     """Remove what is left for ``data_dir`` (and the kernel objects of ``network``, a NetworkConfig);
     returns what was still there after the orderly part."""
     data_dir = os.path.realpath(data_dir)
     try:
-        await asyncio.wait_for(_containers(data_dir, network), 120)
+        # A data dir that never had a containerd has no container to ask it about.
+        if os.path.isdir(os.path.join(data_dir, "containerd")):
+            await asyncio.wait_for(_containers(data_dir, network), 120)
     except Exception as exc:  # noqa: BLE001 - the sweep below still removes processes and mounts
         log.error("cleanup_containers_failed", error=f"{type(exc).__name__}: {exc}")
     procs = processes_naming(data_dir)
@@ -134,16 +148,9 @@ async def cleanup(data_dir: str, network: Any = None) -> list[str]:
     while processes_naming(data_dir) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # poll interval while killed processes exit
     for cg in sorted(cgroups, key=lambda p: len(p.parts), reverse=True):
-        with contextlib.suppress(FileNotFoundError):
+        if cg.exists():
             found.append(f"cgroup {cg}")
-            for _ in range(50):  # a killed task leaves its cgroup a moment after it is reaped
-                try:
-                    cg.rmdir()
-                    break
-                except FileNotFoundError:
-                    raise
-                except OSError:
-                    await asyncio.sleep(0.1)
+            await _rmdir_cgroup(cg)
     for m in reversed(mounts_under(data_dir)):  # deepest first
         found.append(f"mount {m}")
         subprocess.run(["umount", "-l", m], capture_output=True)
