@@ -38,8 +38,9 @@ SERVICES_FILE = "services.json"
 class Service:
     """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth).
 
-    ``argv`` items are formatted with the stack's settings (``{data}``, ``{host_id}``, ``{backend}``,
-    ``{concurrency}``); ``replicas`` names the ``dsec up`` option that says how many run (default one)."""
+    ``argv`` items are formatted with the stack's settings: every ``dsec up`` option by its dest
+    (``{backend}``, ``{concurrency}``, ...), ``{data}`` (the resolved data dir) and ``{host_id}``;
+    ``replicas`` names the option that says how many run (default one)."""
 
     name: str
     role: str
@@ -307,7 +308,9 @@ async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict:
 
 
 def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> list[Child]:
-    settings = {"data": str(data), "host_id": args.host_id or socket.gethostname().split(".")[0], "backend": args.backend, "concurrency": str(args.concurrency)}
+    # Every `dsec up` option by its name, plus the resolved data dir and host id.
+    settings = {k: str(v) for k, v in vars(args).items()}
+    settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
     out = []
     for svc in SERVICES:
         n = getattr(args, svc.replicas) if svc.replicas else 1
