@@ -28,6 +28,7 @@ import pytest_asyncio
 from bus.auth import load_client_context
 from bus.errors import DsecError
 from bus.natsd import free_port
+from sdk._async import close_connections
 from tests.conftest import eventually
 
 from .conftest import PY, REPO, Child, data_dir_leftovers, force_cleanup, needs_stack, processes_mentioning
@@ -88,8 +89,6 @@ def one_line_error(err: str) -> None:
 async def running_up(tag: str) -> AsyncIterator[Up]:
     """``dsec up`` on a free port, own data dir, own context pointer and network names; whatever the
     test did, everything is stopped and cleaned at the end."""
-    import sdk._async
-
     uid = uuid.uuid4().hex[:6]
     data = Path(tempfile.mkdtemp(prefix=f"dsec-{tag}-{uid}-", dir="/tmp"))
     pointer = data.parent / f"{data.name}.context.json"
@@ -105,8 +104,7 @@ async def running_up(tag: str) -> AsyncIterator[Up]:
         assert child.alive(), child.log()
         yield u
     finally:
-        with contextlib.suppress(Exception):  # NATS is gone once the test stopped the stack
-            await sdk._async.close_connections()
+        await close_connections()
         if child.alive():
             child.signal(signal.SIGKILL)
             await child.wait(10)
@@ -301,6 +299,7 @@ async def test_kill_9_of_each_service_during_creates_then_sigterm_leaves_nothing
 
     cgroups = await _shim_cgroups(up.data)
     assert cgroups, "no sandbox cgroups seen"
+    await close_connections()  # before NATS goes: a closed connection is no one's to drain later
     up.child.signal(signal.SIGTERM)
     await assert_stopped_leaving_nothing(up, cgroups)
     print(f"create outcomes per killed service: {outcomes}")
@@ -339,6 +338,7 @@ async def test_sigterm_right_after_crashes_still_leaves_nothing() -> None:
         cgroups = await _shim_cgroups(up.data)
         assert cgroups
         svc = up.services()
+        await close_connections()
         for name in ("hostagent", "lazy-loader", "guard"):
             os.kill(svc[name]["pid"], signal.SIGKILL)
         up.child.signal(signal.SIGTERM)
