@@ -184,6 +184,5 @@ async def test_dsec_up_end_to_end() -> None:
             await force_cleanup(data)
         if not data_dir_leftovers(data):
             shutil.rmtree(data, ignore_errors=True)
-            with_log = data.parent / f"{data.name}.log"
-            if with_log.exists():
-                os.unlink(with_log)
+            for p in (data.parent / f"{data.name}.log", data.parent / f"{data.name}.context.json"):
+                p.unlink(missing_ok=True)
