@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import tempfile
