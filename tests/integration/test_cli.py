@@ -53,7 +53,8 @@ async def test_status(stack: Stack) -> None:
 
 async def test_unreachable_stack_is_one_line_within_5s() -> None:
     closed = f"nats://127.0.0.1:{free_port()}"
-    for args in (["sandbox", "ls"], ["sandbox", "create"], ["image", "ls"], ["image", "build", "x", "--base", "template:base"], ["audit", "replay"], ["status"]):
+    commands = (["sandbox", "ls"], ["sandbox", "create"], ["image", "ls"], ["image", "build", "x", "--base", "template:base"], ["audit", "replay"], ["status"])
+    for args in commands:
         rc, out, err = await dsec(*args, url=closed, timeout=5)  # the whole process, start-up included
         assert rc == 1, (args, out, err)
         assert "cannot reach NATS" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)

@@ -263,7 +263,7 @@ async def test_kill_9_of_each_service_during_creates_then_sigterm_leaves_nothing
         await asyncio.sleep(2 * BURST_SPACING_S)  # into the burst: creates in flight when the service dies
         os.kill(old["pid"], signal.SIGKILL)
 
-        async def back() -> bool:
+        async def back(name: str = name, old: dict[str, Any] = old) -> bool:
             rc, out, _ = await dsec("status", "--json", env=up.env(), timeout=20)
             s = {x["name"]: x for x in (json.loads(out).get("services") or [])} if out.strip() else {}
             now = s.get(name, {})

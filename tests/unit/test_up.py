@@ -80,7 +80,7 @@ def test_client_context_pointer_override_and_redaction(tmp_path: Path, monkeypat
     assert nats_url() == "nats://elsewhere:4222" and nats_url("nats://x:1") == "nats://x:1"
     monkeypatch.delenv("DSEC_NATS_URL")
     # Another stack took the pointer: removing ours leaves theirs.
-    json.dump({"context": "/elsewhere/client.json"}, open(pointer, "w"))
+    pointer.write_text(json.dumps({"context": "/elsewhere/client.json"}))
     remove_client_context(tmp_path / "data")
     assert pointer.exists()
     write_client_context(tmp_path / "data", "nats://127.0.0.1:4999", "admin", "pw")
