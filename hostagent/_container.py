@@ -44,7 +44,7 @@ from bus.messages import (
 from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, DirEntry, ensure_agent_binary
 from ._execio import result_of
 from ._backend import Handle, OnOutput, Usage
-from ._containerd import CGROUP_PARENT, CPU_PERIOD_US, ContainerdError, ContainerRuntime
+from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime, cpu_limits
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
 from bus.profiles import default_profile
@@ -69,11 +69,22 @@ READ_CHUNK = 4 * 1024 * 1024
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
 
 
+# Every container starts with at least this CPU share (runc init, the agent's start-up), and gets
+# its own once its agent answers: a small share (0.02 is 2 ms per 100 ms) must not slow its start.
+START_CPU = 1.0
+
+
+def _set_cpu(cid: str, cpu: float) -> None:
+    """Apply a CPU share straight to the container's cgroup v1 files (no runc round trip)."""
+    base = CGROUP_ROOT / "cpu" / CGROUP_PARENT.lstrip("/") / cid
+    shares, quota = cpu_limits(cpu)
+    (base / "cpu.shares").write_text(str(shares))
+    (base / "cpu.cfs_quota_us").write_text(str(quota))
+
+
 def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
     """Apply a claimed warm container's limits straight to its cgroup v1 files (no runc round trip)."""
-    base = CGROUP_ROOT / "cpu" / CGROUP_PARENT.lstrip("/") / cid
-    (base / "cpu.shares").write_text(str(max(2, int(cpu * 1024))))
-    (base / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * CPU_PERIOD_US))))
+    _set_cpu(cid, cpu)
     mem = CGROUP_ROOT / "memory" / CGROUP_PARENT.lstrip("/") / cid
     limit = str(memory_mb * 1024 * 1024)
     memsw = mem / "memory.memsw.limit_in_bytes"
@@ -380,7 +391,7 @@ class ContainerBackend:
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
                 args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
                 env=DEFAULT_ENV,
-                cpu=cpu,
+                cpu=max(cpu, START_CPU),  # its own share once its agent answers (below)
                 memory_mb=memory_mb,
                 pids_max=self.pids_max,
                 bind_mounts=[(os.path.dirname(self.agent_bin), AGENT_DIR_IN_SANDBOX, True), (layout.run, RUN_DIR_IN_SANDBOX, False)],
@@ -402,6 +413,13 @@ class ContainerBackend:
             self._group_up.add(group)
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
         info = await self._wait_agent(cid, sdir, client)
+        if cpu < START_CPU:
+            # Before the create is answered (and recorded): a host agent that dies in between
+            # leaves an unrecorded container, which recovery removes.
+            try:
+                await asyncio.to_thread(_set_cpu, cid, cpu)
+            except OSError as exc:
+                raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
         if security.landlock_required and not info.landlock:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self._clients[cid] = client
@@ -469,7 +487,7 @@ class ContainerBackend:
         while not self._stopping and len(entries) < self.warm_pool:
             cid = f"wp-{os.urandom(8).hex()}"
             try:
-                pid, sdir, _, info = await self._start(cid, lowers, disk_mb, 1.0, 64, security, None)
+                pid, sdir, _, info = await self._start(cid, lowers, disk_mb, START_CPU, 64, security, None)
             except asyncio.CancelledError:
                 await asyncio.shield(self._remove(cid, None))  # stopped half-way: leave no scratch or task
                 raise
