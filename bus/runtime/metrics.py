@@ -1,7 +1,7 @@
 """A service's Prometheus metrics (bus.metrics) on the bus and over HTTP, and what every service reports.
 
 Every ``Service`` answers ``dsec.metrics.scrape`` (a scatter-gather: every process replies) and
-``dsec.metrics.<service>.<instance>`` (one process) with a ``MetricsReply`` holding its Prometheus text;
+``dsec.metrics.<service>.<instance>`` (one process) with a ``ScrapeReply`` holding its Prometheus text;
 with ``metrics_port`` set it also serves ``GET /metrics`` over HTTP. Added to every registry: process
 CPU and memory, the in-flight count and JetStream pending counts of each pull consumer it runs, and
 the stats of its request/reply endpoints.
@@ -23,14 +23,14 @@ from nats.aio.msg import Msg
 from .. import log as _log
 from .. import subjects as S
 from ..codec import Decoder, decode_reply, encode
-from ..messages import MetricsReply, MetricsRequest
+from ..messages import ScrapeReply, ScrapeRequest
 from ..metrics import CONTENT_TYPE, Registry, process_collector
 from .endpoint import Endpoint
 
 logger = _log.get_logger("dsec.bus.metrics")
 
-SCRAPE_REQUEST = Decoder(MetricsRequest)
-SCRAPE_REPLY = Decoder(MetricsReply)
+SCRAPE_REQUEST = Decoder(ScrapeRequest)
+SCRAPE_REPLY = Decoder(ScrapeReply)
 _BAD_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 
 
@@ -119,8 +119,8 @@ class Exposition:
         self._server: asyncio.base_events.Server | None = None
         self.port = 0
 
-    async def _answer(self, _msg: Msg, _req: MetricsRequest) -> MetricsReply:
-        return MetricsReply(service=self.service, instance=self.instance, text=await self.registry.scrape(), at=time.time())
+    async def _answer(self, _msg: Msg, _req: ScrapeRequest) -> ScrapeReply:
+        return ScrapeReply(service=self.service, instance=self.instance, text=await self.registry.scrape(), at=time.time())
 
     async def start(self, nc: NATS, *, http_port: int | None = None, http_host: str | None = None) -> None:
         """Answer on the bus; with ``http_port``, also on HTTP at ``http_host`` (default $DSEC_METRICS_HOST,
@@ -184,13 +184,13 @@ async def expose(service: Any) -> Exposition:
     return ex
 
 
-async def scrape_all(nc: NATS, *, timeout: float = 2.0, quiet_s: float = 0.25) -> list[MetricsReply]:
+async def scrape_all(nc: NATS, *, timeout: float = 2.0, quiet_s: float = 0.25) -> list[ScrapeReply]:
     """Ask every process on the bus for its metrics (scatter-gather on ``dsec.metrics.scrape``).
 
     Replies are gathered until ``quiet_s`` passes with none new after the first, or ``timeout``.
     """
     inbox = nc.new_inbox()
-    got: list[MetricsReply] = []
+    got: list[ScrapeReply] = []
     arrived = asyncio.Event()
 
     async def on(msg: Msg) -> None:
@@ -198,13 +198,13 @@ async def scrape_all(nc: NATS, *, timeout: float = 2.0, quiet_s: float = 0.25) -
             reply = SCRAPE_REPLY.decode(msg.data)
         except Exception:  # noqa: BLE001 - a malformed (or error) reply is left out
             return
-        if isinstance(reply, MetricsReply):
+        if isinstance(reply, ScrapeReply):
             got.append(reply)
             arrived.set()
 
     sub = await nc.subscribe(inbox, cb=on)
     try:
-        await nc.publish(S.METRICS_SCRAPE, encode(MetricsRequest()), reply=inbox)
+        await nc.publish(S.METRICS_SCRAPE, encode(ScrapeRequest()), reply=inbox)
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
@@ -221,10 +221,10 @@ async def scrape_all(nc: NATS, *, timeout: float = 2.0, quiet_s: float = 0.25) -
     return sorted(got, key=lambda r: (r.service, r.instance))
 
 
-async def scrape_one(nc: NATS, service: str, instance: str, *, timeout: float = 5.0) -> MetricsReply:
+async def scrape_one(nc: NATS, service: str, instance: str, *, timeout: float = 5.0) -> ScrapeReply:
     """One process's metrics, on ``dsec.metrics.<service>.<instance>``."""
-    msg = await nc.request(S.metrics(service, instance), encode(MetricsRequest()), timeout=timeout)
-    return decode_reply(msg.data, MetricsReply)
+    msg = await nc.request(S.metrics(service, instance), encode(ScrapeRequest()), timeout=timeout)
+    return decode_reply(msg.data, ScrapeReply)
 
 
 __all__ = [
