@@ -109,7 +109,7 @@ class Placement(Service):
 
     def _on_template(self, key: str, t: TemplateManifest, _rev: int) -> None:
         self.templates[key] = t
-        self._template_layers[key] = frozenset(l.digest for l in t.layers)
+        self._template_layers[key] = frozenset(layer.digest for layer in t.layers)
 
     def _on_template_gone(self, key: str) -> None:
         self.templates.pop(key, None)
@@ -127,7 +127,7 @@ class Placement(Service):
         if layers is not None:
             return layers
         t = await self.template(name)  # not seen by the watch yet: ask KV
-        return None if t is None else frozenset(l.digest for l in t.layers)
+        return None if t is None else frozenset(layer.digest for layer in t.layers)
 
     # --- events ---------------------------------------------------------------------
     async def _failed(self, spec: SandboxSpec, err: DsecError, attempt: int = 0) -> asyncio.Future[PubAck]:
@@ -342,7 +342,10 @@ class Placement(Service):
             by_host.setdefault(host, []).append(spec)
         for host, hspecs in by_host.items():
             stale = not all(self._fresh(s, now) for s in hspecs)
-            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale)
+            pb = PlaceBatch(
+                batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt,
+                placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
+            )
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
             futs.append(await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:

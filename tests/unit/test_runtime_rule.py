@@ -52,9 +52,11 @@ def _violations(path: Path) -> list[str]:
             for a in n.names:
                 if (a.name == "nats" or a.name.startswith("nats.")) and a.name not in ALLOWED_NATS_MODULES:
                     out.append(f"{where}: import {a.name}")
-        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
-            if (n.module == "nats" or n.module.startswith("nats.")) and n.module not in ALLOWED_NATS_MODULES:
-                out.append(f"{where}: from {n.module} import ...")
+        elif (
+            isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+            and (n.module == "nats" or n.module.startswith("nats.")) and n.module not in ALLOWED_NATS_MODULES
+        ):
+            out.append(f"{where}: from {n.module} import ...")
     return out
 
 
