@@ -29,6 +29,9 @@ from .messages import (
     InfoRequest,
     KillRequest,
     Lease,
+    PortData,
+    PortOp,
+    PortOpened,
     ReqMessage,
     SandboxInfo,
     SandboxRecord,
@@ -74,6 +77,8 @@ SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
+PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
 EXEC_CHUNK = Decoder(ExecChunk)
 HOST_IMG_STATS_REQ = Decoder(HostImageStatsRequest)  # dsec.img.host.<id>.stats
 HOST_IMG_STATS = Decoder(HostImageStats)
@@ -88,6 +93,7 @@ SBX_REQUEST_DECODERS = {
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
     "info": SBX_INFO,
+    "port": SBX_PORT,
 }
 
 _reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
@@ -113,6 +119,7 @@ REPLY_TYPES = {
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
+    "port": PortOpened | Done,
 }
 
 __all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [

@@ -42,6 +42,8 @@ from bus.messages import (
     LayerRef,
     PlaceBatch,
     PlaceSandbox,
+    PortOpen,
+    PortSend,
     SandboxEvent,
     SandboxInfo,
     SandboxRecord,
@@ -54,6 +56,7 @@ from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from bus.acks import JsAcks, Sink, StoreError, acks_for
 from ._backend import Backend, Handle
+from ._ports import PortRelay
 from ._profiles import ProfileCache
 
 log = structlog.get_logger("dsec.hostagent")
@@ -144,6 +147,7 @@ class HostAgent(Service):
         self._ops_sink = Sink(self._on_op_now)
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: JsAcks | None = None
+        self.ports = PortRelay()  # sandbox ports relayed over NATS (the gateway's get_host)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -706,6 +710,7 @@ class HostAgent(Service):
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
+        await self.ports.drop(sid)
         await self.backend.destroy(sid)
         self._forget(sid)
         if ls is not None and publish:
@@ -786,6 +791,9 @@ class HostAgent(Service):
                 self._save(ls)
                 await self._record(ls, "running")
                 return Done()
+            case PortOpen() | PortSend():
+                self.ports.nc = self.nc
+                return await self.ports.handle(handle, req)
             case InfoRequest():
                 return SandboxInfo(
                     sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,

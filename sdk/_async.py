@@ -177,6 +177,7 @@ def build_spec(
     lease: float | None = None,
     create_timeout: float = 120.0,
     sandbox_id: str | None = None,
+    client: str = "",
 ) -> SandboxSpec:
     """Validate create arguments client-side so mistakes fail fast with a clear message."""
     if not isinstance(template, str) or not template:
@@ -210,7 +211,7 @@ def build_spec(
     return SandboxSpec(
         sandbox_id=sid, template=template, backend=backend, cpu=float(cpu), memory_mb=memory_mb, disk_mb=disk_mb,
         timeout_s=float(timeout), envs=dict(envs or {}), metadata=dict(metadata or {}), priority=priority, pool=pool,
-        profile=profile, network=net, lease_s=float(lease or 0), requested_at=now, create_deadline=now + create_timeout,
+        profile=profile, network=net, lease_s=float(lease or 0), requested_at=now, create_deadline=now + create_timeout, client=client,
     )
 
 

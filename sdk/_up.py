@@ -117,6 +117,10 @@ def run_up(args: argparse.Namespace) -> int:
             logs,
         )
     )
+    # The HTTP gateway holds no credentials of its own: each API key is its own NATS user.
+    children.append(Child("gateway", [py, "-m", "sdk.gateway", "--http-port", str(args.http_port)], {**base_env, "DSEC_NATS_URL": nats.url}, logs))
+    auth_file = data / "auth.json"
+    auth_mtime = auth_file.stat().st_mtime_ns if auth else 0
     stop = {"flag": False}
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -130,8 +134,17 @@ def run_up(args: argparse.Namespace) -> int:
             _say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'}), log {c.log_path}")
         st = asyncio.run(_wait_ready(nats.url, time.monotonic() + args.ready_timeout, children))
         _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}. export DSEC_NATS_URL={nats.url}")
+        gw = f"http://127.0.0.1:{args.http_port}"
+        _say(f"gateway (E2B API, envd, REST /v1, /openapi.json) at {gw}; an API key: dsec api-key create --data-dir {data}")
+        _say(f"export E2B_API_URL={gw} E2B_SANDBOX_URL={gw}")
         _say("Ctrl-C stops everything")
         while not stop["flag"]:
+            if auth is not None and auth_file.stat().st_mtime_ns != auth_mtime:
+                # `dsec api-key create` added a NATS user: have the server load it.
+                auth_mtime = auth_file.stat().st_mtime_ns
+                auth = AuthConfig.load_or_create(auth_file)
+                nats.reload(auth.config_block())
+                _say("reloaded NATS users (a new API key)")
             for c in children:
                 if not c.alive():
                     _say(f"{c.name} exited with {c.proc.returncode if c.proc else '?'}; see {c.log_path}")

@@ -1,0 +1,253 @@
+"""envd's ``filesystem.Filesystem`` service and its ``/files`` transfer endpoint, on the bus.
+
+Reads, writes, listings and removals are the sandbox's file ops (``dsec.sbx.<id>.files``); Stat
+is a listing of the parent; MakeDir and Move run ``mkdir``/``mv`` in the sandbox; WatchDir polls
+listings and reports the differences. Paths resolve against the requesting user's home.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import posixpath
+import shlex
+import stat as st
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import BodyPartReader, web
+
+from bus.errors import FileNotFound, InvalidArgument
+from bus.messages import (
+    Done, EntryInfo, ExecRequest, ExecResult, FileData, FileList, FileListing, FileRead, FileRemove, FileWrite, FileWritten,
+)
+
+from .._async import CHUNK, AsyncSandbox
+from ._connect import ConnectError, ServerStream
+from ._users import Account, Users, resolve, user_of
+
+TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+WATCH_POLL_S = 0.5
+MAX_DEPTH = 16
+
+
+class PayloadTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"upload is over the gateway's limit of {limit} bytes")
+        self.limit = limit
+
+
+def entry_json(e: EntryInfo) -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "name": e.name, "type": TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path, "size": str(e.size),
+        "mode": e.mode & 0o7777, "permissions": st.filemode(e.mode) if e.mode else "",
+        "owner": "", "group": "",
+    }
+    if e.mtime:
+        d["modifiedTime"] = dt.datetime.fromtimestamp(e.mtime, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    if e.type == "symlink":
+        d["isSymlink"] = True
+    return d
+
+
+class Filesystem:
+    def __init__(self, users: Users, max_upload: int) -> None:
+        self.users = users
+        self.max_upload = max_upload
+
+    async def _acct(self, request: web.Request, sb: AsyncSandbox, user: str | None = None) -> Account:
+        return await self.users.account(sb, user or user_of(request.headers.get("Authorization")))
+
+    @staticmethod
+    async def _sh(sb: AsyncSandbox, line: str) -> ExecResult:
+        return await sb._request("exec", ExecRequest(cmd=line, timeout_s=30), ExecResult, timeout=40)
+
+    async def _chown(self, sb: AsyncSandbox, acct: Account, path: str) -> None:
+        if acct.uid != 0:  # the agent writes as root; the user must own what it asked for
+            await self._sh(sb, f"chown {acct.uid}:{acct.gid} -- {shlex.quote(path)}")
+
+    async def stat(self, sb: AsyncSandbox, path: str) -> EntryInfo:
+        if path == "/":
+            return EntryInfo(name="/", path="/", type="dir", mode=0o40755)
+        parent, name = posixpath.split(path)
+        try:
+            listing = await sb._request("files", FileList(path=parent or "/"), FileListing)
+        except FileNotFound:
+            raise ConnectError("not_found", f"path {path} does not exist") from None
+        for e in listing.entries:
+            if e.name == name:
+                return e
+        raise ConnectError("not_found", f"path {path} does not exist")
+
+    async def _list(self, sb: AsyncSandbox, path: str, depth: int) -> list[EntryInfo]:
+        try:
+            entries = (await sb._request("files", FileList(path=path), FileListing)).entries
+        except FileNotFound:
+            raise ConnectError("not_found", f"directory {path} does not exist") from None
+        out = list(entries)
+        if depth > 1:
+            subs = await asyncio.gather(*(self._list(sb, e.path, depth - 1) for e in entries if e.type == "dir"))
+            for s in subs:
+                out += s
+        return out
+
+    # --- the Connect service -------------------------------------------------------------------------------
+    async def unary(self, method: str, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:
+        acct = await self._acct(request, sb)
+        if method == "Stat":
+            return {"entry": entry_json(await self.stat(sb, resolve(body.get("path", ""), acct.home)))}
+        if method == "ListDir":
+            path = resolve(body.get("path", ""), acct.home)
+            depth = body.get("depth") or 1
+            if not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+                raise ConnectError("invalid_argument", f"depth must be 1..{MAX_DEPTH}")
+            if (await self.stat(sb, path)).type != "dir":
+                raise ConnectError("invalid_argument", f"path {path} is not a directory")
+            return {"entries": [entry_json(e) for e in await self._list(sb, path, depth)]}
+        if method == "MakeDir":
+            path = resolve(body.get("path", ""), acct.home)
+            try:
+                await self.stat(sb, path)
+                raise ConnectError("already_exists", f"directory {path} already exists")
+            except ConnectError as err:
+                if err.code != "not_found":
+                    raise
+            r = await self._sh(sb, f"mkdir -p -- {shlex.quote(path)}")
+            if r.exit_code != 0:
+                raise ConnectError("invalid_argument", f"cannot make {path}: {r.stderr.decode(errors='replace').strip()}")
+            await self._chown(sb, acct, path)
+            return {"entry": entry_json(await self.stat(sb, path))}
+        if method == "Move":
+            src = resolve(body.get("source", ""), acct.home)
+            dst = resolve(body.get("destination", ""), acct.home)
+            await self.stat(sb, src)
+            r = await self._sh(sb, f"mv -- {shlex.quote(src)} {shlex.quote(dst)}")
+            if r.exit_code != 0:
+                raise ConnectError("invalid_argument", f"cannot move {src} to {dst}: {r.stderr.decode(errors='replace').strip()}")
+            return {"entry": entry_json(await self.stat(sb, dst))}
+        if method == "Remove":
+            path = resolve(body.get("path", ""), acct.home)
+            try:
+                await sb._request("files", FileRemove(path=path), Done)
+            except FileNotFound:
+                raise ConnectError("not_found", f"path {path} does not exist") from None
+            return {}
+        raise ConnectError("unimplemented", f"filesystem.Filesystem/{method} is not implemented by dsec's gateway")
+
+    async def watch(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> web.StreamResponse:
+        """WatchDir by polling listings: CREATE, WRITE and REMOVE events, as a server stream."""
+        acct = await self._acct(request, sb)
+        path = resolve(body.get("path", ""), acct.home)
+        depth = MAX_DEPTH if body.get("recursive") else 1
+        if (await self.stat(sb, path)).type != "dir":
+            raise ConnectError("invalid_argument", f"path {path} is not a directory")
+        stream = ServerStream(request)
+
+        async def snap() -> dict[str, tuple[float, int]]:
+            return {posixpath.relpath(e.path, path): (e.mtime, e.size) for e in await self._list(sb, path, depth)}
+
+        before = await snap()
+        await stream.send({"start": {}})
+        try:
+            while True:
+                await asyncio.sleep(WATCH_POLL_S)  # poll interval of the listing-based watcher
+                try:
+                    now = await snap()
+                except ConnectError as err:
+                    return await stream.close(err)
+                for name in sorted(now.keys() - before.keys()):
+                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_CREATE"}})
+                for name in sorted(k for k in now.keys() & before.keys() if now[k] != before[k]):
+                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_WRITE"}})
+                for name in sorted(before.keys() - now.keys()):
+                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_REMOVE"}})
+                before = now
+        except ConnectionResetError:
+            return stream.resp
+
+    # --- GET/POST /files ------------------------------------------------------------------------------------
+    async def download(self, request: web.Request, sb: AsyncSandbox) -> web.StreamResponse:
+        acct = await self._acct(request, sb, request.query.get("username"))
+        path = resolve(request.query.get("path", ""), acct.home)
+        first = await sb._request("files", FileRead(path=path, offset=0, length=CHUNK), FileData)
+        resp = web.StreamResponse(status=200, headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(first.size),
+            "Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"',
+        })
+        await resp.prepare(request)
+        await resp.write(first.data)
+        off = len(first.data)
+        while off < first.size:
+            d = await sb._request("files", FileRead(path=path, offset=off, length=CHUNK), FileData)
+            if not d.data:
+                break
+            await resp.write(d.data)
+            off += len(d.data)
+        await resp.write_eof()
+        return resp
+
+    async def upload(self, request: web.Request, sb: AsyncSandbox) -> list[dict[str, str]]:
+        if request.content_length is not None and request.content_length > self.max_upload:
+            raise PayloadTooLarge(self.max_upload)
+        acct = await self._acct(request, sb, request.query.get("username"))
+        qpath = request.query.get("path")
+        written: list[dict[str, str]] = []
+        if request.content_type == "multipart/form-data":
+            reader = await request.multipart()
+            while True:
+                part = await reader.next()
+                if part is None:
+                    break
+                if not isinstance(part, BodyPartReader):
+                    continue
+                name = qpath or part.filename
+                if not name:
+                    raise InvalidArgument("a multipart upload needs ?path= or a filename per part")
+                path = resolve(name, acct.home)
+                await self._write(sb, path, _part_chunks(part))
+                await self._chown(sb, acct, path)
+                written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+        else:
+            if not qpath:
+                raise InvalidArgument("?path= is required")
+            path = resolve(qpath, acct.home)
+            await self._write(sb, path, _body_chunks(request))
+            await self._chown(sb, acct, path)
+            written.append({"name": posixpath.basename(path), "type": "file", "path": path})
+        return written
+
+    async def _write(self, sb: AsyncSandbox, path: str, chunks: AsyncIterator[bytes]) -> None:
+        off = 0
+        async for piece in chunks:
+            if off + len(piece) > self.max_upload:
+                raise PayloadTooLarge(self.max_upload)
+            await sb._request("files", FileWrite(path=path, data=piece, offset=off, truncate=off == 0), FileWritten)
+            off += len(piece)
+        if off == 0:
+            await sb._request("files", FileWrite(path=path, data=b"", offset=0, truncate=True), FileWritten)
+
+
+async def _gather(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    """Pieces of CHUNK bytes (the last shorter) from a reader returning b"" at the end."""
+    buf = bytearray()
+    while True:
+        got = await read()
+        if not got:
+            break
+        buf += got
+        while len(buf) >= CHUNK:
+            yield bytes(buf[:CHUNK])
+            del buf[:CHUNK]
+    if buf:
+        yield bytes(buf)
+
+
+def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
+    return _gather(lambda: part.read_chunk(CHUNK))
+
+
+def _body_chunks(request: web.Request) -> AsyncIterator[bytes]:
+    return _gather(lambda: request.content.read(CHUNK))
+
+
+__all__ = ["Filesystem", "PayloadTooLarge", "entry_json"]
