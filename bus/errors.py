@@ -121,6 +121,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         FileError,
         NotSupported,
         Unavailable,
+        PortClosed,
         PermissionDenied,
         ImageError,
         InternalError,

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from bus.errors import DsecError, InvalidArgument
 
-from ._connect import ConnectError, read_request, unary_error
+from ._connect import ConnectError, ServerStream, read_request, unary_error
 from ._e2b import E2BApi, e2b_error, http_status
 from ._filesystem import Filesystem, PayloadTooLarge
 from ._ports import Ports
@@ -34,6 +34,7 @@ log = structlog.get_logger("dsec.gateway")
 ENVD_PORT = 49983
 HDR_SANDBOX_ID = "E2b-Sandbox-Id"
 HDR_SANDBOX_PORT = "E2b-Sandbox-Port"
+STREAMING = ("Start", "Connect", "WatchDir")  # server-streaming envd methods
 KEY_HEADERS = ("X-API-Key", "X-Access-Token", "e2b-traffic-access-token")
 GATEWAY_KEY = web.AppKey("gateway", object)
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,128})\.")
@@ -116,6 +117,8 @@ class Gateway:
             return web.json_response({"code": 413, "message": str(exc)}, status=413)
         except (ConnectError, DsecError) as exc:
             err = ConnectError.of(exc)
+            if is_rpc and path.rsplit("/", 1)[-1] in STREAMING:
+                return await ServerStream(request).close(err)  # a stream's error is its end message (HTTP 200)
             if is_rpc:
                 return unary_error(err)
             status = http_status(exc) if isinstance(exc, DsecError) else 400

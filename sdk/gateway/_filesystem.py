@@ -27,6 +27,7 @@ from ._connect import ConnectError, ServerStream
 from ._users import Account, Users, resolve, user_of
 
 TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FILE_TYPE_SYMLINK"}
+_IFMT = {"file": st.S_IFREG, "dir": st.S_IFDIR, "symlink": st.S_IFLNK}
 WATCH_POLL_S = 0.5
 MAX_DEPTH = 16
 
@@ -40,7 +41,7 @@ class PayloadTooLarge(Exception):
 def entry_json(e: EntryInfo) -> dict[str, Any]:
     d: dict[str, Any] = {
         "name": e.name, "type": TYPES.get(e.type, "FILE_TYPE_UNSPECIFIED"), "path": e.path, "size": str(e.size),
-        "mode": e.mode & 0o7777, "permissions": st.filemode(e.mode) if e.mode else "",
+        "mode": e.mode & 0o7777, "permissions": st.filemode((e.mode & 0o7777) | _IFMT.get(e.type, st.S_IFREG)),
         "owner": "", "group": "",
     }
     if e.mtime:

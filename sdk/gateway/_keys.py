@@ -54,6 +54,10 @@ def create_api_key(auth_file: str | Path, name: str = "key") -> str:
     return make_key(user, password)
 
 
+async def _quiet(_exc: Exception) -> None:
+    """Refusals while the server reloads are expected; the caller reports the outcome."""
+
+
 async def wait_usable(key: str, nats_url: str | None = None, timeout: float = 15.0) -> bool:
     """True once NATS accepts the key's user (``dsec up`` reloads its users when the file changes)."""
     import asyncio
@@ -71,7 +75,7 @@ async def wait_usable(key: str, nats_url: str | None = None, timeout: float = 15
     delay = 0.1
     while loop.time() < deadline:
         try:
-            nc = await connect(url, name="dsec-api-key", connect_attempts=1, connect_timeout_s=3.0)
+            nc = await connect(url, name="dsec-api-key", connect_attempts=1, connect_timeout_s=3.0, error_cb=_quiet)
         except Unavailable:
             await asyncio.sleep(delay)  # retry back-off while the server reloads
             delay = min(delay * 2, 1.0)
