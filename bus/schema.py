@@ -17,10 +17,36 @@ from . import codec
 from . import subjects as S
 from .errors import ErrorReply
 from .messages import (
-    BuildImage, CreateBatch, CreateSandbox, ExecChunk, ExecRequest, FileOp, GuardViolation, HostEvent, HostImageStats,
-    HostImageStatsRequest, HostMessage, HostStatus, ImageBuilt, ImageEvent, ImageList, ImageStats, ImageStatsRequest,
-    InfoRequest, KillRequest, Lease, ListImages, PortData, PortOp, RemoveImage, SandboxEvent, SandboxRecord,
-    SecurityProfile, SetTimeout, TemplateManifest, Done,
+    BuildImage,
+    CreateBatch,
+    CreateSandbox,
+    Done,
+    ExecChunk,
+    ExecRequest,
+    FileOp,
+    GuardViolation,
+    HostEvent,
+    HostImageStats,
+    HostImageStatsRequest,
+    HostMessage,
+    HostStatus,
+    ImageBuilt,
+    ImageEvent,
+    ImageList,
+    ImageStats,
+    ImageStatsRequest,
+    InfoRequest,
+    KillRequest,
+    Lease,
+    ListImages,
+    PortData,
+    PortOp,
+    RemoveImage,
+    SandboxEvent,
+    SandboxRecord,
+    SecurityProfile,
+    SetTimeout,
+    TemplateManifest,
 )
 
 
@@ -155,4 +181,4 @@ def asyncapi() -> dict[str, Any]:
     }
 
 
-__all__ = ["CHANNELS", "BUCKETS", "STREAMS", "Channel", "asyncapi", "subject_schemas"]
+__all__ = ["BUCKETS", "CHANNELS", "STREAMS", "Channel", "asyncapi", "subject_schemas"]

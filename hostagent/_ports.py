@@ -144,7 +144,7 @@ class PortRelay:
             while True:
                 try:
                     data = await asyncio.wait_for(c.reader.read(READ_SIZE), IDLE_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if loop.time() - c.used >= IDLE_S:
                         error = "idle"
                         break

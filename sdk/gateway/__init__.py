@@ -4,4 +4,4 @@
 from ._app import Gateway, GatewayConfig, make_app
 from ._keys import create_api_key
 
-__all__ = ["Gateway", "GatewayConfig", "make_app", "create_api_key"]
+__all__ = ["Gateway", "GatewayConfig", "create_api_key", "make_app"]

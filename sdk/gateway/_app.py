@@ -83,7 +83,7 @@ class Gateway:
     # --- envd -------------------------------------------------------------------------------------------
     async def envd(self, request: web.Request, sid: str) -> web.StreamResponse:
         path = request.path
-        is_rpc = path.startswith("/process.Process/") or path.startswith("/filesystem.Filesystem/")
+        is_rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
         try:
             tenant, _ = await self.tenant(request)
             sb = await tenant.sandbox(sid)
@@ -179,4 +179,4 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     return app
 
 
-__all__ = ["Gateway", "GatewayConfig", "make_app", "GATEWAY_KEY", "ENVD_PORT"]
+__all__ = ["ENVD_PORT", "GATEWAY_KEY", "Gateway", "GatewayConfig", "make_app"]

@@ -46,7 +46,7 @@ class ConnectError(Exception):
         self.message = message
 
     @classmethod
-    def of(cls, exc: BaseException) -> "ConnectError":
+    def of(cls, exc: BaseException) -> ConnectError:
         if isinstance(exc, ConnectError):
             return exc
         if isinstance(exc, DsecError):
@@ -119,4 +119,4 @@ class ServerStream:
         return self.resp
 
 
-__all__ = ["ConnectError", "ServerStream", "envelope", "read_request", "unary_error", "HTTP_STATUS", "END_STREAM"]
+__all__ = ["END_STREAM", "HTTP_STATUS", "ConnectError", "ServerStream", "envelope", "read_request", "unary_error"]

@@ -43,7 +43,7 @@ def e2b_error(status: int, message: str) -> web.Response:
 
 
 def iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t or time.time(), dt.timezone.utc).isoformat().replace("+00:00", "Z")
+    return dt.datetime.fromtimestamp(t or time.time(), dt.UTC).isoformat().replace("+00:00", "Z")
 
 
 def e2b_state(rec: SandboxRecord) -> str:
@@ -221,4 +221,4 @@ class E2BApi:
         raise NotSupported(f"{request.path.rsplit('/', 1)[-1]} is not supported by this dsec gateway yet")
 
 
-__all__ = ["E2BApi", "ENVD_VERSION", "e2b_error", "http_status", "json_object", "iso"]
+__all__ = ["ENVD_VERSION", "E2BApi", "e2b_error", "http_status", "iso", "json_object"]

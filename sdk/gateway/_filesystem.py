@@ -19,7 +19,17 @@ from aiohttp import BodyPartReader, web
 
 from bus.errors import FileNotFound, InvalidArgument
 from bus.messages import (
-    Done, EntryInfo, ExecRequest, ExecResult, FileData, FileList, FileListing, FileRead, FileRemove, FileWrite, FileWritten,
+    Done,
+    EntryInfo,
+    ExecRequest,
+    ExecResult,
+    FileData,
+    FileList,
+    FileListing,
+    FileRead,
+    FileRemove,
+    FileWrite,
+    FileWritten,
 )
 
 from .._async import CHUNK, AsyncSandbox
@@ -45,7 +55,7 @@ def entry_json(e: EntryInfo) -> dict[str, Any]:
         "owner": "", "group": "",
     }
     if e.mtime:
-        d["modifiedTime"] = dt.datetime.fromtimestamp(e.mtime, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+        d["modifiedTime"] = dt.datetime.fromtimestamp(e.mtime, dt.UTC).isoformat().replace("+00:00", "Z")
     if e.type == "symlink":
         d["isSymlink"] = True
     return d

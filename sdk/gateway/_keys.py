@@ -85,4 +85,4 @@ async def wait_usable(key: str, nats_url: str | None = None, timeout: float = 15
     return False
 
 
-__all__ = ["BadKey", "wait_usable", "KEY_PREFIX", "create_api_key", "key_digest", "make_key", "parse_key"]
+__all__ = ["KEY_PREFIX", "BadKey", "create_api_key", "key_digest", "make_key", "parse_key", "wait_usable"]

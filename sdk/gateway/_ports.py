@@ -176,4 +176,4 @@ class Ports:
             await pc.close()
 
 
-__all__ = ["Ports", "PortConnection"]
+__all__ = ["PortConnection", "Ports"]

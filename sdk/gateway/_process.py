@@ -119,7 +119,7 @@ class Processes:
             while True:
                 try:
                     ev = await asyncio.wait_for(q.get(), every)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     await stream.send({"event": {"keepalive": {}}})
                     continue
                 if ev is None:
@@ -239,4 +239,4 @@ class Processes:
         return {}
 
 
-__all__ = ["Processes", "Proc"]
+__all__ = ["Proc", "Processes"]

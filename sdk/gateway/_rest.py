@@ -192,4 +192,4 @@ class RestApi:
         return web.json_response([e.__dict__ for e in await sb.files.list(self._path(request))])
 
 
-__all__ = ["RestApi", "OPENAPI"]
+__all__ = ["OPENAPI", "RestApi"]

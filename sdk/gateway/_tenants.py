@@ -14,15 +14,13 @@ from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, SandboxNotFound, Unavailable
+from bus.errors import DsecError, SandboxNotFound, Unavailable
 from bus.messages import SandboxRecord
-from bus.streams import kv_keys
-
-from bus.runtime import connect
+from bus.runtime import KV, connect
 
 from .._async import AsyncSandbox, _conns
 from ._keys import BadKey, key_digest, parse_key
@@ -47,20 +45,19 @@ class Tenant:
     url: str  # the NATS URL with the key's credentials
     nc: NATS
     owned: dict[str, bool] = field(default_factory=dict)
+    kv: KV[SandboxRecord] | None = None
+
+    async def _kv(self) -> KV[SandboxRecord] | None:
+        if self.kv is None:
+            try:
+                self.kv = await KV.bind(self.nc.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+            except NotFoundError:
+                return None  # no sandbox was ever created on this NATS
+        return self.kv
 
     async def record(self, sid: str) -> SandboxRecord | None:
-        if not S.valid_token(sid):
-            return None
-        js = self.nc.jetstream()
-        try:
-            kv = await js.key_value(S.KV_SANDBOXES)
-            entry = await kv.get(sid)
-        except (KeyNotFoundError, NotFoundError):
-            return None
-        try:
-            return codec.SANDBOX_RECORD.decode(entry.value)
-        except BadRequest:
-            return None
+        kv = await self._kv() if S.valid_token(sid) else None
+        return None if kv is None else await kv.get(sid)
 
     async def own_record(self, sid: str) -> SandboxRecord:
         """The record of ``sid`` if this key created it and it lives; else SandboxNotFound."""
@@ -88,24 +85,11 @@ class Tenant:
 
     async def records(self) -> list[SandboxRecord]:
         """Every live sandbox of this key."""
-        js = self.nc.jetstream()
-        try:
-            kv = await js.key_value(S.KV_SANDBOXES)
-            keys = await kv_keys(js, S.KV_SANDBOXES)
-        except NotFoundError:
+        kv = await self._kv()
+        if kv is None:
             return []
-        got = await asyncio.gather(*(kv.get(k) for k in keys), return_exceptions=True)
-        out = []
-        for g in got:
-            if isinstance(g, BaseException):
-                continue  # deleted since the listing
-            try:
-                rec = codec.SANDBOX_RECORD.decode(g.value)
-            except BadRequest:
-                continue
-            if rec.spec.client == self.user and rec.state in LIVE_STATES:
-                out.append(rec)
-        return out
+        got = await asyncio.gather(*(kv.get(k) for k in await kv.keys()))  # None: deleted since the listing
+        return [r for r in got if r is not None and r.spec.client == self.user and r.state in LIVE_STATES]
 
 
 class Tenants:
@@ -160,4 +144,4 @@ async def _nc_checked(url: str) -> NATS:
     return nc
 
 
-__all__ = ["Tenant", "Tenants", "Unauthenticated", "LIVE_STATES", "url_with_user"]
+__all__ = ["LIVE_STATES", "Tenant", "Tenants", "Unauthenticated", "url_with_user"]

@@ -18,9 +18,9 @@ import shlex
 from dataclasses import dataclass, field
 
 from bus.errors import FileNotFound, InvalidArgument
+from bus.messages import Exists, FileData, FileExists, FileRead
 
 from .._async import AsyncSandbox
-from bus.messages import Exists, FileData, FileExists, FileRead
 
 DEFAULT_USER = "user"
 FACTS_CACHE = 4096
@@ -126,4 +126,4 @@ def resolve(path: str, home: str) -> str:
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(home, path))
 
 
-__all__ = ["Account", "Users", "user_of", "resolve", "parse_passwd", "DEFAULT_USER"]
+__all__ = ["DEFAULT_USER", "Account", "Users", "parse_passwd", "resolve", "user_of"]

@@ -29,7 +29,14 @@ import pytest
 from bus.natsd import free_port
 from tests.conftest import eventually
 
-from .conftest import PY, Child, data_dir_leftovers, force_cleanup, needs_stack, subprocess_env
+from .conftest import (
+    PY,
+    Child,
+    data_dir_leftovers,
+    force_cleanup,
+    needs_stack,
+    subprocess_env,
+)
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
@@ -455,5 +462,7 @@ def test_envd_user_header() -> None:
 
     assert user_of(None) == DEFAULT_USER
     assert user_of("Basic " + base64.b64encode(b"root:").decode()) == "root"
-    with pytest.raises(Exception):
+    from bus.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument):
         user_of("Basic !!!")
