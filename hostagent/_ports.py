@@ -137,6 +137,8 @@ class PortRelay:
         return PortOpened(conn=cid)
 
     async def _pump(self, cid: str, c: _Conn) -> None:
+        """The server's bytes to the opener, then its EOF. The connection stays writable after the
+        server's EOF (a half close) until the opener closes it or it idles out."""
         seq = 0
         error = ""
         loop = asyncio.get_running_loop()
@@ -156,12 +158,13 @@ class PortRelay:
                 seq += 1
         except (ConnectionError, OSError) as exc:
             error = str(exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await self.nc.publish(c.to, codec.encode(PortData(conn=cid, seq=seq, eof=True, error=error)))
-            if self.conns.get(cid) is c:
-                self.conns.pop(cid, None)
-                c.writer.close()
+        with contextlib.suppress(Exception):
+            await self.nc.publish(c.to, codec.encode(PortData(conn=cid, seq=seq, eof=True, error=error)))
+        while not error and self.conns.get(cid) is c and (left := c.used + IDLE_S - loop.time()) > 0:
+            await asyncio.sleep(left)  # until the opener closes it or it idles out
+        if self.conns.get(cid) is c:
+            self.conns.pop(cid, None)
+            c.writer.close()
 
     async def _close(self, cid: str) -> None:
         c = self.conns.pop(cid, None)
