@@ -38,7 +38,7 @@ MiB = 1 << 20
 
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -70,11 +70,11 @@ def measure(label: str, create: Callable[[], Any], kill: Callable[[Any], None], 
         execs = [timed(lambda: run(sb)) for _ in range(args.exec_n)]
         blob = os.urandom(args.file_mb * MiB)
         writes, reads = [], []
+        got: list[bytes] = []
         for _ in range(3):
             writes.append(timed(lambda: write(sb, blob)))
-            got: list[bytes] = []
             reads.append(timed(lambda: got.append(read(sb))))
-            assert got[0] == blob, f"{label}: read back {len(got[0])} bytes, not what was written"
+            assert got[-1] == blob, f"{label}: read back {len(got[-1])} bytes, not what was written"
     finally:
         kill(sb)
     w, r = statistics.median(writes), statistics.median(reads)
@@ -93,7 +93,7 @@ def main() -> None:
     port, http_port = free_port(), free_port()
     nats_url, gw = f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"}
-    log = open(data.parent / f"{data.name}.log", "wb")
+    log = open(data.parent / f"{data.name}.log", "wb")  # noqa: SIM115 - the child's log, closed in the finally
     up = subprocess.Popen([sys.executable, "-m", "sdk.cli", "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                            "--host-id", f"bench-{data.name[-6:]}"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
