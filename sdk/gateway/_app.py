@@ -166,15 +166,20 @@ def _error(request: web.Request, status: int, code: str, message: str) -> web.Re
     return e2b_error(status, message)
 
 
-def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application], Any]] = ()) -> web.Application:
-    """The gateway app; each extension is a function that adds its routes to the app."""
+# Modules that add routes (metrics, dashboard, ...): each a function taking the app; the Gateway
+# (tenants, config) is ``app[GATEWAY_KEY]``. ``python -m sdk.gateway`` serves these.
+EXTENSIONS: list[Callable[[web.Application], Any]] = []
+
+
+def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application], Any]] | None = None) -> web.Application:
+    """The gateway app; each extension (default: EXTENSIONS) is a function that adds its routes to the app."""
     gw = Gateway(cfg)
     app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
     app[GATEWAY_KEY] = gw
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
     app.router.add_get("/health", lambda _r: web.json_response({"ok": True}))
-    for ext in extensions:
+    for ext in EXTENSIONS if extensions is None else extensions:
         ext(app)
     return app
 

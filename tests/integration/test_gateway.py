@@ -466,3 +466,33 @@ def test_envd_user_header() -> None:
 
     with pytest.raises(InvalidArgument):
         user_of("Basic !!!")
+
+
+# --------------------------------------------------------------------------------------------- Python template
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="debootstrap of the Python template: set DSEC_SLOW=1")
+async def test_e2b_on_the_python_template_runs_as_user(gw: Gw) -> None:
+    """The Python template has E2B's `user` (home /home/user) and bash: commands run as that user by
+    default, relative paths land in its home and belong to it, and a request naming root is honoured."""
+    from bus.auth import AuthConfig
+
+    admin = AuthConfig.load_or_create(gw.data / "auth.json").url_for("admin", gw.nats_url)
+    rc, out, err = await _run(*DSEC, "image", "build-python", "--data-dir", str(gw.data), "--json", env=subprocess_env(admin))
+    assert rc == 0, (out, err)
+
+    def scenario() -> None:
+        from e2b import Sandbox
+
+        sb = Sandbox.create("python", timeout=300, **gw.sdk())
+        try:
+            r = sb.commands.run('whoami; pwd; echo "$HOME"; test -n "$BASH_VERSION" && echo bash')
+            assert r.stdout == "user\n/home/user\n/home/user\nbash\n", r
+            sb.files.write("notes.txt", "mine")
+            assert sb.commands.run("stat -c %U /home/user/notes.txt; cat notes.txt").stdout == "user\nmine"
+            assert sb.files.make_dir("made") and sb.commands.run("stat -c %U /home/user/made").stdout == "user\n"
+            assert sb.commands.run("whoami", user="root").stdout == "root\n"
+            assert sb.commands.run("python3 -c 'print(6*7)'").stdout == "42\n"
+        finally:
+            sb.kill()
+
+    await asyncio.to_thread(scenario)
