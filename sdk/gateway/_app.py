@@ -79,6 +79,8 @@ class Gateway:
 
     def forget(self, sid: str) -> None:
         self.users.forget(sid)
+        for wid in [k for k, w in self.files.watchers.items() if w.sandbox_id == sid]:
+            self.files.watchers.pop(wid, None)
 
     # --- envd -------------------------------------------------------------------------------------------
     async def envd(self, request: web.Request, sid: str) -> web.StreamResponse:

@@ -12,7 +12,9 @@ import datetime as dt
 import posixpath
 import shlex
 import stat as st
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import BodyPartReader, web
@@ -40,6 +42,7 @@ TYPES = {"file": "FILE_TYPE_FILE", "dir": "FILE_TYPE_DIRECTORY", "symlink": "FIL
 _IFMT = {"file": st.S_IFREG, "dir": st.S_IFDIR, "symlink": st.S_IFLNK}
 WATCH_POLL_S = 0.5
 MAX_DEPTH = 16
+MAX_WATCHERS = 64  # per sandbox
 
 
 class PayloadTooLarge(Exception):
@@ -61,10 +64,37 @@ def entry_json(e: EntryInfo) -> dict[str, Any]:
     return d
 
 
+def _diff(before: dict[str, tuple[float, int]], now: dict[str, tuple[float, int]]) -> list[dict[str, str]]:
+    """Filesystem events between two listings (name -> (mtime, size))."""
+    out = [{"name": n, "type": "EVENT_TYPE_CREATE"} for n in sorted(now.keys() - before.keys())]
+    out += [{"name": n, "type": "EVENT_TYPE_WRITE"} for n in sorted(k for k in now.keys() & before.keys() if now[k] != before[k])]
+    out += [{"name": n, "type": "EVENT_TYPE_REMOVE"} for n in sorted(before.keys() - now.keys())]
+    return out
+
+
+@dataclass
+class Watcher:
+    sandbox_id: str
+    path: str
+    depth: int
+    snapshot: dict[str, tuple[float, int]]
+
+
 class Filesystem:
     def __init__(self, users: Users, max_upload: int) -> None:
         self.users = users
         self.max_upload = max_upload
+        self.watchers: dict[str, Watcher] = {}  # the sync e2b SDK's polled watchers (CreateWatcher)
+
+    async def _snap(self, sb: AsyncSandbox, path: str, depth: int) -> dict[str, tuple[float, int]]:
+        return {posixpath.relpath(e.path, path): (e.mtime, e.size) for e in await self._list(sb, path, depth)}
+
+    async def _watch_target(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> tuple[str, int]:
+        acct = await self._acct(request, sb)
+        path = resolve(body.get("path", ""), acct.home)
+        if (await self.stat(sb, path)).type != "dir":
+            raise ConnectError("invalid_argument", f"path {path} is not a directory")
+        return path, MAX_DEPTH if body.get("recursive") else 1
 
     async def _acct(self, request: web.Request, sb: AsyncSandbox, user: str | None = None) -> Account:
         return await self.users.account(sb, user or user_of(request.headers.get("Authorization")))
@@ -136,6 +166,23 @@ class Filesystem:
             if r.exit_code != 0:
                 raise ConnectError("invalid_argument", f"cannot move {src} to {dst}: {r.stderr.decode(errors='replace').strip()}")
             return {"entry": entry_json(await self.stat(sb, dst))}
+        if method == "CreateWatcher":
+            if sum(1 for w in self.watchers.values() if w.sandbox_id == sb.sandbox_id) >= MAX_WATCHERS:
+                raise ConnectError("resource_exhausted", f"sandbox {sb.sandbox_id} already has {MAX_WATCHERS} watchers")
+            path, depth = await self._watch_target(request, sb, body)
+            wid = uuid.uuid4().hex
+            self.watchers[wid] = Watcher(sb.sandbox_id, path, depth, await self._snap(sb, path, depth))
+            return {"watcherId": wid}
+        if method in ("GetWatcherEvents", "RemoveWatcher"):
+            w = self.watchers.get(str(body.get("watcherId", "")))
+            if w is None or w.sandbox_id != sb.sandbox_id:
+                raise ConnectError("not_found", f"watcher {body.get('watcherId')!r} not found")
+            if method == "RemoveWatcher":
+                self.watchers.pop(str(body["watcherId"]), None)
+                return {}
+            now = await self._snap(sb, w.path, w.depth)
+            events, w.snapshot = _diff(w.snapshot, now), now
+            return {"events": events}
         if method == "Remove":
             path = resolve(body.get("path", ""), acct.home)
             try:
@@ -147,31 +194,19 @@ class Filesystem:
 
     async def watch(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> web.StreamResponse:
         """WatchDir by polling listings: CREATE, WRITE and REMOVE events, as a server stream."""
-        acct = await self._acct(request, sb)
-        path = resolve(body.get("path", ""), acct.home)
-        depth = MAX_DEPTH if body.get("recursive") else 1
-        if (await self.stat(sb, path)).type != "dir":
-            raise ConnectError("invalid_argument", f"path {path} is not a directory")
+        path, depth = await self._watch_target(request, sb, body)
         stream = ServerStream(request)
-
-        async def snap() -> dict[str, tuple[float, int]]:
-            return {posixpath.relpath(e.path, path): (e.mtime, e.size) for e in await self._list(sb, path, depth)}
-
-        before = await snap()
+        before = await self._snap(sb, path, depth)
         await stream.send({"start": {}})
         try:
             while True:
                 await asyncio.sleep(WATCH_POLL_S)  # poll interval of the listing-based watcher
                 try:
-                    now = await snap()
+                    now = await self._snap(sb, path, depth)
                 except ConnectError as err:
                     return await stream.close(err)
-                for name in sorted(now.keys() - before.keys()):
-                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_CREATE"}})
-                for name in sorted(k for k in now.keys() & before.keys() if now[k] != before[k]):
-                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_WRITE"}})
-                for name in sorted(before.keys() - now.keys()):
-                    await stream.send({"filesystem": {"name": name, "type": "EVENT_TYPE_REMOVE"}})
+                for ev in _diff(before, now):
+                    await stream.send({"filesystem": ev})
                 before = now
         except ConnectionResetError:
             return stream.resp

@@ -176,6 +176,12 @@ def _e2b_flow(gw: Gw) -> None:
         moved = sb.files.rename("/tmp/e2b/a.txt", "/tmp/e2b/sub/b.txt")
         assert moved.path == "/tmp/e2b/sub/b.txt" and sb.files.read("/tmp/e2b/sub/b.txt") == "hello files"
         assert not sb.files.exists("/tmp/e2b/a.txt")
+        # A directory watch (the sync SDK polls a watcher).
+        watch = sb.files.watch_dir("/tmp/e2b/sub")
+        sb.files.write("/tmp/e2b/sub/new.txt", "n")
+        events = watch.get_new_events()
+        assert [(e.name, e.type.value) for e in events] == [("new.txt", "create")], events
+        watch.stop()
         sb.files.remove("/tmp/e2b/sub")
         assert not sb.files.exists("/tmp/e2b/sub/b.txt")
         with pytest.raises(NotFoundException):
@@ -496,3 +502,34 @@ async def test_e2b_on_the_python_template_runs_as_user(gw: Gw) -> None:
             sb.kill()
 
     await asyncio.to_thread(scenario)
+
+
+def _pagination(gw: Gw) -> None:
+    from e2b import Sandbox
+
+    tag = uuid.uuid4().hex[:8]
+    made = [Sandbox.create("base", timeout=120, metadata={"page": tag}, **gw.sdk(gw.key_b)) for _ in range(3)]
+    try:
+        q = f"/v2/sandboxes?limit=2&metadata=page%3D{tag}"
+        st, first, h = http(gw, "GET", q, key="b")
+        assert st == 200 and len(first) == 2 and h.get("x-next-token"), (st, first, h)
+        st, second, h2 = http(gw, "GET", f"{q}&nextToken={h['x-next-token']}", key="b")
+        assert st == 200 and len(second) == 1 and not h2.get("x-next-token"), (second, h2)
+        assert {s["sandboxID"] for s in first + second} == {sb.sandbox_id for sb in made}
+        assert http(gw, "GET", f"/v2/sandboxes?state=paused&metadata=page%3D{tag}", key="b")[1] == []
+        assert len(http(gw, "GET", f"/v2/sandboxes?state=running,paused&metadata=page%3D{tag}", key="b")[1]) == 3
+        st, doc, _ = http(gw, "GET", "/v2/sandboxes?nextToken=bogus", key="b")
+        assert st == 400 and "nextToken" in doc["message"]
+        # The SDK's paginator walks the same pages.
+        pager = Sandbox.list(query=e2b.SandboxQuery(metadata={"page": tag}), limit=2, **gw.sdk(gw.key_b))
+        seen = pager.next_items()
+        assert pager.has_next
+        seen += pager.next_items()
+        assert len(seen) == 3 and not pager.has_next
+    finally:
+        for sb in made:
+            sb.kill()
+
+
+async def test_list_filters_and_pagination(gw: Gw) -> None:
+    await asyncio.to_thread(_pagination, gw)
