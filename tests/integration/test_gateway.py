@@ -58,9 +58,14 @@ class Gw:
         return {"api_key": key or self.key_a, "api_url": self.url, "sandbox_url": self.url, "request_timeout": 60}
 
 
-async def _run(*argv: str, env: dict[str, str]) -> tuple[int, str, str]:
+async def _run(*argv: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
     return proc.returncode or 0, out.decode(), err.decode()
 
 
@@ -483,7 +488,7 @@ async def test_e2b_on_the_python_template_runs_as_user(gw: Gw) -> None:
     from bus.auth import AuthConfig
 
     admin = AuthConfig.load_or_create(gw.data / "auth.json").url_for("admin", gw.nats_url)
-    rc, out, err = await _run(*DSEC, "image", "build-python", "--data-dir", str(gw.data), "--json", env=subprocess_env(admin))
+    rc, out, err = await _run(*DSEC, "image", "build-python", "--data-dir", str(gw.data), "--json", env=subprocess_env(admin), timeout=1800)
     assert rc == 0, (out, err)
 
     def scenario() -> None:
