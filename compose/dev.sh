@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine (as root):
 #   bash compose/dev.sh up     install what is missing, then run `dsec up` in the foreground
-#   bash compose/dev.sh test   install what is missing, then run the test suite
+#   bash compose/dev.sh test   install what is missing, lint (ruff), then run the test suite
 # Extra arguments go to `dsec up` or to pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,6 +54,7 @@ case "$cmd" in
     ;;
   test)
     need_root; install_debs; install_python
+    "$venv/bin/ruff" check .  # lint first: CI runs exactly this command
     exec "$venv/bin/python" -m pytest tests "$@"
     ;;
   install)

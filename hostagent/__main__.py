@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
     ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
-    ap.add_argument("--control-key-file", default=None, help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
+    ap.add_argument("--control-key-file", default=None,
+                    help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
     args = ap.parse_args()
     _log.configure()
     os.makedirs(args.data_dir, exist_ok=True)

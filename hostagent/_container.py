@@ -40,7 +40,7 @@ from ._containerd import CGROUP_PARENT, CPU_PERIOD_US, ContainerdError, Containe
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
 from bus.profiles import default_profile
-from ._network import NetworkConfig, NetworkManager, write_hosts_file
+from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
 
@@ -318,12 +318,12 @@ class ContainerBackend:
             security = self._default_security()
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
-        lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
+        lowers = [await self._layer_dir(layer) for layer in reversed(layers)]  # overlay wants the top layer first
         if self.warm_pool > 0 and not self.net.wanted(spec.network):
             # Keyed by what the profile compiles to, not its name and version: a pooled container's
             # seccomp filter, capabilities, read-only mounts and Landlock rules were fixed when it
             # started, so it may only serve a sandbox whose profile compiles to the very same.
-            key = (tuple(l.digest for l in layers), spec.disk_mb, security.profile, security.fingerprint)
+            key = (tuple(layer.digest for layer in layers), spec.disk_mb, security.profile, security.fingerprint)
             self._pool_args[key] = (lowers, spec.disk_mb, security)
             self._retire_stale(key)
             handle = await self._claim_warm(key, spec)
@@ -558,7 +558,8 @@ class ContainerBackend:
                     data, size = await c.read_file(p, offset=off, length=n if n >= 0 else min(READ_CHUNK, 1 << 40))
                     return FileData(data=data, size=size, offset=off)
                 case FileList(path=p):
-                    return FileListing(entries=[EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in await c.list_dir(p)])
+                    entries = await c.list_dir(p)
+                    return FileListing(entries=[EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in entries])
                 case FileRemove(path=p):
                     await c.remove(p)
                     return Done()
@@ -642,7 +643,7 @@ class ContainerBackend:
 
     def capacity(self) -> dict[str, float]:
         with open("/proc/meminfo") as f:
-            mem_kb = int(next(l for l in f if l.startswith("MemTotal:")).split()[1])
+            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
         st = os.statvfs(self.data_dir)
         return {"cpu_total": float(os.cpu_count() or 1), "mem_total_mb": mem_kb // 1024, "disk_total_mb": st.f_blocks * st.f_frsize // (1 << 20)}
 

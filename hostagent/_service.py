@@ -496,7 +496,10 @@ class HostAgent(Service):
         """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
         cap = self.backend.capacity()
         return refusal(
-            Capacity(cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"], cpu_overcommit=self.cpu_overcommit, mem_overcommit=self.mem_overcommit, max_sandboxes=self.max_sandboxes),
+            Capacity(
+                cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
+                cpu_overcommit=self.cpu_overcommit, mem_overcommit=self.mem_overcommit, max_sandboxes=self.max_sandboxes,
+            ),
             Allocation(self._alloc_cpu, self._alloc_ls_cpu, self._alloc_mem, self._alloc_disk, len(self.live)),
             spec,
         )
@@ -569,7 +572,7 @@ class HostAgent(Service):
                 except Exception:  # noqa: BLE001 - taken or no answer: the one-by-one path below claims again
                     return False
 
-            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo))):
+            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo)), strict=True):
                 if ok:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,

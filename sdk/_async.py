@@ -644,7 +644,10 @@ class AsyncSandbox:
 
     async def get_info(self) -> SandboxInfo:
         i: WireInfo = await self._request("info", InfoRequest(), WireInfo)
-        return SandboxInfo(sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id, started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata)
+        return SandboxInfo(
+            sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id,
+            started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata,
+        )
 
     async def is_running(self) -> bool:
         try:

@@ -32,7 +32,9 @@ class Commands:
     def __init__(self, a: AsyncSandbox) -> None:
         self._a = a
 
-    def run(self, cmd: str, *, envs: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 60, on_stdout: Any = None, on_stderr: Any = None) -> CommandResult:
+    def run(
+        self, cmd: str, *, envs: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 60, on_stdout: Any = None, on_stderr: Any = None
+    ) -> CommandResult:
         """Run ``cmd`` with /bin/sh; raise CommandExitError on a non-zero exit."""
         return _run(self._a.commands.run(cmd, envs=envs, cwd=cwd, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr))
 

@@ -30,11 +30,8 @@ class Child:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log.close()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -35,9 +35,13 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(st)
     else:
-        print(f"nats: {st['nats_url']}  hosts ready: {st['ready_hosts']}/{len(st['hosts'])}  templates: {', '.join(st['templates']) or '-'}  sandboxes: {st['sandboxes']}")
+        templates = ", ".join(st["templates"]) or "-"
+        print(f"nats: {st['nats_url']}  hosts ready: {st['ready_hosts']}/{len(st['hosts'])}  templates: {templates}  sandboxes: {st['sandboxes']}")
         for h in st["hosts"]:
-            print(f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s")
+            print(
+                f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} "
+                f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s"
+            )
     return 0 if ok else 1
 
 
@@ -54,7 +58,10 @@ def _sandbox(args: argparse.Namespace) -> int:
                 print(f"dsec: --env takes K=V, got {[e for e in args.env if '=' not in e]}", file=sys.stderr)
                 return 2
             envs = dict(e.split("=", 1) for e in args.env or [])
-            sb = Sandbox.create(args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout, envs=envs, pool=args.pool, **kw)
+            sb = Sandbox.create(
+                args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout,
+                envs=envs, pool=args.pool, **kw,
+            )
             if args.json:
                 _print_json({"sandbox_id": sb.sandbox_id, "host_id": sb.host_id})
             else:

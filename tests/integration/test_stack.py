@@ -276,7 +276,8 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
         on_host = img.stat().st_blocks * 512
         assert 16 * MiB <= on_host <= (32 + 8) * MiB, f"{on_host / MiB:.1f} MiB of host disk for a 32 MB sandbox"
         assert img.stat().st_size <= (32 + 8) * MiB
-        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in (stack.data_dir / "scratch" / stack.cid(sid) / "upper").rglob("*") if p.is_file()))
+        upper_dir = stack.data_dir / "scratch" / stack.cid(sid) / "upper"
+        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in upper_dir.rglob("*") if p.is_file()))
         assert upper >= 16 * MiB  # the fill file is in the upper dir on that image (not elsewhere on the host)
         df = (await sb.commands.run("df -m / | tail -1")).stdout.split()
         assert 24 <= int(df[1]) <= 40, df  # the sandbox sees a root of about disk_mb
@@ -314,7 +315,7 @@ async def test_200_concurrent_creates_two_replicas(stack: Stack) -> None:
     pids = {sb.sandbox_id: stack.pid_of(sb.sandbox_id) for sb in sbs if sb.sandbox_id in stack.host.handles}
     try:
         assert not errors, f"{len(errors)} of {n} creates failed: {errors[:3]}"
-        placed = [p.placed - b for p, b in zip(stack.placements, placed_before)]
+        placed = [p.placed - b for p, b in zip(stack.placements, placed_before, strict=True)]
         assert sum(placed) >= n
         assert all(c > 0 for c in placed), f"both placement replicas must take work under load, got {placed}"
         # Each one is a working sandbox.

@@ -400,7 +400,7 @@ async def test_cancelled_exec_kills_process_group(agent):
     with pytest.raises(asyncio.CancelledError):
         await task
     for pid in pids:
-        await until(lambda: proc_state(pid) is None, f"pid {pid} killed after disconnect")
+        await until(lambda pid=pid: proc_state(pid) is None, f"pid {pid} killed after disconnect")
     await agent.client.ping()
 
 
@@ -530,7 +530,7 @@ async def test_sigterm_exits_cleanly_and_kills_running_commands(own_agent):
         await task
     assert not os.path.exists(a.sock)
     for pid in pids:
-        await until(lambda: is_dead(pid), f"pid {pid} killed on agent shutdown")
+        await until(lambda pid=pid: is_dead(pid), f"pid {pid} killed on agent shutdown")
 
 
 # ---------------------------------------------------------------------------------- files
