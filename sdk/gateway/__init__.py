@@ -4,4 +4,4 @@
 from ._app import EXTENSIONS, GATEWAY_KEY, Gateway, GatewayConfig, make_app
 from ._keys import create_api_key
 
-__all__ = ["Gateway", "GatewayConfig", "create_api_key", "make_app"]
+__all__ = ["EXTENSIONS", "GATEWAY_KEY", "Gateway", "GatewayConfig", "create_api_key", "make_app"]

@@ -92,29 +92,10 @@ class Gateway:
             if path == "/health":
                 return web.Response(status=204)
             if path == "/files":
-                if request.method == "GET":
-                    return await self.files.download(request, sb)
-                if request.method == "POST":
-                    return web.json_response(await self.files.upload(request, sb))
-                return web.json_response({"code": 405, "message": f"{request.method} /files is not allowed"}, status=405)
+                return await self._files(request, sb)
             if not is_rpc or request.method != "POST":
                 return web.json_response({"code": 404, "message": f"envd has no route {request.method} {path}"}, status=404)
-            service, _, method = path[1:].partition("/")
-            body = await read_request(request)
-            if service == "process.Process":
-                match method:
-                    case "Start":
-                        return await self.processes.start(request, sb, body)
-                    case "Connect":
-                        return await self.processes.connect(request, sid, body)
-                    case "List":
-                        return web.json_response(self.processes.list(sid))
-                    case "SendSignal":
-                        return web.json_response(await self.processes.signal(sb, body))
-                raise ConnectError("unimplemented", f"process.Process/{method} is not implemented by dsec's gateway yet")
-            if method == "WatchDir":
-                return await self.files.watch(request, sb, body)
-            return web.json_response(await self.files.unary(method, request, sb, body))
+            return await self._rpc(request, sb, path)
         except PayloadTooLarge as exc:
             return web.json_response({"code": 413, "message": str(exc)}, status=413)
         except (ConnectError, DsecError) as exc:
@@ -125,6 +106,31 @@ class Gateway:
                 return unary_error(err)
             status = http_status(exc) if isinstance(exc, DsecError) else 400
             return web.json_response({"code": status, "message": err.message}, status=status)
+
+    async def _files(self, request: web.Request, sb: Any) -> web.StreamResponse:
+        if request.method == "GET":
+            return await self.files.download(request, sb)
+        if request.method == "POST":
+            return web.json_response(await self.files.upload(request, sb))
+        return web.json_response({"code": 405, "message": f"{request.method} /files is not allowed"}, status=405)
+
+    async def _rpc(self, request: web.Request, sb: Any, path: str) -> web.StreamResponse:
+        service, _, method = path[1:].partition("/")
+        body = await read_request(request)
+        if service == "filesystem.Filesystem":
+            if method == "WatchDir":
+                return await self.files.watch(request, sb, body)
+            return web.json_response(await self.files.unary(method, request, sb, body))
+        match method:
+            case "Start":
+                return await self.processes.start(request, sb, body)
+            case "Connect":
+                return await self.processes.connect(request, sb.sandbox_id, body)
+            case "List":
+                return web.json_response(self.processes.list(sb.sandbox_id))
+            case "SendSignal":
+                return web.json_response(await self.processes.signal(sb, body))
+        raise ConnectError("unimplemented", f"process.Process/{method} is not implemented by dsec's gateway yet")
 
     # --- routing ------------------------------------------------------------------------------------------
     def sandbox_target(self, request: web.Request) -> tuple[str, int] | None:

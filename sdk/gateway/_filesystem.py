@@ -134,63 +134,84 @@ class Filesystem:
 
     # --- the Connect service -------------------------------------------------------------------------------
     async def unary(self, method: str, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:
+        fn = getattr(self, f"_rpc_{method}", None) if method.isalpha() else None
+        if fn is None:
+            raise ConnectError("unimplemented", f"filesystem.Filesystem/{method} is not implemented by dsec's gateway")
+        return await fn(request, sb, body)
+
+    async def _path(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any], name: str = "path") -> tuple[Account, str]:
         acct = await self._acct(request, sb)
-        if method == "Stat":
-            return {"entry": entry_json(await self.stat(sb, resolve(body.get("path", ""), acct.home)))}
-        if method == "ListDir":
-            path = resolve(body.get("path", ""), acct.home)
-            depth = body.get("depth") or 1
-            if not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
-                raise ConnectError("invalid_argument", f"depth must be 1..{MAX_DEPTH}")
-            if (await self.stat(sb, path)).type != "dir":
-                raise ConnectError("invalid_argument", f"path {path} is not a directory")
-            return {"entries": [entry_json(e) for e in await self._list(sb, path, depth)]}
-        if method == "MakeDir":
-            path = resolve(body.get("path", ""), acct.home)
-            try:
-                await self.stat(sb, path)
-                raise ConnectError("already_exists", f"directory {path} already exists")
-            except ConnectError as err:
-                if err.code != "not_found":
-                    raise
-            r = await self._sh(sb, f"mkdir -p -- {shlex.quote(path)}")
-            if r.exit_code != 0:
-                raise ConnectError("invalid_argument", f"cannot make {path}: {r.stderr.decode(errors='replace').strip()}")
-            await self._chown(sb, acct, path)
-            return {"entry": entry_json(await self.stat(sb, path))}
-        if method == "Move":
-            src = resolve(body.get("source", ""), acct.home)
-            dst = resolve(body.get("destination", ""), acct.home)
-            await self.stat(sb, src)
-            r = await self._sh(sb, f"mv -- {shlex.quote(src)} {shlex.quote(dst)}")
-            if r.exit_code != 0:
-                raise ConnectError("invalid_argument", f"cannot move {src} to {dst}: {r.stderr.decode(errors='replace').strip()}")
-            return {"entry": entry_json(await self.stat(sb, dst))}
-        if method == "CreateWatcher":
-            if sum(1 for w in self.watchers.values() if w.sandbox_id == sb.sandbox_id) >= MAX_WATCHERS:
-                raise ConnectError("resource_exhausted", f"sandbox {sb.sandbox_id} already has {MAX_WATCHERS} watchers")
-            path, depth = await self._watch_target(request, sb, body)
-            wid = uuid.uuid4().hex
-            self.watchers[wid] = Watcher(sb.sandbox_id, path, depth, await self._snap(sb, path, depth))
-            return {"watcherId": wid}
-        if method in ("GetWatcherEvents", "RemoveWatcher"):
-            w = self.watchers.get(str(body.get("watcherId", "")))
-            if w is None or w.sandbox_id != sb.sandbox_id:
-                raise ConnectError("not_found", f"watcher {body.get('watcherId')!r} not found")
-            if method == "RemoveWatcher":
-                self.watchers.pop(str(body["watcherId"]), None)
-                return {}
-            now = await self._snap(sb, w.path, w.depth)
-            events, w.snapshot = _diff(w.snapshot, now), now
-            return {"events": events}
-        if method == "Remove":
-            path = resolve(body.get("path", ""), acct.home)
-            try:
-                await sb._request("files", FileRemove(path=path), Done)
-            except FileNotFound:
-                raise ConnectError("not_found", f"path {path} does not exist") from None
-            return {}
-        raise ConnectError("unimplemented", f"filesystem.Filesystem/{method} is not implemented by dsec's gateway")
+        return acct, resolve(body.get(name, ""), acct.home)
+
+    async def _rpc_Stat(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802 - the RPC's name
+        _, path = await self._path(request, sb, body)
+        return {"entry": entry_json(await self.stat(sb, path))}
+
+    async def _rpc_ListDir(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        _, path = await self._path(request, sb, body)
+        depth = body.get("depth") or 1
+        if not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+            raise ConnectError("invalid_argument", f"depth must be 1..{MAX_DEPTH}")
+        if (await self.stat(sb, path)).type != "dir":
+            raise ConnectError("invalid_argument", f"path {path} is not a directory")
+        return {"entries": [entry_json(e) for e in await self._list(sb, path, depth)]}
+
+    async def _rpc_MakeDir(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        acct, path = await self._path(request, sb, body)
+        try:
+            await self.stat(sb, path)
+            raise ConnectError("already_exists", f"directory {path} already exists")
+        except ConnectError as err:
+            if err.code != "not_found":
+                raise
+        r = await self._sh(sb, f"mkdir -p -- {shlex.quote(path)}")
+        if r.exit_code != 0:
+            raise ConnectError("invalid_argument", f"cannot make {path}: {r.stderr.decode(errors='replace').strip()}")
+        await self._chown(sb, acct, path)
+        return {"entry": entry_json(await self.stat(sb, path))}
+
+    async def _rpc_Move(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        _, src = await self._path(request, sb, body, "source")
+        _, dst = await self._path(request, sb, body, "destination")
+        await self.stat(sb, src)
+        r = await self._sh(sb, f"mv -- {shlex.quote(src)} {shlex.quote(dst)}")
+        if r.exit_code != 0:
+            raise ConnectError("invalid_argument", f"cannot move {src} to {dst}: {r.stderr.decode(errors='replace').strip()}")
+        return {"entry": entry_json(await self.stat(sb, dst))}
+
+    async def _rpc_Remove(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        _, path = await self._path(request, sb, body)
+        try:
+            await sb._request("files", FileRemove(path=path), Done)
+        except FileNotFound:
+            raise ConnectError("not_found", f"path {path} does not exist") from None
+        return {}
+
+    async def _rpc_CreateWatcher(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        if sum(1 for w in self.watchers.values() if w.sandbox_id == sb.sandbox_id) >= MAX_WATCHERS:
+            raise ConnectError("resource_exhausted", f"sandbox {sb.sandbox_id} already has {MAX_WATCHERS} watchers")
+        path, depth = await self._watch_target(request, sb, body)
+        wid = uuid.uuid4().hex
+        self.watchers[wid] = Watcher(sb.sandbox_id, path, depth, await self._snap(sb, path, depth))
+        return {"watcherId": wid}
+
+    def _watcher(self, sb: AsyncSandbox, body: dict[str, Any]) -> tuple[str, Watcher]:
+        wid = str(body.get("watcherId", ""))
+        w = self.watchers.get(wid)
+        if w is None or w.sandbox_id != sb.sandbox_id:
+            raise ConnectError("not_found", f"watcher {wid!r} not found")
+        return wid, w
+
+    async def _rpc_GetWatcherEvents(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        _, w = self._watcher(sb, body)
+        now = await self._snap(sb, w.path, w.depth)
+        events, w.snapshot = _diff(w.snapshot, now), now
+        return {"events": events}
+
+    async def _rpc_RemoveWatcher(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
+        wid, _ = self._watcher(sb, body)
+        self.watchers.pop(wid, None)
+        return {}
 
     async def watch(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> web.StreamResponse:
         """WatchDir by polling listings: CREATE, WRITE and REMOVE events, as a server stream."""

@@ -112,6 +112,58 @@ async def _copy_chunked(reader: asyncio.StreamReader, resp: web.StreamResponse) 
         await reader.readexactly(2)
 
 
+def _bad_gateway(port: int, why: str) -> web.Response:
+    return web.json_response({"code": 502, "message": f"the server on port {port} {why}"}, status=502)
+
+
+async def _send_request(pc: PortConnection, request: web.Request, port: int) -> web.Response | None:
+    """The request, head and body, to the sandbox's server; a response when it cannot be sent."""
+    if request.content_length is not None:
+        await pc.send(_request_head(request, port, request.content_length))
+        while chunk := await request.content.read(PIECE):
+            await pc.send(chunk)
+    elif request.body_exists:
+        body = await request.content.read(MAX_BUFFERED_BODY + 1)
+        if len(body) > MAX_BUFFERED_BODY:
+            return web.json_response({"code": 413, "message": "request body without Content-Length is over 64 MiB"}, status=413)
+        await pc.send(_request_head(request, port, len(body)) + body)
+    else:
+        await pc.send(_request_head(request, port, None))
+    return None
+
+
+def _response_head(head: bytes) -> tuple[web.StreamResponse, int | None, bool] | None:
+    """(response with status and end-to-end headers, Content-Length, chunked) of an HTTP/1.x head."""
+    status_line, *hdr_lines = head.decode("latin-1").split("\r\n")
+    parts = status_line.split(" ", 2)
+    if len(parts) < 2 or not parts[1].isdigit():
+        return None
+    resp = web.StreamResponse(status=int(parts[1]), reason=parts[2] if len(parts) > 2 else None)
+    length: int | None = None
+    chunked = False
+    for ln in filter(None, hdr_lines):
+        k, _, v = ln.partition(":")
+        lk, v = k.strip().lower(), v.strip()
+        if lk == "content-length" and v.isdigit():
+            length = int(v)
+        elif lk == "transfer-encoding" and "chunked" in v.lower():
+            chunked = True
+        if lk not in HOP:
+            resp.headers.add(k.strip(), v)
+    return resp, length, chunked
+
+
+async def _copy_body(reader: asyncio.StreamReader, resp: web.StreamResponse, length: int | None) -> None:
+    left = length
+    while left is None or left > 0:
+        piece = await reader.read(PIECE if left is None else min(PIECE, left))
+        if not piece:
+            break
+        await resp.write(piece)
+        if left is not None:
+            left -= len(piece)
+
+
 class Ports:
     async def relay(self, request: web.Request, sb: AsyncSandbox, port: int) -> web.StreamResponse:
         if not 1 <= port <= 65535:
@@ -122,58 +174,28 @@ class Ports:
         except PortClosed as exc:
             return web.json_response({"code": 502, "message": exc.description, "sandboxId": sb.sandbox_id, "port": port}, status=502)
         try:
-            if request.content_length is not None:
-                await pc.send(_request_head(request, port, request.content_length))
-                while chunk := await request.content.read(PIECE):
-                    await pc.send(chunk)
-            elif request.body_exists:
-                body = await request.content.read(MAX_BUFFERED_BODY + 1)
-                if len(body) > MAX_BUFFERED_BODY:
-                    return web.json_response({"code": 413, "message": "request body without Content-Length is over 64 MiB"}, status=413)
-                await pc.send(_request_head(request, port, len(body)) + body)
-            else:
-                await pc.send(_request_head(request, port, None))
+            refused = await _send_request(pc, request, port)
+            if refused is not None:
+                return refused
             try:
                 head = await pc.reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-                why = pc.error or "closed the connection without an HTTP response"
-                return web.json_response({"code": 502, "message": f"the server on port {port} {why}"}, status=502)
-            status_line, *hdr_lines = head.decode("latin-1").split("\r\n")
-            parts = status_line.split(" ", 2)
-            if len(parts) < 2 or not parts[1].isdigit():
-                return web.json_response({"code": 502, "message": f"the server on port {port} did not answer HTTP"}, status=502)
-            resp = web.StreamResponse(status=int(parts[1]), reason=parts[2] if len(parts) > 2 else None)
-            length: int | None = None
-            chunked = False
-            for ln in hdr_lines:
-                if not ln:
-                    continue
-                k, _, v = ln.partition(":")
-                lk, v = k.strip().lower(), v.strip()
-                if lk == "content-length" and v.isdigit():
-                    length = int(v)
-                elif lk == "transfer-encoding" and "chunked" in v.lower():
-                    chunked = True
-                if lk not in HOP:
-                    resp.headers.add(k.strip(), v)
+                return _bad_gateway(port, pc.error or "closed the connection without an HTTP response")
+            parsed = _response_head(head)
+            if parsed is None:
+                return _bad_gateway(port, "did not answer HTTP")
+            resp, length, chunked = parsed
             if length is not None and not chunked:
                 resp.content_length = length
             await resp.prepare(request)
             if chunked:
                 await _copy_chunked(pc.reader, resp)
             else:
-                left = length
-                while left is None or left > 0:
-                    piece = await pc.reader.read(PIECE if left is None else min(PIECE, left))
-                    if not piece:
-                        break
-                    await resp.write(piece)
-                    if left is not None:
-                        left -= len(piece)
+                await _copy_body(pc.reader, resp, length)
             await resp.write_eof()
             return resp
         finally:
             await pc.close()
 
 
-__all__ = ["PortConnection", "Ports"]
+__all__ = ["Ports", "PortConnection"]

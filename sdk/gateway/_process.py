@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,9 @@ KEEPALIVE_S = 50.0
 SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
 
 
+Queue = asyncio.Queue  # of envd events (dicts), None at the end
+
+
 @dataclass
 class Proc:
     sandbox_id: str
@@ -48,7 +52,7 @@ class Proc:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
-    def emit(self, event: dict[str, Any]) -> None:
+    def emit(self, event: dict[str, Any] | None) -> None:
         for q in self.listeners:
             q.put_nowait(event)
 
@@ -59,14 +63,77 @@ class Proc:
         return d
 
 
+def _split_pid(head: bytes) -> tuple[int, bytes]:
+    """The pid the command's first line reports, and the output after it (all of it when unmarked)."""
+    line, _, rest = head.partition(b"\n")
+    if line.startswith(PID_MARK) and line[len(PID_MARK):].isdigit():
+        return int(line[len(PID_MARK):]), rest
+    return 0, head
+
+
+def _end(exit_code: int) -> dict[str, Any]:
+    status = {137: "signal: killed", 143: "signal: terminated"}.get(exit_code, f"exit status {exit_code}")
+    return {"exitCode": exit_code, "exited": True, "status": status}
+
+
 def _data(stream: int, data: bytes) -> dict[str, Any]:
     return {"event": {"data": {"stdout" if stream == 1 else "stderr": base64.b64encode(data).decode()}}}
+
+
+class _Output:
+    """The ExecChunks of one command: the pid line first (it makes the Proc), then data events."""
+
+    def __init__(self, begin: Callable[[int], Proc]) -> None:
+        self._begin = begin
+        self.proc: Proc | None = None
+        self.head: bytes | None = b""  # stderr before the pid line
+        self.pending: list[dict[str, Any]] = []  # stdout before the pid line (none, normally)
+        self.received = 0
+        self.expected = -1
+        self.all_in = asyncio.Event()
+
+    def begin_with(self, pid: int) -> Proc:
+        self.proc = self._begin(pid)
+        for ev in self.pending:
+            self.proc.emit(ev)
+        return self.proc
+
+    async def on_msg(self, msg: Any) -> None:
+        try:
+            ch = codec.EXEC_CHUNK.decode(msg.data)
+        except DsecError:
+            return
+        self.received += 1
+        data = ch.data
+        if self.proc is None and ch.stream == 2 and self.head is not None:
+            self.head += data
+            if b"\n" not in self.head:
+                return
+            pid, data = _split_pid(self.head)
+            self.head = None
+            self.begin_with(pid)
+        if data:
+            ev = _data(ch.stream, data)
+            if self.proc is None:
+                self.pending.append(ev)
+            else:
+                self.proc.emit(ev)
+        if 0 <= self.expected <= self.received:
+            self.all_in.set()
+
+    async def drain(self, chunks: int) -> None:
+        """Output published before the reply may still trail it: wait (bounded) for all of it."""
+        if chunks > self.received:
+            self.expected = chunks
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.all_in.wait(), CHUNK_GRACE_S)
 
 
 class Processes:
     def __init__(self, users: Users) -> None:
         self.users = users
         self.procs: dict[str, dict[int, Proc]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def _table(self, sid: str) -> dict[int, Proc]:
         return self.procs.setdefault(sid, {})
@@ -102,14 +169,17 @@ class Processes:
         stream = ServerStream(request)
         q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         started: asyncio.Future[Proc] = asyncio.get_running_loop().create_future()
+        # The command outlives this HTTP stream (a client may go and Connect later): its own task.
         task = asyncio.create_task(self._run(sb, req, cfg, str(body.get("tag") or ""), q, started))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         try:
             proc = await asyncio.shield(started)
         except ConnectError as err:
             return await stream.close(err)
-        return await self._pump(stream, proc, q, first={"event": {"start": {"pid": proc.pid}}}, task=task)
+        return await self._pump(stream, proc, q, first={"event": {"start": {"pid": proc.pid}}})
 
-    async def _pump(self, stream: ServerStream, proc: Proc, q: asyncio.Queue[dict[str, Any] | None], *, first: dict[str, Any], task: Any = None) -> web.StreamResponse:
+    async def _pump(self, stream: ServerStream, proc: Proc, q: Queue, *, first: dict[str, Any]) -> web.StreamResponse:
         """Copy a process's events to one HTTP stream; a client that goes away only stops listening.
         Quiet stretches get keepalive events at the interval the client asked for."""
         ping = stream.request.headers.get(KEEPALIVE_HEADER, "")
@@ -132,88 +202,41 @@ class Processes:
         finally:
             proc.listeners.discard(q)
 
-    async def _run(self, sb: AsyncSandbox, req: ExecRequest, cfg: dict[str, Any], tag: str, q: asyncio.Queue[dict[str, Any] | None], started: asyncio.Future[Proc]) -> None:
-        nc = sb._nc
-        req.stream_to = nc.new_inbox()
-        proc: Proc | None = None
-        pending: list[dict[str, Any]] = []  # output before the pid line (none, normally)
-        head = b""
-        received = 0
-        expected: list[int] = []
-        all_in = asyncio.Event()
-
-        def begin(pid: int) -> None:
-            nonlocal proc
+    async def _run(self, sb: AsyncSandbox, req: ExecRequest, cfg: dict[str, Any], tag: str, q: Queue, started: asyncio.Future[Proc]) -> None:
+        def begin(pid: int) -> Proc:
             proc = Proc(sandbox_id=sb.sandbox_id, pid=pid, config=cfg, tag=tag)
             proc.listeners.add(q)
             self._table(sb.sandbox_id)[pid] = proc
             if not started.done():
                 started.set_result(proc)
-            for ev in pending:
-                proc.emit(ev)
+            return proc
 
-        async def on_chunk(msg: Any) -> None:
-            nonlocal head, received
-            try:
-                ch = codec.EXEC_CHUNK.decode(msg.data)
-            except DsecError:
-                return
-            received += 1
-            data = ch.data
-            if proc is None and ch.stream == 2 and head is not None:
-                head += data
-                if b"\n" not in head:
-                    return
-                line, _, rest = head.partition(b"\n")
-                marked = line.startswith(PID_MARK) and line[len(PID_MARK):].isdigit()
-                data = rest if marked else head
-                head = None  # type: ignore[assignment]
-                begin(int(line[len(PID_MARK):]) if marked else 0)
-                if not data:
-                    if expected and received >= expected[0]:
-                        all_in.set()
-                    return
-            ev = _data(ch.stream, data)
-            if proc is None:
-                pending.append(ev)
-            else:
-                proc.emit(ev)
-            if expected and received >= expected[0]:
-                all_in.set()
-
-        sub = await nc.subscribe(req.stream_to, cb=on_chunk)
+        out = _Output(begin)
+        req.stream_to = sb._nc.new_inbox()
+        sub = await sb._nc.subscribe(req.stream_to, cb=out.on_msg)
         try:
             res: ExecResult = await sb._request("exec", req, ExecResult, timeout=(req.timeout_s or NO_LIMIT_S) + 10)
-            if res.chunks > received:
-                expected.append(res.chunks)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(all_in.wait(), CHUNK_GRACE_S)
-            if proc is None:
-                begin(0)
-            assert proc is not None
+            await out.drain(res.chunks)
+            proc = out.proc or out.begin_with(0)
             if res.timed_out:
                 proc.error = ConnectError("deadline_exceeded", f"command ran past its {req.timeout_s:g}s timeout and was killed")
             else:
-                status = f"exit status {res.exit_code}" if res.exit_code >= 0 else f"signal: {-res.exit_code}"
-                end: dict[str, Any] = {"exitCode": res.exit_code, "exited": True, "status": status}
-                if res.exit_code > 128 and res.exit_code - 128 in (9, 15):
-                    end["status"] = "signal: killed" if res.exit_code == 137 else "signal: terminated"
-                proc.end = end
-                proc.emit({"event": {"end": end}})
+                proc.end = _end(res.exit_code)
+                proc.emit({"event": {"end": proc.end}})
         except Exception as exc:  # noqa: BLE001 - every stream ends with an answer
             err = ConnectError.of(exc)
-            if proc is None:
+            if out.proc is None:
                 if not started.done():
                     started.set_exception(err)
                 return
-            proc.error = err
+            out.proc.error = err
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            if proc is not None:
-                proc.done.set()
-                proc.emit(None)  # type: ignore[arg-type]
-                self._table(sb.sandbox_id).pop(proc.pid, None)
+            if out.proc is not None:
+                out.proc.done.set()
+                out.proc.emit(None)
+                self._table(sb.sandbox_id).pop(out.proc.pid, None)
 
     # --- Connect, List, SendSignal -----------------------------------------------------------------------
     async def connect(self, request: web.Request, sid: str, body: dict[str, Any]) -> web.StreamResponse:

@@ -16,7 +16,12 @@ from ..errors import CommandExitError
 from ._e2b import json_object
 from ._filesystem import PayloadTooLarge
 
-_ERR = {"$ref": "#/components/schemas/Error"}
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_ERR = _ref("Error")
+_BINARY = {"type": "string", "format": "binary"}
 _ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
 _PATH = [*_ID, {"name": "path", "in": "query", "required": True, "schema": {"type": "string"}}]
 
@@ -32,7 +37,7 @@ def _op(summary: str, ok: dict[str, Any], *, body: dict[str, Any] | None = None,
     if body is not None:
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
     if raw_body:
-        op["requestBody"] = {"required": True, "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+        op["requestBody"] = {"required": True, "content": {"application/octet-stream": {"schema": _BINARY}}}
     return op
 
 
@@ -42,7 +47,10 @@ def _json(desc: str, schema: dict[str, Any], status: str = "200") -> dict[str, A
 
 OPENAPI: dict[str, Any] = {
     "openapi": "3.1.0",
-    "info": {"title": "dsec gateway", "version": "1", "description": "dsec's REST API. The same gateway also serves the E2B API (/sandboxes, /v2/sandboxes) and envd."},
+    "info": {
+        "title": "dsec gateway", "version": "1",
+        "description": "dsec's REST API. The same gateway also serves the E2B API (/sandboxes, /v2/sandboxes) and envd.",
+    },
     "components": {
         "securitySchemes": {"apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
         "schemas": {
@@ -71,7 +79,7 @@ OPENAPI: dict[str, Any] = {
     },
     "paths": {
         "/v1/sandboxes": {
-            "post": _op("create a sandbox and wait until it runs", _json("created", {"$ref": "#/components/schemas/Sandbox"}, "201"), body={"$ref": "#/components/schemas/NewSandbox"}),
+            "post": _op("create a sandbox and wait until it runs", _json("created", _ref("Sandbox"), "201"), body=_ref("NewSandbox")),
             "get": _op("this key's running sandboxes", _json("sandboxes", {"type": "array", "items": {"$ref": "#/components/schemas/Sandbox"}})),
         },
         "/v1/sandboxes/{id}": {
@@ -79,11 +87,12 @@ OPENAPI: dict[str, Any] = {
             "delete": _op("kill a sandbox", {"204": {"description": "killed"}}, params=_ID),
         },
         "/v1/sandboxes/{id}/exec": {
-            "post": _op("run a command (/bin/sh -c) and wait for it", _json("its output", {"$ref": "#/components/schemas/ExecResult"}), params=_ID, body={"$ref": "#/components/schemas/Exec"}),
+            "post": _op("run a command (/bin/sh -c) and wait for it", _json("its output", _ref("ExecResult")), params=_ID, body=_ref("Exec")),
         },
         "/v1/sandboxes/{id}/files": {
-            "get": _op("read a file", {"200": {"description": "its bytes", "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}, params=_PATH),
-            "put": _op("write a file", _json("written", {"type": "object", "properties": {"path": {"type": "string"}, "size": {"type": "integer"}}}), params=_PATH, raw_body=True),
+            "get": _op("read a file", {"200": {"description": "its bytes", "content": {"application/octet-stream": {"schema": _BINARY}}}}, params=_PATH),
+            "put": _op("write a file", _json("written", {"type": "object", "properties": {"path": {"type": "string"}, "size": {"type": "integer"}}}),
+                       params=_PATH, raw_body=True),
             "delete": _op("remove a file or directory", {"204": {"description": "removed"}}, params=_PATH),
         },
         "/v1/sandboxes/{id}/files/list": {

@@ -31,7 +31,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from bus.natsd import free_port
+from bus.natsd import free_port  # noqa: E402 - after the repo is on sys.path
 
 MiB = 1 << 20
 

@@ -59,7 +59,8 @@ class Gw:
 
 
 async def _run(*argv: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=pipe, stderr=pipe)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout)
     except asyncio.TimeoutError:
@@ -120,7 +121,9 @@ def _status(url: str) -> int:
         return 0
 
 
-def http(gw: Gw, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, key: str | None = "a") -> tuple[int, Any, dict[str, str]]:
+def http(
+    gw: Gw, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None, key: str | None = "a",
+) -> tuple[int, Any, dict[str, str]]:
     """(status, decoded JSON or bytes, headers) of one request to the gateway."""
     h = dict(headers or {})
     if key is not None:
@@ -370,7 +373,8 @@ def _bad_input(gw: Gw) -> None:
         sb.files.write("/tmp/canary", "alive")
         json_h = {"Content-Type": "application/json"}
         # Malformed JSON, a JSON that is not an object, wrong field types: 400 with a message.
-        for body in (b"{not json", b"[1, 2]", b'{"templateID": 7}', b'{"templateID": "base", "timeout": "soon"}', b'{"templateID": "base", "metadata": {"a": 1}}'):
+        bodies = (b"{not json", b"[1, 2]", b'{"templateID": 7}', b'{"templateID": "base", "timeout": "soon"}', b'{"templateID": "base", "metadata": {"a": 1}}')
+        for body in bodies:
             st, doc, _ = http(gw, "POST", "/v2/sandboxes", body, json_h)
             assert st == 400 and doc["code"] == 400 and doc["message"], (body, st, doc)
         st, doc, _ = http(gw, "POST", f"/sandboxes/{sid}/timeout", b"{", json_h)
@@ -443,7 +447,8 @@ async def test_oversized_upload_is_refused(gw: Gw) -> None:
                 boundary = "b0undary"
                 multipart = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big\"\r\n"
                              "Content-Type: application/octet-stream\r\n\r\n").encode() + big + f"\r\n--{boundary}--\r\n".encode()
-                st, doc, _ = http(small_gw, "POST", "/files?path=/tmp/big", multipart, {**envd, "Content-Type": f"multipart/form-data; boundary={boundary}"}, key=None)
+                mp_h = {**envd, "Content-Type": f"multipart/form-data; boundary={boundary}"}
+                st, doc, _ = http(small_gw, "POST", "/files?path=/tmp/big", multipart, mp_h, key=None)
                 assert st == 413, (st, doc)
                 st, doc, _ = http(small_gw, "PUT", f"/v1/sandboxes/{sb.sandbox_id}/files?path=/tmp/big", big, None)
                 assert st == 413 and doc["code"] == "payload_too_large"

@@ -48,7 +48,9 @@ def test_asyncapi_lists_subjects_streams_and_replies() -> None:
 
 
 def test_cli_prints_one_subject_or_refuses_an_unknown_one() -> None:
-    run = lambda *a: subprocess.run([sys.executable, "-m", "sdk.cli", "schema", *a], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    def run(*a: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sdk.cli", "schema", *a], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+
     r = run("--subject", S.REQ_CREATE)
     assert r.returncode == 0 and list(json.loads(r.stdout)) == [S.REQ_CREATE]
     r = run("--subject", "dsec.nope")
