@@ -171,6 +171,14 @@ def _e2b_flow(gw: Gw) -> None:
         with pytest.raises(CommandExitException):
             h.wait()
         assert sb.commands.run(f"kill -0 {h.pid} 2>/dev/null || echo gone").stdout == "gone\n"
+        # Leave a background command and connect to it again: its output from then on, and its end.
+        h = sb.commands.run("while [ ! -e /tmp/go2 ]; do sleep 0.05; done; echo later; exit 5", background=True)
+        h.disconnect()
+        again = sb.commands.connect(h.pid)
+        sb.files.write("/tmp/go2", "1")
+        with pytest.raises(CommandExitException) as ei:
+            again.wait()
+        assert ei.value.exit_code == 5 and "later" in ei.value.stdout
         # Files.
         info = sb.files.write("/tmp/e2b/a.txt", "hello files")
         assert info.path == "/tmp/e2b/a.txt"
