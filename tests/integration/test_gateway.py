@@ -551,3 +551,26 @@ def _pagination(gw: Gw) -> None:
 
 async def test_list_filters_and_pagination(gw: Gw) -> None:
     await asyncio.to_thread(_pagination, gw)
+
+
+async def test_e2b_async_sdk(gw: Gw) -> None:
+    """The async e2b SDK takes other envd paths: WatchDir as a server stream, commands.kill by pid, metrics."""
+    from e2b import AsyncSandbox
+
+    sb = await AsyncSandbox.create("base", timeout=120, **gw.sdk())
+    try:
+        r = await sb.commands.run("echo async; echo err >&2")
+        assert (r.stdout, r.stderr) == ("async\n", "err\n")
+        h = await sb.commands.run("sleep 300", background=True)
+        assert await sb.commands.kill(h.pid) is True
+        assert (await sb.commands.run(f"kill -0 {h.pid} 2>/dev/null || echo gone")).stdout == "gone\n"
+        events: list[Any] = []
+        await sb.files.make_dir("/tmp/aw")
+        watch = await sb.files.watch_dir("/tmp/aw", on_event=events.append)
+        await sb.files.write("/tmp/aw/f", "1")
+        await eventually(lambda: any(e.name == "f" and e.type.value == "create" for e in events), timeout=10, what="a create event")
+        await watch.stop()
+        [m] = await sb.get_metrics()
+        assert m.mem_total == 512 * 1024 * 1024 and m.cpu_count == 1
+    finally:
+        await sb.kill()
