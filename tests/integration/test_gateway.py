@@ -325,6 +325,17 @@ def _ports(gw: Gw) -> None:
         # Nothing listening: 502 with a reason.
         st, doc = get({"Host": sb.get_host(8081), "X-API-Key": gw.key_a})
         assert st == 502 and "8081" in doc["message"], (st, doc)
+        # The key never reaches the sandbox: a one-shot server records the request it got.
+        sb.files.write("/tmp/resp", "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        sb.commands.run("nc -l -p 8082 < /tmp/resp > /tmp/req", background=True)
+        deadline = time.monotonic() + 10
+        while (got := get({"Host": sb.get_host(8082), "X-API-Key": gw.key_a, "X-Extra": "kept"}, "/seen?q=1"))[0] != 200:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)  # poll interval: nc starts in the background
+        assert got == (200, b"ok")
+        seen = sb.files.read("/tmp/req")
+        assert seen.startswith("GET /seen?q=1 HTTP/1.1\r\n") and "X-Extra: kept" in seen, seen
+        assert gw.key_a.split(".")[1] not in seen and "x-api-key" not in seen.lower(), seen
         # The sandbox's network is still closed: loopback only.
         ifaces = sb.commands.run("cat /proc/net/dev").stdout
         assert "lo:" in ifaces and "eth0" not in ifaces, ifaces
