@@ -398,6 +398,8 @@ def _bad_input(gw: Gw) -> None:
             assert st == 400 and doc["code"] == 400 and doc["message"], (body, st, doc)
         st, doc, _ = http(gw, "POST", f"/sandboxes/{sid}/timeout", b"{", json_h)
         assert st == 400, doc
+        st, doc, _ = http(gw, "POST", "/v2/sandboxes", b'{"templateID": "' + b"x" * (5 << 20) + b'"}', json_h)
+        assert st == 413 and doc["code"] == 413, (st, doc)
         st, doc, _ = http(gw, "GET", "/v2/sandboxes?limit=lots")
         assert st == 400 and "limit" in doc["message"]
         st, doc, _ = http(gw, "POST", "/v2/sandboxes", b'{"templateID": "no-such-template"}', json_h)
