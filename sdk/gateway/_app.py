@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from bus.errors import DsecError, InvalidArgument
+from bus.errors import DsecError, InvalidArgument, SandboxNotFound
 
 from ._connect import ConnectError, ServerStream, read_request, unary_error
 from ._e2b import E2BApi, e2b_error, http_status
@@ -90,6 +90,7 @@ class Gateway:
             tenant, _ = await self.tenant(request)
             sb = await tenant.sandbox(sid)
             if path == "/health":
+                await sb.get_info()  # answered by its host agent: it runs
                 return web.Response(status=204)
             if path == "/files":
                 return await self._files(request, sb)
@@ -98,6 +99,8 @@ class Gateway:
             return await self._rpc(request, sb, path)
         except PayloadTooLarge as exc:
             return web.json_response({"code": 413, "message": str(exc)}, status=413)
+        except SandboxNotFound:
+            return sandbox_gone(sid)
         except (ConnectError, DsecError) as exc:
             err = ConnectError.of(exc)
             if is_rpc and path.rsplit("/", 1)[-1] in STREAMING:
@@ -154,7 +157,11 @@ class Gateway:
                 if port == ENVD_PORT:
                     return await self.envd(request, sid)
                 tenant, _ = await self.tenant(request)
-                return await self.ports.relay(request, await tenant.sandbox(sid), port)
+                try:
+                    sb = await tenant.sandbox(sid)
+                except SandboxNotFound:
+                    return sandbox_gone(sid)
+                return await self.ports.relay(request, sb, port)
             return await handler(request)
         except web.HTTPException as exc:
             if exc.status < 400:
@@ -165,6 +172,12 @@ class Gateway:
             return _error(request, 413, "payload_too_large", str(exc))
         except DsecError as exc:
             return _error(request, http_status(exc), exc.code, exc.description)
+
+
+def sandbox_gone(sid: str) -> web.Response:
+    """What E2B's proxy answers for a sandbox it does not know (killed, timed out, never there, or
+    another key's): 502 "... was not found", which the e2b SDK raises as SandboxNotRunning."""
+    return web.json_response({"code": 502, "message": f"The sandbox {sid} was not found", "sandboxId": sid}, status=502)
 
 
 def _error(request: web.Request, status: int, code: str, message: str) -> web.Response:

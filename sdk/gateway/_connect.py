@@ -30,7 +30,7 @@ HTTP_STATUS = {
 
 # dsec error code -> Connect code (the e2b SDK branches on NOT_FOUND, ALREADY_EXISTS, ...).
 _FROM_DSEC = {
-    "sandbox_not_found": "not_found", "file_not_found": "not_found", "invalid_argument": "invalid_argument",
+    "file_not_found": "not_found", "invalid_argument": "invalid_argument",
     "bad_request": "invalid_argument", "timeout": "deadline_exceeded", "permission_denied": "permission_denied",
     "not_supported": "unimplemented", "unavailable": "unavailable", "already_exists": "already_exists",
     "unauthenticated": "unauthenticated", "payload_too_large": "resource_exhausted",
@@ -50,6 +50,8 @@ class ConnectError(Exception):
         if isinstance(exc, ConnectError):
             return exc
         if isinstance(exc, DsecError):
+            if exc.code == "sandbox_not_found":  # gone mid-stream: what the e2b SDK reads as SandboxNotRunning
+                return cls("unavailable", f"The sandbox was not found: {exc.description}")
             return cls(_FROM_DSEC.get(exc.code, "internal" if exc.code == "internal" else "unknown"), exc.description)
         return cls("internal", f"{type(exc).__name__}: {exc}")
 

@@ -171,8 +171,9 @@ class Ports:
         pc = PortConnection(sb)
         try:
             await pc.open(port)
-        except PortClosed as exc:
-            return web.json_response({"code": 502, "message": exc.description, "sandboxId": sb.sandbox_id, "port": port}, status=502)
+        except PortClosed as exc:  # E2B's proxy words it "port is not open"
+            msg = f"The sandbox is running but port is not open ({exc.description})"
+            return web.json_response({"code": 502, "message": msg, "sandboxId": sb.sandbox_id, "port": port}, status=502)
         try:
             refused = await _send_request(pc, request, port)
             if refused is not None:

@@ -142,7 +142,7 @@ def http(
 
 # --------------------------------------------------------------------------------------------- e2b SDK
 def _e2b_flow(gw: Gw) -> None:
-    from e2b import CommandExitException, NotFoundException, Sandbox
+    from e2b import CommandExitException, NotFoundException, Sandbox, SandboxNotRunningException
 
     sb = Sandbox.create("base", timeout=120, metadata={"suite": "gateway"}, **gw.sdk())
     try:
@@ -215,6 +215,10 @@ def _e2b_flow(gw: Gw) -> None:
         assert again.commands.run("echo again").stdout == "again\n"
     finally:
         sb.kill()
+    # A killed sandbox: envd answers as E2B's proxy does, and the SDK says so.
+    assert sb.is_running() is False
+    with pytest.raises(SandboxNotRunningException):
+        sb.commands.run("true")
     with pytest.raises(NotFoundException):
         Sandbox.connect(sb.sandbox_id, **gw.sdk())
     assert sb.sandbox_id not in [s.sandbox_id for s in Sandbox.list(**gw.sdk()).next_items()]
@@ -264,12 +268,13 @@ def _two_keys(gw: Gw) -> None:
             assert st == 404, (method, path, st, doc)
         with pytest.raises(NotFoundException):
             Sandbox.connect(sid, **gw.sdk(gw.key_b))
-        # envd with B's token (what the SDK sends as X-Access-Token): not found either.
+        # envd with B's token (what the SDK sends as X-Access-Token): what E2B's proxy says of a
+        # sandbox it does not know, 502 "... was not found" (the SDK raises SandboxNotRunning).
         st, doc, _ = http(gw, "POST", "/process.Process/List", b"{}", {"Content-Type": "application/json", "E2b-Sandbox-Id": sid,
                                                                       "X-Access-Token": gw.key_b}, key=None)
-        assert st == 404 and doc["code"] == "not_found", (st, doc)
+        assert st == 502 and "was not found" in doc["message"], (st, doc)
         st, doc, _ = http(gw, "GET", "/files?path=/etc/hostname", None, {"E2b-Sandbox-Id": sid, "X-Access-Token": gw.key_b}, key=None)
-        assert st == 404, (st, doc)
+        assert st == 502, (st, doc)
         # ... while A still has it, untouched.
         assert a.commands.run("echo mine").stdout == "mine\n"
         assert a.get_info().end_at.timestamp() > time.time() + 60  # B's timeout of 5 s did not apply
@@ -321,10 +326,10 @@ def _ports(gw: Gw) -> None:
         assert st == 404  # the server's own answer, relayed
         # Only with the key: none -> 401, the other key -> 404.
         assert get({"Host": host})[0] == 401
-        assert get({"Host": host, "X-API-Key": gw.key_b})[0] == 404
+        assert get({"Host": host, "X-API-Key": gw.key_b})[0] == 502  # as for a sandbox that does not exist
         # Nothing listening: 502 with a reason.
         st, doc = get({"Host": sb.get_host(8081), "X-API-Key": gw.key_a})
-        assert st == 502 and "8081" in doc["message"], (st, doc)
+        assert st == 502 and "port is not open" in doc["message"] and "8081" in doc["message"], (st, doc)
         # The key never reaches the sandbox: a one-shot server records the request it got.
         sb.files.write("/tmp/resp", "HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok")
         sb.commands.run("nc -l -p 8082 < /tmp/resp > /tmp/req", background=True)
