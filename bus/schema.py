@@ -17,6 +17,12 @@ from . import codec
 from . import subjects as S
 from .errors import ErrorReply
 from .messages import (
+    ExecResult,
+    FsEvent,
+    MetricsRequest,
+    ProcessStarted,
+    ProcOp,
+    StreamAck,
     BuildImage,
     CreateBatch,
     CreateSandbox,
@@ -78,10 +84,17 @@ CHANNELS: list[Channel] = [
     Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT, doc="A host came up, went down or recovered."),
     Channel(S.EVT_GUARD_VIOLATION, GuardViolation, stream=S.STREAM_EVT, doc="A sandbox tripped a security rule."),
     Channel(f"{S.PREFIX}.evt.image.{{name}}.{{kind}}", ImageEvent, stream=S.STREAM_EVT, doc="A template was built or removed."),
-    Channel(_sbx("exec"), ExecRequest, codec.REPLY_TYPES["exec"],
-            doc="Run a command (/bin/sh -c) in the sandbox; with stream_to (an inbox) its output comes there as ExecChunk first.",
-            sends_also=(("stream_to", ExecChunk),)),
-    Channel(_sbx("files"), FileOp, codec.REPLY_TYPES["files"], doc="Read, write, list, remove, test a file in the sandbox."),
+    Channel(_sbx("exec"), ExecRequest, codec.REPLY_TYPES["exec"] | ProcessStarted,
+            doc="Run a command (/bin/sh -c) in the sandbox; with stream_to (an inbox) its output comes there as ExecChunk first "
+                "(background: the reply is ProcessStarted and the final ExecResult is the stream's last message).",
+            sends_also=(("stream_to", ExecChunk | ExecResult),)),
+    Channel(_sbx("files"), FileOp, codec.REPLY_TYPES["files"],
+            doc="Read, write, list, remove, stat, make_dir, rename, watch a file or directory in the sandbox.",
+            sends_also=(("stream_to (FileWatch)", FsEvent),)),
+    Channel(_sbx("proc"), ProcOp, codec.REPLY_TYPES["proc"], doc="Background processes: list, signal, stdin, connect, disconnect.",
+            sends_also=(("stream_to (ProcConnect)", ExecChunk | ExecResult),)),
+    Channel(_sbx("metrics"), MetricsRequest, codec.REPLY_TYPES["metrics"], doc="The sandbox's CPU, memory and disk use."),
+    Channel(_sbx("ack"), StreamAck, doc="Flow control: a client's answer to chunks or events marked ack (no reply)."),
     Channel(_sbx("kill"), KillRequest, codec.REPLY_TYPES["kill"], doc="Kill the sandbox and remove everything it had."),
     Channel(_sbx("timeout"), SetTimeout, codec.REPLY_TYPES["timeout"], doc="Set the sandbox to expire timeout_s from now."),
     Channel(_sbx("info"), InfoRequest, codec.REPLY_TYPES["info"], doc="The sandbox's state."),
@@ -165,7 +178,7 @@ def asyncapi() -> dict[str, Any]:
                              "messages": {"reply": message(ch.reply), "error": message(ErrorReply)}}
             op["reply"] = {"channel": {"$ref": f"#/channels/{rid}"}}
         for where, t in ch.sends_also:
-            sid = f"{cid}_{where.replace('.', '_').replace('[]', '')}"
+            sid = f"{cid}_{''.join(c if c.isalnum() else '_' for c in where)}"
             channels[sid] = {"address": None, "description": f"the inbox named by {where}", "messages": {"msg": message(t)}}
         operations[f"op{i}_{cid}"] = op
     return {

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,8 +88,8 @@ class _Conn:
 
 
 class PortRelay:
-    def __init__(self) -> None:
-        self.nc: Any = None
+    def __init__(self, nc_of: Callable[[], Any]) -> None:
+        self._nc_of = nc_of  # the host agent's connection (made after this)
         self.conns: dict[str, _Conn] = {}
 
     async def handle(self, handle: Handle, req: Any) -> Any:
@@ -154,12 +155,12 @@ class PortRelay:
                 if not data:
                     break
                 c.used = loop.time()
-                await self.nc.publish(c.to, codec.encode(PortData(conn=cid, seq=seq, data=data)))
+                await self._nc_of().publish(c.to, codec.encode(PortData(conn=cid, seq=seq, data=data)))
                 seq += 1
         except (ConnectionError, OSError) as exc:
             error = str(exc)
         with contextlib.suppress(Exception):
-            await self.nc.publish(c.to, codec.encode(PortData(conn=cid, seq=seq, eof=True, error=error)))
+            await self._nc_of().publish(c.to, codec.encode(PortData(conn=cid, seq=seq, eof=True, error=error)))
         while not error and self.conns.get(cid) is c and (left := c.used + IDLE_S - loop.time()) > 0:
             await asyncio.sleep(left)  # until the opener closes it or it idles out
         if self.conns.get(cid) is c:

@@ -124,16 +124,11 @@ class Gateway:
             if method == "WatchDir":
                 return await self.files.watch(request, sb, body)
             return web.json_response(await self.files.unary(method, request, sb, body))
-        match method:
-            case "Start":
-                return await self.processes.start(request, sb, body)
-            case "Connect":
-                return await self.processes.connect(request, sb.sandbox_id, body)
-            case "List":
-                return web.json_response(self.processes.list(sb.sandbox_id))
-            case "SendSignal":
-                return web.json_response(await self.processes.signal(sb, body))
-        raise ConnectError("unimplemented", f"process.Process/{method} is not implemented by dsec's gateway yet")
+        if method == "Start":
+            return await self.processes.start(request, sb, body)
+        if method == "Connect":
+            return await self.processes.connect(request, sb, body)
+        return web.json_response(await self.processes.unary(method, sb, body))
 
     # --- routing ------------------------------------------------------------------------------------------
     def sandbox_target(self, request: web.Request) -> tuple[str, int] | None:

@@ -30,7 +30,7 @@ HTTP_STATUS = {
 
 # dsec error code -> Connect code (the e2b SDK branches on NOT_FOUND, ALREADY_EXISTS, ...).
 _FROM_DSEC = {
-    "file_not_found": "not_found", "invalid_argument": "invalid_argument",
+    "file_not_found": "not_found", "process_not_found": "not_found", "unknown_user": "invalid_argument", "invalid_argument": "invalid_argument",
     "bad_request": "invalid_argument", "timeout": "deadline_exceeded", "permission_denied": "permission_denied",
     "not_supported": "unimplemented", "unavailable": "unavailable", "already_exists": "already_exists",
     "unauthenticated": "unauthenticated", "payload_too_large": "resource_exhausted",

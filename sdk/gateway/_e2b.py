@@ -210,7 +210,8 @@ class E2BApi:
                 raise
             except DsecError:
                 got = None
-            for name, key in (("cpu_used_pct", "cpuUsedPct"), ("mem_used", "memUsed"), ("disk_used", "diskUsed"), ("mem_cache", "memCache")):
+            for name, key in (("cpu_used_pct", "cpuUsedPct"), ("mem_used", "memUsed"), ("disk_used", "diskUsed"), ("mem_cache", "memCache"),
+                              ("mem_total", "memTotal"), ("disk_total", "diskTotal")):
                 if got is not None and hasattr(got, name):
                     m[key] = getattr(got, name)
         return web.json_response([m])

@@ -21,20 +21,14 @@ from aiohttp import BodyPartReader, web
 
 from bus.errors import FileNotFound, InvalidArgument
 from bus.messages import (
-    Done,
     EntryInfo,
     ExecRequest,
     ExecResult,
-    FileData,
-    FileList,
-    FileListing,
-    FileRead,
-    FileRemove,
     FileWrite,
     FileWritten,
 )
 
-from .._async import CHUNK, AsyncSandbox
+from .._async import AsyncSandbox
 from ._connect import ConnectError, ServerStream
 from ._users import Account, Users, resolve, user_of
 
@@ -108,21 +102,14 @@ class Filesystem:
             await self._sh(sb, f"chown {acct.uid}:{acct.gid} -- {shlex.quote(path)}")
 
     async def stat(self, sb: AsyncSandbox, path: str) -> EntryInfo:
-        if path == "/":
-            return EntryInfo(name="/", path="/", type="dir", mode=0o40755)
-        parent, name = posixpath.split(path)
         try:
-            listing = await sb._request("files", FileList(path=parent or "/"), FileListing)
+            return await sb.files.get_info(path)
         except FileNotFound:
             raise ConnectError("not_found", f"path {path} does not exist") from None
-        for e in listing.entries:
-            if e.name == name:
-                return e
-        raise ConnectError("not_found", f"path {path} does not exist")
 
     async def _list(self, sb: AsyncSandbox, path: str, depth: int) -> list[EntryInfo]:
         try:
-            entries = (await sb._request("files", FileList(path=path), FileListing)).entries
+            entries = await sb.files.list(path)
         except FileNotFound:
             raise ConnectError("not_found", f"directory {path} does not exist") from None
         out = list(entries)
@@ -158,31 +145,23 @@ class Filesystem:
 
     async def _rpc_MakeDir(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
         acct, path = await self._path(request, sb, body)
-        try:
-            await self.stat(sb, path)
+        if not await sb.files.make_dir(path):
             raise ConnectError("already_exists", f"directory {path} already exists")
-        except ConnectError as err:
-            if err.code != "not_found":
-                raise
-        r = await self._sh(sb, f"mkdir -p -- {shlex.quote(path)}")
-        if r.exit_code != 0:
-            raise ConnectError("invalid_argument", f"cannot make {path}: {r.stderr.decode(errors='replace').strip()}")
         await self._chown(sb, acct, path)
         return {"entry": entry_json(await self.stat(sb, path))}
 
     async def _rpc_Move(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
         _, src = await self._path(request, sb, body, "source")
         _, dst = await self._path(request, sb, body, "destination")
-        await self.stat(sb, src)
-        r = await self._sh(sb, f"mv -- {shlex.quote(src)} {shlex.quote(dst)}")
-        if r.exit_code != 0:
-            raise ConnectError("invalid_argument", f"cannot move {src} to {dst}: {r.stderr.decode(errors='replace').strip()}")
-        return {"entry": entry_json(await self.stat(sb, dst))}
+        try:
+            return {"entry": entry_json(await sb.files.rename(src, dst))}
+        except FileNotFound:
+            raise ConnectError("not_found", f"path {src} does not exist") from None
 
     async def _rpc_Remove(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:  # noqa: N802
         _, path = await self._path(request, sb, body)
         try:
-            await sb._request("files", FileRemove(path=path), Done)
+            await sb.files.remove(path)
         except FileNotFound:
             raise ConnectError("not_found", f"path {path} does not exist") from None
         return {}
@@ -236,20 +215,21 @@ class Filesystem:
     async def download(self, request: web.Request, sb: AsyncSandbox) -> web.StreamResponse:
         acct = await self._acct(request, sb, request.query.get("username"))
         path = resolve(request.query.get("path", ""), acct.home)
-        first = await sb._request("files", FileRead(path=path, offset=0, length=CHUNK), FileData)
+        info = await sb.files.get_info(path)
+        if info.type == "dir":
+            raise InvalidArgument(f"{path} is a directory")
+        piece = sb.files._chunk()
+        first = await sb.files.read(path, format="bytes", length=piece)
         resp = web.StreamResponse(status=200, headers={
-            "Content-Type": "application/octet-stream", "Content-Length": str(first.size),
-            "Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"',
+            "Content-Type": "application/octet-stream", "Content-Disposition": f'attachment; filename="{posixpath.basename(path)}"',
         })
         await resp.prepare(request)
-        await resp.write(first.data)
-        off = len(first.data)
-        while off < first.size:
-            d = await sb._request("files", FileRead(path=path, offset=off, length=CHUNK), FileData)
-            if not d.data:
-                break
-            await resp.write(d.data)
-            off += len(d.data)
+        await resp.write(first)
+        off = len(first)
+        while len(first) == piece:
+            first = await sb.files.read(path, format="bytes", offset=off, length=piece)
+            await resp.write(first)
+            off += len(first)
         await resp.write_eof()
         return resp
 
@@ -271,14 +251,14 @@ class Filesystem:
                 if not name:
                     raise InvalidArgument("a multipart upload needs ?path= or a filename per part")
                 path = resolve(name, acct.home)
-                await self._write(sb, path, _part_chunks(part))
+                await self._write(sb, path, _part_chunks(part, sb.files._chunk()))
                 await self._chown(sb, acct, path)
                 written.append({"name": posixpath.basename(path), "type": "file", "path": path})
         else:
             if not qpath:
                 raise InvalidArgument("?path= is required")
             path = resolve(qpath, acct.home)
-            await self._write(sb, path, _body_chunks(request))
+            await self._write(sb, path, _body_chunks(request, sb.files._chunk()))
             await self._chown(sb, acct, path)
             written.append({"name": posixpath.basename(path), "type": "file", "path": path})
         return written
@@ -291,30 +271,30 @@ class Filesystem:
             await sb._request("files", FileWrite(path=path, data=piece, offset=off, truncate=off == 0), FileWritten)
             off += len(piece)
         if off == 0:
-            await sb._request("files", FileWrite(path=path, data=b"", offset=0, truncate=True), FileWritten)
+            await sb.files.write(path, b"")
 
 
-async def _gather(read: Callable[[], Awaitable[bytes]]) -> AsyncIterator[bytes]:
-    """Pieces of CHUNK bytes (the last shorter) from a reader returning b"" at the end."""
+async def _gather(read: Callable[[], Awaitable[bytes]], size: int) -> AsyncIterator[bytes]:
+    """Pieces of ``size`` bytes (the last shorter) from a reader returning b"" at the end."""
     buf = bytearray()
     while True:
         got = await read()
         if not got:
             break
         buf += got
-        while len(buf) >= CHUNK:
-            yield bytes(buf[:CHUNK])
-            del buf[:CHUNK]
+        while len(buf) >= size:
+            yield bytes(buf[:size])
+            del buf[:size]
     if buf:
         yield bytes(buf)
 
 
-def _part_chunks(part: BodyPartReader) -> AsyncIterator[bytes]:
-    return _gather(lambda: part.read_chunk(CHUNK))
+def _part_chunks(part: BodyPartReader, size: int) -> AsyncIterator[bytes]:
+    return _gather(lambda: part.read_chunk(size), size)
 
 
-def _body_chunks(request: web.Request) -> AsyncIterator[bytes]:
-    return _gather(lambda: request.content.read(CHUNK))
+def _body_chunks(request: web.Request, size: int) -> AsyncIterator[bytes]:
+    return _gather(lambda: request.content.read(size), size)
 
 
 __all__ = ["Filesystem", "PayloadTooLarge", "entry_json"]

@@ -1,19 +1,18 @@
-"""envd's ``process.Process`` service on the bus: Start, Connect, List, SendSignal (and friends).
+"""envd's ``process.Process`` service on the sandbox's own process ops (``dsec.sbx.<id>.exec`` and ``.proc``).
 
-A command is one streamed exec (``dsec.sbx.<id>.exec`` with ``stream_to``): its output chunks
-become ``data`` events as they arrive. The in-sandbox agent runs it in its own session, and the
-line it runs first reports the session's pid, so the ``start`` event carries the real pid and a
-signal goes to the whole process group. The gateway keeps the commands it started (per sandbox)
-for List and Connect; one that outlives the HTTP stream that started it keeps running.
+Start is a background exec: the agent starts the command (its own session, as the requested user),
+answers with its pid, and streams its output as numbered ``ExecChunk``s to our inbox, the final
+``ExecResult`` last. Connect re-attaches a new inbox to a running command; List, SendSignal,
+SendInput and CloseStdin are the ``Proc*`` ops. A command outlives the HTTP stream that started it
+(the stream leaving only detaches its inbox), as with E2B.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -21,7 +20,9 @@ from aiohttp import web
 
 from bus import codec
 from bus.errors import DsecError, InvalidArgument
-from bus.messages import ExecRequest, ExecResult
+from bus.messages import (
+    Done, ExecChunk, ExecRequest, ExecResult, ProcConnect, ProcDisconnect, ProcessList, ProcessStarted, ProcInput, ProcList, ProcSignal,
+)
 
 from .._async import AsyncSandbox
 from ._connect import ConnectError, ServerStream
@@ -29,124 +30,54 @@ from ._users import Users, resolve, user_of
 
 log = structlog.get_logger("dsec.gateway.process")
 
-PID_MARK = b"\x1edsecpid "
-NO_LIMIT_S = 30 * 86400.0  # a command without a deadline (E2B timeout=0)
-CHUNK_GRACE_S = 5.0  # how long output published before the reply may still trail it
 KEEPALIVE_HEADER = "Keepalive-Ping-Interval"
 KEEPALIVE_S = 50.0
-SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15, 9: 9, 15: 15}
+SIGNALS = {"SIGNAL_SIGKILL": 9, "SIGNAL_SIGTERM": 15}
 
 
-Queue = asyncio.Queue  # of envd events (dicts), None at the end
+def _end(res: ExecResult) -> dict[str, Any]:
+    status = f"exit status {res.exit_code}"
+    if res.signal:
+        status = {9: "signal: killed", 15: "signal: terminated"}.get(res.signal, f"signal: {res.signal}")
+    return {"exitCode": res.exit_code, "exited": True, "status": status}
 
 
-@dataclass
-class Proc:
-    sandbox_id: str
-    pid: int
-    config: dict[str, Any]
-    tag: str = ""
-    listeners: set[asyncio.Queue[dict[str, Any] | None]] = field(default_factory=set)
-    end: dict[str, Any] | None = None
-    error: ConnectError | None = None
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
+class _Inbox:
+    """One stream_to inbox: ExecChunks in order, then the ExecResult."""
 
-    def emit(self, event: dict[str, Any] | None) -> None:
-        for q in self.listeners:
-            q.put_nowait(event)
+    def __init__(self, sb: AsyncSandbox) -> None:
+        self.sb = sb
+        self.inbox = sb._nc.new_inbox()
+        self.q: asyncio.Queue[ExecChunk | ExecResult] = asyncio.Queue()
+        self.sub: Any = None
 
-    def info(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"config": self.config, "pid": self.pid}
-        if self.tag:
-            d["tag"] = self.tag
-        return d
+    async def __aenter__(self) -> "_Inbox":
+        async def on(msg: Any) -> None:
+            with contextlib.suppress(DsecError):
+                self.q.put_nowait(codec.EXEC_STREAM.decode(msg.data))
 
+        self.sub = await self.sb._nc.subscribe(self.inbox, cb=on)
+        return self
 
-def _split_pid(head: bytes) -> tuple[int, bytes]:
-    """The pid the command's first line reports, and the output after it (all of it when unmarked)."""
-    line, _, rest = head.partition(b"\n")
-    if line.startswith(PID_MARK) and line[len(PID_MARK):].isdigit():
-        return int(line[len(PID_MARK):]), rest
-    return 0, head
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
 
 
-def _end(exit_code: int) -> dict[str, Any]:
-    status = {137: "signal: killed", 143: "signal: terminated"}.get(exit_code, f"exit status {exit_code}")
-    return {"exitCode": exit_code, "exited": True, "status": status}
-
-
-def _data(stream: int, data: bytes) -> dict[str, Any]:
-    return {"event": {"data": {"stdout" if stream == 1 else "stderr": base64.b64encode(data).decode()}}}
-
-
-class _Output:
-    """The ExecChunks of one command: the pid line first (it makes the Proc), then data events."""
-
-    def __init__(self, begin: Callable[[int], Proc]) -> None:
-        self._begin = begin
-        self.proc: Proc | None = None
-        self.head: bytes | None = b""  # stderr before the pid line
-        self.pending: list[dict[str, Any]] = []  # stdout before the pid line (none, normally)
-        self.received = 0
-        self.expected = -1
-        self.all_in = asyncio.Event()
-
-    def begin_with(self, pid: int) -> Proc:
-        self.proc = self._begin(pid)
-        for ev in self.pending:
-            self.proc.emit(ev)
-        return self.proc
-
-    async def on_msg(self, msg: Any) -> None:
-        try:
-            ch = codec.EXEC_CHUNK.decode(msg.data)
-        except DsecError:
-            return
-        self.received += 1
-        data = ch.data
-        if self.proc is None and ch.stream == 2 and self.head is not None:
-            self.head += data
-            if b"\n" not in self.head:
-                return
-            pid, data = _split_pid(self.head)
-            self.head = None
-            self.begin_with(pid)
-        if data:
-            ev = _data(ch.stream, data)
-            if self.proc is None:
-                self.pending.append(ev)
-            else:
-                self.proc.emit(ev)
-        if 0 <= self.expected <= self.received:
-            self.all_in.set()
-
-    async def drain(self, chunks: int) -> None:
-        """Output published before the reply may still trail it: wait (bounded) for all of it."""
-        if chunks > self.received:
-            self.expected = chunks
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.all_in.wait(), CHUNK_GRACE_S)
+def _selector(body: dict[str, Any]) -> tuple[int, str]:
+    sel = body.get("process")
+    if not isinstance(sel, dict) or not ("pid" in sel or "tag" in sel):
+        raise InvalidArgument("process selector must name a pid or a tag")
+    try:
+        return int(sel.get("pid") or 0), str(sel.get("tag") or "")
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"process pid must be an integer, got {sel.get('pid')!r}") from None
 
 
 class Processes:
     def __init__(self, users: Users) -> None:
         self.users = users
-        self.procs: dict[str, dict[int, Proc]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
 
-    def _table(self, sid: str) -> dict[int, Proc]:
-        return self.procs.setdefault(sid, {})
-
-    def find(self, sid: str, selector: Any) -> Proc:
-        if not isinstance(selector, dict) or not ("pid" in selector or "tag" in selector):
-            raise InvalidArgument("process selector must name a pid or a tag")
-        for p in self._table(sid).values():
-            if ("pid" in selector and str(p.pid) == str(selector["pid"])) or ("tag" in selector and p.tag and p.tag == selector["tag"]):
-                return p
-        raise ConnectError("not_found", f"process {selector} not found")
-
-    # --- Start ----------------------------------------------------------------------------------------
     async def start(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> web.StreamResponse:
         cfg = body.get("process")
         if not isinstance(cfg, dict) or not isinstance(cfg.get("cmd"), str) or not cfg["cmd"]:
@@ -160,106 +91,77 @@ class Processes:
         if body.get("pty"):
             raise ConnectError("unimplemented", "PTY sessions are not supported by dsec's gateway yet")
         acct = await self.users.account(sb, user_of(request.headers.get("Authorization")))
-        line = await self.users.command(sb, acct, cfg["cmd"], args)
-        cwd = resolve(cfg["cwd"], acct.home) if cfg.get("cwd") else acct.home
-        env = {"HOME": acct.home, "USER": acct.name, "LOGNAME": acct.name, **envs}
+        line = await self.users.command(sb, cfg["cmd"], args)
         timeout_ms = request.headers.get("Connect-Timeout-Ms", "")
-        timeout_s = int(timeout_ms) / 1000 if timeout_ms.isdigit() and int(timeout_ms) > 0 else 0.0
-        req = ExecRequest(cmd=f"printf '\\036dsecpid %s\\n' $$ >&2; exec {line}", envs=env, cwd=cwd, timeout_s=timeout_s)
-        stream = ServerStream(request)
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        started: asyncio.Future[Proc] = asyncio.get_running_loop().create_future()
-        # The command outlives this HTTP stream (a client may go and Connect later): its own task.
-        task = asyncio.create_task(self._run(sb, req, cfg, str(body.get("tag") or ""), q, started))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        try:
-            proc = await asyncio.shield(started)
-        except ConnectError as err:
-            return await stream.close(err)
-        return await self._pump(stream, proc, q, first={"event": {"start": {"pid": proc.pid}}})
+        req = ExecRequest(
+            cmd=line, envs={"HOME": acct.home, "USER": acct.name, "LOGNAME": acct.name, **envs},
+            cwd=resolve(cfg["cwd"], acct.home) if cfg.get("cwd") else acct.home,
+            timeout_s=int(timeout_ms) / 1000 if timeout_ms.isdigit() else 0.0, background=True,
+            user=acct.name if acct.uid != 0 else "", stdin=bool(body.get("stdin")), tag=str(body.get("tag") or ""),
+        )
+        async with _Inbox(sb) as ib:
+            req.stream_to = ib.inbox
+            started: ProcessStarted = await sb._request("exec", req, ProcessStarted)
+            return await self._pump(ServerStream(request), sb, ib, started.pid)
 
-    async def _pump(self, stream: ServerStream, proc: Proc, q: Queue, *, first: dict[str, Any]) -> web.StreamResponse:
-        """Copy a process's events to one HTTP stream; a client that goes away only stops listening.
-        Quiet stretches get keepalive events at the interval the client asked for."""
+    async def connect(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any]) -> web.StreamResponse:
+        pid, tag = _selector(body)
+        async with _Inbox(sb) as ib:
+            started: ProcessStarted = await sb._request("proc", ProcConnect(pid=pid, tag=tag, stream_to=ib.inbox), ProcessStarted)
+            return await self._pump(ServerStream(request), sb, ib, started.pid)
+
+    async def _pump(self, stream: ServerStream, sb: AsyncSandbox, ib: _Inbox, pid: int) -> web.StreamResponse:
+        """The command's events to one HTTP stream; quiet stretches get keepalives. A client that
+        goes away detaches the inbox; the command runs on."""
         ping = stream.request.headers.get(KEEPALIVE_HEADER, "")
         every = max(1.0, float(ping)) if ping.isdigit() else KEEPALIVE_S
         try:
-            await stream.send(first)
+            await stream.send({"event": {"start": {"pid": pid}}})
             while True:
                 try:
-                    ev = await asyncio.wait_for(q.get(), every)
+                    m = await asyncio.wait_for(ib.q.get(), every)
                 except TimeoutError:
                     await stream.send({"event": {"keepalive": {}}})
                     continue
-                if ev is None:
-                    break
-                await stream.send(ev)
-            return await stream.close(proc.error)
+                if isinstance(m, ExecChunk):
+                    await stream.send({"event": {"data": {"stdout" if m.stream == 1 else "stderr": base64.b64encode(m.data).decode()}}})
+                    continue
+                if m.timed_out:
+                    return await stream.close(ConnectError("deadline_exceeded", "the command ran past its timeout and was killed"))
+                await stream.send({"event": {"end": _end(m)}})
+                return await stream.close()
         except (ConnectionResetError, asyncio.CancelledError):
-            log.info("process_stream_left", sandbox_id=proc.sandbox_id, pid=proc.pid)
-            raise
-        finally:
-            proc.listeners.discard(q)
-
-    async def _run(self, sb: AsyncSandbox, req: ExecRequest, cfg: dict[str, Any], tag: str, q: Queue, started: asyncio.Future[Proc]) -> None:
-        def begin(pid: int) -> Proc:
-            proc = Proc(sandbox_id=sb.sandbox_id, pid=pid, config=cfg, tag=tag)
-            proc.listeners.add(q)
-            self._table(sb.sandbox_id)[pid] = proc
-            if not started.done():
-                started.set_result(proc)
-            return proc
-
-        out = _Output(begin)
-        req.stream_to = sb._nc.new_inbox()
-        sub = await sb._nc.subscribe(req.stream_to, cb=out.on_msg)
-        try:
-            res: ExecResult = await sb._request("exec", req, ExecResult, timeout=(req.timeout_s or NO_LIMIT_S) + 10)
-            await out.drain(res.chunks)
-            proc = out.proc or out.begin_with(0)
-            if res.timed_out:
-                proc.error = ConnectError("deadline_exceeded", f"command ran past its {req.timeout_s:g}s timeout and was killed")
-            else:
-                proc.end = _end(res.exit_code)
-                proc.emit({"event": {"end": proc.end}})
-        except Exception as exc:  # noqa: BLE001 - every stream ends with an answer
-            err = ConnectError.of(exc)
-            if out.proc is None:
-                if not started.done():
-                    started.set_exception(err)
-                return
-            out.proc.error = err
-        finally:
+            log.info("process_stream_left", sandbox_id=sb.sandbox_id, pid=pid)
             with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-            if out.proc is not None:
-                out.proc.done.set()
-                out.proc.emit(None)
-                self._table(sb.sandbox_id).pop(out.proc.pid, None)
+                await sb._request("proc", ProcDisconnect(pid=pid, stream_to=ib.inbox), Done, timeout=5)
+            raise
 
-    # --- Connect, List, SendSignal -----------------------------------------------------------------------
-    async def connect(self, request: web.Request, sid: str, body: dict[str, Any]) -> web.StreamResponse:
-        proc = self.find(sid, body.get("process"))
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-        proc.listeners.add(q)
-        if proc.done.is_set():
-            q.put_nowait(None)
-        return await self._pump(ServerStream(request), proc, q, first={"event": {"start": {"pid": proc.pid}}})
-
-    def list(self, sid: str) -> dict[str, Any]:
-        return {"processes": [p.info() for p in self._table(sid).values()]}
-
-    async def signal(self, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:
-        proc = self.find(sb.sandbox_id, body.get("process"))
-        sig = SIGNALS.get(body.get("signal"))  # type: ignore[arg-type]
-        if sig is None:
-            raise ConnectError("invalid_argument", f"signal {body.get('signal')!r}: one of SIGNAL_SIGKILL, SIGNAL_SIGTERM")
-        if proc.pid <= 1:
-            raise ConnectError("failed_precondition", "the process's pid is not known")
-        # The command leads its own session (the agent starts it so): signal the whole group.
-        await sb._request("exec", ExecRequest(cmd=f"kill -{sig} -- -{proc.pid}", timeout_s=10), ExecResult, timeout=20)
+    async def unary(self, method: str, sb: AsyncSandbox, body: dict[str, Any]) -> dict[str, Any]:
+        if method not in ("List", "SendSignal", "SendInput", "CloseStdin"):
+            raise ConnectError("unimplemented", f"process.Process/{method} is not implemented by dsec's gateway yet")
+        if method == "List":
+            res: ProcessList = await sb._request("proc", ProcList(), ProcessList)
+            return {"processes": [
+                {"config": {"cmd": p.cmd, "envs": p.envs, "cwd": p.cwd}, "pid": p.pid, **({"tag": p.tag} if p.tag else {})} for p in res.processes
+            ]}
+        pid, tag = _selector(body)
+        if method == "SendSignal":
+            sig = SIGNALS.get(body.get("signal"))  # type: ignore[arg-type]
+            if sig is None:
+                raise ConnectError("invalid_argument", f"signal {body.get('signal')!r}: one of {', '.join(SIGNALS)}")
+            await sb._request("proc", ProcSignal(pid=pid, tag=tag, signal=sig), Done)
+            return {}
+        if method == "SendInput":
+            inp = body.get("input") or {}
+            raw = inp.get("stdin", inp.get("pty", "")) if isinstance(inp, dict) else ""
+            try:
+                data = base64.b64decode(raw, validate=True)
+            except (binascii.Error, TypeError):
+                raise ConnectError("invalid_argument", "input.stdin must be base64") from None
+            await sb._request("proc", ProcInput(pid=pid, tag=tag, data=data), Done)
+            return {}
+        await sb._request("proc", ProcInput(pid=pid, tag=tag, close=True), Done)  # CloseStdin
         return {}
 
 
-__all__ = ["Proc", "Processes"]
+__all__ = ["Processes"]

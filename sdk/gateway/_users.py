@@ -2,8 +2,8 @@
 
 E2B runs commands with ``/bin/bash -l -c`` as the user named in the ``Authorization: Basic`` header
 of an envd request (default ``user``, home ``/home/user``) and resolves relative paths against that
-home. dsec honours the named user when the template has the account (``/etc/passwd``) and util-linux
-``setpriv`` to switch to it (the Python template has both). A template without them — the busybox
+home. dsec honours the named user when the template has the account (``/etc/passwd``; the in-sandbox
+agent switches to it; the Python template has ``user``). A template without it — the busybox
 ``base`` — falls back, documented: no ``user`` account means root with home ``/root`` (or ``/``),
 and no ``/bin/bash`` means ``/bin/sh`` runs the command instead.
 """
@@ -18,7 +18,6 @@ import shlex
 from dataclasses import dataclass, field
 
 from bus.errors import FileNotFound, InvalidArgument
-from bus.messages import Exists, FileData, FileExists, FileRead
 
 from .._async import AsyncSandbox
 
@@ -39,7 +38,6 @@ class SandboxFacts:
     """What a template offers, read once per sandbox."""
 
     bash: bool
-    setpriv: bool
     accounts: dict[str, Account] = field(default_factory=dict)
 
 
@@ -74,17 +72,14 @@ class Users:
         if f is not None:
             return f
 
-        async def exists(path: str) -> bool:
-            return (await sb._request("files", FileExists(path=path), Exists)).exists
-
         async def passwd() -> str:
             try:
-                return (await sb._request("files", FileRead(path="/etc/passwd", length=1 << 20), FileData)).data.decode("utf-8", "replace")
+                return str(await sb.files.read("/etc/passwd", length=1 << 20))
             except FileNotFound:
                 return ""
 
-        bash, setpriv, pw = await asyncio.gather(exists("/bin/bash"), exists("/usr/bin/setpriv"), passwd())
-        f = SandboxFacts(bash=bash, setpriv=setpriv, accounts=parse_passwd(pw))
+        bash, pw = await asyncio.gather(sb.files.exists("/bin/bash"), passwd())
+        f = SandboxFacts(bash=bash, accounts=parse_passwd(pw))
         if len(self._facts) >= FACTS_CACHE:
             self._facts.pop(next(iter(self._facts)))
         self._facts[sb.sandbox_id] = f
@@ -102,19 +97,13 @@ class Users:
             root = facts.accounts.get("root")
             home = root.home if root else "/"
             return Account(name="root", uid=0, gid=0, home=home)  # documented fallback (no `user` account)
-        if acct.uid != 0 and not facts.setpriv:
-            raise InvalidArgument(f"template of sandbox {sb.sandbox_id} cannot switch to user {user!r} (no util-linux setpriv)")
         return acct
 
-    async def command(self, sb: AsyncSandbox, acct: Account, cmd: str, args: list[str]) -> str:
-        """A ``/bin/sh -c`` line that runs ``cmd args`` as ``acct``."""
-        facts = await self.facts(sb)
-        if cmd == "/bin/bash" and not facts.bash:
+    async def command(self, sb: AsyncSandbox, cmd: str, args: list[str]) -> str:
+        """A ``/bin/sh -c`` line that runs ``cmd args`` (the agent runs it as the account)."""
+        if cmd == "/bin/bash" and not (await self.facts(sb)).bash:
             cmd = "/bin/sh"  # documented fallback for templates without bash (busybox sh takes -l -c)
-        argv = [cmd, *args]
-        if acct.uid != 0:
-            argv = ["/usr/bin/setpriv", f"--reuid={acct.uid}", f"--regid={acct.gid}", "--init-groups", "--", *argv]
-        return shlex.join(argv)
+        return shlex.join([cmd, *args])
 
 
 def resolve(path: str, home: str) -> str:

@@ -171,6 +171,11 @@ def _e2b_flow(gw: Gw) -> None:
         with pytest.raises(CommandExitException):
             h.wait()
         assert sb.commands.run(f"kill -0 {h.pid} 2>/dev/null || echo gone").stdout == "gone\n"
+        # stdin: a command reading it, fed and closed through envd.
+        h = sb.commands.run("cat; echo done", background=True, stdin=True)
+        h.send_stdin("to stdin\n")
+        h.close_stdin()
+        assert h.wait().stdout == "to stdin\ndone\n"
         # Leave a background command and connect to it again: its output from then on, and its end.
         h = sb.commands.run("while [ ! -e /tmp/go2 ]; do sleep 0.05; done; echo later; exit 5", background=True)
         h.disconnect()
@@ -338,7 +343,9 @@ def _ports(gw: Gw) -> None:
             assert time.monotonic() < deadline, got
             time.sleep(0.05)  # poll interval: nc starts in the background
         assert got == (200, b"ok")
-        seen = sb.files.read("/tmp/req")
+        while not (seen := sb.files.read("/tmp/req")).endswith("\r\n\r\n"):  # nc writes what it got as it goes
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)  # poll interval
         assert seen.startswith("GET /seen?q=1 HTTP/1.1\r\n") and "X-Extra: kept" in seen, seen
         assert gw.key_a.split(".")[1] not in seen and "x-api-key" not in seen.lower(), seen
         # The sandbox's network is still closed: loopback only.
