@@ -189,10 +189,14 @@ async def _audit(args: argparse.Namespace) -> int:
 async def _api_key(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from bus.auth import load_client_context
+
     from .gateway._keys import create_api_key, wait_usable
 
+    ctx = load_client_context()
+    data_dir = args.data_dir or (ctx.data_dir if ctx and ctx.data_dir else "/var/lib/dsec")
     try:
-        key = create_api_key(Path(args.data_dir) / "auth.json", args.name)
+        key = create_api_key(Path(data_dir) / "auth.json", args.name)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsec: {exc}", file=sys.stderr)
         return 2
@@ -285,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     aks = ak.add_subparsers(dest="key_cmd", required=True)
     akc = aks.add_parser("create", help="print a new API key")
     akc.add_argument("--name", default="key", help="a label, part of the key's NATS user name")
-    akc.add_argument("--data-dir", default="/var/lib/dsec", help="the data dir of `dsec up` (its auth.json)")
+    akc.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (its auth.json; default: the client context's, else /var/lib/dsec)")
     akc.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
 
     sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
