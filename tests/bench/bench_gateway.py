@@ -92,7 +92,8 @@ def main() -> None:
     data = Path(tempfile.mkdtemp(prefix="dsec-bench-gw-", dir="/tmp"))
     port, http_port = free_port(), free_port()
     nats_url, gw = f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"}
+    context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DSEC_CONTEXT": str(context)}
     log = open(data.parent / f"{data.name}.log", "wb")  # noqa: SIM115 - the child's log, closed in the finally
     up = subprocess.Popen([sys.executable, "-m", "sdk.cli", "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                            "--host-id", f"bench-{data.name[-6:]}"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,6 +139,7 @@ def main() -> None:
         log.close()
         shutil.rmtree(data, ignore_errors=True)
         (data.parent / f"{data.name}.log").unlink(missing_ok=True)
+        context.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

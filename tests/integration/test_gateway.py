@@ -77,7 +77,8 @@ async def gw() -> Any:
     data = Path(tempfile.mkdtemp(prefix=f"dsec-gw-{uuid.uuid4().hex[:6]}-", dir="/tmp"))
     port, http_port = free_port(), free_port()
     nats_url = f"nats://127.0.0.1:{port}"
-    env = subprocess_env(nats_url)
+    context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer: other stacks run too
+    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context))
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                 "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"], env, data.parent / f"{data.name}.log").start()
     try:
@@ -106,9 +107,9 @@ async def gw() -> Any:
             await force_cleanup(data)
         if not data_dir_leftovers(data):
             shutil.rmtree(data, ignore_errors=True)
-            log = data.parent / f"{data.name}.log"
-            if log.exists():
-                os.unlink(log)
+            for f in (data.parent / f"{data.name}.log", context):
+                if f.exists():
+                    os.unlink(f)
 
 
 def _status(url: str) -> int:
