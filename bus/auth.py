@@ -63,6 +63,8 @@ _CLIENT_PUBLISH = [
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
+MONITOR_ROLE = "monitor"  # the gateway's /metrics and /dashboard: scrape every service, read hosts, sandboxes, events
+ENV_MONITOR_URL = "DSEC_MONITOR_NATS_URL"  # the monitor's NATS URL, handed to the gateway by `dsec up`
 
 ROLE_PERMISSIONS: dict[str, dict] = {
     # Services are trusted processes of the control plane.
@@ -76,6 +78,11 @@ ROLE_PERMISSIONS: dict[str, dict] = {
     },
     "guard": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
+    # Read-only: asks for metrics (the services answer its inbox), reads KV and the event stream, hears events.
+    MONITOR_ROLE: {
+        "publish": {"allow": [S.METRICS_SCRAPE, *_client_js_api()]},
+        "subscribe": {"allow": [f"{NAMED_INBOXES}.{MONITOR_ROLE}.>", S.EVT_ALL]},
+    },
     # What the SDK and the CLI get without credentials (connected through bus.runtime.connect, which
     # puts their inboxes under _INBOX.u.client).
     "client": {
@@ -84,7 +91,7 @@ ROLE_PERMISSIONS: dict[str, dict] = {
     },
 }
 
-SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin")
+SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE)
 SANDBOX_USER_PREFIX = "sbx-"
 CLIENT_USER_PREFIX = "cli-"
 

@@ -94,7 +94,7 @@ def host_all(host_id: str) -> str:
 
 
 # --- live sandbox ops (core request/reply) -----------------------------------
-SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack")
+SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port")
 
 
 def sbx(sandbox_id: str, op: str) -> str:
@@ -118,6 +118,7 @@ def evt_sandbox_all(sandbox_id: str) -> str:
 
 
 EVT_SANDBOX_ALL = f"{PREFIX}.evt.sandbox.>"
+EVT_ALL = EVT_SUBJECTS[0]
 
 
 def evt_host(host_id: str, kind: str) -> str:

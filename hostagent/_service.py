@@ -44,6 +44,8 @@ from bus.messages import (
     MetricsRequest,
     PlaceBatch,
     PlaceSandbox,
+    PortOpen,
+    PortSend,
     ProcessStarted,
     ProcConnect,
     ProcDisconnect,
@@ -63,6 +65,7 @@ from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._backend import Backend, Handle
+from ._ports import PortRelay
 from ._execio import ExecIO, encode_reply
 from ._metrics import HostMetrics
 from ._profiles import ProfileCache
@@ -155,6 +158,7 @@ class HostAgent(Service):
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: Publisher | None = None
         self.m = HostMetrics(self)
+        self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
         self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -719,6 +723,7 @@ class HostAgent(Service):
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
+        await self.ports.drop(sid)
         await self.backend.destroy(sid)
         self._forget(sid)
         if ls is not None and publish:
@@ -810,6 +815,8 @@ class HostAgent(Service):
                 self._save(ls)
                 await self._record(ls, "running")
                 return Done()
+            case PortOpen() | PortSend():
+                return await self.ports.handle(handle, req)
             case InfoRequest():
                 return SandboxInfo(
                     sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,

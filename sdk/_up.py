@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.auth import OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
+from bus.auth import ENV_MONITOR_URL, MONITOR_ROLE, OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
 from bus.errors import DsecError
 from bus.natsd import NatsServer, NatsServerError
 from bus.sign import ENV_CONTROL_KEY
@@ -37,7 +37,8 @@ SERVICES_FILE = "services.json"
 
 @dataclass(frozen=True)
 class Service:
-    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth).
+    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth;
+    "" for none: the gateway, whose every API key is its own NATS user).
 
     ``argv`` items are formatted with the stack's settings: every ``dsec up`` option by its dest
     (``{backend}``, ``{concurrency}``, ...), ``{data}`` (the resolved data dir) and ``{host_id}``;
@@ -49,7 +50,6 @@ class Service:
     grace_s: float = 15.0
     control_key: bool = False  # placement signs host work with it; host agents run nothing else (bus.sign)
     replicas: str = ""
-    enabled_by: str = ""  # the option that must be set (non-zero) for it to run at all
 
 
 # Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
@@ -59,8 +59,7 @@ SERVICES: tuple[Service, ...] = (
     Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}")),
     Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
-    # /metrics (every service's, gathered on the bus) and /dashboard; it reads the whole control plane.
-    Service("gateway", "admin", ("sdk.gateway._standalone", "--http-port", "{http_port}"), enabled_by="http_port"),
+    Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
 )
@@ -317,14 +316,30 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
     settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
     out = []
     for svc in SERVICES:
-        if svc.enabled_by and not getattr(args, svc.enabled_by):
-            continue
         n = getattr(args, svc.replicas) if svc.replicas else 1
         for i in range(n):
             name = f"{svc.name}-{i}" if svc.replicas else svc.name
             argv = [sys.executable, "-m", *(a.format(**settings) for a in svc.argv)]
             out.append(Child(name, argv, env_of(svc), logs / f"{name}.log", svc.grace_s))
     return out
+
+
+async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
+    """`dsec api-key create` adds NATS users to the auth file: have the server load them."""
+    seen = auth_file.stat().st_mtime_ns
+    while not sup.stopping.is_set():
+        try:
+            await asyncio.wait_for(sup.stopping.wait(), TICK_S)
+        except asyncio.TimeoutError:
+            pass
+        now = auth_file.stat().st_mtime_ns
+        if now != seen and not sup.stopping.is_set():
+            seen = now
+            try:
+                await asyncio.to_thread(sup.nats.server.reload, AuthConfig.load_or_create(auth_file).config_block())
+                _say("reloaded NATS users (a new API key)")
+            except NatsServerError as exc:
+                _say(f"could not reload NATS users: {exc}")
 
 
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
@@ -338,14 +353,18 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         url = sup.nats.server.url
         write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
         tend = asyncio.create_task(sup.tend())
+        users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
         st = await _wait_ready(url, time.monotonic() + args.ready_timeout, sup)
         if st:
             _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
-            if args.http_port:
-                _say(f"metrics: http://127.0.0.1:{args.http_port}/metrics (every service), dashboard: http://127.0.0.1:{args.http_port}/dashboard")
-            _say(f"metrics on the bus: request {METRICS_SCRAPE} (every process answers) or dsec.metrics.<service>.<instance>")
+            gw = f"http://127.0.0.1:{args.http_port}"
+            _say(f"gateway (E2B API, envd, REST /v1, /openapi.json) at {gw}; an API key: dsec api-key create --data-dir {data}")
+            _say(f"export E2B_API_URL={gw} E2B_SANDBOX_URL={gw}")
+            _say(f"metrics: {gw}/metrics (every service), dashboard: {gw}/dashboard; on the bus: request {METRICS_SCRAPE} (every process answers)")
             _say(f"`dsec` and the SDK on this machine reach it as the operator (context {pointer}); Ctrl-C stops everything")
         await sup.stopping.wait()
+        if users is not None:
+            await users
     except DsecError as exc:
         print(f"dsec up: {exc.description}", file=sys.stderr)
         rc = 1
@@ -376,9 +395,11 @@ def run_up(args: argparse.Namespace) -> int:
 
     def env_of(svc: Service) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth else nats.url}
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth and svc.role else nats.url}
         if auth and svc.control_key:
             e[ENV_CONTROL_KEY] = auth.control_key
+        if auth and svc.name == "gateway":
+            e[ENV_MONITOR_URL] = auth.url_for(MONITOR_ROLE, nats.url)  # its /metrics and /dashboard (read-only)
         return e
 
     pointer = Path(args.context) if args.context else default_context_path()

@@ -8,6 +8,9 @@ routes open one connection of their own on first use, closed with the app.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -48,6 +51,26 @@ class BusLink:
 
 
 LINK_KEY = web.AppKey("dsec_bus_link", BusLink)
+ENV_PUBLIC = "DSEC_MONITOR_PUBLIC"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def operator_only(handler: Handler) -> Handler:
+    """The operator's view (every tenant's sandboxes, the whole control plane): answered on loopback
+    only, unless $DSEC_MONITOR_PUBLIC=1 (the compose stack, whose published port is on 127.0.0.1)."""
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        if os.environ.get(ENV_PUBLIC) != "1":
+            try:
+                local = ipaddress.ip_address(request.remote or "").is_loopback
+            except ValueError:
+                local = False
+            if not local:
+                raise web.HTTPForbidden(reason=f"{request.path} is served to this machine only (set {ENV_PUBLIC}=1 to serve it to any address)")
+        return await handler(request)
+
+    return guarded
 
 
 def link_of(app: web.Application, client: Any) -> BusLink:
@@ -59,4 +82,4 @@ def link_of(app: web.Application, client: Any) -> BusLink:
     return link
 
 
-__all__ = ["BusLink", "link_of"]
+__all__ = ["BusLink", "link_of", "operator_only"]

@@ -27,7 +27,7 @@ from bus.runtime import scrape_all
 
 from .._admin import cluster_status
 from .._async import AsyncSandbox
-from ._buslink import BusLink, link_of
+from ._buslink import BusLink, link_of, operator_only
 
 log = get_logger("dsec.gateway.dashboard")
 
@@ -181,9 +181,9 @@ def add_routes(app: web.Application, client: Any) -> Dashboard:
     app[APP_KEY] = dash
     app.on_startup.append(dash.start)
     app.on_shutdown.append(dash.stop)  # before the link closes (on_cleanup)
-    app.router.add_get("/dashboard", dash.page)
-    app.router.add_get("/dashboard/state", dash.state)
-    app.router.add_get("/dashboard/events", dash.events)
+    app.router.add_get("/dashboard", operator_only(dash.page))
+    app.router.add_get("/dashboard/state", operator_only(dash.state))
+    app.router.add_get("/dashboard/events", operator_only(dash.events))
     return dash
 
 

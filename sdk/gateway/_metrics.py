@@ -15,7 +15,7 @@ from aiohttp import web
 from bus.metrics import CONTENT_TYPE, Registry, merge, process_collector
 from bus.runtime import scrape_all
 
-from ._buslink import link_of
+from ._buslink import link_of, operator_only
 
 APP_KEY = web.AppKey("dsec_metrics", Registry)
 
@@ -40,7 +40,7 @@ def add_routes(app: web.Application, client: Any) -> None:
         text = merge([r.text for r in replies] + [await own.scrape()])
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", operator_only(metrics))
 
 
 __all__ = ["add_routes"]

@@ -30,9 +30,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 @contextlib.asynccontextmanager
 async def gateway(stack: Stack) -> AsyncIterator[str]:
-    from sdk.gateway._standalone import make_app
+    from sdk.gateway import GatewayConfig, make_app
 
-    runner = web.AppRunner(make_app(stack.url))
+    runner = web.AppRunner(make_app(GatewayConfig(nats_url=stack.url)))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -98,3 +98,30 @@ def test_merge_groups_each_family_once() -> None:
     vals = {(n, lab.get("instance"), lab.get("le")): v for n, lab, v in parse(text)}
     assert vals[("dsec_c_total", "a", None)] == 1 and vals[("dsec_c_total", "b", None)] == 2
     assert vals[("dsec_h_seconds_bucket", "b", "+Inf")] == 1 and vals[("dsec_only_b", "b", None)] == 7
+
+
+async def test_the_operator_view_is_served_to_this_machine_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from unittest import mock
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from sdk.gateway._buslink import ENV_PUBLIC, operator_only
+
+    async def page(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    guarded = operator_only(page)
+
+    def from_addr(ip: str) -> web.Request:
+        transport = mock.Mock()
+        transport.get_extra_info.side_effect = lambda name, default=None: (ip, 40000) if name == "peername" else default
+        return make_mocked_request("GET", "/dashboard", transport=transport)
+
+    monkeypatch.delenv(ENV_PUBLIC, raising=False)
+    assert (await guarded(from_addr("127.0.0.1"))).text == "ok"  # positive control
+    assert (await guarded(from_addr("::1"))).text == "ok"
+    with pytest.raises(web.HTTPForbidden):
+        await guarded(from_addr("192.0.2.7"))
+    monkeypatch.setenv(ENV_PUBLIC, "1")
+    assert (await guarded(from_addr("192.0.2.7"))).text == "ok"
