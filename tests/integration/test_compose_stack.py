@@ -118,6 +118,10 @@ def _dsec_cgroups(pids: dict[int, str]) -> set[str]:
     return names
 
 
+def _cgroup_name(proc_self_cgroup: str) -> str:
+    return next(ln.split("/dsec/", 1)[1].split("/")[0] for ln in proc_self_cgroup.splitlines() if "/dsec/" in ln)
+
+
 def _still_running(pids: dict[int, str]) -> list[int]:
     alive = []
     for pid, started in pids.items():
@@ -153,7 +157,8 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
         url = f"nats://127.0.0.1:{nats_port}"
         with Sandbox.create(template="base", memory_mb=64, timeout=300, nats_url=url, create_timeout=120) as sb:
             r = sb.commands.run("echo from-compose; cat /proc/self/cgroup")
-            assert r.stdout.startswith("from-compose\n") and f"/dsec/{sb.sandbox_id}" in r.stdout
+            assert r.stdout.startswith("from-compose\n") and "/dsec/" in r.stdout
+            names = {_cgroup_name(r.stdout)}  # the sandbox id, or a warm-pool container's id it was given
             sb.files.write("/tmp/compose.txt", "written in the compose stack")
             assert sb.files.read("/tmp/compose.txt") == "written in the compose stack"
             assert sb.sandbox_id in {s.sandbox_id for s in Sandbox.list(nats_url=url)}
@@ -172,11 +177,30 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
             for svc in running.values():  # every service still up, none restarted (a crash loop shows here)
                 status, restarts = _docker("inspect", "-f", "{{.State.Status}} {{.RestartCount}}", svc["Name"]).split()
                 assert (status, restarts) == ("running", "0"), (svc, status, restarts, _docker("logs", "--tail", "20", svc["Name"]))
-            agent_pid = int(_docker("inspect", "-f", "{{.State.Pid}}", running["hostagent"]["Name"]).strip())
-            touched = _descendants(agent_pid)  # its containerd, the shims, the sandboxes' processes
-            touched[agent_pid] = ""
-            cgroups = _dsec_cgroups(touched)
-            assert sb.sandbox_id in cgroups, cgroups
+            # The unmodified e2b SDK through the stack's gateway (NATS has no passwords here: any
+            # well-formed key is accepted as the user it names).
+            from e2b import Sandbox as E2BSandbox
+
+            from sdk.gateway._keys import make_key
+
+            gw = f"http://127.0.0.1:{http_port}"
+            key = make_key("cli-compose", uuid.uuid4().hex)
+            e2b_sb = E2BSandbox.create("base", timeout=120, api_key=key, api_url=gw, sandbox_url=gw, request_timeout=60)
+            try:
+                out = e2b_sb.commands.run("echo from-e2b; cat /proc/self/cgroup").stdout
+                assert out.startswith("from-e2b\n")
+                names.add(_cgroup_name(out))
+                e2b_sb.files.write("/tmp/e2b.txt", "through the gateway")
+                assert e2b_sb.files.read("/tmp/e2b.txt") == "through the gateway"
+                e2b_id = e2b_sb.sandbox_id
+                assert e2b_id in {x["sandbox_id"] for x in json.loads(urllib.request.urlopen(f"{gw}/dashboard/state", timeout=20).read())["sandboxes"]}
+                agent_pid = int(_docker("inspect", "-f", "{{.State.Pid}}", running["hostagent"]["Name"]).strip())
+                touched = _descendants(agent_pid)  # its containerd, the shims, the sandboxes' processes
+                touched[agent_pid] = ""
+                cgroups = _dsec_cgroups(touched)
+                assert len(names) == 2 and names <= cgroups, (names, cgroups)
+            finally:
+                e2b_sb.kill()
     finally:
         import sdk._async
         import sdk._sync
