@@ -127,12 +127,15 @@ def _sandbox(args: argparse.Namespace) -> int:
             sb = Sandbox.connect(args.sandbox_id, **kw)
             # One argument is a shell command line; several are an argv, quoted so the shell keeps them apart.
             cmd = shlex.join(args.command) if len(args.command) > 1 else args.command[0]
+            # Streamed as it comes (output of any size); the result itself need not carry it again.
             try:
-                r = sb.commands.run(cmd, timeout=args.timeout, cwd=args.cwd)
+                r = sb.commands.run(
+                    cmd, timeout=args.timeout, cwd=args.cwd, on_stdout=sys.stdout.write, on_stderr=sys.stderr.write, output_cap=0,
+                )
             except CommandExitError as exc:
                 r = exc.result
-            sys.stdout.write(r.stdout)
-            sys.stderr.write(r.stderr)
+            finally:
+                sys.stdout.flush()
             return r.exit_code
         elif args.sbx_cmd == "ls":
             items = Sandbox.list(**kw)

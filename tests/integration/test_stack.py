@@ -286,6 +286,36 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
         await sb.files.write("/tmp/after.bin", b"x" * MiB)
 
 
+
+async def test_a_small_cpu_share_is_in_force_once_created(stack: Stack) -> None:
+    """A container starts with the start-up share (its runc init and agent are not throttled by a
+    tiny share) and runs under its own share from the moment its create is answered: cold, and
+    claimed from the warm pool."""
+    from hostagent._container import START_CPU
+
+    cg = "/sys/fs/cgroup/cpu/dsec"
+    disk = 40  # a disk size no other test asks for: the first create of it finds no warm container
+
+    def quota_shares(cid: str) -> tuple[int, int]:
+        return int(_read(f"{cg}/{cid}/cpu.cfs_quota_us")), int(_read(f"{cg}/{cid}/cpu.shares"))
+
+    def waiting() -> list[str]:
+        return [cid for key, entries in stack.backend._pool.items() if key[1] == disk for cid, _, _ in entries]
+
+    async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as cold:
+        assert stack.cid(cold.sandbox_id) == cold.sandbox_id  # started for this sandbox
+        assert quota_shares(cold.sandbox_id) == (2_000, 20)  # 0.02 of a CPU: 2 ms per 100 ms
+        await eventually(waiting, timeout=60, what="a warm container of that disk size")
+        # Positive control: a waiting pool container runs with the start-up share.
+        assert quota_shares(waiting()[0]) == (int(START_CPU * 100_000), int(START_CPU * 1024))
+        async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as warm:
+            cid = stack.cid(warm.sandbox_id)
+            assert cid.startswith("wp-")  # claimed from the pool
+            assert quota_shares(cid) == (2_000, 20)
+            assert int(_read(f"/sys/fs/cgroup/memory/dsec/{cid}/memory.limit_in_bytes")) == 32 * MiB
+            assert (await warm.commands.run("echo up")).stdout == "up\n"
+
+
 # -------------------------------------------------------------------------------- errors by name
 async def test_unknown_template_and_killed_sandbox(stack: Stack) -> None:
     with pytest.raises(UnknownTemplate, match=f"nope-{stack.uid}"):
