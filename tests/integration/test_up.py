@@ -96,7 +96,8 @@ async def running_up(tag: str) -> AsyncIterator[Up]:
     host_id = f"{tag}-{uid}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST") and k != "DSEC_NATS_URL"}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", DSEC_NET_PREFIX=NET_PREFIX, DSEC_NET_POOL=NET_POOL, DSEC_NFLOG_GROUP=NFLOG_GROUP)
-    child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", host_id, "--ready-timeout", "240", "--context", str(pointer)],
+    child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(free_port()), "--host-id", host_id,
+                   "--ready-timeout", "240", "--context", str(pointer)],
                   env, data.parent / f"{data.name}.log").start()
     u = Up(child, data, pointer, f"nats://127.0.0.1:{port}", host_id)
     try:
@@ -134,7 +135,7 @@ async def test_client_context_reaches_the_stack_as_the_operator(up: Up) -> None:
     assert st["ok"] and any(h["host_id"] == up.host_id and h["state"] == "ready" for h in st["hosts"])
     assert ctx.password not in out and st["nats_url"].endswith(f"@127.0.0.1:{up.url.rsplit(':', 1)[1]}")
     names = {s["name"]: s for s in st["services"]}
-    assert set(names) == {"nats-server", "imaged", "lazy-loader", "placement-0", "guard", "hostagent"}
+    assert set(names) == {"nats-server", "imaged", "lazy-loader", "placement-0", "guard", "gateway", "hostagent"}
     assert all(s["state"] == "running" and s["pid"] and s["restarts"] == 0 and s["up_since"] for s in names.values()), names
     rc, out, _ = await dsec("status", env=up.env())
     assert rc == 0 and "services (dsec up):" in out and "hostagent" in out and ctx.password not in out
