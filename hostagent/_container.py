@@ -8,7 +8,7 @@ import errno as _errno
 import json
 import os
 import subprocess
-
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,54 @@ def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
     for f in order:
         if f.exists():
             f.write_text(limit)
+
+
+def _cgroups_of(cid: str) -> list[Path]:
+    return [p for p in CGROUP_ROOT.glob(f"*/{CGROUP_PARENT.lstrip('/')}/{cid}") if p.is_dir()]
+
+
+def _remove_cgroups(cid: str) -> None:
+    """runc removes a container's cgroups with its task; one left behind (a process that outlived
+    its shim) is emptied and removed here. Only ever called for containers of this backend."""
+    for p in _cgroups_of(cid):
+        try:
+            for pid in (p / "cgroup.procs").read_text().split():
+                _kill(int(pid))
+            os.rmdir(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # still busy: the leftovers check reports it and the kill is retried
+            log.info("cgroup_busy", cgroup=str(p), error=str(exc))
+
+
+def _mounts_of(cid: str) -> list[str]:
+    """Mount points with ``cid`` as a path component (its scratch fs, its rootfs overlay)."""
+    comp = f"/{cid}/"
+    with open("/proc/self/mountinfo") as f:
+        return [mp for mp in (line.split()[4] for line in f) if comp in mp + "/"]
+
+
+class _LoopScan:
+    """Backing files of the loop devices, read at most once a second: a burst of kills checks them
+    all from one listing (reading every /sys/block/loop* per kill would cost O(sandboxes) each)."""
+
+    TTL_S = 1.0
+
+    def __init__(self) -> None:
+        self._at = 0.0
+        self._backing: list[tuple[str, str]] = []
+
+    def bound(self, image: str) -> list[str]:
+        now = time.monotonic()
+        if now - self._at > self.TTL_S:
+            backing = []
+            for dev in Path("/sys/block").glob("loop*"):
+                try:
+                    backing.append((dev.name, (dev / "loop" / "backing_file").read_text().strip()))
+                except OSError:
+                    continue
+            self._backing, self._at = backing, now
+        return [f"{name} -> {b}" for name, b in self._backing if b == image or b.startswith(image + " ")]
 
 
 def _children(pid: int) -> list[int]:
@@ -163,6 +211,8 @@ class ContainerBackend:
         self._warm_info: dict[str, AgentInfo] = {}
         self._retiring: set[asyncio.Task[None]] = set()  # removals of warm containers of a changed profile
         self._stopping = False
+        self._starting: set[str] = set()  # containers being started (not yet in any table): not orphans
+        self._loops = _LoopScan()
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -353,6 +403,17 @@ class ContainerBackend:
     ) -> tuple[int, str, str, AgentInfo]:
         """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
         assert self.rt is not None
+        self._starting.add(cid)
+        try:
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels)
+        finally:
+            self._starting.discard(cid)
+
+    async def _start_once(
+        self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
+        labels: dict[str, str] | None,
+    ) -> tuple[int, str, str, AgentInfo]:
+        assert self.rt is not None
         try:
             sdir = await self.scratch.allocate_async(cid, disk_mb)
         except ScratchError as exc:
@@ -510,7 +571,62 @@ class ContainerBackend:
         raise CreateFailed(f"sandbox agent did not start: {why}")
 
     async def destroy(self, sandbox_id: str) -> None:
-        await self._remove(self._cid.pop(sandbox_id, sandbox_id), sandbox_id)
+        # The container id is kept until leftovers() finds nothing: a retried kill of a sandbox
+        # from the warm pool removes the same container.
+        await self._remove(self._cid.get(sandbox_id, sandbox_id), sandbox_id)
+
+    async def leftovers(self, sandbox_id: str) -> list[str]:
+        assert self.rt is not None
+        cid = self._cid.get(sandbox_id, sandbox_id)
+        left = [f"container {cid}"] if await self.rt.exists(cid) else []
+        left += await asyncio.to_thread(self._host_leftovers, sandbox_id, cid)
+        if not left:
+            self._cid.pop(sandbox_id, None)
+        return left
+
+    def _host_leftovers(self, sandbox_id: str, cid: str) -> list[str]:
+        left = [f"cgroup {p}" for p in _cgroups_of(cid)]
+        left += [f"mount {m}" for m in _mounts_of(cid)]
+        netns = self.net.netns_path(sandbox_id)
+        if os.path.lexists(netns):
+            left.append(f"netns {netns}")
+        for p in (self.scratch.path(cid), self.scratch.image_path(cid)):
+            if os.path.lexists(p):
+                left.append(f"scratch {p}")
+        left += [f"loop {d}" for d in self._loops.bound(self.scratch.image_path(cid))]
+        return left
+
+    async def reconcile(self, known: set[str], running: set[str]) -> tuple[set[str], list[str]]:
+        """Drift both ways against containerd and this data dir's scratch disks. (Network namespaces and
+        cgroups are named in kernel-wide places other host agents on the machine share: only those of
+        containers removed here are touched.)"""
+        assert self.rt is not None
+        removed: list[str] = []
+        pooled = {cid for entries in self._pool.values() for cid, _, _ in entries} | set(self._warm_info)
+        by_sid: dict[str, Any] = {}
+        present: set[str] = set()
+        for c in await self.rt.list():
+            sid = c.labels.get(LABEL_SANDBOX, "")
+            if sid:
+                by_sid[sid] = c
+            if c.id in self._starting or c.id in pooled or (sid or c.id) in known or c.id in self._cid.values():
+                present.add(c.id)
+                continue
+            log.warning("removing_orphan_container", container=c.id, sandbox_id=sid, status=c.status)
+            try:
+                await self._remove(c.id, sid or None)
+                removed.append(f"container {c.id}")
+            except Exception as exc:  # noqa: BLE001 - the next pass tries again
+                log.warning("orphan_remove_failed", container=c.id, error=str(exc))
+                present.add(c.id)
+        lost = {sid for sid in running if sid not in by_sid or by_sid[sid].status not in ("running", "paused", "pausing")}
+        keep = present | self._starting | set(self._cid.values()) | known
+        for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):
+            if cid not in keep:
+                log.warning("releasing_orphan_scratch", container=cid)
+                await self.scratch.release_async(cid)
+                removed.append(f"scratch {cid}")
+        return lost, removed
 
     async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None
@@ -521,12 +637,13 @@ class ContainerBackend:
         # Leave the shim group before the delete: a container started meanwhile must not join a shim
         # whose last member is going away (that shim would exit under it).
         self._leave_group(cid)
-        try:
-            await self.rt.delete(cid)
-        finally:
-            if sandbox_id is not None:
-                await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
-            await self.scratch.release_async(cid)
+        # Nothing below while the task may still run (a delete that failed: containerd slow or down):
+        # a scratch fs unmounted under a live task would only be detached, its loop device kept.
+        await self.rt.delete(cid)
+        await asyncio.to_thread(_remove_cgroups, cid)
+        if sandbox_id is not None:
+            await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
+        await self.scratch.release_async(cid)
 
     # --- ops ---------------------------------------------------------------------------------------
     def _client(self, handle: Handle) -> AgentClient:
@@ -606,6 +723,10 @@ class ContainerBackend:
                 self._group_of[c.id] = g
                 self._group_up.add(g)
             alive[sid] = Handle(sid, c.pid, h.extra)
+        # Known sandboxes not running any more are torn down by the host agent: by their container id.
+        for sid, h in known.items():
+            if sid not in alive:
+                self._cid[sid] = h.extra.get("cid", sid)
         # Scratch disks of containers that never got started (the agent died half-way) serve nobody.
         keep = set(self._cid.values()) | {c.id for c in await self.rt.list()}
         for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):

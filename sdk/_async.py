@@ -16,7 +16,7 @@ from nats.js.errors import KeyNotFoundError
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, ErrorReply, InvalidArgument, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
 from bus.messages import (
     CreateBatch,
     CreateSandbox,
@@ -39,6 +39,7 @@ from bus.messages import (
     SandboxSpec,
     SetTimeout,
 )
+from bus.messages import KILL_PENDING
 from bus.messages import SandboxInfo as WireInfo
 from bus.acks import Sink, StoreError, acks_for, release_acks
 from bus.runtime import connect, nats_url
@@ -650,12 +651,25 @@ class AsyncSandbox:
             raise SandboxTimeout(f"sandbox {self.sandbox_id} did not answer {op} within {timeout:g}s") from None
         return decode_reply(msg.data, result_type)
 
-    async def kill(self) -> None:
-        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine."""
-        try:
-            await self._request("kill", KillRequest(), Done)
-        except SandboxNotFound:
-            pass
+    async def kill(self, *, timeout: float = 300.0) -> None:
+        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine.
+
+        The host answers ``stopping`` while the teardown goes on (containerd busy): the kill is a
+        durable intent there, and the request is repeated until it is done. Past ``timeout`` seconds
+        it raises ``KillPending`` (the host still finishes it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                done: Done = await self._request("kill", KillRequest(), Done, timeout=max(1.0, min(30.0, left)))
+            except SandboxNotFound:
+                return
+            except SandboxTimeout:  # the host is too busy to answer in time: the intent may stand, ask again
+                done = Done(detail=KILL_PENDING)
+            if done.detail != KILL_PENDING:
+                return
+            if time.monotonic() >= deadline:
+                raise KillPending(f"sandbox {self.sandbox_id} is still being stopped after {timeout:g}s; its host goes on with it")
 
     async def set_timeout(self, timeout: float) -> None:
         _check_positive("timeout", timeout, lo=1, hi=30 * 86400)

@@ -216,10 +216,15 @@ def instrument() -> list[str]:
     from hostagent._quota import ScratchFS
     from hostagent._rootfs import RootfsLayout
 
+    from hostagent._intake import Intake
+    from hostagent._ops import OpsEndpoint
+    from hostagent._records import Records
+    from hostagent._registry import Registry
+
     steps = [
-        (HostAgent, "_create_one", "host: whole create (claim .. ready event)"),
-        (HostAgent, "_claim", "host:  claim id in KV (create)"),
-        (HostAgent, "_do_create", "host:  create .. ready event"),
+        (Intake, "create_one", "host: whole create (claim .. ready event)"),
+        (Records, "claim", "host:  claim id in KV (create)"),
+        (Intake, "_do_create", "host:  create .. ready event"),
         (ContainerBackend, "create", "host:   backend.create"),
         (ScratchFS, "allocate", "host:    scratch fs (mkfs + loop + mount)"),
         (ScratchFS, "_reserve", "host:     budget check (lists all images)"),
@@ -228,10 +233,10 @@ def instrument() -> list[str]:
         (RootfsLayout, "create", "host:    upper/work/run dirs"),
         (ContainerRuntime, "create_and_start", "host:    containerd: container+task create+start"),
         (AgentClient, "wait_ready", "host:    agent answers"),
-        (HostAgent, "_serve_ops", "host:   subscribe to ops"),
-        (HostAgent, "_record", "host:   KV record (put)"),
-        (HostAgent, "_event", "host:   event (acked publish)"),
-        (HostAgent, "_save", "host:   local state file"),
+        (OpsEndpoint, "serve", "host:   subscribe to ops"),
+        (Records, "record", "host:   KV record (put)"),
+        (Records, "sandbox_event", "host:   event (acked publish)"),
+        (Registry, "save", "host:   local state file"),
         (Placement, "handle_batch", "placement: handle a batch"),
     ]
     for cls, name, label in steps:
@@ -239,10 +244,10 @@ def instrument() -> list[str]:
     # containerd's gRPC calls, one label per call kind ("create container", "create task", "start task", ...)
     orig_call = ContainerRuntime._call
 
-    async def timed_call(self, method, request, what, timeout=None):  # type: ignore[no-untyped-def]
+    async def timed_call(self, method, request, what, timeout=None, **kw):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
         try:
-            return await orig_call(self, method, request, what, timeout)
+            return await orig_call(self, method, request, what, timeout, **kw)
         finally:
             PHASES["host:     grpc " + " ".join(what.split()[:2])].append((time.perf_counter() - t) * 1000)
 

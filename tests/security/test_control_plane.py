@@ -158,7 +158,7 @@ class StartWatch:
 
     async def _run(self) -> None:
         while True:
-            if self.sid in self.host._creating or self.sid in self.host.live:
+            if self.sid in self.host.intake.creating or self.sid in self.host.live:
                 self.seen = True
             await asyncio.sleep(0.002)  # sampling period, not synchronisation
 
@@ -179,7 +179,7 @@ async def stream_count(js: Any, stream: str, subject: str | None = None) -> int:
 async def host_idle(stack: SecStack) -> bool:
     """The host's work queue is empty and nothing it was handed is un-acked."""
     ci = await stack.js_admin.consumer_info(S.STREAM_HOST, S.host_durable(stack.host_id))
-    return ci.num_pending == 0 and ci.num_ack_pending == 0 and not stack.host._creating
+    return ci.num_pending == 0 and ci.num_ack_pending == 0 and not stack.host.intake.creating
 
 
 async def exec_ok(nc: Any, sid: str, cmd: str = "echo alive") -> str:
@@ -447,7 +447,7 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
             started = await watch.stop()
         assert not started, "a replayed create started a killed sandbox again"
         rec = codec.SANDBOX_RECORD.decode((await (await js_admin.key_value(S.KV_SANDBOXES)).get(sid)).value)
-        assert rec.state == "killed" and stack.host.created == created0 + 1 and len(ev.of(sid, "ready")) == 1
+        assert rec.state == "gone" and stack.host.created == created0 + 1 and len(ev.of(sid, "ready")) == 1
         redteam.blocked("replayed create after kill, after the dedup window [host claims the id in KV first: nothing started]")
     finally:
         await ev.stop()
@@ -648,7 +648,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
 
         # The forged kill reached the victim's host agent before this exec (one subscription, in order).
         assert "alive" in await exec_ok(stack.nc, vid)
-        await eventually(lambda: not stack.host._ops, what="the host's ops to finish")
+        await eventually(lambda: not stack.host.ops.running, what="the host's ops to finish")
         assert vid in stack.host.live
         assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
         redteam.blocked("anonymous client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
