@@ -65,9 +65,10 @@ class Backend(Protocol):
     async def leftovers(self, sandbox_id: str) -> list[str]:
         """What of the sandbox still exists on this host after ``destroy`` (empty: all gone)."""
 
-    async def reconcile(self, known: set[str], running: set[str]) -> tuple[set[str], list[str]]:
-        """Remove every resource that belongs to no sandbox in ``known`` (the host agent holds or is
-        creating them); return the ids in ``running`` whose sandbox no longer runs, and what was removed."""
+    async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
+        """Remove every resource of a sandbox for which ``holds(id)`` is false (asked at the moment of
+        deciding: the host agent neither holds nor creates it); return the ids in ``running`` whose
+        sandbox no longer runs, and what was removed."""
 
     async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
         """Given what local state says was running, return the sandboxes that still are."""
@@ -152,8 +153,8 @@ class SimBackend:
     async def leftovers(self, sandbox_id: str) -> list[str]:
         return []
 
-    async def reconcile(self, known: set[str], running: set[str]) -> tuple[set[str], list[str]]:
-        orphans = [sid for sid in self._mem if sid not in known]
+    async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
+        orphans = [sid for sid in self._mem if not holds(sid)]
         for sid in orphans:
             await self.destroy(sid)
         return {sid for sid in running if sid not in self._mem}, orphans

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -596,21 +597,21 @@ class ContainerBackend:
         left += [f"loop {d}" for d in self._loops.bound(self.scratch.image_path(cid))]
         return left
 
-    async def reconcile(self, known: set[str], running: set[str]) -> tuple[set[str], list[str]]:
+    async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
         """Drift both ways against containerd and this data dir's scratch disks. (Network namespaces and
         cgroups are named in kernel-wide places other host agents on the machine share: only those of
         containers removed here are touched.)"""
         assert self.rt is not None
         removed: list[str] = []
-        pooled = {cid for entries in self._pool.values() for cid, _, _ in entries} | set(self._warm_info)
         by_sid: dict[str, Any] = {}
-        present: set[str] = set()
-        for c in await self.rt.list():
+        listed = await self.rt.list()
+        # Whether a container is ours is decided now, after the listing (which may take long under
+        # load): a warm container started, or a sandbox created, meanwhile is not an orphan.
+        for c in listed:
             sid = c.labels.get(LABEL_SANDBOX, "")
             if sid:
                 by_sid[sid] = c
-            if c.id in self._starting or c.id in pooled or (sid or c.id) in known or c.id in self._cid.values():
-                present.add(c.id)
+            if self._serves(c.id, sid, holds):
                 continue
             log.warning("removing_orphan_container", container=c.id, sandbox_id=sid, status=c.status)
             try:
@@ -618,15 +619,31 @@ class ContainerBackend:
                 removed.append(f"container {c.id}")
             except Exception as exc:  # noqa: BLE001 - the next pass tries again
                 log.warning("orphan_remove_failed", container=c.id, error=str(exc))
-                present.add(c.id)
-        lost = {sid for sid in running if sid not in by_sid or by_sid[sid].status not in ("running", "paused", "pausing")}
-        keep = present | self._starting | set(self._cid.values()) | known
+        lost = set()
+        for sid in running:
+            if sid in by_sid and by_sid[sid].status in ("running", "paused", "pausing"):
+                continue
+            # containerd's task listing skips a task whose shim is slow to answer: ask for this one.
+            try:
+                if await self.rt.task_pid(self._cid.get(sid, sid)) is None:
+                    lost.add(sid)
+            except ContainerdError as exc:  # cannot tell now: the next pass asks again
+                log.info("reconcile_task_unknown", sandbox_id=sid, error=str(exc))
+        listed_ids = {c.id for c in listed}
         for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):
-            if cid not in keep:
+            if cid not in listed_ids and not self._serves(cid, "", holds):
                 log.warning("releasing_orphan_scratch", container=cid)
                 await self.scratch.release_async(cid)
                 removed.append(f"scratch {cid}")
         return lost, removed
+
+    def _serves(self, cid: str, sid: str, holds: Callable[[str], bool]) -> bool:
+        """The container is being started, waits in the warm pool, or serves a sandbox the host agent holds."""
+        if cid in self._starting or cid in self._warm_info or cid in self._cid.values():
+            return True
+        if any(cid == e[0] for entries in self._pool.values() for e in entries):
+            return True
+        return holds(sid) if sid else holds(cid)
 
     async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None

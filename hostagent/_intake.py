@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, SandboxTimeout, UnknownTemplate
-from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxEvent, SandboxSpec
+from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
+from bus.messages import TemplateManifest
+from bus.rules import Allocation, Capacity, refusal
+from bus.runtime import KV
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._registry import LocalSandbox
@@ -34,7 +35,7 @@ class Intake:
         self.host = host
         self.creating: dict[str, asyncio.Future[None]] = {}
         self.created = 0
-        self.kv_images: KeyValue | None = None
+        self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._layers_at: dict[str, float] = {}
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
@@ -74,28 +75,21 @@ class Intake:
 
     # --- admission ---------------------------------------------------------------------------------
     def admits(self, spec: SandboxSpec) -> str:
-        """Empty when the sandbox fits on this host now, else why not."""
+        """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
         host, reg = self.host, self.host.registry
         cap = host.backend.capacity()
-        if spec.priority == "latency-sensitive" and reg.ls_cpu + spec.cpu > cap["cpu_total"]:
-            return f"latency-sensitive cpu: {reg.ls_cpu + spec.cpu:.2f} > {cap['cpu_total']} real cores"
-        if host.max_sandboxes and len(reg) >= host.max_sandboxes:
-            return f"host holds its maximum of {host.max_sandboxes} sandboxes"
-        if reg.cpu + spec.cpu > cap["cpu_total"] * host.cpu_overcommit:
-            return f"cpu: {reg.cpu + spec.cpu:.2f} > {cap['cpu_total']} x {host.cpu_overcommit}"
-        if reg.mem_mb + spec.memory_mb > cap["mem_total_mb"] * host.mem_overcommit:
-            return f"memory: {reg.mem_mb + spec.memory_mb} MB > {cap['mem_total_mb']} MB x {host.mem_overcommit}"
-        if reg.disk_mb + spec.disk_mb > cap["disk_total_mb"]:
-            return f"disk: {reg.disk_mb + spec.disk_mb} MB > {cap['disk_total_mb']} MB"
-        return ""
+        return refusal(
+            Capacity(cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"], cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes),
+            Allocation(reg.cpu, reg.ls_cpu, reg.mem_mb, reg.disk_mb, len(reg)),
+            spec,
+        )
 
     async def layers(self, template: str) -> list[LayerRef]:
         assert self.kv_images is not None
-        try:
-            entry = await self.kv_images.get(template)
-        except KeyNotFoundError:
-            raise UnknownTemplate(f"unknown template {template!r}", template=template) from None
-        layers = codec.TEMPLATE.decode(entry.value).layers
+        manifest = await self.kv_images.get(template)
+        if manifest is None:
+            raise UnknownTemplate(f"unknown template {template!r}", template=template)
+        layers = manifest.layers
         self._layers_cache[template] = layers  # a create reads KV at most once per LAYERS_TTL_S per template
         self._layers_at[template] = time.monotonic()
         return layers
@@ -165,7 +159,7 @@ class Intake:
         host = self.host
         err = HostRejected(f"host {host.host_id} is full: {why}", host_id=host.host_id)
         again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, host.host_id], last_error=err.description)
-        await host.records.publish(S.REQ_CREATE, codec.encode(again), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{attempt + 1}"})
+        await host.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{spec.sandbox_id}:{attempt + 1}")
         await host.records.event(spec, "rejected", attempt=attempt, err=err)
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
@@ -205,18 +199,13 @@ class Intake:
         host.registry.add(ls, handle)
         host.registry.save(ls)
         await host.ops.serve(spec.sandbox_id)
-        rec = host.records.record_of(ls, "running")
         if claimed:
             await host.records.record(ls, "running")
-        elif not await host.records.claim(spec, codec.encode(rec)):
+        elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
             host.reaper.begin(spec.sandbox_id, "duplicate")
             log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
             return
-        ev = SandboxEvent(
-            sandbox_id=spec.sandbox_id, kind="ready", at=time.time(), host_id=host.host_id, attempt=attempt,
-            detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"},
-        )
-        await host.records.sandbox_event(ev, reply_to=spec.reply_to)
+        await host.records.event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
         self.created += 1
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 

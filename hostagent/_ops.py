@@ -3,20 +3,18 @@ for every sandbox this host holds, one subscription per sandbox, each request an
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from bus import codec
 from bus import subjects as S
-from bus.acks import Sink
-from bus.errors import BadRequest, DsecError, SandboxNotFound
-from bus.messages import KILL_DONE, KILL_PENDING, Done, ExecChunk, ExecRequest, ExecResult, InfoRequest, KillRequest, SandboxEvent, SandboxInfo, SetTimeout
-from bus.runtime import error_of
+from bus.errors import BadRequest, SandboxNotFound
+from bus.messages import KILL_DONE, KILL_PENDING, Done, ExecChunk, ExecRequest, ExecResult, InfoRequest, KillRequest, SandboxInfo, SetTimeout
+from bus.runtime import Endpoint
 
 from ._backend import Handle
 from ._registry import LocalSandbox
@@ -28,75 +26,39 @@ log = structlog.get_logger("dsec.hostagent")
 
 
 class OpsEndpoint:
+    """One ``bus.runtime.Endpoint`` (its error boundary, stats and reply-size check) serving every
+    sandbox's ``dsec.sbx.<id>.*``; ops of one sandbox run concurrently (a long exec does not hold up
+    a file read)."""
+
     def __init__(self, host: "HostAgent") -> None:
         self.host = host
-        self.subs: dict[str, Subscription] = {}
-        self.running: set[asyncio.Task[Any]] = set()  # ops in progress
-        self._sink = Sink(self._on_msg)
+        self.endpoint: Endpoint | None = None
+        self.inflight = 0  # requests being answered now
+
+    def start(self, nc: NATS) -> None:
+        self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind)
 
     async def serve(self, sid: str) -> None:
-        nc = self.host.nc
-        assert nc is not None
-        if sid in self.subs:
-            return
-        self.subs[sid] = await nc.subscribe(S.sbx_all(sid), future=self._sink)  # type: ignore[arg-type]
+        assert self.endpoint is not None
+        await self.endpoint.serve(S.sbx_all(sid))
 
     async def unserve(self, sid: str) -> None:
-        sub = self.subs.pop(sid, None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
+        if self.endpoint is not None:
+            await self.endpoint.unserve(S.sbx_all(sid))
 
     async def stop(self) -> None:
-        for t in list(self.running):
-            t.cancel()
-        for sid in list(self.subs):
-            await self.unserve(sid)
+        if self.endpoint is not None:
+            await self.endpoint.stop()
 
-    def _on_msg(self, msg: Msg) -> None:
-        # Ops of one sandbox run concurrently: a long exec must not hold up a file read.
-        t = asyncio.create_task(self._op(msg))
-        self.running.add(t)
-        t.add_done_callback(self.running.discard)
-
-    async def _op(self, msg: Msg) -> None:
-        if S.is_stream_delivery(msg.reply):
-            # A push consumer anyone may create can deliver stored bytes here, past the publish
-            # permissions on dsec.sbx.<id>.*, under the stored message's own subject (a KV key like
-            # "<id>.kill" makes it look like an op); a real request's reply is an inbox. Not answered:
-            # the reply would ack the attacker's consumer.
-            log.warning("stream_delivered_op_refused", subject=msg.subject)
-            return
+    async def _handle(self, msg: Msg, req: Any) -> Any:
         parts = msg.subject.split(".")
         if len(parts) != 4:
-            return
-        sid, op = parts[2], parts[3]
-        structlog.contextvars.bind_contextvars(sandbox_id=sid, subject=msg.subject)
-        t0 = time.perf_counter()
-        code = "ok"
+            raise BadRequest(f"not a sandbox operation subject: {msg.subject}")
+        self.inflight += 1
         try:
-            dec = codec.SBX_REQUEST_DECODERS.get(op)
-            if dec is None:
-                raise BadRequest(f"unknown operation {op!r}; one of {', '.join(S.SBX_OPS)}")
-            req = dec.decode(msg.data)
-            result = await self._dispatch(sid, req)
-        except DsecError as exc:
-            code = exc.code
-            result = exc.to_reply()
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            log.exception("op_failed")
-            result = error_of(exc)
-            code = result.code
+            return await self._dispatch(parts[2], req)
         finally:
-            structlog.contextvars.unbind_contextvars("sandbox_id", "subject")
-        if msg.reply:
-            try:
-                await msg.respond(codec.encode(result))
-            except Exception as exc:  # noqa: BLE001
-                log.warning("reply_failed", sandbox_id=sid, error=str(exc))
-        log.debug("op", sandbox_id=sid, op=op, code=code, ms=round((time.perf_counter() - t0) * 1000, 2))
+            self.inflight -= 1
 
     async def _dispatch(self, sid: str, req: Any) -> Any:
         host = self.host
@@ -156,12 +118,16 @@ class OpsEndpoint:
         res.chunks = seq
         res.duration_ms = (time.perf_counter() - t0) * 1000
         # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
-        ev = SandboxEvent(
-            sandbox_id=handle.sandbox_id, kind="exec", at=time.time(), host_id=self.host.host_id,
+        await self.host.records.event(
+            ls.spec, "exec", acked=False,
             detail={"cmd": req.cmd[:1024], "exit_code": str(res.exit_code), "timed_out": str(res.timed_out).lower()},
         )
-        await self.host.records.sandbox_event(ev, acked=False)
         return res
+
+
+def _bind(msg: Msg) -> dict[str, str]:
+    parts = msg.subject.split(".")
+    return {"sandbox_id": parts[2] if len(parts) > 2 else "", "subject": msg.subject}
 
 
 __all__ = ["OpsEndpoint"]

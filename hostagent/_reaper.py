@@ -17,12 +17,12 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
-from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
 
+from bus import codec
 from bus import subjects as S
 from bus.errors import InternalError
-from bus.streams import ensure_kv
+from bus.messages import Lease
+from bus.runtime import KV
 
 from ._registry import LocalSandbox
 
@@ -50,7 +50,7 @@ class Reaper:
         self._lease_seen: dict[str, tuple[int, float]] = {}  # lease key -> (KV revision, local time it changed)
         self._lease_checked = 0.0
         self._lease_min = float("inf")  # shortest lease among leased sandboxes here (sets the check period)
-        self._kv_leases: KeyValue | None = None
+        self._kv_leases: KV[Lease] | None = None
 
     # --- the registry tells us who is in and out ------------------------------------------------
     def observe(self, ls: LocalSandbox, sign: int) -> None:
@@ -106,12 +106,10 @@ class Reaper:
         self._lease_checked = now
         if self._kv_leases is None:
             assert self.host.js is not None
-            self._kv_leases = await ensure_kv(self.host.js, S.KV_LEASES)
+            self._kv_leases = await KV.open(self.host.js, S.KV_LEASES, codec.LEASE)
         for key, ids in list(self._leased.items()):
-            try:
-                rev = (await self._kv_leases.get(key)).revision
-            except KeyNotFoundError:
-                rev = 0
+            e = await self._kv_leases.entry(key)
+            rev = e.revision if e is not None else 0
             seen = self._lease_seen.get(key)
             if seen is None or seen[0] != rev:
                 seen = self._lease_seen[key] = (rev, now)

@@ -14,13 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from bus import codec
-from bus import subjects as S
-from bus.errors import BadRequest, InternalError
-from bus.messages import SandboxEvent
-from bus.streams import kv_keys
+from bus.errors import InternalError
 
 from ._backend import Handle
 
@@ -78,10 +73,9 @@ class Reconciler:
     async def run_pass(self) -> dict[str, Any]:
         host = self.host
         t0, c0 = time.perf_counter(), time.process_time()
-        creating = set(host.intake.creating)
-        live = host.registry.live
+        live, creating = host.registry.live, host.intake.creating
         running = {sid for sid, ls in live.items() if ls.state != "stopping" and sid not in creating}
-        lost, removed = await host.backend.reconcile(set(live) | creating, running)
+        lost, removed = await host.backend.reconcile(lambda sid: sid in live or sid in creating, running)
         for sid in lost:
             if sid in host.registry.live and sid not in host.intake.creating:  # still held, and not being created again
                 host.reaper.lose(sid, "its container is gone")
@@ -106,33 +100,26 @@ class Reconciler:
         sem = asyncio.Semaphore(_SWEEP_CONCURRENCY)
         marked = 0
 
+        def held(sid: str) -> bool:
+            return sid in host.registry.live or sid in host.intake.creating
+
         async def one(sid: str) -> None:
             nonlocal marked
-            if sid in host.registry.live or sid in host.intake.creating:
+            if held(sid):
                 return
             async with sem:
-                try:
-                    entry = await kv.get(sid)
-                    rec = codec.SANDBOX_RECORD.decode(entry.value)
-                except (KeyNotFoundError, BadRequest):
+                e = await kv.entry(sid)
+                if e is None or e.value.host_id != host.host_id or e.value.state not in _LIVE_RECORD_STATES or held(sid):
                     return
-                if rec.host_id != host.host_id or rec.state not in _LIVE_RECORD_STATES:
-                    return
-                if sid in host.registry.live or sid in host.intake.creating:
-                    return  # created meanwhile
+                rec = e.value
                 rec.state, rec.ended_at, rec.end_reason = "lost", time.time(), "no such sandbox on its host"
-                try:  # compare-and-set: a record rewritten meanwhile (by a finishing kill) wins
-                    await kv.update(sid, codec.encode(rec), last=entry.revision)
-                except KeyWrongLastSequenceError:
+                if not await kv.update(sid, rec, last=e.revision):  # a record rewritten meanwhile (a finishing kill) wins
                     return
-                err = InternalError("the sandbox's host holds no such sandbox")
-                await host.records.sandbox_event(SandboxEvent(
-                    sandbox_id=sid, kind="lost", at=time.time(), host_id=host.host_id, code=err.code, description=err.description,
-                ))
+                await host.records.event(rec.spec, "lost", err=InternalError("the sandbox's host holds no such sandbox"))
                 log.warning("record_lost", sandbox_id=sid)
                 marked += 1
 
-        await asyncio.gather(*(one(k) for k in await kv_keys(host.js, S.KV_SANDBOXES)))
+        await asyncio.gather(*(one(k) for k in await kv.keys()))
         return marked
 
 

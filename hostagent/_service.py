@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.messages import HostStatus
-from bus.runtime import Service
-from bus.streams import StreamOptions, ensure_all, ensure_kv
+from bus.runtime import KV, Service
+from bus.streams import StreamOptions, ensure_all
 
 from ._backend import Backend, Handle
 from ._intake import Intake
@@ -82,7 +81,7 @@ class HostAgent(Service):
         self.reconciler = Reconciler(self, period_s=reconcile_s)
         self.ops = OpsEndpoint(self)
         self.registry.observers.append(self.reaper.observe)
-        self._kv_hosts: KeyValue | None = None
+        self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0
         self._stop_fut: asyncio.Future[Any] | None = None
@@ -115,8 +114,9 @@ class HostAgent(Service):
         if self._shared_nc is None:  # many sim hosts on one connection: their runner set streams up once
             await ensure_all(self.js, self.stream_options)
         await self.records.start(self.nc, self.js)
-        self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
-        self.intake.kv_images = await ensure_kv(self.js, S.KV_IMAGES)
+        self.ops.start(self.nc)
+        self._kv_hosts = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
+        self.intake.kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         if getattr(self.backend, "enforces_profiles", False):
             # guard's profiles, watched in KV; built-in copies until guard has written them
             self.profiles = ProfileCache()
@@ -152,14 +152,13 @@ class HostAgent(Service):
             if self._kv_hosts is not None:
                 st = self._status()
                 st.state = "down"
-                await self._kv_hosts.put(self.host_id, codec.encode(st))
+                await self._kv_hosts.put(self.host_id, st)
             await self.records.host_event("down")
         except Exception:  # noqa: BLE001 - NATS may already be gone
             pass
         if self.profiles is not None:
             await self.profiles.stop()
         await self.backend.stop()
-        await self.records.stop(shared=self._shared_nc is not None)
         if self._shared_nc is not None:
             self.nc = None  # not ours to drain
 
@@ -214,7 +213,7 @@ class HostAgent(Service):
             self._resident_mb, self._cpu_busy = u.mem_resident_mb, u.cpu_busy
         except Exception as exc:  # noqa: BLE001 - a usage probe failure must not stop heartbeats
             log.warning("usage_failed", error=str(exc))
-        await self._kv_hosts.put(self.host_id, codec.encode(self._status()))
+        await self._kv_hosts.put(self.host_id, self._status())
 
     async def _heartbeat_loop(self) -> None:
         while not await self.pause(self.heartbeat_s):

@@ -29,11 +29,21 @@ from bus.streams import ensure_kv
 from sdk import AsyncSandbox, KillPending
 from tests.conftest import eventually
 
-from .conftest import Stack, cgroups_of, data_dir_leftovers, force_cleanup, loop_devices_backed_by, mounts_mentioning, needs_stack, pid_alive
+from .conftest import Stack, cgroups_of, data_dir_leftovers, force_cleanup, loop_devices_backed_by, mounts_mentioning, needs_stack
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
 SLOW = os.environ.get("DSEC_SLOW") == "1"
+
+
+def proc_id(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a live, non-zombie process: pids are reused on a busy machine."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (pid, int(fields[19]))
 
 
 @dataclass
@@ -61,7 +71,7 @@ class Host:
 
         return dict(zip(sids, await asyncio.gather(*(one(s) for s in sids)), strict=True))
 
-    async def leftovers(self, sids: list[str], cids: list[str], pids: list[int]) -> list[str]:
+    async def leftovers(self, sids: list[str], cids: list[str], procs: list[tuple[int, int] | None]) -> list[str]:
         """What of these sandboxes is still on the host: one scan for all of them."""
         left = [f"container {c.id}" for c in await self.backend.rt.list()]
         wanted = set(cids)
@@ -70,7 +80,7 @@ class Host:
         left += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob("*/dsec/*") if p.name in wanted]
         left += [f"loop {d}" for d in loop_devices_backed_by(str(self.data))]
         left += [f"netns {sid}" for sid in sids if os.path.lexists(self.backend.net.netns_path(sid))]
-        left += [f"agent process {p}" for p in pids if pid_alive(p)]
+        left += [f"agent process {p[0]}" for p in procs if p is not None and proc_id(p[0]) == p]
         left += [f"state file {p.name}" for p in (self.data / "hosts" / self.agent.host_id / "sandboxes").glob("*")]
         left += [f"live {sid}" for sid in self.agent.live]
         return left
@@ -131,8 +141,8 @@ async def _create_then_kill_all(host: Host, n: int) -> None:
     assert len(sbs) == n and {sb.host_id for sb in sbs} == {host.agent.host_id}
     sids = [sb.sandbox_id for sb in sbs]
     cids = [host.agent.handles[s].extra.get("cid", s) for s in sids]
-    pids = [host.agent.handles[s].pid for s in sids]
-    assert all(pid_alive(p) for p in pids)
+    procs = [proc_id(host.agent.handles[s].pid) for s in sids]
+    assert all(procs), "every sandbox's agent runs"
     running = {i.sandbox_id for i in await AsyncSandbox.list(nats_url=host.stack.url)}
     assert set(sids) <= running
 
@@ -147,7 +157,7 @@ async def _create_then_kill_all(host: Host, n: int) -> None:
 
     async def clean() -> bool:
         nonlocal left
-        left = await host.leftovers(sids, cids, pids)
+        left = await host.leftovers(sids, cids, procs)
         return not left
 
     try:
@@ -176,18 +186,18 @@ async def test_container_removed_behind_the_agents_back_becomes_lost(host: Host)
         sb = await AsyncSandbox.create(**host.kw(memory_mb=32, disk_mb=32, create_timeout=60))
         sid = sb.sandbox_id
         cid = host.agent.handles[sid].extra.get("cid", sid)
-        pid = host.agent.handles[sid].pid
-        assert (await host.record(sid)).state == "running"
+        proc = proc_id(host.agent.handles[sid].pid)
+        assert proc is not None and (await host.record(sid)).state == "running"
 
         await rt.delete(cid)  # straight through containerd: the host agent is not told
-        assert not pid_alive(pid)
+        assert proc_id(proc[0]) != proc
         period = host.agent.reconciler.period_s
         await eventually(lambda: ev.of(sid, "lost"), timeout=period * 2 + 10, what="the lost event")
         rec = await host.record(sid)
         assert rec.state == "lost" and rec.end_reason == "its container is gone", rec
         assert ev.of(sid, "lost")[0].code == "internal" and not ev.of(sid, "killed")
         assert sid not in host.agent.live
-        assert not await host.leftovers([sid], [cid], [pid])
+        assert not await host.leftovers([sid], [cid], [proc])
         assert sid not in {i.sandbox_id for i in await AsyncSandbox.list(nats_url=host.stack.url)}
         await sb.kill()  # killing a lost sandbox is fine
     finally:
@@ -211,14 +221,15 @@ async def test_container_without_record_is_removed(host: Host) -> None:
             cid, rootfs_mounts=[Bind("bind", str(host.stack.rootfs), ["rbind", "ro"])], args=["/bin/sleep", "1000"], env={},
             cpu=0.1, memory_mb=32, pids_max=16, labels={"dsec.sandbox": f"sb-{cid}"},
         )
-        assert pid_alive(pid) and cgroups_of(cid)
+        proc = proc_id(pid)
+        assert proc is not None and cgroups_of(cid)
         period = host.agent.reconciler.period_s
 
         async def removed() -> bool:
             return not await rt.exists(cid)
 
         await eventually(removed, timeout=period * 2 + 10, what="the orphan container to be removed")
-        await eventually(lambda: not pid_alive(pid) and not cgroups_of(cid), timeout=10, what="its process and cgroups to go")
+        await eventually(lambda: proc_id(pid) != proc and not cgroups_of(cid), timeout=10, what="its process and cgroups to go")
         assert not mounts_mentioning(cid)
     finally:
         with contextlib.suppress(Exception):
@@ -231,9 +242,9 @@ async def test_kill_while_containerd_is_stalled_is_pending_then_completes(host: 
     sb = await AsyncSandbox.create(**host.kw(memory_mb=32, disk_mb=32, create_timeout=60))
     sid = sb.sandbox_id
     cid = host.agent.handles[sid].extra.get("cid", sid)
-    pid = host.agent.handles[sid].pid
+    proc = proc_id(host.agent.handles[sid].pid)
     containerd = host.backend.daemon.pid
-    assert containerd and pid_alive(containerd)
+    assert containerd and proc_id(containerd)
     os.kill(containerd, signal.SIGSTOP)
     try:
         with pytest.raises(KillPending):
@@ -248,4 +259,4 @@ async def test_kill_while_containerd_is_stalled_is_pending_then_completes(host: 
     rec = await host.record(sid)
     assert rec.state == "gone" and rec.end_reason == "user", rec
     await eventually(lambda: sid not in host.agent.live, timeout=10, what="the sandbox to leave the live table")
-    assert not await host.leftovers([sid], [cid], [pid])
+    assert not await host.leftovers([sid], [cid], [proc])

@@ -648,7 +648,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
 
         # The forged kill reached the victim's host agent before this exec (one subscription, in order).
         assert "alive" in await exec_ok(stack.nc, vid)
-        await eventually(lambda: not stack.host.ops.running, what="the host's ops to finish")
+        await eventually(lambda: not stack.host.ops.inflight, what="the host's ops to finish")
         assert vid in stack.host.live
         assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
         redteam.blocked("anonymous client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
