@@ -182,6 +182,12 @@ async def host_idle(stack: SecStack) -> bool:
     return ci.num_pending == 0 and ci.num_ack_pending == 0 and not stack.host.intake.creating
 
 
+async def placement_idle(stack: SecStack) -> bool:
+    """Placement's work queue is empty and nothing it took is un-acked."""
+    ci = await stack.js_admin.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
+    return ci.num_pending == 0 and ci.num_ack_pending == 0
+
+
 async def exec_ok(nc: Any, sid: str, cmd: str = "echo alive") -> str:
     msg = await nc.request(S.sbx(sid, "exec"), codec.encode(ExecRequest(cmd=cmd, timeout_s=20)), timeout=30)
     res = codec.decode_reply(msg.data, ExecResult)
@@ -413,7 +419,9 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
         redteam.blocked("replayed create (same Nats-Msg-Id, while creating) [JetStream duplicate]")
         # The same create with a fresh Nats-Msg-Id while it runs: the host already runs that id.
         await js.publish(S.REQ_CREATE, data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
-        await eventually(lambda: len(ev.of(sid, "placed")) >= 2, timeout=20, what="the tampered copy to be placed")
+        # Placement hands it to the host under the same hand-off id (<id>:<attempt>): JetStream drops it
+        # as a duplicate, or the host finds the id running.
+        await eventually(lambda: placement_idle(stack), timeout=20, what="placement to take the tampered copy")
         await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the copy")
         assert len(stack.host.live) == 1 and stack.host.created == created0 + 1
         assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
