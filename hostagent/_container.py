@@ -8,6 +8,7 @@ import errno as _errno
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,26 +104,28 @@ def _mounts_of(cid: str) -> list[str]:
 
 
 class _LoopScan:
-    """Backing files of the loop devices, read at most once a second: a burst of kills checks them
-    all from one listing (reading every /sys/block/loop* per kill would cost O(sandboxes) each)."""
-
-    TTL_S = 1.0
+    """Backing files of the loop devices. A burst of kills checks them all from few listings
+    (reading every /sys/block/loop* per kill would cost O(sandboxes) each): a caller takes any
+    listing started after its own moment ``after`` (its scratch release), or makes one."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._at = 0.0
         self._backing: list[tuple[str, str]] = []
 
-    def bound(self, image: str) -> list[str]:
-        now = time.monotonic()
-        if now - self._at > self.TTL_S:
-            backing = []
-            for dev in Path("/sys/block").glob("loop*"):
-                try:
-                    backing.append((dev.name, (dev / "loop" / "backing_file").read_text().strip()))
-                except OSError:
-                    continue
-            self._backing, self._at = backing, now
-        return [f"{name} -> {b}" for name, b in self._backing if b == image or b.startswith(image + " ")]
+    def bound(self, image: str, after: float) -> list[str]:
+        with self._lock:
+            if self._at < after:
+                at = time.monotonic()
+                backing = []
+                for dev in Path("/sys/block").glob("loop*"):
+                    try:
+                        backing.append((dev.name, (dev / "loop" / "backing_file").read_text().strip()))
+                    except OSError:
+                        continue  # not bound
+                self._backing, self._at = backing, at
+            found = self._backing
+        return [f"{name} -> {b}" for name, b in found if b == image or b.startswith(image + " ")]
 
 
 def _children(pid: int) -> list[int]:
@@ -579,13 +582,14 @@ class ContainerBackend:
     async def leftovers(self, sandbox_id: str) -> list[str]:
         assert self.rt is not None
         cid = self._cid.get(sandbox_id, sandbox_id)
+        after = time.monotonic()
         left = [f"container {cid}"] if await self.rt.exists(cid) else []
-        left += await asyncio.to_thread(self._host_leftovers, sandbox_id, cid)
+        left += await asyncio.to_thread(self._host_leftovers, sandbox_id, cid, after)
         if not left:
             self._cid.pop(sandbox_id, None)
         return left
 
-    def _host_leftovers(self, sandbox_id: str, cid: str) -> list[str]:
+    def _host_leftovers(self, sandbox_id: str, cid: str, after: float) -> list[str]:
         left = [f"cgroup {p}" for p in _cgroups_of(cid)]
         left += [f"mount {m}" for m in _mounts_of(cid)]
         netns = self.net.netns_path(sandbox_id)
@@ -594,7 +598,7 @@ class ContainerBackend:
         for p in (self.scratch.path(cid), self.scratch.image_path(cid)):
             if os.path.lexists(p):
                 left.append(f"scratch {p}")
-        left += [f"loop {d}" for d in self._loops.bound(self.scratch.image_path(cid))]
+        left += [f"loop {d}" for d in self._loops.bound(self.scratch.image_path(cid), after)]
         return left
 
     async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
