@@ -46,15 +46,12 @@ class Intake:
         if not verify(host.control_key, msg.subject, msg.data, msg.headers):
             # Acked, so it is not redelivered forever; kept in the dead-letter stream as evidence.
             log.warning("unsigned_work_refused", subject=msg.subject, code=ERR_BAD_SIGNATURE)
-            await host.records.dead_letter(msg, ERR_BAD_SIGNATURE)
-            await msg.ack()
+            await host.records.dead_letter(msg, ERR_BAD_SIGNATURE, "host work without a valid placement signature")
             return
         try:
             work = codec.HOST.decode(msg.data)
         except BadRequest as exc:
-            log.warning("dead_letter", subject=msg.subject, error=str(exc))
-            await host.records.dead_letter(msg, exc.code)
-            await msg.ack()
+            await host.records.dead_letter(msg, exc.code, exc.description)
             return
         match work:
             case PlaceSandbox():

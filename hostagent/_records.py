@@ -98,7 +98,8 @@ class Records:
         await self.events.host(self.host_id, kind)
 
     async def dead_letter(self, msg: Msg, code: str, description: str = "") -> None:
-        """Keep unusable work as evidence, then ack it (so it is not redelivered forever)."""
+        """Keep unusable work as evidence, then ack it (so it is not redelivered forever); not acked
+        when the dead letter is not stored (redelivered)."""
         assert self.publisher is not None
         await dead_letter(self.publisher, msg, code, description)
 
