@@ -184,8 +184,10 @@ class ContainerBackend:
         pids_max: int = 1024,
         network: NetworkConfig | None = None,
         warm_pool: int = 0,
+        containerd_calls: int = 32,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.containerd_calls = containerd_calls  # containerd calls in flight at once; a burst queues
         self.containerd_address = containerd_address
         self.daemon: ContainerdDaemon | None = None
         self.rt: ContainerRuntime | None = None
@@ -230,7 +232,7 @@ class ContainerBackend:
             runc_root = self.daemon.runc_root
         else:
             address, runc_root = self.containerd_address, None
-        self.rt = ContainerRuntime(address, runc_root=runc_root)
+        self.rt = ContainerRuntime(address, runc_root=runc_root, max_calls=self.containerd_calls)
         await self.net.start()
 
     async def stop(self) -> None:
