@@ -65,10 +65,10 @@ class Backend(Protocol):
     async def leftovers(self, sandbox_id: str) -> list[str]:
         """What of the sandbox still exists on this host after ``destroy`` (empty: all gone)."""
 
-    async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
         """Remove every resource of a sandbox for which ``holds(id)`` is false (asked at the moment of
-        deciding: the host agent neither holds nor creates it); return the ids in ``running`` whose
-        sandbox no longer runs, and what was removed."""
+        deciding: the host agent neither holds nor creates it); return the ids in ``running`` (sandbox
+        id -> its init's pid) whose sandbox no longer runs, and what was removed."""
 
     async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
         """Given what local state says was running, return the sandboxes that still are."""
@@ -142,7 +142,10 @@ class SimBackend:
                 return FileData(data=data, size=len(fs[p]), offset=off)
             case FileList(path=p):
                 pre = p.rstrip("/") + "/"
-                return FileListing(entries=[EntryInfo(name=k[len(pre):], path=k, type="file", size=len(v), mtime=time.time()) for k, v in fs.items() if k.startswith(pre) and "/" not in k[len(pre):]])
+                return FileListing(entries=[
+                    EntryInfo(name=k[len(pre):], path=k, type="file", size=len(v), mtime=time.time())
+                    for k, v in fs.items() if k.startswith(pre) and "/" not in k[len(pre):]
+                ])
             case FileRemove(path=p):
                 fs.pop(p, None)
                 return Done()
@@ -153,7 +156,7 @@ class SimBackend:
     async def leftovers(self, sandbox_id: str) -> list[str]:
         return []
 
-    async def reconcile(self, holds: Callable[[str], bool], running: set[str]) -> tuple[set[str], list[str]]:
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
         orphans = [sid for sid in self._mem if not holds(sid)]
         for sid in orphans:
             await self.destroy(sid)

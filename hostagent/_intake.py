@@ -76,7 +76,10 @@ class Intake:
         host, reg = self.host, self.host.registry
         cap = host.backend.capacity()
         return refusal(
-            Capacity(cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"], cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes),
+            Capacity(
+                cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
+                cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes,
+            ),
             Allocation(reg.cpu, reg.ls_cpu, reg.mem_mb, reg.disk_mb, len(reg)),
             spec,
         )
@@ -143,7 +146,8 @@ class Intake:
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
         claimed: set[str] = set()
         if todo:
-            for s, ok in zip(todo, await asyncio.gather(*(self.host.records.claim(s) for s in todo), return_exceptions=True)):
+            oks = await asyncio.gather(*(self.host.records.claim(s) for s in todo), return_exceptions=True)
+            for s, ok in zip(todo, oks, strict=True):
                 if ok is True:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,

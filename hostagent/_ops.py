@@ -3,7 +3,6 @@ for every sandbox this host holds, one subscription per sandbox, each request an
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -13,10 +12,31 @@ from nats.aio.msg import Msg
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, SandboxNotFound
-from bus.messages import KILL_DONE, KILL_PENDING, Done, ExecChunk, ExecRequest, ExecResult, InfoRequest, KillRequest, SandboxInfo, SetTimeout
+from bus.messages import (
+    KILL_DONE,
+    KILL_PENDING,
+    Done,
+    ExecRequest,
+    ExecResult,
+    FileUnwatch,
+    FileWatch,
+    InfoRequest,
+    KillRequest,
+    MetricsRequest,
+    ProcConnect,
+    ProcDisconnect,
+    ProcessStarted,
+    ProcInput,
+    ProcList,
+    ProcSignal,
+    SandboxInfo,
+    SetTimeout,
+    StreamAck,
+)
 from bus.runtime import Endpoint
 
 from ._backend import Handle
+from ._execio import REPLY_MARGIN, fit_output
 from ._registry import LocalSandbox
 
 if TYPE_CHECKING:
@@ -77,6 +97,15 @@ class OpsEndpoint:
         match req:
             case ExecRequest():
                 return await self._exec(handle, ls, req)
+            case StreamAck():
+                host.execio.ack(sid, req)
+                return Done()
+            case ProcList() | ProcSignal() | ProcInput() | ProcConnect() | ProcDisconnect():
+                return await host.execio.proc(handle, req)
+            case FileWatch() | FileUnwatch():
+                return await host.execio.watch(handle, req)
+            case MetricsRequest():
+                return await host.execio.metrics(handle)
             case KillRequest(reason=reason):
                 done = await host.reaper.kill(sid, reason or "user")
                 return Done(detail=KILL_DONE if done else KILL_PENDING)
@@ -96,32 +125,10 @@ class OpsEndpoint:
             started_at=ls.started_at, expires_at=ls.expires_at, metadata=ls.spec.metadata, pid=handle.pid,
         )
 
-    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult:
-        nc = self.host.nc
-        assert nc is not None
-        seq = 0
-        on_output: Any = None
-        if req.stream_to and not S.valid_inbox(req.stream_to):
-            # Output goes only to a reply inbox: never let a client make us publish on control subjects.
-            raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")
-        if req.stream_to:
-
-            async def on_output(stream: int, data: bytes) -> None:
-                nonlocal seq
-                await nc.publish(req.stream_to, codec.encode(ExecChunk(seq=seq, stream=stream, data=data)))
-                seq += 1
-
-        if ls.spec.envs:
-            req.envs = {**ls.spec.envs, **req.envs}
-        t0 = time.perf_counter()
-        res = await self.host.backend.exec(handle, req, on_output)
-        res.chunks = seq
-        res.duration_ms = (time.perf_counter() - t0) * 1000
-        # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
-        await self.host.records.event(
-            ls.spec, "exec", acked=False,
-            detail={"cmd": req.cmd[:1024], "exit_code": str(res.exit_code), "timed_out": str(res.timed_out).lower()},
-        )
+    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
+        res = await self.host.execio.exec(handle, ls.spec.envs, req)
+        if isinstance(res, ExecResult) and self.host.nc is not None:
+            fit_output(res, self.host.nc.max_payload - REPLY_MARGIN)  # output cut to fit the reply, marked truncated
         return res
 
 

@@ -214,6 +214,7 @@ class Reaper:
                 await host.records.event(ls.spec, "killed", detail={"reason": reason})
         host.registry.remove(sid)
         host.registry.forget(sid)
+        host.execio.forget(sid)
         await host.ops.unserve(sid)
 
     async def stop(self) -> None:

@@ -74,7 +74,7 @@ class Reconciler:
         host = self.host
         t0, c0 = time.perf_counter(), time.process_time()
         live, creating = host.registry.live, host.intake.creating
-        running = {sid for sid, ls in live.items() if ls.state != "stopping" and sid not in creating}
+        running = {sid: ls.pid for sid, ls in live.items() if ls.state != "stopping" and sid not in creating}
         lost, removed = await host.backend.reconcile(lambda sid: sid in live or sid in creating, running)
         for sid in lost:
             if sid in host.registry.live and sid not in host.intake.creating:  # still held, and not being created again

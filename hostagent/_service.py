@@ -18,6 +18,7 @@ from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all
 
 from ._backend import Backend, Handle
+from ._execio import ExecIO
 from ._intake import Intake
 from ._ops import OpsEndpoint
 from ._profiles import ProfileCache
@@ -80,6 +81,7 @@ class HostAgent(Service):
         self.reaper = Reaper(self, kill_wait_s=kill_wait_s)
         self.reconciler = Reconciler(self, period_s=reconcile_s)
         self.ops = OpsEndpoint(self)
+        self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
         self.registry.observers.append(self.reaper.observe)
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
@@ -148,6 +150,7 @@ class HostAgent(Service):
                 await asyncio.wait(set(self.reaper.teardowns.values()), timeout=max(self.grace_s, 60.0))
         await self.reaper.stop()
         await self.ops.stop()
+        await self.execio.stop()
         try:
             if self._kv_hosts is not None:
                 st = self._status()

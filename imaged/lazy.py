@@ -28,9 +28,8 @@ import sys
 import time
 from typing import Any
 
-from bus import codec
 from bus import subjects as S
-from bus.runtime import connect
+from bus.runtime import Endpoint, connect
 
 from ._cache import ChunkCache, FetchFailed
 from ._fuse import ROOT_INODE, Attr, FuseError, FuseMount, Session, lock_exclusive
@@ -181,17 +180,11 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
     cache.load()
     cache.start_writer()
 
-    async def on_stats(msg: Any) -> None:
-        try:
-            req = HOST_STATS_REQUEST.decode(msg.data) if msg.data else None
-            reply = cache.host_stats(list(req.digests) if req else None)
-            await msg.respond(codec.encode(reply))
-        except Exception as exc:  # noqa: BLE001
-            from bus.runtime import error_of
+    async def on_stats(msg: Any, _: Any) -> Any:
+        req = HOST_STATS_REQUEST.decode(msg.data) if msg.data else None  # empty: every layer
+        return cache.host_stats(list(req.digests) if req else None)
 
-            await msg.respond(codec.encode(error_of(exc)))
-
-    await nc.subscribe(S.host_img_stats(host), cb=on_stats)
+    await Endpoint(nc, "host-image-stats", on_stats).serve(S.host_img_stats(host))
     return nc, cache
 
 

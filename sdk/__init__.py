@@ -1,8 +1,10 @@
 """The dsec Python SDK: ``Sandbox`` (sync) and ``AsyncSandbox``, E2B-shaped."""
 
 from ._async import AsyncSandbox, build_spec
-from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
-from ._sync import Sandbox
+from ._commands import AsyncCommandHandle
+from ._files import AsyncWatchHandle
+from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
+from ._sync import CommandHandle, Sandbox, WatchHandle
 from .errors import (
     CommandExitError,
     CommandTimeoutError,
@@ -10,10 +12,14 @@ from .errors import (
     InvalidArgument,
     KillPending,
     NoCapacity,
+    OutputLost,
+    ProcessNotFound,
+    ReplyTooLarge,
     SandboxNotFound,
     SandboxTimeout,
     Unavailable,
     UnknownTemplate,
+    UnknownUser,
 )
 
 __all__ = [
@@ -34,4 +40,15 @@ __all__ = [
     "SandboxTimeout",
     "Unavailable",
     "UnknownTemplate",
+    "UnknownUser",
+    "OutputLost",
+    "ProcessNotFound",
+    "ReplyTooLarge",
+    "AsyncCommandHandle",
+    "AsyncWatchHandle",
+    "CommandHandle",
+    "WatchHandle",
+    "FilesystemEvent",
+    "ProcessInfo",
+    "SandboxMetrics",
 ]

@@ -16,11 +16,15 @@ from bus.errors import (
     KillPending,
     NoCapacity,
     NotSupported,
+    OutputLost,
     PermissionDenied,
+    ProcessNotFound,
+    ReplyTooLarge,
     SandboxNotFound,
     SandboxTimeout,
     Unavailable,
     UnknownTemplate,
+    UnknownUser,
 )
 
 if TYPE_CHECKING:
@@ -67,4 +71,8 @@ __all__ = [
     "SandboxTimeout",
     "Unavailable",
     "UnknownTemplate",
+    "UnknownUser",
+    "OutputLost",
+    "ProcessNotFound",
+    "ReplyTooLarge",
 ]
