@@ -36,7 +36,7 @@ from bus.messages import (
 from bus.runtime import Endpoint
 
 from ._backend import Handle
-from ._execio import REPLY_MARGIN, fit_output
+from ._execio import encode_reply
 from ._registry import LocalSandbox
 
 if TYPE_CHECKING:
@@ -56,7 +56,8 @@ class OpsEndpoint:
         self.inflight = 0  # requests being answered now
 
     def start(self, nc: NATS) -> None:
-        self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind)
+        # Replies within the payload limit: command output cut to fit, anything else a typed error (execio).
+        self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind, encoder=encode_reply)
 
     async def serve(self, sid: str) -> None:
         assert self.endpoint is not None
@@ -126,10 +127,7 @@ class OpsEndpoint:
         )
 
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
-        res = await self.host.execio.exec(handle, ls.spec.envs, req)
-        if isinstance(res, ExecResult) and self.host.nc is not None:
-            fit_output(res, self.host.nc.max_payload - REPLY_MARGIN)  # output cut to fit the reply, marked truncated
-        return res
+        return await self.host.execio.exec(handle, ls.spec.envs, req)
 
 
 def _bind(msg: Msg) -> dict[str, str]:
