@@ -23,6 +23,8 @@ from bus.messages import (
     InfoRequest,
     KillRequest,
     MetricsRequest,
+    PortOpen,
+    PortSend,
     ProcConnect,
     ProcDisconnect,
     ProcessStarted,
@@ -115,6 +117,8 @@ class OpsEndpoint:
                     raise BadRequest("timeout must be > 0 seconds")
                 await host.reaper.set_timeout(ls, t)
                 return Done()
+            case PortOpen() | PortSend():
+                return await host.ports.handle(handle, req)
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:

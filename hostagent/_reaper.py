@@ -177,6 +177,7 @@ class Reaper:
                 await host.records.record(ls, "stopping", end_reason=ls.end_reason)
             except Exception as exc:  # noqa: BLE001 - the final record is the one that must be stored
                 log.warning("stopping_record_failed", sandbox_id=sid, error=str(exc))
+        await host.ports.drop(sid)  # relayed connections end with the kill, not with the teardown
         delay = self.retry_base_s
         why = ""
         for attempt in range(1, self.attempts + 1):

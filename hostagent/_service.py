@@ -19,6 +19,7 @@ from bus.streams import StreamOptions, ensure_all
 
 from ._backend import Backend, Handle
 from ._execio import ExecIO
+from ._ports import PortRelay
 from ._intake import Intake
 from ._ops import OpsEndpoint
 from ._profiles import ProfileCache
@@ -82,6 +83,7 @@ class HostAgent(Service):
         self.reconciler = Reconciler(self, period_s=reconcile_s)
         self.ops = OpsEndpoint(self)
         self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
+        self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
         self.registry.observers.append(self.reaper.observe)
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
