@@ -8,6 +8,7 @@ import msgspec
 
 from .errors import BadRequest, ErrorReply, from_reply
 from .messages import (
+    DirMade,
     Done,
     EventMessage,
     ExecChunk,
@@ -15,6 +16,7 @@ from .messages import (
     ExecResult,
     Exists,
     FileData,
+    FileInfo,
     FileListing,
     FileOp,
     FileWritten,
@@ -29,11 +31,22 @@ from .messages import (
     InfoRequest,
     KillRequest,
     Lease,
+    PortData,
+    PortOp,
+    PortOpened,
+    MetricsRequest,
+    ProcessList,
+    ProcessStarted,
+    ProcOp,
     ReqMessage,
     SandboxInfo,
+    SandboxMetrics,
     SandboxRecord,
     SetTimeout,
+    StreamAck,
     TemplateManifest,
+    FsEvent,
+    WatchStarted,
 )
 
 T = TypeVar("T")
@@ -74,7 +87,14 @@ SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
+PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
+SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
+SBX_METRICS = Decoder(MetricsRequest)  # dsec.sbx.<id>.metrics
+SBX_ACK = Decoder(StreamAck)  # dsec.sbx.<id>.ack (no reply)
 EXEC_CHUNK = Decoder(ExecChunk)
+EXEC_STREAM = Decoder(ExecChunk | ExecResult)  # what a client's stream_to inbox receives
+FS_EVENT = Decoder(FsEvent)  # what a FileWatch's stream_to inbox receives
 HOST_IMG_STATS_REQ = Decoder(HostImageStatsRequest)  # dsec.img.host.<id>.stats
 HOST_IMG_STATS = Decoder(HostImageStats)
 IMG_LIST_REQ = Decoder(ListImages)  # dsec.img.list
@@ -88,6 +108,10 @@ SBX_REQUEST_DECODERS = {
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
     "info": SBX_INFO,
+    "port": SBX_PORT,
+    "proc": SBX_PROC,
+    "metrics": SBX_METRICS,
+    "ack": SBX_ACK,
 }
 
 _reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
@@ -108,11 +132,14 @@ def decode_reply(buf: bytes, result_type: type[T] | Any) -> T:
 
 
 REPLY_TYPES = {
-    "exec": ExecResult,
-    "files": FileData | FileListing | FileWritten | Exists | Done,
+    "exec": ExecResult | ProcessStarted,
+    "files": FileData | FileListing | FileWritten | Exists | Done | DirMade | FileInfo | WatchStarted,
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
+    "port": PortOpened | Done,
+    "proc": ProcessList | ProcessStarted | Done,
+    "metrics": SandboxMetrics,
 }
 
 __all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [

@@ -82,6 +82,12 @@ class NotSupported(DsecError):
     code = "not_supported"
 
 
+class PortClosed(DsecError):
+    """Nothing listens on that port inside the sandbox (connection refused)."""
+
+    code = "port_closed"
+
+
 class Unavailable(DsecError):
     """The control plane did not answer (no NATS, no responder)."""
 
@@ -100,10 +106,28 @@ class InternalError(DsecError):
     code = "internal"
 
 
+class ProcessNotFound(DsecError):
+    """No such (background) process in the sandbox: never started, or already ended."""
+
+    code = "process_not_found"
+
+
+class UnknownUser(DsecError):
+    """The user a command should run as is not in the sandbox's /etc/passwd."""
+
+    code = "unknown_user"
+
+
 class ReplyTooLarge(DsecError):
     """The answer would not fit the NATS server's payload limit (``max_payload``)."""
 
     code = "reply_too_large"
+
+
+class OutputLost(DsecError):
+    """Streamed output (or watch events) arrived with a gap: some messages were lost on the way."""
+
+    code = "output_lost"
 
 
 _BY_CODE: dict[str, type[DsecError]] = {
@@ -121,10 +145,14 @@ _BY_CODE: dict[str, type[DsecError]] = {
         FileError,
         NotSupported,
         Unavailable,
+        PortClosed,
         PermissionDenied,
         ImageError,
         InternalError,
+        ProcessNotFound,
+        UnknownUser,
         ReplyTooLarge,
+        OutputLost,
     )
 }
 

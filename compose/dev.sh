@@ -2,6 +2,8 @@
 # One entry point for a fresh Debian machine (as root):
 #   bash compose/dev.sh up     install what is missing, then run `dsec up` in the foreground
 #   bash compose/dev.sh test   install what is missing, lint (ruff), then run the test suite
+#   bash compose/dev.sh clean [DATA_DIR]   remove what a killed `dsec up` left (containers, containerd,
+#                              shims, mounts, network); only while no `dsec up` runs on DATA_DIR
 # Extra arguments go to `dsec up` or to pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,8 +62,12 @@ case "$cmd" in
   install)
     need_root; install_debs; install_python
     ;;
+  clean)
+    need_root; install_python
+    exec "$venv/bin/python" -m hostagent --cleanup --data-dir "${1:-/var/lib/dsec}"
+    ;;
   *)
-    echo "usage: bash compose/dev.sh up|test|install [args...]" >&2
+    echo "usage: bash compose/dev.sh up|test|install|clean [args...]" >&2
     exit 2
     ;;
 esac

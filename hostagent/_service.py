@@ -32,21 +32,32 @@ from bus.errors import (
 from bus.messages import (
     CreateSandbox,
     Done,
-    ExecChunk,
     ExecRequest,
     ExecResult,
+    FileUnwatch,
+    FileWatch,
     HostEvent,
     HostStatus,
     InfoRequest,
     KillRequest,
     LayerRef,
+    MetricsRequest,
     PlaceBatch,
     PlaceSandbox,
+    PortOpen,
+    PortSend,
+    ProcessStarted,
+    ProcConnect,
+    ProcDisconnect,
+    ProcInput,
+    ProcList,
+    ProcSignal,
     SandboxEvent,
     SandboxInfo,
     SandboxRecord,
     SandboxSpec,
     SetTimeout,
+    StreamAck,
 )
 from bus.rules import Allocation, Capacity, refusal
 from bus.runtime import Publisher, Service, StoreError, error_of, publisher_for, subscribe_sync
@@ -54,6 +65,8 @@ from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._backend import Backend, Handle
+from ._ports import PortRelay
+from ._execio import ExecIO, encode_reply
 from ._profiles import ProfileCache
 
 log = structlog.get_logger("dsec.hostagent")
@@ -143,6 +156,8 @@ class HostAgent(Service):
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: Publisher | None = None
+        self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
+        self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -189,6 +204,7 @@ class HostAgent(Service):
     async def teardown(self) -> None:
         for t in list(self._ops):
             t.cancel()
+        await self.execio.stop()
         for sub in list(self._subs.values()):
             try:
                 await sub.unsubscribe()
@@ -695,12 +711,14 @@ class HostAgent(Service):
         if ls is not None:
             self._track(ls, -1)
         self.handles.pop(sid, None)
+        self.execio.forget(sid)
         sub = self._subs.pop(sid, None)
         if sub is not None:
             try:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
+        await self.ports.drop(sid)
         await self.backend.destroy(sid)
         self._forget(sid)
         if ls is not None and publish:
@@ -757,7 +775,8 @@ class HostAgent(Service):
             structlog.contextvars.unbind_contextvars("sandbox_id", "subject")
         if msg.reply:
             try:
-                await msg.respond(codec.encode(result))
+                # Within the server's payload limit: output cut to fit, anything else a typed error.
+                await msg.respond(encode_reply(result, self.nc.max_payload if self.nc is not None else 1 << 20))
             except Exception as exc:  # noqa: BLE001
                 log.warning("reply_failed", sandbox_id=sid, error=str(exc))
         log.debug("op", sandbox_id=sid, op=op, code=code, ms=round((time.perf_counter() - t0) * 1000, 2))
@@ -770,6 +789,15 @@ class HostAgent(Service):
         match req:
             case ExecRequest():
                 return await self._exec(handle, ls, req)
+            case StreamAck():
+                self.execio.ack(sid, req)
+                return Done()
+            case ProcList() | ProcSignal() | ProcInput() | ProcConnect() | ProcDisconnect():
+                return await self.execio.proc(handle, req)
+            case FileWatch() | FileUnwatch():
+                return await self.execio.watch(handle, req)
+            case MetricsRequest():
+                return await self.execio.metrics(handle)
             case KillRequest(reason=reason):
                 await self._destroy(sid, reason or "user", publish=True)
                 return Done(detail="killed")
@@ -781,6 +809,8 @@ class HostAgent(Service):
                 self._save(ls)
                 await self._record(ls, "running")
                 return Done()
+            case PortOpen() | PortSend():
+                return await self.ports.handle(handle, req)
             case InfoRequest():
                 return SandboxInfo(
                     sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,
@@ -789,34 +819,8 @@ class HostAgent(Service):
             case _:
                 return await self.backend.files(handle, req)
 
-    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult:
-        assert self.nc is not None
-        seq = 0
-        on_output: Any = None
-        if req.stream_to and not S.valid_inbox(req.stream_to):
-            # Output goes only to a reply inbox: never let a client make us publish on control subjects.
-            raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")
-        if req.stream_to:
-            nc = self.nc
-
-            async def on_output(stream: int, data: bytes) -> None:
-                nonlocal seq
-                await nc.publish(req.stream_to, codec.encode(ExecChunk(seq=seq, stream=stream, data=data)))
-                seq += 1
-
-        if ls.spec.envs:
-            req.envs = {**ls.spec.envs, **req.envs}
-        t0 = time.perf_counter()
-        res = await self.backend.exec(handle, req, on_output)
-        res.chunks = seq
-        res.duration_ms = (time.perf_counter() - t0) * 1000
-        # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
-        ev = SandboxEvent(
-            sandbox_id=handle.sandbox_id, kind="exec", at=time.time(), host_id=self.host_id,
-            detail={"cmd": req.cmd[:1024], "exit_code": str(res.exit_code), "timed_out": str(res.timed_out).lower()},
-        )
-        await self.nc.publish(S.evt_sandbox(handle.sandbox_id, "exec"), codec.encode(ev))
-        return res
+    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
+        return await self.execio.exec(handle, ls.spec.envs, req)
 
 
 __all__ = ["HostAgent", "LocalSandbox"]

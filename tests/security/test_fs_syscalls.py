@@ -961,7 +961,12 @@ async def test_strict_profile_kills_for_writing_a_system_file(make_stack: Any, r
     relaxed = await st.create()
     assert (await sh(strict, "echo fine > /tmp/f && cat /tmp/f")).out == "fine"  # positive control
     await sh(relaxed, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
-    await sh(strict, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+    from sdk import SandboxNotFound
+
+    try:
+        await sh(strict, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+    except SandboxNotFound:
+        pass  # guard's kill can land before the exec's answer (seen in full runs): the record says why
 
     async def killed() -> bool:
         return (await _sandbox_record(st, strict.sandbox_id)).state == "killed"
