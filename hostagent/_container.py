@@ -490,9 +490,10 @@ class ContainerBackend:
         info = await self._wait_agent(cid, sdir, client)
         if cpu < START_CPU:
             # Before the create is answered (and recorded): a host agent that dies in between
-            # leaves an unrecorded container, which recovery removes.
+            # leaves an unrecorded container, which recovery removes. Two small cgroupfs writes,
+            # inline: a hop to the default executor can queue behind a burst's disk work.
             try:
-                await asyncio.to_thread(_set_cpu, cid, cpu)
+                _set_cpu(cid, cpu)
             except OSError as exc:
                 raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
         if security.landlock_required and not info.landlock:

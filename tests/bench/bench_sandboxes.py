@@ -450,6 +450,20 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(parts[-2:])})"
 
 
+def throttled(st: "Stack", sbs: list[AsyncSandbox]) -> tuple[int, float]:
+    """How many of these sandboxes' own CPU cgroups were throttled so far, and for how long in all
+    (ms). Read while they are idle, that is their start (runc init, the agent coming up)."""
+    assert st.host is not None
+    n, ns = 0, 0
+    for sb in sbs:
+        cid = st.host.handles[sb.sandbox_id].extra.get("cid", sb.sandbox_id)
+        with contextlib.suppress(OSError):
+            stat = dict(line.split() for line in (Path("/sys/fs/cgroup/cpu/dsec") / cid / "cpu.stat").read_text().splitlines())
+            n += int(stat["nr_throttled"]) > 0
+            ns += int(stat["throttled_time"])
+    return n, ns / 1e6
+
+
 # ------------------------------------------------------------------------------------------ the run
 async def run(args: argparse.Namespace) -> None:
     st = Stack(args)
@@ -487,6 +501,7 @@ async def run(args: argparse.Namespace) -> None:
             sbs.append(sb)  # type: ignore[arg-type]
         seq_wall = time.perf_counter() - t_all
         c1 = cpu.snapshot()
+        seq_throttled = throttled(st, sbs)
         seq_phases = {k: list(v) for k, v in PHASES.items()}
 
         # --- exec round trip ------------------------------------------------------------------------
@@ -555,6 +570,7 @@ async def run(args: argparse.Namespace) -> None:
         burst = [r[0] for r in ok]
         sbs = [r[1] for r in ok]  # type: ignore[misc]
         fails = [r for r in res if not isinstance(r, tuple)]
+        burst_throttled = throttled(st, sbs)
         await asyncio.gather(*(sb.kill() for sb in sbs))
         sbs = []
 
@@ -567,6 +583,8 @@ async def run(args: argparse.Namespace) -> None:
         print(f"exec `true`, same sandbox (x{args.exec_n}): p50 {pct(ex, 50):6.2f} ms   p99 {pct(ex, 99):6.2f} ms")
         print(f"exec `true`, across {n} sandboxes:  p50 {pct(ex_many, 50):6.2f} ms   p99 {pct(ex_many, 99):6.2f} ms")
         print(f"kill, sequential:                p50 {pct(kills, 50):7.1f} ms   p99 {pct(kills, 99):7.1f} ms")
+        print(f"start throttled by the sandbox's own CPU share: sequential {seq_throttled[0]}/{args.n} sandboxes ({seq_throttled[1]:.0f} ms in all), "
+              f"burst {burst_throttled[0]}/{len(burst)} ({burst_throttled[1]:.0f} ms in all)")
         print()
         print(f"host memory per idle sandbox ({n} idle, busybox, {len(shim_pids)} shim processes):")
         print(f"  {'':44} {'RSS':>10} {'PSS':>10}")
