@@ -31,6 +31,9 @@ from .messages import (
     InfoRequest,
     KillRequest,
     Lease,
+    PortData,
+    PortOp,
+    PortOpened,
     MetricsRequest,
     ProcessList,
     ProcessStarted,
@@ -84,6 +87,8 @@ SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
+PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
 SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
 SBX_METRICS = Decoder(MetricsRequest)  # dsec.sbx.<id>.metrics
 SBX_ACK = Decoder(StreamAck)  # dsec.sbx.<id>.ack (no reply)
@@ -103,6 +108,7 @@ SBX_REQUEST_DECODERS = {
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
     "info": SBX_INFO,
+    "port": SBX_PORT,
     "proc": SBX_PROC,
     "metrics": SBX_METRICS,
     "ack": SBX_ACK,
@@ -131,6 +137,7 @@ REPLY_TYPES = {
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
+    "port": PortOpened | Done,
     "proc": ProcessList | ProcessStarted | Done,
     "metrics": SandboxMetrics,
 }

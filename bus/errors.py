@@ -82,6 +82,12 @@ class NotSupported(DsecError):
     code = "not_supported"
 
 
+class PortClosed(DsecError):
+    """Nothing listens on that port inside the sandbox (connection refused)."""
+
+    code = "port_closed"
+
+
 class Unavailable(DsecError):
     """The control plane did not answer (no NATS, no responder)."""
 
@@ -139,6 +145,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         FileError,
         NotSupported,
         Unavailable,
+        PortClosed,
         PermissionDenied,
         ImageError,
         InternalError,

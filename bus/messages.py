@@ -41,6 +41,7 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     batch_id: str = ""
     create_deadline: float = 0.0  # unix seconds; placement fails the request after this (0: none)
     reply_to: str = ""  # core subject where the client hears this create's outcome (ready/failed/pending); the events are in DSEC_EVT regardless
+    client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------
@@ -549,6 +550,43 @@ class Done(Struct, kw_only=True, tag=True):
     detail: str = ""
 
 
+# --- sandbox ports (core request/reply on dsec.sbx.<id>.port) ------------------------------------
+# A TCP connection to a server inside the sandbox, opened by its host agent in the sandbox's network
+# namespace and relayed over NATS (the gateway's sandbox ports): the sandbox's network stays closed.
+class PortOpen(Struct, kw_only=True, tag=True):
+    """Connect to ``127.0.0.1:port`` inside the sandbox; the bytes it sends come as PortData on ``to``
+    (a reply inbox). Reply: PortOpened."""
+
+    port: int
+    to: str
+
+
+class PortOpened(Struct, kw_only=True, tag=True):
+    conn: str  # names the connection in PortSend
+
+
+class PortSend(Struct, kw_only=True, tag=True):
+    """Bytes for the sandbox's server (reply Done once written); ``eof`` closes our sending side,
+    ``close`` the whole connection."""
+
+    conn: str
+    data: bytes = b""
+    eof: bool = False
+    close: bool = False
+
+
+class PortData(Struct, kw_only=True, tag=True):
+    """Bytes from the sandbox's server, in ``seq`` order; ``eof`` ends them (``error`` says why when
+    the connection failed)."""
+
+    conn: str
+    seq: int
+    data: bytes = b""
+    eof: bool = False
+    error: str = ""
+
+
+PortOp = PortOpen | PortSend
 class MetricsRequest(Struct, kw_only=True, tag=True):
     """Request on ``dsec.sbx.<id>.metrics``."""
 
@@ -653,6 +691,7 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostMessage",
     "EventMessage",
     "FileOp",
+    "PortOp",
     "ProcOp",
     "Priority",
     "Backend",

@@ -90,7 +90,7 @@ def host_all(host_id: str) -> str:
 
 
 # --- live sandbox ops (core request/reply) -----------------------------------
-SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack")
+SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port")
 
 
 def sbx(sandbox_id: str, op: str) -> str:

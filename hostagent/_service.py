@@ -44,6 +44,8 @@ from bus.messages import (
     MetricsRequest,
     PlaceBatch,
     PlaceSandbox,
+    PortOpen,
+    PortSend,
     ProcessStarted,
     ProcConnect,
     ProcDisconnect,
@@ -63,6 +65,7 @@ from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._backend import Backend, Handle
+from ._ports import PortRelay
 from ._execio import ExecIO, encode_reply
 from ._profiles import ProfileCache
 
@@ -153,6 +156,7 @@ class HostAgent(Service):
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: Publisher | None = None
+        self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
         self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -714,6 +718,7 @@ class HostAgent(Service):
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001
                 pass
+        await self.ports.drop(sid)
         await self.backend.destroy(sid)
         self._forget(sid)
         if ls is not None and publish:
@@ -804,6 +809,8 @@ class HostAgent(Service):
                 self._save(ls)
                 await self._record(ls, "running")
                 return Done()
+            case PortOpen() | PortSend():
+                return await self.ports.handle(handle, req)
             case InfoRequest():
                 return SandboxInfo(
                     sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,

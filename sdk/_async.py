@@ -164,6 +164,7 @@ def build_spec(
     lease: float | None = None,
     create_timeout: float = 120.0,
     sandbox_id: str | None = None,
+    client: str = "",
 ) -> SandboxSpec:
     """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
     _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
@@ -181,7 +182,7 @@ def build_spec(
     spec = SandboxSpec(
         sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
-        priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout,
+        priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout, client=client,
     )
     validate_spec(spec)
     spec.cpu, spec.timeout_s, spec.lease_s = float(cpu), float(timeout), float(spec.lease_s)

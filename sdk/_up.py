@@ -36,7 +36,8 @@ SERVICES_FILE = "services.json"
 
 @dataclass(frozen=True)
 class Service:
-    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth).
+    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth;
+    "" for none: the gateway, whose every API key is its own NATS user).
 
     ``argv`` items are formatted with the stack's settings: every ``dsec up`` option by its dest
     (``{backend}``, ``{concurrency}``, ...), ``{data}`` (the resolved data dir) and ``{host_id}``;
@@ -59,6 +60,7 @@ SERVICES: tuple[Service, ...] = (
     Service("guard", "guard", ("guard",)),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
+    Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
 )
 
 BACKOFF_BASE_S = 0.5
@@ -321,6 +323,24 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
     return out
 
 
+async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
+    """`dsec api-key create` adds NATS users to the auth file: have the server load them."""
+    seen = auth_file.stat().st_mtime_ns
+    while not sup.stopping.is_set():
+        try:
+            await asyncio.wait_for(sup.stopping.wait(), TICK_S)
+        except asyncio.TimeoutError:
+            pass
+        now = auth_file.stat().st_mtime_ns
+        if now != seen and not sup.stopping.is_set():
+            seen = now
+            try:
+                await asyncio.to_thread(sup.nats.server.reload, AuthConfig.load_or_create(auth_file).config_block())
+                _say("reloaded NATS users (a new API key)")
+            except NatsServerError as exc:
+                _say(f"could not reload NATS users: {exc}")
+
+
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -332,11 +352,17 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         url = sup.nats.server.url
         write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
         tend = asyncio.create_task(sup.tend())
+        users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
         st = await _wait_ready(url, time.monotonic() + args.ready_timeout, sup)
         if st:
             _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
+            gw = f"http://127.0.0.1:{args.http_port}"
+            _say(f"gateway (E2B API, envd, REST /v1, /openapi.json) at {gw}; an API key: dsec api-key create --data-dir {data}")
+            _say(f"export E2B_API_URL={gw} E2B_SANDBOX_URL={gw}")
             _say(f"`dsec` and the SDK on this machine reach it as the operator (context {pointer}); Ctrl-C stops everything")
         await sup.stopping.wait()
+        if users is not None:
+            await users
     except DsecError as exc:
         print(f"dsec up: {exc.description}", file=sys.stderr)
         rc = 1
@@ -367,7 +393,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     def env_of(svc: Service) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth else nats.url}
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth and svc.role else nats.url}
         if auth and svc.control_key:
             e[ENV_CONTROL_KEY] = auth.control_key
         return e
