@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +68,7 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 STABLE_S = 30.0  # a process up this long has recovered: the next exit starts the backoff afresh
 TICK_S = 0.2  # how often exits are looked for
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal went away
 
 
 def _say(msg: str) -> None:
@@ -86,6 +88,8 @@ def exit_text(code: int | None) -> str:
 
 class Supervised(abc.ABC):
     """One process of the stack and its record: restarts, last exit, up since, next start."""
+
+    blocking_start: bool  # start() waits for readiness (run in a thread) or returns at once
 
     def __init__(self, name: str, log_path: Path, grace_s: float) -> None:
         self.name = name
@@ -142,8 +146,18 @@ class Supervised(abc.ABC):
         }
 
 
+# A service outlives a supervisor killed by SIGKILL unless told otherwise: setpriv (util-linux, always on
+# Debian) has the kernel send it SIGTERM when its parent goes, and it stops as on a Ctrl-C.
+_SETPRIV = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin")
+DIE_WITH_SUPERVISOR = [_SETPRIV, "--pdeathsig", "TERM", "--"] if _SETPRIV else []
+
+
 class Child(Supervised):
-    """A ``python -m`` service, in its own session (a Ctrl-C on the terminal reaches only the supervisor)."""
+    """A ``python -m`` service, in its own session (a Ctrl-C on the terminal reaches only the supervisor).
+
+    Started from the event loop's thread: the parent-death signal follows the thread that forked."""
+
+    blocking_start = False
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, grace_s: float) -> None:
         super().__init__(name, log_path, grace_s)
@@ -156,7 +170,9 @@ class Child(Supervised):
             if self.restarts:
                 log.write(f"--- dsec up: restart {self.restarts} at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
                 log.flush()
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*DIE_WITH_SUPERVISOR, *self.argv], env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -176,7 +192,10 @@ class Child(Supervised):
 
 
 class NatsChild(Supervised):
-    """nats-server: restarted on the same store dir, port and users (bus.natsd)."""
+    """nats-server: restarted on the same store dir, port and users (bus.natsd); its start waits until
+    JetStream is ready, off the event loop."""
+
+    blocking_start = True
 
     def __init__(self, server: NatsServer) -> None:
         super().__init__("nats-server", Path(server.log_file), 10.0)
@@ -220,7 +239,10 @@ class Supervisor:
 
     async def _start(self, s: Supervised) -> bool:
         try:
-            await asyncio.to_thread(s.start)
+            if s.blocking_start:
+                await asyncio.to_thread(s.start)
+            else:
+                s.start()
         except (OSError, NatsServerError) as exc:
             delay = s.exited(None)
             _say(f"{s.name} did not start ({exc}); next try in {delay:.1f}s")
@@ -343,7 +365,7 @@ async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
 
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, sup.stopping.set)
     rc = 0
     tend: asyncio.Task[None] | None = None
@@ -373,7 +395,7 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         _say("stopping")
         await sup.stop_all()
         remove_client_context(data, pointer)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         _say("stopped")
     return rc
