@@ -29,7 +29,7 @@ class HostMetrics:
             sandboxes.clear()
             for state in ("creating", "running"):
                 sandboxes.set(0, state=state)
-            sandboxes.set(len(agent._creating), state="creating")
+            sandboxes.set(len(agent.intake.creating), state="creating")
             for ls in list(agent.live.values()):
                 sandboxes.inc(1, state=ls.state)
             st = agent._status()
