@@ -66,6 +66,12 @@ class SandboxTimeout(DsecError):
     code = "timeout"
 
 
+class KillPending(DsecError):
+    """The sandbox is being stopped but its teardown is not finished yet; its host retries it."""
+
+    code = "kill_pending"
+
+
 class CreateFailed(DsecError):
     code = "create_failed"
 
@@ -140,6 +146,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         HostRejected,
         SandboxNotFound,
         SandboxTimeout,
+        KillPending,
         CreateFailed,
         FileNotFound,
         FileError,

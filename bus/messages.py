@@ -87,7 +87,7 @@ HostMessage = PlaceSandbox | PlaceBatch
 
 # --- events on DSEC_EVT ----------------------------------------------------------------
 SandboxEventKind = Literal[
-    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered"
+    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered", "lost"
 ]
 
 
@@ -157,16 +157,27 @@ class HostStatus(Struct, kw_only=True, tag=True):
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
-    """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id."""
+    """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id.
+
+    ``state`` is its lifecycle (``SANDBOX_STATES``): ``creating`` (the owning host's claim; ``placed``
+    in records of older hosts) -> ``running`` -> ``paused`` -> ``stopping`` (a kill or expiry is under
+    way: a durable intent the host retries) -> ``gone`` (everything removed; ``end_reason`` says why;
+    ``killed`` in records of older hosts), or ``lost`` (the sandbox vanished behind its host's back),
+    or ``failed`` (never started).
+    """
 
     spec: SandboxSpec
-    state: str  # placed, running, killed, failed
+    state: str  # one of SANDBOX_STATES
     host_id: str = ""
     created_at: float = 0.0
     ready_at: float = 0.0
     expires_at: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+
+
+SANDBOX_STATES = ("placed", "creating", "running", "paused", "stopping", "gone", "lost", "failed", "killed")
+SANDBOX_ENDED = ("gone", "lost", "failed", "killed")  # no sandbox behind the record any more
 
 
 class LayerRef(Struct, kw_only=True, tag=True):
@@ -550,6 +561,12 @@ class Done(Struct, kw_only=True, tag=True):
     detail: str = ""
 
 
+# Done.detail of a kill: finished, or still under way on the host (a durable intent it retries;
+# asking again waits for it again).
+KILL_DONE = "killed"
+KILL_PENDING = "stopping"
+
+
 # --- sandbox ports (core request/reply on dsec.sbx.<id>.port) ------------------------------------
 # A TCP connection to a server inside the sandbox, opened by its host agent in the sandbox's network
 # namespace and relayed over NATS (the gateway's sandbox ports): the sandbox's network stays closed.
@@ -696,4 +713,8 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "Priority",
     "Backend",
     "SandboxEventKind",
+    "SANDBOX_STATES",
+    "SANDBOX_ENDED",
+    "KILL_DONE",
+    "KILL_PENDING",
 ]

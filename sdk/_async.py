@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, ErrorReply, InvalidArgument, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
 from bus.messages import (
     CreateBatch,
     CreateSandbox,
@@ -28,6 +28,7 @@ from bus.messages import (
     SandboxSpec,
     SetTimeout,
 )
+from bus.messages import KILL_PENDING
 from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
@@ -524,12 +525,25 @@ class AsyncSandbox:
             ) from None
         return decode_reply(msg.data, result_type)
 
-    async def kill(self) -> None:
-        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine."""
-        try:
-            await self._request("kill", KillRequest(), Done)
-        except SandboxNotFound:
-            pass
+    async def kill(self, *, timeout: float = 300.0) -> None:
+        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine.
+
+        The host answers ``stopping`` while the teardown goes on (containerd busy): the kill is a
+        durable intent there, and the request is repeated until it is done. Past ``timeout`` seconds
+        it raises ``KillPending`` (the host still finishes it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                done: Done = await self._request("kill", KillRequest(), Done, timeout=max(1.0, min(30.0, left)))
+            except SandboxNotFound:
+                return
+            except SandboxTimeout:  # the host is too busy to answer in time: the intent may stand, ask again
+                done = Done(detail=KILL_PENDING)
+            if done.detail != KILL_PENDING:
+                return
+            if time.monotonic() >= deadline:
+                raise KillPending(f"sandbox {self.sandbox_id} is still being stopped after {timeout:g}s; its host goes on with it")
 
     async def set_timeout(self, timeout: float) -> None:
         _check_positive("timeout", timeout, lo=1, hi=30 * 86400)

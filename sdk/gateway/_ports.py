@@ -52,7 +52,7 @@ class PortConnection:
                 self.reader.feed_eof()
 
     async def open(self, port: int) -> None:
-        nc = self.sb._nc
+        nc = self.sb.nc
         inbox = nc.new_inbox()
 
         async def cb(msg: Any) -> None:

@@ -47,7 +47,7 @@ class _Inbox:
 
     def __init__(self, sb: AsyncSandbox) -> None:
         self.sb = sb
-        self.inbox = sb._nc.new_inbox()
+        self.inbox = sb.nc.new_inbox()
         self.q: asyncio.Queue[ExecChunk | ExecResult] = asyncio.Queue()
         self.sub: Any = None
 
@@ -56,7 +56,7 @@ class _Inbox:
             with contextlib.suppress(DsecError):
                 self.q.put_nowait(codec.EXEC_STREAM.decode(msg.data))
 
-        self.sub = await self.sb._nc.subscribe(self.inbox, cb=on)
+        self.sub = await self.sb.nc.subscribe(self.inbox, cb=on)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
