@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bus.natsd import free_port  # noqa: E402 - after the repo is on sys.path
+from tests.netclaim import claim_net  # noqa: E402
 
 MiB = 1 << 20
 
@@ -93,7 +94,8 @@ def main() -> None:
     port, http_port = free_port(), free_port()
     nats_url, gw = f"nats://127.0.0.1:{port}", f"http://127.0.0.1:{http_port}"
     context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DSEC_CONTEXT": str(context)}
+    net = claim_net()  # network names of its own: not the default ones other stacks on this machine share
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": nats_url, "PYTHONUNBUFFERED": "1", "DSEC_CONTEXT": str(context), **net.env()}
     log = open(data.parent / f"{data.name}.log", "wb")  # noqa: SIM115 - the child's log, closed in the finally
     up = subprocess.Popen([sys.executable, "-m", "sdk.cli", "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                            "--host-id", f"bench-{data.name[-6:]}"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -140,6 +142,7 @@ def main() -> None:
         shutil.rmtree(data, ignore_errors=True)
         (data.parent / f"{data.name}.log").unlink(missing_ok=True)
         context.unlink(missing_ok=True)
+        net.release()
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from imaged._busybox import build_busybox_rootfs  # noqa: E402
 from placement import Placement  # noqa: E402
 from sdk import AsyncSandbox  # noqa: E402
 import sdk._async  # noqa: E402
+from tests.netclaim import NetClaim, claim_net  # noqa: E402
 
 KiB = 1024
 MiB = 1 << 20
@@ -284,6 +285,7 @@ class Stack:
         self.placement: Placement | None = None
         self.host: HostAgent | None = None
         self.backend: ContainerBackend | None = None
+        self.net: NetClaim | None = None
         self.url = ""
 
     async def start(self) -> None:
@@ -300,7 +302,8 @@ class Stack:
         await nc.close()
         self.placement = Placement(self.url, replica_id="bench-p1")
         await self.placement.start()
-        self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool)
+        self.net = claim_net()  # network names of its own: not the default ones other stacks on this machine share
+        self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool, network=self.net.config())
         self.host = HostAgent(
             self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True,
             cpu_overcommit=self.args.cpu_overcommit, reconcile_s=self.args.reconcile_s,
@@ -318,6 +321,9 @@ class Stack:
         if self.placement is not None:
             await self.placement.shutdown()
         self.nats.stop()
+        if self.net is not None:
+            await self.net.purge()
+            self.net.release()
         d = str(self.dir)
         with open("/proc/self/mountinfo") as f:
             left = [ln.split()[4] for ln in f if d in ln]

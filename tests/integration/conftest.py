@@ -30,6 +30,7 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import eventually
+from tests.netclaim import claim_net
 
 REPO = Path(__file__).resolve().parents[2]
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -315,7 +316,8 @@ async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     before = await register_base_template(js, str(rootfs))
     host_id = f"it-{uid}"
     placements = [Placement(url, replica_id=f"p{i}-{uid}") for i in (1, 2)]
-    backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=2)
+    net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
+    backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=2, network=net.config())
     host = HostAgent(
         backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), pool=f"it-{uid}",
         concurrency=16, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
@@ -353,6 +355,8 @@ async def stack(nats_server: Any) -> AsyncIterator[Stack]:
         if left:
             problems.append(f"left under {data_dir} after shutdown: {left}")
             await force_cleanup(data_dir)
+        await net.purge()  # the table: the host agent's shutdown removes its sandboxes' networks only
+        net.release()
         if not mounts_mentioning(str(data_dir)):
             shutil.rmtree(data_dir, ignore_errors=True)
         assert not problems, problems

@@ -18,6 +18,7 @@ import pytest
 from bus.metrics import parse
 from bus.natsd import free_port
 from tests.conftest import eventually
+from tests.netclaim import claim_net
 
 from .conftest import PY, REPO, Child, Stack, data_dir_leftovers, force_cleanup, needs_stack, subprocess_env
 
@@ -155,7 +156,8 @@ async def test_dsec_up_end_to_end() -> None:
     data = Path(tempfile.mkdtemp(prefix=f"dsec-up-{uuid.uuid4().hex[:6]}-", dir="/tmp"))
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    env = subprocess_env(url, DSEC_CONTEXT=str(data.parent / f"{data.name}.context.json"))
+    net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
+    env = subprocess_env(url, DSEC_CONTEXT=str(data.parent / f"{data.name}.context.json"), **net.env())
     http_port = free_port()
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port), "--host-id", f"up-{uuid.uuid4().hex[:6]}",
                 "--ready-timeout", "240"],
@@ -193,3 +195,4 @@ async def test_dsec_up_end_to_end() -> None:
             shutil.rmtree(data, ignore_errors=True)
             for p in (data.parent / f"{data.name}.log", data.parent / f"{data.name}.context.json"):
                 p.unlink(missing_ok=True)
+        net.release()

@@ -28,6 +28,7 @@ import pytest
 
 from bus.natsd import free_port
 from tests.conftest import eventually
+from tests.netclaim import claim_net
 
 from .conftest import (
     PY,
@@ -78,7 +79,8 @@ async def gw() -> Any:
     port, http_port = free_port(), free_port()
     nats_url = f"nats://127.0.0.1:{port}"
     context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer: other stacks run too
-    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context))
+    net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
+    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), **net.env())
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                 "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"], env, data.parent / f"{data.name}.log").start()
     try:
@@ -110,6 +112,7 @@ async def gw() -> Any:
             for f in (data.parent / f"{data.name}.log", context):
                 if f.exists():
                     os.unlink(f)
+        net.release()
 
 
 def _status(url: str) -> int:

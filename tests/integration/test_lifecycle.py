@@ -28,6 +28,7 @@ from bus.messages import SandboxEvent
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox, KillPending
 from tests.conftest import eventually
+from tests.netclaim import claim_net
 
 from .conftest import Stack, cgroups_of, data_dir_leftovers, force_cleanup, loop_devices_backed_by, mounts_mentioning, needs_stack
 
@@ -93,7 +94,8 @@ async def host(stack: Stack) -> AsyncIterator[Host]:
 
     uid = f"lc-{uuid.uuid4().hex[:8]}"
     data = Path(tempfile.mkdtemp(prefix="dsec-lc-", dir="/tmp"))
-    backend = ContainerBackend(str(data), scratch_size_gb=None, warm_pool=0)
+    net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
+    backend = ContainerBackend(str(data), scratch_size_gb=None, warm_pool=0, network=net.config())
     agent = HostAgent(
         backend, nats_url=stack.url, host_id=uid, data_dir=str(data), pool=uid, concurrency=16, heartbeat_s=1.0,
         destroy_on_shutdown=True, grace_s=30.0, reconcile_s=1.0, kill_wait_s=3.0,
@@ -109,6 +111,8 @@ async def host(stack: Stack) -> AsyncIterator[Host]:
         left = data_dir_leftovers(data)
         if left:
             await force_cleanup(data)
+        await net.purge()
+        net.release()
         if not mounts_mentioning(str(data)):
             shutil.rmtree(data, ignore_errors=True)
         assert not left, f"left under {data} after the host agent stopped: {left}"

@@ -30,15 +30,13 @@ from bus.errors import DsecError
 from bus.natsd import free_port
 from sdk._async import close_connections
 from tests.conftest import eventually
+from tests.netclaim import NetClaim, claim_net
 
 from .conftest import PY, REPO, Child, data_dir_leftovers, needs_stack, pid_alive, processes_mentioning
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
 DSEC = [PY, "-m", "sdk.cli"]
-NET_PREFIX = "dsu"  # this stack's nft table dsec_dsu, veths dsu*, netns dsec-dsu-* (apart from other stacks')
-NET_POOL = "10.231.0.0/20"
-NFLOG_GROUP = "7391"
 
 
 @dataclass
@@ -48,6 +46,7 @@ class Up:
     pointer: Path
     url: str  # without credentials
     host_id: str
+    net: NetClaim  # this stack's own nft table, veths, netns, pool, NFLOG group (apart from other stacks')
 
     def env(self, **extra: str) -> dict[str, str]:
         """A client's environment: this repo importable, the stack found through its context only."""
@@ -95,11 +94,12 @@ async def running_up(tag: str) -> AsyncIterator[Up]:
     port = free_port()
     host_id = f"{tag}-{uid}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST") and k != "DSEC_NATS_URL"}
-    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", DSEC_NET_PREFIX=NET_PREFIX, DSEC_NET_POOL=NET_POOL, DSEC_NFLOG_GROUP=NFLOG_GROUP)
+    net = await asyncio.to_thread(claim_net)
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **net.env())
     child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(free_port()), "--host-id", host_id,
                    "--ready-timeout", "240", "--context", str(pointer)],
                   env, data.parent / f"{data.name}.log").start()
-    u = Up(child, data, pointer, f"nats://127.0.0.1:{port}", host_id)
+    u = Up(child, data, pointer, f"nats://127.0.0.1:{port}", host_id, net)
     try:
         await eventually(lambda: "dsec up: ready" in child.log() or not child.alive(), timeout=240, interval=0.2, what="dsec up to print ready")
         assert child.alive(), child.log()
@@ -109,8 +109,9 @@ async def running_up(tag: str) -> AsyncIterator[Up]:
         if child.alive():
             child.signal(signal.SIGKILL)
             await child.wait(10)
-        if data_dir_leftovers(data) or _nft_table_exists():  # the test failed half-way: the host agent's own clean-up
+        if data_dir_leftovers(data) or _nft_table_exists(u):  # the test failed half-way: the host agent's own clean-up
             await asyncio.to_thread(subprocess.run, [PY, "-m", "hostagent", "--cleanup", "--data-dir", str(data)], env=env, capture_output=True, timeout=180)
+        net.release()  # a slot whose names are still in the kernel is passed over by the next claim
         if not data_dir_leftovers(data):
             shutil.rmtree(data, ignore_errors=True)
             for p in (pointer, data.parent / f"{data.name}.log"):
@@ -254,7 +255,7 @@ async def test_kill_9_of_each_service_during_creates_then_sigterm_leaves_nothing
         await AsyncSandbox.create(nats_url=url, memory_mb=32, create_timeout=CREATE_TIMEOUT, timeout=900, network={"allow_out": ["192.0.2.1/32"]}),
     ]
     assert (await before[1].commands.run("ip -o addr show eth0")).exit_code == 0
-    assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{NET_PREFIX}"], capture_output=True).returncode == 0
+    assert _nft_table_exists(up)
     outcomes: dict[str, list[str]] = {}
     for name in KILL_ORDER:
         old = up.services()[name]
@@ -305,8 +306,8 @@ async def test_kill_9_of_each_service_during_creates_then_sigterm_leaves_nothing
     print(f"create outcomes per killed service: {outcomes}")
 
 
-def _nft_table_exists() -> bool:
-    return subprocess.run(["nft", "list", "table", "inet", f"dsec_{NET_PREFIX}"], capture_output=True).returncode == 0
+def _nft_table_exists(up: Up) -> bool:
+    return subprocess.run(["nft", "list", "table", "inet", up.net.table], capture_output=True).returncode == 0
 
 
 async def assert_stopped_leaving_nothing(up: Up, cgroups: set[Path]) -> None:
@@ -315,9 +316,9 @@ async def assert_stopped_leaving_nothing(up: Up, cgroups: set[Path]) -> None:
     left = data_dir_leftovers(up.data)  # containerd, shims, FUSE holder, agents' mounts, layer mounts, loop devices
     assert not left, left
     assert not [c for c in cgroups if c.exists()]
-    netns = [n for n in os.listdir("/run/netns") if n.startswith(f"dsec-{NET_PREFIX}-")] if os.path.isdir("/run/netns") else []
+    netns = [n for n in os.listdir("/run/netns") if n.startswith(up.net.netns_prefix)] if os.path.isdir("/run/netns") else []
     assert not netns, netns
-    assert not _nft_table_exists()
+    assert not _nft_table_exists(up)
     assert not up.pointer.exists() and not (up.data / "services.json").exists()
 
 
@@ -334,7 +335,7 @@ async def test_sigterm_right_after_crashes_still_leaves_nothing() -> None:
         ]
         for sb in sbs:
             assert (await sb.commands.run("echo up")).stdout == "up\n"
-        assert _nft_table_exists()
+        assert _nft_table_exists(up)
         cgroups = await _shim_cgroups(up.data)
         assert cgroups
         svc = up.services()
@@ -365,9 +366,9 @@ async def test_a_killed_supervisor_takes_its_services_along() -> None:
         await eventually(lambda: not any(pid_alive(p) for p in services.values()), timeout=90, what="the services to stop")
         assert "service_stopped" in (up.data / "logs" / "hostagent.log").read_text()
         rc = await asyncio.to_thread(
-            subprocess.run, [PY, "-m", "hostagent", "--cleanup", "--data-dir", str(up.data)], env=up.env(DSEC_NET_PREFIX=NET_PREFIX), capture_output=True,
+            subprocess.run, [PY, "-m", "hostagent", "--cleanup", "--data-dir", str(up.data)], env=up.env(**up.net.env()), capture_output=True,
         )
         assert rc.returncode == 0, rc.stderr[-2000:]
         left = data_dir_leftovers(up.data)
         assert not left, left
-        assert not [c for c in cgroups if c.exists()] and not _nft_table_exists()
+        assert not [c for c in cgroups if c.exists()] and not _nft_table_exists(up)

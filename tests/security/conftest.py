@@ -14,9 +14,9 @@ permissions ``dsec up`` configures: each service connects as its role, ``stack.n
 ``hostagent.network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
 kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
-(started containers the host agent keeps ready per image and profile). Each stack gets its own nft
-table, veth prefix, netns prefix, /22 address pool and NFLOG group, so stacks never touch each
-other's (or a real host agent's) network state.
+(started containers the host agent keeps ready per image and profile). Each stack claims its own nft
+table, veth prefix, netns prefix, /22 address pool and NFLOG group (tests/netclaim.py), so stacks
+never touch each other's (or a real host agent's) network state, in this run or a concurrent one.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import shutil
-import string
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,34 +36,10 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import eventually
+from tests.netclaim import NetClaim, claim_net
 from tests.integration.conftest import data_dir_leftovers, force_cleanup, register_base_template, stack_skip_reason
 
 SKIP_REASON = stack_skip_reason()
-
-
-def _free_prefix() -> str:
-    """A veth prefix ``dsq<c>`` no other live stack on this machine uses (by its links and netns)."""
-    try:
-        taken = {n[:4] for n in os.listdir("/sys/class/net") if n.startswith("dsq")}
-        taken |= {n[5:9] for n in os.listdir("/run/netns") if n.startswith("dsec-dsq")} if os.path.isdir("/run/netns") else set()
-    except OSError:
-        taken = set()
-    free = [f"dsq{c}" for c in string.ascii_lowercase + string.digits if f"dsq{c}" not in taken]
-    if not free:
-        raise RuntimeError("no free network prefix for a test stack")
-    return random.choice(free)
-
-
-def network_config(prefix: str, **overrides: Any) -> Any:
-    from hostagent.network import NetworkConfig
-
-    idx = (string.ascii_lowercase + string.digits).index(prefix[3])
-    kw: dict[str, Any] = dict(
-        pool=f"10.210.{idx * 4}.0/22", table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-",
-        log_group=7400 + idx,  # one NFLOG listener per group: each stack's guard gets its own
-    )
-    kw.update(overrides)
-    return NetworkConfig(**kw)
 
 
 def network_leftovers(cfg: Any, *, warm_ok: bool = False) -> list[str]:
@@ -110,6 +84,7 @@ class SecStack:
     auth: Any = None  # bus.auth.AuthConfig, with make_stack(auth=True)
     stream_options: Any = None  # bus.streams.StreamOptions the services run with
     control_key: bytes | None = None  # placement signs host work with it (auth stacks, as `dsec up`)
+    claim: Any = None  # tests.netclaim.NetClaim: the names of ``net``, this stack's alone
 
     def url_as(self, role: str) -> str:
         """NATS URL of a service role (or named user) on an ``auth`` stack; the plain URL otherwise."""
@@ -164,7 +139,6 @@ def _mounted_under(path: Path) -> bool:
 async def _close_stack(st: SecStack) -> None:
     """Stop a stack made by ``make_stack`` and check it left nothing behind (then remove it anyway)."""
     import sdk._async
-    from hostagent.network import NetworkManager
 
     problems: list[str] = []
     for sb in st.sandboxes:
@@ -192,14 +166,17 @@ async def _close_stack(st: SecStack) -> None:
     netleft = network_leftovers(net)
     if netleft:
         problems.append(f"network state left: {netleft}")
-    m = NetworkManager(net)
-    try:
-        await m.purge()  # the table itself (and ip_forward, if this was the last dsec table)
-    finally:
-        await m.stop()
+    await st.claim.purge()  # the table itself (and ip_forward, if this was the last dsec table)
     if not _mounted_under(data_dir):
         shutil.rmtree(data_dir, ignore_errors=True)
     assert not problems, problems
+
+
+def _released(claim: NetClaim) -> Callable[[], Awaitable[None]]:
+    async def release() -> None:
+        claim.release()
+
+    return release
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -249,8 +226,9 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
             return authcfg.url_for(role, url) if authcfg is not None else url
 
         opts = StreamOptions() if dedup_window_s is None else StreamOptions(dedup_window_s=dedup_window_s)
-        prefix = _free_prefix()
-        net = network_config(prefix, **({"control_plane": (url,)} | (network or {})))
+        claim = await asyncio.to_thread(claim_net)  # may wait for a free slot
+        cleanups.append(_released(claim))  # runs after the stack's close: its names are free only once it is gone
+        net = claim.config(**({"control_plane": (url,)} | (network or {})))
         nc = await connect(url_as("admin"), name="dsec-sec-tests")
         await ensure_all(nc.jetstream(), opts)
         rootfs = data_dir / "rootfs"
@@ -262,7 +240,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         host_id = f"sec-{uid}"
         st = SecStack(
             url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts, key), backend, placement, nc, nats,
-            auth=authcfg, stream_options=opts, control_key=key,
+            auth=authcfg, stream_options=opts, control_key=key, claim=claim,
         )
 
         cleanups.append(lambda: _close_stack(st))
@@ -335,4 +313,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.write_line(f"{len(blocked)} attacks blocked; {len(allowed)} positive controls passed")
 
 
-__all__ = ["SecStack", "RedTeam", "network_config", "network_leftovers", "until", "SKIP_REASON"]
+__all__ = ["SecStack", "RedTeam", "network_leftovers", "until", "SKIP_REASON"]
