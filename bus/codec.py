@@ -34,6 +34,13 @@ from .messages import (
     SandboxRecord,
     SetTimeout,
     TemplateManifest,
+    PackDirectory,
+    PackedLayer,
+    PauseRequest,
+    RemoveSnapshot,
+    ResumeRequest,
+    SnapshotRecord,
+    SnapshotRequest,
 )
 
 T = TypeVar("T")
@@ -74,6 +81,12 @@ SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+SBX_SNAPSHOT = Decoder(SnapshotRequest)  # dsec.sbx.<id>.snapshot
+SBX_PAUSE = Decoder(PauseRequest)  # dsec.sbx.<id>.pause
+SBX_RESUME = Decoder(ResumeRequest)  # dsec.sbx.<id>.resume
+SNAPSHOT = Decoder(SnapshotRecord)  # KV dsec_snapshots
+PACK_REQ = Decoder(PackDirectory)  # dsec.imaged.<host>.pack
+SNAP_REMOVE_REQ = Decoder(RemoveSnapshot)  # dsec.img.snap.rm
 EXEC_CHUNK = Decoder(ExecChunk)
 HOST_IMG_STATS_REQ = Decoder(HostImageStatsRequest)  # dsec.img.host.<id>.stats
 HOST_IMG_STATS = Decoder(HostImageStats)
@@ -88,6 +101,9 @@ SBX_REQUEST_DECODERS = {
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
     "info": SBX_INFO,
+    "snapshot": SBX_SNAPSHOT,
+    "pause": SBX_PAUSE,
+    "resume": SBX_RESUME,
 }
 
 _reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
@@ -113,6 +129,9 @@ REPLY_TYPES = {
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
+    "snapshot": SnapshotRecord,
+    "pause": SnapshotRecord | Done,
+    "resume": Done,
 }
 
 __all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [

@@ -26,6 +26,7 @@ from bus.errors import (
     HostRejected,
     InternalError,
     SandboxNotFound,
+    SandboxNotRunning,
     SandboxTimeout,
     UnknownTemplate,
 )
@@ -39,6 +40,9 @@ from bus.messages import (
     HostStatus,
     InfoRequest,
     KillRequest,
+    PauseRequest,
+    ResumeRequest,
+    SnapshotRequest,
     LayerRef,
     PlaceBatch,
     PlaceSandbox,
@@ -55,6 +59,7 @@ from bus.streams import StreamOptions, ensure_all, ensure_kv
 from bus.acks import JsAcks, Sink, StoreError, acks_for
 from ._backend import Backend, Handle
 from ._profiles import ProfileCache
+from ._snapshots import Snapshots, resumes
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -144,6 +149,7 @@ class HostAgent(Service):
         self._ops_sink = Sink(self._on_op_now)
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: JsAcks | None = None
+        self.snapshots = Snapshots(self)
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -416,7 +422,7 @@ class HostAgent(Service):
             sandbox_id=spec.sandbox_id, kind=kind, at=time.time(), host_id=self.host_id, attempt=attempt,
             code=err.code if err else "", description=err.description if err else "", detail=detail or {},
         )
-        hdr = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if kind in ("ready", "failed", "killed", "rejected") else None
+        hdr = {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{kind}:{attempt}"} if kind in ("ready", "failed", "killed", "rejected") else None
         data = codec.encode(ev)
         await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), data, headers=hdr)
         if kind in ("ready", "failed") and spec.reply_to and self.nc is not None and S.valid_inbox(spec.reply_to):
@@ -453,6 +459,12 @@ class HostAgent(Service):
             cur = codec.SANDBOX_RECORD.decode(entry.value)
         except BadRequest:
             return True
+        if resumes(cur, spec):  # a persisted pause resumed: take the id over (unless another host just did)
+            try:
+                await self._kv_sbx.update(spec.sandbox_id, codec.encode(rec), last=entry.revision)
+                return True
+            except KeyWrongLastSequenceError:
+                return False
         return cur.host_id == self.host_id and cur.state in ("placed", "running")
 
     # --- create ---------------------------------------------------------------------------------
@@ -586,7 +598,7 @@ class HostAgent(Service):
         assert self.js is not None
         err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)
         again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, self.host_id], last_error=err.description)
-        await self.js.publish(S.REQ_CREATE, codec.encode(again), headers={S.HDR_MSG_ID: f"{spec.sandbox_id}:{attempt + 1}"})
+        await self.js.publish(S.REQ_CREATE, codec.encode(again), headers={S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{attempt + 1}"})
         await self._event(spec, "rejected", attempt=attempt, err=err)
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
@@ -604,6 +616,8 @@ class HostAgent(Service):
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
                 layers = await self._layers(spec.template)
+            if spec.snapshot:
+                layers = await self.snapshots.restore_layers(spec, layers)
             if self.profiles is not None:
                 handle = await self.backend.create(spec, layers, security=self.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
             else:
@@ -636,12 +650,14 @@ class HostAgent(Service):
             await self._destroy(spec.sandbox_id, "duplicate", publish=False)
             log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
             return
+        if spec.snapshot:
+            await self.snapshots.restored(ls)
         ev = SandboxEvent(
             sandbox_id=spec.sandbox_id, kind="ready", at=time.time(), host_id=self.host_id, attempt=attempt,
             detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"},
         )
         data = codec.encode(ev)
-        await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:ready:{attempt}"})
+        await self._store(S.evt_sandbox(spec.sandbox_id, "ready"), data, {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:ready:{attempt}"})
         if spec.reply_to and self.nc is not None and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the creating client hears it without a subscription of its own
         self.created += 1
@@ -672,8 +688,8 @@ class HostAgent(Service):
             cur = codec.SANDBOX_RECORD.decode((await self._kv_sbx.get(sid)).value)
         except (KeyNotFoundError, BadRequest):
             return False
-        if cur.host_id == self.host_id and cur.state in ("placed", "running"):
-            await self._kv_sbx.put(sid, rec)  # ours (an earlier delivery of the same work)
+        if cur.host_id == self.host_id and cur.state in ("placed", "running") or resumes(cur, codec.SANDBOX_RECORD.decode(rec).spec):
+            await self._kv_sbx.put(sid, rec)  # ours (an earlier delivery of the same work), or a persisted pause resumed
             return True
         return False
 
@@ -772,9 +788,17 @@ class HostAgent(Service):
         ls = self.live.get(sid)
         if handle is None or ls is None:
             raise SandboxNotFound(f"sandbox {sid} is not running on this host")
+        if ls.state == "paused" and not isinstance(req, (InfoRequest, KillRequest, SetTimeout, PauseRequest, ResumeRequest)):
+            raise SandboxNotRunning(f"sandbox {sid} is paused: resume it first", state="paused")
         match req:
             case ExecRequest():
                 return await self._exec(handle, ls, req)
+            case SnapshotRequest():
+                return await self.snapshots.snapshot(ls, handle, req)
+            case PauseRequest():
+                return await self.snapshots.pause(ls, handle, req)
+            case ResumeRequest():
+                return await self.snapshots.resume(ls, handle)
             case KillRequest(reason=reason):
                 await self._destroy(sid, reason or "user", publish=True)
                 return Done(detail="killed")

@@ -1,5 +1,5 @@
 """The image service (``python -m imaged serve``): makes sure the ``base`` template exists and answers
-the ``dsec.img.*`` core requests (list, build, remove, stats). Replicas share a queue group."""
+the ``dsec.img.*`` core requests (list, build, remove, stats, snapshot removal). Replicas share a queue group."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from nats.aio.msg import Msg
 
 from bus import codec
+from bus.codec import SNAP_REMOVE_REQ
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
 from bus.messages import Done
@@ -26,6 +27,7 @@ from ._messages import (
     ImageList,
     ImageStats,
 )
+from ._snapshots import remove_snapshot
 from ._store import BlobStore, open_blob_store
 from ._util import data_dir as _data_dir
 
@@ -52,6 +54,7 @@ class ImagedService(Service):
             (S.IMG_BUILD, self._on_build),
             (S.IMG_REMOVE, self._on_remove),
             (S.IMG_STATS, self._on_stats),
+            (S.SNAP_REMOVE, self._on_snapshot_remove),
         ):
             await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
         if self.ensure_base:
@@ -109,6 +112,12 @@ class ImagedService(Service):
         req = _decode(IMG_STATS_REQ, msg.data)
         m = await require_manifest(self.js, req.name)
         return ImageStats(name=m.name, total_bytes=sum(lay.size for lay in m.layers), layers=m.layers)
+
+    async def _on_snapshot_remove(self, msg: Msg) -> Any:
+        assert self.js is not None and self.store is not None
+        req = _decode(SNAP_REMOVE_REQ, msg.data)
+        removed = await remove_snapshot(self.js, self.store, req.snapshot_id, data_dir=self.data_dir)
+        return Done(detail=f"removed {req.snapshot_id}: {removed['chunks']} chunks ({removed['bytes']} bytes) freed")
 
     async def teardown(self) -> None:
         if self.store is not None:

@@ -216,13 +216,13 @@ class Placement(Service):
     async def event(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, dedup: bool = True) -> None:
         """An event that must not be lost (acked by the stream)."""
         assert self.js is not None
-        headers = {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"} if dedup else None
+        headers = {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{kind}:{attempt}"} if dedup else None
         await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err), headers=headers)
 
     async def _event_async(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None) -> asyncio.Future:
         assert self.acks is not None and self.nc is not None
         data = self._event_bytes(spec, kind, attempt=attempt, err=err)
-        fut = await self.acks.publish(S.evt_sandbox(spec.sandbox_id, kind), data, {S.HDR_MSG_ID: f"{spec.sandbox_id}:{kind}:{attempt}"})
+        fut = await self.acks.publish(S.evt_sandbox(spec.sandbox_id, kind), data, {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{kind}:{attempt}"})
         if kind == "failed" and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
         return fut
@@ -303,13 +303,13 @@ class Placement(Service):
                 spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
                 placed_by=self.replica_id, placed_at=now, claim=not fresh or (msg.metadata.num_delivered if msg.metadata else 1) > 1,
             )
-            fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"})
+            fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"})
             outs.append((msg, fut, host, spec, req.attempt))
         for host, members in groups.items():
             if len(members) == 1:
                 msg, spec = members[0]
                 place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:0"})
+                fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:0"})
             else:
                 ids = ",".join(sp.sandbox_id for _, sp in members)
                 digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
@@ -452,7 +452,7 @@ class Placement(Service):
             futs.append(await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
-            futs.append(await acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: spec.sandbox_id}))
+            futs.append(await acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}))
         if futs:
             _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
             for f in not_done:

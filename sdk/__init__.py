@@ -2,6 +2,7 @@
 
 from ._async import AsyncSandbox, build_spec
 from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
+from ._snapshots import SnapshotInfo
 from ._sync import Sandbox
 from .errors import (
     CommandExitError,
@@ -22,6 +23,7 @@ __all__ = [
     "CommandResult",
     "EntryInfo",
     "SandboxInfo",
+    "SnapshotInfo",
     "WriteInfo",
     "DsecError",
     "CommandExitError",

@@ -44,6 +44,7 @@ from bus.acks import Sink, StoreError, acks_for, release_acks
 from bus.runtime import connect, nats_url
 from bus.streams import kv_keys
 
+from . import _snapshots as _snap
 from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
 from .errors import CommandExitError, CommandTimeoutError
 
@@ -177,6 +178,7 @@ def build_spec(
     lease: float | None = None,
     create_timeout: float = 120.0,
     sandbox_id: str | None = None,
+    snapshot: str | None = None,
 ) -> SandboxSpec:
     """Validate create arguments client-side so mistakes fail fast with a clear message."""
     if not isinstance(template, str) or not template:
@@ -206,12 +208,18 @@ def build_spec(
     sid = sandbox_id or f"sb-{uuid.uuid4().hex[:20]}"
     if not S.valid_token(sid):
         raise InvalidArgument(f"sandbox_id must be 1-128 of [A-Za-z0-9_-], got {sid!r}")
+    if snapshot is not None and (not isinstance(snapshot, str) or not S.valid_token(snapshot)):
+        raise InvalidArgument(f"snapshot must be a snapshot id, got {snapshot!r}")
     now = time.time()
-    return SandboxSpec(
+    return SandboxSpec(snapshot=snapshot or "",
         sandbox_id=sid, template=template, backend=backend, cpu=float(cpu), memory_mb=memory_mb, disk_mb=disk_mb,
         timeout_s=float(timeout), envs=dict(envs or {}), metadata=dict(metadata or {}), priority=priority, pool=pool,
         profile=profile, network=net, lease_s=float(lease or 0), requested_at=now, create_deadline=now + create_timeout,
     )
+
+
+async def _snapshot_template(url: str | None, snapshot_id: str) -> str:
+    return (await _snap.get_record(await _nc(url), snapshot_id)).template
 
 
 class _Waiter:
@@ -511,7 +519,10 @@ class AsyncSandbox:
         on_pending: Callable[[str], Any] | None = None,
         **kwargs: Any,
     ) -> "AsyncSandbox":
-        """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments)."""
+        """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments);
+        ``snapshot=<id>`` restores a snapshot (on any host; its template is the snapshot's)."""
+        if kwargs.get("snapshot"):
+            template = await _snapshot_template(nats_url, kwargs["snapshot"])
         spec = build_spec(template, create_timeout=create_timeout, **kwargs)
         return (await cls._create_many([spec], nats_url, create_timeout, on_pending, batch=False))[0]
 
@@ -534,6 +545,8 @@ class AsyncSandbox:
         if sandbox_ids is not None and (len(sandbox_ids) != count or len(set(sandbox_ids)) != count):
             raise InvalidArgument(f"sandbox_ids must be {count} distinct ids")
         ids = sandbox_ids or [None] * count
+        if kwargs.get("snapshot"):
+            template = await _snapshot_template(nats_url, kwargs["snapshot"])
         specs = [build_spec(template, create_timeout=create_timeout, sandbox_id=ids[i], **kwargs) for i in range(count)]
         batch_id = f"batch-{uuid.uuid4().hex[:16]}"
         for s in specs:
@@ -542,9 +555,10 @@ class AsyncSandbox:
 
     @classmethod
     async def _create_many(
-        cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool
+        cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool,
+        nc: NATS | None = None,
     ) -> list["AsyncSandbox"]:
-        nc = await _nc(url)
+        nc = nc or await _nc(url)
         js = _js(nc)
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
@@ -583,7 +597,7 @@ class AsyncSandbox:
                     ))
                 else:
                     for s in specs:
-                        await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: s.sandbox_id})
+                        await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
             try:
@@ -613,9 +627,47 @@ class AsyncSandbox:
             raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
         nc = await _nc(nats_url)
         sb = cls(sandbox_id, nc)
-        info = await sb.get_info()
+        try:
+            info = await sb.get_info()
+        except SandboxNotFound:
+            await _snap.resume(sb)  # a persisted pause comes back on any host (else: not found, as before)
+            return sb
         sb.host_id = info.host_id
+        if info.state == "paused":
+            await _snap.resume(sb)
         return sb
+
+    # --- snapshots ------------------------------------------------------------------------------
+    async def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> _snap.SnapshotInfo:
+        """Snapshot the sandbox's files (what changed since its last snapshot, as a new layer); it keeps running."""
+        return await _snap.create_snapshot(self, name, memory, metadata)
+
+    async def fork(self, count: int, **create_kwargs: Any) -> list["AsyncSandbox"]:
+        """Snapshot this sandbox and start ``count`` sandboxes from it (one batched create); this one keeps running.
+        ``snapshot_metadata=`` goes on the snapshot; the rest are create arguments."""
+        return await _snap.fork(self, count, create_kwargs)
+
+    async def pause(self, persist: bool = False) -> _snap.SnapshotInfo | None:
+        """Freeze the sandbox in place; with ``persist`` snapshot it and free the host (returns the snapshot)."""
+        return await _snap.pause(self, persist)
+
+    async def resume(self) -> "AsyncSandbox":
+        await _snap.resume(self)
+        return self
+
+    @classmethod
+    async def list_snapshots(cls, *, nats_url: str | None = None, sandbox_id: str | None = None) -> list[_snap.SnapshotInfo]:
+        recs = await _snap.list_records(await _nc(nats_url))
+        return [_snap.info_of(r) for r in recs if sandbox_id is None or r.sandbox_id == sandbox_id]
+
+    @classmethod
+    async def get_snapshot(cls, snapshot_id: str, *, nats_url: str | None = None) -> _snap.SnapshotInfo:
+        return _snap.info_of(await _snap.get_record(await _nc(nats_url), snapshot_id))
+
+    @classmethod
+    async def delete_snapshot(cls, snapshot_id: str, *, nats_url: str | None = None) -> str:
+        """Remove a snapshot nothing builds on, with the chunks only it used; ``snapshot_in_use`` otherwise."""
+        return await _snap.remove(await _nc(nats_url), snapshot_id)
 
     @classmethod
     async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:

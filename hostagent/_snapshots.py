@@ -1,0 +1,264 @@
+"""Snapshot, fork, pause and resume of the sandboxes on this host (the ``snapshot``, ``pause`` and
+``resume`` ops), and what a create from a snapshot stacks (``restore_layers``).
+
+A snapshot is a record in KV ``dsec_snapshots`` naming the layers a restore stacks over its template
+(the parent's chain, then the layer of what changed since); the layer comes from this host's lazy
+loader (``dsec.imaged.<host>.pack``), which packs a staged diff of the upper dir (``_snapshot``) into
+the blob store. Nothing is visible until the record is written: a snapshot that fails on the way
+(a blob-store failure, say) leaves no record and the sandbox runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import nats.errors
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import (
+    DsecError,
+    InvalidArgument,
+    NotSupported,
+    SandboxNotRunning,
+    SnapshotUnsupported,
+    Unavailable,
+    UnknownSnapshot,
+)
+from bus.messages import (
+    MAX_FORK_COUNT,
+    Done,
+    LayerRef,
+    PackDirectory,
+    PackedLayer,
+    PauseRequest,
+    SandboxRecord,
+    SandboxSpec,
+    SnapshotEvent,
+    SnapshotRecord,
+    SnapshotRequest,
+)
+from bus.streams import ensure_kv
+
+from . import _snapshot as snap
+from ._containerd import CGROUP_PARENT
+from ._rootfs import RootfsLayout
+
+if TYPE_CHECKING:
+    from ._backend import Handle
+    from ._service import HostAgent, LocalSandbox
+
+log = structlog.get_logger("dsec.hostagent.snapshots")
+
+PACK_TIMEOUT_S = 600.0  # mkfs and upload of a large diff (a GiB) on a busy host
+MAX_CHAIN = 40  # snapshot layers under one sandbox: overlay's mount options must fit in a page
+LAST = "last_snapshot"  # LocalSandbox.extra: the parent of the sandbox's next snapshot
+
+
+def new_snapshot_id() -> str:
+    return f"snap-{uuid.uuid4().hex[:20]}"
+
+
+def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
+    """True when ``spec`` is the resume of the persisted pause ``cur`` records (so it may take the id)."""
+    return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
+
+
+class Snapshots:
+    def __init__(self, agent: "HostAgent") -> None:
+        self.agent = agent
+        self._kv: KeyValue | None = None
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def kv(self) -> KeyValue:
+        if self._kv is None:
+            assert self.agent.js is not None
+            self._kv = await ensure_kv(self.agent.js, S.KV_SNAPSHOTS)
+        return self._kv
+
+    async def get(self, snapshot_id: str) -> SnapshotRecord:
+        if not snapshot_id or not S.valid_token(snapshot_id):
+            raise UnknownSnapshot(f"not a snapshot id: {snapshot_id!r}", snapshot_id=snapshot_id)
+        try:
+            entry = await (await self.kv()).get(snapshot_id)
+        except KeyNotFoundError:
+            raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r}", snapshot_id=snapshot_id) from None
+        if not entry.value:
+            raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r} (removed)", snapshot_id=snapshot_id)
+        return codec.SNAPSHOT.decode(entry.value)
+
+    # --- restore -----------------------------------------------------------------------------------
+    async def restore_layers(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> list[LayerRef]:
+        """The layers of a create from ``spec.snapshot``: the template's, then the snapshot's chain."""
+        rec = await self.get(spec.snapshot)
+        if rec.template != spec.template:
+            raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
+        return [*template_layers, *rec.layers]
+
+    async def restored(self, ls: "LocalSandbox") -> None:
+        """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
+        spec = ls.spec
+        ls.extra[LAST] = spec.snapshot
+        self.agent._save(ls)
+        await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
+
+    # --- ops --------------------------------------------------------------------------------------
+    def _container(self, handle: "Handle") -> tuple[str, str]:
+        if self.agent.backend.name != "container":
+            raise NotSupported(f"snapshots need the container backend, this host runs {self.agent.backend.name!r}")
+        return f"{CGROUP_PARENT}/{handle.extra.get('cid') or handle.sandbox_id}", handle.extra["dir"]
+
+    async def snapshot(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
+        if ls.state != "running":
+            raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}: only a running sandbox can be snapshotted", state=ls.state)
+        if len(req.fork_ids) > MAX_FORK_COUNT:
+            raise InvalidArgument(f"fork count {len(req.fork_ids)} is over the maximum of {MAX_FORK_COUNT}")
+        if req.memory:
+            raise SnapshotUnsupported("memory snapshots (CRIU) are not available on this host")
+        lock = self._locks.setdefault(ls.spec.sandbox_id, asyncio.Lock())
+        async with lock:  # one at a time per sandbox: each diffs against the one before
+            rec = await self._take(ls, handle, req)
+        if req.fork_ids:
+            await self._event(rec.snapshot_id, "forked", sandbox_id=ls.spec.sandbox_id, parent_id=rec.parent_id, metadata=rec.metadata,
+                              detail={"count": str(len(req.fork_ids)), "sandboxes": ",".join(req.fork_ids)[:4000]})
+        return rec
+
+    async def _take(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
+        agent = self.agent
+        sid = ls.spec.sandbox_id
+        snap_id = req.snapshot_id or new_snapshot_id()
+        if not S.valid_token(snap_id):
+            raise InvalidArgument(f"snapshot_id must be 1-128 of [A-Za-z0-9_-], got {snap_id!r}")
+        try:
+            done = await self.get(snap_id)
+        except UnknownSnapshot:
+            done = None
+        if done is not None:
+            if done.sandbox_id != sid:
+                raise InvalidArgument(f"snapshot id {snap_id} is taken by sandbox {done.sandbox_id}")
+            return done  # a retried request: it is there already
+        cgroup, sdir = self._container(handle)
+        parent_id = ls.extra.get(LAST) or ls.spec.snapshot
+        chain = (await self.get(parent_id)).layers if parent_id else []
+        if len(chain) >= MAX_CHAIN:
+            raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
+        upper = RootfsLayout(sdir).upper
+        stage = os.path.join(sdir, snap.STAGE_NAME)
+        t0 = time.perf_counter()
+        await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
+        already = snap.frozen(cgroup)  # a frozen pause stays frozen
+        if not already:
+            await snap.freeze(cgroup)
+        t_frozen = time.perf_counter()
+        try:
+            prev = await asyncio.to_thread(snap.load_index, sdir)
+            diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
+            packed = await self._pack(stage) if diff.entries else None
+            await asyncio.to_thread(snap.remove_stage, stage)
+            index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
+        finally:
+            await asyncio.to_thread(snap.remove_stage, stage)
+            if not already:
+                await snap.thaw(cgroup)
+        frozen_ms = (time.perf_counter() - t_frozen) * 1000
+        layers = [*chain, packed.ref] if packed is not None else list(chain)
+        rec = SnapshotRecord(
+            snapshot_id=snap_id, sandbox_id=sid, template=ls.spec.template, created_at=time.time(), parent_id=parent_id,
+            name=req.name, host_id=agent.host_id, layers=layers, bytes_added=packed.uploaded_bytes if packed else 0,
+            memory=False, metadata=dict(req.metadata), spec=ls.spec,
+        )
+        try:
+            await (await self.kv()).create(snap_id, codec.encode(rec))
+        except KeyWrongLastSequenceError:
+            raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
+        # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
+        await asyncio.to_thread(snap.save_index, sdir, index)
+        ls.extra[LAST] = snap_id
+        agent._save(ls)
+        await self._event(snap_id, "created", sandbox_id=sid, parent_id=parent_id, metadata=rec.metadata, detail={
+            "bytes_added": str(rec.bytes_added), "layer": packed.ref.digest if packed else "", "entries": str(diff.entries),
+            "whiteouts": str(diff.whiteouts), "frozen_ms": f"{frozen_ms:.1f}", "ms": f"{(time.perf_counter() - t0) * 1000:.1f}",
+        })
+        log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))
+        return rec
+
+    async def _pack(self, stage: str) -> PackedLayer:
+        nc = self.agent.nc
+        assert nc is not None
+        try:
+            msg = await nc.request(S.host_pack(self.agent.host_id), codec.encode(PackDirectory(path=stage)), timeout=PACK_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            raise Unavailable(f"no lazy loader answers on host {self.agent.host_id}: snapshots need it to pack layers") from None
+        except nats.errors.TimeoutError:
+            raise Unavailable(f"the lazy loader on host {self.agent.host_id} did not pack the snapshot within {PACK_TIMEOUT_S:g}s") from None
+        return codec.decode_reply(msg.data, PackedLayer)
+
+    async def pause(self, ls: "LocalSandbox", handle: "Handle", req: PauseRequest) -> Any:
+        sid = ls.spec.sandbox_id
+        cgroup, _ = self._container(handle)
+        if req.persist:
+            if ls.state not in ("running", "paused"):
+                raise SandboxNotRunning(f"sandbox {sid} is {ls.state}", state=ls.state)
+            lock = self._locks.setdefault(sid, asyncio.Lock())
+            async with lock:
+                was = ls.state
+                ls.state = "running"  # a frozen pause may persist too: _take keeps it frozen throughout
+                try:
+                    rec = await self._take(ls, handle, SnapshotRequest(snapshot_id=req.snapshot_id, name="pause", metadata={"pause": "persist"}))
+                except BaseException:
+                    ls.state = was
+                    raise
+            await self.agent._destroy(sid, "paused", publish=False)
+            self._locks.pop(sid, None)
+            assert self.agent._kv_sbx is not None
+            paused = SandboxRecord(
+                spec=ls.spec, state="paused", host_id="", created_at=ls.spec.requested_at, ready_at=ls.started_at,
+                expires_at=0.0, snapshot_id=rec.snapshot_id,
+            )
+            await self.agent._kv_sbx.put(sid, codec.encode(paused))
+            await self.agent._event(ls.spec, "paused", detail={"snapshot_id": rec.snapshot_id, "persist": "true"})
+            return rec
+        if ls.state == "paused":
+            return Done(detail="paused")
+        if ls.state != "running":
+            raise SandboxNotRunning(f"sandbox {sid} is {ls.state}", state=ls.state)
+        await snap.freeze(cgroup)
+        ls.state = "paused"
+        self.agent._save(ls)
+        await self.agent._record(ls, "paused")
+        await self.agent._event(ls.spec, "paused", detail={"persist": "false"})
+        return Done(detail="paused")
+
+    async def resume(self, ls: "LocalSandbox", handle: "Handle") -> Done:
+        if ls.state == "running":
+            return Done(detail="running")
+        if ls.state != "paused":
+            raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}", state=ls.state)
+        cgroup, _ = self._container(handle)
+        await snap.thaw(cgroup)
+        ls.state = "running"
+        self.agent._save(ls)
+        await self.agent._record(ls, "running")
+        await self.agent._event(ls.spec, "resumed")
+        return Done(detail="running")
+
+    # --- events -------------------------------------------------------------------------------------
+    async def _event(self, snapshot_id: str, kind: str, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
+                     detail: dict[str, str] | None = None) -> None:
+        assert self.agent.js is not None
+        ev = SnapshotEvent(snapshot_id=snapshot_id, kind=kind, at=time.time(), sandbox_id=sandbox_id, parent_id=parent_id,
+                           host_id=self.agent.host_id, metadata=metadata or {}, detail=detail or {})
+        try:
+            await self.agent._store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
+        except DsecError as exc:  # the snapshot stands; its provenance event is what is missing
+            log.warning("snapshot_event_not_stored", snapshot_id=snapshot_id, kind=kind, error=str(exc))
+
+
+__all__ = ["Snapshots", "new_snapshot_id", "resumes"]
