@@ -319,7 +319,7 @@ class ContainerBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
-        if self.warm_pool > 0 and not self.net.wanted(spec.network):
+        if self.warm_pool > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
             # Keyed by what the profile compiles to, not its name and version: a pooled container's
             # seccomp filter, capabilities, read-only mounts and Landlock rules were fixed when it
             # started, so it may only serve a sandbox whose profile compiles to the very same.

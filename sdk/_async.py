@@ -310,8 +310,9 @@ async def _replies_for(nc: NATS) -> _Replies:
     return await r.start()
 
 
-async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
-    """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path)."""
+async def _outcome_in_stream(js: Any, sid: str, since: float = 0.0) -> SandboxEvent | None:
+    """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path); one from before
+    ``since`` is an earlier generation's (a persisted pause resumed under the same id): not this one."""
     for kind in ("ready", "failed"):
         try:
             m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind))
@@ -321,7 +322,7 @@ async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
             ev = codec.EVENT.decode(m.data)
         except BadRequest:
             continue
-        if isinstance(ev, SandboxEvent):
+        if isinstance(ev, SandboxEvent) and ev.at >= since:
             return ev
     return None
 
@@ -351,7 +352,7 @@ async def _wait_fut(fut: asyncio.Future[Any], timeout: float) -> bool:
     return fut.done()
 
 
-async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float]) -> None:
+async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float], since: dict[str, float] | None = None) -> None:
     """Wait until every id is ready or failed; raise TimeoutError after ``timeout``.
 
     Outcomes arrive on the reply inbox; an id not heard of for a while (a reply lost in a reconnect)
@@ -368,7 +369,7 @@ async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[s
             return
         now = time.monotonic()
         quiet = [sid for sid in list(waiter.pending_ids) if now - heard.get(sid, 0.0) >= interval][:256]
-        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid) for sid in quiet)):
+        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid, (since or {}).get(sid, 0.0)) for sid in quiet)):
             if ev is not None:
                 waiter.feed_event(ev)
         interval = min(interval * 2, 30.0)
@@ -601,7 +602,7 @@ class AsyncSandbox:
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
             try:
-                await _wait_outcomes(waiter, js, create_timeout, heard)
+                await _wait_outcomes(waiter, js, create_timeout, heard, {s.sandbox_id: s.requested_at for s in specs if s.generation})
             except asyncio.TimeoutError:
                 for s in specs:
                     if s.sandbox_id not in waiter.results:

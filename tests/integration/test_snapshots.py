@@ -188,3 +188,144 @@ async def test_bad_input(stack: Stack, lazy: LazyDaemon) -> None:
         assert ei.value.code == "not_running"
         await sb.resume()
         assert (await sb.commands.run("echo back")).stdout == "back\n"
+
+
+async def test_chain_of_20_snapshots_restores_exactly(stack: Stack, lazy: LazyDaemon, tmpl: str) -> None:
+    """Each step deletes and adds files; a sandbox restored from the last snapshot sits on all 20 layers
+    (each from the previous restore, so every layer holds one step) and sees exactly the source's tree."""
+    async with stack.sandbox(template=tmpl) as sb:
+        await sb.commands.run("mkdir -p /root/data && echo 0 > /root/data/f0")
+        snaps = []
+        cur = sb
+        restored: list[AsyncSandbox] = []
+        try:
+            for i in range(1, 21):
+                # Half the steps on the same sandbox (diffs against its own last snapshot), half on a restore.
+                await cur.commands.run(f"rm -f /root/data/f{i - 1} && echo {i} > /root/data/f{i} && echo {i} >> /root/data/log && rm -rf /workspace/keep/d{i - 1} && mkdir -p /workspace/keep/d{i}")
+                want = (await cur.commands.run(tree())).stdout
+                s = await cur.create_snapshot(metadata={"step": str(i)})
+                assert s.layers == i
+                snaps.append(s)
+                if i % 2 == 0:
+                    nxt = await AsyncSandbox.create(snapshot=s.snapshot_id, **stack.kw())
+                    restored.append(nxt)
+                    assert (await nxt.commands.run(tree())).stdout == want
+                    cur = nxt
+            last = await AsyncSandbox.create(snapshot=snaps[-1].snapshot_id, **stack.kw())
+            restored.append(last)
+            got = (await last.commands.run(tree())).stdout
+            assert got == want
+            assert "/root/data/f20|" in got and "/root/data/f19|" not in got and "/workspace/keep/d20|" in got and "/workspace/keep/d19|" not in got
+            assert (await last.files.read("/root/data/log")).split() == [str(i) for i in range(1, 21)]
+            assert [s.parent_id for s in snaps[1:]] == [s.snapshot_id for s in snaps[:-1]]
+        finally:
+            async with many(stack, restored):
+                pass
+
+
+async def test_pause_resume_three_times_files_exact(stack: Stack, lazy: LazyDaemon, tmpl: str) -> None:
+    async with stack.sandbox(template=tmpl) as sb:
+        for cycle in range(3):
+            await sb.commands.run(f"mkdir -p /root/data && echo {cycle} > /root/data/c{cycle} && rm -f /root/data/c{cycle - 1} && echo {cycle} >> /root/data/all")
+            want = (await sb.commands.run(tree())).stdout
+            await sb.pause()
+            info = await sb.get_info()
+            assert info.state == "paused"
+            rec = await _record(stack, sb.sandbox_id)
+            assert rec.state == "paused" and rec.host_id == stack.host_id
+            back = await AsyncSandbox.connect(sb.sandbox_id, nats_url=stack.url)  # connect resumes it
+            assert (await back.get_info()).state == "running"
+            assert (await sb.commands.run(tree())).stdout == want
+
+
+async def test_persisted_pause_resume_three_times(stack: Stack, lazy: LazyDaemon, tmpl: str) -> None:
+    """persist=True frees the host (the sandbox is gone from it) and keeps the files in a snapshot; resume
+    starts the same sandbox id again from it, three times over, each time exact."""
+    sb = await AsyncSandbox.create(template=tmpl, **stack.kw(sandbox_id=stack.new_id("pp")))
+    try:
+        for cycle in range(3):
+            await sb.commands.run(f"mkdir -p /root/data && echo {cycle} > /root/data/c{cycle} && rm -f /root/data/c{cycle - 1} && echo {cycle} >> /root/data/all")
+            want = (await sb.commands.run(tree())).stdout
+            pid = stack.pid_of(sb.sandbox_id)
+            info = await sb.pause(persist=True)
+            assert info is not None and info.sandbox_id == sb.sandbox_id
+            await stack.assert_gone(sb.sandbox_id, pid)  # the host holds nothing of it
+            rec = await _record(stack, sb.sandbox_id)
+            assert rec.state == "paused" and rec.snapshot_id == info.snapshot_id and rec.host_id == ""
+            with pytest.raises(DsecError) as ei:
+                await _raise_in_use(stack, info.snapshot_id)
+            assert ei.value.code == "snapshot_in_use"
+            if cycle % 2:
+                await sb.resume()
+            else:
+                sb = await AsyncSandbox.connect(sb.sandbox_id, nats_url=stack.url)
+            assert (await sb.commands.run(tree())).stdout == want
+            assert (await _record(stack, sb.sandbox_id)).state == "running"
+    finally:
+        await sb.kill()
+
+
+async def _raise_in_use(stack: Stack, snapshot_id: str) -> None:
+    """What the snapshot rule says for a paused sandbox's snapshot (checked without the image service:
+    the same function it runs)."""
+    from imaged._snapshots import remove_snapshot
+    from imaged._store import open_blob_store
+
+    await remove_snapshot(stack.js, open_blob_store(stack.js), snapshot_id)
+
+
+async def _record(stack: Stack, sid: str) -> Any:
+    kv = await ensure_kv(stack.js, S.KV_SANDBOXES)
+    return codec.SANDBOX_RECORD.decode((await kv.get(sid)).value)
+
+
+async def test_snapshot_while_a_command_runs(stack: Stack, lazy: LazyDaemon) -> None:
+    """A writer keeps appending numbered lines; the snapshot holds a prefix of them, whole lines only
+    (frozen between writes), and the writer carries on afterwards."""
+    async with stack.sandbox() as sb:
+        await sb.commands.run("mkdir -p /root/data; (i=0; while true; do i=$((i+1)); echo line-$i >> /root/data/w; done) >/dev/null 2>&1 &")
+        await eventually(lambda: _lines(sb, 200), timeout=20, what="the writer to get going")
+        s = await sb.create_snapshot()
+        async with many(stack, [await AsyncSandbox.create(snapshot=s.snapshot_id, **stack.kw())]) as (r,):
+            snap_lines = (await r.files.read("/root/data/w")).splitlines()
+            assert len(snap_lines) >= 200 and snap_lines == [f"line-{i}" for i in range(1, len(snap_lines) + 1)]
+            await eventually(lambda: _lines(sb, len(snap_lines) + 500), timeout=20, what="the writer to carry on")
+            await asyncio.sleep(0.2)  # the restored sandbox has no writer: its file must not grow
+            assert (await r.files.read("/root/data/w")).splitlines() == snap_lines
+
+
+async def _lines(sb: AsyncSandbox, n: int) -> bool:
+    out = (await sb.commands.run("wc -l < /root/data/w 2>/dev/null || echo 0")).stdout.strip()
+    return int(out or 0) >= n
+
+
+async def test_blob_store_failure_fails_whole_and_sandbox_runs_on(stack: Stack, lazy: LazyDaemon, nats_server: Any) -> None:
+    """The loader's blob store refuses the chunks (a bucket too small for them): the snapshot fails with a
+    typed error, no record appears, the sandbox is not left frozen, and the next snapshot (store back)
+    holds everything the failed one would have."""
+    from nats.js.api import ObjectStoreConfig
+
+    bucket = f"snapfail-{stack.uid}"
+    await stack.js.create_object_store(bucket, config=ObjectStoreConfig(max_bytes=64 * 1024))
+    async with stack.sandbox() as sb:
+        await sb.commands.run("mkdir -p /root/data && head -c 2000000 /dev/urandom > /root/data/big && echo hi > /root/data/small")
+        lazy.stop()
+        bad = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url, host_id=stack.host_id,
+                         args=["--blob-store", f"nats-obj://{bucket}"])
+        bad.start()
+        try:
+            before = {s.snapshot_id for s in await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id)}
+            with pytest.raises(DsecError) as ei:
+                await sb.create_snapshot()
+            assert ei.value.code in ("internal", "image_error", "unavailable") and "maximum bytes" in ei.value.description.lower()
+            after = {s.snapshot_id for s in await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id)}
+            assert after == before == set()
+            assert (await sb.commands.run("echo alive")).stdout == "alive\n"  # not frozen
+        finally:
+            bad.stop()
+            lazy.start()
+        s = await sb.create_snapshot()
+        async with many(stack, [await AsyncSandbox.create(snapshot=s.snapshot_id, **stack.kw())]) as (r,):
+            assert (await r.commands.run("md5sum < /root/data/big")).stdout == (await sb.commands.run("md5sum < /root/data/big")).stdout
+            assert await r.files.read("/root/data/small") == "hi\n"
+    await stack.js.delete_object_store(bucket)
