@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import nats.errors
 import structlog
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
@@ -100,7 +101,12 @@ class Snapshots:
         rec = await self.get(spec.snapshot)
         if rec.template != spec.template:
             raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
-        return [*template_layers, *rec.layers]
+        # A layer's path is where the host that packed it keeps the blob. It is used only under this
+        # host's own data dir, where a blobs/<digest> file can only be that very blob; anywhere else
+        # the layer comes through the lazy loader, fetched as it is read.
+        mine = os.path.join(os.path.realpath(self.agent.data_dir), "")
+        own = [lay if lay.path and os.path.realpath(lay.path).startswith(mine) else msgspec.structs.replace(lay, path="") for lay in rec.layers]
+        return [*template_layers, *own]
 
     async def restored(self, ls: "LocalSandbox") -> None:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""

@@ -329,3 +329,97 @@ async def test_blob_store_failure_fails_whole_and_sandbox_runs_on(stack: Stack, 
             assert (await r.commands.run("md5sum < /root/data/big")).stdout == (await sb.commands.run("md5sum < /root/data/big")).stdout
             assert await r.files.read("/root/data/small") == "hi\n"
     await stack.js.delete_object_store(bucket)
+
+
+async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack, lazy: LazyDaemon, nats_server: Any) -> None:
+    """A second host (its own data dir, containerd, host id and lazy loader; it shares only NATS) restores
+    a snapshot of the stack host's sandbox, fetching only what it reads; its own snapshot survives a
+    restart of its agent, and the stack host restores that one."""
+    import hashlib
+    import os
+    import signal
+    import tempfile
+
+    from .conftest import PY, Child, data_dir_leftovers, force_cleanup, subprocess_env
+    from .test_recovery import _host_ready_since
+
+    uid = stack.new_id("h2")
+    host_b, pool_b = uid, uid
+    data_b = Path(tempfile.mkdtemp(prefix="dsec-snap2-", dir="/tmp"))
+    argv = [PY, "-m", "hostagent", "--data-dir", str(data_b), "--host-id", host_b, "--pool", pool_b, "--concurrency", "4", "--warm-pool", "0"]
+    env = subprocess_env(stack.url)
+    log = data_b.parent / f"{data_b.name}.log"
+    lazy_b = LazyDaemon(data_dir=data_b, mount=data_b / "lazy", nats_url=nats_server.url, host_id=host_b)
+    agents: list[Child] = []
+    sbs: list[AsyncSandbox] = []
+    big = os.urandom(4 << 20)
+    try:
+        lazy_b.start()
+        t0 = time.time()
+        agents.append(Child(argv, env, log).start())
+        async with stack.sandbox() as src:
+            await src.commands.run("mkdir -p /root/data && echo small > /root/data/small")
+            await src.files.write("/root/data/big", big)
+            s1 = await src.create_snapshot()
+        await eventually(lambda: _host_ready_since(stack, host_b, t0), timeout=90, interval=0.1, what="the second host agent")
+        await eventually(lambda: all(host_b in p.table.hosts for p in stack.placements), timeout=15, what="placement to see it")
+
+        rb = await AsyncSandbox.create(snapshot=s1.snapshot_id, **stack.kw(pool=pool_b, memory_mb=64))
+        sbs.append(rb)
+        assert rb.host_id == host_b
+        assert await rb.files.read("/root/data/small") == "small\n"
+        rec = await get_snapshot_record(stack, s1.snapshot_id)
+        layer = rec.layers[-1]
+        fetched = lazy_b.index()[layer.digest]["fetched_bytes"]
+        assert 0 < fetched < layer.size // 2, (fetched, layer.size)  # the big file was not read: not fetched
+        assert (await rb.commands.run("sha256sum /root/data/big")).stdout.split()[0] == hashlib.sha256(big).hexdigest()
+        assert lazy_b.index()[layer.digest]["fetched_bytes"] >= len(big)
+
+        await rb.commands.run("echo from-b > /root/data/b && rm /root/data/small")
+        s2 = await rb.create_snapshot()
+        assert s2.parent_id == s1.snapshot_id and s2.host_id == host_b
+
+        # The agent restarts (its sandboxes live on); the sandbox still snapshots on top of s2.
+        assert await agents[0].stop(timeout=60) == 0, agents[0].log()
+        t1 = time.time()
+        agents.append(Child(argv, env, log).start())
+        await eventually(lambda: _host_ready_since(stack, host_b, t1), timeout=90, interval=0.1, what="the restarted agent")
+
+        async def answers() -> bool:
+            try:
+                await rb.commands.run("true")
+                return True
+            except DsecError:
+                return False
+
+        await eventually(answers, timeout=30, interval=0.1, what="the sandbox to answer again")
+        await rb.commands.run("echo again > /root/data/c")
+        s3 = await rb.create_snapshot()
+        assert s3.parent_id == s2.snapshot_id and s3.layers == 3
+        want = (await rb.commands.run(tree("/root/data"))).stdout
+        async with many(stack, [await AsyncSandbox.create(snapshot=s3.snapshot_id, **stack.kw())]) as (ra,):
+            assert ra.host_id == stack.host_id
+            assert (await ra.commands.run(tree("/root/data"))).stdout == want
+        await rb.kill()
+        sbs.clear()
+        assert await agents[1].stop(timeout=60) == 0, agents[1].log()
+    finally:
+        for sb in sbs:
+            with contextlib.suppress(Exception):
+                await sb.kill()
+        for a in agents:
+            if a.alive():
+                a.signal(signal.SIGKILL)
+                await a.wait(10)
+        lazy_b.release()
+        if data_dir_leftovers(data_b):
+            await force_cleanup(data_b)
+        if not data_dir_leftovers(data_b):
+            import shutil
+
+            shutil.rmtree(data_b, ignore_errors=True)
+
+
+async def get_snapshot_record(stack: Stack, snapshot_id: str) -> Any:
+    kv = await ensure_kv(stack.js, S.KV_SNAPSHOTS)
+    return codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value)
