@@ -4,7 +4,7 @@ from . import codec, messages, subjects
 from .codec import decode_reply, encode
 from .errors import DsecError, ErrorReply, from_reply
 from .natsd import NatsServer, NatsServerError, free_port
-from .runtime import PullWorker, Service, connect, error_of, nats_url, now, respond
+from .runtime import PullConsumer, Service, connect, error_of, nats_url
 from .streams import StreamOptions, ensure_all, ensure_kv
 
 __all__ = [
@@ -19,13 +19,11 @@ __all__ = [
     "NatsServer",
     "NatsServerError",
     "free_port",
-    "PullWorker",
+    "PullConsumer",
     "Service",
     "connect",
     "error_of",
     "nats_url",
-    "now",
-    "respond",
     "StreamOptions",
     "ensure_all",
     "ensure_kv",

@@ -122,6 +122,12 @@ class InternalError(DsecError):
     code = "internal"
 
 
+class ReplyTooLarge(DsecError):
+    """The answer would not fit the NATS server's payload limit (``max_payload``)."""
+
+    code = "reply_too_large"
+
+
 _BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -144,6 +150,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         SnapshotInUse,
         SandboxNotRunning,
         InternalError,
+        ReplyTooLarge,
     )
 }
 

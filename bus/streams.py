@@ -93,19 +93,6 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     await js.update_stream(cfg)
 
 
-async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
-    """Keys of a KV bucket, from its stream's per-subject state: one request and exact (a deleted key
-    whose delete marker is still kept is listed too; ``get`` then raises KeyNotFoundError). nats-py's
-    ``kv.keys()`` can signal "no more keys" before a key already delivered to it is processed, and then
-    reports an empty bucket."""
-    try:
-        info = await js.stream_info(f"KV_{bucket}", subjects_filter=">")
-    except NotFoundError:
-        return []
-    prefix = f"$KV.{bucket}."
-    return sorted(s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix))
-
-
 async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType = StorageType.FILE, replicas: int = 1) -> KeyValue:
     try:
         return await js.key_value(bucket)

@@ -39,8 +39,9 @@ OBJ_CHUNKS = "dsec_chunks"
 
 # --- headers -------------------------------------------------------------------
 HDR_MSG_ID = "Nats-Msg-Id"  # JetStream de-duplication
-HDR_ATTEMPT = "Dsec-Attempt"
 HDR_ERROR_CODE = "Dsec-Error-Code"
+HDR_ERROR = "Dsec-Error"  # dead letters: the human description
+HDR_ORIGIN = "Dsec-Origin"  # dead letters: the subject the message came in on
 # Placement's HMAC over (subject, payload) of the work it hands a host (bus.sign): a JetStream push
 # consumer may deliver stored bytes onto any subject, past the creator's publish permissions.
 HDR_SIGNATURE = "Dsec-Signature"
@@ -108,11 +109,6 @@ def sbx_all(sandbox_id: str) -> str:
 
 
 SBX_WILDCARD = f"{PREFIX}.sbx.*.*"
-
-
-def host_sbx_ops(host_id: str) -> str:
-    """Per-host fallback subject for ops on sandboxes the host owns (not used for routing)."""
-    return f"{PREFIX}.hostop.{_tok(host_id)}.*"
 
 
 # --- events (JetStream, DSEC_EVT) ----------------------------------------------

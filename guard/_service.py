@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import structlog
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -31,7 +31,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
 from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SecurityProfile
-from bus.runtime import PullWorker, Service
+from bus.runtime import Service
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._kernel import Denial, KernelAudit
@@ -84,16 +84,6 @@ async def publish_profiles(kv: KeyValue, profiles: Iterable[SecurityProfile]) ->
             except KeyWrongLastSequenceError:
                 continue  # another guard wrote meanwhile: look again
     return done
-
-
-class _NewEventsWorker(PullWorker):
-    """The audit consumer starts at new events when first created (no replay of old history)."""
-
-    def consumer_config(self) -> ConsumerConfig:
-        cfg = super().consumer_config()
-        cfg.deliver_policy = DeliverPolicy.NEW
-        cfg.ack_policy = AckPolicy.EXPLICIT
-        return cfg
 
 
 class Guard(Service):
@@ -155,12 +145,11 @@ class Guard(Service):
         self._watcher = await self._kv_profiles.watchall()
         # not self.spawn(): it runs until teardown, which shutdown reaches only after spawned work ends
         self._watch_task = asyncio.create_task(self._watch_profiles(), name="guard-profiles-watch")
-        w = _NewEventsWorker(
-            self.js, stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
-            handler=self._on_event, capacity=64, ack_wait_s=30.0, name="guard-audit",
+        # The audit consumer starts at new events when first created (no replay of old history).
+        await self.add_worker(
+            stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
+            handler=self._on_event, capacity=64, ack_wait_s=30.0, deliver_policy=DeliverPolicy.NEW, name="guard-audit",
         )
-        await w.start()
-        self.workers.append(w)
         if self.kernel_audit:
             k = KernelAudit(
                 self._on_denial, cgroup_parent=self.cgroup_parent, enable_audit=self.enable_audit, readonly_audit=self.readonly_audit,

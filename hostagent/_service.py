@@ -52,11 +52,11 @@ from bus.messages import (
     SandboxSpec,
     SetTimeout,
 )
-from bus.runtime import Service, error_of
+from bus.rules import Allocation, Capacity, refusal
+from bus.runtime import Publisher, Service, StoreError, error_of, publisher_for, subscribe_sync
 from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
-from bus.acks import JsAcks, Sink, StoreError, acks_for
 from ._backend import Backend, Handle
 from ._profiles import ProfileCache
 from ._snapshots import Snapshots, resumes
@@ -146,9 +146,8 @@ class HostAgent(Service):
         self._kv_leases: KeyValue | None = None
         self.profiles: ProfileCache | None = None  # guard's security profiles (backends that enforce them)
         self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
-        self._ops_sink = Sink(self._on_op_now)
         self._stop_fut: asyncio.Future[Any] | None = None
-        self._acks: JsAcks | None = None
+        self._acks: Publisher | None = None
         self.snapshots = Snapshots(self)
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -166,7 +165,7 @@ class HostAgent(Service):
         if self._shared_nc is None:  # many sim hosts on one connection: their runner set streams up once
             await ensure_all(self.js, self.stream_options)
         assert self.nc is not None
-        self._acks = await acks_for(self.nc)
+        self._acks = await publisher_for(self.nc)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
         self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
         self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
@@ -502,20 +501,13 @@ class HostAgent(Service):
         return abs(time.time() - placed_at) < self.stream_options.dedup_window_s / 2
 
     def _admits(self, spec: SandboxSpec) -> str:
-        """Empty when the sandbox fits on this host now, else why not."""
+        """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
         cap = self.backend.capacity()
-        cpu, mem, disk = self._alloc_cpu, self._alloc_mem, self._alloc_disk
-        if spec.priority == "latency-sensitive" and self._alloc_ls_cpu + spec.cpu > cap["cpu_total"]:
-            return f"latency-sensitive cpu: {self._alloc_ls_cpu + spec.cpu:.2f} > {cap['cpu_total']} real cores"
-        if self.max_sandboxes and len(self.live) >= self.max_sandboxes:
-            return f"host holds its maximum of {self.max_sandboxes} sandboxes"
-        if cpu + spec.cpu > cap["cpu_total"] * self.cpu_overcommit:
-            return f"cpu: {cpu + spec.cpu:.2f} > {cap['cpu_total']} x {self.cpu_overcommit}"
-        if mem + spec.memory_mb > cap["mem_total_mb"] * self.mem_overcommit:
-            return f"memory: {mem + spec.memory_mb} MB > {cap['mem_total_mb']} MB x {self.mem_overcommit}"
-        if disk + spec.disk_mb > cap["disk_total_mb"]:
-            return f"disk: {disk + spec.disk_mb} MB > {cap['disk_total_mb']} MB"
-        return ""
+        return refusal(
+            Capacity(cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"], cpu_overcommit=self.cpu_overcommit, mem_overcommit=self.mem_overcommit, max_sandboxes=self.max_sandboxes),
+            Allocation(self._alloc_cpu, self._alloc_ls_cpu, self._alloc_mem, self._alloc_disk, len(self.live)),
+            spec,
+        )
 
     async def _layers(self, template: str) -> list[LayerRef]:
         assert self._kv_images is not None
@@ -735,7 +727,7 @@ class HostAgent(Service):
         assert self.nc is not None
         if sid in self._subs:
             return
-        self._subs[sid] = await self.nc.subscribe(S.sbx_all(sid), future=self._ops_sink)  # type: ignore[arg-type]
+        self._subs[sid] = await subscribe_sync(self.nc, S.sbx_all(sid), self._on_op_now)
 
     async def _on_op(self, msg: Msg) -> None:
         self._on_op_now(msg)

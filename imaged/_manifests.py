@@ -13,7 +13,8 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import ImageEvent, LayerRef, TemplateManifest
-from bus.streams import ensure_kv, kv_keys
+from bus.runtime import kv_keys
+from bus.streams import ensure_kv
 
 from ._store import BlobStore
 from ._util import digest_hex, full_digest

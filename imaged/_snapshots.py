@@ -14,7 +14,8 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, SnapshotInUse, UnknownSnapshot
 from bus.messages import LayerRef, SnapshotEvent, SnapshotRecord
-from bus.streams import ensure_kv, kv_keys
+from bus.runtime import kv_keys
+from bus.streams import ensure_kv
 
 from ._manifests import list_manifests
 from ._store import BlobStore, chunk_key, layer_key

@@ -1,6 +1,6 @@
 """Placement: chooses a host for every create request; replicas share one durable consumer."""
 
-from ._service import Placement, validate_spec
+from ._service import Placement
 from ._table import HostTable, Policy
 
-__all__ = ["Placement", "validate_spec", "HostTable", "Policy"]
+__all__ = ["Placement", "HostTable", "Policy"]

@@ -11,49 +11,22 @@ import uuid
 
 import structlog
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
-from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxEvent, SandboxSpec, TemplateManifest
-from bus.runtime import Service
+from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
+from bus.rules import validate_spec
+from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, consumer_config, dead_letter
 from bus.sign import sign_headers
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
-from bus.acks import JsAcks, acks_for
-from ._consume import BatchConsumer
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
 
 MAX_ATTEMPTS = 5
-VALID_BACKENDS = {"container", "fncall", "microvm", "vm", "sim"}
-VALID_PRIORITIES = {"best-effort", "latency-sensitive"}
-
-
-def validate_spec(spec: SandboxSpec) -> None:
-    """Server-side check of what the SDK also checks: a request from any client is validated."""
-    if not S.valid_token(spec.sandbox_id):
-        raise InvalidArgument(f"sandbox_id {spec.sandbox_id!r} must be 1-128 of [A-Za-z0-9_-]")
-    if not (0 < spec.cpu <= 256):
-        raise InvalidArgument(f"cpu must be > 0 and <= 256, got {spec.cpu}")
-    if not (16 <= spec.memory_mb <= 1024 * 1024):
-        raise InvalidArgument(f"memory_mb must be between 16 and 1048576, got {spec.memory_mb}")
-    if not (1 <= spec.disk_mb <= 1024 * 1024 * 16):
-        raise InvalidArgument(f"disk_mb must be between 1 and 16777216, got {spec.disk_mb}")
-    if spec.timeout_s <= 0:
-        raise InvalidArgument(f"timeout must be > 0 seconds, got {spec.timeout_s}")
-    if spec.backend not in VALID_BACKENDS:
-        raise InvalidArgument(f"backend must be one of {sorted(VALID_BACKENDS)}, got {spec.backend!r}")
-    if spec.priority not in VALID_PRIORITIES:
-        raise InvalidArgument(f"priority must be one of {sorted(VALID_PRIORITIES)}, got {spec.priority!r}")
-    if not spec.template:
-        raise InvalidArgument("template must be a non-empty name")
-    if spec.reply_to and not S.valid_inbox(spec.reply_to):
-        raise InvalidArgument(f"reply_to must be an _INBOX subject, got {spec.reply_to!r}")
 
 
 class Placement(Service):
@@ -96,47 +69,39 @@ class Placement(Service):
         self.templates: dict[str, TemplateManifest] = {}
         self._template_layers: dict[str, frozenset[str]] = {}
         self.placed = 0
-        self.consumer: BatchConsumer | None = None
-        self.acks: JsAcks | None = None
+        self.consumer: PullConsumer | None = None
+        self.acks: Publisher | None = None
+        self.events: Events | None = None
         self._kv_hosts: KeyValue | None = None
-        self._kv_images: KeyValue | None = None
-        self._kv_sbx: KeyValue | None = None
+        self._kv_images: KV[TemplateManifest] | None = None
+        self._kv_sbx: KV[SandboxRecord] | None = None
         self._hosts_seen = asyncio.Event()
         self._templates_seen = asyncio.Event()
 
     async def setup(self) -> None:
-        assert self.js is not None and self.nc is not None
+        assert self.js is not None and self.nc is not None and self.publisher is not None
         await ensure_all(self.js, self.stream_options)
-        self.acks = await acks_for(self.nc)
+        self.acks = self.publisher
+        self.events = Events(self.nc, self.publisher)
         self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
-        self._kv_images = await ensure_kv(self.js, S.KV_IMAGES)
-        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
+        self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
+        self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
         self.spawn(self._watch(self._kv_hosts, self._on_host, self._hosts_seen), name="watch-hosts")
-        self.spawn(self._watch(self._kv_images, self._on_template, self._templates_seen), name="watch-templates")
+        self.spawn(self._watch(self._kv_images.raw, self._on_template, self._templates_seen), name="watch-templates")
         try:  # start taking work once the host table holds what KV holds (else every early request waits)
             await asyncio.wait_for(asyncio.gather(self._hosts_seen.wait(), self._templates_seen.wait()), 10.0)
         except asyncio.TimeoutError:
             log.warning("initial_watch_slow")
-        self.consumer = BatchConsumer(
-            self.nc,
-            self.js,
+        self.consumer = await self.add_worker(
             stream=S.STREAM_REQ,
-            config=ConsumerConfig(
-                durable_name=S.PLACEMENT_DURABLE,
-                ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
-                filter_subject=f"{S.PREFIX}.req.>",
-                ack_wait=self.ack_wait_s,
-                max_deliver=-1,
-                max_ack_pending=max(self.capacity * 16, 4096),  # shared by every replica
-                max_waiting=512,
-            ),
+            durable=S.PLACEMENT_DURABLE,
+            filter_subject=f"{S.PREFIX}.req.>",
             capacity=self.capacity,
             on_batch=self.handle_batch,
+            ack_wait_s=self.ack_wait_s,
+            max_ack_pending=max(self.capacity * 16, 4096),  # shared by every replica
             name=f"placement-{self.replica_id}",
         )
-        await self.consumer.start()
-        self.workers.append(self.consumer)  # type: ignore[arg-type]  # same stop_intake/finish interface
 
     # --- watches -------------------------------------------------------------------
     async def _watch(self, kv: KeyValue, on_entry, seen: asyncio.Event) -> None:
@@ -187,17 +152,8 @@ class Placement(Service):
         t = self.templates.get(name)
         if t is not None or self._kv_images is None:
             return t
-        try:
-            entry = await self._kv_images.get(name)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        try:
-            return codec.TEMPLATE.decode(entry.value)
-        except BadRequest as exc:  # a broken manifest is an unknown template, not a request redelivered forever
-            log.warning("bad_manifest", key=name, error=str(exc))
-            return None
+        # Missing or broken (logged, counted): an unknown template, not a request redelivered forever.
+        return await self._kv_images.get(name)
 
     async def _layers_of(self, name: str) -> frozenset[str] | None:
         layers = self._template_layers.get(name)
@@ -207,33 +163,15 @@ class Placement(Service):
         return None if t is None else frozenset(l.digest for l in t.layers)
 
     # --- events ---------------------------------------------------------------------
-    def _event_bytes(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> bytes:
-        return codec.encode(SandboxEvent(
-            sandbox_id=spec.sandbox_id, kind=kind, at=time.time(), host_id=host_id, attempt=attempt,
-            code=err.code if err else "", description=err.description if err else "",
-        ))
-
-    async def event(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, dedup: bool = True) -> None:
-        """An event that must not be lost (acked by the stream)."""
-        assert self.js is not None
-        headers = {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{kind}:{attempt}"} if dedup else None
-        await self.js.publish(S.evt_sandbox(spec.sandbox_id, kind), self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err), headers=headers)
-
-    async def _event_async(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None) -> asyncio.Future:
-        assert self.acks is not None and self.nc is not None
-        data = self._event_bytes(spec, kind, attempt=attempt, err=err)
-        fut = await self.acks.publish(S.evt_sandbox(spec.sandbox_id, kind), data, {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{kind}:{attempt}"})
-        if kind == "failed" and spec.reply_to and S.valid_inbox(spec.reply_to):
-            await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
-        return fut
+    async def _failed(self, spec: SandboxSpec, err: DsecError, attempt: int = 0) -> asyncio.Future[PubAck]:
+        """A ``failed`` event that must not be lost: its ack is awaited with the batch's hand-offs."""
+        assert self.events is not None
+        return await self.events.sandbox(spec, "failed", attempt=attempt, err=err, wait=False)  # type: ignore[return-value]
 
     async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
-        """An informational event (placed, pending): a core publish the stream still records, no ack round trip."""
-        assert self.nc is not None
-        data = self._event_bytes(spec, kind, attempt=attempt, host_id=host_id, err=err)
-        await self.nc.publish(S.evt_sandbox(spec.sandbox_id, kind), data)
-        if kind == "pending" and spec.reply_to and S.valid_inbox(spec.reply_to):
-            await self.nc.publish(spec.reply_to, data)
+        """An informational event (requested, placed, pending): no ack round trip."""
+        assert self.events is not None
+        await self.events.sandbox(spec, kind, attempt=attempt, host_id=host_id, err=err, acked=False)
 
     # --- the handler -------------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
@@ -276,7 +214,7 @@ class Placement(Service):
                 err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
             if err is not None:
                 log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
-                outs.append((msg, await self._event_async(spec, "failed", attempt=req.attempt, err=err), "", None, req.attempt))
+                outs.append((msg, await self._failed(spec, err, req.attempt), "", None, req.attempt))
                 continue
             fresh = self._fresh(spec, now)
             first = fresh and req.attempt == 0 and not req.exclude_hosts and (msg.metadata.num_delivered if msg.metadata else 1) == 1
@@ -332,7 +270,7 @@ class Placement(Service):
                 await msg.nak()
                 continue
             if host and spec is not None:
-                if b'"duplicate":true' in fut.result():
+                if fut.result().duplicate:
                     # An earlier delivery of this request already handed it off (maybe elsewhere).
                     self.table.release(host, spec.sandbox_id)
                 else:
@@ -340,24 +278,14 @@ class Placement(Service):
                     self.placed += 1
             await msg.ack()
 
-    async def _handoff(self, acks: JsAcks, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
+    async def _handoff(self, acks: Publisher, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
         subject = S.host_create(host)
         return await acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
 
-    async def teardown(self) -> None:
-        if self.acks is not None:
-            await self.acks.stop()
-
     async def dead_letter(self, msg: Msg, exc: DsecError) -> None:
         """Malformed work is kept (not dropped) on the DLQ stream with the reason, then acked."""
-        assert self.js is not None
-        log.warning("dead_letter", subject=msg.subject, error=str(exc))
-        await self.js.publish(
-            S.dlq(msg.subject),
-            msg.data,
-            headers={S.HDR_ERROR_CODE: exc.code, "Dsec-Error": exc.description[:512], "Dsec-Origin": msg.subject},
-        )
-        await msg.ack()
+        assert self.publisher is not None
+        await dead_letter(self.publisher, msg, exc.code, exc.description)
 
     async def _precheck(self, spec: SandboxSpec, now: float | None = None) -> tuple[DsecError | None, frozenset[str]]:
         try:
@@ -392,11 +320,7 @@ class Placement(Service):
         kv = self._kv_sbx
 
         async def one(sid: str) -> str | None:
-            try:
-                await kv.get(sid)
-                return sid
-            except KeyNotFoundError:
-                return None
+            return sid if await kv.exists(sid) else None
 
         found = await asyncio.gather(*(one(s.sandbox_id) for s in specs), return_exceptions=True)
         return {f for f in found if isinstance(f, str)}
@@ -429,7 +353,7 @@ class Placement(Service):
                 await self._note(spec, "requested")
             err, layers = await self._precheck(spec, now)
             if err is not None:
-                futs.append(await self._event_async(spec, "failed", err=err))
+                futs.append(await self._failed(spec, err))
                 continue
             host = None
             if cur is not None and run < per_host:
@@ -471,4 +395,4 @@ class Placement(Service):
         await msg.ack()
 
 
-__all__ = ["Placement", "validate_spec", "HostTable", "Policy"]
+__all__ = ["Placement", "HostTable", "Policy"]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from bus.messages import HostStatus, SandboxSpec
+from bus.rules import Allocation, Capacity, admits, capacity_of
 
 STALE_AFTER_S = 10.0
 RESERVATION_TTL_S = 10.0
@@ -31,12 +32,22 @@ class Reservation:
 class HostEntry:
     status: HostStatus
     seen_at: float
+    cap: Capacity
     reservations: dict[str, Reservation] = field(default_factory=dict)
     # running sums of ``reservations``
     r_cpu: float = 0.0
     r_mem: int = 0
     r_disk: int = 0
     r_ls_cpu: float = 0.0
+    alloc: Allocation = field(default_factory=Allocation)  # the heartbeat's allocation plus the reservations
+
+    def sync(self) -> None:
+        st, a = self.status, self.alloc
+        a.cpu = st.cpu_alloc + self.r_cpu
+        a.cpu_ls = st.cpu_alloc_ls + self.r_ls_cpu
+        a.mem_mb = st.mem_alloc_mb + self.r_mem
+        a.disk_mb = st.disk_alloc_mb + self.r_disk
+        a.sandboxes = st.sandboxes + len(self.reservations)
 
     def reserved(self) -> tuple[float, int, int, int]:
         return self.r_cpu, self.r_mem, self.r_disk, len(self.reservations)
@@ -51,11 +62,13 @@ class HostEntry:
         self.r_disk += r.disk_mb
         if r.ls:
             self.r_ls_cpu += r.cpu
+        self.sync()
 
     def drop(self, sandbox_id: str) -> None:
         r = self.reservations.pop(sandbox_id, None)
         if r is not None:
             self._sub(r)
+            self.sync()
 
     def _sub(self, r: Reservation) -> None:
         self.r_cpu -= r.cpu
@@ -94,9 +107,10 @@ class Policy:
     pool_cpu_overcommit: dict[str, float] = field(default_factory=dict)
 
 
-def cpu_limit(st: HostStatus, policy: Policy) -> float:
+def capacity(st: HostStatus, policy: Policy) -> Capacity:
+    """The host's capacity, with the pool's cpu overcommit when the policy is stricter than the host."""
     over = policy.pool_cpu_overcommit.get(st.pool, st.cpu_overcommit)
-    return st.cpu_total * min(over, st.cpu_overcommit) if st.cpu_overcommit else st.cpu_total * over
+    return capacity_of(st, cpu_overcommit=min(over, st.cpu_overcommit) if st.cpu_overcommit else over)
 
 
 class HostTable:
@@ -117,14 +131,17 @@ class HostTable:
         self._version += 1
         e = self.hosts.get(st.host_id)
         if e is None:
-            self.hosts[st.host_id] = HostEntry(st, now)
+            e = self.hosts[st.host_id] = HostEntry(st, now, capacity(st, self.policy))
+            e.sync()
             self._pos[st.host_id] = len(self._ids)
             self._ids.append(st.host_id)
             return
         e.status = st
         e.seen_at = now
+        e.cap = capacity(st, self.policy)
         # The heartbeat now counts what the host admitted before it was sent.
         e.expire(max(st.at - HEARTBEAT_SLACK_S, now - RESERVATION_TTL_S))
+        e.sync()
 
     def remove(self, host_id: str) -> None:
         if self.hosts.pop(host_id, None) is None:
@@ -141,37 +158,26 @@ class HostTable:
         return [h for h, e in self.hosts.items() if e.status.state == "ready" and now - e.seen_at < STALE_AFTER_S]
 
     def why_not(self, e: HostEntry, spec: SandboxSpec) -> str:
-        """Empty when ``spec`` fits on the host as this replica sees it, else the reason."""
+        """Empty when ``spec`` fits on the host as this replica sees it, else the reason.
+
+        Admission is the host's own rule (bus.rules.admits, on the heartbeat plus this replica's
+        reservations); placement adds what only it weighs: real resident memory and idle cores."""
+        why = admits(e.cap, e.alloc, spec)
+        if why:
+            return why
         st = e.status
-        rn = len(e.reservations)
-        if st.max_sandboxes and st.sandboxes + rn + 1 > st.max_sandboxes:
-            return "max_sandboxes"
-        if st.cpu_alloc + e.r_cpu + spec.cpu > cpu_limit(st, self.policy):
-            return "cpu"
-        # Memory: requested memory within the pool's overcommit, and the host's real resident
-        # memory plus the newcomers' expected share below the physical limit.
+        # The newcomers' expected resident share keeps the host's real memory under the physical limit.
         mem_over = max(st.mem_overcommit, 1.0)
-        if st.mem_alloc_mb + e.r_mem + spec.memory_mb > st.mem_total_mb * mem_over:
-            return "memory"
         if st.mem_resident_mb + (e.r_mem + spec.memory_mb) / mem_over > st.mem_total_mb * self.policy.mem_resident_limit:
             return "memory-resident"
-        if st.disk_total_mb and st.disk_alloc_mb + e.r_disk + spec.disk_mb > st.disk_total_mb:
-            return "disk"
-        if spec.priority == "latency-sensitive":
-            # Latency-sensitive work is not overcommitted: its requested cores fit in the real cores,
-            # and the cores really idle right now leave it room.
-            if st.cpu_alloc_ls + e.r_ls_cpu + spec.cpu > st.cpu_total:
-                return "cpu-ls"
-            if st.cpu_total - st.cpu_busy - e.r_ls_cpu < min(spec.cpu, self.policy.ls_cpu_headroom):
-                return "cpu-busy"
+        # Latency-sensitive work needs cores really idle right now.
+        if spec.priority == "latency-sensitive" and st.cpu_total - st.cpu_busy - e.r_ls_cpu < min(spec.cpu, self.policy.ls_cpu_headroom):
+            return "cpu-busy"
         return ""
-
-    def fits(self, e: HostEntry, spec: SandboxSpec) -> bool:
-        return not self.why_not(e, spec)
 
     def score(self, e: HostEntry, spec: SandboxSpec, layers: frozenset[str] | set[str]) -> float:
         st = e.status
-        cpu_frac = (st.cpu_alloc + e.r_cpu) / max(cpu_limit(st, self.policy), 1e-9)
+        cpu_frac = e.alloc.cpu / max(e.cap.cpu, 1e-9)
         mem_frac = (max(st.mem_alloc_mb, st.mem_resident_mb) + e.r_mem) / max(st.mem_total_mb, 1)
         load = cpu_frac if cpu_frac > mem_frac else mem_frac
         s = -load if self.policy.strategy == "spread" else load

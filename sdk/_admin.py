@@ -16,8 +16,7 @@ from nats.js.errors import KeyNotFoundError, NotFoundError
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, InvalidArgument, Unavailable
-from bus.runtime import connect, nats_url
-from bus.streams import kv_keys
+from bus.runtime import KV, connect, kv_keys, nats_url
 
 STALE_S = 10.0
 
@@ -30,11 +29,10 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
         templates: list[str] = []
         n_sbx = 0
         try:
-            kv = await js.key_value(S.KV_HOSTS)
-            for k in await kv_keys(js, S.KV_HOSTS):
-                try:
-                    st = codec.HOST_STATUS.decode((await kv.get(k)).value)
-                except (KeyNotFoundError, BadRequest):
+            kv = await KV.bind(js, S.KV_HOSTS, codec.HOST_STATUS)
+            for k in await kv.keys():
+                st = await kv.get(k)
+                if st is None:
                     continue  # gone since the listing, or not a heartbeat: not a host to report
                 age = time.time() - st.at
                 d = msgspec.structs.asdict(st)

@@ -11,7 +11,6 @@ from typing import Any, Literal
 
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.js.errors import KeyNotFoundError
 
 from bus import codec
 from bus import subjects as S
@@ -40,9 +39,8 @@ from bus.messages import (
     SetTimeout,
 )
 from bus.messages import SandboxInfo as WireInfo
-from bus.acks import Sink, StoreError, acks_for, release_acks
-from bus.runtime import connect, nats_url
-from bus.streams import kv_keys
+from bus.rules import CREATE_TIMEOUT_S, validate_spec
+from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync
 
 from . import _snapshots as _snap
 from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
@@ -129,15 +127,15 @@ async def _nc(url: str | None) -> NATS:
     return nc
 
 
-_jsctx: dict[int, Any] = {}
+_jsctx: dict[int, tuple[NATS, Any]] = {}
 
 
 def _js(nc: NATS) -> Any:
     """One JetStream context per connection (making one per create shows up in profiles)."""
-    js = _jsctx.get(id(nc))
-    if js is None or js._nc is not nc:
-        js = _jsctx[id(nc)] = nc.jetstream()
-    return js
+    entry = _jsctx.get(id(nc))
+    if entry is None or entry[0] is not nc:
+        entry = _jsctx[id(nc)] = (nc, nc.jetstream())
+    return entry[1]
 
 
 async def close_connections() -> None:
@@ -148,7 +146,7 @@ async def close_connections() -> None:
         nc = _conns.pop(key)
         _jsctx.pop(id(nc), None)
         _replies.pop(id(nc), None)
-        await release_acks(nc)
+        await release_publisher(nc)
         if not nc.is_closed:
             await nc.drain()
 
@@ -180,21 +178,8 @@ def build_spec(
     sandbox_id: str | None = None,
     snapshot: str | None = None,
 ) -> SandboxSpec:
-    """Validate create arguments client-side so mistakes fail fast with a clear message."""
-    if not isinstance(template, str) or not template:
-        raise InvalidArgument(f"template must be a non-empty string, got {template!r}")
-    if backend not in ("container", "fncall", "microvm", "vm", "sim"):
-        raise InvalidArgument(f"backend must be one of container, fncall, microvm, vm, sim; got {backend!r}")
-    _check_positive("cpu", cpu, lo=0.01, hi=256)
-    _check_positive("memory_mb", memory_mb, lo=16, hi=1024 * 1024, integer=True)
-    _check_positive("disk_mb", disk_mb, lo=1, hi=16 * 1024 * 1024, integer=True)
-    _check_positive("timeout", timeout, lo=1, hi=30 * 86400)
-    _check_positive("create_timeout", create_timeout, lo=0.1, hi=86400)
-    if priority not in ("best-effort", "latency-sensitive"):
-        raise InvalidArgument(f"priority must be 'best-effort' or 'latency-sensitive', got {priority!r}")
-    for name, d in (("envs", envs), ("metadata", metadata)):
-        if d is not None and (not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())):
-            raise InvalidArgument(f"{name} must be a dict of str to str, got {d!r}")
+    """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
+    _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
     net = None
     if network is not None:
         if not isinstance(network, dict) or set(network) - {"allow_out"}:
@@ -205,17 +190,19 @@ def build_spec(
         net = NetworkSpec(allow_out=list(allow))
     if lease is not None:
         _check_positive("lease", lease, lo=1, hi=86400)
-    sid = sandbox_id or f"sb-{uuid.uuid4().hex[:20]}"
-    if not S.valid_token(sid):
-        raise InvalidArgument(f"sandbox_id must be 1-128 of [A-Za-z0-9_-], got {sid!r}")
     if snapshot is not None and (not isinstance(snapshot, str) or not S.valid_token(snapshot)):
         raise InvalidArgument(f"snapshot must be a snapshot id, got {snapshot!r}")
     now = time.time()
-    return SandboxSpec(snapshot=snapshot or "",
-        sandbox_id=sid, template=template, backend=backend, cpu=float(cpu), memory_mb=memory_mb, disk_mb=disk_mb,
-        timeout_s=float(timeout), envs=dict(envs or {}), metadata=dict(metadata or {}), priority=priority, pool=pool,
-        profile=profile, network=net, lease_s=float(lease or 0), requested_at=now, create_deadline=now + create_timeout,
+    spec = SandboxSpec(
+        sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
+        disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
+        priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout,
+        snapshot=snapshot or "",
     )
+    validate_spec(spec)
+    spec.cpu, spec.timeout_s, spec.lease_s = float(cpu), float(timeout), float(spec.lease_s)
+    spec.envs, spec.metadata = dict(spec.envs), dict(spec.metadata)
+    return spec
 
 
 async def _snapshot_template(url: str | None, snapshot_id: str) -> str:
@@ -275,7 +262,7 @@ class _Replies:
 
     async def start(self) -> "_Replies":
         if self.sub is None:
-            self.sub = await self.nc.subscribe(self.subject, future=Sink(self._on))  # type: ignore[arg-type]
+            self.sub = await subscribe_sync(self.nc, self.subject, self._on)
         return self
 
     def _on(self, msg: Any) -> None:
@@ -292,9 +279,9 @@ class _Replies:
 _replies: dict[int, _Replies] = {}
 
 
-async def _store(nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> bytes:
+async def _store(nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> PubAck:
     """An acked JetStream publish of a request, with the control plane's failure as ``Unavailable``."""
-    fut = await (await acks_for(nc)).publish(subject, data, headers)
+    fut = await (await publisher_for(nc)).publish(subject, data, headers)
     try:
         return await asyncio.wait_for(fut, timeout)
     except asyncio.TimeoutError:
@@ -673,17 +660,11 @@ class AsyncSandbox:
     @classmethod
     async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:
         nc = await _nc(nats_url)
-        js = nc.jetstream()
-        kv = await js.key_value(S.KV_SANDBOXES)
+        kv = await KV.bind(_js(nc), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
         out: list[SandboxInfo] = []
-        for k in await kv_keys(js, S.KV_SANDBOXES):
-            try:
-                e = await kv.get(k)
-            except KeyNotFoundError:
-                continue
-            try:
-                rec = codec.SANDBOX_RECORD.decode(e.value)
-            except BadRequest:
+        for k in await kv.keys():
+            rec = await kv.get(k)  # missing (deleted meanwhile) or undecodable: skipped
+            if rec is None:
                 continue
             if state and rec.state != state:
                 continue

@@ -16,7 +16,8 @@ from bus import subjects as S
 from bus.codec import decode_reply
 from bus.errors import BadRequest, InvalidArgument, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
 from bus.messages import MAX_FORK_COUNT, Done, PauseRequest, RemoveSnapshot, ResumeRequest, SnapshotRecord, SnapshotRequest
-from bus.streams import ensure_kv, kv_keys
+from bus.runtime import kv_keys
+from bus.streams import ensure_kv
 
 if TYPE_CHECKING:
     from ._async import AsyncSandbox

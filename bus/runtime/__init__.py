@@ -1,0 +1,81 @@
+"""The runtime: the only code in dsec that touches nats-py mechanics or ``$JS.``/``$KV.`` subjects.
+
+Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps it that way):
+
+``connect(url, name=...)`` / ``nats_url()``
+    Bounded first connect, the user's inbox prefix (bus.auth), one-line error logs.
+``Service``
+    ``setup()``/``teardown()`` hooks, ``run()`` until SIGTERM, ``shutdown()``: stop intake, finish
+    in-flight work (grace), tear down, drain. ``self.nc``, ``self.js``, ``self.publisher``;
+    ``await self.add_worker(stream=, durable=, filter_subject=, capacity=, handler= | on_batch=, ...)``
+    starts a ``PullConsumer`` that shutdown stops.
+``PullConsumer(nc, stream=, config=consumer_config(...), capacity=, handler= | on_batch=, inbox=)``
+    Credit-based: asks for exactly its free capacity (reserved before the pull), per-message tasks
+    or whole batches; a handler that raises leaves the message un-acked (JetStream redelivers).
+    ``PullInbox(nc)`` lets thousands of consumers share one subscription.
+``Publisher`` / ``publisher_for(nc)``
+    ``fut = await p.publish(subject, data, headers)`` (pipelined) or ``ack = await p.store(...)``;
+    answers decode to ``PubAck(stream, seq, duplicate)``; refusals raise ``StoreError`` (``err_code``);
+    at most ``max_inflight`` unanswered writes.
+``KV.open(js, bucket, Type)``
+    ``get``/``entry`` (missing or undecodable -> None, logged and counted), ``put``/``put_async``,
+    ``create``/``update(last=)`` (False when beaten), ``delete``, ``keys``, and one compare-and-set
+    ``claim(key, value, mine=)`` -> ``Claim.WON``/``MINE``/``LOST`` (an undecodable record is
+    treated as absent). ``kv_keys(js, bucket)``.
+``Endpoint(nc, name, handler, decoder=Decoder | {op: Decoder})``
+    ``await ep.serve(subject, queue=)``; ``handler(msg, request) -> Struct``; one error boundary
+    (DsecError -> its ErrorReply, anything else -> ``internal``; a reply over max_payload ->
+    ``reply_too_large``); ``ep.stats`` (requests, errors, processing time, last error).
+    ``subscribe_sync(nc, subject, fn)``: a subscription without a task of its own.
+``Events(nc, publisher, host_id=)``
+    ``await ev.sandbox(spec, kind, attempt=, err=, detail=, acked=, wait=)``: msg-id
+    ``<id>:<kind>:<attempt>`` and the reply fan-out to the creating client's inbox; ``ev.host(...)``;
+    ``ev.best_effort(subject, struct)``.
+``dead_letter(publisher, msg, code, description)``
+    Keep malformed work on DSEC_DLQ with ``Dsec-Error-Code``/``Dsec-Error``/``Dsec-Origin``, then ack.
+"""
+
+from .connection import DEFAULT_URL, connect, nats_url
+from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config
+from .deadletter import dead_letter, dead_letter_headers
+from .endpoint import Endpoint, EndpointStats, error_of
+from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, event_msg_id, sandbox_event
+from .kv import KV, Claim, Versioned, kv_keys, open_kv
+from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
+from .service import Service
+
+__all__ = [
+    "DEFAULT_URL",
+    "connect",
+    "nats_url",
+    "BatchHandler",
+    "Handler",
+    "PullConsumer",
+    "PullInbox",
+    "consumer_config",
+    "dead_letter",
+    "dead_letter_headers",
+    "Endpoint",
+    "EndpointStats",
+    "error_of",
+    "ONCE_PER_ATTEMPT",
+    "REPLY_KINDS",
+    "Events",
+    "event_msg_id",
+    "sandbox_event",
+    "KV",
+    "Claim",
+    "Versioned",
+    "kv_keys",
+    "open_kv",
+    "ERR_WRONG_LAST_SEQUENCE",
+    "PubAck",
+    "Publisher",
+    "StoreError",
+    "decode_puback",
+    "nc_of",
+    "publisher_for",
+    "release_publisher",
+    "subscribe_sync",
+    "Service",
+]

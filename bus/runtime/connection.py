@@ -1,0 +1,87 @@
+"""Connecting to NATS: bounded first-connect retries, the user's inbox prefix, one-line error logs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import nats.errors
+from nats.aio.client import Client as NATS
+
+from ..auth import ANONYMOUS_USER, inbox_prefix
+from ..errors import Unavailable
+from ..subjects import valid_token
+
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+
+def nats_url(url: str | None = None) -> str:
+    return url or os.environ.get("DSEC_NATS_URL", DEFAULT_URL)
+
+
+async def connect(
+    url: str | None = None,
+    *,
+    name: str = "dsec",
+    connect_attempts: int = 20,
+    connect_timeout_s: float = 30.0,
+    max_reconnect_attempts: int = 120,
+    user_credentials: str | None = None,
+    **kwargs: Any,
+) -> NATS:
+    """Connect to NATS, retrying the first connect a bounded number of times (in attempts and time)."""
+    servers = nats_url(url).split(",")
+    user = kwargs.get("user") or urlsplit(servers[0]).username
+    user = unquote(user) if user else ANONYMOUS_USER
+    if valid_token(user):  # each user may only receive under its own prefix (bus.auth): replies must come back there
+        kwargs.setdefault("inbox_prefix", inbox_prefix(user))
+    if user_credentials is None:
+        user_credentials = os.environ.get("DSEC_NATS_CREDS") or None
+    kwargs.setdefault("error_cb", _log_nats_error)
+    deadline = time.monotonic() + connect_timeout_s
+    delay = 0.05
+    last: Exception | None = None
+    for _ in range(connect_attempts):
+        # nats-py retries a first connect max_reconnect_attempts times by itself: bound it by our deadline.
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        nc = NATS()
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    servers=servers,
+                    name=name,
+                    connect_timeout=2,
+                    allow_reconnect=True,
+                    max_reconnect_attempts=max_reconnect_attempts,
+                    reconnect_time_wait=0.5,
+                    user_credentials=user_credentials,
+                    **kwargs,
+                ),
+                remaining,
+            )
+            return nc
+        except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            last = exc if not isinstance(exc, asyncio.TimeoutError) else nc.last_error or exc
+            try:
+                await nc.close()
+            except Exception:  # noqa: BLE001 - never connected
+                pass
+            if time.monotonic() + delay > deadline:
+                break
+            await asyncio.sleep(delay)  # retry back-off
+            delay = min(delay * 2, 1.0)
+    raise Unavailable(f"cannot reach NATS at {','.join(servers)}: {last or 'timed out'}")
+
+
+async def _log_nats_error(exc: Exception) -> None:
+    """One line per connection error (nats-py's default prints a whole traceback for each retry)."""
+    logging.getLogger("dsec.nats").warning("nats: %s: %s", type(exc).__name__, exc)
+
+
+__all__ = ["DEFAULT_URL", "connect", "nats_url"]

@@ -1,0 +1,105 @@
+"""Events on DSEC_EVT, in one place: the sandbox event's msg-id and the fan-out to the creating client.
+
+Rules:
+
+* an acked sandbox event whose kind happens once per attempt (``ONCE_PER_ATTEMPT``) carries
+  ``Nats-Msg-Id = <sandbox_id>:<kind>:<attempt>``: a redelivered piece of work that says it again
+  is de-duplicated by the stream;
+* an informational event (``acked=False``: requested, placed, exec, ...) is a core publish the
+  stream still records, without an ack round trip on the hot path;
+* the events a create waits for (``REPLY_KINDS``) are also sent to the spec's ``reply_to`` inbox,
+  so the creating client hears them without a subscription of its own (it finds them in the stream
+  if that core message is lost). Only ``_INBOX.`` subjects: a client must not make us publish on
+  control subjects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from nats.aio.client import Client as NATS
+
+from .. import log as _log
+from .. import subjects as S
+from ..codec import encode
+from ..errors import DsecError
+from ..messages import HostEvent, SandboxEvent, SandboxSpec
+from .publisher import PubAck, Publisher
+
+logger = _log.get_logger("dsec.bus.events")
+
+REPLY_KINDS = frozenset({"ready", "failed", "pending"})
+ONCE_PER_ATTEMPT = frozenset({"ready", "failed", "killed", "rejected", "timeout"})
+
+
+def event_msg_id(sandbox_id: str, kind: str, attempt: int = 0) -> str:
+    return f"{sandbox_id}:{kind}:{attempt}"
+
+
+def sandbox_event(
+    sandbox_id: str, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, detail: dict[str, str] | None = None
+) -> SandboxEvent:
+    return SandboxEvent(
+        sandbox_id=sandbox_id, kind=kind, at=time.time(), host_id=host_id, attempt=attempt,
+        code=err.code if err else "", description=err.description if err else "", detail=detail or {},
+    )
+
+
+class Events:
+    """Emits events for one service (``host_id`` fills the events of a host agent)."""
+
+    def __init__(self, nc: NATS, publisher: Publisher, *, host_id: str = "") -> None:
+        self.nc = nc
+        self.publisher = publisher
+        self.host_id = host_id
+
+    async def sandbox(
+        self,
+        spec: SandboxSpec,
+        kind: str,
+        *,
+        attempt: int = 0,
+        host_id: str | None = None,
+        err: DsecError | None = None,
+        detail: dict[str, str] | None = None,
+        acked: bool = True,
+        wait: bool = True,
+    ) -> "PubAck | asyncio.Future[PubAck] | None":
+        """Emit one sandbox event (see the module rules). ``wait=False``: return the ack's future
+        (pipelined); ``acked=False``: a core publish, returns None."""
+        ev = sandbox_event(spec.sandbox_id, kind, attempt=attempt, host_id=self.host_id if host_id is None else host_id, err=err, detail=detail)
+        data = encode(ev)
+        subject = S.evt_sandbox(spec.sandbox_id, kind)
+        fut: asyncio.Future[PubAck] | None = None
+        if acked:
+            hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
+            fut = await self.publisher.publish(subject, data, hdr)
+        else:
+            await self.nc.publish(subject, data)
+        if kind in REPLY_KINDS and spec.reply_to and S.valid_inbox(spec.reply_to):
+            await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
+        if fut is None or not wait:
+            return fut
+        return await fut
+
+    async def host(self, host_id: str, kind: str, detail: dict[str, str] | None = None) -> PubAck:
+        return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))
+
+    async def best_effort(self, subject: str, ev: Any, *, timeout_s: float = 2.0) -> None:
+        """An event that must never fail the work: acked when a stream takes it in time, else a core
+        publish (no DSEC_EVT yet, or NATS away for a moment); errors are logged, never raised."""
+        data = encode(ev)
+        try:
+            await asyncio.wait_for(await self.publisher.publish(subject, data), timeout_s)
+            return
+        except Exception as exc:  # noqa: BLE001 - fall back to a core publish
+            logger.debug("event_not_acked", subject=subject, error=str(exc))
+        try:
+            await self.nc.publish(subject, data)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("event_lost", subject=subject, error=str(exc))
+
+
+__all__ = ["Events", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "sandbox_event"]

@@ -1,0 +1,191 @@
+"""Typed KV buckets: values are msgspec Structs; one compare-and-set claim; one rule for bad records.
+
+The rule for a record that is missing or cannot be decoded (written by a bug, a newer version, or
+by hand):
+
+* reading (``get``/``entry``): missing -> ``None``; undecodable -> ``None`` too, logged
+  (``kv_corrupt_record``) and counted in ``KV.corrupt`` - a reader never crashes on one bad key;
+* claiming (``claim``): an undecodable record is treated as absent and replaced, by a
+  compare-and-set on its revision, so two claimers still cannot both win; also logged and counted.
+
+Writes go through the connection's ``Publisher`` (pipelined acked writes to ``$KV.<bucket>.<key>``:
+no request, timer or random inbox per write), except the tombstone path of a create, which is
+nats-py's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from typing import Any, Callable, Generic, TypeVar
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+
+from .. import log as _log
+from ..codec import Decoder, encode
+from ..errors import BadRequest
+from ..streams import ensure_kv
+from .publisher import ERR_WRONG_LAST_SEQUENCE, Publisher, StoreError, nc_of, publisher_for
+
+T = TypeVar("T")
+
+logger = _log.get_logger("dsec.bus.kv")
+
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+CLAIM_ROUNDS = 4  # a claim re-reads at most this often while others keep writing the same key
+
+
+class Claim(enum.IntEnum):
+    """Outcome of ``KV.claim``: falsy when another owner holds the key."""
+
+    LOST = 0
+    WON = 1  # our value is stored (the key was absent, deleted, or held an undecodable record)
+    MINE = 2  # the key already holds a record ``mine`` accepted (left unchanged)
+
+
+class Versioned(Generic[T]):
+    __slots__ = ("value", "revision")
+
+    def __init__(self, value: T, revision: int) -> None:
+        self.value = value
+        self.revision = revision
+
+
+async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """Keys of a KV bucket, from its stream's per-subject state: one request and exact (a deleted key
+    whose delete marker is still kept is listed too; ``get`` then says missing). nats-py's
+    ``kv.keys()`` is built on a watcher that can signal "no more keys" before a key already delivered
+    to it is processed, and then reports an empty bucket (nats-io/nats.py#842)."""
+    try:
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=">")
+    except NotFoundError:
+        return []
+    prefix = f"$KV.{bucket}."
+    return sorted(s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix))
+
+
+class KV(Generic[T]):
+    """One bucket holding values of one msgspec type."""
+
+    def __init__(self, kv: KeyValue, bucket: str, type_: Any, *, js: JetStreamContext) -> None:
+        self.raw = kv  # for watches
+        self.js = js
+        self.bucket = bucket
+        self.decoder = type_ if isinstance(type_, Decoder) else Decoder(type_)
+        self._publisher: Publisher | None = None  # the connection's, taken at the first write
+        self.corrupt = 0  # undecodable records met (read or claimed)
+        self._prefix = f"$KV.{self.bucket}."
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, bucket: str, type_: Any, **ensure: Any) -> "KV[Any]":
+        """The bucket (created with its dsec settings when missing), typed by ``type_``."""
+        return cls(await ensure_kv(js, bucket, **ensure), bucket, type_, js=js)
+
+    @classmethod
+    async def bind(cls, js: JetStreamContext, bucket: str, type_: Any) -> "KV[Any]":
+        """An existing bucket (never created: a client may only read it); raises when missing."""
+        return cls(await js.key_value(bucket), bucket, type_, js=js)
+
+    async def _pub(self) -> Publisher:
+        if self._publisher is None or self._publisher.nc.is_closed:
+            self._publisher = await publisher_for(nc_of(self.js))
+        return self._publisher
+
+    def subject(self, key: str) -> str:
+        return self._prefix + key
+
+    def _decode(self, key: str, data: bytes) -> T | None:
+        try:
+            return self.decoder.decode(data)
+        except BadRequest as exc:
+            self.corrupt += 1
+            logger.warning("kv_corrupt_record", bucket=self.bucket, key=key, error=str(exc))
+            return None
+
+    # --- reads ----------------------------------------------------------------------------
+    async def entry(self, key: str) -> Versioned[T] | None:
+        """The value with its revision; ``None`` when missing or undecodable (see the module rule)."""
+        try:
+            e = await self.raw.get(key)
+        except KeyNotFoundError:
+            return None
+        v = self._decode(key, e.value or b"")
+        return None if v is None else Versioned(v, e.revision or 0)
+
+    async def get(self, key: str) -> T | None:
+        e = await self.entry(key)
+        return None if e is None else e.value
+
+    async def exists(self, key: str) -> bool:
+        """True when the key holds a value (decodable or not)."""
+        try:
+            await self.raw.get(key)
+            return True
+        except KeyNotFoundError:
+            return False
+
+    async def keys(self) -> list[str]:
+        return await kv_keys(self.js, self.bucket)
+
+    # --- writes ---------------------------------------------------------------------------
+    async def put_async(self, key: str, value: T) -> "asyncio.Future[Any]":
+        """A pipelined write; the future holds its PubAck (``seq`` is the new revision)."""
+        return await (await self._pub()).publish(self.subject(key), encode(value))
+
+    async def put(self, key: str, value: T) -> int:
+        """Store ``value``; returns the new revision."""
+        return (await (await self._pub()).store(self.subject(key), encode(value))).seq
+
+    async def update(self, key: str, value: T, *, last: int) -> bool:
+        """Store ``value`` only if the key's revision is still ``last``; False when someone wrote first."""
+        try:
+            await (await self._pub()).store(self.subject(key), encode(value), {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(last)})
+            return True
+        except StoreError as exc:
+            if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
+                return False
+            raise
+
+    async def create(self, key: str, value: T) -> bool:
+        """Store ``value`` only if the key holds none (absent or deleted); False when it does."""
+        if await self.update(key, value, last=0):
+            return True
+        try:  # a deleted key keeps a tombstone: nats-py's create re-checks it and updates on its revision
+            await self.raw.create(key, encode(value))
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+
+    async def delete(self, key: str) -> None:
+        await self.raw.delete(key)
+
+    # --- the claim -----------------------------------------------------------------------------
+    async def claim(self, key: str, value: T, *, mine: Callable[[T], bool] | None = None) -> Claim:
+        """Make this caller the key's owner, compare-and-set; at most one of any number of racing
+        claimers gets ``WON``. ``mine(current)`` says whether a record already there is ours (an
+        earlier delivery of the same work): then ``MINE`` and the record is left as it is."""
+        if await self.create(key, value):
+            return Claim.WON
+        for _ in range(CLAIM_ROUNDS):
+            try:
+                e = await self.raw.get(key)
+            except KeyNotFoundError:  # deleted meanwhile
+                if await self.create(key, value):
+                    return Claim.WON
+                continue
+            cur = self._decode(key, e.value or b"")
+            if cur is not None:
+                return Claim.MINE if mine is not None and mine(cur) else Claim.LOST
+            # Undecodable: treated as absent, replaced on its revision (a racing claimer makes this fail).
+            if await self.update(key, value, last=e.revision or 0):
+                return Claim.WON
+        return Claim.LOST
+
+
+async def open_kv(js: JetStreamContext, bucket: str, type_: Any, **ensure: Any) -> KV[Any]:
+    return await KV.open(js, bucket, type_, **ensure)
+
+
+__all__ = ["Claim", "KV", "Versioned", "kv_keys", "open_kv"]

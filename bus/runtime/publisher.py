@@ -1,0 +1,231 @@
+"""Pipelined acknowledged JetStream publishes, with the stream's answer decoded into a ``PubAck``.
+
+``js.publish`` makes a request per write (a timer and an inbox token from ``os.urandom``), and
+``js.publish_async`` never resolves its future when the stream answers with an error
+(nats-io/nats.py#985: ``APIError.from_error`` raises inside the reply handler, the future is left
+pending forever). Here every write gets a future resolved from one shared reply subscription per
+connection: with the decoded ``PubAck``, a ``StoreError``, or a timeout (swept once a second).
+At most ``max_inflight`` writes wait for their answer; the next ``publish`` waits for a free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+DEFAULT_MAX_INFLIGHT = 8192
+ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
+
+
+class PubAck(msgspec.Struct):
+    """What the stream answers for a stored message (``duplicate``: de-duplicated by ``Nats-Msg-Id``)."""
+
+    stream: str
+    seq: int
+    duplicate: bool = False
+    domain: str = ""
+
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _Answer(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    domain: str = ""
+    error: _ApiError | None = None
+
+
+_answer = msgspec.json.Decoder(_Answer)
+
+
+class StoreError(Exception):
+    """The stream refused the write, or no stream took it (``status`` 503: no responders)."""
+
+    def __init__(self, description: str, *, status: int = 0, err_code: int = 0) -> None:
+        super().__init__(description)
+        self.description = description
+        self.status = status
+        self.err_code = err_code
+
+
+def decode_puback(data: bytes) -> PubAck:
+    """The stream's JSON answer as a ``PubAck``; an error answer raises ``StoreError``."""
+    try:
+        a = _answer.decode(data)
+    except msgspec.DecodeError as exc:
+        raise StoreError(f"undecodable JetStream answer: {data[:200]!r} ({exc})") from None
+    if a.error is not None:
+        raise StoreError(a.error.description or "stream error", status=a.error.code, err_code=a.error.err_code)
+    return PubAck(stream=a.stream, seq=a.seq, duplicate=a.duplicate, domain=a.domain)
+
+
+class _Sink:
+    """Takes every message of a subscription made with ``future=``: no task per subscription.
+
+    nats-py runs one task (and an asyncio.Queue) per callback subscription (nats-io/nats.py#58); a
+    subscription made with ``future=`` gets each message handed over synchronously (``set_result``),
+    which this object turns into a plain call. Thousands of subscriptions (one per sandbox) then cost
+    no tasks at all. The callback must not block: it schedules its work.
+    """
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Msg], None]) -> None:
+        self.fn = fn
+
+    def cancelled(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return False
+
+    def set_result(self, msg: Msg) -> None:
+        self.fn(msg)
+
+
+async def subscribe_sync(nc: NATS, subject: str, fn: Callable[[Msg], None], *, queue: str = "") -> Subscription:
+    """Subscribe ``fn`` (a plain function, called in the reading task: schedule, don't block) to ``subject``."""
+    return await nc.subscribe(subject, queue=queue, future=_Sink(fn))  # type: ignore[arg-type]
+
+
+class Publisher:
+    """Acked writes to JetStream on one connection, pipelined; one per connection (``publisher_for``)."""
+
+    def __init__(self, nc: NATS, *, timeout_s: float = 30.0, max_inflight: int = DEFAULT_MAX_INFLIGHT) -> None:
+        self.nc = nc
+        self.timeout_s = timeout_s
+        self.max_inflight = max(1, max_inflight)
+        self.prefix = ""
+        self._n = itertools.count()
+        self._futs: dict[str, tuple[asyncio.Future[PubAck], float]] = {}
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._sub: Subscription | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @property
+    def inflight(self) -> int:
+        return len(self._futs)
+
+    async def start(self) -> "Publisher":
+        if self._sub is None:
+            self.prefix = self.nc.new_inbox() + "."
+            self._sub = await subscribe_sync(self.nc, self.prefix + "*", self._on_reply)
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        return self
+
+    def _on_reply(self, msg: Msg) -> None:
+        entry = self._futs.pop(msg.subject[len(self.prefix):], None)
+        if entry is None:
+            return
+        self._free_slot()
+        fut = entry[0]
+        if fut.done():
+            return
+        if not msg.data:  # a status without a body: 503 no responders (no stream on that subject)
+            status = msg.headers.get("Status", "") if msg.headers else ""
+            fut.set_exception(StoreError(f"no stream answered (status {status or '?'})", status=int(status) if status.isdigit() else 0))
+            return
+        try:
+            fut.set_result(decode_puback(msg.data))
+        except StoreError as exc:
+            fut.set_exception(exc)
+
+    def _free_slot(self) -> None:
+        while self._slot_waiters:
+            w = self._slot_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> "asyncio.Future[PubAck]":
+        """Send one write; the returned future holds its ``PubAck`` (or ``StoreError`` / ``TimeoutError``)."""
+        if self._sub is None:
+            await self.start()
+        while len(self._futs) >= self.max_inflight:
+            w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._slot_waiters.append(w)
+            await w
+        token = str(next(self._n))
+        fut: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
+        self._futs[token] = (fut, time.monotonic() + self.timeout_s)
+        try:
+            await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+        except BaseException:
+            self._futs.pop(token, None)
+            self._free_slot()
+            raise
+        return fut
+
+    async def store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> PubAck:
+        """One acked write, awaited."""
+        return await (await self.publish(subject, data, headers))
+
+    async def _sweep(self) -> None:
+        while not self.nc.is_closed:  # a connection closed without release_publisher() ends it too
+            await asyncio.sleep(1.0)  # timeout sweep period
+            now = time.monotonic()
+            late = [t for t, (f, dl) in self._futs.items() if dl < now or f.done()]
+            for t in late:
+                f, _ = self._futs.pop(t)
+                self._free_slot()
+                if not f.done():
+                    f.set_exception(asyncio.TimeoutError(f"no answer from JetStream within {self.timeout_s}s"))
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for f, _ in self._futs.values():
+            if not f.done():
+                f.cancel()
+        self._futs.clear()
+        while self._slot_waiters:
+            w = self._slot_waiters.popleft()
+            if not w.done():
+                w.cancel()
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - connection closing
+                pass
+            self._sub = None
+
+
+_shared: dict[int, Publisher] = {}
+
+
+async def publisher_for(nc: NATS) -> Publisher:
+    """The connection's one publisher (many simulated hosts share a connection, and so its publisher)."""
+    p = _shared.get(id(nc))
+    if p is None or p.nc is not nc:
+        p = _shared[id(nc)] = Publisher(nc)
+    return await p.start()
+
+
+async def release_publisher(nc: NATS) -> None:
+    """Stop and forget the publisher of a connection that is being closed."""
+    p = _shared.pop(id(nc), None)
+    if p is not None:
+        await p.stop()
+
+
+def nc_of(js: Any) -> NATS:
+    """The connection under a JetStream context (nats-py keeps it private)."""
+    return js._nc
+
+
+__all__ = ["PubAck", "Publisher", "StoreError", "decode_puback", "nc_of", "publisher_for", "release_publisher", "subscribe_sync", "ERR_WRONG_LAST_SEQUENCE"]
