@@ -432,6 +432,7 @@ class PauseRequest(Struct, kw_only=True, tag=True):
 
     persist: bool = False
     snapshot_id: str = ""
+    memory: bool = False  # with persist: the processes too (CRIU), so a resume carries on where they were
 
 
 class ResumeRequest(Struct, kw_only=True, tag=True):

@@ -608,9 +608,12 @@ class HostAgent(Service):
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
                 layers = await self._layers(spec.template)
+            memory = None
             if spec.snapshot:
-                layers = await self.snapshots.restore_layers(spec, layers)
-            if self.profiles is not None:
+                layers, memory = await self.snapshots.restore_plan(spec, layers)
+            if memory is not None:
+                handle = await self.backend.create(spec, layers, security=self.profiles.enforcement(spec.profile) if self.profiles else None, memory=memory)  # type: ignore[call-arg]
+            elif self.profiles is not None:
                 handle = await self.backend.create(spec, layers, security=self.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
             else:
                 handle = await self.backend.create(spec, layers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -96,8 +97,9 @@ class Snapshots:
         return codec.SNAPSHOT.decode(entry.value)
 
     # --- restore -----------------------------------------------------------------------------------
-    async def restore_layers(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> list[LayerRef]:
-        """The layers of a create from ``spec.snapshot``: the template's, then the snapshot's chain."""
+    async def restore_plan(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> tuple[list[LayerRef], LayerRef | None]:
+        """A create from ``spec.snapshot``: the template's layers, then the snapshot's chain; and the
+        layer of its CRIU dump when it has memory (the processes are restored from it)."""
         rec = await self.get(spec.snapshot)
         if rec.template != spec.template:
             raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
@@ -106,7 +108,7 @@ class Snapshots:
         # the layer comes through the lazy loader, fetched as it is read.
         mine = os.path.join(os.path.realpath(self.agent.data_dir), "")
         own = [lay if lay.path and os.path.realpath(lay.path).startswith(mine) else msgspec.structs.replace(lay, path="") for lay in rec.layers]
-        return [*template_layers, *own]
+        return [*template_layers, *own], rec.memory_layer
 
     async def restored(self, ls: "LocalSandbox") -> None:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
@@ -127,7 +129,7 @@ class Snapshots:
         if len(req.fork_ids) > MAX_FORK_COUNT:
             raise InvalidArgument(f"fork count {len(req.fork_ids)} is over the maximum of {MAX_FORK_COUNT}")
         if req.memory:
-            raise SnapshotUnsupported("memory snapshots (CRIU) are not available on this host")
+            self._memory_supported(ls)
         lock = self._locks.setdefault(ls.spec.sandbox_id, asyncio.Lock())
         async with lock:  # one at a time per sandbox: each diffs against the one before
             rec = await self._take(ls, handle, req)
@@ -135,6 +137,21 @@ class Snapshots:
             await self._event(rec.snapshot_id, "forked", sandbox_id=ls.spec.sandbox_id, parent_id=rec.parent_id, metadata=rec.metadata,
                               detail={"count": str(len(req.fork_ids)), "sandboxes": ",".join(req.fork_ids)[:4000]})
         return rec
+
+    def _memory_supported(self, ls: "LocalSandbox") -> None:
+        """Raise ``snapshot_unsupported`` for what CRIU cannot checkpoint and restore faithfully here."""
+        if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
+            raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
+        prof = self.agent.profiles.get(ls.spec.profile or "default") if self.agent.profiles is not None else None
+        if prof is not None and prof.fs.landlock:
+            # CRIU knows nothing of Landlock: a restored process would run unconfined, and its parasite
+            # cannot even reach CRIU from inside a domain that scopes abstract unix sockets (EPERM).
+            raise SnapshotUnsupported(
+                f"profile {prof.name!r} confines the sandbox with Landlock, which CRIU cannot checkpoint or restore: "
+                "memory snapshots need a profile with fs.landlock = false", profile=prof.name,
+            )
+        if ls.spec.network is not None and ls.spec.network.allow_out:
+            raise SnapshotUnsupported("memory snapshots of a sandbox with network egress (a host-made veth) are not supported")
 
     async def _take(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
         agent = self.agent
@@ -169,16 +186,18 @@ class Snapshots:
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
+            memory = await self._dump_memory(handle, snap_id) if req.memory else None  # still frozen: files and memory of one moment
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:
                 await snap.thaw(cgroup)
         frozen_ms = (time.perf_counter() - t_frozen) * 1000
         layers = [*chain, packed.ref] if packed is not None else list(chain)
+        added = (packed.uploaded_bytes if packed else 0) + (memory.uploaded_bytes if memory else 0)
         rec = SnapshotRecord(
             snapshot_id=snap_id, sandbox_id=sid, template=ls.spec.template, created_at=time.time(), parent_id=parent_id,
-            name=req.name, host_id=agent.host_id, layers=layers, bytes_added=packed.uploaded_bytes if packed else 0,
-            memory=False, metadata=dict(req.metadata), spec=ls.spec,
+            name=req.name, host_id=agent.host_id, layers=layers, bytes_added=added,
+            memory=memory is not None, memory_layer=memory.ref if memory else None, metadata=dict(req.metadata), spec=ls.spec,
         )
         try:
             await (await self.kv()).create(snap_id, codec.encode(rec))
@@ -195,11 +214,23 @@ class Snapshots:
         log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))
         return rec
 
-    async def _pack(self, stage: str) -> PackedLayer:
+    async def _dump_memory(self, handle: "Handle", snap_id: str) -> PackedLayer:
+        """CRIU's dump of the (frozen) sandbox, packed as a layer like the files."""
+        root = os.path.join(self.agent.data_dir, "criu", snap_id)
+        img, work = os.path.join(root, "img"), os.path.join(root, "work")
+        try:
+            os.makedirs(img)
+            os.makedirs(work)
+            await self.agent.backend.checkpoint(handle, img, work)  # type: ignore[attr-defined]
+            return await self._pack(img, role="memory")
+        finally:
+            await asyncio.to_thread(shutil.rmtree, root, True)
+
+    async def _pack(self, stage: str, role: str = "snapshot") -> PackedLayer:
         nc = self.agent.nc
         assert nc is not None
         try:
-            msg = await nc.request(S.host_pack(self.agent.host_id), codec.encode(PackDirectory(path=stage)), timeout=PACK_TIMEOUT_S)
+            msg = await nc.request(S.host_pack(self.agent.host_id), codec.encode(PackDirectory(path=stage, role=role)), timeout=PACK_TIMEOUT_S)
         except nats.errors.NoRespondersError:
             raise Unavailable(f"no lazy loader answers on host {self.agent.host_id}: snapshots need it to pack layers") from None
         except nats.errors.TimeoutError:
@@ -217,7 +248,9 @@ class Snapshots:
                 was = ls.state
                 ls.state = "running"  # a frozen pause may persist too: _take keeps it frozen throughout
                 try:
-                    rec = await self._take(ls, handle, SnapshotRequest(snapshot_id=req.snapshot_id, name="pause", metadata={"pause": "persist"}))
+                    if req.memory:
+                        self._memory_supported(ls)
+                    rec = await self._take(ls, handle, SnapshotRequest(snapshot_id=req.snapshot_id, name="pause", memory=req.memory, metadata={"pause": "persist"}))
                 except BaseException:
                     ls.state = was
                     raise

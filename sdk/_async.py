@@ -635,9 +635,10 @@ class AsyncSandbox:
         ``snapshot_metadata=`` goes on the snapshot; the rest are create arguments."""
         return await _snap.fork(self, count, create_kwargs)
 
-    async def pause(self, persist: bool = False) -> _snap.SnapshotInfo | None:
-        """Freeze the sandbox in place; with ``persist`` snapshot it and free the host (returns the snapshot)."""
-        return await _snap.pause(self, persist)
+    async def pause(self, persist: bool = False, *, memory: bool = False) -> _snap.SnapshotInfo | None:
+        """Freeze the sandbox in place; with ``persist`` snapshot it (``memory``: its processes too) and
+        free the host (returns the snapshot)."""
+        return await _snap.pause(self, persist, memory)
 
     async def resume(self) -> "AsyncSandbox":
         await _snap.resume(self)

@@ -119,8 +119,11 @@ async def fork(sb: "AsyncSandbox", count: int, kwargs: dict[str, Any]) -> list["
     return await type(sb).create_batch(count, snapshot=info.snapshot_id, sandbox_ids=ids, **kwargs)
 
 
-async def pause(sb: "AsyncSandbox", persist: bool) -> SnapshotInfo | None:
-    res = await sb._request("pause", PauseRequest(persist=bool(persist), snapshot_id=f"snap-{uuid.uuid4().hex[:20]}" if persist else ""),
+async def pause(sb: "AsyncSandbox", persist: bool, memory: bool = False) -> SnapshotInfo | None:
+    if memory and not persist:
+        raise InvalidArgument("memory=True goes with persist=True (a frozen pause keeps the processes as they are)")
+    req = PauseRequest(persist=bool(persist), memory=bool(memory), snapshot_id=f"snap-{uuid.uuid4().hex[:20]}" if persist else "")
+    res = await sb._request("pause", req,
                             SnapshotRecord | Done, timeout=SNAPSHOT_TIMEOUT_S)
     return info_of(res) if isinstance(res, SnapshotRecord) else None
 

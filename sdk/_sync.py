@@ -100,8 +100,8 @@ class Sandbox:
     def fork(self, count: int, **create_kwargs: Any) -> list["Sandbox"]:
         return [Sandbox(a) for a in _run(self._a.fork(count, **create_kwargs))]
 
-    def pause(self, persist: bool = False) -> SnapshotInfo | None:
-        return _run(self._a.pause(persist))
+    def pause(self, persist: bool = False, *, memory: bool = False) -> SnapshotInfo | None:
+        return _run(self._a.pause(persist, memory=memory))
 
     def resume(self) -> "Sandbox":
         _run(self._a.resume())
