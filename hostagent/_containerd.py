@@ -564,6 +564,8 @@ class ContainerRuntime:
             return int(resp.pid)
         except BaseException:
             # Don't leave a half-made sandbox behind (shielded: also on cancellation).
+            if restore_from:
+                await asyncio.shield(self._delete_unstarted(sandbox_id))
             await asyncio.shield(self._cleanup_quietly(sandbox_id))
             raise
 
@@ -573,6 +575,19 @@ class ContainerRuntime:
         _, tasks = self._stubs()
         opts = _checkpoint_options(image_path, work_path, exit=exit, open_tcp=True, unix_sockets=True, file_locks=True)
         await self._call(tasks.Checkpoint, tasks_pb2.CheckpointTaskRequest(container_id=sandbox_id, options=opts), f"checkpoint task {sandbox_id}")
+
+    async def _delete_unstarted(self, sandbox_id: str) -> None:
+        """A task whose CRIU restore failed never ran: there is no exit to wait for (``delete`` would
+        wait out its timeout); delete task and container outright."""
+        containers, tasks = self._stubs()
+        for call, req, what in (
+            (tasks.Delete, tasks_pb2.DeleteTaskRequest(container_id=sandbox_id), "delete task"),
+            (containers.Delete, containers_pb2.DeleteContainerRequest(id=sandbox_id), "delete container"),
+        ):
+            try:
+                await self._call(call, req, f"{what} {sandbox_id}")
+            except ContainerdError:
+                pass
 
     async def _cleanup_quietly(self, sandbox_id: str) -> None:
         try:

@@ -491,3 +491,18 @@ async def test_memory_snapshot_refused_under_landlock(stack: Stack, lazy: LazyDa
         assert ei.value.code == "snapshot_unsupported" and "Landlock" in ei.value.description
         assert (await sb.commands.run("echo still")).stdout == "still\n"
         assert await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id) == []
+
+
+async def test_memory_restore_criu_cannot_do_fails_typed_and_leaves_nothing(stack: Stack, lazy: LazyDaemon, nolandlock: str) -> None:
+    """A background job whose process-group leader is gone (``sh -c 'job &'``): CRIU 4.1.1 dumps it but
+    cannot restore it next to the agent's socket. The restore fails with a typed error naming CRIU's
+    reason, leaves nothing on the host, and the source runs on."""
+    async with stack.sandbox(profile=nolandlock) as sb:
+        await sb.commands.run("(while true; do echo x > /tmp/beat; sleep 0.05; done) >/dev/null 2>&1 &")
+        s = await sb.create_snapshot(memory=True)
+        sid = stack.new_id("rf")
+        with pytest.raises(DsecError) as ei:
+            await AsyncSandbox.create(snapshot=s.snapshot_id, **stack.kw(sandbox_id=sid, profile=nolandlock, create_timeout=60))
+        assert ei.value.code == "create_failed" and "CRIU could not restore" in ei.value.description, ei.value
+        await stack.assert_gone(sid)
+        assert (await sb.commands.run("echo alive")).stdout == "alive\n"
