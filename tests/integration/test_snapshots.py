@@ -506,3 +506,123 @@ async def test_memory_restore_criu_cannot_do_fails_typed_and_leaves_nothing(stac
         assert ei.value.code == "create_failed" and "CRIU could not restore" in ei.value.description, ei.value
         await stack.assert_gone(sid)
         assert (await sb.commands.run("echo alive")).stdout == "alive\n"
+
+
+PY_ROOT_CACHE = "/var/tmp/dsec-snap-py"  # the debootstrap rootfs is built once and kept (about a minute)
+
+PY_SERVER = r"""
+import http.server, os, threading, time
+state = {"n": 0, "secret": os.urandom(8).hex()}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = f"{state['secret']} {state['n']}".encode()
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 8000), H)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+open("/tmp/secret", "w").write(state["secret"])
+while True:
+    state["n"] += 1
+    time.sleep(0.02)
+"""
+ASK = "python3 -c \"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000').read().decode())\""
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def python_tmpl(stack: Stack) -> AsyncIterator[str]:
+    from imaged._debootstrap import python_rootfs
+
+    root = await python_rootfs(PY_ROOT_CACHE)
+    name = f"snappy-{stack.uid}"
+    kv = await ensure_kv(stack.js, S.KV_IMAGES)
+    await kv.put(name, codec.encode(TemplateManifest(name=name, created_at=time.time(), layers=[
+        LayerRef(role="base", digest="sha256:" + "3" * 64, kind="dir", path=str(root))])))
+    try:
+        yield name
+    finally:
+        await kv.delete(name)
+
+
+async def _ask(sb: AsyncSandbox) -> tuple[str, int]:
+    secret, n = (await sb.commands.run(ASK)).stdout.split()
+    return secret, int(n)
+
+
+async def test_python_process_and_its_server_come_back_in_every_fork(stack: Stack, lazy: LazyDaemon, nolandlock: str, python_tmpl: str) -> None:
+    """A Python process holds a random secret and a counter in memory and serves them on a port; after a
+    memory snapshot every fork answers on that port with the same secret (memory, not a re-run) and a
+    counter that went on from where it was."""
+    async with stack.sandbox(template=python_tmpl, profile=nolandlock, memory_mb=256) as sb:
+        await sb.files.write("/tmp/srv.py", PY_SERVER)
+        await sb.commands.run("setsid python3 /tmp/srv.py >/dev/null 2>&1 &")
+        await eventually(lambda: sb.files.exists("/tmp/secret"), timeout=30, what="the server to start")
+        secret, before = await _ask(sb)
+        s = await sb.create_snapshot(memory=True)
+        forks = await sb.fork(2, **stack.kw(profile=nolandlock, memory_mb=256), memory=True)
+        async with many(stack, forks):
+            for f in forks:
+                got, n = await _ask(f)
+                assert got == secret and n > 0
+                await asyncio.sleep(0.3)
+                assert (await _ask(f))[1] > n  # still counting
+                assert n >= before  # the count went on from the snapshot's, not from zero
+        assert (await _ask(sb))[0] == secret
+        assert s.memory
+
+
+async def _cli(stack: Stack, *args: str) -> tuple[int, str, str]:
+    import sys
+
+    from .conftest import REPO, subprocess_env
+
+    p = await asyncio.create_subprocess_exec(sys.executable, "-m", "sdk.cli", "--nats-url", stack.url, "snapshot", *args, cwd=str(REPO),
+                                             env=subprocess_env(stack.url), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await p.communicate()
+    return p.returncode or 0, out.decode(), err.decode()
+
+
+async def test_cli_ls_info_rm_keeps_parents_and_collects_chunks(stack: Stack, lazy: LazyDaemon) -> None:
+    import json
+
+    from imaged._service import ImagedService
+    from imaged._store import chunk_key, open_blob_store
+
+    svc = ImagedService(stack.url, data_dir=stack.data_dir / "imaged", ensure_base=False)
+    await svc.start()
+    store = open_blob_store(stack.js)
+    try:
+        async with stack.sandbox() as sb:
+            await sb.commands.run("mkdir -p /root/d && head -c 300000 /dev/urandom > /root/d/a")
+            s1 = await sb.create_snapshot("one")
+            await sb.commands.run("head -c 300000 /dev/urandom > /root/d/b")
+            s2 = await sb.create_snapshot("two")
+        rec1, rec2 = await get_snapshot_record(stack, s1.snapshot_id), await get_snapshot_record(stack, s2.snapshot_id)
+        own1 = set(rec1.layers[-1].chunks)
+        own2 = set(rec2.layers[-1].chunks) - own1
+        assert own2 and all([await store.exists(chunk_key(c)) for c in own1 | own2])
+
+        rc, out, _ = await _cli(stack, "ls", "--sandbox", sb.sandbox_id, "--json")
+        assert rc == 0 and {i["snapshot_id"] for i in json.loads(out)} == {s1.snapshot_id, s2.snapshot_id}
+        rc, out, _ = await _cli(stack, "info", s2.snapshot_id, "--json")
+        assert rc == 0 and json.loads(out)["parent_id"] == s1.snapshot_id and json.loads(out)["name"] == "two"
+        rc, _, err = await _cli(stack, "rm", s1.snapshot_id)
+        assert rc == 1 and "snapshot_in_use" in err  # s2 builds on it
+        rc, _, err = await _cli(stack, "info", "snap-nope")
+        assert rc == 1 and "unknown_snapshot" in err
+
+        rc, out, err = await _cli(stack, "rm", s2.snapshot_id)
+        assert rc == 0, err
+        assert not any([await store.exists(chunk_key(c)) for c in own2])  # only s2 had them
+        assert all([await store.exists(chunk_key(c)) for c in own1])  # s1 still needs its own
+        rc, out, err = await _cli(stack, "rm", s1.snapshot_id)
+        assert rc == 0, err
+        assert not any([await store.exists(chunk_key(c)) for c in own1])
+        rc, out, _ = await _cli(stack, "ls", "--sandbox", sb.sandbox_id, "--json")
+        assert rc == 0 and json.loads(out) == []
+        removed = [e.kind for e in await snapshot_events(stack, s2.snapshot_id)]
+        assert "removed" in removed
+    finally:
+        await svc.shutdown()
