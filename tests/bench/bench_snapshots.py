@@ -160,7 +160,7 @@ async def main() -> int:
     lazy = LazyDaemon(data_dir=st.dir, mount=st.dir / "lazy", nats_url=st.url, host_id="bench")
     lazy.start()
     try:
-        roots = sorted(Path(args.python_root).glob("debian-*")) if Path(args.python_root).is_dir() else []
+        roots = sorted(p for p in Path(args.python_root).glob("debian-*") if p.is_dir()) if Path(args.python_root).is_dir() else []
         if "sizes" not in skip:
             await snapshot_sizes(st, [1, 100, *([1024] if args.big else [])])
         if "fork" not in skip:
