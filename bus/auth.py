@@ -21,7 +21,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from . import subjects as S
 from .sign import new_control_key, parse_key
@@ -62,11 +62,18 @@ _CLIENT_PUBLISH = [
     f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_client_js_api(),
 ]
 
+OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
+
 ROLE_PERMISSIONS: dict[str, dict] = {
     # Services are trusted processes of the control plane.
     "placement": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "$KV.>", "dsec.>"]}},
-    "hostagent": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
-    "imaged": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]}, "allow_responses": True},
+    "hostagent": {
+        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True,
+    },
+    "imaged": {
+        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
+        "allow_responses": True,
+    },
     "guard": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
     # What the SDK and the CLI get without credentials (connected through bus.runtime.connect, which
@@ -173,6 +180,113 @@ class AuthConfig:
     def url_for(self, role: str, base_url: str) -> str:
         """``base_url`` with the credentials of a service role, a named client or a sandbox user."""
         pw = self.passwords.get(role) or self.client_users.get(role) or self.sandbox_users[role]
-        parts = urlsplit(base_url)
-        netloc = f"{quote(role, safe='')}:{quote(pw, safe='')}@{parts.hostname}:{parts.port}"
-        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return with_credentials(base_url, role, pw)
+
+
+# --- the client context ------------------------------------------------------------------------
+# `dsec up` writes the operator's URL and credential to <data-dir>/client.json (0600) and a pointer
+# to it at a well-known place, so that `dsec ...` and the SDK on the same machine reach the stack
+# as the operator without flags. DSEC_NATS_URL overrides the whole context, DSEC_NATS_CREDS its
+# credential; DSEC_CONTEXT names another pointer (or context) file.
+CONTEXT_ENV = "DSEC_CONTEXT"
+CLIENT_CONTEXT_FILE = "client.json"
+
+
+@dataclass(frozen=True)
+class ClientContext:
+    nats_url: str  # without credentials
+    user: str = ""
+    password: str = ""
+    data_dir: str = ""
+    path: str = ""  # the file it was read from
+
+    @property
+    def url(self) -> str:
+        """The URL with the credential in it, unless DSEC_NATS_CREDS supplies one."""
+        if not self.user or os.environ.get("DSEC_NATS_CREDS"):
+            return self.nats_url
+        return with_credentials(self.nats_url, self.user, self.password)
+
+
+def default_context_path() -> Path:
+    if os.environ.get(CONTEXT_ENV):
+        return Path(os.environ[CONTEXT_ENV])
+    # /run is root's and gone at reboot, with the stack it points to.
+    return Path("/run/dsec/context.json") if os.geteuid() == 0 else Path.home() / ".config" / "dsec" / "context.json"
+
+
+def _write_private(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def write_client_context(data_dir: str | os.PathLike[str], nats_url: str, user: str, password: str, pointer: Path | None = None) -> Path:
+    """Write ``<data_dir>/client.json`` and point ``pointer`` (default: :func:`default_context_path`) at it."""
+    ctx = Path(data_dir) / CLIENT_CONTEXT_FILE
+    _write_private(ctx, {"nats_url": nats_url, "user": user, "password": password, "data_dir": str(data_dir)})
+    _write_private(pointer or default_context_path(), {"context": str(ctx)})
+    return ctx
+
+
+def remove_client_context(data_dir: str | os.PathLike[str], pointer: Path | None = None) -> None:
+    """Remove the pointer if it still names this data dir's context (another stack may have taken it)."""
+    p = pointer or default_context_path()
+    try:
+        if json.loads(p.read_text()).get("context") == str(Path(data_dir) / CLIENT_CONTEXT_FILE):
+            p.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+_ctx_cache: dict[tuple[str, int, int], ClientContext | None] = {}
+
+
+def load_client_context(path: Path | None = None) -> ClientContext | None:
+    """The context a pointer (or context) file names; None when there is none this user may read."""
+    p = path or default_context_path()
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    key = (str(p), st.st_mtime_ns, st.st_size)
+    if key not in _ctx_cache:  # nats_url() asks on every connect: read the file only when it changed
+        _ctx_cache.clear()
+        _ctx_cache[key] = _read_context(p)
+    return _ctx_cache[key]
+
+
+def _read_context(p: Path, follow: bool = True) -> ClientContext | None:
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    if follow and isinstance(d.get("context"), str):
+        return _read_context(Path(d["context"]), follow=False)
+    if not isinstance(d.get("nats_url"), str):
+        return None
+    return ClientContext(d["nats_url"], str(d.get("user", "")), str(d.get("password", "")), str(d.get("data_dir", "")), str(p))
+
+
+def with_credentials(url: str, user: str, password: str) -> str:
+    parts = urlsplit(url)
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def redact_url(url: str) -> str:
+    """``url`` (or a comma-separated list) with any password replaced: for printing."""
+    out = []
+    for u in url.split(","):
+        parts = urlsplit(u)
+        if parts.password is None:
+            out.append(u)
+            continue
+        netloc = f"{quote(unquote(parts.username or ''), safe='')}:***@{parts.hostname}:{parts.port}"
+        out.append(urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)))
+    return ",".join(out)

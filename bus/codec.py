@@ -8,6 +8,7 @@ import msgspec
 
 from .errors import BadRequest, ErrorReply, from_reply
 from .messages import (
+    DirMade,
     Done,
     EventMessage,
     ExecChunk,
@@ -15,6 +16,7 @@ from .messages import (
     ExecResult,
     Exists,
     FileData,
+    FileInfo,
     FileListing,
     FileOp,
     FileWritten,
@@ -29,10 +31,16 @@ from .messages import (
     InfoRequest,
     KillRequest,
     Lease,
+    MetricsRequest,
+    ProcessList,
+    ProcessStarted,
+    ProcOp,
     ReqMessage,
     SandboxInfo,
+    SandboxMetrics,
     SandboxRecord,
     SetTimeout,
+    StreamAck,
     TemplateManifest,
     PackDirectory,
     PackedLayer,
@@ -41,6 +49,8 @@ from .messages import (
     ResumeRequest,
     SnapshotRecord,
     SnapshotRequest,
+    FsEvent,
+    WatchStarted,
 )
 
 T = TypeVar("T")
@@ -87,7 +97,12 @@ SBX_RESUME = Decoder(ResumeRequest)  # dsec.sbx.<id>.resume
 SNAPSHOT = Decoder(SnapshotRecord)  # KV dsec_snapshots
 PACK_REQ = Decoder(PackDirectory)  # dsec.imaged.<host>.pack
 SNAP_REMOVE_REQ = Decoder(RemoveSnapshot)  # dsec.img.snap.rm
+SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
+SBX_METRICS = Decoder(MetricsRequest)  # dsec.sbx.<id>.metrics
+SBX_ACK = Decoder(StreamAck)  # dsec.sbx.<id>.ack (no reply)
 EXEC_CHUNK = Decoder(ExecChunk)
+EXEC_STREAM = Decoder(ExecChunk | ExecResult)  # what a client's stream_to inbox receives
+FS_EVENT = Decoder(FsEvent)  # what a FileWatch's stream_to inbox receives
 HOST_IMG_STATS_REQ = Decoder(HostImageStatsRequest)  # dsec.img.host.<id>.stats
 HOST_IMG_STATS = Decoder(HostImageStats)
 IMG_LIST_REQ = Decoder(ListImages)  # dsec.img.list
@@ -104,6 +119,9 @@ SBX_REQUEST_DECODERS = {
     "snapshot": SBX_SNAPSHOT,
     "pause": SBX_PAUSE,
     "resume": SBX_RESUME,
+    "proc": SBX_PROC,
+    "metrics": SBX_METRICS,
+    "ack": SBX_ACK,
 }
 
 _reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
@@ -124,14 +142,16 @@ def decode_reply(buf: bytes, result_type: type[T] | Any) -> T:
 
 
 REPLY_TYPES = {
-    "exec": ExecResult,
-    "files": FileData | FileListing | FileWritten | Exists | Done,
+    "exec": ExecResult | ProcessStarted,
+    "files": FileData | FileListing | FileWritten | Exists | Done | DirMade | FileInfo | WatchStarted,
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
     "snapshot": SnapshotRecord,
     "pause": SnapshotRecord | Done,
     "resume": Done,
+    "proc": ProcessList | ProcessStarted | Done,
+    "metrics": SandboxMetrics,
 }
 
 __all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [

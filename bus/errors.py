@@ -122,10 +122,28 @@ class InternalError(DsecError):
     code = "internal"
 
 
+class ProcessNotFound(DsecError):
+    """No such (background) process in the sandbox: never started, or already ended."""
+
+    code = "process_not_found"
+
+
+class UnknownUser(DsecError):
+    """The user a command should run as is not in the sandbox's /etc/passwd."""
+
+    code = "unknown_user"
+
+
 class ReplyTooLarge(DsecError):
     """The answer would not fit the NATS server's payload limit (``max_payload``)."""
 
     code = "reply_too_large"
+
+
+class OutputLost(DsecError):
+    """Streamed output (or watch events) arrived with a gap: some messages were lost on the way."""
+
+    code = "output_lost"
 
 
 _BY_CODE: dict[str, type[DsecError]] = {
@@ -150,7 +168,10 @@ _BY_CODE: dict[str, type[DsecError]] = {
         SnapshotInUse,
         SandboxNotRunning,
         InternalError,
+        ProcessNotFound,
+        UnknownUser,
         ReplyTooLarge,
+        OutputLost,
     )
 }
 

@@ -308,27 +308,133 @@ class SecurityProfile(Struct, kw_only=True, tag=True):
 
 # --- live sandbox ops (core request/reply on dsec.sbx.<id>.<op>) ------------------------
 class ExecRequest(Struct, kw_only=True, tag=True):
+    """Run ``cmd`` with ``/bin/sh -c`` (request on ``dsec.sbx.<id>.exec``).
+
+    Output: when ``stream_to`` (a client inbox) is set, every byte goes there as ``ExecChunk``
+    messages numbered from 0 across both streams, before the reply. Flow control (``acks``): the
+    client answers each chunk marked ``ack`` with a ``StreamAck`` on ``dsec.sbx.<id>.ack``; the
+    host keeps a bounded window of unanswered ones (so a slow client slows the command instead of
+    NATS dropping output) and stops streaming to an inbox that does not answer (the client then
+    sees fewer chunks than ``ExecResult.chunks``). Without ``acks`` nothing is marked or waited
+    for: output may be lost on the way (the numbering shows where). The reply is an
+    ``ExecResult`` holding at most ``output_cap`` bytes of each stream (the head), cut further to
+    fit the server's payload limit, with the totals and ``*_truncated`` flags.
+
+    ``background``: the reply is ``ProcessStarted`` at once; output then streams to ``stream_to``
+    and the final ``ExecResult`` (no output bytes, only totals) is the stream's last message. The
+    process outlives the request; it is driven with ``Proc*`` requests on ``dsec.sbx.<id>.proc``.
+    """
+
     cmd: str
     envs: dict[str, str] = {}
     cwd: str = ""
-    timeout_s: float = 60.0
+    timeout_s: float = 60.0  # 0: no limit
     stream_to: str = ""  # when set, ExecChunk messages go here before the reply
     background: bool = False
+    user: str = ""  # run as this user of the sandbox's /etc/passwd (name or uid); "": the agent's (root)
+    stdin: bool = False  # give the process a stdin pipe (ProcInput writes to it); else /dev/null
+    tag: str = ""  # a client-chosen name of a background process (ProcSelector.tag)
+    output_cap: int = -1  # bytes of each stream kept in the ExecResult; -1: the host's default (8 MiB)
+    acks: bool = False  # the client answers chunks marked ack (flow control, see above)
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):
-    seq: int
+    seq: int  # 0, 1, 2, ... per stream_to inbox, both streams together: a gap means lost output
     stream: int  # 1 stdout, 2 stderr
     data: bytes
+    pid: int = 0
+    ack: bool = False  # answer with StreamAck(stream_id=<this inbox>, seq=seq)
+
+
+class StreamAck(Struct, kw_only=True, tag=True):
+    """A client's flow-control answer (published, no reply, on ``dsec.sbx.<id>.ack``) to an
+    ``ExecChunk`` or ``FsEvent`` marked ``ack``: everything up to ``seq`` arrived."""
+
+    stream_id: str  # the stream_to inbox
+    seq: int
 
 
 class ExecResult(Struct, kw_only=True, tag=True):
-    exit_code: int
+    exit_code: int  # 128+signal when killed by a signal
     stdout: bytes = b""
     stderr: bytes = b""
     timed_out: bool = False
-    chunks: int = 0  # how many ExecChunk were published before this reply
+    chunks: int = 0  # how many ExecChunk were published (to this inbox) before this message
     duration_ms: float = 0.0
+    stdout_bytes: int = 0  # everything the command wrote, kept or not
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False  # stdout holds only the first part of the output
+    stderr_truncated: bool = False
+    pid: int = 0  # in the sandbox's pid namespace
+    signal: int = 0  # the signal that ended the process (0: it exited)
+
+
+class ProcessStarted(Struct, kw_only=True, tag=True):
+    """Reply to a background ``ExecRequest`` and to ``ProcConnect``."""
+
+    pid: int
+    tag: str = ""
+
+
+# --- background processes (core request/reply on dsec.sbx.<id>.proc) --------------------------
+# A process is named by ``pid`` (in the sandbox) or, when pid is 0, by the ``tag`` it was started with.
+class ProcessInfo(Struct, kw_only=True):
+    """A running background process (a nested value)."""
+
+    pid: int
+    cmd: str
+    tag: str = ""
+    cwd: str = ""
+    user: str = ""
+    envs: dict[str, str] = {}
+    started_at: float = 0.0
+    stdin: bool = False
+
+
+class ProcList(Struct, kw_only=True, tag=True):
+    pass
+
+
+class ProcessList(Struct, kw_only=True, tag=True):
+    processes: list[ProcessInfo] = []
+
+
+class ProcSignal(Struct, kw_only=True, tag=True):
+    """Send ``signal`` to the process's group (-> ``Done``)."""
+
+    pid: int = 0
+    tag: str = ""
+    signal: int = 9
+
+
+class ProcInput(Struct, kw_only=True, tag=True):
+    """Write ``data`` to the process's stdin pipe; ``close`` closes it after (-> ``Done``)."""
+
+    pid: int = 0
+    tag: str = ""
+    data: bytes = b""
+    close: bool = False
+
+
+class ProcConnect(Struct, kw_only=True, tag=True):
+    """Stream the process's output from now on to ``stream_to`` (-> ``ProcessStarted``), like a
+    background ``ExecRequest`` does; a process that already ended sends just its ``ExecResult``."""
+
+    pid: int = 0
+    tag: str = ""
+    stream_to: str = ""
+    acks: bool = False  # as ExecRequest.acks
+
+
+class ProcDisconnect(Struct, kw_only=True, tag=True):
+    """Stop streaming to ``stream_to``; the process keeps running (-> ``Done``)."""
+
+    pid: int = 0
+    tag: str = ""
+    stream_to: str = ""
+
+
+ProcOp = ProcList | ProcSignal | ProcInput | ProcConnect | ProcDisconnect
 
 
 class FileWrite(Struct, kw_only=True, tag=True):
@@ -357,7 +463,41 @@ class FileExists(Struct, kw_only=True, tag=True):
     path: str
 
 
-FileOp = FileWrite | FileRead | FileList | FileRemove | FileExists
+class FileMakeDir(Struct, kw_only=True, tag=True):
+    """Create ``path`` and missing parents (-> ``DirMade``; created=False when it existed)."""
+
+    path: str
+    mode: int = 0o755
+
+
+class FileRename(Struct, kw_only=True, tag=True):
+    """Move ``path`` to ``new_path`` (-> ``FileInfo`` of the new path)."""
+
+    path: str
+    new_path: str
+
+
+class FileStat(Struct, kw_only=True, tag=True):
+    path: str
+    follow_symlinks: bool = True
+
+
+class FileWatch(Struct, kw_only=True, tag=True):
+    """Stream changes beneath directory ``path`` (inotify) to ``stream_to`` as ``FsEvent``
+    messages (-> ``WatchStarted``). Flow control as for exec output, always on: events marked
+    ``ack`` are answered with ``StreamAck``; the host sends a marked one (a keepalive when nothing
+    changes) at least every 10 s and ends a watch whose client stopped answering."""
+
+    path: str
+    stream_to: str
+    recursive: bool = False
+
+
+class FileUnwatch(Struct, kw_only=True, tag=True):
+    watch_id: str
+
+
+FileOp = FileWrite | FileRead | FileList | FileRemove | FileExists | FileMakeDir | FileRename | FileStat | FileWatch | FileUnwatch
 
 
 class EntryInfo(Struct, kw_only=True):
@@ -388,6 +528,31 @@ class FileWritten(Struct, kw_only=True, tag=True):
 
 class Exists(Struct, kw_only=True, tag=True):
     exists: bool
+
+
+class DirMade(Struct, kw_only=True, tag=True):
+    path: str
+    created: bool
+
+
+class FileInfo(Struct, kw_only=True, tag=True):
+    entry: EntryInfo
+
+
+class WatchStarted(Struct, kw_only=True, tag=True):
+    watch_id: str
+
+
+class FsEvent(Struct, kw_only=True, tag=True):
+    """One change seen by a ``FileWatch`` (on its stream_to inbox)."""
+
+    seq: int  # 0, 1, 2, ... per watch: a gap means lost events
+    watch_id: str
+    kind: str  # create, write, remove, rename, chmod; keepalive (no change, only the flow-control beat); end (the watch stopped)
+    name: str = ""  # path relative to the watched directory
+    path: str = ""  # absolute path in the sandbox
+    is_dir: bool = False
+    ack: bool = False  # answer with StreamAck(stream_id=<this inbox>, seq=seq)
 
 
 class KillRequest(Struct, kw_only=True, tag=True):
@@ -463,6 +628,23 @@ class Done(Struct, kw_only=True, tag=True):
     """A plain success reply."""
 
     detail: str = ""
+
+
+class MetricsRequest(Struct, kw_only=True, tag=True):
+    """Request on ``dsec.sbx.<id>.metrics``."""
+
+
+class SandboxMetrics(Struct, kw_only=True, tag=True):
+    """A sandbox's resource use, from its cgroups and scratch disk."""
+
+    at: float
+    cpu_count: float = 0.0  # cores it may use (its cpu limit)
+    cpu_used_pct: float = 0.0  # of cpu_count, since the previous metrics request (or over a short sample)
+    cpu_usage_s: float = 0.0  # CPU time used since it started
+    mem_used_bytes: int = 0
+    mem_total_bytes: int = 0  # its memory limit
+    disk_used_bytes: int = 0
+    disk_total_bytes: int = 0
 
 
 
@@ -552,6 +734,7 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostMessage",
     "EventMessage",
     "FileOp",
+    "ProcOp",
     "Priority",
     "Backend",
     "SandboxEventKind",

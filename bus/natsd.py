@@ -93,8 +93,7 @@ class NatsServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.data_dir / "nats-server.conf"
         conf.write_text(self.config_text())
-        log = open(self.log_file, "ab")
-        try:
+        with open(self.log_file, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 [nats_server_binary(), "-c", str(conf)],
                 stdout=log,
@@ -102,8 +101,6 @@ class NatsServer:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-        finally:
-            log.close()
         try:
             self.wait_ready(timeout)
         except BaseException:

@@ -101,7 +101,9 @@ class Capacity:
 
     __slots__ = ("cpu", "cpu_ls", "mem_mb", "disk_mb", "max_sandboxes")
 
-    def __init__(self, cpu_total: float, mem_total_mb: float, disk_total_mb: float, *, cpu_overcommit: float, mem_overcommit: float, max_sandboxes: int = 0) -> None:
+    def __init__(
+        self, cpu_total: float, mem_total_mb: float, disk_total_mb: float, *, cpu_overcommit: float, mem_overcommit: float, max_sandboxes: int = 0
+    ) -> None:
         self.cpu = cpu_total * (cpu_overcommit if cpu_overcommit > 0 else 1.0)
         self.cpu_ls = cpu_total  # latency-sensitive work is never overcommitted
         self.mem_mb = mem_total_mb * (mem_overcommit if mem_overcommit > 0 else 1.0)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine (as root):
 #   bash compose/dev.sh up     install what is missing, then run `dsec up` in the foreground
-#   bash compose/dev.sh test   install what is missing, then run the test suite
+#   bash compose/dev.sh test   install what is missing, lint (ruff), then run the test suite
+#   bash compose/dev.sh clean [DATA_DIR]   remove what a killed `dsec up` left (containers, containerd,
+#                              shims, mounts, network); only while no `dsec up` runs on DATA_DIR
 # Extra arguments go to `dsec up` or to pytest.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -54,13 +56,18 @@ case "$cmd" in
     ;;
   test)
     need_root; install_debs; install_python
+    "$venv/bin/ruff" check .  # lint first: CI runs exactly this command
     exec "$venv/bin/python" -m pytest tests "$@"
     ;;
   install)
     need_root; install_debs; install_python
     ;;
+  clean)
+    need_root; install_python
+    exec "$venv/bin/python" -m hostagent --cleanup --data-dir "${1:-/var/lib/dsec}"
+    ;;
   *)
-    echo "usage: bash compose/dev.sh up|test|install [args...]" >&2
+    echo "usage: bash compose/dev.sh up|test|install|clean [args...]" >&2
     exit 2
     ;;
 esac

@@ -488,7 +488,7 @@ class KernelAudit:
             raise OSError(err, os.strerror(err))
         names = ("mask", "enabled", "failure", "pid", "rate_limit", "backlog_limit", "lost", "backlog")
         vals = _STATUS.unpack_from(data.ljust(_STATUS.size, b"\0"))
-        return dict(zip(names, vals))
+        return dict(zip(names, vals, strict=False))  # newer kernels report more fields than we name
 
     @classmethod
     def _set(cls, mask: int, enabled: int = 0, backlog_limit: int = 0) -> None:

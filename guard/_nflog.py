@@ -2,7 +2,7 @@
 
 Why NFLOG and not ``log level audit``: an audit NETFILTER_PKT record carries neither the ports,
 the input interface nor a prefix, so it can tell neither what was tried nor which sandbox tried
-it. The host agent's ruleset (``hostagent/_network.py``) puts, before each rule that refuses a
+it. The host agent's ruleset (``hostagent/network/nftables.py``) puts, before each rule that refuses a
 packet *sent by* a sandbox, a copy of its match with::
 
     update @drop_log { iifname limit rate R burst B packets } counter name "logged"

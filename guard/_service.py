@@ -14,11 +14,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
 from collections.abc import Iterable
-from typing import Any
 
 import msgspec
 import structlog
@@ -30,9 +28,9 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SecurityProfile
-from bus.runtime import Service
-from bus.streams import StreamOptions, ensure_all, ensure_kv
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile
+from bus.runtime import KV, Service, Watch
+from bus.streams import StreamOptions, ensure_all
 
 from ._kernel import Denial, KernelAudit
 from ._nflog import NflogError, NflogReader
@@ -124,10 +122,9 @@ class Guard(Service):
         self.published: dict[str, str] = {}
         self.violations = 0
         self._kv_profiles: KeyValue | None = None
-        self._kv_sbx: KeyValue | None = None
-        self._kv_quarantine: KeyValue | None = None
-        self._watcher: Any = None
-        self._watch_task: asyncio.Task[None] | None = None
+        self._kv_sbx: KV[SandboxRecord] | None = None
+        self._kv_quarantine: KV[GuardViolation] | None = None
+        self._profiles_watch: Watch[SecurityProfile] | None = None
         self._sandbox_profile: dict[str, str] = {}
         self._enforced: set[str] = set()
         self._gone: dict[str, float] = {}
@@ -137,14 +134,14 @@ class Guard(Service):
     async def setup(self) -> None:
         assert self.js is not None
         await ensure_all(self.js, self.stream_options)
-        self._kv_profiles = await ensure_kv(self.js, S.KV_PROFILES)
-        self._kv_sbx = await ensure_kv(self.js, S.KV_SANDBOXES)
-        self._kv_quarantine = await ensure_kv(self.js, S.KV_QUARANTINE)
+        profiles_kv = await KV.open(self.js, S.KV_PROFILES, SecurityProfile)
+        self._kv_profiles = profiles_kv.raw
+        self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        self._kv_quarantine = await KV.open(self.js, S.KV_QUARANTINE, GuardViolation)
         self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
         log.info("profiles_published", **self.published)
-        self._watcher = await self._kv_profiles.watchall()
         # not self.spawn(): it runs until teardown, which shutdown reaches only after spawned work ends
-        self._watch_task = asyncio.create_task(self._watch_profiles(), name="guard-profiles-watch")
+        self._profiles_watch = await profiles_kv.watch(self._on_profile, self._on_profile_gone)
         # The audit consumer starts at new events when first created (no replay of old history).
         await self.add_worker(
             stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
@@ -172,43 +169,21 @@ class Guard(Service):
             await self.kernel.stop()
         if self.nflog is not None:
             await self.nflog.stop()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            try:
-                await self._watch_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-        if self._watcher is not None:
-            try:
-                await self._watcher.stop()
-            except Exception:  # noqa: BLE001
-                pass
+        if self._profiles_watch is not None:
+            await self._profiles_watch.stop()
 
-    async def _watch_profiles(self) -> None:
-        assert self._watcher is not None
-        try:
-            async for entry in self._watcher:
-                if entry is None:
-                    continue
-                if entry.operation in ("DEL", "PURGE"):
-                    self.profiles.pop(entry.key, None)
-                    continue
-                try:
-                    self.profiles[entry.key] = _PROFILE_DEC.decode(entry.value)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    log.warning("bad_profile", profile=entry.key, error=str(exc))
-        except asyncio.CancelledError:
-            pass
+    def _on_profile(self, name: str, p: SecurityProfile, _rev: int) -> None:
+        self.profiles[name] = p
+
+    def _on_profile_gone(self, name: str) -> None:
+        self.profiles.pop(name, None)
 
     # --- policy ---------------------------------------------------------------------------------
     async def _audit_policy(self, sid: str) -> AuditPolicy:
         name = self._sandbox_profile.get(sid)
         if name is None and self._kv_sbx is not None:
-            try:
-                rec = codec.SANDBOX_RECORD.decode((await self._kv_sbx.get(sid)).value)
-                name = rec.spec.profile or "default"
-            except (KeyNotFoundError, BadRequest):
-                name = "default"
+            rec = await self._kv_sbx.get(sid)  # missing or undecodable: the default profile
+            name = (rec.spec.profile if rec is not None else "") or "default"
             self._sandbox_profile[sid] = name
         p = self.profiles.get(name or "default") or self.builtin.get(name or "default") or self.builtin.get("default")
         return p.audit if p is not None else AuditPolicy()
@@ -255,9 +230,9 @@ class Guard(Service):
             host_id=self.host_id, detail=detail,
         )
         log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
-        assert self.js is not None
+        assert self.publisher is not None
         try:
-            await self.js.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
+            await self.publisher.store(S.EVT_GUARD_VIOLATION, codec.encode(v))
         except Exception as exc:  # noqa: BLE001
             log.warning("violation_publish_failed", error=str(exc))
         if action != "record":
@@ -270,7 +245,7 @@ class Guard(Service):
         self._enforced.add(sid)
         if v.action == "quarantine" and self._kv_quarantine is not None:
             try:
-                await self._kv_quarantine.put(sid, codec.encode(v))
+                await self._kv_quarantine.put(sid, v)
             except Exception as exc:  # noqa: BLE001
                 log.warning("quarantine_record_failed", sandbox_id=sid, error=str(exc))
         assert self.nc is not None

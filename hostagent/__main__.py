@@ -5,8 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from typing import Any
 
 from bus import log as _log
+
+
+def network_config() -> Any:
+    """The network config from the environment (NetworkConfig.from_env), with $DSEC_NET_PREFIX naming
+    this agent's kernel objects (nft table ``dsec_<p>``, veths ``<p>*``, netns ``dsec-<p>-*``) so that
+    two stacks on one machine keep apart; without it, the default names."""
+    import dataclasses
+
+    from ._container import NetworkConfig
+
+    cfg = NetworkConfig.from_env()
+    p = os.environ.get("DSEC_NET_PREFIX")
+    return dataclasses.replace(cfg, table=f"dsec_{p}", ifprefix=p, netns_prefix=f"dsec-{p}-") if p else cfg
 
 
 def main() -> None:
@@ -24,9 +38,16 @@ def main() -> None:
     ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
     ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
-    ap.add_argument("--control-key-file", default=None, help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
+    ap.add_argument("--cleanup", action="store_true",
+                    help="remove everything left for --data-dir (containers, containerd, shims, mounts, network) and exit; only while no agent serves it")
+    ap.add_argument("--control-key-file", default=None,
+                    help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
     args = ap.parse_args()
     _log.configure()
+    if args.cleanup:
+        from ._cleanup import run_cleanup
+
+        raise SystemExit(run_cleanup(args.data_dir, network_config()))
     os.makedirs(args.data_dir, exist_ok=True)
     if args.backend == "sim":
         from ._sim import run_sim_hosts
@@ -38,7 +59,7 @@ def main() -> None:
     from ._container import ContainerBackend
     from ._service import HostAgent
 
-    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address, warm_pool=args.warm_pool)
+    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address, warm_pool=args.warm_pool, network=network_config())
     agent = HostAgent(
         backend, nats_url=args.nats_url, host_id=args.host_id, data_dir=args.data_dir, concurrency=args.concurrency,
         pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 AGENT_SOURCE = Path(__file__).with_name("agent") / "dsec-agent.c"
 
@@ -66,9 +66,39 @@ class AgentBuildError(RuntimeError):
 
 class ExecOutcome(msgspec.Struct):
     exit_code: int
-    stdout: bytes
+    stdout: bytes  # at most ``cap`` bytes of it (the head) when a cap was given
     stderr: bytes
     timed_out: bool = False
+    pid: int = 0
+    signal: int = 0  # the signal that ended it (0: it exited)
+    stdout_bytes: int = 0  # all the output, kept or not
+    stderr_bytes: int = 0
+
+    @property
+    def stdout_truncated(self) -> bool:
+        return self.stdout_bytes > len(self.stdout)
+
+    @property
+    def stderr_truncated(self) -> bool:
+        return self.stderr_bytes > len(self.stderr)
+
+
+class ProcEntry(msgspec.Struct):
+    """A running command the agent started ('J')."""
+
+    pid: int
+    cmd: str
+    cwd: str
+    user: str
+    background: bool
+    stdin_open: bool
+    attached: bool
+
+
+# inotify masks of the watch frames ('F')
+IN_MODIFY, IN_ATTRIB, IN_MOVED_FROM, IN_MOVED_TO = 0x2, 0x4, 0x40, 0x80
+IN_CREATE, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+IN_Q_OVERFLOW, IN_ISDIR = 0x4000, 0x40000000
 
 
 class AgentInfo(msgspec.Struct):
@@ -304,13 +334,23 @@ class AgentClient:
         cwd: str | None = None,
         timeout_s: float | None = None,
         on_output: OnOutput | None = None,
+        *,
+        cap: int | None = None,
+        background: bool = False,
+        stdin: bool = False,
+        user: str = "",
+        on_start: Callable[[int], Awaitable[None] | None] | None = None,
     ) -> ExecOutcome:
         """Run ``cmd`` with ``/bin/sh -c`` in its own session; output streams to ``on_output``.
 
         ``env`` is the complete environment (None/empty: PATH and HOME=/root). On timeout the
         whole process group is SIGKILLed and ``timed_out`` is set. Cancelling this coroutine
-        kills the process group too. A command that could not be started (missing cwd, no
-        /bin/sh) raises AgentError.
+        kills the process group too, unless ``background``: then the command carries on and
+        ``attach`` reaches it again. ``cap`` bounds what the outcome keeps of each stream (the
+        first bytes; the totals are counted regardless). ``stdin`` gives it a pipe for
+        ``send_stdin``; ``user`` runs it as that user of the sandbox. ``on_start`` hears the pid.
+        A command that could not be started (missing cwd, no /bin/sh, unknown user: ESRCH)
+        raises AgentError.
         """
         timeout_ms = 0 if not timeout_s or timeout_s <= 0 else min(math.ceil(timeout_s * 1000), 0xFFFFFFFF)
         env_parts = []
@@ -318,13 +358,32 @@ class AgentClient:
             if not key or "=" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
             env_parts.append(_s(f"{key}={value}"))
+        flags = (1 if background else 0) | (2 if stdin else 0)
         frame = _frame(
             b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
+            bytes((flags,)), _s(user),
         )
         loop = asyncio.get_running_loop()
         hard_deadline = loop.time() + timeout_ms / 1000 + _EXEC_GRACE_S if timeout_ms else math.inf
-        stdout: list[bytes] = []
-        stderr: list[bytes] = []
+        return await self._stream(frame, on_output, cap, on_start, hard_deadline)
+
+    async def attach(
+        self, pid: int, on_output: OnOutput | None = None, *, cap: int | None = None,
+        on_start: Callable[[int], Awaitable[None] | None] | None = None,
+    ) -> ExecOutcome:
+        """Receive a background command's output from now on, and its end; ESRCH: no such
+        command (never started here, or ended long ago), EBUSY: another client is attached."""
+        return await self._stream(_frame(b"A", _U32.pack(pid)), on_output, cap, on_start, math.inf)
+
+    async def _stream(
+        self, frame: bytes, on_output: OnOutput | None, cap: int | None,
+        on_start: Callable[[int], Awaitable[None] | None] | None, hard_deadline: float,
+    ) -> ExecOutcome:
+        loop = asyncio.get_running_loop()
+        kept: dict[int, list[bytes]] = {1: [], 2: []}
+        room = {1: math.inf if cap is None else cap, 2: math.inf if cap is None else cap}
+        total = {1: 0, 2: 0}
+        pid = 0
         reader, writer = await self._connect()
         try:
             writer.write(frame)
@@ -337,20 +396,131 @@ class AgentClient:
                     raise AgentUnavailable(_errno.ETIMEDOUT, "agent stopped responding during exec") from e
                 if kind == ord("O"):
                     stream, data = body[0], body[1:]
-                    (stdout if stream == 1 else stderr).append(data)
+                    if stream not in total:
+                        raise AgentError(_errno.EPROTO, f"output frame of unknown stream {stream}")
+                    total[stream] += len(data)
+                    if room[stream] > 0:
+                        piece = data if len(data) <= room[stream] else data[:int(room[stream])]
+                        kept[stream].append(piece)
+                        room[stream] -= len(piece)
                     if on_output is not None:
                         res = on_output(stream, data)
                         if inspect.isawaitable(res):
                             await res
+                elif kind == ord("i"):
+                    (pid,) = _U32.unpack_from(body)
+                    if on_start is not None:
+                        res = on_start(pid)
+                        if inspect.isawaitable(res):
+                            await res
                 elif kind == ord("E"):
-                    code, timed_out = struct.unpack(">iB", body[:5])
-                    return ExecOutcome(code, b"".join(stdout), b"".join(stderr), bool(timed_out))
+                    code, timed_out, sig = struct.unpack(">iBB", body[:6])
+                    return ExecOutcome(
+                        code, b"".join(kept[1]), b"".join(kept[2]), bool(timed_out), pid, sig, total[1], total[2],
+                    )
                 elif kind == ord("R"):
                     _raise_error(body)
                 elif kind != ord("H"):
                     raise _unexpected(kind)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise AgentUnavailable(_errno.ECONNRESET, f"agent connection lost during exec: {e}") from e
+        finally:
+            writer.close()
+
+    async def send_stdin(self, pid: int, data: bytes = b"", close: bool = False) -> None:
+        """Queue ``data`` for the command's stdin pipe (``close``: then close it). While the agent
+        holds 8 MiB the command has not read yet (EAGAIN: nothing was queued), this waits and
+        retries, up to ``op_timeout_s``: a slow reader slows the writer."""
+        view = memoryview(data).cast("B")
+        loop = asyncio.get_running_loop()
+        pos = 0
+        while True:
+            chunk = view[pos:pos + _WRITE_CHUNK]
+            last = pos + len(chunk) >= len(view)
+            frame = _frame(b"I", _U32.pack(pid), bytes((1 if close and last else 0,)), chunk)
+            deadline = loop.time() + self.op_timeout_s
+            delay = 0.005
+            while True:
+                try:
+                    kind, _ = await self._call(frame)
+                    break
+                except AgentError as e:
+                    if e.errno != _errno.EAGAIN or loop.time() + delay > deadline:
+                        raise
+                await asyncio.sleep(delay)  # back-off while the command catches up on its input
+                delay = min(delay * 2, 0.2)
+            if kind != ord("K"):
+                raise _unexpected(kind)
+            pos += len(chunk)
+            if last:
+                return
+
+    async def signal(self, pid: int, signo: int) -> None:
+        """Send ``signo`` to the process group of a command the agent started (ESRCH: none)."""
+        kind, _ = await self._call(_frame(b"U", _U32.pack(pid), _U32.pack(signo)))
+        if kind != ord("K"):
+            raise _unexpected(kind)
+
+    async def processes(self) -> list[ProcEntry]:
+        """The commands the agent runs right now."""
+        kind, body = await self._call(_frame(b"J"))
+        if kind != ord("j"):
+            raise _unexpected(kind)
+        (count,) = _U32.unpack_from(body)
+        pos = 4
+        out = []
+        for _ in range(count):
+            pid, flags = struct.unpack_from(">IB", body, pos)
+            pos += 5
+            strs = []
+            for _ in range(3):
+                (n,) = _U32.unpack_from(body, pos)
+                strs.append(os.fsdecode(body[pos + 4:pos + 4 + n]))
+                pos += 4 + n
+            out.append(ProcEntry(pid, strs[0], strs[1], strs[2], bool(flags & 1), bool(flags & 2), bool(flags & 4)))
+        return out
+
+    async def mkdir(self, path: str, mode: int = 0o755) -> bool:
+        """Create ``path`` and its parents; False when it already was a directory."""
+        kind, body = await self._call(_frame(b"C", _U32.pack(mode & 0o7777), _s(path)))
+        if kind != ord("B") or len(body) != 1:
+            raise _unexpected(kind)
+        return body[0] == 1
+
+    async def rename(self, path: str, new_path: str) -> None:
+        kind, _ = await self._call(_frame(b"V", _s(path), _s(new_path)))
+        if kind != ord("K"):
+            raise _unexpected(kind)
+
+    async def watch(
+        self, path: str, on_event: Callable[[int, str], Awaitable[None] | None], *, recursive: bool = False,
+        on_start: Callable[[], None] | None = None,
+    ) -> None:
+        """Report changes beneath directory ``path`` as (inotify mask, name relative to it) until
+        cancelled (which ends the watch in the agent too)."""
+        reader, writer = await self._connect()
+        try:
+            writer.write(_frame(b"Y", bytes((int(recursive),)), _s(path)))
+            async with asyncio.timeout(self.op_timeout_s):
+                kind, body = await _read_frame(reader)
+            if kind == ord("R"):
+                _raise_error(body)
+            if kind != ord("w"):
+                raise _unexpected(kind)
+            if on_start is not None:
+                on_start()
+            while True:
+                kind, body = await _read_frame(reader)
+                if kind != ord("F"):
+                    raise _unexpected(kind)
+                mask, nlen = struct.unpack_from(">II", body)
+                res = on_event(mask, os.fsdecode(body[8:8 + nlen]))
+                if inspect.isawaitable(res):
+                    await res
+        except TimeoutError as e:
+            raise AgentUnavailable(_errno.ETIMEDOUT, f"agent did not answer within {self.op_timeout_s}s") from e
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            raise AgentUnavailable(_errno.ECONNRESET, f"agent connection lost during watch: {e}") from e
         finally:
             writer.close()
 
@@ -446,6 +616,7 @@ __all__ = [
     "AgentUnavailable",
     "DirEntry",
     "ExecOutcome",
+    "ProcEntry",
     "ensure_agent_binary",
     "peer_pid",
 ]

@@ -134,7 +134,10 @@ class SimBackend:
                 return FileData(data=data, size=len(fs[p]), offset=off)
             case FileList(path=p):
                 pre = p.rstrip("/") + "/"
-                return FileListing(entries=[EntryInfo(name=k[len(pre):], path=k, type="file", size=len(v), mtime=time.time()) for k, v in fs.items() if k.startswith(pre) and "/" not in k[len(pre):]])
+                return FileListing(entries=[
+                    EntryInfo(name=k[len(pre):], path=k, type="file", size=len(v), mtime=time.time())
+                    for k, v in fs.items() if k.startswith(pre) and "/" not in k[len(pre):]
+                ])
             case FileRemove(path=p):
                 fs.pop(p, None)
                 return Done()

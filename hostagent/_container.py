@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno as _errno
 import json
 import os
 import shutil
 import subprocess
-
+import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound, SnapshotUnsupported
+from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound, SnapshotUnsupported, UnknownUser
 from bus.messages import (
+    DirMade,
     Done,
     EntryInfo,
     ExecRequest,
@@ -24,24 +26,30 @@ from bus.messages import (
     Exists,
     FileData,
     FileExists,
+    FileInfo,
     FileList,
     FileListing,
+    FileMakeDir,
     FileOp,
     FileRead,
     FileRemove,
+    FileRename,
+    FileStat,
     FileWrite,
     FileWritten,
     LayerRef,
+    SandboxMetrics,
     SandboxSpec,
 )
 
-from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, ensure_agent_binary
+from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, DirEntry, ensure_agent_binary
+from ._execio import result_of
 from ._backend import Handle, OnOutput, Usage
-from ._containerd import CGROUP_PARENT, CPU_PERIOD_US, ContainerdError, ContainerRuntime
+from ._containerd import CGROUP_PARENT, ContainerdError, ContainerRuntime, cpu_limits
 from ._containerd_daemon import ContainerdDaemon
 from ._profiles import Enforcement, compile_profile
 from bus.profiles import default_profile
-from ._network import NetworkConfig, NetworkManager, write_hosts_file
+from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
 from ._snapshot import frozen, thaw
@@ -63,11 +71,22 @@ READ_CHUNK = 4 * 1024 * 1024
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
 
 
+# Every container starts with at least this CPU share (runc init, the agent's start-up), and gets
+# its own once its agent answers: a small share (0.02 is 2 ms per 100 ms) must not slow its start.
+START_CPU = 1.0
+
+
+def _set_cpu(cid: str, cpu: float) -> None:
+    """Apply a CPU share straight to the container's cgroup v1 files (no runc round trip)."""
+    base = CGROUP_ROOT / "cpu" / CGROUP_PARENT.lstrip("/") / cid
+    shares, quota = cpu_limits(cpu)
+    (base / "cpu.shares").write_text(str(shares))
+    (base / "cpu.cfs_quota_us").write_text(str(quota))
+
+
 def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
     """Apply a claimed warm container's limits straight to its cgroup v1 files (no runc round trip)."""
-    base = CGROUP_ROOT / "cpu" / CGROUP_PARENT.lstrip("/") / cid
-    (base / "cpu.shares").write_text(str(max(2, int(cpu * 1024))))
-    (base / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * CPU_PERIOD_US))))
+    _set_cpu(cid, cpu)
     mem = CGROUP_ROOT / "memory" / CGROUP_PARENT.lstrip("/") / cid
     limit = str(memory_mb * 1024 * 1024)
     memsw = mem / "memory.memsw.limit_in_bytes"
@@ -135,6 +154,10 @@ def _mount_erofs(blob: str, target: str) -> None:
         raise ImageError(f"cannot mount layer {blob} at {target}: {r.stderr.strip()}")
 
 
+def _entry(e: DirEntry) -> EntryInfo:
+    return EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime)
+
+
 class ContainerBackend:
     """Sandboxes as runc containers driven through containerd's gRPC API."""
 
@@ -183,6 +206,7 @@ class ContainerBackend:
         self._warm_info: dict[str, AgentInfo] = {}
         self._retiring: set[asyncio.Task[None]] = set()  # removals of warm containers of a changed profile
         self._stopping = False
+        self._cpu_samples: dict[str, tuple[float, int]] = {}  # container -> (monotonic time, cpuacct.usage ns)
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -339,12 +363,12 @@ class ContainerBackend:
             security = self._default_security()
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
-        lowers = [await self._layer_dir(l) for l in reversed(layers)]  # overlay wants the top layer first
+        lowers = [await self._layer_dir(layer) for layer in reversed(layers)]  # overlay wants the top layer first
         if self.warm_pool > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
             # Keyed by what the profile compiles to, not its name and version: a pooled container's
             # seccomp filter, capabilities, read-only mounts and Landlock rules were fixed when it
             # started, so it may only serve a sandbox whose profile compiles to the very same.
-            key = (tuple(l.digest for l in layers), spec.disk_mb, security.profile, security.fingerprint)
+            key = (tuple(layer.digest for layer in layers), spec.disk_mb, security.profile, security.fingerprint)
             self._pool_args[key] = (lowers, spec.disk_mb, security)
             self._retire_stale(key)
             handle = await self._claim_warm(key, spec)
@@ -398,7 +422,7 @@ class ContainerBackend:
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
                 args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
                 env=DEFAULT_ENV,
-                cpu=cpu,
+                cpu=max(cpu, START_CPU),  # its own share once its agent answers (below)
                 memory_mb=memory_mb,
                 pids_max=self.pids_max,
                 bind_mounts=[(os.path.dirname(self.agent_bin), AGENT_DIR_IN_SANDBOX, True), (layout.run, RUN_DIR_IN_SANDBOX, False)],
@@ -430,6 +454,13 @@ class ContainerBackend:
                 await asyncio.to_thread(_loopback_up, pid)
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
         info = await self._wait_agent(cid, sdir, client)
+        if cpu < START_CPU:
+            # Before the create is answered (and recorded): a host agent that dies in between
+            # leaves an unrecorded container, which recovery removes.
+            try:
+                await asyncio.to_thread(_set_cpu, cid, cpu)
+            except OSError as exc:
+                raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
         if security.landlock_required and not info.landlock:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self._clients[cid] = client
@@ -497,7 +528,7 @@ class ContainerBackend:
         while not self._stopping and len(entries) < self.warm_pool:
             cid = f"wp-{os.urandom(8).hex()}"
             try:
-                pid, sdir, _, info = await self._start(cid, lowers, disk_mb, 1.0, 64, security, None)
+                pid, sdir, _, info = await self._start(cid, lowers, disk_mb, START_CPU, 64, security, None)
             except asyncio.CancelledError:
                 await asyncio.shield(self._remove(cid, None))  # stopped half-way: leave no scratch or task
                 raise
@@ -569,6 +600,7 @@ class ContainerBackend:
         if sandbox_id is not None:
             self._clients.pop(sandbox_id, None)
         self._warm_info.pop(cid, None)
+        self._cpu_samples.pop(cid, None)
         # Leave the shim group before the delete: a container started meanwhile must not join a shim
         # whose last member is going away (that shim would exit under it).
         self._leave_group(cid)
@@ -586,17 +618,66 @@ class ContainerBackend:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
         return c
 
-    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None) -> ExecResult:
+    agent_client = _client  # the sandbox's agent, for the ops that drive it directly (hostagent._execio)
+
+    async def exec(
+        self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: Any = None,
+    ) -> ExecResult:
         env = {**DEFAULT_ENV, **req.envs}
         try:
-            out = await self._client(handle).exec(req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output)
+            out = await self._client(handle).exec(
+                req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
+                cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
+                user=req.user, on_start=on_start,
+            )
         except AgentUnavailable as exc:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
         except AgentError as exc:
+            if exc.errno == _errno.ESRCH and req.user:
+                raise UnknownUser(f"user {req.user!r} is not in the sandbox's /etc/passwd", user=req.user) from None
             if exc.errno == _errno.ENOENT and req.cwd:
                 raise InvalidArgument(f"cwd {req.cwd!r} does not exist in the sandbox") from None
             raise FileError(f"exec failed: {exc.message}") from None
-        return ExecResult(exit_code=out.exit_code, stdout=out.stdout, stderr=out.stderr, timed_out=out.timed_out)
+        return result_of(out)
+
+    async def metrics(self, handle: Handle) -> SandboxMetrics:
+        """CPU and memory from the sandbox's cgroups (v1), disk from its scratch filesystem."""
+        cid = self._cid.get(handle.sandbox_id)
+        if cid is None:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
+        return await asyncio.to_thread(self._metrics, cid, handle.extra.get("dir", ""))
+
+    def _metrics(self, cid: str, sdir: str) -> SandboxMetrics:
+        rel = CGROUP_PARENT.lstrip("/") + "/" + cid
+
+        def num(ctrl: str, name: str) -> int:
+            try:
+                return int((CGROUP_ROOT / ctrl / rel / name).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                return 0
+
+        now = time.monotonic()
+        usage = num("cpuacct", "cpuacct.usage")
+        prev = self._cpu_samples.get(cid)
+        if prev is None:  # no earlier sample to compare with: take a short one
+            time.sleep(0.1)
+            prev, now, usage = (now, usage), time.monotonic(), num("cpuacct", "cpuacct.usage")
+        self._cpu_samples[cid] = (now, usage)
+        quota, period = num("cpu", "cpu.cfs_quota_us"), num("cpu", "cpu.cfs_period_us")
+        cores = quota / period if quota > 0 and period > 0 else float(os.cpu_count() or 1)
+        dt = now - prev[0]
+        pct = (usage - prev[1]) / 1e9 / dt / cores * 100 if dt > 0 and cores > 0 else 0.0
+        disk_used = disk_total = 0
+        if sdir:
+            with contextlib.suppress(OSError):
+                st = os.statvfs(sdir)
+                disk_total = st.f_blocks * st.f_frsize
+                disk_used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return SandboxMetrics(
+            at=time.time(), cpu_count=round(cores, 3), cpu_used_pct=round(max(0.0, pct), 2), cpu_usage_s=usage / 1e9,
+            mem_used_bytes=num("memory", "memory.usage_in_bytes"), mem_total_bytes=num("memory", "memory.limit_in_bytes"),
+            disk_used_bytes=disk_used, disk_total_bytes=disk_total,
+        )
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
         c = self._client(handle)
@@ -606,20 +687,31 @@ class ContainerBackend:
                     await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
                     return FileWritten(path=p, size=off + len(d))
                 case FileRead(path=p, offset=off, length=n):
-                    data, size = await c.read_file(p, offset=off, length=n if n >= 0 else min(READ_CHUNK, 1 << 40))
+                    # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
+                    # tells the rest), so no request makes the host hold more than that in memory.
+                    data, size = await c.read_file(p, offset=off, length=min(n, READ_CHUNK) if n >= 0 else READ_CHUNK)
                     return FileData(data=data, size=size, offset=off)
                 case FileList(path=p):
-                    return FileListing(entries=[EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in await c.list_dir(p)])
+                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p)])
                 case FileRemove(path=p):
                     await c.remove(p)
                     return Done()
                 case FileExists(path=p):
                     return Exists(exists=await c.exists(p))
+                case FileMakeDir(path=p, mode=mode):
+                    return DirMade(path=p, created=await c.mkdir(p, mode))
+                case FileRename(path=p, new_path=dst):
+                    await c.rename(p, dst)
+                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False)))
+                case FileStat(path=p, follow_symlinks=follow):
+                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow)))
         except AgentUnavailable as exc:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
         except AgentError as exc:
             if exc.errno == _errno.ENOENT:
                 raise FileNotFound(f"{getattr(op, 'path', '')}: no such file or directory") from None
+            if exc.errno == _errno.EEXIST:
+                raise FileError(f"{getattr(op, 'path', '')}: exists and is not a directory") from None
             if exc.errno == _errno.ENOSPC:
                 raise FileError(f"{getattr(op, 'path', '')}: no space left (the sandbox's disk_mb is full)") from None
             raise FileError(f"{getattr(op, 'path', '')}: {exc.message}") from None
@@ -693,7 +785,7 @@ class ContainerBackend:
 
     def capacity(self) -> dict[str, float]:
         with open("/proc/meminfo") as f:
-            mem_kb = int(next(l for l in f if l.startswith("MemTotal:")).split()[1])
+            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
         st = os.statvfs(self.data_dir)
         return {"cpu_total": float(os.cpu_count() or 1), "mem_total_mb": mem_kb // 1024, "disk_total_mb": st.f_blocks * st.f_frsize // (1 << 20)}
 

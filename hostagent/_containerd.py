@@ -192,6 +192,11 @@ def _max_nofile(wanted: int) -> int:
     return wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
 
 
+def cpu_limits(cpu: float) -> tuple[int, int]:
+    """cgroup v1 ``cpu.shares`` and ``cpu.cfs_quota_us`` (per CPU_PERIOD_US) of a CPU share."""
+    return max(2, int(cpu * 1024)), max(1000, int(cpu * CPU_PERIOD_US))
+
+
 def _resources(cpu: float | None, memory_mb: int | None, pids_max: int | None) -> dict[str, Any]:
     res: dict[str, Any] = {}
     if memory_mb is not None:
@@ -203,11 +208,8 @@ def _resources(cpu: float | None, memory_mb: int | None, pids_max: int | None) -
     if cpu is not None:
         if cpu <= 0:
             raise ValueError("cpu must be > 0")
-        res["cpu"] = {
-            "shares": max(2, int(cpu * 1024)),
-            "quota": max(1000, int(cpu * CPU_PERIOD_US)),
-            "period": CPU_PERIOD_US,
-        }
+        shares, quota = cpu_limits(cpu)
+        res["cpu"] = {"shares": shares, "quota": quota, "period": CPU_PERIOD_US}
     if pids_max is not None:
         res["pids"] = {"limit": int(pids_max)}
     return res

@@ -215,22 +215,20 @@ class ContainerdDaemon:
         # Keep the python protobuf switch out of the daemon's environment (irrelevant to Go).
         env.pop("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", None)
 
-        log = open(self.log_path, "ab", buffering=0)
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                self.binary,
-                "--config",
-                self.config_path,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                env=env,
-                start_new_session=True,
-            )
+            with open(self.log_path, "ab", buffering=0) as log:  # the child keeps its own copy of the descriptor
+                self._proc = await asyncio.create_subprocess_exec(
+                    self.binary,
+                    "--config",
+                    self.config_path,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
+                )
         except FileNotFoundError as e:
             raise ContainerdStartError(f"containerd binary not found: {self.binary}") from e
-        finally:
-            log.close()
         self._pid = self._proc.pid
         self.started_by_us = True
         with open(self.pid_path + ".tmp", "w") as f:

@@ -33,9 +33,10 @@ from bus.errors import (
 from bus.messages import (
     CreateSandbox,
     Done,
-    ExecChunk,
     ExecRequest,
     ExecResult,
+    FileUnwatch,
+    FileWatch,
     HostEvent,
     HostStatus,
     InfoRequest,
@@ -44,13 +45,21 @@ from bus.messages import (
     ResumeRequest,
     SnapshotRequest,
     LayerRef,
+    MetricsRequest,
     PlaceBatch,
     PlaceSandbox,
+    ProcessStarted,
+    ProcConnect,
+    ProcDisconnect,
+    ProcInput,
+    ProcList,
+    ProcSignal,
     SandboxEvent,
     SandboxInfo,
     SandboxRecord,
     SandboxSpec,
     SetTimeout,
+    StreamAck,
 )
 from bus.rules import Allocation, Capacity, refusal
 from bus.runtime import Publisher, Service, StoreError, error_of, publisher_for, subscribe_sync
@@ -58,6 +67,7 @@ from bus.sign import ERR_BAD_SIGNATURE, verify
 from bus.streams import StreamOptions, ensure_all, ensure_kv
 
 from ._backend import Backend, Handle
+from ._execio import ExecIO, encode_reply
 from ._profiles import ProfileCache
 from ._snapshots import Snapshots, resumes
 
@@ -149,6 +159,7 @@ class HostAgent(Service):
         self._stop_fut: asyncio.Future[Any] | None = None
         self._acks: Publisher | None = None
         self.snapshots = Snapshots(self)
+        self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
 
     # --- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -195,6 +206,7 @@ class HostAgent(Service):
     async def teardown(self) -> None:
         for t in list(self._ops):
             t.cancel()
+        await self.execio.stop()
         for sub in list(self._subs.values()):
             try:
                 await sub.unsubscribe()
@@ -504,7 +516,10 @@ class HostAgent(Service):
         """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
         cap = self.backend.capacity()
         return refusal(
-            Capacity(cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"], cpu_overcommit=self.cpu_overcommit, mem_overcommit=self.mem_overcommit, max_sandboxes=self.max_sandboxes),
+            Capacity(
+                cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
+                cpu_overcommit=self.cpu_overcommit, mem_overcommit=self.mem_overcommit, max_sandboxes=self.max_sandboxes,
+            ),
             Allocation(self._alloc_cpu, self._alloc_ls_cpu, self._alloc_mem, self._alloc_disk, len(self.live)),
             spec,
         )
@@ -577,7 +592,7 @@ class HostAgent(Service):
                 except Exception:  # noqa: BLE001 - taken or no answer: the one-by-one path below claims again
                     return False
 
-            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo))):
+            for s, ok in zip(todo, await asyncio.gather(*(claim(s) for s in todo)), strict=True):
                 if ok:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
@@ -711,6 +726,7 @@ class HostAgent(Service):
         if ls is not None:
             self._track(ls, -1)
         self.handles.pop(sid, None)
+        self.execio.forget(sid)
         sub = self._subs.pop(sid, None)
         if sub is not None:
             try:
@@ -773,7 +789,8 @@ class HostAgent(Service):
             structlog.contextvars.unbind_contextvars("sandbox_id", "subject")
         if msg.reply:
             try:
-                await msg.respond(codec.encode(result))
+                # Within the server's payload limit: output cut to fit, anything else a typed error.
+                await msg.respond(encode_reply(result, self.nc.max_payload if self.nc is not None else 1 << 20))
             except Exception as exc:  # noqa: BLE001
                 log.warning("reply_failed", sandbox_id=sid, error=str(exc))
         log.debug("op", sandbox_id=sid, op=op, code=code, ms=round((time.perf_counter() - t0) * 1000, 2))
@@ -794,6 +811,15 @@ class HostAgent(Service):
                 return await self.snapshots.pause(ls, handle, req)
             case ResumeRequest():
                 return await self.snapshots.resume(ls, handle)
+            case StreamAck():
+                self.execio.ack(sid, req)
+                return Done()
+            case ProcList() | ProcSignal() | ProcInput() | ProcConnect() | ProcDisconnect():
+                return await self.execio.proc(handle, req)
+            case FileWatch() | FileUnwatch():
+                return await self.execio.watch(handle, req)
+            case MetricsRequest():
+                return await self.execio.metrics(handle)
             case KillRequest(reason=reason):
                 await self._destroy(sid, reason or "user", publish=True)
                 return Done(detail="killed")
@@ -813,34 +839,8 @@ class HostAgent(Service):
             case _:
                 return await self.backend.files(handle, req)
 
-    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult:
-        assert self.nc is not None
-        seq = 0
-        on_output: Any = None
-        if req.stream_to and not S.valid_inbox(req.stream_to):
-            # Output goes only to a reply inbox: never let a client make us publish on control subjects.
-            raise BadRequest(f"stream_to must be an _INBOX subject, got {req.stream_to!r}")
-        if req.stream_to:
-            nc = self.nc
-
-            async def on_output(stream: int, data: bytes) -> None:
-                nonlocal seq
-                await nc.publish(req.stream_to, codec.encode(ExecChunk(seq=seq, stream=stream, data=data)))
-                seq += 1
-
-        if ls.spec.envs:
-            req.envs = {**ls.spec.envs, **req.envs}
-        t0 = time.perf_counter()
-        res = await self.backend.exec(handle, req, on_output)
-        res.chunks = seq
-        res.duration_ms = (time.perf_counter() - t0) * 1000
-        # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
-        ev = SandboxEvent(
-            sandbox_id=handle.sandbox_id, kind="exec", at=time.time(), host_id=self.host_id,
-            detail={"cmd": req.cmd[:1024], "exit_code": str(res.exit_code), "timed_out": str(res.timed_out).lower()},
-        )
-        await self.nc.publish(S.evt_sandbox(handle.sandbox_id, "exec"), codec.encode(ev))
-        return res
+    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
+        return await self.execio.exec(handle, ls.spec.envs, req)
 
 
 __all__ = ["HostAgent", "LocalSandbox"]

@@ -134,7 +134,7 @@ class ChunkCache:
         self._writer: asyncio.Task[None] | None = None
         self.extra_daemon_info: dict[str, Any] = {}
         trace = os.environ.get("DSEC_IMAGED_TRACE_READS")
-        self.trace = open(trace, "a", buffering=1) if trace else None  # debugging: one line per FUSE read
+        self.trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - open for the cache's life; debugging: one line per FUSE read
 
     # --- start / stop ---------------------------------------------------------------------------
     def load(self) -> None:

@@ -13,7 +13,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import ImageEvent, LayerRef, TemplateManifest
-from bus.runtime import kv_keys
+from bus.runtime import best_effort_event, kv_keys
 from bus.streams import ensure_kv
 
 from ._store import BlobStore
@@ -109,13 +109,7 @@ async def publish_event(js: JetStreamContext | None, name: str, kind: str, **det
     if js is None:
         return
     ev = ImageEvent(name=name, kind=kind, at=time.time(), detail={k: str(v) for k, v in detail.items()})
-    try:
-        await js.publish(S.evt_image(name, kind), codec.encode(ev), timeout=2.0)
-    except Exception:  # noqa: BLE001 - no DSEC_EVT stream (yet) or NATS away: fall back to core publish
-        try:
-            await js._nc.publish(S.evt_image(name, kind), codec.encode(ev))  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001
-            pass
+    await best_effort_event(js, S.evt_image(name, kind), ev)
 
 
 def layer_summary(layer: LayerRef) -> dict:

@@ -9,12 +9,10 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
-from bus import codec
 from bus.codec import SNAP_REMOVE_REQ
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError
 from bus.messages import Done
-from bus.runtime import Service, error_of
+from bus.runtime import Endpoint, Service
 from bus.streams import ensure_all
 
 from ._build import ImageBuilder, ensure_base_template, remove_template
@@ -44,19 +42,22 @@ class ImagedService(Service):
         self.store: BlobStore | None = None
         self.base_ready = asyncio.Event()
         self._build_lock = asyncio.Lock()
+        self.endpoints: list[Endpoint] = []
 
     async def setup(self) -> None:
         assert self.nc is not None and self.js is not None
         await ensure_all(self.js)
         self.store = open_blob_store(self.js)
-        for subject, handler in (
-            (S.IMG_LIST, self._on_list),
-            (S.IMG_BUILD, self._on_build),
-            (S.IMG_REMOVE, self._on_remove),
-            (S.IMG_STATS, self._on_stats),
-            (S.SNAP_REMOVE, self._on_snapshot_remove),
+        for subject, handler, decoder in (
+            (S.IMG_LIST, self._on_list, None),  # takes no arguments: any payload lists
+            (S.IMG_BUILD, self._on_build, IMG_BUILD_REQ),
+            (S.IMG_REMOVE, self._on_remove, IMG_REMOVE_REQ),
+            (S.IMG_STATS, self._on_stats, IMG_STATS_REQ),
+            (S.SNAP_REMOVE, self._on_snapshot_remove, SNAP_REMOVE_REQ),
         ):
-            await self.nc.subscribe(subject, queue=QUEUE, cb=self._wrap(handler))
+            ep = Endpoint(self.nc, subject, handler, decoder=decoder)
+            await ep.serve(subject, queue=QUEUE)
+            self.endpoints.append(ep)
         if self.ensure_base:
             self.spawn(self._ensure_base())
         else:
@@ -75,25 +76,11 @@ class ImagedService(Service):
                 await asyncio.sleep(delay)  # retry back-off
                 delay = min(delay * 2, 10.0)
 
-    def _wrap(self, handler: Any) -> Any:
-        async def cb(msg: Msg) -> None:
-            try:
-                result = await handler(msg)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
-                if not isinstance(exc, DsecError):
-                    self.log.exception("img_request_failed", subject=msg.subject)
-                result = error_of(exc)
-            if msg.reply:
-                await msg.respond(codec.encode(result))
-
-        return cb
-
-    async def _on_list(self, msg: Msg) -> Any:
+    async def _on_list(self, msg: Msg, _: Any) -> Any:
         assert self.js is not None
         return ImageList(templates=await list_manifests(self.js))
 
-    async def _on_build(self, msg: Msg) -> Any:
-        req = _decode(IMG_BUILD_REQ, msg.data)
+    async def _on_build(self, msg: Msg, req: Any) -> Any:
         async with self._build_lock:
             builder = ImageBuilder(self.js, self.data_dir, store=self.store)
             res = await builder.build_template(
@@ -101,31 +88,24 @@ class ImagedService(Service):
             )
         return ImageBuilt(manifest=res.manifest, uploaded_bytes=res.uploaded_bytes, seconds=res.seconds)
 
-    async def _on_remove(self, msg: Msg) -> Any:
+    async def _on_remove(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None
-        req = _decode(IMG_REMOVE_REQ, msg.data)
         await remove_template(self.js, req.name, prune=req.prune, store=self.store, data_dir=self.data_dir)
         return Done(detail=f"removed {req.name}")
 
-    async def _on_stats(self, msg: Msg) -> Any:
+    async def _on_stats(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None
-        req = _decode(IMG_STATS_REQ, msg.data)
         m = await require_manifest(self.js, req.name)
         return ImageStats(name=m.name, total_bytes=sum(lay.size for lay in m.layers), layers=m.layers)
 
-    async def _on_snapshot_remove(self, msg: Msg) -> Any:
+    async def _on_snapshot_remove(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None and self.store is not None
-        req = _decode(SNAP_REMOVE_REQ, msg.data)
         removed = await remove_snapshot(self.js, self.store, req.snapshot_id, data_dir=self.data_dir)
         return Done(detail=f"removed {req.snapshot_id}: {removed['chunks']} chunks ({removed['bytes']} bytes) freed")
 
     async def teardown(self) -> None:
+        for ep in self.endpoints:
+            await ep.stop(self.grace_s)
         if self.store is not None:
             await self.store.close()
 
-
-def _decode(dec: Any, data: bytes) -> Any:
-    try:
-        return dec.decode(data)
-    except Exception as exc:  # noqa: BLE001
-        raise BadRequest(f"malformed request: {exc}") from None

@@ -273,7 +273,7 @@ def apply_tar(tar_path: str | os.PathLike[str], root: str | os.PathLike[str], *,
     count = 0
     dir_meta: list[tuple[Path, tarfile.TarInfo]] = []
     try:
-        tf = tarfile.open(tar_path, mode="r|*")
+        tf = tarfile.open(tar_path, mode="r|*")  # noqa: SIM115 - closed by the `with` below; open errors get their own message
     except tarfile.TarError as exc:
         raise ImageError(f"cannot read tarball {tar_path}: {exc}") from exc
     with tf:
@@ -284,34 +284,13 @@ def apply_tar(tar_path: str | os.PathLike[str], root: str | os.PathLike[str], *,
                 if ti.isdir():
                     dir_meta.append((rootp, ti))
                 continue
-            parent_rel = posixpath.dirname(rel)
             if base == WH_OPAQUE:
-                parent = _resolve_parent(rootp, rel)
-                if parent_rel not in opaque_done:
-                    opaque_done.add(parent_rel)
-                    for child in list(parent.iterdir()):
-                        crel = posixpath.join(parent_rel, child.name) if parent_rel else child.name
-                        if crel not in seen:
-                            _remove(child)
-                    if overlay_whiteouts:
-                        try:
-                            os.setxattr(parent, "trusted.overlay.opaque", b"y")
-                        except OSError:
-                            pass
+                _apply_opaque(rootp, rel, seen, opaque_done, overlay_whiteouts)
                 continue
             if base.startswith(WH_PREFIX):
-                target_name = base[len(WH_PREFIX) :]
-                if not target_name or target_name in (".", ".."):
-                    continue
-                parent = _resolve_parent(rootp, rel)
-                target = parent / target_name
-                if os.path.lexists(target):
-                    _remove(target)
-                elif overlay_whiteouts:
-                    _overlay_whiteout(target)
+                _apply_whiteout(rootp, rel, base[len(WH_PREFIX) :], overlay_whiteouts)
                 continue
-            parent = _resolve_parent(rootp, rel)
-            path = parent / base
+            path = _resolve_parent(rootp, rel) / base
             seen.add(rel)
             count += 1
             try:
@@ -325,36 +304,68 @@ def apply_tar(tar_path: str | os.PathLike[str], root: str | os.PathLike[str], *,
                     os.mkdir(path, 0o755)
                 dir_meta.append((path, ti))
                 continue
-            if ti.isreg():
-                src = tf.extractfile(ti)
-                with open(path, "wb") as out:
-                    if src is not None:
-                        shutil.copyfileobj(src, out, 1 << 20)
-                _set_meta(path, ti, is_link=False)
-            elif ti.issym():
-                os.symlink(ti.linkname, path)
-                _set_meta(path, ti, is_link=True)
-            elif ti.islnk():
-                lrel = _norm(ti.linkname)
-                if not lrel:
-                    raise ImageError(f"bad hard link {ti.name} -> {ti.linkname}")
-                lpath = _resolve_parent(rootp, lrel) / posixpath.basename(lrel)
-                if not os.path.lexists(lpath):
-                    raise ImageError(f"hard link target missing: {ti.name} -> {ti.linkname}")
-                os.link(lpath, path, follow_symlinks=False)
-            elif ti.ischr() or ti.isblk():
-                kind = stat.S_IFCHR if ti.ischr() else stat.S_IFBLK
-                os.mknod(path, kind | (ti.mode & 0o7777), os.makedev(ti.devmajor, ti.devminor))
-                _set_meta(path, ti, is_link=False)
-            elif ti.isfifo():
-                os.mkfifo(path, ti.mode & 0o7777)
-                _set_meta(path, ti, is_link=False)
-            else:
-                continue
+            _extract_entry(tf, ti, path, rootp)
     # directory metadata last (deepest first) so children do not bump it again
     for path, ti in reversed(dir_meta):
         _set_meta(path, ti, is_link=False)
     return count
+
+
+def _apply_opaque(rootp: Path, rel: str, seen: set[str], opaque_done: set[str], overlay_whiteouts: bool) -> None:
+    """An opaque-dir marker: what lower layers put in the directory goes (not what this layer added)."""
+    parent_rel = posixpath.dirname(rel)
+    parent = _resolve_parent(rootp, rel)
+    if parent_rel in opaque_done:
+        return
+    opaque_done.add(parent_rel)
+    for child in list(parent.iterdir()):
+        crel = posixpath.join(parent_rel, child.name) if parent_rel else child.name
+        if crel not in seen:
+            _remove(child)
+    if overlay_whiteouts:
+        try:
+            os.setxattr(parent, "trusted.overlay.opaque", b"y")
+        except OSError:
+            pass
+
+
+def _apply_whiteout(rootp: Path, rel: str, target_name: str, overlay_whiteouts: bool) -> None:
+    """A whiteout: the named entry of a lower layer goes (and stays gone under overlayfs)."""
+    if not target_name or target_name in (".", ".."):
+        return
+    target = _resolve_parent(rootp, rel) / target_name
+    if os.path.lexists(target):
+        _remove(target)
+    elif overlay_whiteouts:
+        _overlay_whiteout(target)
+
+
+def _extract_entry(tf: tarfile.TarFile, ti: tarfile.TarInfo, path: Path, rootp: Path) -> None:
+    """One non-directory entry at ``path`` (whatever was there is gone already); unknown kinds are skipped."""
+    if ti.isreg():
+        src = tf.extractfile(ti)
+        with open(path, "wb") as out:
+            if src is not None:
+                shutil.copyfileobj(src, out, 1 << 20)
+        _set_meta(path, ti, is_link=False)
+    elif ti.issym():
+        os.symlink(ti.linkname, path)
+        _set_meta(path, ti, is_link=True)
+    elif ti.islnk():
+        lrel = _norm(ti.linkname)
+        if not lrel:
+            raise ImageError(f"bad hard link {ti.name} -> {ti.linkname}")
+        lpath = _resolve_parent(rootp, lrel) / posixpath.basename(lrel)
+        if not os.path.lexists(lpath):
+            raise ImageError(f"hard link target missing: {ti.name} -> {ti.linkname}")
+        os.link(lpath, path, follow_symlinks=False)
+    elif ti.ischr() or ti.isblk():
+        kind = stat.S_IFCHR if ti.ischr() else stat.S_IFBLK
+        os.mknod(path, kind | (ti.mode & 0o7777), os.makedev(ti.devmajor, ti.devminor))
+        _set_meta(path, ti, is_link=False)
+    elif ti.isfifo():
+        os.mkfifo(path, ti.mode & 0o7777)
+        _set_meta(path, ti, is_link=False)
 
 
 def stage_source(src: Source, staging: str | os.PathLike[str]) -> Path:

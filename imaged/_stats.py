@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from bus import codec
 from bus import subjects as S
 from bus.errors import Unavailable
+from bus.runtime import nc_of
 
 from ._manifests import require_manifest
 from ._messages import HostImageStats, HostImageStatsRequest
@@ -50,7 +51,7 @@ async def template_stats(
     per: dict[str, int] = {}
     source = "none"
     try:
-        st = await host_image_stats(js._nc, hid, digests=[lay.digest for lay in m.layers], timeout=timeout)  # type: ignore[attr-defined]
+        st = await host_image_stats(nc_of(js), hid, digests=[lay.digest for lay in m.layers], timeout=timeout)
         per = {digest_hex(ls.digest): ls.fetched_bytes for ls in st.layers}
         source = "nats"
     except Exception:  # noqa: BLE001 - fall back to the file

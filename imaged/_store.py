@@ -30,6 +30,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundErr
 from bus import subjects as S
 from bus.errors import ImageError
 from bus.messages import LayerRef
+from bus.runtime import nc_of
 
 from ._util import digest_hex
 
@@ -131,7 +132,7 @@ class NatsBlobStore(BlobStore):
 
     def _max_msg(self) -> int:
         try:
-            return max(128 * 1024, int(self.js._nc.max_payload) - 8192)  # type: ignore[attr-defined]
+            return max(128 * 1024, int(nc_of(self.js).max_payload) - 8192)
         except Exception:  # noqa: BLE001
             return 128 * 1024
 

@@ -31,12 +31,11 @@ import sys
 import time
 from typing import Any
 
-from bus import codec
 from bus import subjects as S
 from bus.codec import PACK_REQ
 from bus.errors import InvalidArgument
 from bus.messages import PackedLayer
-from bus.runtime import connect, error_of
+from bus.runtime import Endpoint, connect
 
 from ._build import ImageBuilder
 
@@ -189,19 +188,13 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
     cache.load()
     cache.start_writer()
 
-    async def on_stats(msg: Any) -> None:
-        try:
-            req = HOST_STATS_REQUEST.decode(msg.data) if msg.data else None
-            reply = cache.host_stats(list(req.digests) if req else None)
-            await msg.respond(codec.encode(reply))
-        except Exception as exc:  # noqa: BLE001
-            from bus.runtime import error_of
+    async def on_stats(msg: Any, _: Any) -> Any:
+        req = HOST_STATS_REQUEST.decode(msg.data) if msg.data else None  # empty: every layer
+        return cache.host_stats(list(req.digests) if req else None)
 
-            await msg.respond(codec.encode(error_of(exc)))
-
-    await nc.subscribe(S.host_img_stats(host), cb=on_stats)
+    await Endpoint(nc, "host-image-stats", on_stats).serve(S.host_img_stats(host))
     packer = Packer(js, store, os.path.dirname(os.path.abspath(cache_root)))
-    await nc.subscribe(S.host_pack(host), cb=packer.on_pack)
+    await Endpoint(nc, "pack", packer.on_pack, decoder=PACK_REQ).serve(S.host_pack(host))
     return nc, cache
 
 
@@ -215,22 +208,16 @@ class Packer:
         self.builder = ImageBuilder(js, data_dir, store=store, upload_concurrency=16)
         self._sem = asyncio.Semaphore(concurrency)  # mkfs and uploads compete with the sandboxes for disk and CPU
 
-    async def on_pack(self, msg: Any) -> None:
+    async def on_pack(self, msg: Any, req: Any) -> PackedLayer:
         t0 = time.monotonic()
-        try:
-            req = PACK_REQ.decode(msg.data)
-            path = os.path.realpath(req.path)
-            if os.path.commonpath([path, self.data_dir]) != self.data_dir or not os.path.isdir(path):
-                raise InvalidArgument(f"not a directory under {self.data_dir}: {req.path!r}")
-            async with self._sem:
-                built = await self.builder.pack_dir(path, role=req.role or "snapshot")
-            reply: Any = PackedLayer(ref=built.ref, uploaded_bytes=built.uploaded_bytes, seconds=time.monotonic() - t0)
-            log.info("packed %s: %s (%d bytes, %d uploaded) in %.3fs", path, built.ref.digest, built.ref.size, built.uploaded_bytes, reply.seconds)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
-            log.warning("pack failed: %s", exc)
-            reply = error_of(exc)
-        if msg.reply:
-            await msg.respond(codec.encode(reply))
+        path = os.path.realpath(req.path)
+        if os.path.commonpath([path, self.data_dir]) != self.data_dir or not os.path.isdir(path):
+            raise InvalidArgument(f"not a directory under {self.data_dir}: {req.path!r}")
+        async with self._sem:
+            built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+        reply = PackedLayer(ref=built.ref, uploaded_bytes=built.uploaded_bytes, seconds=time.monotonic() - t0)
+        log.info("packed %s: %s (%d bytes, %d uploaded) in %.3fs", path, built.ref.digest, built.ref.size, built.uploaded_bytes, reply.seconds)
+        return reply
 
 
 async def _teardown(nc: Any, cache: ChunkCache) -> None:

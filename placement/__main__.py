@@ -30,9 +30,11 @@ def main() -> None:
     ap.add_argument("--control-key-file", default=None, help="hex key to sign host work with (default: $DSEC_CONTROL_KEY; neither: unsigned)")
     args = ap.parse_args()
     storage = StorageType.MEMORY if args.stream_storage == "memory" else StorageType.FILE
+    events_max_bytes = MEMORY_EVENTS_MAX_BYTES if storage == StorageType.MEMORY else StreamOptions().events_max_bytes
     svc = Placement(
         args.nats_url, replica_id=args.replica_id, capacity=args.capacity, policy=Policy(sample_k=args.sample_k, strategy=args.strategy),
-        ack_wait_s=args.ack_wait, control_key=load_control_key(args.control_key_file), pending_delay_s=args.pending_delay, stream_options=StreamOptions(storage=storage, events_max_bytes=MEMORY_EVENTS_MAX_BYTES if storage == StorageType.MEMORY else StreamOptions().events_max_bytes),
+        ack_wait_s=args.ack_wait, control_key=load_control_key(args.control_key_file), pending_delay_s=args.pending_delay,
+        stream_options=StreamOptions(storage=storage, events_max_bytes=events_max_bytes),
     )
     # Every request allocates and frees a few dozen objects; the default gen-0 threshold (700) would run
     # the cyclic GC hundreds of times a second in a burst. Nothing here builds reference cycles per request.

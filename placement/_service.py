@@ -8,19 +8,19 @@ import os
 import socket
 import time
 import uuid
+from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
-from bus.messages import CreateBatch, CreateSandbox, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
+from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
-from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, consumer_config, dead_letter
+from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter
 from bus.sign import sign_headers
-from bus.streams import StreamOptions, ensure_all, ensure_kv
+from bus.streams import StreamOptions, ensure_all
 
 from ._table import HostTable, Policy
 
@@ -72,24 +72,24 @@ class Placement(Service):
         self.consumer: PullConsumer | None = None
         self.acks: Publisher | None = None
         self.events: Events | None = None
-        self._kv_hosts: KeyValue | None = None
+        self._watches: list[Watch[Any]] = []
         self._kv_images: KV[TemplateManifest] | None = None
         self._kv_sbx: KV[SandboxRecord] | None = None
-        self._hosts_seen = asyncio.Event()
-        self._templates_seen = asyncio.Event()
 
     async def setup(self) -> None:
         assert self.js is not None and self.nc is not None and self.publisher is not None
         await ensure_all(self.js, self.stream_options)
         self.acks = self.publisher
         self.events = Events(self.nc, self.publisher)
-        self._kv_hosts = await ensure_kv(self.js, S.KV_HOSTS)
+        kv_hosts: KV[HostStatus] = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
-        self.spawn(self._watch(self._kv_hosts, self._on_host, self._hosts_seen), name="watch-hosts")
-        self.spawn(self._watch(self._kv_images.raw, self._on_template, self._templates_seen), name="watch-templates")
+        self._watches = [
+            await kv_hosts.watch(self._on_host, self.table.remove),
+            await self._kv_images.watch(self._on_template, self._on_template_gone),
+        ]
         try:  # start taking work once the host table holds what KV holds (else every early request waits)
-            await asyncio.wait_for(asyncio.gather(self._hosts_seen.wait(), self._templates_seen.wait()), 10.0)
+            await asyncio.wait_for(asyncio.gather(*(w.synced.wait() for w in self._watches)), 10.0)
         except asyncio.TimeoutError:
             log.warning("initial_watch_slow")
         self.consumer = await self.add_worker(
@@ -104,49 +104,16 @@ class Placement(Service):
         )
 
     # --- watches -------------------------------------------------------------------
-    async def _watch(self, kv: KeyValue, on_entry, seen: asyncio.Event) -> None:
-        watcher = await kv.watchall()
-        try:
-            while not self._stopped.is_set():
-                try:
-                    entry = await watcher.updates(timeout=1.0)
-                except asyncio.TimeoutError:
-                    continue
-                except Exception:  # noqa: BLE001 - connection closing
-                    if self._stopped.is_set():
-                        return
-                    raise
-                if entry is None:
-                    seen.set()  # the initial snapshot is in
-                    continue
-                on_entry(entry)
-        finally:
-            try:
-                await watcher.stop()
-            except Exception:  # noqa: BLE001
-                pass
+    def _on_host(self, key: str, st: HostStatus, _rev: int) -> None:
+        self.table.update(st)
 
-    def _on_host(self, entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.table.remove(entry.key)
-            return
-        try:
-            self.table.update(codec.HOST_STATUS.decode(entry.value))
-        except BadRequest as exc:
-            log.warning("bad_heartbeat", key=entry.key, error=str(exc))
+    def _on_template(self, key: str, t: TemplateManifest, _rev: int) -> None:
+        self.templates[key] = t
+        self._template_layers[key] = frozenset(layer.digest for layer in t.layers)
 
-    def _on_template(self, entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.templates.pop(entry.key, None)
-            self._template_layers.pop(entry.key, None)
-            return
-        try:
-            t = codec.TEMPLATE.decode(entry.value)
-        except BadRequest as exc:
-            log.warning("bad_manifest", key=entry.key, error=str(exc))
-            return
-        self.templates[entry.key] = t
-        self._template_layers[entry.key] = frozenset(l.digest for l in t.layers)
+    def _on_template_gone(self, key: str) -> None:
+        self.templates.pop(key, None)
+        self._template_layers.pop(key, None)
 
     async def template(self, name: str) -> TemplateManifest | None:
         t = self.templates.get(name)
@@ -160,7 +127,7 @@ class Placement(Service):
         if layers is not None:
             return layers
         t = await self.template(name)  # not seen by the watch yet: ask KV
-        return None if t is None else frozenset(l.digest for l in t.layers)
+        return None if t is None else frozenset(layer.digest for layer in t.layers)
 
     # --- events ---------------------------------------------------------------------
     async def _failed(self, spec: SandboxSpec, err: DsecError, attempt: int = 0) -> asyncio.Future[PubAck]:
@@ -282,6 +249,10 @@ class Placement(Service):
         subject = S.host_create(host)
         return await acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
 
+    async def teardown(self) -> None:
+        for w in self._watches:
+            await w.stop()
+
     async def dead_letter(self, msg: Msg, exc: DsecError) -> None:
         """Malformed work is kept (not dropped) on the DLQ stream with the reason, then acked."""
         assert self.publisher is not None
@@ -371,7 +342,10 @@ class Placement(Service):
             by_host.setdefault(host, []).append(spec)
         for host, hspecs in by_host.items():
             stale = not all(self._fresh(s, now) for s in hspecs)
-            pb = PlaceBatch(batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt, placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale)
+            pb = PlaceBatch(
+                batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt,
+                placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
+            )
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
             futs.append(await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:

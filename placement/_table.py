@@ -193,7 +193,9 @@ class HostTable:
         st = e.status
         return st.state == "ready" and now - e.seen_at <= STALE_AFTER_S and st.backend == spec.backend and st.pool == spec.pool
 
-    def choose(self, spec: SandboxSpec, exclude: set[str] | frozenset[str] = frozenset(), layers: frozenset[str] | set[str] = frozenset(), now: float | None = None) -> str | None:
+    def choose(
+        self, spec: SandboxSpec, exclude: set[str] | frozenset[str] = frozenset(), layers: frozenset[str] | set[str] = frozenset(), now: float | None = None
+    ) -> str | None:
         """Probe a bounded random sample of live hosts of the right backend and pool; best of up to k that fit."""
         ids = self._ids
         n = len(ids)
@@ -241,7 +243,8 @@ class HostTable:
     def reserve(self, host_id: str, spec: SandboxSpec, now: float | None = None) -> None:
         e = self.hosts.get(host_id)
         if e is not None:
-            e.add(Reservation(spec.sandbox_id, spec.cpu, spec.memory_mb, spec.disk_mb, time.time() if now is None else now, spec.priority == "latency-sensitive"))
+            at = time.time() if now is None else now
+            e.add(Reservation(spec.sandbox_id, spec.cpu, spec.memory_mb, spec.disk_mb, at, spec.priority == "latency-sensitive"))
 
     def release(self, host_id: str, sandbox_id: str) -> None:
         """Undo a reservation whose hand-off to the host failed."""

@@ -79,13 +79,10 @@ class _Proc:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, *, pipe: bool = False) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
                 argv, env=env, stdout=subprocess.PIPE if pipe else log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
             )
-        finally:
-            log.close()
 
     def alive(self) -> bool:
         return self.proc.poll() is None

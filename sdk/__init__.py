@@ -1,19 +1,25 @@
 """The dsec Python SDK: ``Sandbox`` (sync) and ``AsyncSandbox``, E2B-shaped."""
 
 from ._async import AsyncSandbox, build_spec
-from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
+from ._commands import AsyncCommandHandle
+from ._files import AsyncWatchHandle
+from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
-from ._sync import Sandbox
+from ._sync import CommandHandle, Sandbox, WatchHandle
 from .errors import (
     CommandExitError,
     CommandTimeoutError,
     DsecError,
     InvalidArgument,
     NoCapacity,
+    OutputLost,
+    ProcessNotFound,
+    ReplyTooLarge,
     SandboxNotFound,
     SandboxTimeout,
     Unavailable,
     UnknownTemplate,
+    UnknownUser,
 )
 
 __all__ = [
@@ -34,4 +40,15 @@ __all__ = [
     "SandboxTimeout",
     "Unavailable",
     "UnknownTemplate",
+    "UnknownUser",
+    "OutputLost",
+    "ProcessNotFound",
+    "ReplyTooLarge",
+    "AsyncCommandHandle",
+    "AsyncWatchHandle",
+    "CommandHandle",
+    "WatchHandle",
+    "FilesystemEvent",
+    "ProcessInfo",
+    "SandboxMetrics",
 ]

@@ -47,7 +47,7 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
             for g in got:
                 if isinstance(g, BaseException) and not isinstance(g, KeyNotFoundError):
                     raise g
-            templates = [n for n, g in zip(names, got) if not isinstance(g, KeyNotFoundError)]
+            templates = [n for n, g in zip(names, got, strict=True) if not isinstance(g, KeyNotFoundError)]
             n_sbx = sum(h["sandboxes"] for h in hosts if h["state"] == "ready")
         except NotFoundError:
             pass
@@ -103,7 +103,10 @@ async def replay_events(
             raise Unavailable("no event stream: has `dsec up` ever run against this NATS?") from None
         if info.state.messages == 0:
             return
-        cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat()) if start else ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+        if start:
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
+        else:
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if sandbox_id:
             cfg.filter_subjects = [subject, S.EVT_GUARD_VIOLATION]
         queue: asyncio.Queue[Any] = asyncio.Queue()

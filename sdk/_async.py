@@ -7,7 +7,7 @@ import inspect
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
@@ -20,34 +20,23 @@ from bus.messages import (
     CreateBatch,
     CreateSandbox,
     Done,
-    ExecRequest,
-    ExecResult,
-    Exists,
-    FileData,
-    FileExists,
-    FileList,
-    FileListing,
-    FileRead,
-    FileRemove,
-    FileWrite,
-    FileWritten,
     InfoRequest,
     KillRequest,
+    MetricsRequest,
     NetworkSpec,
     SandboxEvent,
     SandboxSpec,
     SetTimeout,
 )
+from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
 from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync
 
 from . import _snapshots as _snap
-from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
-from .errors import CommandExitError, CommandTimeoutError
-
-CHUNK = 512 * 1024  # under any NATS server's default max_payload (1 MiB)
-OutputHandler = Callable[[str], Any]
+from ._commands import AsyncCommands
+from ._files import AsyncFilesystem
+from ._models import SandboxInfo, SandboxMetrics
 
 _conns: dict[tuple[int, str], NATS] = {}
 BATCH_CHUNK = 1000  # specs per request message (well under any server's max_payload)
@@ -362,126 +351,6 @@ async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[s
         interval = min(interval * 2, 30.0)
 
 
-class AsyncCommands:
-    def __init__(self, sb: "AsyncSandbox") -> None:
-        self._sb = sb
-
-    async def run(
-        self,
-        cmd: str,
-        *,
-        envs: dict[str, str] | None = None,
-        cwd: str | None = None,
-        timeout: float = 60,
-        on_stdout: OutputHandler | None = None,
-        on_stderr: OutputHandler | None = None,
-    ) -> CommandResult:
-        """Run ``cmd`` with /bin/sh; raise CommandExitError on a non-zero exit."""
-        if not isinstance(cmd, str) or not cmd:
-            raise InvalidArgument(f"cmd must be a non-empty string, got {cmd!r}")
-        _check_positive("timeout", timeout, lo=0.001, hi=86400)
-        if envs is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
-            raise InvalidArgument("envs must be a dict of str to str")
-        nc = self._sb._nc
-        req = ExecRequest(cmd=cmd, envs=dict(envs or {}), cwd=cwd or "", timeout_s=float(timeout))
-        sub = None
-        received = 0
-        all_chunks = asyncio.Event()
-        expected: list[int] = []
-        if on_stdout or on_stderr:
-            req.stream_to = nc.new_inbox()
-
-            async def on_chunk(msg: Any) -> None:
-                nonlocal received
-                ch = codec.EXEC_CHUNK.decode(msg.data)
-                fn = on_stdout if ch.stream == 1 else on_stderr
-                if fn is not None:
-                    r = fn(ch.data.decode("utf-8", "replace"))
-                    if inspect.isawaitable(r):
-                        await r
-                received += 1
-                if expected and received >= expected[0]:
-                    all_chunks.set()
-
-            sub = await nc.subscribe(req.stream_to, cb=on_chunk)
-        try:
-            res: ExecResult = await self._sb._request("exec", req, ExecResult, timeout=timeout + 10)
-            if sub is not None and res.chunks > received:
-                expected.append(res.chunks)
-                try:
-                    await asyncio.wait_for(all_chunks.wait(), 5)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            if sub is not None:
-                await sub.unsubscribe()
-        out = CommandResult(
-            stdout=res.stdout.decode("utf-8", "replace"), stderr=res.stderr.decode("utf-8", "replace"),
-            exit_code=res.exit_code, duration_ms=res.duration_ms,
-        )
-        if res.timed_out:
-            out.error = f"command timed out after {timeout}s and was killed"
-            raise CommandTimeoutError(out.error, out)
-        if res.exit_code != 0:
-            out.error = f"exit code {res.exit_code}"
-            raise CommandExitError(out)
-        return out
-
-
-class AsyncFilesystem:
-    def __init__(self, sb: "AsyncSandbox") -> None:
-        self._sb = sb
-
-    @staticmethod
-    def _path(path: Any) -> str:
-        if not isinstance(path, str) or not path.startswith("/"):
-            raise InvalidArgument(f"path must be an absolute path string, got {path!r}")
-        return path
-
-    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> WriteInfo:
-        path = self._path(path)
-        if isinstance(data, str):
-            data = data.encode()
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise InvalidArgument(f"data must be str or bytes, got {type(data).__name__}")
-        data = bytes(data)
-        off = 0
-        size = 0
-        while True:
-            piece = data[off:off + CHUNK]
-            w = await self._sb._request("files", FileWrite(path=path, data=piece, offset=off, truncate=off == 0, mode=mode), FileWritten)
-            size = w.size
-            off += len(piece)
-            if off >= len(data):
-                break
-        return WriteInfo(path=path, size=size)
-
-    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        path = self._path(path)
-        if format not in ("text", "bytes"):
-            raise InvalidArgument(f"format must be 'text' or 'bytes', got {format!r}")
-        parts: list[bytes] = []
-        off = 0
-        while True:
-            d = await self._sb._request("files", FileRead(path=path, offset=off, length=CHUNK), FileData)
-            parts.append(d.data)
-            off += len(d.data)
-            if off >= d.size or not d.data:
-                break
-        raw = b"".join(parts)
-        return raw.decode("utf-8", "replace") if format == "text" else raw
-
-    async def list(self, path: str) -> list[EntryInfo]:
-        res = await self._sb._request("files", FileList(path=self._path(path)), FileListing)
-        return [EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime) for e in res.entries]
-
-    async def remove(self, path: str) -> None:
-        await self._sb._request("files", FileRemove(path=self._path(path)), Done)
-
-    async def exists(self, path: str) -> bool:
-        return (await self._sb._request("files", FileExists(path=self._path(path)), Exists)).exists
-
-
 class AsyncSandbox:
     """A live sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it at the end."""
 
@@ -495,6 +364,11 @@ class AsyncSandbox:
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
+
+    @property
+    def nc(self) -> NATS:
+        """The NATS connection this sandbox talks over (one per event loop and URL, shared)."""
+        return self._nc
 
     # --- creation ------------------------------------------------------------------------
     @classmethod
@@ -683,6 +557,10 @@ class AsyncSandbox:
             raise SandboxNotFound(f"sandbox {self.sandbox_id} is not running (killed, timed out, or never created)") from None
         except nats.errors.TimeoutError:
             raise SandboxTimeout(f"sandbox {self.sandbox_id} did not answer {op} within {timeout:g}s") from None
+        except nats.errors.MaxPayloadError:
+            raise InvalidArgument(
+                f"the {op} request is larger than the NATS server's max_payload ({self._nc.max_payload} bytes): send less at once"
+            ) from None
         return decode_reply(msg.data, result_type)
 
     async def kill(self) -> None:
@@ -698,7 +576,18 @@ class AsyncSandbox:
 
     async def get_info(self) -> SandboxInfo:
         i: WireInfo = await self._request("info", InfoRequest(), WireInfo)
-        return SandboxInfo(sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id, started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata)
+        return SandboxInfo(
+            sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id,
+            started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata,
+        )
+
+    async def get_metrics(self) -> SandboxMetrics:
+        """CPU and memory (from the sandbox's cgroups) and disk use right now."""
+        m: WireMetrics = await self._request("metrics", MetricsRequest(), WireMetrics)
+        return SandboxMetrics(
+            timestamp=m.at, cpu_count=m.cpu_count, cpu_used_pct=m.cpu_used_pct, cpu_usage_s=m.cpu_usage_s,
+            mem_used=m.mem_used_bytes, mem_total=m.mem_total_bytes, disk_used=m.disk_used_bytes, disk_total=m.disk_total_bytes,
+        )
 
     async def is_running(self) -> bool:
         try:

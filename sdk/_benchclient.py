@@ -21,7 +21,10 @@ from sdk._async import close_connections
 
 async def main(p: dict) -> None:
     url = p["nats_url"]
-    kw = dict(backend="sim", cpu=p["cpu"], memory_mb=p["memory_mb"], disk_mb=p["disk_mb"], timeout=p["sandbox_timeout"], nats_url=url, create_timeout=p["create_timeout"])
+    kw = dict(
+        backend="sim", cpu=p["cpu"], memory_mb=p["memory_mb"], disk_mb=p["disk_mb"], timeout=p["sandbox_timeout"],
+        nats_url=url, create_timeout=p["create_timeout"],
+    )
     prefix = f"b{p['client']}{uuid.uuid4().hex[:6]}"
     ctl = await connect(url, name="dsec-bench-ctl")
     go = asyncio.Event()

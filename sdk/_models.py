@@ -7,11 +7,56 @@ from dataclasses import dataclass, field
 
 @dataclass
 class CommandResult:
-    stdout: str
+    stdout: str  # at most the output cap (8 MiB by default) of it: see stdout_truncated
     stderr: str
     exit_code: int
     error: str | None = None
     duration_ms: float = 0.0
+    stdout_bytes: int = 0  # everything the command wrote, kept here or not
+    stderr_bytes: int = 0
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    pid: int = 0
+    signal: int = 0  # the signal that ended it (0: it exited)
+
+    @property
+    def truncated(self) -> bool:
+        return self.stdout_truncated or self.stderr_truncated
+
+
+@dataclass
+class ProcessInfo:
+    """A command running in a sandbox (``commands.list()``)."""
+
+    pid: int
+    cmd: str
+    tag: str = ""
+    cwd: str = ""
+    user: str = ""
+    envs: dict[str, str] = field(default_factory=dict)
+    stdin: bool = False  # its stdin pipe is open
+
+
+@dataclass
+class FilesystemEvent:
+    """A change seen by ``files.watch_dir``: type is create, write, remove, rename, chmod or overflow."""
+
+    name: str  # relative to the watched directory
+    type: str
+    path: str = ""
+    is_dir: bool = False
+
+
+@dataclass
+class SandboxMetrics:
+    timestamp: float
+    cpu_count: float
+    cpu_used_pct: float
+    mem_used: int  # bytes
+    mem_total: int
+    disk_used: int = 0
+    disk_total: int = 0
+    cpu_usage_s: float = 0.0
 
 
 @dataclass

@@ -11,7 +11,9 @@ from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
 
 from ._async import AsyncSandbox
-from ._models import CommandResult, EntryInfo, SandboxInfo, WriteInfo
+from ._commands import AsyncCommandHandle
+from ._files import AsyncWatchHandle
+from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
 
 T = TypeVar("T")
@@ -29,13 +31,85 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run_coroutine_threadsafe(coro, _loop).result()
 
 
+class CommandHandle:
+    """A background command (see ``AsyncCommandHandle``); callbacks run on the SDK's own thread."""
+
+    def __init__(self, h: AsyncCommandHandle) -> None:
+        self._h = h
+
+    def __repr__(self) -> str:
+        return f"CommandHandle(pid={self.pid})"
+
+    @property
+    def pid(self) -> int:
+        return self._h.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._h.exit_code
+
+    @property
+    def stdout(self) -> str:
+        return self._h.stdout
+
+    @property
+    def stderr(self) -> str:
+        return self._h.stderr
+
+    def wait(self, timeout: float | None = None) -> CommandResult:
+        return _run(self._h.wait(timeout))
+
+    def kill(self, signal: int = 9) -> bool:
+        return _run(self._h.kill(signal))
+
+    def send_stdin(self, data: str | bytes) -> None:
+        _run(self._h.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        _run(self._h.close_stdin())
+
+    def disconnect(self) -> None:
+        _run(self._h.disconnect())
+
+
 class Commands:
     def __init__(self, a: AsyncSandbox) -> None:
         self._a = a
 
-    def run(self, cmd: str, *, envs: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 60, on_stdout: Any = None, on_stderr: Any = None) -> CommandResult:
-        """Run ``cmd`` with /bin/sh; raise CommandExitError on a non-zero exit."""
-        return _run(self._a.commands.run(cmd, envs=envs, cwd=cwd, timeout=timeout, on_stdout=on_stdout, on_stderr=on_stderr))
+    def run(self, cmd: str, *, background: bool = False, **kwargs: Any) -> Any:
+        """Run ``cmd`` with /bin/sh (see ``AsyncCommands.run``); CommandHandle when ``background``."""
+        res = _run(self._a.commands.run(cmd, background=background, **kwargs))
+        return CommandHandle(res) if background else res
+
+    def list(self) -> list[ProcessInfo]:
+        return _run(self._a.commands.list())
+
+    def kill(self, pid: int, *, signal: int = 9) -> bool:
+        return _run(self._a.commands.kill(pid, signal=signal))
+
+    def send_stdin(self, pid: int, data: str | bytes) -> None:
+        _run(self._a.commands.send_stdin(pid, data))
+
+    def close_stdin(self, pid: int) -> None:
+        _run(self._a.commands.close_stdin(pid))
+
+    def connect(self, pid: int, **kwargs: Any) -> CommandHandle:
+        return CommandHandle(_run(self._a.commands.connect(pid, **kwargs)))
+
+
+class WatchHandle:
+    def __init__(self, h: AsyncWatchHandle) -> None:
+        self._h = h
+
+    def get_new_events(self) -> list[FilesystemEvent]:
+        return _run(_call(self._h.get_new_events))
+
+    def stop(self) -> None:
+        _run(self._h.stop())
+
+
+async def _call(fn: Any) -> Any:
+    return fn()  # on the SDK's loop, where the handle's state changes
 
 
 class Filesystem:
@@ -45,8 +119,8 @@ class Filesystem:
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> WriteInfo:
         return _run(self._a.files.write(path, data, mode=mode))
 
-    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        return _run(self._a.files.read(path, format=format))
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text", offset: int = 0, length: int | None = None) -> str | bytes:
+        return _run(self._a.files.read(path, format=format, offset=offset, length=length))
 
     def list(self, path: str) -> list[EntryInfo]:
         return _run(self._a.files.list(path))
@@ -56,6 +130,18 @@ class Filesystem:
 
     def exists(self, path: str) -> bool:
         return _run(self._a.files.exists(path))
+
+    def get_info(self, path: str) -> EntryInfo:
+        return _run(self._a.files.get_info(path))
+
+    def make_dir(self, path: str, *, mode: int = 0o755) -> bool:
+        return _run(self._a.files.make_dir(path, mode=mode))
+
+    def rename(self, old_path: str, new_path: str) -> EntryInfo:
+        return _run(self._a.files.rename(old_path, new_path))
+
+    def watch_dir(self, path: str, on_event: Any = None, *, recursive: bool = False) -> WatchHandle:
+        return WatchHandle(_run(self._a.files.watch_dir(path, on_event, recursive=recursive)))
 
 
 class Sandbox:
@@ -127,6 +213,9 @@ class Sandbox:
 
     def get_info(self) -> SandboxInfo:
         return _run(self._a.get_info())
+
+    def get_metrics(self) -> SandboxMetrics:
+        return _run(self._a.get_metrics())
 
     def is_running(self) -> bool:
         return _run(self._a.is_running())

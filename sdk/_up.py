@@ -1,76 +1,356 @@
-"""``dsec up``: the whole dev stack on this machine, in the foreground, until Ctrl-C.
+"""``dsec up``: the whole dev stack on this machine, in the foreground, supervised until Ctrl-C or SIGTERM.
 
-It starts the same processes production runs (``python -m placement`` and friends) and imports none of them.
+It starts the same processes production runs (``python -m placement`` and friends) and imports none of
+them. A process that exits is started again (bounded exponential backoff with jitter); sandboxes live
+on across a restart of any one service (the host agent recovers its sandboxes, the lazy loader takes
+its FUSE connection back, nats-server restarts on the same store and port). The supervisor's view of
+its services is ``<data-dir>/services.json`` (``dsec status`` shows it). Only Ctrl-C or SIGTERM stops
+the stack: services in reverse start order, by pid, then nats-server, then a sweep by the host agent's
+own clean-up entry point of whatever the data dir still owns.
 """
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from bus.auth import AuthConfig
+from bus.auth import OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
 from bus.errors import DsecError
 from bus.natsd import NatsServer, NatsServerError
 from bus.sign import ENV_CONTROL_KEY
 
+SERVICES_FILE = "services.json"
 
-class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.argv = argv
-        self.env = env
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        finally:
-            log.close()
+@dataclass(frozen=True)
+class Service:
+    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth).
 
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    ``argv`` items are formatted with the stack's settings: every ``dsec up`` option by its dest
+    (``{backend}``, ``{concurrency}``, ...), ``{data}`` (the resolved data dir) and ``{host_id}``;
+    ``replicas`` names the option that says how many run (default one)."""
 
-    def stop(self, grace: float) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    name: str
+    role: str
+    argv: tuple[str, ...]
+    grace_s: float = 15.0
+    control_key: bool = False  # placement signs host work with it; host agents run nothing else (bus.sign)
+    replicas: str = ""
+
+
+# Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
+# lazy loader and NATS are still there). Adding a service is one line here.
+SERVICES: tuple[Service, ...] = (
+    Service("imaged", "imaged", ("imaged", "serve", "--data-dir", "{data}")),
+    Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}")),
+    Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
+    Service("guard", "guard", ("guard",)),
+    Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
+                                       "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
+)
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+STABLE_S = 30.0  # a process up this long has recovered: the next exit starts the backoff afresh
+TICK_S = 0.2  # how often exits are looked for
 
 
 def _say(msg: str) -> None:
     print(f"dsec up: {msg}", flush=True)
 
 
-async def _wait_ready(url: str, deadline: float, children: list[Child]) -> dict:
+def exit_text(code: int | None) -> str:
+    if code is None:
+        return "?"
+    if code < 0:
+        try:
+            return f"signal {-code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
+
+
+class Supervised(abc.ABC):
+    """One process of the stack and its record: restarts, last exit, up since, next start."""
+
+    def __init__(self, name: str, log_path: Path, grace_s: float) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.grace_s = grace_s
+        self.state = "stopped"  # starting | running | backoff | stopped
+        self.restarts = 0
+        self.last_exit: int | None = None
+        self.last_exit_at: float | None = None
+        self.up_since: float | None = None
+        self.started_mono = 0.0
+        self.failures = 0  # exits in a row, each within STABLE_S of its start
+        self.next_start = 0.0
+
+    # What a kind of process does differently: how it starts, whether it lives, how it stops.
+    @abc.abstractmethod
+    def _launch(self) -> None: ...
+
+    @abc.abstractmethod
+    def pid(self) -> int | None: ...
+
+    @abc.abstractmethod
+    def poll(self) -> int | None:
+        """The exit code once the process is gone, else None."""
+
+    @abc.abstractmethod
+    def _terminate(self, grace: float) -> None: ...
+
+    def start(self) -> None:
+        self.state, self.started_mono = "starting", time.monotonic()
+        self._launch()
+        self.state, self.up_since = "running", time.time()
+
+    def exited(self, code: int | None) -> float:
+        """Record an exit (None: it did not even start); returns the delay before the next start."""
+        if code is not None:
+            self.last_exit, self.last_exit_at = code, time.time()
+        self.failures = 1 if time.monotonic() - self.started_mono > STABLE_S else self.failures + 1
+        # Full jitter on a capped exponential: a crash loop costs little, and restarts of several
+        # services that fell together (NATS away) spread out.
+        delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (self.failures - 1))
+        self.state, self.up_since, self.next_start = "backoff", None, time.monotonic() + delay
+        return delay
+
+    def stop(self) -> None:
+        if self.poll() is None and self.pid() is not None:
+            self._terminate(self.grace_s)
+        self.state = "stopped"
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "state": self.state, "pid": self.pid() if self.state == "running" else None, "restarts": self.restarts,
+            "last_exit": self.last_exit, "last_exit_at": self.last_exit_at, "up_since": self.up_since, "log": str(self.log_path),
+        }
+
+
+class Child(Supervised):
+    """A ``python -m`` service, in its own session (a Ctrl-C on the terminal reaches only the supervisor)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, grace_s: float) -> None:
+        super().__init__(name, log_path, grace_s)
+        self.argv = argv
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _launch(self) -> None:
+        with open(self.log_path, "ab") as log:
+            if self.restarts:
+                log.write(f"--- dsec up: restart {self.restarts} at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
+                log.flush()
+            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def _terminate(self, grace: float) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            _say(f"{self.name} (pid {self.proc.pid}) did not stop within {grace:.0f}s: killing it")
+            self.proc.kill()
+            self.proc.wait()
+
+
+class NatsChild(Supervised):
+    """nats-server: restarted on the same store dir, port and users (bus.natsd)."""
+
+    def __init__(self, server: NatsServer) -> None:
+        super().__init__("nats-server", Path(server.log_file), 10.0)
+        self.server = server
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def _launch(self) -> None:
+        self.server.proc = None  # forget the dead one; start() makes a new one on the same config
+        self.server.start()
+        self._proc = self.server.proc
+
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def poll(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def _terminate(self, grace: float) -> None:
+        self.server.proc = self._proc
+        self.server.stop(grace)
+
+
+class Supervisor:
+    def __init__(self, data: Path, nats: NatsChild, children: list[Child], backend: str) -> None:
+        self.data = data
+        self.nats = nats
+        self.children = children
+        self.backend = backend
+        self.stopping = asyncio.Event()
+        self.view_path = data / SERVICES_FILE
+
+    @property
+    def all(self) -> list[Supervised]:
+        return [self.nats, *self.children]
+
+    def write_view(self) -> None:
+        view = {"supervisor_pid": os.getpid(), "nats_url": self.nats.server.url, "at": time.time(), "services": [s.view() for s in self.all]}
+        tmp = self.view_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(view))
+        os.replace(tmp, self.view_path)
+
+    async def _start(self, s: Supervised) -> bool:
+        try:
+            await asyncio.to_thread(s.start)
+        except (OSError, NatsServerError) as exc:
+            delay = s.exited(None)
+            _say(f"{s.name} did not start ({exc}); next try in {delay:.1f}s")
+            return False
+        _say(f"{'restarted' if s.restarts else 'started'} {s.name} (pid {s.pid()}), log {s.log_path}")
+        return True
+
+    async def tend(self) -> None:
+        """Start what is due, record what exited; until stopping."""
+        while not self.stopping.is_set():
+            changed = False
+            for s in self.all:
+                if self.stopping.is_set():
+                    break
+                if s.state == "running":
+                    code = s.poll()
+                    if code is not None:
+                        delay = s.exited(code)
+                        _say(f"{s.name} (pid {s.pid()}) exited with {exit_text(code)}; restart {s.restarts + 1} in {delay:.1f}s; see {s.log_path}")
+                        changed = True
+                elif s.state == "backoff" and time.monotonic() >= s.next_start:
+                    s.restarts += 1
+                    await self._start(s)
+                    changed = True
+            if changed:
+                self.write_view()
+            try:
+                await asyncio.wait_for(self.stopping.wait(), TICK_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def start_all(self) -> None:
+        for s in self.all:
+            if self.stopping.is_set():
+                return
+            if not await self._start(s) and s is self.nats:
+                raise DsecError(f"nats-server did not start; see {s.log_path}")
+        self.write_view()
+
+    async def stop_all(self) -> None:
+        for s in reversed(self.children):
+            await asyncio.to_thread(s.stop)
+            self.write_view()
+        await asyncio.to_thread(self.nats.stop)
+        self.write_view()
+        if self.backend == "container":
+            await self.sweep()
+        self.view_path.unlink(missing_ok=True)
+
+    async def sweep(self) -> None:
+        """Whatever a crash earlier left (a host agent killed with its sandboxes, a stray shim, a FUSE
+        holder): the host agent's own clean-up entry point removes it."""
+        log_path = self.data / "logs" / "cleanup.log"
+        with open(log_path, "ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "hostagent", "--cleanup", "--data-dir", str(self.data),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            )
+        try:
+            rc = await asyncio.wait_for(proc.wait(), 180)
+        except asyncio.TimeoutError:
+            proc.kill()
+            rc = await proc.wait()
+        if rc != 0:
+            _say(f"the final clean-up did not finish (exit {rc}); see {log_path}")
+
+
+async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict:
     from ._admin import cluster_status
 
     last: dict = {}
-    while time.monotonic() < deadline:
-        for c in children:
-            if not c.alive():
-                raise DsecError(f"{c.name} exited with {c.proc.returncode if c.proc else '?'}; see {c.log_path}")
+    while time.monotonic() < deadline and not sup.stopping.is_set():
         try:
             last = await cluster_status(url, timeout=2)
             if last["ready_hosts"] > 0 and "base" in last["templates"]:
                 return last
         except DsecError:
             pass
-        await asyncio.sleep(0.25)  # readiness poll interval
-    raise DsecError(f"stack not ready in time (last status: {last}); logs in {children[0].log_path.parent}")
+        try:
+            await asyncio.wait_for(sup.stopping.wait(), 0.25)  # readiness poll interval
+        except asyncio.TimeoutError:
+            pass
+    if sup.stopping.is_set():
+        return {}
+    restarts = {s.name: s.restarts for s in sup.all if s.restarts}
+    raise DsecError(f"stack not ready in time (last status: {last}; restarts: {restarts or 'none'}); logs in {sup.data / 'logs'}")
+
+
+def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> list[Child]:
+    # Every `dsec up` option by its name, plus the resolved data dir and host id.
+    settings = {k: str(v) for k, v in vars(args).items()}
+    settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
+    out = []
+    for svc in SERVICES:
+        n = getattr(args, svc.replicas) if svc.replicas else 1
+        for i in range(n):
+            name = f"{svc.name}-{i}" if svc.replicas else svc.name
+            argv = [sys.executable, "-m", *(a.format(**settings) for a in svc.argv)]
+            out.append(Child(name, argv, env_of(svc), logs / f"{name}.log", svc.grace_s))
+    return out
+
+
+async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.stopping.set)
+    rc = 0
+    tend: asyncio.Task[None] | None = None
+    try:
+        await sup.start_all()
+        url = sup.nats.server.url
+        write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
+        tend = asyncio.create_task(sup.tend())
+        st = await _wait_ready(url, time.monotonic() + args.ready_timeout, sup)
+        if st:
+            _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
+            _say(f"`dsec` and the SDK on this machine reach it as the operator (context {pointer}); Ctrl-C stops everything")
+        await sup.stopping.wait()
+    except DsecError as exc:
+        print(f"dsec up: {exc.description}", file=sys.stderr)
+        rc = 1
+    finally:
+        sup.stopping.set()
+        if tend is not None:
+            await tend
+        _say("stopping")
+        await sup.stop_all()
+        remove_client_context(data, pointer)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        _say("stopped")
+    return rc
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -82,72 +362,16 @@ def run_up(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     auth = None if args.no_auth else AuthConfig.load_or_create(data / "auth.json")
     nats = NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"), extra_config=auth.config_block() if auth else "")
-    try:
-        nats.start()
-    except NatsServerError as exc:
-        print(f"dsec up: {exc}", file=sys.stderr)
-        return 1
-    _say(f"NATS JetStream at {nats.url} (pid {nats.pid})")
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base_env = {k: v for k, v in os.environ.items() if k not in (ENV_CONTROL_KEY, "DSEC_NATS_CREDS")}
+    base_env["PYTHONUNBUFFERED"] = "1"
 
-    base_env.pop(ENV_CONTROL_KEY, None)
-
-    def env(role: str) -> dict[str, str]:
+    def env_of(svc: Service) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        e = {**base_env, "DSEC_NATS_URL": auth.url_for(role, nats.url) if auth else nats.url}
-        if auth and role in ("placement", "hostagent"):
-            # Placement signs the work it hands hosts; host agents run nothing else (bus.sign).
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth else nats.url}
+        if auth and svc.control_key:
             e[ENV_CONTROL_KEY] = auth.control_key
         return e
 
-    py = sys.executable
-    host_id = args.host_id or socket.gethostname().split(".")[0]
-    children = [Child("imaged", [py, "-m", "imaged", "serve", "--data-dir", str(data)], env("imaged"), logs)]
-    children.append(
-        Child("lazy-loader", [py, "-m", "imaged.lazy", "--data-dir", str(data), "--mount", str(data / "lazy"), "--host-id", host_id], env("imaged"), logs)
-    )
-    children += [Child(f"placement-{i}", [py, "-m", "placement"], env("placement"), logs) for i in range(args.placement_replicas)]
-    children.append(Child("guard", [py, "-m", "guard"], env("guard"), logs))
-    children.append(
-        Child(
-            "hostagent",
-            [py, "-m", "hostagent", "--data-dir", str(data), "--host-id", host_id, "--backend", args.backend,
-             "--concurrency", str(args.concurrency), "--destroy-on-shutdown"],
-            env("hostagent"),
-            logs,
-        )
-    )
-    stop = {"flag": False}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["flag"] = True
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    rc = 0
-    try:
-        for c in children:
-            c.start()
-            _say(f"started {c.name} (pid {c.proc.pid if c.proc else '?'}), log {c.log_path}")
-        st = asyncio.run(_wait_ready(nats.url, time.monotonic() + args.ready_timeout, children))
-        _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}. export DSEC_NATS_URL={nats.url}")
-        _say("Ctrl-C stops everything")
-        while not stop["flag"]:
-            for c in children:
-                if not c.alive():
-                    _say(f"{c.name} exited with {c.proc.returncode if c.proc else '?'}; see {c.log_path}")
-                    stop["flag"] = True
-                    rc = 1
-            time.sleep(0.2)  # supervisor poll; the signal handler sets the flag
-    except DsecError as exc:
-        print(f"dsec up: {exc.description}", file=sys.stderr)
-        rc = 1
-    finally:
-        _say("stopping")
-        # Host agent first: it removes its sandboxes while NATS is still there to record it.
-        for c in reversed(children):
-            c.stop(grace=60 if c.name == "hostagent" else 15)
-        nats.stop()
-        for s, h in old.items():
-            signal.signal(s, h)
-        _say("stopped")
-    return rc
+    pointer = Path(args.context) if args.context else default_context_path()
+    sup = Supervisor(data, NatsChild(nats), _children(args, data, logs, env_of), args.backend)
+    return asyncio.run(_run(args, data, sup, pointer, auth))

@@ -5,39 +5,98 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
+import os
 import shlex
+import socket
 import sys
 import time
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
-from bus.errors import DsecError
+from bus.errors import DsecError, Unavailable
+
+# Subcommands that talk to a running stack: told within seconds when it is not there (status says it its own way).
+_STACK_COMMANDS = {"sandbox", "audit", "image"}
 
 
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, default=lambda o: o.__dict__ if hasattr(o, "__dict__") else str(o)))
 
 
+def _context_in_use(args: argparse.Namespace) -> Any:
+    """The client context `dsec up` wrote, unless --nats-url or $DSEC_NATS_URL says where to go instead."""
+    from bus.auth import load_client_context
+
+    if getattr(args, "nats_url", None) or os.environ.get("DSEC_NATS_URL"):
+        return None
+    return load_client_context()
+
+
 # --- status ------------------------------------------------------------------------------
+def _services(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """What the `dsec up` supervisor of this stack says about its processes (None: no supervisor here)."""
+    from ._up import SERVICES_FILE
+
+    data_dir = args.data_dir
+    if data_dir is None:
+        ctx = _context_in_use(args)
+        data_dir = ctx.data_dir if ctx else None
+    if not data_dir:
+        return None
+    try:
+        view = json.loads((Path(data_dir) / SERVICES_FILE).read_text())
+        os.kill(int(view["supervisor_pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # no view, or its supervisor is gone: nothing current to say
+    return view.get("services")
+
+
+def _print_services(services: list[dict[str, Any]]) -> None:
+    from ._up import exit_text
+
+    now = time.time()
+    for s in services:
+        up = f"up {now - s['up_since']:.0f}s" if s.get("up_since") else s["state"]
+        last = f" last exit {exit_text(s['last_exit'])}" if s.get("last_exit") is not None else ""
+        print(f"  {s['name']:<24} {s['state']:<8} pid={s.get('pid') or '-':<8} restarts={s['restarts']:<3} {up}{last}")
+
+
 async def _status(args: argparse.Namespace) -> int:
+    from bus.auth import redact_url
+
     from ._admin import cluster_status
 
+    services = _services(args)
     try:
+        _probe(args.nats_url, min(2.0, args.timeout))
         st = await cluster_status(args.nats_url, timeout=args.timeout)
     except DsecError as exc:
         if args.json:
-            _print_json({"ok": False, "error": exc.code, "description": exc.description})
+            _print_json({"ok": False, "error": exc.code, "description": exc.description, "services": services})
         else:
             print(f"dsec: {exc.description}", file=sys.stderr)
+            if services:
+                _print_services(services)
         return 1
     ok = st["ready_hosts"] > 0
     st["ok"] = ok
+    st["nats_url"] = redact_url(st["nats_url"])
+    st["services"] = services
     if args.json:
         _print_json(st)
     else:
-        print(f"nats: {st['nats_url']}  hosts ready: {st['ready_hosts']}/{len(st['hosts'])}  templates: {', '.join(st['templates']) or '-'}  sandboxes: {st['sandboxes']}")
+        templates = ", ".join(st["templates"]) or "-"
+        print(f"nats: {st['nats_url']}  hosts ready: {st['ready_hosts']}/{len(st['hosts'])}  templates: {templates}  sandboxes: {st['sandboxes']}")
         for h in st["hosts"]:
-            print(f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s")
+            print(
+                f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} "
+                f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s"
+            )
+        if services:
+            print("services (dsec up):")
+            _print_services(services)
     return 0 if ok else 1
 
 
@@ -54,7 +113,10 @@ def _sandbox(args: argparse.Namespace) -> int:
                 print(f"dsec: --env takes K=V, got {[e for e in args.env if '=' not in e]}", file=sys.stderr)
                 return 2
             envs = dict(e.split("=", 1) for e in args.env or [])
-            sb = Sandbox.create(args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout, envs=envs, pool=args.pool, **kw)
+            sb = Sandbox.create(
+                args.template, backend=args.backend, cpu=args.cpu, memory_mb=args.memory_mb, disk_mb=args.disk_mb, timeout=args.timeout,
+                envs=envs, pool=args.pool, **kw,
+            )
             if args.json:
                 _print_json({"sandbox_id": sb.sandbox_id, "host_id": sb.host_id})
             else:
@@ -65,12 +127,15 @@ def _sandbox(args: argparse.Namespace) -> int:
             sb = Sandbox.connect(args.sandbox_id, **kw)
             # One argument is a shell command line; several are an argv, quoted so the shell keeps them apart.
             cmd = shlex.join(args.command) if len(args.command) > 1 else args.command[0]
+            # Streamed as it comes (output of any size); the result itself need not carry it again.
             try:
-                r = sb.commands.run(cmd, timeout=args.timeout, cwd=args.cwd)
+                r = sb.commands.run(
+                    cmd, timeout=args.timeout, cwd=args.cwd, on_stdout=sys.stdout.write, on_stderr=sys.stderr.write, output_cap=0,
+                )
             except CommandExitError as exc:
                 r = exc.result
-            sys.stdout.write(r.stdout)
-            sys.stderr.write(r.stderr)
+            finally:
+                sys.stdout.flush()
             return r.exit_code
         elif args.sbx_cmd == "ls":
             items = Sandbox.list(**kw)
@@ -141,11 +206,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--placement-replicas", type=int, default=1)
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
+    up.add_argument("--context", default=None, help="where to point clients at this stack (default: $DSEC_CONTEXT, else /run/dsec/context.json as root)")
     up.set_defaults(func=_up)
 
     st = sub.add_parser("status", help="exit 0 when the stack answers and at least one host is ready")
     st.add_argument("--json", action="store_true")
     st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--data-dir", default=None, help="a `dsec up` data dir whose services to show (default: the client context's)")
     st.set_defaults(func=lambda a: asyncio.run(_status(a)))
 
     sb = sub.add_parser("sandbox", help="create, exec in, list and kill sandboxes")
@@ -188,9 +255,79 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _probe(url: str | None, timeout: float = 2.0) -> None:
+    """Raise Unavailable unless some server of the URL accepts a TCP connection within ``timeout``:
+    a client's own connect retries for longer than anyone should wait to hear the stack is down."""
+    from urllib.parse import urlsplit
+
+    from bus.auth import redact_url
+    from bus.runtime import nats_url
+
+    servers = nats_url(url).split(",")
+    why = ""
+    for u in servers:
+        parts = urlsplit(u if "://" in u else f"nats://{u}")
+        try:
+            socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout=timeout).close()
+            return
+        except OSError as exc:
+            why = exc.strerror or str(exc) or type(exc).__name__
+    raise Unavailable(f"cannot reach NATS at {redact_url(','.join(servers))} ({why}): is `dsec up` running?")
+
+
+class _NatsErrors(logging.Handler):
+    """Keeps the connection errors bus.runtime logs (one per -ERR) instead of printing them: a denied
+    publish reaches the caller only as a timeout, so the denial is what the CLI's one line says."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.denied: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if "permissions violation" in msg.lower() and self.denied is None:
+            self.denied = msg.split("nats: ", 2)[-1]
+
+
+def _one_line(exc: BaseException, denied: str | None = None) -> str:
+    """An expected failure as the one line the CLI prints."""
+    import nats.errors
+
+    if isinstance(exc, DsecError):
+        return str(exc)
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if denied and isinstance(exc, nats.errors.TimeoutError):
+        text = denied
+    if "permissions violation" in text.lower():
+        return (f"not allowed: {text} (this NATS user may not do that; the operator's context that `dsec up` writes may,"
+                " or set DSEC_NATS_URL with such a user)")
+    if isinstance(exc, nats.errors.TimeoutError):
+        return f"timeout: NATS did not answer in time ({text})"
+    return f"NATS: {text}"
+
+
 def main(argv: list[str] | None = None) -> None:
+    import nats.errors
+    import nats.js.errors
+
     args = build_parser().parse_args(argv)
-    rc = args.func(args)
+    ctx = _context_in_use(args)
+    if ctx is not None and ctx.data_dir:
+        # Local state of client-side work (image build caches) goes where that stack keeps its own.
+        os.environ.setdefault("DSEC_DATA_DIR", ctx.data_dir)
+    errors = _NatsErrors()
+    nats_log = logging.getLogger("dsec.nats")
+    nats_log.addHandler(errors)
+    nats_log.propagate = False
+    try:
+        if args.cmd in _STACK_COMMANDS:
+            _probe(args.nats_url)
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        rc = 130
+    except (DsecError, nats.errors.Error, nats.js.errors.Error) as exc:
+        print(f"dsec: {_one_line(exc, errors.denied)}", file=sys.stderr)
+        rc = 1
     sys.exit(rc or 0)
 
 

@@ -15,11 +15,15 @@ from bus.errors import (
     InvalidArgument,
     NoCapacity,
     NotSupported,
+    OutputLost,
     PermissionDenied,
+    ProcessNotFound,
+    ReplyTooLarge,
     SandboxNotFound,
     SandboxTimeout,
     Unavailable,
     UnknownTemplate,
+    UnknownUser,
 )
 
 if TYPE_CHECKING:
@@ -65,4 +69,8 @@ __all__ = [
     "SandboxTimeout",
     "Unavailable",
     "UnknownTemplate",
+    "UnknownUser",
+    "OutputLost",
+    "ProcessNotFound",
+    "ReplyTooLarge",
 ]

@@ -21,7 +21,8 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
     ``get``/``entry`` (missing or undecodable -> None, logged and counted), ``put``/``put_async``,
     ``create``/``update(last=)`` (False when beaten), ``delete``, ``keys``, and one compare-and-set
     ``claim(key, value, mine=)`` -> ``Claim.WON``/``MINE``/``LOST`` (an undecodable record is
-    treated as absent). ``kv_keys(js, bucket)``.
+    treated as absent); ``await kv.watch(on_put(key, value, rev), on_delete(key))`` -> ``Watch``
+    (``.synced``, ``.stop()``). ``kv_keys(js, bucket)``.
 ``Endpoint(nc, name, handler, decoder=Decoder | {op: Decoder})``
     ``await ep.serve(subject, queue=)``; ``handler(msg, request) -> Struct``; one error boundary
     (DsecError -> its ErrorReply, anything else -> ``internal``; a reply over max_payload ->
@@ -30,7 +31,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
 ``Events(nc, publisher, host_id=)``
     ``await ev.sandbox(spec, kind, attempt=, err=, detail=, acked=, wait=)``: msg-id
     ``<id>:<kind>:<attempt>`` and the reply fan-out to the creating client's inbox; ``ev.host(...)``;
-    ``ev.best_effort(subject, struct)``.
+    ``best_effort_event(js, subject, struct)`` for events that must never fail the work.
 ``dead_letter(publisher, msg, code, description)``
     Keep malformed work on DSEC_DLQ with ``Dsec-Error-Code``/``Dsec-Error``/``Dsec-Origin``, then ack.
 """
@@ -39,8 +40,8 @@ from .connection import DEFAULT_URL, connect, nats_url
 from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
-from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, event_msg_id, sandbox_event
-from .kv import KV, Claim, Versioned, kv_keys, open_kv
+from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
+from .kv import KV, Claim, Versioned, Watch, kv_keys
 from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
 from .service import Service
 
@@ -61,13 +62,14 @@ __all__ = [
     "ONCE_PER_ATTEMPT",
     "REPLY_KINDS",
     "Events",
+    "best_effort_event",
     "event_msg_id",
     "sandbox_event",
     "KV",
     "Claim",
     "Versioned",
+    "Watch",
     "kv_keys",
-    "open_kv",
     "ERR_WRONG_LAST_SEQUENCE",
     "PubAck",
     "Publisher",

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from ..auth import ANONYMOUS_USER, inbox_prefix
+from ..auth import ANONYMOUS_USER, inbox_prefix, load_client_context
 from ..errors import Unavailable
 from ..subjects import valid_token
 
@@ -20,7 +20,11 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
 def nats_url(url: str | None = None) -> str:
-    return url or os.environ.get("DSEC_NATS_URL", DEFAULT_URL)
+    """``url``, else $DSEC_NATS_URL, else the client context `dsec up` wrote (bus.auth), else the default."""
+    if url or os.environ.get("DSEC_NATS_URL"):
+        return url or os.environ["DSEC_NATS_URL"]
+    ctx = load_client_context()
+    return ctx.url if ctx else DEFAULT_URL
 
 
 async def connect(

@@ -20,13 +20,14 @@ import time
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from .. import log as _log
 from .. import subjects as S
 from ..codec import encode
 from ..errors import DsecError
 from ..messages import HostEvent, SandboxEvent, SandboxSpec
-from .publisher import PubAck, Publisher
+from .publisher import PubAck, Publisher, nc_of
 
 logger = _log.get_logger("dsec.bus.events")
 
@@ -87,19 +88,20 @@ class Events:
     async def host(self, host_id: str, kind: str, detail: dict[str, str] | None = None) -> PubAck:
         return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))
 
-    async def best_effort(self, subject: str, ev: Any, *, timeout_s: float = 2.0) -> None:
-        """An event that must never fail the work: acked when a stream takes it in time, else a core
-        publish (no DSEC_EVT yet, or NATS away for a moment); errors are logged, never raised."""
-        data = encode(ev)
-        try:
-            await asyncio.wait_for(await self.publisher.publish(subject, data), timeout_s)
-            return
-        except Exception as exc:  # noqa: BLE001 - fall back to a core publish
-            logger.debug("event_not_acked", subject=subject, error=str(exc))
-        try:
-            await self.nc.publish(subject, data)
-        except Exception as exc:  # noqa: BLE001
-            logger.warning("event_lost", subject=subject, error=str(exc))
+
+async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, timeout_s: float = 2.0) -> None:
+    """An event that must never fail the work: acked when a stream takes it in time, else a core
+    publish (no DSEC_EVT yet, or NATS away for a moment); errors are logged, never raised."""
+    data = encode(ev)
+    try:
+        await js.publish(subject, data, timeout=timeout_s)
+        return
+    except Exception as exc:  # noqa: BLE001 - fall back to a core publish
+        logger.debug("event_not_acked", subject=subject, error=str(exc))
+    try:
+        await nc_of(js).publish(subject, data)
+    except Exception as exc:  # noqa: BLE001
+        logger.warning("event_lost", subject=subject, error=str(exc))
 
 
-__all__ = ["Events", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "sandbox_event"]
+__all__ = ["Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "sandbox_event"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import random
 from typing import Any, Callable, Generic, TypeVar
 
 from nats.js import JetStreamContext
@@ -35,6 +36,8 @@ logger = _log.get_logger("dsec.bus.kv")
 
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 CLAIM_ROUNDS = 4  # a claim re-reads at most this often while others keep writing the same key
+WATCH_POLL_S = 1.0  # a watch looks at its stop flag this often while nothing changes
+WATCH_BACKOFF_S = (0.5, 5.0)  # a broken watch is re-made after this (doubling, jittered, capped)
 
 
 class Claim(enum.IntEnum):
@@ -64,6 +67,76 @@ async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
         return []
     prefix = f"$KV.{bucket}."
     return sorted(s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix))
+
+
+class Watch(Generic[T]):
+    """A running watch of a bucket: ``on_put(key, value, revision)`` for every decodable value (an
+    undecodable one is logged and counted, as reads are), ``on_delete(key)`` for deletes and purges.
+    ``synced`` is set once what the bucket held at the start was delivered. A watch that breaks
+    (a reconnect, a server restart) is made again and replays the bucket, so handlers are idempotent."""
+
+    def __init__(self, kv: "KV[T]", on_put: Callable[[str, T, int], None], on_delete: Callable[[str], None] | None) -> None:
+        self.kv = kv
+        self.on_put = on_put
+        self.on_delete = on_delete
+        self.synced = asyncio.Event()
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> "Watch[T]":
+        watcher = await self.kv.raw.watchall()  # made before start() returns: later writes are seen
+        self._task = asyncio.create_task(self._run(watcher), name=f"kv-watch:{self.kv.bucket}")
+        return self
+
+    async def _run(self, watcher: Any) -> None:
+        delay = WATCH_BACKOFF_S[0]
+        while not self._stopping:
+            try:
+                entry = await watcher.updates(timeout=WATCH_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+            except asyncio.CancelledError:
+                break
+            except Exception as exc:  # noqa: BLE001 - connection lost or closing
+                if self._stopping:
+                    break
+                logger.warning("kv_watch_broken", bucket=self.kv.bucket, error=str(exc))
+                await _stop_watcher(watcher)
+                await asyncio.sleep(delay * (0.5 + random.random()))  # retry back-off, jittered
+                delay = min(delay * 2, WATCH_BACKOFF_S[1])
+                try:
+                    watcher = await self.kv.raw.watchall()
+                except Exception as exc2:  # noqa: BLE001 - still away: try again after the back-off
+                    logger.warning("kv_watch_restart_failed", bucket=self.kv.bucket, error=str(exc2))
+                continue
+            delay = WATCH_BACKOFF_S[0]
+            if entry is None:
+                self.synced.set()  # the initial snapshot is in
+            elif entry.operation in ("DEL", "PURGE"):
+                if self.on_delete is not None:
+                    self.on_delete(entry.key)
+            else:
+                v = self.kv._decode(entry.key, entry.value or b"")
+                if v is not None:
+                    self.on_put(entry.key, v, entry.revision or 0)
+        await _stop_watcher(watcher)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+            self._task = None
+
+
+async def _stop_watcher(watcher: Any) -> None:
+    try:
+        await watcher.stop()
+    except Exception:  # noqa: BLE001 - connection gone
+        pass
 
 
 class KV(Generic[T]):
@@ -129,6 +202,10 @@ class KV(Generic[T]):
     async def keys(self) -> list[str]:
         return await kv_keys(self.js, self.bucket)
 
+    async def watch(self, on_put: Callable[[str, T, int], None], on_delete: Callable[[str], None] | None = None) -> Watch[T]:
+        """Start a ``Watch`` of the whole bucket (see there)."""
+        return await Watch(self, on_put, on_delete).start()
+
     # --- writes ---------------------------------------------------------------------------
     async def put_async(self, key: str, value: T) -> "asyncio.Future[Any]":
         """A pipelined write; the future holds its PubAck (``seq`` is the new revision)."""
@@ -184,8 +261,4 @@ class KV(Generic[T]):
         return Claim.LOST
 
 
-async def open_kv(js: JetStreamContext, bucket: str, type_: Any, **ensure: Any) -> KV[Any]:
-    return await KV.open(js, bucket, type_, **ensure)
-
-
-__all__ = ["Claim", "KV", "Versioned", "kv_keys", "open_kv"]
+__all__ = ["Claim", "KV", "Versioned", "Watch", "kv_keys"]

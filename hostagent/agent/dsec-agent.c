@@ -23,7 +23,9 @@
  * what was applied.
  *
  * Single-threaded epoll loop; signals arrive through a signalfd (SIGCHLD reaps every zombie, which
- * matters as PID 1; SIGTERM/SIGINT kill running exec process groups and exit 0).
+ * matters as PID 1; SIGTERM/SIGINT kill running exec process groups and exit 0). A pid in this
+ * protocol is one the agent started (in the sandbox's pid namespace): other processes are not
+ * found, so a signal or stdin write can never reach the agent itself or a stranger.
  *
  * ---------------------------------------------------------------------------------------------
  * Wire protocol (unix stream socket, exactly one request per connection)
@@ -36,14 +38,25 @@
  *   'P' ping                                            -> 'K' u32 protocol_version
  *              | u32 landlock_abi (0: none) | u32 confinement flags (1 Landlock enforced,
  *                2 seccomp log filter installed, 4 audit session set)   (older agents: version only)
- *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd)
+ *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd, or the user's home)
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
- *              -> any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
+ *              | u8 flags (1 background, 2 stdin pipe) | str user ("" = ours; name or uid from
+ *                the sandbox's /etc/passwd, whose HOME/USER/LOGNAME replace the given ones)
+ *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user)
+ *                 any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
  *                                'H'        (heartbeat after 5 s, or --heartbeat-ms, without a frame)
- *                 then           'E' i32 exit_code (128+signal if killed) | u8 timed_out
- *              The client closing the connection before 'E' kills the command's process group.
- *              'E' follows the shell's exit, not EOF on its pipes: output already buffered is
- *              sent, but background children that keep the pipes open don't delay the reply.
+ *                 then           'E' i32 exit_code (128+signal if killed) | u8 timed_out | u8 signal
+ *              The client closing the connection before 'E' kills the command's process group,
+ *              unless it runs in the background: then it carries on, its output is discarded
+ *              until a client attaches, and an ended one keeps its exit status (the last 64)
+ *              for an attach. 'E' follows the shell's exit, not EOF on its pipes: output already
+ *              buffered is sent, but background children that keep the pipes open don't delay it.
+ *   'A' attach u32 pid   -> as 'X' from 'i' on (EBUSY: another client is attached; ESRCH)
+ *   'I' stdin  u32 pid | u8 flags (1 = close after) | data (rest)   -> 'K'   (queued; EPIPE when
+ *              stdin is closed or was never a pipe, EAGAIN beyond 8 MiB unread)
+ *   'U' signal u32 pid | u32 signo   -> 'K'   (to the command's process group; ESRCH)
+ *   'J' procs                        -> 'j' u32 n | n * (u32 pid | u8 flags (1 background,
+ *                                        2 stdin open, 4 attached) | str cmd | str cwd | str user)
  *   'W' write  u64 offset | u8 flags (1 = truncate) | u32 mode | str path | data (rest of frame)
  *              -> 'Z' u64 file size afterwards.  Creates missing parent dirs (0755); mode is
  *                 applied (umask-free) only when the file is created.
@@ -52,6 +65,10 @@
  *   'M' remove str path                                -> 'K'          (recursive for dirs)
  *   'Q' exists str path                                -> 'B' u8       (lstat: a dangling link exists)
  *   'S' stat   u8 follow_symlinks | str path           -> 'N' entry    (entry name is "")
+ *   'C' mkdir  u32 mode | str path                     -> 'B' u8 created (parents made; 0: it was a dir)
+ *   'V' rename str from | str to                       -> 'K'          (missing parents of `to` made)
+ *   'Y' watch  u8 recursive | str dir  -> 'w', then any number of 'F' u32 inotify mask | str name
+ *              (relative to dir) until the client closes the connection
  *
  *   entry := str name | u8 kind (0 other, 1 file, 2 dir, 3 symlink) | u64 size
  *            | u32 mode (permission bits, 07777) | i64 mtime_ns
@@ -74,7 +91,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
 #include <sys/epoll.h>
+#include <sys/inotify.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/prctl.h>
@@ -89,7 +108,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 1
+#define PROTO_VERSION 2
 #define MAX_REQ (8u << 20)
 #define READ_CAP (4u << 20)
 #define LIST_MAX (64u << 20)
@@ -101,13 +120,38 @@
  * take what is already buffered, bounded so a chatty grandchild can't keep us here. */
 #define EXIT_DRAIN_MAX (8u << 20)
 
-enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_ERR, W_TIMER };
-enum { ST_HDR, ST_BODY, ST_EXEC, ST_CLOSING };
+/* Unsent stdin bytes a process may have queued before 'I' answers EAGAIN. */
+#define STDIN_MAX (8u << 20)
+/* Ended background processes nobody has attached to yet keep their exit status for a later
+ * attach; the oldest is forgotten beyond this many. */
+#define EXITED_KEEP 64
+#define WATCH_MAX 4096
+
+enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_ERR, W_TIMER, W_IN, W_INOTIFY };
+enum { ST_HDR, ST_BODY, ST_EXEC, ST_WATCH, ST_CLOSING };
 
 struct conn;
+struct proc;
 struct watch {
     int kind;
     struct conn *c;
+    struct proc *p;
+};
+
+/* A command started by 'X'. It streams to the connection attached to it (the one that started
+ * it, or one that attached later with 'A'); a background one outlives its connection. */
+struct proc {
+    pid_t pid; /* > 0 only while running and unreaped: the pid (and process group) can't be reused */
+    pid_t spawned; /* the pid it was started with, kept after it ended */
+    int pout, perr, pin, tfd, paused, timed_out, background, exited, status, dead;
+    int64_t deadline, last_send;
+    struct conn *c;
+    uint8_t *in;
+    size_t in_len, in_off;
+    int in_close;
+    char *cmd, *cwd, *user;
+    struct watch w_out, w_err, w_in, w_tim;
+    struct proc *next, *prev, *next_dead;
 };
 
 struct conn {
@@ -120,12 +164,14 @@ struct conn {
     uint8_t *out;
     size_t out_len, out_off, out_cap;
     int oom;
-    struct watch w, w_out, w_err, w_tim;
-    /* exec state; pid > 0 only while the child is running and unreaped */
-    pid_t pid;
-    int pout, perr, tfd, paused, timed_out;
-    int64_t deadline, last_send;
-    struct conn *next_exec, *prev_exec, *next_dead;
+    struct watch w, w_ino;
+    struct proc *p; /* ST_EXEC: the process whose output this connection receives */
+    /* ST_WATCH: inotify fd and the directory (relative to the watched root) of each watch */
+    int ifd, recursive, ino_paused;
+    char *wroot;
+    int nwd;
+    struct { int wd; char *rel; } *wds;
+    struct conn *next_dead;
 };
 
 static int ep = -1, lfd = -1, sfd = -1, devnull = -1, reserve_fd = -1;
@@ -135,8 +181,10 @@ static int ep = -1, lfd = -1, sfd = -1, devnull = -1, reserve_fd = -1;
 #define CONF_AUDIT_SESSION 4u
 static int conf_landlock_abi;
 static uint32_t conf_flags;
-static struct watch w_listen = {W_LISTEN, NULL}, w_signal = {W_SIGNAL, NULL};
-static struct conn *execs, *graveyard;
+static struct watch w_listen = {W_LISTEN, NULL, NULL}, w_signal = {W_SIGNAL, NULL, NULL};
+static struct conn *graveyard;
+static struct proc *procs, *proc_graveyard;
+static int n_exited;
 /* The host treats a long silence during an exec as a dead agent; tests shorten this. */
 static int64_t heartbeat_ns = 5LL * 1000000000LL;
 static struct rlimit child_nofile;
@@ -345,52 +393,91 @@ static void close_watched(int *fd)
     }
 }
 
-static void exec_unlink(struct conn *c)
+static void proc_free(struct proc *p)
 {
-    if (c->prev_exec)
-        c->prev_exec->next_exec = c->next_exec;
-    else if (execs == c)
-        execs = c->next_exec;
-    if (c->next_exec)
-        c->next_exec->prev_exec = c->prev_exec;
-    c->next_exec = c->prev_exec = NULL;
+    close_watched(&p->pout);
+    close_watched(&p->perr);
+    close_watched(&p->pin);
+    close_watched(&p->tfd);
+    if (p->prev)
+        p->prev->next = p->next;
+    else if (procs == p)
+        procs = p->next;
+    if (p->next)
+        p->next->prev = p->prev;
+    if (p->exited)
+        n_exited--;
+    p->next = p->prev = NULL;
+    /* Freed after this round of events: a later event of the same epoll batch may name it. */
+    p->dead = 1;
+    p->next_dead = proc_graveyard;
+    proc_graveyard = p;
 }
 
-static void exec_release(struct conn *c)
+static void proc_set_paused(struct proc *p, int paused)
 {
-    close_watched(&c->pout);
-    close_watched(&c->perr);
-    close_watched(&c->tfd);
-    exec_unlink(c);
+    if (p->paused == paused)
+        return;
+    p->paused = paused;
+    /* DEL rather than a zero event mask: EPOLLHUP is reported regardless of the mask and a
+     * paused pipe whose writer is gone would spin the loop. */
+    if (p->pout >= 0)
+        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, p->pout, &p->w_out, EPOLLIN);
+    if (p->perr >= 0)
+        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, p->perr, &p->w_err, EPOLLIN);
+}
+
+static void timer_arm(struct proc *p);
+
+/* The connection goes away: a foreground command dies with it (the client gave up on it; the
+ * child stays unreaped until the SIGCHLD loop collects it, so its process group id can't have
+ * been reused), a background one carries on with its output discarded until someone attaches. */
+static void proc_detach(struct proc *p)
+{
+    p->c = NULL;
+    proc_set_paused(p, 0);
+    if (p->pid > 0 && !p->background)
+        kill(-p->pid, SIGKILL);
+    else if (p->pid > 0)
+        timer_arm(p);
+    if (p->pid <= 0 && !p->exited)
+        proc_free(p);
+}
+
+static void watch_release(struct conn *c)
+{
+    close_watched(&c->ifd);
+    for (int i = 0; i < c->nwd; i++)
+        free(c->wds[i].rel);
+    free(c->wds);
+    c->wds = NULL;
+    c->nwd = 0;
+    free(c->wroot);
+    c->wroot = NULL;
 }
 
 static void conn_close(struct conn *c)
 {
     if (c->dead)
         return;
-    /* Still running means the client gave up on it; the child stays unreaped until the generic
-     * SIGCHLD loop collects it, so its pid (and process group id) can't have been reused. */
-    if (c->pid > 0)
-        kill(-c->pid, SIGKILL);
-    c->pid = 0;
-    exec_release(c);
+    if (c->p) {
+        struct proc *p = c->p;
+        c->p = NULL;
+        proc_detach(p);
+    }
+    watch_release(c);
     close_watched(&c->fd);
     c->dead = 1;
     c->next_dead = graveyard;
     graveyard = c;
 }
 
-static void exec_set_paused(struct conn *c, int paused)
+static void watch_set_paused(struct conn *c, int paused)
 {
-    if (c->paused == paused)
+    if (c->ino_paused == paused || c->ifd < 0)
         return;
-    c->paused = paused;
-    /* DEL rather than a zero event mask: EPOLLHUP is reported regardless of the mask and a
-     * paused pipe whose writer is gone would spin the loop. */
-    if (c->pout >= 0)
-        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, c->pout, &c->w_out, EPOLLIN);
-    if (c->perr >= 0)
-        ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, c->perr, &c->w_err, EPOLLIN);
+    c->ino_paused = paused;
+    ep_ctl(paused ? EPOLL_CTL_DEL : EPOLL_CTL_ADD, c->ifd, &c->w_ino, EPOLLIN);
 }
 
 static void conn_flush(struct conn *c)
@@ -425,18 +512,23 @@ static void conn_flush(struct conn *c)
         c->out_off = 0;
     }
     uint32_t ev = 0;
-    if (c->state == ST_EXEC)
+    if (c->state == ST_EXEC || c->state == ST_WATCH)
         ev = EPOLLIN | EPOLLRDHUP;
     else if (c->state != ST_CLOSING)
         ev = EPOLLIN;
     if (pending)
         ev |= EPOLLOUT;
     conn_set_events(c, ev);
-    if (c->state == ST_EXEC) {
+    if (c->state == ST_EXEC && c->p) {
         if (pending > OUT_HIGH)
-            exec_set_paused(c, 1);
+            proc_set_paused(c->p, 1);
         else if (pending <= OUT_HIGH / 2)
-            exec_set_paused(c, 0);
+            proc_set_paused(c->p, 0);
+    } else if (c->state == ST_WATCH) {
+        if (pending > OUT_HIGH)
+            watch_set_paused(c, 1);
+        else if (pending <= OUT_HIGH / 2)
+            watch_set_paused(c, 0);
     }
 }
 
@@ -450,24 +542,30 @@ static void finish(struct conn *c)
 
 /* ------------------------------------------------------------------ exec */
 
-/* One read from a child pipe straight into the output buffer as an 'O' frame.
+static uint8_t discard_buf[PIPE_CHUNK];
+
+/* One read from a child pipe: into the attached connection's output buffer as an 'O' frame, or
+ * dropped when nobody is attached (a background process must not block on a full pipe).
  * Returns 1 on data, 0 when the pipe is finished (EOF/error, now closed), -1 if nothing to read. */
-static int pipe_read(struct conn *c, int stream)
+static int pipe_read(struct proc *p, int stream)
 {
-    int *fdp = stream == 1 ? &c->pout : &c->perr;
+    int *fdp = stream == 1 ? &p->pout : &p->perr;
+    struct conn *c = p->c;
     if (*fdp < 0)
         return 0;
-    if (out_reserve(c, 6 + PIPE_CHUNK) < 0)
+    if (c && out_reserve(c, 6 + PIPE_CHUNK) < 0)
         return 0;
     for (;;) {
-        uint8_t *h = c->out + c->out_len;
-        ssize_t n = read(*fdp, h + 6, PIPE_CHUNK);
+        uint8_t *h = c ? c->out + c->out_len : NULL;
+        ssize_t n = read(*fdp, c ? h + 6 : discard_buf, PIPE_CHUNK);
         if (n > 0) {
-            be32(h, (uint32_t)n + 2);
-            h[4] = 'O';
-            h[5] = (uint8_t)stream;
-            c->out_len += 6 + (size_t)n;
-            c->last_send = now_ns();
+            if (c) {
+                be32(h, (uint32_t)n + 2);
+                h[4] = 'O';
+                h[5] = (uint8_t)stream;
+                c->out_len += 6 + (size_t)n;
+                p->last_send = now_ns();
+            }
             return 1;
         }
         if (n < 0 && errno == EINTR)
@@ -479,62 +577,121 @@ static int pipe_read(struct conn *c, int stream)
     }
 }
 
-static void on_pipe(struct conn *c, int stream)
+static void on_pipe(struct proc *p, int stream)
 {
-    if (c->paused)
+    if (p->paused)
         return;
-    pipe_read(c, stream);
-    conn_flush(c);
+    pipe_read(p, stream);
+    if (p->c)
+        conn_flush(p->c);
 }
 
-static void exec_exited(struct conn *c, int status)
+static void put_exit(struct conn *c, struct proc *p)
 {
-    c->pid = 0;
-    for (int stream = 1; stream <= 2; stream++) {
-        size_t got = 0;
-        while (got < EXIT_DRAIN_MAX && pipe_read(c, stream) == 1)
-            got += PIPE_CHUNK;
-    }
-    int code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : 255;
-    exec_release(c);
+    int st = p->status;
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : WIFSIGNALED(st) ? 128 + WTERMSIG(st) : 255;
     size_t f = frame_begin(c, 'E');
     put_u32(c, (uint32_t)code);
-    put_u8(c, (uint8_t)c->timed_out);
+    put_u8(c, (uint8_t)p->timed_out);
+    put_u8(c, (uint8_t)(WIFSIGNALED(st) ? WTERMSIG(st) : 0));
     frame_end(c, f);
-    c->paused = 0;
-    finish(c);
 }
 
-static void timer_arm(struct conn *c)
+static void proc_exited(struct proc *p, int status)
 {
-    int64_t next = c->last_send + heartbeat_ns;
-    if (c->deadline && !c->timed_out && c->deadline < next)
-        next = c->deadline;
+    p->pid = 0;
+    p->status = status;
+    for (int stream = 1; stream <= 2; stream++) {
+        size_t got = 0;
+        while (got < EXIT_DRAIN_MAX && pipe_read(p, stream) == 1)
+            got += PIPE_CHUNK;
+    }
+    close_watched(&p->pout);
+    close_watched(&p->perr);
+    close_watched(&p->pin);
+    close_watched(&p->tfd);
+    struct conn *c = p->c;
+    if (c) {
+        put_exit(c, p);
+        c->p = NULL;
+        proc_free(p);
+        finish(c);
+        return;
+    }
+    if (!p->background) {
+        proc_free(p);
+        return;
+    }
+    /* Nobody is listening: keep the status for a later attach, a bounded number of them. */
+    p->exited = 1;
+    if (++n_exited > EXITED_KEEP) {
+        struct proc *oldest = NULL;
+        for (struct proc *q = procs; q; q = q->next)
+            if (q->exited)
+                oldest = q; /* newest first in the list: the last one is the oldest */
+        if (oldest)
+            proc_free(oldest);
+    }
+}
+
+static void timer_arm(struct proc *p)
+{
+    int64_t next = p->c ? p->last_send + heartbeat_ns : 0;
+    if (p->deadline && !p->timed_out && (!next || p->deadline < next))
+        next = p->deadline;
     struct itimerspec its = {0};
     its.it_value.tv_sec = next / 1000000000LL;
     its.it_value.tv_nsec = next % 1000000000LL;
-    timerfd_settime(c->tfd, TFD_TIMER_ABSTIME, &its, NULL);
+    timerfd_settime(p->tfd, TFD_TIMER_ABSTIME, &its, NULL); /* 0: disarmed */
 }
 
-static void on_timer(struct conn *c)
+static void on_timer(struct proc *p)
 {
     uint64_t ticks;
-    if (read(c->tfd, &ticks, sizeof ticks) < 0 && errno == EAGAIN)
+    if (read(p->tfd, &ticks, sizeof ticks) < 0 && errno == EAGAIN)
         return;
     int64_t now = now_ns();
-    if (c->deadline && !c->timed_out && now >= c->deadline && c->pid > 0) {
-        c->timed_out = 1;
-        kill(-c->pid, SIGKILL);
+    if (p->deadline && !p->timed_out && now >= p->deadline && p->pid > 0) {
+        p->timed_out = 1;
+        kill(-p->pid, SIGKILL);
     }
-    if (now - c->last_send >= heartbeat_ns) {
+    struct conn *c = p->c;
+    if (c && now - p->last_send >= heartbeat_ns) {
         size_t f = frame_begin(c, 'H');
         frame_end(c, f);
-        c->last_send = now;
+        p->last_send = now;
         conn_flush(c);
         if (c->dead)
-            return;
+            return; /* conn_close detached (and maybe freed) the process */
     }
-    timer_arm(c);
+    timer_arm(p);
+}
+
+static void stdin_flush(struct proc *p)
+{
+    while (p->pin >= 0 && p->in_off < p->in_len) {
+        ssize_t n = write(p->pin, p->in + p->in_off, p->in_len - p->in_off);
+        if (n > 0) {
+            p->in_off += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0 && errno == EAGAIN) {
+            ep_ctl(EPOLL_CTL_MOD, p->pin, &p->w_in, EPOLLOUT);
+            return;
+        }
+        /* EPIPE: the process closed its stdin (or exited); what is left has no reader. */
+        close_watched(&p->pin);
+        break;
+    }
+    p->in_off = p->in_len = 0;
+    if (p->pin >= 0) {
+        if (p->in_close)
+            close_watched(&p->pin);
+        else
+            ep_ctl(EPOLL_CTL_MOD, p->pin, &p->w_in, 0);
+    }
 }
 
 static char *default_env[] = {
@@ -543,10 +700,94 @@ static char *default_env[] = {
     NULL,
 };
 
+/* A user of the sandbox's own /etc/passwd (and its groups from /etc/group). */
+#define MAX_GROUPS 64
+struct user {
+    uid_t uid;
+    gid_t gid;
+    char name[256], home[PATH_MAX];
+    gid_t groups[MAX_GROUPS];
+    int ngroups;
+};
+
+/* Fields of a colon-separated line, in place; returns how many. */
+static int split_colons(char *line, char **f, int max)
+{
+    int n = 0;
+    f[n++] = line;
+    for (char *q = line; *q && n < max; q++)
+        if (*q == ':') {
+            *q = 0;
+            f[n++] = q + 1;
+        }
+    char *nl = strchr(f[n - 1], '\n');
+    if (nl)
+        *nl = 0;
+    return n;
+}
+
+static int all_digits(const char *s)
+{
+    if (!*s)
+        return 0;
+    for (; *s; s++)
+        if (*s < '0' || *s > '9')
+            return 0;
+    return 1;
+}
+
+/* 0 and *u filled, or -1: no such user. A numeric spec without a passwd entry is that uid with
+ * the same gid and home "/". Not getpwnam: static glibc would want NSS modules. */
+static int lookup_user(const char *spec, struct user *u)
+{
+    char line[4096];
+    char *f[8];
+    int found = 0;
+    FILE *fp = fopen("/etc/passwd", "re");
+    while (fp && fgets(line, sizeof line, fp)) {
+        if (split_colons(line, f, 8) < 7)
+            continue;
+        if (strcmp(f[0], spec) && !(all_digits(spec) && !strcmp(f[2], spec)))
+            continue;
+        u->uid = (uid_t)strtoul(f[2], NULL, 10);
+        u->gid = (gid_t)strtoul(f[3], NULL, 10);
+        snprintf(u->name, sizeof u->name, "%s", f[0]);
+        snprintf(u->home, sizeof u->home, "%s", *f[5] ? f[5] : "/");
+        found = 1;
+        break;
+    }
+    if (fp)
+        fclose(fp);
+    if (!found) {
+        if (!all_digits(spec))
+            return -1;
+        u->uid = u->gid = (uid_t)strtoul(spec, NULL, 10);
+        snprintf(u->name, sizeof u->name, "%s", spec);
+        snprintf(u->home, sizeof u->home, "/");
+    }
+    u->groups[0] = u->gid;
+    u->ngroups = 1;
+    fp = fopen("/etc/group", "re");
+    while (fp && fgets(line, sizeof line, fp) && u->ngroups < MAX_GROUPS) {
+        if (split_colons(line, f, 8) < 4)
+            continue;
+        gid_t g = (gid_t)strtoul(f[2], NULL, 10);
+        for (char *m = strtok(f[3], ","); m; m = strtok(NULL, ","))
+            if (!strcmp(m, u->name) && g != u->gid) {
+                u->groups[u->ngroups++] = g;
+                break;
+            }
+    }
+    if (fp)
+        fclose(fp);
+    return 0;
+}
+
 /* vfork: no page-table copy, so spawning costs the same however big we get. Not posix_spawn:
  * glibc's leaves its internal signals (32, 33) ignored in the child, and ignored dispositions
  * survive execve. */
-static pid_t spawn_shell(char *cmd, const char *cwd, char **envp, int out_fd, int err_fd, int *err)
+static pid_t spawn_shell(char *cmd, const char *cwd, char **envp, int in_fd, int out_fd, int err_fd,
+                         const struct user *u, int *err)
 {
     /* The child runs on our memory until execve; its errno comes back through here. */
     volatile int child_err = 0;
@@ -555,9 +796,11 @@ static pid_t spawn_shell(char *cmd, const char *cwd, char **envp, int out_fd, in
     sigemptyset(&none);
     pid_t pid = vfork();
     if (pid == 0) {
-        /* Only plain syscalls from here on. out_fd/err_fd are >= 3 (fds 0-2 are always open in
-         * the agent), so dup2 really duplicates and clears close-on-exec. */
-        if (setsid() < 0 || dup2(devnull, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0 ||
+        /* Only plain syscalls from here on. The fds are >= 3 (fds 0-2 are always open in the
+         * agent), so dup2 really duplicates and clears close-on-exec. The user switch comes
+         * before chdir, so the directory is entered with the user's own rights. */
+        if (setsid() < 0 || dup2(in_fd, 0) < 0 || dup2(out_fd, 1) < 0 || dup2(err_fd, 2) < 0 ||
+            (u && (setgroups((size_t)u->ngroups, u->groups) < 0 || setgid(u->gid) < 0 || setuid(u->uid) < 0)) ||
             (*cwd && chdir(cwd) < 0)) {
             child_err = errno;
             _exit(127);
@@ -581,11 +824,52 @@ static pid_t spawn_shell(char *cmd, const char *cwd, char **envp, int out_fd, in
     return pid;
 }
 
+/* envp with HOME, USER and LOGNAME of user u (replacing any given); entries are borrowed. */
+static char **user_env(char **envp, uint32_t nenv, const struct user *u, char *slots[3])
+{
+    char **out = calloc((size_t)nenv + 4, sizeof *out);
+    if (!out)
+        return NULL;
+    size_t k = 0;
+    for (uint32_t i = 0; i < nenv; i++)
+        if (strncmp(envp[i], "HOME=", 5) && strncmp(envp[i], "USER=", 5) && strncmp(envp[i], "LOGNAME=", 8))
+            out[k++] = envp[i];
+    if (asprintf(&slots[0], "HOME=%s", u->home) < 0 || asprintf(&slots[1], "USER=%s", u->name) < 0 ||
+        asprintf(&slots[2], "LOGNAME=%s", u->name) < 0) {
+        free(out);
+        return NULL;
+    }
+    out[k++] = slots[0];
+    out[k++] = slots[1];
+    out[k++] = slots[2];
+    return out;
+}
+
+static void proc_attach(struct proc *p, struct conn *c)
+{
+    p->c = c;
+    c->p = p;
+    c->state = ST_EXEC;
+    p->last_send = now_ns();
+    size_t f = frame_begin(c, 'i');
+    put_u32(c, (uint32_t)p->pid);
+    frame_end(c, f);
+    timer_arm(p);
+    free(c->req);
+    c->req = NULL;
+    conn_flush(c);
+}
+
+#define X_BACKGROUND 1u
+#define X_STDIN 2u
+
 static void op_exec(struct conn *c, struct rd *r)
 {
-    char *cmd = NULL, *cwd = NULL, **envp = NULL;
+    char *cmd = NULL, *cwd = NULL, *user = NULL, **envp = NULL, **uenv = NULL, *slots[3] = {NULL, NULL, NULL};
     uint32_t nenv = 0, i;
-    int po[2] = {-1, -1}, pe[2] = {-1, -1}, tfd = -1;
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, tfd = -1;
+    struct user u;
+    struct proc *p = NULL;
 
     uint32_t timeout_ms = rd_u32(r);
     cmd = rd_cstr(r);
@@ -600,9 +884,29 @@ static void op_exec(struct conn *c, struct rd *r)
         for (i = 0; i < nenv && !r->bad; i++)
             envp[i] = rd_cstr(r);
     }
+    uint8_t flags = rd_u8(r);
+    user = rd_cstr(r);
     if (!rd_done(c, r, 0))
         goto out;
 
+    if (*user) {
+        if (lookup_user(user, &u) < 0) {
+            reply_err(c, ESRCH, "unknown user %s: not in the sandbox's /etc/passwd", user);
+            goto out;
+        }
+        if (!*cwd) {
+            struct stat st;
+            if (stat(u.home, &st) == 0 && S_ISDIR(st.st_mode)) {
+                free(cwd);
+                cwd = strdup(u.home);
+            }
+        }
+        uenv = user_env(nenv ? envp : default_env, nenv ? nenv : 2, &u, slots);
+        if (!uenv || !cwd) {
+            reply_err(c, ENOMEM, "out of memory");
+            goto out;
+        }
+    }
     if (*cwd) {
         struct stat st;
         if (stat(cwd, &st) < 0) {
@@ -614,58 +918,211 @@ static void op_exec(struct conn *c, struct rd *r)
             goto out;
         }
     }
+    p = calloc(1, sizeof *p);
     tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (tfd < 0 || pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0) {
-        reply_err(c, errno, "exec setup: %s", strerror(errno));
+    if (!p || tfd < 0 || pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 ||
+        ((flags & X_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
+        reply_err(c, errno ? errno : ENOMEM, "exec setup: %s", strerror(errno ? errno : ENOMEM));
         goto out;
     }
-    /* Only our read ends are non-blocking: the child must see ordinary blocking stdout/stderr. */
+    /* Only our ends are non-blocking: the child must see ordinary blocking stdio. */
     fcntl(po[0], F_SETFL, O_NONBLOCK);
     fcntl(pe[0], F_SETFL, O_NONBLOCK);
+    if (pi[1] >= 0)
+        fcntl(pi[1], F_SETFL, O_NONBLOCK);
 
     int err = 0;
-    pid_t pid = spawn_shell(cmd, cwd, nenv ? envp : default_env, po[1], pe[1], &err);
+    pid_t pid = spawn_shell(cmd, cwd, uenv ? uenv : nenv ? envp : default_env, pi[0] >= 0 ? pi[0] : devnull,
+                            po[1], pe[1], *user ? &u : NULL, &err);
     close(po[1]);
     close(pe[1]);
     po[1] = pe[1] = -1;
+    if (pi[0] >= 0) {
+        close(pi[0]);
+        pi[0] = -1;
+    }
     if (pid < 0) {
-        reply_err(c, err, "spawn /bin/sh: %s", strerror(err));
+        if (*user && (err == EPERM || err == EINVAL))
+            reply_err(c, err, "cannot switch to user %s: %s", user, strerror(err));
+        else
+            reply_err(c, err, "spawn /bin/sh: %s", strerror(err));
         goto out;
     }
 
-    c->pid = pid;
-    c->pout = po[0];
-    c->perr = pe[0];
-    c->tfd = tfd;
-    po[0] = pe[0] = tfd = -1;
-    c->state = ST_EXEC;
-    c->last_send = now_ns();
-    c->deadline = timeout_ms ? c->last_send + (int64_t)timeout_ms * 1000000LL : 0;
-    ep_ctl(EPOLL_CTL_ADD, c->pout, &c->w_out, EPOLLIN);
-    ep_ctl(EPOLL_CTL_ADD, c->perr, &c->w_err, EPOLLIN);
-    ep_ctl(EPOLL_CTL_ADD, c->tfd, &c->w_tim, EPOLLIN);
-    timer_arm(c);
-    c->next_exec = execs;
-    if (execs)
-        execs->prev_exec = c;
-    execs = c;
-    free(c->req);
-    c->req = NULL;
-    conn_set_events(c, EPOLLIN | EPOLLRDHUP);
+    p->pid = p->spawned = pid;
+    p->pout = po[0];
+    p->perr = pe[0];
+    p->pin = pi[1];
+    p->tfd = tfd;
+    p->background = (flags & X_BACKGROUND) != 0;
+    p->cmd = cmd;
+    p->cwd = cwd;
+    p->user = user;
+    cmd = cwd = user = NULL;
+    po[0] = pe[0] = pi[1] = tfd = -1;
+    p->w_out = (struct watch){W_OUT, NULL, p};
+    p->w_err = (struct watch){W_ERR, NULL, p};
+    p->w_in = (struct watch){W_IN, NULL, p};
+    p->w_tim = (struct watch){W_TIMER, NULL, p};
+    p->deadline = timeout_ms ? now_ns() + (int64_t)timeout_ms * 1000000LL : 0;
+    ep_ctl(EPOLL_CTL_ADD, p->pout, &p->w_out, EPOLLIN);
+    ep_ctl(EPOLL_CTL_ADD, p->perr, &p->w_err, EPOLLIN);
+    ep_ctl(EPOLL_CTL_ADD, p->tfd, &p->w_tim, EPOLLIN);
+    if (p->pin >= 0)
+        ep_ctl(EPOLL_CTL_ADD, p->pin, &p->w_in, 0);
+    p->next = procs;
+    if (procs)
+        procs->prev = p;
+    procs = p;
+    p = NULL;
+    proc_attach(procs, c);
 
 out:
     for (i = 0; envp && i < nenv; i++)
         free(envp[i]);
     free(envp);
+    free(uenv);
+    for (i = 0; i < 3; i++)
+        free(slots[i]);
     free(cmd);
     free(cwd);
+    free(user);
+    free(p);
     for (i = 0; i < 2; i++) {
         if (po[i] >= 0) close(po[i]);
         if (pe[i] >= 0) close(pe[i]);
+        if (pi[i] >= 0) close(pi[i]);
     }
     if (tfd >= 0) close(tfd);
     if (c->state != ST_EXEC)
         finish(c);
+}
+
+/* Processes are looked up by the pid they were started with, running or (kept) ended. */
+static struct proc *proc_by_pid(uint32_t pid, int running_only)
+{
+    for (struct proc *p = procs; p; p = p->next) {
+        if ((uint32_t)p->spawned == pid && (!running_only || p->pid > 0))
+            return p;
+    }
+    return NULL;
+}
+
+static void op_attach(struct conn *c, struct rd *r)
+{
+    uint32_t pid = rd_u32(r);
+    if (!rd_done(c, r, 0))
+        goto done;
+    struct proc *p = proc_by_pid(pid, 0);
+    if (!p) {
+        reply_err(c, ESRCH, "no process %u", pid);
+        goto done;
+    }
+    if (p->c) {
+        reply_err(c, EBUSY, "process %u is attached to another connection", pid);
+        goto done;
+    }
+    if (p->exited) {
+        size_t f = frame_begin(c, 'i');
+        put_u32(c, pid);
+        frame_end(c, f);
+        put_exit(c, p);
+        proc_free(p);
+        goto done;
+    }
+    proc_attach(p, c);
+    return;
+done:
+    finish(c);
+}
+
+static void op_stdin(struct conn *c, struct rd *r)
+{
+    uint32_t pid = rd_u32(r);
+    uint8_t flags = rd_u8(r);
+    if (!rd_done(c, r, 1))
+        return;
+    struct proc *p = proc_by_pid(pid, 1);
+    if (!p) {
+        reply_err(c, ESRCH, "no running process %u", pid);
+        return;
+    }
+    if (p->pin < 0 || p->in_close) {
+        reply_err(c, EPIPE, "process %u has no open stdin", pid);
+        return;
+    }
+    if (r->n) {
+        if (p->in_len - p->in_off + r->n > STDIN_MAX) {
+            reply_err(c, EAGAIN, "process %u is not reading its stdin (%u bytes queued)", pid, (unsigned)(p->in_len - p->in_off));
+            return;
+        }
+        if (p->in_off) {
+            memmove(p->in, p->in + p->in_off, p->in_len - p->in_off);
+            p->in_len -= p->in_off;
+            p->in_off = 0;
+        }
+        uint8_t *b = realloc(p->in, p->in_len + r->n);
+        if (!b) {
+            reply_err(c, ENOMEM, "out of memory");
+            return;
+        }
+        p->in = b;
+        memcpy(p->in + p->in_len, r->p, r->n);
+        p->in_len += r->n;
+    }
+    if (flags & 1)
+        p->in_close = 1;
+    stdin_flush(p);
+    if (p->pin < 0 && r->n && !(flags & 1)) {
+        reply_err(c, EPIPE, "process %u closed its stdin", pid);
+        return;
+    }
+    size_t f = frame_begin(c, 'K');
+    frame_end(c, f);
+}
+
+static void op_signal(struct conn *c, struct rd *r)
+{
+    uint32_t pid = rd_u32(r);
+    uint32_t sig = rd_u32(r);
+    if (!rd_done(c, r, 0))
+        return;
+    struct proc *p = proc_by_pid(pid, 1);
+    if (!p) {
+        reply_err(c, ESRCH, "no running process %u", pid);
+        return;
+    }
+    /* The whole process group (the command ran in its own session): the shell and what it
+     * started. Only processes we started: a pid of anything else is not found above. */
+    if (kill(-p->pid, (int)sig) < 0) {
+        reply_err(c, errno, "kill %u: %s", pid, strerror(errno));
+        return;
+    }
+    size_t f = frame_begin(c, 'K');
+    frame_end(c, f);
+}
+
+static void op_procs(struct conn *c, struct rd *r)
+{
+    if (!rd_done(c, r, 0))
+        return;
+    size_t f = frame_begin(c, 'j');
+    size_t count_at = c->out_len;
+    put_u32(c, 0);
+    uint32_t n = 0;
+    for (struct proc *p = procs; p; p = p->next) {
+        if (p->pid <= 0)
+            continue;
+        put_u32(c, (uint32_t)p->pid);
+        put_u8(c, (uint8_t)((p->background ? 1 : 0) | (p->pin >= 0 && !p->in_close ? 2 : 0) | (p->c ? 4 : 0)));
+        put_str(c, p->cmd, strlen(p->cmd));
+        put_str(c, p->cwd, strlen(p->cwd));
+        put_str(c, p->user, strlen(p->user));
+        n++;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, n);
+    frame_end(c, f);
 }
 
 /* ------------------------------------------------------------------ file operations */
@@ -937,6 +1394,199 @@ out:
     free(path);
 }
 
+static void op_mkdir(struct conn *c, struct rd *r)
+{
+    uint32_t mode = rd_u32(r) & 07777;
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    if (!*path) {
+        reply_err(c, EINVAL, "empty path");
+        goto out;
+    }
+    struct stat st;
+    int created = 0;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) {
+            reply_err(c, EEXIST, "mkdir %s: exists and is not a directory", path);
+            goto out;
+        }
+    } else if (errno != ENOENT || ((mkdir_parents(path) < 0 || mkdir(path, mode) < 0) && errno != EEXIST)) {
+        reply_err(c, errno, "mkdir %s: %s", path, strerror(errno));
+        goto out;
+    } else {
+        created = 1;
+        chmod(path, mode); /* umask-free, like a written file's mode */
+    }
+    size_t f = frame_begin(c, 'B');
+    put_u8(c, (uint8_t)created);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_rename(struct conn *c, struct rd *r)
+{
+    char *from = rd_cstr(r);
+    char *to = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if (lstat(from, &st) < 0) {
+        reply_err(c, errno, "rename %s: %s", from, strerror(errno));
+        goto out;
+    }
+    int rc = rename(from, to);
+    if (rc < 0 && errno == ENOENT && mkdir_parents(to) == 0)
+        rc = rename(from, to);
+    if (rc < 0) {
+        reply_err(c, errno, "rename %s -> %s: %s", from, to, strerror(errno));
+        goto out;
+    }
+    size_t f = frame_begin(c, 'K');
+    frame_end(c, f);
+out:
+    free(from);
+    free(to);
+}
+
+#define WATCH_MASK (IN_CREATE | IN_DELETE | IN_MODIFY | IN_MOVED_FROM | IN_MOVED_TO | IN_ATTRIB | IN_DELETE_SELF | IN_MOVE_SELF)
+
+static int watch_add(struct conn *c, const char *abs, const char *rel)
+{
+    if (c->nwd >= WATCH_MAX) {
+        errno = ENOSPC;
+        return -1;
+    }
+    int wd = inotify_add_watch(c->ifd, abs, WATCH_MASK | IN_ONLYDIR | IN_DONT_FOLLOW);
+    if (wd < 0)
+        return -1;
+    for (int i = 0; i < c->nwd; i++)
+        if (c->wds[i].wd == wd)
+            return 0;
+    void *m = realloc(c->wds, (size_t)(c->nwd + 1) * sizeof *c->wds);
+    char *dup = strdup(rel);
+    if (!m || !dup) {
+        if (m)
+            c->wds = m;
+        free(dup);
+        errno = ENOMEM;
+        return -1;
+    }
+    c->wds = m;
+    c->wds[c->nwd].wd = wd;
+    c->wds[c->nwd].rel = dup;
+    c->nwd++;
+    return 0;
+}
+
+/* nftw has no context argument. */
+static struct conn *walk_conn;
+static size_t walk_root_len;
+
+static int watch_walk_one(const char *p, const struct stat *st, int type, struct FTW *ftw)
+{
+    (void)st;
+    (void)ftw;
+    if (type == FTW_D && strlen(p) > walk_root_len)
+        watch_add(walk_conn, p, p + walk_root_len + 1); /* best effort: a subdir may vanish meanwhile */
+    return walk_conn->nwd >= WATCH_MAX;
+}
+
+static void watch_tree(struct conn *c, const char *abs)
+{
+    walk_conn = c;
+    walk_root_len = strlen(c->wroot);
+    nftw(abs, watch_walk_one, 16, FTW_PHYS);
+}
+
+static void op_watch(struct conn *c, struct rd *r)
+{
+    uint8_t recursive = rd_u8(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto fail;
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/')
+        path[--n] = 0;
+    struct stat st;
+    if (stat(path, &st) < 0) {
+        reply_err(c, errno, "watch %s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        reply_err(c, ENOTDIR, "watch %s: %s", path, strerror(ENOTDIR));
+        goto fail;
+    }
+    c->ifd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (c->ifd < 0 || watch_add(c, path, "") < 0) {
+        reply_err(c, errno, "watch %s: %s", path, strerror(errno));
+        goto fail;
+    }
+    c->wroot = path;
+    c->recursive = recursive;
+    if (recursive)
+        watch_tree(c, path);
+    c->w_ino = (struct watch){W_INOTIFY, c, NULL};
+    ep_ctl(EPOLL_CTL_ADD, c->ifd, &c->w_ino, EPOLLIN);
+    c->state = ST_WATCH;
+    size_t f = frame_begin(c, 'w');
+    frame_end(c, f);
+    free(c->req);
+    c->req = NULL;
+    conn_flush(c);
+    return;
+fail:
+    free(path);
+    finish(c);
+}
+
+static void on_inotify(struct conn *c)
+{
+    char buf[16384] __attribute__((aligned(__alignof__(struct inotify_event))));
+    for (;;) {
+        ssize_t n = read(c->ifd, buf, sizeof buf);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        for (char *q = buf; q < buf + n;) {
+            struct inotify_event *ev = (struct inotify_event *)q;
+            q += sizeof *ev + ev->len;
+            const char *rel = NULL;
+            int idx = -1;
+            for (int i = 0; i < c->nwd; i++)
+                if (c->wds[i].wd == ev->wd) {
+                    rel = c->wds[i].rel;
+                    idx = i;
+                    break;
+                }
+            if (ev->mask & IN_IGNORED) {
+                if (idx >= 0) {
+                    free(c->wds[idx].rel);
+                    c->wds[idx] = c->wds[--c->nwd];
+                }
+                continue;
+            }
+            if (!rel && !(ev->mask & IN_Q_OVERFLOW))
+                continue;
+            char name[PATH_MAX];
+            const char *leaf = ev->len ? ev->name : "";
+            snprintf(name, sizeof name, "%s%s%s", rel ? rel : "", rel && *rel && *leaf ? "/" : "", leaf);
+            if (c->recursive && (ev->mask & IN_ISDIR) && (ev->mask & (IN_CREATE | IN_MOVED_TO))) {
+                char abs[PATH_MAX];
+                if ((size_t)snprintf(abs, sizeof abs, "%s/%s", c->wroot, name) < sizeof abs && watch_add(c, abs, name) == 0)
+                    watch_tree(c, abs); /* what was made inside before the watch existed */
+            }
+            size_t f = frame_begin(c, 'F');
+            put_u32(c, ev->mask);
+            put_str(c, name, strlen(name));
+            frame_end(c, f);
+        }
+    }
+    conn_flush(c);
+}
+
 static void op_ping(struct conn *c, struct rd *r)
 {
     if (!rd_done(c, r, 0))
@@ -960,6 +1610,13 @@ static void dispatch(struct conn *c)
     case 'M': op_remove(c, &r); break;
     case 'Q': op_exists(c, &r); break;
     case 'S': op_stat(c, &r); break;
+    case 'C': op_mkdir(c, &r); break;
+    case 'V': op_rename(c, &r); break;
+    case 'A': op_attach(c, &r); return; /* like exec: keeps the connection */
+    case 'Y': op_watch(c, &r); return; /* keeps the connection until the client closes it */
+    case 'I': op_stdin(c, &r); break;
+    case 'U': op_signal(c, &r); break;
+    case 'J': op_procs(c, &r); break;
     default: reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
     }
     finish(c);
@@ -1057,12 +1714,9 @@ static void conn_new(int fd)
         return;
     }
     c->fd = fd;
-    c->pout = c->perr = c->tfd = -1;
+    c->ifd = -1;
     c->state = ST_HDR;
-    c->w = (struct watch){W_CONN, c};
-    c->w_out = (struct watch){W_OUT, c};
-    c->w_err = (struct watch){W_ERR, c};
-    c->w_tim = (struct watch){W_TIMER, c};
+    c->w = (struct watch){W_CONN, c, NULL};
     c->events = EPOLLIN;
     ep_ctl(EPOLL_CTL_ADD, fd, &c->w, EPOLLIN);
 }
@@ -1103,9 +1757,9 @@ static void on_listen(void)
 
 static void shutdown_now(void)
 {
-    for (struct conn *c = execs; c; c = c->next_exec)
-        if (c->pid > 0)
-            kill(-c->pid, SIGKILL);
+    for (struct proc *p = procs; p; p = p->next)
+        if (p->pid > 0)
+            kill(-p->pid, SIGKILL);
     struct stat st;
     if (fstatat(sock_dirfd, sock_base, &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == sock_dev && st.st_ino == sock_ino)
         unlinkat(sock_dirfd, sock_base, 0);
@@ -1117,9 +1771,9 @@ static void reap(void)
     int status;
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-        for (struct conn *c = execs; c; c = c->next_exec) {
-            if (c->pid == pid) {
-                exec_exited(c, status);
+        for (struct proc *p = procs; p; p = p->next) {
+            if (p->pid == pid) {
+                proc_exited(p, status);
                 break;
             }
         }
@@ -1499,6 +2153,13 @@ int main(int argc, char **argv)
      * dropped there), so the signalfd sees SIGTERM from the runtime. */
     if (sigprocmask(SIG_BLOCK, &mask, NULL) < 0)
         die("sigprocmask");
+    /* A write to a stdin pipe whose reader is gone then fails with EPIPE instead of killing us;
+     * blocked, not ignored: spawn_shell clears the mask, an ignored disposition would survive
+     * exec. */
+    sigset_t pipe_mask;
+    sigemptyset(&pipe_mask);
+    sigaddset(&pipe_mask, SIGPIPE);
+    sigprocmask(SIG_BLOCK, &pipe_mask, NULL);
     sfd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC);
     if (sfd < 0)
         die("signalfd");
@@ -1531,14 +2192,24 @@ int main(int argc, char **argv)
                 on_signal();
                 continue;
             }
+            if (w->p) {
+                struct proc *p = w->p;
+                if (p->dead)
+                    continue;
+                switch (w->kind) {
+                case W_OUT: on_pipe(p, 1); break;
+                case W_ERR: on_pipe(p, 2); break;
+                case W_TIMER: if (p->tfd >= 0) on_timer(p); break;
+                case W_IN: stdin_flush(p); break;
+                }
+                continue;
+            }
             struct conn *c = w->c;
             if (c->dead)
                 continue;
             switch (w->kind) {
             case W_CONN: on_conn(c, evs[i].events); break;
-            case W_OUT: on_pipe(c, 1); break;
-            case W_ERR: on_pipe(c, 2); break;
-            case W_TIMER: if (c->tfd >= 0) on_timer(c); break;
+            case W_INOTIFY: if (c->ifd >= 0) on_inotify(c); break;
             }
         }
         while (graveyard) {
@@ -1547,6 +2218,15 @@ int main(int argc, char **argv)
             free(c->req);
             free(c->out);
             free(c);
+        }
+        while (proc_graveyard) {
+            struct proc *p = proc_graveyard;
+            proc_graveyard = p->next_dead;
+            free(p->in);
+            free(p->cmd);
+            free(p->cwd);
+            free(p->user);
+            free(p);
         }
     }
 }

@@ -128,14 +128,13 @@ class Daemon:
     def start(self) -> "Daemon":
         self.mount.mkdir(parents=True, exist_ok=True)
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.data_dir / "lazy.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "imaged.lazy", "--data-dir", str(self.data_dir), "--mount", str(self.mount),
-             "--nats-url", self.nats_url, "--mode", self.mode, "--host-id", "bench", *self.extra],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-        )
-        log.close()
+        with open(self.data_dir / "lazy.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "imaged.lazy", "--data-dir", str(self.data_dir), "--mount", str(self.mount),
+                 "--nats-url", self.nats_url, "--mode", self.mode, "--host-id", "bench", *self.extra],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -282,12 +282,15 @@ class Stack:
         rootfs = self.dir / "rootfs"
         build_busybox_rootfs(str(rootfs))
         kv = await ensure_kv(js, S.KV_IMAGES)
-        await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest="sha256:" + "0" * 64, kind="dir", path=str(rootfs))])))
+        base = TemplateManifest(name="base", layers=[LayerRef(role="base", digest="sha256:" + "0" * 64, kind="dir", path=str(rootfs))])
+        await kv.put("base", codec.encode(base))
         await nc.close()
         self.placement = Placement(self.url, replica_id="bench-p1")
         await self.placement.start()
         self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool)
-        self.host = HostAgent(self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True)
+        self.host = HostAgent(
+            self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True
+        )
         await self.host.start()
         deadline = time.monotonic() + 15
         while "bench" not in self.placement.table.hosts and time.monotonic() < deadline:
@@ -310,7 +313,10 @@ class Stack:
         return left
 
     def create(self, sid: str | None = None) -> "asyncio.Future[AsyncSandbox]":
-        return AsyncSandbox.create(nats_url=self.url, memory_mb=self.args.memory_mb, disk_mb=self.args.disk_mb, cpu=self.args.cpu, timeout=3600, create_timeout=600, sandbox_id=sid)
+        a = self.args
+        return AsyncSandbox.create(
+            nats_url=self.url, memory_mb=a.memory_mb, disk_mb=a.disk_mb, cpu=a.cpu, timeout=3600, create_timeout=600, sandbox_id=sid
+        )
 
 
 async def wait_pool_full(backend: Any, size: int, timeout: float = 600.0) -> None:
@@ -361,7 +367,9 @@ class Profiler:
         own: collections.Counter[str] = collections.Counter()
         incl: collections.Counter[str] = collections.Counter()
         total = 0
-        for line in open(self.path):
+        with open(self.path) as f:
+            lines = f.readlines()
+        for line in lines:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             if not stack:
                 continue
@@ -401,7 +409,7 @@ async def run(args: argparse.Namespace) -> None:
     st = Stack(args)
     print(f"dsec sandbox benchmark: N={args.n}, host concurrency {args.concurrency}, {os.cpu_count()} cores, "
           f"sandbox cpu={args.cpu} memory_mb={args.memory_mb} disk_mb={args.disk_mb}, shim group {args.shim_group}; "
-          f"load average at start {open('/proc/loadavg').read().split()[0]}")
+          f"load average at start {Path('/proc/loadavg').read_text().split()[0]}")
     b0, w0 = machine_cpu_s(), time.monotonic()
     await asyncio.sleep(1.0)  # measures what else keeps the machine busy (other processes), before we start
     print(f"cores already busy with other work before the run: {(machine_cpu_s() - b0) / (time.monotonic() - w0):.2f} of {os.cpu_count()}")
@@ -506,7 +514,8 @@ async def run(args: argparse.Namespace) -> None:
 
         # --- report -----------------------------------------------------------------------------------
         print()
-        print(f"creates, sequential (N={args.n}):  p50 {pct(seq, 50):7.1f} ms   p99 {pct(seq, 99):7.1f} ms   max {max(seq):7.1f} ms   ({args.n / seq_wall:.1f}/s)")
+        print(f"creates, sequential (N={args.n}):  p50 {pct(seq, 50):7.1f} ms   p99 {pct(seq, 99):7.1f} ms   max {max(seq):7.1f} ms"
+              f"   ({args.n / seq_wall:.1f}/s)")
         print(f"creates, burst of {args.n} at once:   p50 {pct(burst, 50):7.1f} ms   p99 {pct(burst, 99):7.1f} ms   max {max(burst or [0]):7.1f} ms")
         print(f"burst throughput:                {len(burst) / burst_wall:7.1f} creates/s  ({len(burst)} in {burst_wall:.2f} s, {len(fails)} failed)")
         print(f"exec `true`, same sandbox (x{args.exec_n}): p50 {pct(ex, 50):6.2f} ms   p99 {pct(ex, 99):6.2f} ms")
@@ -522,7 +531,8 @@ async def run(args: argparse.Namespace) -> None:
         tot_pss = agent_pss + shim_pss + cd_pss + max(self_pss, 0)
         tot_rss = agent_rss + shim_rss + cd_rss + max(self_rss, 0)
         print(f"  {'total (processes)':44} {mib(tot_rss):>10} {mib(tot_pss):>10}")
-        print(f"  memory cgroup usage per sandbox: mean {mib(statistics.mean(cg_usage))} (rss {mib(statistics.mean(cg_rss))}, cache {mib(statistics.mean(cg_cache))})")
+        print(f"  memory cgroup usage per sandbox: mean {mib(statistics.mean(cg_usage))} "
+              f"(rss {mib(statistics.mean(cg_rss))}, cache {mib(statistics.mean(cg_cache))})")
         print(f"  MemAvailable drop per sandbox (everything, kernel included): {mib((before_avail - after_avail) / n)}")
         print("  * this process runs the host agent, placement and the SDK: its growth bounds the host agent's share from above")
         print()

@@ -276,9 +276,8 @@ def seaweed():
         f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}", "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
         f"-s3.port.iceberg={p[8]}", "-volume.max=16", "-master.volumeSizeLimitMB=256",
     ]
-    log = open(os.path.join(d, "weed.log"), "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
+    with open(os.path.join(d, "weed.log"), "ab") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     endpoint = f"http://127.0.0.1:{p[6]}"
     sw = Seaweed(endpoint=endpoint, proc=proc, dir=d)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
 import shutil
 import signal
 import tempfile
@@ -50,6 +49,15 @@ async def test_status(stack: Stack) -> None:
     assert "base" in st["templates"]
     rc, out, err = await dsec("status", url=stack.url)
     assert rc == 0 and stack.host_id in out, (out, err)
+
+
+async def test_unreachable_stack_is_one_line_within_5s() -> None:
+    closed = f"nats://127.0.0.1:{free_port()}"
+    commands = (["sandbox", "ls"], ["sandbox", "create"], ["image", "ls"], ["image", "build", "x", "--base", "template:base"], ["audit", "replay"], ["status"])
+    for args in commands:
+        rc, out, err = await dsec(*args, url=closed, timeout=5)  # the whole process, start-up included
+        assert rc == 1, (args, out, err)
+        assert "cannot reach NATS" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
 async def test_status_without_nats() -> None:
@@ -145,7 +153,7 @@ async def test_dsec_up_end_to_end() -> None:
     data = Path(tempfile.mkdtemp(prefix=f"dsec-up-{uuid.uuid4().hex[:6]}-", dir="/tmp"))
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
-    env = subprocess_env(url)
+    env = subprocess_env(url, DSEC_CONTEXT=str(data.parent / f"{data.name}.context.json"))
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", f"up-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"],
                env, data.parent / f"{data.name}.log").start()
     try:
@@ -176,6 +184,5 @@ async def test_dsec_up_end_to_end() -> None:
             await force_cleanup(data)
         if not data_dir_leftovers(data):
             shutil.rmtree(data, ignore_errors=True)
-            with_log = data.parent / f"{data.name}.log"
-            if with_log.exists():
-                os.unlink(with_log)
+            for p in (data.parent / f"{data.name}.log", data.parent / f"{data.name}.context.json"):
+                p.unlink(missing_ok=True)

@@ -124,7 +124,9 @@ async def test_agent_sigkill_and_restart_keeps_sandboxes(stack: Stack) -> None:
         # A clean stop with no sandboxes left stops the private containerd as well.
         assert await agents[1].stop(timeout=60) == 0, agents[1].log()
         await eventually(lambda: not pid_alive(containerd_pid), timeout=30, what="containerd to stop")
-        await eventually(lambda: not processes_mentioning(str(data)), timeout=30, what=f"no containerd or shim of the data dir: {processes_mentioning(str(data))}")
+        await eventually(
+            lambda: not processes_mentioning(str(data)), timeout=30, what=f"no containerd or shim of the data dir: {processes_mentioning(str(data))}"
+        )
         left = data_dir_leftovers(data)
         assert not left, left
     finally:

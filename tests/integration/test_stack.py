@@ -276,13 +276,44 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
         on_host = img.stat().st_blocks * 512
         assert 16 * MiB <= on_host <= (32 + 8) * MiB, f"{on_host / MiB:.1f} MiB of host disk for a 32 MB sandbox"
         assert img.stat().st_size <= (32 + 8) * MiB
-        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in (stack.data_dir / "scratch" / stack.cid(sid) / "upper").rglob("*") if p.is_file()))
+        upper_dir = stack.data_dir / "scratch" / stack.cid(sid) / "upper"
+        upper = await asyncio.to_thread(lambda: sum(p.stat().st_size for p in upper_dir.rglob("*") if p.is_file()))
         assert upper >= 16 * MiB  # the fill file is in the upper dir on that image (not elsewhere on the host)
         df = (await sb.commands.run("df -m / | tail -1")).stdout.split()
         assert 24 <= int(df[1]) <= 40, df  # the sandbox sees a root of about disk_mb
         # Freeing space inside makes room again.
         await sb.commands.run("rm /tmp/fill /tmp/more.bin 2>/dev/null; true")
         await sb.files.write("/tmp/after.bin", b"x" * MiB)
+
+
+
+async def test_a_small_cpu_share_is_in_force_once_created(stack: Stack) -> None:
+    """A container starts with the start-up share (its runc init and agent are not throttled by a
+    tiny share) and runs under its own share from the moment its create is answered: cold, and
+    claimed from the warm pool."""
+    from hostagent._container import START_CPU
+
+    cg = "/sys/fs/cgroup/cpu/dsec"
+    disk = 40  # a disk size no other test asks for: the first create of it finds no warm container
+
+    def quota_shares(cid: str) -> tuple[int, int]:
+        return int(_read(f"{cg}/{cid}/cpu.cfs_quota_us")), int(_read(f"{cg}/{cid}/cpu.shares"))
+
+    def waiting() -> list[str]:
+        return [cid for key, entries in stack.backend._pool.items() if key[1] == disk for cid, _, _ in entries]
+
+    async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as cold:
+        assert stack.cid(cold.sandbox_id) == cold.sandbox_id  # started for this sandbox
+        assert quota_shares(cold.sandbox_id) == (2_000, 20)  # 0.02 of a CPU: 2 ms per 100 ms
+        await eventually(waiting, timeout=60, what="a warm container of that disk size")
+        # Positive control: a waiting pool container runs with the start-up share.
+        assert quota_shares(waiting()[0]) == (int(START_CPU * 100_000), int(START_CPU * 1024))
+        async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as warm:
+            cid = stack.cid(warm.sandbox_id)
+            assert cid.startswith("wp-")  # claimed from the pool
+            assert quota_shares(cid) == (2_000, 20)
+            assert int(_read(f"/sys/fs/cgroup/memory/dsec/{cid}/memory.limit_in_bytes")) == 32 * MiB
+            assert (await warm.commands.run("echo up")).stdout == "up\n"
 
 
 # -------------------------------------------------------------------------------- errors by name
@@ -314,7 +345,7 @@ async def test_200_concurrent_creates_two_replicas(stack: Stack) -> None:
     pids = {sb.sandbox_id: stack.pid_of(sb.sandbox_id) for sb in sbs if sb.sandbox_id in stack.host.handles}
     try:
         assert not errors, f"{len(errors)} of {n} creates failed: {errors[:3]}"
-        placed = [p.placed - b for p, b in zip(stack.placements, placed_before)]
+        placed = [p.placed - b for p, b in zip(stack.placements, placed_before, strict=True)]
         assert sum(placed) >= n
         assert all(c > 0 for c in placed), f"both placement replicas must take work under load, got {placed}"
         # Each one is a working sandbox.

@@ -16,10 +16,10 @@ import pytest
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import CreateSandbox, HostStatus, PlaceBatch, SandboxEvent
+from bus.messages import CreateSandbox, HostStatus, PlaceBatch
 from bus.streams import ensure_kv
 from hostagent import HostAgent, SimBackend
-from placement import Placement, Policy
+from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 
 from .conftest import LAYER, eventually, ready_counts

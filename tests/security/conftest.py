@@ -11,7 +11,7 @@ and the sandbox networks (netns mounts, veths, the nft table) the stack's host a
 permissions ``dsec up`` configures: each service connects as its role, ``stack.nc`` as ``admin``,
 ``stack.url`` is the anonymous client's URL; ``stack.auth`` the ``bus.auth.AuthConfig``),
 ``dedup_window_s`` (the streams' de-duplication window, for replay tests), ``network`` (a dict of
-``hostagent._network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
+``hostagent.network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
 kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
 (started containers the host agent keeps ready per image and profile). Each stack gets its own nft
@@ -57,7 +57,7 @@ def _free_prefix() -> str:
 
 
 def network_config(prefix: str, **overrides: Any) -> Any:
-    from hostagent._network import NetworkConfig
+    from hostagent.network import NetworkConfig
 
     idx = (string.ascii_lowercase + string.digits).index(prefix[3])
     kw: dict[str, Any] = dict(
@@ -73,7 +73,7 @@ def network_leftovers(cfg: Any, *, warm_ok: bool = False) -> list[str]:
     ``warm_ok``: ignore the host agent's pool of pre-made (unassigned) networks."""
     import subprocess
 
-    from hostagent._network import WARM_TAG
+    from hostagent.network import WARM_TAG
 
     def warm_link(n: str) -> bool:
         try:
@@ -156,6 +156,52 @@ def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_opti
     )
 
 
+def _mounted_under(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(str(path) in ln for ln in f)
+
+
+async def _close_stack(st: SecStack) -> None:
+    """Stop a stack made by ``make_stack`` and check it left nothing behind (then remove it anyway)."""
+    import sdk._async
+    from hostagent.network import NetworkManager
+
+    problems: list[str] = []
+    for sb in st.sandboxes:
+        with contextlib.suppress(Exception):
+            await sb.kill()
+    with contextlib.suppress(Exception):
+        await sdk._async.close_connections()
+    with contextlib.suppress(Exception):
+        await st.host.shutdown()
+    with contextlib.suppress(Exception):
+        await st.placement.shutdown()
+    if st.guard is not None:
+        with contextlib.suppress(Exception):
+            await st.guard.shutdown()
+    with contextlib.suppress(Exception):
+        await st.nc.close()
+    data_dir, net = st.data_dir, st.net
+    left = data_dir_leftovers(data_dir)
+    if left:
+        problems.append(f"left under {data_dir}: {left}")
+        await force_cleanup(data_dir)
+    # The kernel frees a netns (and its veth pair) asynchronously once its last process is gone.
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: not network_leftovers(net), timeout=15, what="sandbox networks to be gone")
+    netleft = network_leftovers(net)
+    if netleft:
+        problems.append(f"network state left: {netleft}")
+    m = NetworkManager(net)
+    try:
+        await m.purge()  # the table itself (and ip_forward, if this was the last dsec table)
+    finally:
+        await m.stop()
+    if not _mounted_under(data_dir):
+        shutil.rmtree(data_dir, ignore_errors=True)
+    assert not problems, problems
+
+
 @pytest_asyncio.fixture(loop_scope="session")
 async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     if SKIP_REASON is not None:
@@ -166,7 +212,6 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     from hostagent._container import ContainerBackend
     from imaged._busybox import build_busybox_rootfs
     from placement import Placement
-    import sdk._async
 
     made: list[SecStack] = []
     cleanups: list[Callable[[], Awaitable[None]]] = []
@@ -179,7 +224,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
 
         async def remove_data_dir() -> None:  # runs last; also when make() failed half-way
-            if data_dir.exists() and not any(str(data_dir) in ln for ln in open("/proc/self/mountinfo")):
+            if data_dir.exists() and not _mounted_under(data_dir):
                 shutil.rmtree(data_dir, ignore_errors=True)
 
         cleanups.append(remove_data_dir)
@@ -220,44 +265,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
             auth=authcfg, stream_options=opts, control_key=key,
         )
 
-        async def close() -> None:
-            problems: list[str] = []
-            for sb in st.sandboxes:
-                with contextlib.suppress(Exception):
-                    await sb.kill()
-            with contextlib.suppress(Exception):
-                await sdk._async.close_connections()
-            with contextlib.suppress(Exception):
-                await st.host.shutdown()
-            with contextlib.suppress(Exception):
-                await placement.shutdown()
-            if st.guard is not None:
-                with contextlib.suppress(Exception):
-                    await st.guard.shutdown()
-            with contextlib.suppress(Exception):
-                await nc.close()
-            left = data_dir_leftovers(data_dir)
-            if left:
-                problems.append(f"left under {data_dir}: {left}")
-                await force_cleanup(data_dir)
-            # The kernel frees a netns (and its veth pair) asynchronously once its last process is gone.
-            with contextlib.suppress(AssertionError):
-                await eventually(lambda: not network_leftovers(net), timeout=15, what="sandbox networks to be gone")
-            netleft = network_leftovers(net)
-            if netleft:
-                problems.append(f"network state left: {netleft}")
-            from hostagent._network import NetworkManager
-
-            m = NetworkManager(net)
-            try:
-                await m.purge()  # the table itself (and ip_forward, if this was the last dsec table)
-            finally:
-                await m.stop()
-            if not any(str(data_dir) in ln for ln in open("/proc/self/mountinfo")):
-                shutil.rmtree(data_dir, ignore_errors=True)
-            assert not problems, problems
-
-        cleanups.append(close)
+        cleanups.append(lambda: _close_stack(st))
         if guard:
             from guard import Guard
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import nats
 import nats.errors
+from nats.js.errors import KeyNotFoundError
 import pytest
 
 from bus import codec
@@ -182,6 +183,12 @@ async def host_idle(stack: SecStack) -> bool:
     return ci.num_pending == 0 and ci.num_ack_pending == 0 and not stack.host._creating
 
 
+async def placement_idle(stack: SecStack) -> bool:
+    """Placement's request queue is empty and nothing it took is un-acked."""
+    ci = await stack.js_admin.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
+    return ci.num_pending == 0 and ci.num_ack_pending == 0
+
+
 async def exec_ok(nc: Any, sid: str, cmd: str = "echo alive") -> str:
     msg = await nc.request(S.sbx(sid, "exec"), codec.encode(ExecRequest(cmd=cmd, timeout_s=20)), timeout=30)
     res = codec.decode_reply(msg.data, ExecResult)
@@ -223,12 +230,18 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         await cli.denied_publish(redteam, S.host_create(host), place, "hand a create straight to a host (skip placement)")
         await cli.denied_publish(redteam, f"dsec.host.{host}.kill", place, "other work on a host's subject")
         now = time.time()
-        await cli.denied_publish(redteam, S.evt_sandbox(fake, "ready"), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event")
-        await cli.denied_publish(redteam, S.evt_sandbox(vid, "killed"), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=now)), "fake 'killed' (dead) event for a live sandbox")
+        await cli.denied_publish(
+            redteam, S.evt_sandbox(fake, "ready"), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event"
+        )
+        await cli.denied_publish(
+            redteam, S.evt_sandbox(vid, "killed"), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=now)),
+            "fake 'killed' (dead) event for a live sandbox",
+        )
         await cli.denied_publish(redteam, S.evt_host(host, "down"), codec.encode(HostEvent(host_id=host, kind="down", at=now)), "fake HostEvent 'down'")
         await cli.denied_publish(
             redteam, S.EVT_GUARD_VIOLATION,
-            codec.encode(GuardViolation(sandbox_id=vid, at=now, kind="control-plane", what="forged", action="quarantine")), "fake guard violation (quarantine a victim)",
+            codec.encode(GuardViolation(sandbox_id=vid, at=now, kind="control-plane", what="forged", action="quarantine")),
+            "fake guard violation (quarantine a victim)",
         )
         await cli.denied_publish(
             redteam, kv_subject(S.KV_HOSTS, host),
@@ -247,11 +260,17 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         await cli.denied_publish(redteam, kv_subject(S.KV_PROFILES, "default"), codec.encode(weak), "replace the default security profile")
         await cli.denied_publish(
             redteam, kv_subject(S.KV_IMAGES, "base"),
-            codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest="sha256:" + "1" * 64, kind="dir", path="/")])), "replace a template (rootfs = host /)",
+            codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest="sha256:" + "1" * 64, kind="dir", path="/")])),
+            "replace a template (rootfs = host /)",
         )
-        await cli.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_HOST}", b'{"stream_name":"DSEC_HOST","config":{"durable_name":"thief"}}', "create a consumer on the host work queue")
+        await cli.denied_publish(
+            redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_HOST}", b'{"stream_name":"DSEC_HOST","config":{"durable_name":"thief"}}',
+            "create a consumer on the host work queue",
+        )
         await cli.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_REQ}.thief", b"{}", "create a durable on the request queue")
-        await cli.denied_publish(redteam, f"$JS.API.CONSUMER.MSG.NEXT.{S.STREAM_HOST}.{S.host_durable(host)}", b'{"batch":10}', "pull the host's work (steal creates)")
+        await cli.denied_publish(
+            redteam, f"$JS.API.CONSUMER.MSG.NEXT.{S.STREAM_HOST}.{S.host_durable(host)}", b'{"batch":10}', "pull the host's work (steal creates)"
+        )
         await cli.denied_publish(redteam, f"$JS.API.CONSUMER.MSG.NEXT.{S.STREAM_REQ}.{S.PLACEMENT_DURABLE}", b'{"batch":10}', "pull placement's work")
         await cli.denied_publish(redteam, f"$JS.ACK.{S.STREAM_REQ}.{S.PLACEMENT_DURABLE}.1.1.1.0.0", b"+ACK", "ack (drop) someone else's work")
         await cli.denied_publish(redteam, f"$JS.API.STREAM.PURGE.{S.STREAM_HOST}", b"", "purge the host work stream")
@@ -270,7 +289,7 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         assert await stream_count(js, S.STREAM_EVT, S.EVT_GUARD_VIOLATION) == 0
         assert (await kv_sbx.get(vid)).revision == before["record"]
         assert (await kv_img.get("base")).revision == before["base"]
-        with pytest.raises(Exception):
+        with pytest.raises(KeyNotFoundError):
             await kv_hosts.get(fake)
         assert fake not in stack.placement.table.hosts and stack.placement.table.hosts[host].status.state == "ready"
         assert await _revision(kv_prof, "default") == before["profile"]
@@ -413,11 +432,14 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
         redteam.blocked("replayed create (same Nats-Msg-Id, while creating) [JetStream duplicate]")
         # The same create with a fresh Nats-Msg-Id while it runs: the host already runs that id.
         await js.publish(S.REQ_CREATE, data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
-        await eventually(lambda: len(ev.of(sid, "placed")) >= 2, timeout=20, what="the tampered copy to be placed")
+        # Placement takes the copy; its hand-off (Nats-Msg-Id <id>:<attempt>) is de-duplicated by the host
+        # stream inside the window (PubAck duplicate: not placed again), else the host runs the id already.
+        await eventually(lambda: len(ev.of(sid, "requested")) >= 2, timeout=20, what="placement to take the tampered copy")
+        await eventually(lambda: placement_idle(stack), timeout=20, what="placement to ack the copy")
         await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the copy")
         assert len(stack.host.live) == 1 and stack.host.created == created0 + 1
         assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
-        redteam.blocked("replayed create with a fresh Nats-Msg-Id while running [host runs the id already: one sandbox]")
+        redteam.blocked("replayed create with a fresh Nats-Msg-Id while running [hand-off de-duplicated, or the host runs the id already: one sandbox]")
 
         msg = await cli.nc.request(S.sbx(sid, "kill"), codec.encode(KillRequest()), timeout=30)
         assert codec.decode_reply(msg.data, Done).detail == "killed"
@@ -531,7 +553,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             ev = await Events.watch(stack.nc, spec.sandbox_id)
             try:
                 await cli.nc.jetstream().publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
-                await eventually(lambda: ev.of(spec.sandbox_id, "failed"), timeout=20, what="the failed event")
+                await eventually(lambda ev=ev, sid=spec.sandbox_id: ev.of(sid, "failed"), timeout=20, what="the failed event")
                 assert ev.of(spec.sandbox_id, "failed")[0].code == "invalid_argument"
                 assert spec.sandbox_id not in stack.host.live
             finally:
@@ -544,7 +566,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             spec.metadata = {"m": marker}
             await cli.nc.jetstream().publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: marker})
 
-            async def dead() -> bool:
+            async def dead(marker: str = marker) -> bool:
                 try:
                     m = await js_admin.get_last_msg(S.STREAM_DLQ, S.dlq(S.REQ_CREATE))
                 except Exception:  # noqa: BLE001 - none yet
@@ -644,7 +666,9 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         # The host work stream captured the forged create under its stored subject, not a host's.
         assert await stream_count(js, S.STREAM_HOST, kv_subject(S.KV_SANDBOXES, kp)) == 1
         assert await stream_count(js, S.STREAM_HOST, S.host_create(host)) == 0
-        redteam.blocked("anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [captured under its stored subject, never consumed]")
+        redteam.blocked(
+            "anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [captured under its stored subject, never consumed]"
+        )
 
         # The forged kill reached the victim's host agent before this exec (one subscription, in order).
         assert "alive" in await exec_ok(stack.nc, vid)

@@ -434,7 +434,7 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
 
     from bus import codec
     from bus import subjects as S
-    from bus.profiles import SYSTEM_PATHS, default_profile
+    from bus.profiles import default_profile
 
     st = await make_stack(warm_pool=1)
     backend = st.backend
@@ -865,7 +865,8 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
         await until(lambda: find("seccomp", lambda v: v.what == "mount"), timeout=10, what="mount violation")
         await until(lambda: find("landlock", lambda v: "fs.make_reg" in v.what and "/var" in v.what), timeout=10, what="landlock violation")
         await until(lambda: find("fs", lambda v: v.what.endswith(" /etc/passwd")), timeout=10, what="/etc/passwd violation")
-        await until(lambda: find("seccomp", lambda v: v.what.startswith("i386") and v.detail.get("process_killed") == "true"), timeout=10, what="i386 violation")
+        i386_killed = lambda v: v.what.startswith("i386") and v.detail.get("process_killed") == "true"  # noqa: E731
+        await until(lambda: find("seccomp", i386_killed), timeout=10, what="i386 violation")
         await until(lambda: find("seccomp", lambda v: v.what == "ioctl"), timeout=10, what="ioctl violation")
         mount = find("seccomp", lambda v: v.what == "mount")
         assert mount is not None and mount.action == "record" and mount.detail["exe"] == "/tmp/sysx" and mount.host_id

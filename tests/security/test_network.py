@@ -39,12 +39,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from hostagent._network import (
-    NetworkManager,
-    _dns_answers,
-    compile_allowlist,
-    parse_allow_out,
-)
+from hostagent.network import NetworkManager, compile_allowlist, parse_allow_out
+from hostagent.network.resolver import _dns_answers
 from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
@@ -586,7 +582,7 @@ def _dns_reply(query: bytes, answers: dict[str, list[str]]) -> bytes:
 
 
 def test_dns_answer_parsing() -> None:
-    from hostagent._network import _dns_query
+    from hostagent.network.resolver import _dns_query
 
     q = _dns_query("svc.dsec.test", 0x1234)
     assert _dns_answers(_dns_reply(q, {"svc.dsec.test": ["198.18.0.2", "198.18.0.3"]}), "svc.dsec.test") == ["198.18.0.2", "198.18.0.3"]
@@ -1125,7 +1121,7 @@ async def test_setup_latency(stack: SecStack, testhost: TestHost, capsys: pytest
         finally:
             await bench.purge()
             await bench.stop()
-        await eventually(lambda: not network_leftovers(cfg), timeout=15, what="bench networks to be gone")
+        await eventually(lambda cfg=cfg: not network_leftovers(cfg), timeout=15, what="bench networks to be gone")
 
     def pct(v: list[float], p: float) -> float:
         v = sorted(v)
@@ -1305,7 +1301,9 @@ async def test_dropped_packets_apply_the_sandbox_audit_policy(
         base = default_profile()
         prof = msgspec.structs.replace(base, name="net-quarantine", version=1, audit=msgspec.structs.replace(base.audit, other="quarantine"))
         await (await st.nc.jetstream().key_value(S.KV_PROFILES)).put(prof.name, codec.encode(prof))
-        await until(lambda: prof.name in st.host.profiles.profiles and prof.name in st.guard.profiles, timeout=10, what="the profile to reach host agent and guard")
+        await until(
+            lambda: prof.name in st.host.profiles.profiles and prof.name in st.guard.profiles, timeout=10, what="the profile to reach host agent and guard"
+        )
         th = await testhost.listen()
         q = await with_probe(await st.create(profile=prof.name, network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)
         r = await with_probe(await st.create(network={"allow_out": [f"{testhost.ip}:{th.port}"]}), netprobe_bin)

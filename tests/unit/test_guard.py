@@ -8,6 +8,7 @@ namespace flags, device nodes) are checked exactly as the kernel would evaluate 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import struct
 import uuid
@@ -16,9 +17,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 from bus import codec
 from bus import subjects as S
+from bus.errors import InvalidArgument
 from bus.messages import GuardViolation, KillRequest, SandboxRecord, SandboxSpec, SecurityProfile
 from guard import DENY_IOCTLS, Denial, KernelAudit, SandboxMap, builtin_profiles, default_profile, parse_record, publish_profiles
 from bus import profiles as gp
@@ -128,14 +131,14 @@ def test_compile_profile_agent_args() -> None:
     args = list(e.agent_args)
     assert args[:2] == ["--landlock-ro", "/"] and "--landlock-required" in args
     assert args[args.index("--audit-loginuid") + 1] == str(hp.AUDIT_LOGINUID)
-    pairs = list(zip(args, args[1:]))
+    pairs = list(itertools.pairwise(args))
     assert ("--landlock-rw", "/tmp") in pairs and ("--landlock-rw", "/workspace") in pairs and ("--landlock-dev", "/dev") in pairs
     bpf = bytes.fromhex(args[args.index("--seccomp-bpf") + 1])
     assert len(bpf) % 8 == 0 and len(bpf) // 8 < hp.BPF_MAXINSNS
     assert e.capabilities == tuple(default_profile().capabilities) and e.landlock_required
     off = msgspec.structs.replace(default_profile(), fs=msgspec.structs.replace(default_profile().fs, landlock=False))
     assert not [a for a in hp.compile_profile(off).agent_args if a.startswith("--landlock")]
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidArgument, match="not absolute"):
         hp.landlock_args(msgspec.structs.replace(default_profile().fs, writable=["relative/path"]))
 
 
@@ -164,7 +167,9 @@ def test_system_paths_become_read_only_mounts() -> None:
 
 # ------------------------------------------------------------------------------ audit records
 def test_parse_record() -> None:
-    serial, f = parse_record('audit(1795943804.067:3): auid=1685284195 uid=0 ses=2 pid=18551 comm="sc" exe=2F746D702F612062 sig=0 arch=c000003e syscall=110 code=0x50000')
+    serial, f = parse_record(
+        'audit(1795943804.067:3): auid=1685284195 uid=0 ses=2 pid=18551 comm="sc" exe=2F746D702F612062 sig=0 arch=c000003e syscall=110 code=0x50000'
+    )
     assert serial == "3" and f["comm"] == "sc" and f["exe"] == "/tmp/a b" and f["syscall"] == "110" and f["ses"] == "2"
 
 
@@ -184,15 +189,19 @@ def test_kernel_records_map_to_sandboxes(tmp_path: Path) -> None:
     k = KernelAudit(got.append, sandbox_map=m)
     auid = 1685284195
     # a process that already exited: found by its audit session
-    k.feed(1326, f'audit(1.0:10): auid={auid} uid=0 gid=0 ses=9 pid=99999 comm="sysx" exe="/tmp/sysx" sig=0 arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
+    k.feed(1326, f'audit(1.0:10): auid={auid} uid=0 gid=0 ses=9 pid=99999 comm="sysx" exe="/tmp/sysx" sig=0 '
+                 'arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
     # a 32-bit call, killed
-    k.feed(1326, f'audit(1.0:11): auid={auid} uid=0 gid=0 ses=9 pid=99998 comm="sysx" exe="/tmp/sysx" sig=31 arch=40000003 syscall=21 compat=1 ip=0x1 code=0x80000000')
+    k.feed(1326, f'audit(1.0:11): auid={auid} uid=0 gid=0 ses=9 pid=99998 comm="sysx" exe="/tmp/sysx" sig=31 '
+                 'arch=40000003 syscall=21 compat=1 ip=0x1 code=0x80000000')
     # not a sandbox: ignored
-    k.feed(1326, 'audit(1.0:12): auid=4294967295 uid=0 gid=0 ses=4294967295 pid=99997 comm="x" exe="/x" sig=0 arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
+    k.feed(1326, 'audit(1.0:12): auid=4294967295 uid=0 gid=0 ses=4294967295 pid=99997 comm="x" exe="/x" sig=0 '
+                 'arch=c000003e syscall=165 compat=0 ip=0x1 code=0x50000')
     # Landlock: access + domain + syscall + end of event
     k.feed(1423, 'audit(1.0:13): domain=abc blockers=fs.write_file path="/etc/passwd" dev="overlay" ino=5')
     k.feed(1424, 'audit(1.0:13): domain=abc status=allocated mode=enforcing pid=4242 uid=0 exe="/.dsec/bin/dsec-agent" comm="dsec-agent"')
-    k.feed(1300, f'audit(1.0:13): arch=c000003e syscall=257 success=no exit=-13 ppid=4242 pid=99996 auid={auid} uid=0 ses=9 comm="sh" exe="/bin/busybox" key=(null)')
+    k.feed(1300, f'audit(1.0:13): arch=c000003e syscall=257 success=no exit=-13 ppid=4242 pid=99996 auid={auid} uid=0 ses=9 '
+                 'comm="sh" exe="/bin/busybox" key=(null)')
     k.feed(1320, "audit(1.0:13): ")
     # Landlock without a syscall record: the domain's creator names the sandbox
     k.feed(1423, 'audit(1.0:14): domain=abc blockers=fs.remove_file path="/bin" dev="overlay" ino=6')
@@ -406,7 +415,7 @@ async def test_guard_quarantines_and_acts_on_other_components_reports(nats_serve
         qkv = await js.key_value(S.KV_QUARANTINE)
         v = codec.EVENT.decode((await qkv.get(a)).value)
         assert isinstance(v, GuardViolation) and v.action == "quarantine" and v.what == "keyctl"
-        with pytest.raises(Exception):
+        with pytest.raises(KeyNotFoundError):
             await qkv.get(b)
     finally:
         for s in subs:

@@ -1,0 +1,131 @@
+"""The pull consumer against a real nats-server: redelivery, capacity, batches, a shared inbox."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bus.runtime import PullConsumer, PullInbox, consumer_config
+from tests.conftest import eventually
+
+
+async def _publish(nc, subject: str, n: int) -> None:
+    js = nc.jetstream()
+    for i in range(n):
+        await js.publish(subject, str(i).encode())
+
+
+async def test_handler_that_raises_gets_the_message_again(nc, stream) -> None:
+    name, prefix = stream
+    seen: list[int] = []
+
+    async def handler(msg) -> None:
+        seen.append(msg.metadata.num_delivered)
+        if msg.metadata.num_delivered == 1:
+            raise RuntimeError("first try fails")
+        await msg.ack()
+
+    c = PullConsumer(nc, stream=name, config=consumer_config("w", f"{prefix}.>", ack_wait_s=1.0, max_ack_pending=4), capacity=4, handler=handler)
+    await c.start()
+    try:
+        await _publish(nc, f"{prefix}.a", 1)
+        await eventually(lambda: seen == [1, 2], timeout=15, what="redelivery after the handler raised")
+        await eventually(lambda: c.inflight == 0, what="handler done")
+
+        async def acked() -> bool:
+            info = await nc.jetstream().consumer_info(name, "w")
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await eventually(acked, what="the second delivery acked")
+    finally:
+        await c.stop_intake()
+        await c.finish(5)
+
+
+async def test_capacity_is_never_exceeded(nc, stream) -> None:
+    name, prefix = stream
+    capacity = 3
+    running = 0
+    peak = 0
+    over: list[int] = []
+    release = asyncio.Event()
+    done = 0
+    c: PullConsumer
+
+    async def handler(msg) -> None:
+        nonlocal running, peak, done
+        running += 1
+        peak = max(peak, running)
+        if c.inflight + c.credits > capacity:
+            over.append(c.inflight + c.credits)
+        await release.wait()
+        await msg.ack()
+        running -= 1
+        done += 1
+
+    c = PullConsumer(nc, stream=name, config=consumer_config("cap", f"{prefix}.>", max_ack_pending=100), capacity=capacity, handler=handler)
+    await c.start()
+    try:
+        await _publish(nc, f"{prefix}.x", 30)
+        await eventually(lambda: running == capacity, what="capacity reached")
+        # With every slot busy nothing more is asked for: the rest waits in the stream.
+        info = await nc.jetstream().consumer_info(name, "cap")
+        assert info.num_ack_pending == capacity and info.num_pending == 30 - capacity
+        release.set()
+        await eventually(lambda: done == 30, what="all handled")
+        assert peak == capacity and not over
+    finally:
+        await c.stop_intake()
+        await c.finish(5)
+
+
+async def test_batch_delivery_hands_over_what_arrived_together(nc, stream) -> None:
+    name, prefix = stream
+    await _publish(nc, f"{prefix}.b", 20)
+    batches: list[list[bytes]] = []
+
+    async def on_batch(msgs) -> None:
+        batches.append([m.data for m in msgs])
+        for m in msgs:
+            await m.ack()
+
+    c = PullConsumer(nc, stream=name, config=consumer_config("b", f"{prefix}.>", max_ack_pending=8), capacity=8, on_batch=on_batch)
+    await c.start()
+    try:
+        await eventually(lambda: sum(len(b) for b in batches) == 20, what="20 delivered")
+        assert all(len(b) <= 8 for b in batches)
+        assert max(len(b) for b in batches) > 1  # whole batches, not one call per message
+        assert sorted(int(x) for b in batches for x in b) == list(range(20))
+    finally:
+        await c.stop_intake()
+        await c.finish(5)
+
+
+async def test_consumers_sharing_one_inbox_get_only_their_own(nc, stream, uid) -> None:
+    name, prefix = stream
+    js = nc.jetstream()
+    other = f"U_{uid}"
+    await js.add_stream(name=other, subjects=[f"u{uid}.>"])
+    got: dict[str, list[str]] = {"a": [], "b": []}
+
+    def handler(key: str):
+        async def h(msg) -> None:
+            got[key].append(msg.subject)
+            await msg.ack()
+        return h
+
+    inbox = await PullInbox(nc).start()
+    a = PullConsumer(nc, stream=name, config=consumer_config("a", f"{prefix}.>", max_ack_pending=2), capacity=2, handler=handler("a"), inbox=inbox)
+    b = PullConsumer(nc, stream=other, config=consumer_config("b", f"u{uid}.>", max_ack_pending=2), capacity=2, handler=handler("b"), inbox=inbox)
+    await a.start()
+    await b.start()
+    try:
+        await _publish(nc, f"{prefix}.one", 5)
+        await _publish(nc, f"u{uid}.two", 7)
+        await eventually(lambda: len(got["a"]) == 5 and len(got["b"]) == 7, what="both consumers served")
+        assert set(got["a"]) == {f"{prefix}.one"} and set(got["b"]) == {f"u{uid}.two"}
+    finally:
+        for c in (a, b):
+            await c.stop_intake()
+            await c.finish(5)
+        await inbox.stop()
+        await js.delete_stream(other)

@@ -1,0 +1,94 @@
+"""Typed KV against a real nats-server: the claim race, the missing/corrupt record rule."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from bus.runtime import KV, Claim
+from tests.conftest import eventually
+
+
+class Rec(msgspec.Struct, tag=True):
+    owner: str
+    n: int = 0
+
+
+async def _bucket(nc, uid: str) -> KV:
+    return await KV.open(nc.jetstream(), f"t_{uid}", Rec)
+
+
+async def test_get_put_update_create(nc, uid) -> None:
+    kv = await _bucket(nc, uid)
+    try:
+        assert await kv.get("a") is None
+        rev = await kv.put("a", Rec(owner="x"))
+        e = await kv.entry("a")
+        assert e is not None and e.value == Rec(owner="x") and e.revision == rev
+        assert not await kv.update("a", Rec(owner="y"), last=rev + 10)
+        assert await kv.update("a", Rec(owner="y"), last=rev)
+        assert not await kv.create("a", Rec(owner="z"))
+        await kv.delete("a")
+        assert await kv.get("a") is None
+        assert await kv.create("a", Rec(owner="z"))  # over a delete marker
+        assert (await kv.get("a")) == Rec(owner="z")
+        assert await kv.keys() == ["a"]
+    finally:
+        await nc.jetstream().delete_key_value(kv.bucket)
+
+
+async def test_two_claimers_one_wins(nc, nc2, uid) -> None:
+    a = await _bucket(nc, uid)
+    b = await KV.bind(nc2.jetstream(), a.bucket, Rec)
+    try:
+        for round_ in range(10):
+            key = f"k{round_}"
+            ra, rb = await asyncio.gather(a.claim(key, Rec(owner="a")), b.claim(key, Rec(owner="b")))
+            assert sorted([ra, rb]) == [Claim.LOST, Claim.WON], (ra, rb)
+            winner = "a" if ra == Claim.WON else "b"
+            assert (await a.get(key)) == Rec(owner=winner)
+            # the winner claiming again (a redelivery) finds its own record
+            again = await (a if winner == "a" else b).claim(key, Rec(owner=winner, n=1), mine=lambda r, w=winner: r.owner == w)
+            assert again == Claim.MINE and (await a.get(key)) == Rec(owner=winner)  # left unchanged
+    finally:
+        await nc.jetstream().delete_key_value(a.bucket)
+
+
+async def test_corrupt_record_read_as_absent_and_claimable_by_one(nc, nc2, uid) -> None:
+    a = await _bucket(nc, uid)
+    b = await KV.bind(nc2.jetstream(), a.bucket, Rec)
+    try:
+        await a.raw.put("bad", b"\xc1 not msgpack")
+        assert await a.get("bad") is None and a.corrupt == 1  # read: None, counted
+        assert await a.exists("bad")
+        ra, rb = await asyncio.gather(a.claim("bad", Rec(owner="a")), b.claim("bad", Rec(owner="b")))
+        assert sorted([ra, rb]) == [Claim.LOST, Claim.WON]
+        winner = "a" if ra == Claim.WON else "b"
+        assert (await a.get("bad")) == Rec(owner=winner)
+        # a claim of a deleted key wins
+        await a.delete("bad")
+        assert await b.claim("bad", Rec(owner="b")) == Claim.WON
+    finally:
+        await nc.jetstream().delete_key_value(a.bucket)
+
+
+async def test_watch_delivers_puts_and_deletes_and_skips_corrupt(nc, uid) -> None:
+    kv = await _bucket(nc, uid)
+    try:
+        await kv.put("before", Rec(owner="x"))
+        seen: dict[str, Rec] = {}
+        gone: list[str] = []
+        w = await kv.watch(lambda k, v, rev: seen.__setitem__(k, v), gone.append)
+        try:
+            await asyncio.wait_for(w.synced.wait(), 10)
+            assert seen == {"before": Rec(owner="x")}
+            await kv.raw.put("bad", b"\xc1")
+            await kv.put("after", Rec(owner="y", n=2))
+            await kv.delete("before")
+            await eventually(lambda: "after" in seen and gone == ["before"], what="put and delete seen")
+            assert "bad" not in seen and kv.corrupt == 1
+        finally:
+            await w.stop()
+    finally:
+        await nc.jetstream().delete_key_value(kv.bucket)

@@ -1,0 +1,93 @@
+"""The acked publisher against a real nats-server: decoded PubAck, errors, the in-flight bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus import subjects as S
+from bus.runtime import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, publisher_for
+from tests.conftest import eventually
+
+
+async def test_puback_is_decoded_and_duplicates_are_flagged(nc, stream) -> None:
+    name, prefix = stream
+    p = await publisher_for(nc)
+    first = await p.store(f"{prefix}.a", b"x", {S.HDR_MSG_ID: "id-1"})
+    again = await p.store(f"{prefix}.a", b"x", {S.HDR_MSG_ID: "id-1"})
+    other = await p.store(f"{prefix}.a", b"y", {S.HDR_MSG_ID: "id-2"})
+    assert isinstance(first, PubAck) and first.stream == name and first.seq == 1 and not first.duplicate
+    assert again.duplicate and again.seq == 1
+    assert other.seq == 2 and not other.duplicate
+
+
+async def test_stream_errors_raise_with_their_code(nc, stream) -> None:
+    _, prefix = stream
+    p = await publisher_for(nc)
+    await p.store(f"{prefix}.k", b"1")
+    with pytest.raises(StoreError) as ei:
+        await p.store(f"{prefix}.k", b"2", {"Nats-Expected-Last-Subject-Sequence": "0"})
+    assert ei.value.err_code == ERR_WRONG_LAST_SEQUENCE and ei.value.status == 400
+    assert "wrong last sequence" in ei.value.description
+
+
+async def test_no_stream_is_an_error_not_a_hang(nc, uid) -> None:
+    p = await publisher_for(nc)
+    with pytest.raises(StoreError) as ei:
+        await asyncio.wait_for(p.store(f"nostream{uid}.x", b"1"), 10)
+    assert ei.value.status == 503
+
+
+def test_decode_puback_error_answer() -> None:
+    with pytest.raises(StoreError) as ei:
+        decode_puback(b'{"error":{"code":503,"err_code":10077,"description":"maximum messages exceeded"}}')
+    assert ei.value.status == 503 and ei.value.err_code == 10077
+    assert decode_puback(b'{"stream":"S","seq":7,"duplicate":true}') == PubAck(stream="S", seq=7, duplicate=True)
+
+
+async def test_in_flight_writes_are_bounded(nc, uid) -> None:
+    """A responder that answers only when told: the third write waits for a free slot."""
+    subject = f"fake{uid}.store"
+    held: list = []
+
+    async def hold(m) -> None:
+        held.append(m)
+
+    sub = await nc.subscribe(subject, cb=hold)
+    p = Publisher(nc, max_inflight=2)
+    try:
+        f1 = await p.publish(subject, b"1")
+        f2 = await p.publish(subject, b"2")
+        third = asyncio.ensure_future(p.publish(subject, b"3"))
+        await eventually(lambda: len(held) == 2, what="two writes reached the responder")
+        await nc.flush()
+        assert not third.done() and p.inflight == 2
+        await held[0].respond(b'{"stream":"FAKE","seq":1}')
+        f3 = await asyncio.wait_for(third, 10)
+        assert (await f1).seq == 1
+        await eventually(lambda: len(held) == 3, what="the third write went out")
+        for i, m in enumerate(held[1:], start=2):
+            await m.respond(f'{{"stream":"FAKE","seq":{i}}}'.encode())
+        assert (await f2).seq == 2 and (await f3).seq == 3
+    finally:
+        await p.stop()
+        await sub.unsubscribe()
+
+
+async def test_unanswered_write_times_out(nc, uid) -> None:
+    subject = f"silent{uid}.store"
+
+    async def ignore(m) -> None:
+        pass
+
+    sub = await nc.subscribe(subject, cb=ignore)
+    p = Publisher(nc, timeout_s=0.2)
+    try:
+        fut = await p.publish(subject, b"1")
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, 10)
+        assert p.inflight == 0
+    finally:
+        await p.stop()
+        await sub.unsubscribe()
