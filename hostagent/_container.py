@@ -52,7 +52,7 @@ from bus.profiles import default_profile
 from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
-from ._snapshot import frozen, thaw
+from ._snapshot import freeze, frozen, thaw
 
 log = structlog.get_logger("dsec.hostagent.container")
 
@@ -735,12 +735,18 @@ class ContainerBackend:
                 continue
             sdir = h.extra.get("dir") or await self.scratch.allocate_async(c.id, 1)
             client = AgentClient(os.path.join(RootfsLayout(sdir).run, "agent.sock"), expected_pid=c.pid)
+            cgroup = f"{CGROUP_PARENT}/{c.id}"
+            was_frozen = frozen(cgroup)  # paused, or an agent that died mid-snapshot
+            if was_frozen:
+                await thaw(cgroup)  # a frozen agent cannot answer the ping
             try:
                 await client.wait_ready(5.0)
             except AgentError as exc:
                 log.warning("recover_agent_unreachable", sandbox_id=sid, error=str(exc))
                 await self._remove(c.id, sid)
                 continue
+            if was_frozen and h.extra.get("paused"):
+                await freeze(cgroup)  # it stays paused; a snapshot cut short is simply thawed
             self._clients[sid] = client
             self._cid[sid] = c.id
             g = h.extra.get("group") or ""

@@ -270,6 +270,7 @@ class Snapshots:
             raise SandboxNotRunning(f"sandbox {sid} is {ls.state}", state=ls.state)
         await snap.freeze(cgroup)
         ls.state = "paused"
+        ls.extra["paused"] = handle.extra["paused"] = True  # a restarted host agent keeps it frozen
         self.agent._save(ls)
         await self.agent._record(ls, "paused")
         await self.agent._event(ls.spec, "paused", detail={"persist": "false"})
@@ -283,6 +284,8 @@ class Snapshots:
         cgroup, _ = self._container(handle)
         await snap.thaw(cgroup)
         ls.state = "running"
+        ls.extra.pop("paused", None)
+        handle.extra.pop("paused", None)
         self.agent._save(ls)
         await self.agent._record(ls, "running")
         await self.agent._event(ls.spec, "resumed")

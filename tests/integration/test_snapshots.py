@@ -381,6 +381,12 @@ async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack
         s2 = await rb.create_snapshot()
         assert s2.parent_id == s1.snapshot_id and s2.host_id == host_b
 
+        # A paused sandbox there too: it must stay paused across the restart (not be taken for dead).
+        pb = await AsyncSandbox.create(**stack.kw(pool=pool_b, memory_mb=48))
+        sbs.append(pb)
+        await pb.commands.run("echo kept > /root/kept")
+        await pb.pause()
+
         # The agent restarts (its sandboxes live on); the sandbox still snapshots on top of s2.
         assert await agents[0].stop(timeout=60) == 0, agents[0].log()
         t1 = time.time()
@@ -395,6 +401,13 @@ async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack
                 return False
 
         await eventually(answers, timeout=30, interval=0.1, what="the sandbox to answer again")
+        assert (await pb.get_info()).state == "paused"
+        with pytest.raises(DsecError) as ei:
+            await pb.commands.run("true")
+        assert ei.value.code == "not_running"
+        await pb.resume()
+        assert await pb.files.read("/root/kept") == "kept\n"
+        await pb.kill()
         await rb.commands.run("echo again > /root/data/c")
         s3 = await rb.create_snapshot()
         assert s3.parent_id == s2.snapshot_id and s3.layers == 3
@@ -628,3 +641,21 @@ async def test_cli_ls_info_rm_keeps_parents_and_collects_chunks(stack: Stack, la
         assert "removed" in removed
     finally:
         await svc.shutdown()
+
+
+async def test_persisted_pause_with_memory_counter_keeps_counting(stack: Stack, lazy: LazyDaemon, nolandlock: str) -> None:
+    sb = await AsyncSandbox.create(**stack.kw(sandbox_id=stack.new_id("pm"), profile=nolandlock))
+    try:
+        await sb.commands.run(COUNTER)
+        await eventually(lambda: _gt(sb, 20), timeout=20, what="the counter to run")
+        pid = stack.pid_of(sb.sandbox_id)
+        info = await sb.pause(persist=True, memory=True)
+        assert info is not None and info.memory
+        await stack.assert_gone(sb.sandbox_id, pid)
+        sb = await AsyncSandbox.connect(sb.sandbox_id, nats_url=stack.url)
+        first = await _count(sb)
+        assert first > 20
+        await eventually(lambda: _gt(sb, first + 10), timeout=20, what="the counter to carry on after the resume")
+        assert (await sb.commands.run("wget -qO- http://127.0.0.1:8080/x")).stdout == "hello-from-httpd\n"
+    finally:
+        await sb.kill()
