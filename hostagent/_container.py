@@ -52,7 +52,7 @@ from bus.profiles import default_profile
 from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
-from ._snapshot import freeze, frozen, thaw
+from ._freezer import freeze, frozen, thaw
 
 log = structlog.get_logger("dsec.hostagent.container")
 

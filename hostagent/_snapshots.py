@@ -3,7 +3,7 @@
 
 A snapshot is a record in KV ``dsec_snapshots`` naming the layers a restore stacks over its template
 (the parent's chain, then the layer of what changed since); the layer comes from this host's lazy
-loader (``dsec.imaged.<host>.pack``), which packs a staged diff of the upper dir (``_snapshot``) into
+loader (``dsec.imaged.<host>.pack``), which packs a staged diff of the upper dir (``_upperdiff``) into
 the blob store. Nothing is visible until the record is written: a snapshot that fails on the way
 (a blob-store failure, say) leaves no record and the sandbox runs on.
 """
@@ -49,7 +49,8 @@ from bus.messages import (
 )
 from bus.streams import ensure_kv
 
-from . import _snapshot as snap
+from . import _freezer as fz
+from . import _upperdiff as snap
 from ._containerd import CGROUP_PARENT
 from ._rootfs import RootfsLayout
 
@@ -176,9 +177,9 @@ class Snapshots:
         stage = os.path.join(sdir, snap.STAGE_NAME)
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
-        already = snap.frozen(cgroup)  # a frozen pause stays frozen
+        already = fz.frozen(cgroup)  # a frozen pause stays frozen
         if not already:
-            await snap.freeze(cgroup)
+            await fz.freeze(cgroup)
         t_frozen = time.perf_counter()
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
@@ -190,7 +191,7 @@ class Snapshots:
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:
-                await snap.thaw(cgroup)
+                await fz.thaw(cgroup)
         frozen_ms = (time.perf_counter() - t_frozen) * 1000
         layers = [*chain, packed.ref] if packed is not None else list(chain)
         added = (packed.uploaded_bytes if packed else 0) + (memory.uploaded_bytes if memory else 0)
@@ -268,7 +269,7 @@ class Snapshots:
             return Done(detail="paused")
         if ls.state != "running":
             raise SandboxNotRunning(f"sandbox {sid} is {ls.state}", state=ls.state)
-        await snap.freeze(cgroup)
+        await fz.freeze(cgroup)
         ls.state = "paused"
         ls.extra["paused"] = handle.extra["paused"] = True  # a restarted host agent keeps it frozen
         self.agent._save(ls)
@@ -282,7 +283,7 @@ class Snapshots:
         if ls.state != "paused":
             raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}", state=ls.state)
         cgroup, _ = self._container(handle)
-        await snap.thaw(cgroup)
+        await fz.thaw(cgroup)
         ls.state = "running"
         ls.extra.pop("paused", None)
         handle.extra.pop("paused", None)

@@ -75,8 +75,17 @@ async def forks(st: Stack, counts: list[int]) -> None:
             out = await src.fork(n, nats_url=st.url, memory_mb=32, timeout=3600, create_timeout=600)
             took = ms(t0)
             ok = sum([(await f.files.read("/root/d/state")) == "step-k\n" for f in out])
-            print(f"fork {n:3d}: all ready in {took:8.1f} ms ({took / n:6.1f} ms per fork), {ok}/{n} see the state")
             await asyncio.gather(*(f.kill() for f in out))
+            # The same again in its two parts: the snapshot, then the batched create from it.
+            t0 = time.perf_counter()
+            s = await src.create_snapshot()
+            t_snap = ms(t0)
+            t0 = time.perf_counter()
+            again = await AsyncSandbox.create_batch(n, snapshot=s.snapshot_id, nats_url=st.url, memory_mb=32, timeout=3600, create_timeout=600)
+            t_create = ms(t0)
+            await asyncio.gather(*(f.kill() for f in again))
+            print(f"fork {n:3d}: all ready in {took:8.1f} ms ({took / n:6.1f} ms per fork), {ok}/{n} see the state;"
+                  f" split: snapshot {t_snap:6.1f} ms + {n} creates from it {t_create:8.1f} ms")
     finally:
         await src.kill()
 

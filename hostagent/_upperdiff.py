@@ -9,12 +9,11 @@ previous one (inode, ctime and kind of every path; ctime moves on any change of 
 cannot be set from inside): new or changed entries go in as hard links (same inode: data, owner,
 mode, xattrs, times exact; no copy), entries gone since then become whiteouts, and a directory
 replaced since then becomes opaque. The sandbox is frozen (cgroup freezer) from the diff until the
-layer is in the store, so the files are exactly one moment's.
+layer is in the store (``_freezer``), so the files are exactly one moment's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import shutil
@@ -27,7 +26,6 @@ import msgspec
 from bus.errors import SnapshotUnsupported
 
 OPAQUE = "trusted.overlay.opaque"
-FREEZER = Path("/sys/fs/cgroup/freezer")
 INDEX_NAME = "snapshot.idx"  # beside upper/ in the sandbox's scratch dir: it goes when the sandbox goes
 STAGE_NAME = "snapshot-stage"
 
@@ -166,37 +164,4 @@ def remove_stage(stage: str) -> None:
     shutil.rmtree(stage, ignore_errors=True)
 
 
-# --- the cgroup v1 freezer ------------------------------------------------------------------------
-def freezer_state_file(cgroup: str) -> Path:
-    """``cgroup``: the container's cgroup path under each hierarchy (``/dsec/<container id>``)."""
-    return FREEZER / cgroup.lstrip("/") / "freezer.state"
-
-
-async def freeze(cgroup: str, timeout_s: float = 10.0) -> None:
-    """Freeze every task of the cgroup and wait until the kernel says FROZEN (a task in an
-    uninterruptible sleep holds it in FREEZING a while)."""
-    f = freezer_state_file(cgroup)
-    await asyncio.to_thread(f.write_text, "FROZEN")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    delay = 0.0005
-    while (await asyncio.to_thread(f.read_text)).strip() != "FROZEN":
-        if loop.time() > deadline:
-            await asyncio.to_thread(f.write_text, "THAWED")
-            raise SnapshotUnsupported(f"the sandbox did not freeze within {timeout_s:g}s (a task stuck in the kernel?)")
-        await asyncio.sleep(delay)  # poll: the freezer has no notification in cgroup v1
-        delay = min(delay * 2, 0.05)
-
-
-async def thaw(cgroup: str) -> None:
-    await asyncio.to_thread(freezer_state_file(cgroup).write_text, "THAWED")
-
-
-def frozen(cgroup: str) -> bool:
-    try:
-        return freezer_state_file(cgroup).read_text().strip() == "FROZEN"
-    except OSError:
-        return False
-
-
-__all__ = ["Diff", "Index", "freeze", "frozen", "load_index", "remove_stage", "save_index", "stage_diff", "thaw", "walk"]
+__all__ = ["Diff", "Index", "load_index", "remove_stage", "save_index", "stage_diff", "walk"]
