@@ -135,14 +135,14 @@ async def resume(sb: "AsyncSandbox", *, create_timeout: float = 120.0) -> None:
         return
     except SandboxNotFound:
         pass
-    rec = await sandbox_record(sb._nc, sb.sandbox_id)
+    rec = await sandbox_record(sb.nc, sb.sandbox_id)
     if rec is None or rec.state != "paused" or not rec.snapshot_id:
-        raise SandboxNotFound(f"sandbox {sb.sandbox_id} is neither running nor paused")
+        raise SandboxNotFound(f"sandbox {sb.sandbox_id} is not running (killed, timed out, or never created) and not paused")
     now = time.time()
     spec = msgspec.structs.replace(
         rec.spec, snapshot=rec.snapshot_id, generation=rec.spec.generation + 1, requested_at=now, create_deadline=now + create_timeout, reply_to="",
     )
-    again = await type(sb)._create_many([spec], None, create_timeout, None, batch=False, nc=sb._nc)
+    again = await type(sb)._create_many([spec], None, create_timeout, None, batch=False, nc=sb.nc)
     sb.host_id = again[0].host_id
     sb.spec = spec
 

@@ -476,13 +476,16 @@ async def test_memory_snapshot_counter_keeps_counting_in_every_fork(stack: Stack
     async with stack.sandbox(profile=nolandlock) as sb:
         await sb.commands.run(COUNTER)
         await eventually(lambda: _gt(sb, 20), timeout=20, what="the counter to run")
+        before = await _count(sb)
         s = await sb.create_snapshot(memory=True, metadata={"step": "7"})
         assert s.memory
         forks = await sb.fork(2, **stack.kw(profile=nolandlock), memory=True)
         async with many(stack, forks):
             for f in forks:
+                # (frozen between the shell's truncate and its write, the file may be empty: the next write fills it)
+                await eventually(lambda f=f: _gt(f, 0), timeout=10, what="the restored counter's next write")
                 first = await _count(f)
-                assert first > 20  # not a fresh counter: it carries on from the dump
+                assert first >= before  # not a fresh counter: it carries on from the dump's count
                 await eventually(lambda f=f, n=first: _gt(f, n + 10), timeout=20, what="the restored counter to keep counting")
                 r = await f.commands.run("wget -qO- http://127.0.0.1:8080/x")
                 assert r.stdout == "hello-from-httpd\n"  # the listening server came back too
@@ -653,6 +656,7 @@ async def test_persisted_pause_with_memory_counter_keeps_counting(stack: Stack, 
         assert info is not None and info.memory
         await stack.assert_gone(sb.sandbox_id, pid)
         sb = await AsyncSandbox.connect(sb.sandbox_id, nats_url=stack.url)
+        await eventually(lambda: _gt(sb, 0), timeout=10, what="the restored counter's next write")
         first = await _count(sb)
         assert first > 20
         await eventually(lambda: _gt(sb, first + 10), timeout=20, what="the counter to carry on after the resume")
