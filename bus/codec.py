@@ -31,6 +31,9 @@ from .messages import (
     InfoRequest,
     KillRequest,
     Lease,
+    PortData,
+    PortOp,
+    PortOpened,
     MetricsRequest,
     ProcessList,
     ProcessStarted,
@@ -97,6 +100,8 @@ SBX_RESUME = Decoder(ResumeRequest)  # dsec.sbx.<id>.resume
 SNAPSHOT = Decoder(SnapshotRecord)  # KV dsec_snapshots
 PACK_REQ = Decoder(PackDirectory)  # dsec.imaged.<host>.pack
 SNAP_REMOVE_REQ = Decoder(RemoveSnapshot)  # dsec.img.snap.rm
+SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
+PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
 SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
 SBX_METRICS = Decoder(MetricsRequest)  # dsec.sbx.<id>.metrics
 SBX_ACK = Decoder(StreamAck)  # dsec.sbx.<id>.ack (no reply)
@@ -119,6 +124,7 @@ SBX_REQUEST_DECODERS = {
     "snapshot": SBX_SNAPSHOT,
     "pause": SBX_PAUSE,
     "resume": SBX_RESUME,
+    "port": SBX_PORT,
     "proc": SBX_PROC,
     "metrics": SBX_METRICS,
     "ack": SBX_ACK,
@@ -150,6 +156,7 @@ REPLY_TYPES = {
     "snapshot": SnapshotRecord,
     "pause": SnapshotRecord | Done,
     "resume": Done,
+    "port": PortOpened | Done,
     "proc": ProcessList | ProcessStarted | Done,
     "metrics": SandboxMetrics,
 }

@@ -66,6 +66,12 @@ class SandboxTimeout(DsecError):
     code = "timeout"
 
 
+class KillPending(DsecError):
+    """The sandbox is being stopped but its teardown is not finished yet; its host retries it."""
+
+    code = "kill_pending"
+
+
 class CreateFailed(DsecError):
     code = "create_failed"
 
@@ -80,6 +86,12 @@ class FileError(DsecError):
 
 class NotSupported(DsecError):
     code = "not_supported"
+
+
+class PortClosed(DsecError):
+    """Nothing listens on that port inside the sandbox (connection refused)."""
+
+    code = "port_closed"
 
 
 class Unavailable(DsecError):
@@ -156,11 +168,13 @@ _BY_CODE: dict[str, type[DsecError]] = {
         HostRejected,
         SandboxNotFound,
         SandboxTimeout,
+        KillPending,
         CreateFailed,
         FileNotFound,
         FileError,
         NotSupported,
         Unavailable,
+        PortClosed,
         PermissionDenied,
         ImageError,
         UnknownSnapshot,

@@ -43,6 +43,7 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     reply_to: str = ""  # core subject where the client hears this create's outcome (ready/failed/pending); the events are in DSEC_EVT regardless
     snapshot: str = ""  # restore: this snapshot's layers (KV dsec_snapshots) go over the template's, under a fresh upper dir
     generation: int = 0  # a persisted pause's resume starts the same id again one generation up (see bus.subjects.incarnation)
+    client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------
@@ -88,7 +89,7 @@ HostMessage = PlaceSandbox | PlaceBatch
 
 # --- events on DSEC_EVT ----------------------------------------------------------------
 SandboxEventKind = Literal[
-    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered"
+    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered", "lost"
 ]
 
 
@@ -171,10 +172,17 @@ class HostStatus(Struct, kw_only=True, tag=True):
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
-    """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id."""
+    """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id.
+
+    ``state`` is its lifecycle (``SANDBOX_STATES``): ``creating`` (the owning host's claim; ``placed``
+    in records of older hosts) -> ``running`` -> ``paused`` -> ``stopping`` (a kill or expiry is under
+    way: a durable intent the host retries) -> ``gone`` (everything removed; ``end_reason`` says why;
+    ``killed`` in records of older hosts), or ``lost`` (the sandbox vanished behind its host's back),
+    or ``failed`` (never started).
+    """
 
     spec: SandboxSpec
-    state: str  # placed, running, killed, failed
+    state: str  # one of SANDBOX_STATES
     host_id: str = ""
     created_at: float = 0.0
     ready_at: float = 0.0
@@ -182,6 +190,10 @@ class SandboxRecord(Struct, kw_only=True, tag=True):
     ended_at: float = 0.0
     end_reason: str = ""
     snapshot_id: str = ""  # state paused with persist: the snapshot a resume starts it from, on any host
+
+
+SANDBOX_STATES = ("placed", "creating", "running", "paused", "stopping", "gone", "lost", "failed", "killed")
+SANDBOX_ENDED = ("gone", "lost", "failed", "killed")  # no sandbox behind the record any more
 
 
 class LayerRef(Struct, kw_only=True, tag=True):
@@ -630,6 +642,49 @@ class Done(Struct, kw_only=True, tag=True):
     detail: str = ""
 
 
+# Done.detail of a kill: finished, or still under way on the host (a durable intent it retries;
+# asking again waits for it again).
+KILL_DONE = "killed"
+KILL_PENDING = "stopping"
+
+
+# --- sandbox ports (core request/reply on dsec.sbx.<id>.port) ------------------------------------
+# A TCP connection to a server inside the sandbox, opened by its host agent in the sandbox's network
+# namespace and relayed over NATS (the gateway's sandbox ports): the sandbox's network stays closed.
+class PortOpen(Struct, kw_only=True, tag=True):
+    """Connect to ``127.0.0.1:port`` inside the sandbox; the bytes it sends come as PortData on ``to``
+    (a reply inbox). Reply: PortOpened."""
+
+    port: int
+    to: str
+
+
+class PortOpened(Struct, kw_only=True, tag=True):
+    conn: str  # names the connection in PortSend
+
+
+class PortSend(Struct, kw_only=True, tag=True):
+    """Bytes for the sandbox's server (reply Done once written); ``eof`` closes our sending side,
+    ``close`` the whole connection."""
+
+    conn: str
+    data: bytes = b""
+    eof: bool = False
+    close: bool = False
+
+
+class PortData(Struct, kw_only=True, tag=True):
+    """Bytes from the sandbox's server, in ``seq`` order; ``eof`` ends them (``error`` says why when
+    the connection failed)."""
+
+    conn: str
+    seq: int
+    data: bytes = b""
+    eof: bool = False
+    error: str = ""
+
+
+PortOp = PortOpen | PortSend
 class MetricsRequest(Struct, kw_only=True, tag=True):
     """Request on ``dsec.sbx.<id>.metrics``."""
 
@@ -734,8 +789,13 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostMessage",
     "EventMessage",
     "FileOp",
+    "PortOp",
     "ProcOp",
     "Priority",
     "Backend",
     "SandboxEventKind",
+    "SANDBOX_STATES",
+    "SANDBOX_ENDED",
+    "KILL_DONE",
+    "KILL_PENDING",
 ]

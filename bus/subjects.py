@@ -97,7 +97,7 @@ def host_all(host_id: str) -> str:
 
 
 # --- live sandbox ops (core request/reply) -----------------------------------
-SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "snapshot", "pause", "resume")
+SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port", "snapshot", "pause", "resume")
 
 
 def sbx(sandbox_id: str, op: str) -> str:

@@ -593,14 +593,7 @@ class KernelAudit:
             self._seccomp(f)
             return
         if rtype == AUDIT_LANDLOCK_DOMAIN:
-            if f.get("status") == "allocated" and f.get("domain") and f.get("pid"):
-                sid = self.map.of_pid(f["pid"])
-                if sid:
-                    self.map.by_domain[f["domain"]] = sid
-            if f.get("status") == "deallocated":
-                self.map.by_domain.pop(f.get("domain", ""), None)
-            if serial in self._pending:
-                self._pending[serial].append((rtype, f))
+            self._landlock_domain(serial, f)
             return
         if rtype == AUDIT_LANDLOCK_ACCESS:
             self._pending.setdefault(serial, []).append((rtype, f))
@@ -611,9 +604,24 @@ class KernelAudit:
             else:
                 self._pending[serial].append((rtype, f))
             return
+        self._readonly_record(rtype, serial, f)
+
+    def _landlock_domain(self, serial: str, f: dict[str, str]) -> None:
+        """A Landlock domain came or went: which sandbox a domain id belongs to."""
+        if f.get("status") == "allocated" and f.get("domain") and f.get("pid"):
+            sid = self.map.of_pid(f["pid"])
+            if sid:
+                self.map.by_domain[f["domain"]] = sid
+        if f.get("status") == "deallocated":
+            self.map.by_domain.pop(f.get("domain", ""), None)
+        if serial in self._pending:
+            self._pending[serial].append((AUDIT_LANDLOCK_DOMAIN, f))
+
+    def _readonly_record(self, rtype: int, serial: str, f: dict[str, str]) -> None:
+        """The records of a call our read-only-mount rule caught, collected until its EOE."""
         if rtype == AUDIT_SYSCALL:
             # A Landlock EXDEV (refer) also matches our EXDEV rule; its Landlock records came
-            # first, so it went to the branch above and is reported once, as Landlock's.
+            # first, so it went to the Landlock branch and is reported once, as Landlock's.
             if f.get("key") == READONLY_KEY:
                 self._ro_pending[serial] = [(rtype, f)]
             return

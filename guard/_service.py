@@ -268,7 +268,7 @@ class Guard(Service):
             return
         try:
             if isinstance(ev, SandboxEvent):
-                if ev.kind in ("killed", "failed", "timeout"):
+                if ev.kind in ("killed", "failed", "timeout", "lost"):
                     self._forget(ev.sandbox_id)
                 elif ev.kind in ("ready", "recovered"):
                     self._gone.pop(ev.sandbox_id, None)

@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--max-sandboxes", type=int, default=0)
     ap.add_argument("--containerd-address", default=None, help="default: start a private containerd under the data dir")
     ap.add_argument("--destroy-on-shutdown", action="store_true", help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
+    ap.add_argument("--reconcile-s", type=float, default=10.0, help="period of the reconcile loop (records vs containerd, mounts, cgroups)")
+    ap.add_argument("--containerd-calls", type=int, default=32, help="containerd calls in flight at once (more queue)")
     ap.add_argument("--warm-pool", type=int, default=4, help="started sandboxes kept ready per template and disk size (0: off)")
     ap.add_argument("--sim-hosts", type=int, default=1, help="with --backend sim: how many simulated hosts this process runs")
     ap.add_argument("--cleanup", action="store_true",
@@ -59,11 +61,15 @@ def main() -> None:
     from ._container import ContainerBackend
     from ._service import HostAgent
 
-    backend = ContainerBackend(args.data_dir, containerd_address=args.containerd_address, warm_pool=args.warm_pool, network=network_config())
+    backend = ContainerBackend(
+        args.data_dir, containerd_address=args.containerd_address, warm_pool=args.warm_pool, network=network_config(),
+        containerd_calls=args.containerd_calls,
+    )
     agent = HostAgent(
         backend, nats_url=args.nats_url, host_id=args.host_id, data_dir=args.data_dir, concurrency=args.concurrency,
         pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit,
         max_sandboxes=args.max_sandboxes, destroy_on_shutdown=args.destroy_on_shutdown, control_key=load_control_key(args.control_key_file),
+        reconcile_s=args.reconcile_s,
     )
     asyncio.run(agent.run())
 

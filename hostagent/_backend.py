@@ -62,6 +62,14 @@ class Backend(Protocol):
 
     async def files(self, handle: Handle, op: FileOp) -> Any: ...
 
+    async def leftovers(self, sandbox_id: str) -> list[str]:
+        """What of the sandbox still exists on this host after ``destroy`` (empty: all gone)."""
+
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
+        """Remove every resource of a sandbox for which ``holds(id)`` is false (asked at the moment of
+        deciding: the host agent neither holds nor creates it); return the ids in ``running`` (sandbox
+        id -> its init's pid) whose sandbox no longer runs, and what was removed."""
+
     async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
         """Given what local state says was running, return the sandboxes that still are."""
 
@@ -144,6 +152,15 @@ class SimBackend:
             case FileExists(path=p):
                 return Exists(exists=p in fs)
         raise AssertionError(op)
+
+    async def leftovers(self, sandbox_id: str) -> list[str]:
+        return []
+
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
+        orphans = [sid for sid in self._mem if not holds(sid)]
+        for sid in orphans:
+            await self.destroy(sid)
+        return {sid for sid in running if sid not in self._mem}, orphans
 
     async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
         return {}

@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +115,62 @@ def _loopback_up(pid: int) -> None:
     r = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
     if r.returncode != 0:
         raise CreateFailed(f"cannot bring the restored sandbox's loopback up: {r.stderr.strip()}")
+def _cgroups_of(cid: str) -> list[Path]:
+    return [p for p in CGROUP_ROOT.glob(f"*/{CGROUP_PARENT.lstrip('/')}/{cid}") if p.is_dir()]
+
+
+def _remove_cgroups(cid: str) -> None:
+    """runc removes a container's cgroups with its task; one left behind (a process that outlived
+    its shim) is emptied and removed here. Only ever called for containers of this backend."""
+    for p in _cgroups_of(cid):
+        try:
+            for pid in (p / "cgroup.procs").read_text().split():
+                _kill(int(pid))
+            os.rmdir(p)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # still busy: the leftovers check reports it and the kill is retried
+            log.info("cgroup_busy", cgroup=str(p), error=str(exc))
+
+
+def _cgroup_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _mounts_of(cid: str) -> list[str]:
+    """Mount points with ``cid`` as a path component (its scratch fs, its rootfs overlay)."""
+    comp = f"/{cid}/"
+    with open("/proc/self/mountinfo") as f:
+        return [mp for mp in (line.split()[4] for line in f) if comp in mp + "/"]
+
+
+class _LoopScan:
+    """Backing files of the loop devices. A burst of kills checks them all from few listings
+    (reading every /sys/block/loop* per kill would cost O(sandboxes) each): a caller takes any
+    listing started after its own moment ``after`` (its scratch release), or makes one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at = 0.0
+        self._backing: list[tuple[str, str]] = []
+
+    def bound(self, image: str, after: float) -> list[str]:
+        with self._lock:
+            if self._at < after:
+                at = time.monotonic()
+                backing = []
+                for dev in Path("/sys/block").glob("loop*"):
+                    try:
+                        backing.append((dev.name, (dev / "loop" / "backing_file").read_text().strip()))
+                    except OSError:
+                        continue  # not bound
+                self._backing, self._at = backing, at
+            found = self._backing
+        return [f"{name} -> {b}" for name, b in found if b == image or b.startswith(image + " ")]
 
 
 def _children(pid: int) -> list[int]:
@@ -175,8 +233,10 @@ class ContainerBackend:
         pids_max: int = 1024,
         network: NetworkConfig | None = None,
         warm_pool: int = 0,
+        containerd_calls: int = 32,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.containerd_calls = containerd_calls  # containerd calls in flight at once; a burst queues
         self.containerd_address = containerd_address
         self.daemon: ContainerdDaemon | None = None
         self.rt: ContainerRuntime | None = None
@@ -206,6 +266,8 @@ class ContainerBackend:
         self._warm_info: dict[str, AgentInfo] = {}
         self._retiring: set[asyncio.Task[None]] = set()  # removals of warm containers of a changed profile
         self._stopping = False
+        self._starting: set[str] = set()  # containers being started (not yet in any table): not orphans
+        self._loops = _LoopScan()
         self._cpu_samples: dict[str, tuple[float, int]] = {}  # container -> (monotonic time, cpuacct.usage ns)
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -220,7 +282,7 @@ class ContainerBackend:
             runc_root = self.daemon.runc_root
         else:
             address, runc_root = self.containerd_address, None
-        self.rt = ContainerRuntime(address, runc_root=runc_root)
+        self.rt = ContainerRuntime(address, runc_root=runc_root, max_calls=self.containerd_calls)
         await self.net.start()
 
     async def stop(self) -> None:
@@ -408,6 +470,17 @@ class ContainerBackend:
     ) -> tuple[int, str, str, AgentInfo]:
         """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
         assert self.rt is not None
+        self._starting.add(cid)
+        try:
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels)
+        finally:
+            self._starting.discard(cid)
+
+    async def _start_once(
+        self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
+        labels: dict[str, str] | None,
+    ) -> tuple[int, str, str, AgentInfo]:
+        assert self.rt is not None
         try:
             sdir = await self.scratch.allocate_async(cid, disk_mb)
         except ScratchError as exc:
@@ -456,9 +529,10 @@ class ContainerBackend:
         info = await self._wait_agent(cid, sdir, client)
         if cpu < START_CPU:
             # Before the create is answered (and recorded): a host agent that dies in between
-            # leaves an unrecorded container, which recovery removes.
+            # leaves an unrecorded container, which recovery removes. Two small cgroupfs writes,
+            # inline: a hop to the default executor can queue behind a burst's disk work.
             try:
-                await asyncio.to_thread(_set_cpu, cid, cpu)
+                _set_cpu(cid, cpu)
             except OSError as exc:
                 raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
         if security.landlock_required and not info.landlock:
@@ -592,7 +666,83 @@ class ContainerBackend:
             raise SnapshotUnsupported(f"CRIU could not checkpoint the sandbox: {exc}{_criu_log(work_dir, 'dump.log')}") from None
 
     async def destroy(self, sandbox_id: str) -> None:
-        await self._remove(self._cid.pop(sandbox_id, sandbox_id), sandbox_id)
+        # The container id is kept until leftovers() finds nothing: a retried kill of a sandbox
+        # from the warm pool removes the same container.
+        await self._remove(self._cid.get(sandbox_id, sandbox_id), sandbox_id)
+
+    async def leftovers(self, sandbox_id: str) -> list[str]:
+        assert self.rt is not None
+        cid = self._cid.get(sandbox_id, sandbox_id)
+        after = time.monotonic()
+        left = [f"container {cid}"] if await self.rt.exists(cid) else []
+        left += await asyncio.to_thread(self._host_leftovers, sandbox_id, cid, after)
+        if not left:
+            self._cid.pop(sandbox_id, None)
+        return left
+
+    def _host_leftovers(self, sandbox_id: str, cid: str, after: float) -> list[str]:
+        left = [f"cgroup {p}" for p in _cgroups_of(cid)]
+        left += [f"mount {m}" for m in _mounts_of(cid)]
+        netns = self.net.netns_path(sandbox_id)
+        if os.path.lexists(netns):
+            left.append(f"netns {netns}")
+        for p in (self.scratch.path(cid), self.scratch.image_path(cid)):
+            if os.path.lexists(p):
+                left.append(f"scratch {p}")
+        left += [f"loop {d}" for d in self._loops.bound(self.scratch.image_path(cid), after)]
+        return left
+
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
+        """Drift both ways against containerd and this data dir's scratch disks. (Network namespaces and
+        cgroups are named in kernel-wide places other host agents on the machine share: only those of
+        containers removed here are touched.)"""
+        assert self.rt is not None
+        removed: list[str] = []
+        by_sid: dict[str, Any] = {}
+        listed = await self.rt.list()
+        # Whether a container is ours is decided now, after the listing (which may take long under
+        # load): a warm container started, or a sandbox created, meanwhile is not an orphan.
+        for c in listed:
+            sid = c.labels.get(LABEL_SANDBOX, "")
+            if sid:
+                by_sid[sid] = c
+            if self._serves(c.id, sid, holds):
+                continue
+            log.warning("removing_orphan_container", container=c.id, sandbox_id=sid, status=c.status)
+            try:
+                await self._remove(c.id, sid or None)
+                removed.append(f"container {c.id}")
+            except Exception as exc:  # noqa: BLE001 - the next pass tries again
+                log.warning("orphan_remove_failed", container=c.id, error=str(exc))
+        lost = set()
+        for sid, pid in running.items():
+            if sid in by_sid and by_sid[sid].status in ("running", "paused", "pausing"):
+                continue
+            # containerd's task listing skips a task whose shim is slow to answer: the kernel says
+            # whether its init still runs in its cgroup, and containerd is asked for this one task.
+            cid = self._cid.get(sid, sid)
+            if pid and f"/{CGROUP_PARENT.lstrip('/')}/{cid}" in _cgroup_of(pid):
+                continue
+            try:
+                if await self.rt.task_pid(cid) is None:
+                    lost.add(sid)
+            except ContainerdError as exc:  # cannot tell now: the next pass asks again
+                log.info("reconcile_task_unknown", sandbox_id=sid, error=str(exc))
+        listed_ids = {c.id for c in listed}
+        for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):
+            if cid not in listed_ids and not self._serves(cid, "", holds):
+                log.warning("releasing_orphan_scratch", container=cid)
+                await self.scratch.release_async(cid)
+                removed.append(f"scratch {cid}")
+        return lost, removed
+
+    def _serves(self, cid: str, sid: str, holds: Callable[[str], bool]) -> bool:
+        """The container is being started, waits in the warm pool, or serves a sandbox the host agent holds."""
+        if cid in self._starting or cid in self._warm_info or cid in self._cid.values():
+            return True
+        if any(cid == e[0] for entries in self._pool.values() for e in entries):
+            return True
+        return holds(sid) if sid else holds(cid)
 
     async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None
@@ -604,12 +754,13 @@ class ContainerBackend:
         # Leave the shim group before the delete: a container started meanwhile must not join a shim
         # whose last member is going away (that shim would exit under it).
         self._leave_group(cid)
-        try:
-            await self.rt.delete(cid)
-        finally:
-            if sandbox_id is not None:
-                await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
-            await self.scratch.release_async(cid)
+        # Nothing below while the task may still run (a delete that failed: containerd slow or down):
+        # a scratch fs unmounted under a live task would only be detached, its loop device kept.
+        await self.rt.delete(cid)
+        await asyncio.to_thread(_remove_cgroups, cid)
+        if sandbox_id is not None:
+            await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
+        await self.scratch.release_async(cid)
 
     # --- ops ---------------------------------------------------------------------------------------
     def _client(self, handle: Handle) -> AgentClient:
@@ -755,6 +906,10 @@ class ContainerBackend:
                 self._group_of[c.id] = g
                 self._group_up.add(g)
             alive[sid] = Handle(sid, c.pid, h.extra)
+        # Known sandboxes not running any more are torn down by the host agent: by their container id.
+        for sid, h in known.items():
+            if sid not in alive:
+                self._cid[sid] = h.extra.get("cid", sid)
         # Scratch disks of containers that never got started (the agent died half-way) serve nobody.
         keep = set(self._cid.values()) | {c.id for c in await self.rt.list()}
         for cid in list((await asyncio.to_thread(self.scratch.list)).keys()):

@@ -417,10 +417,15 @@ class ContainerRuntime:
         runc_root: str | None = None,
         shim_cgroup: str | None = None,
         call_timeout: float = 30.0,
+        max_calls: int = 32,
     ) -> None:
         self.address = address
         self.namespace = namespace
         self.call_timeout = call_timeout
+        # Calls in flight at once: a burst (1,000 kills) queues here instead of piling onto containerd,
+        # where each would wait out its deadline. A call's deadline starts when it leaves the queue.
+        self.max_calls = max_calls
+        self._gate = asyncio.Semaphore(max_calls)
         self._md = (("containerd-namespace", namespace),)
         self._runc_opts = _runc_options(runc_root, shim_cgroup)
         self._runc_root, self._shim_cgroup = runc_root, shim_cgroup
@@ -460,11 +465,20 @@ class ContainerRuntime:
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    async def _call(self, method: Any, request: Any, what: str, timeout: float | None = None) -> Any:
+    @property
+    def queued(self) -> int:
+        """Calls waiting for a slot right now."""
+        waiters = getattr(self._gate, "_waiters", None)
+        return len(waiters) if waiters else 0
+
+    async def _call(self, method: Any, request: Any, what: str, timeout: float | None = None, *, watch: bool = False) -> Any:
+        """One unary call, queued behind ``max_calls``; ``watch``: a call that only waits for an event
+        (a task's exit) and takes no slot."""
         try:
-            return await method(
-                request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout
-            )
+            if watch:
+                return await method(request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout)
+            async with self._gate:
+                return await method(request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout)
         except grpc.aio.AioRpcError as e:
             raise _map_error(e, what) from None
 
@@ -607,13 +621,15 @@ class ContainerRuntime:
         )
 
     async def wait(self, sandbox_id: str, timeout: float | None = None) -> int:
-        """Wait for the task to exit; returns its exit status."""
+        """Wait for the task to exit; returns its exit status. Without a timeout it is a watch (no
+        slot of ``max_calls`` held while the task runs)."""
         _, tasks = self._stubs()
         resp = await self._call(
             tasks.Wait,
             tasks_pb2.WaitRequest(container_id=sandbox_id),
             f"wait {sandbox_id}",
             timeout=timeout if timeout is not None else 365 * 86400.0,
+            watch=timeout is None,
         )
         return int(resp.exit_status)
 
@@ -684,6 +700,15 @@ class ContainerRuntime:
                     )
                 )
         return out
+
+    async def exists(self, sandbox_id: str) -> bool:
+        """Whether the container is there (with or without a task)."""
+        containers, _ = self._stubs()
+        try:
+            await self._call(containers.Get, containers_pb2.GetContainerRequest(id=sandbox_id), f"get container {sandbox_id}")
+            return True
+        except ContainerNotFound:
+            return False
 
     async def task_pid(self, sandbox_id: str) -> int | None:
         """Host pid of the task's init while it is alive, else None."""

@@ -26,7 +26,6 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import (
-    DsecError,
     InvalidArgument,
     NotSupported,
     SandboxNotRunning,
@@ -115,7 +114,7 @@ class Snapshots:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
         spec = ls.spec
         ls.extra[LAST] = spec.snapshot
-        self.agent._save(ls)
+        self.agent.registry.save(ls)
         await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
 
     # --- ops --------------------------------------------------------------------------------------
@@ -207,7 +206,7 @@ class Snapshots:
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
         await asyncio.to_thread(snap.save_index, sdir, index)
         ls.extra[LAST] = snap_id
-        agent._save(ls)
+        agent.registry.save(ls)
         await self._event(snap_id, "created", sandbox_id=sid, parent_id=parent_id, metadata=rec.metadata, detail={
             "bytes_added": str(rec.bytes_added), "layer": packed.ref.digest if packed else "", "entries": str(diff.entries),
             "whiteouts": str(diff.whiteouts), "frozen_ms": f"{frozen_ms:.1f}", "ms": f"{(time.perf_counter() - t0) * 1000:.1f}",
@@ -255,15 +254,15 @@ class Snapshots:
                 except BaseException:
                     ls.state = was
                     raise
-            await self.agent._destroy(sid, "paused", publish=False)
+            if not await self.agent.reaper.kill(sid, "paused"):
+                raise SnapshotUnsupported(f"sandbox {sid} was snapshotted ({rec.snapshot_id}) but its teardown is still pending", snapshot_id=rec.snapshot_id)
             self._locks.pop(sid, None)
-            assert self.agent._kv_sbx is not None
             paused = SandboxRecord(
                 spec=ls.spec, state="paused", host_id="", created_at=ls.spec.requested_at, ready_at=ls.started_at,
                 expires_at=0.0, snapshot_id=rec.snapshot_id,
             )
-            await self.agent._kv_sbx.put(sid, codec.encode(paused))
-            await self.agent._event(ls.spec, "paused", detail={"snapshot_id": rec.snapshot_id, "persist": "true"})
+            await self.agent.records.put(paused)
+            await self.agent.records.event(ls.spec, "paused", detail={"snapshot_id": rec.snapshot_id, "persist": "true"})
             return rec
         if ls.state == "paused":
             return Done(detail="paused")
@@ -272,9 +271,9 @@ class Snapshots:
         await fz.freeze(cgroup)
         ls.state = "paused"
         ls.extra["paused"] = handle.extra["paused"] = True  # a restarted host agent keeps it frozen
-        self.agent._save(ls)
-        await self.agent._record(ls, "paused")
-        await self.agent._event(ls.spec, "paused", detail={"persist": "false"})
+        self.agent.registry.save(ls)
+        await self.agent.records.record(ls, "paused")
+        await self.agent.records.event(ls.spec, "paused", detail={"persist": "false"})
         return Done(detail="paused")
 
     async def resume(self, ls: "LocalSandbox", handle: "Handle") -> Done:
@@ -287,9 +286,9 @@ class Snapshots:
         ls.state = "running"
         ls.extra.pop("paused", None)
         handle.extra.pop("paused", None)
-        self.agent._save(ls)
-        await self.agent._record(ls, "running")
-        await self.agent._event(ls.spec, "resumed")
+        self.agent.registry.save(ls)
+        await self.agent.records.record(ls, "running")
+        await self.agent.records.event(ls.spec, "resumed")
         return Done(detail="running")
 
     # --- events -------------------------------------------------------------------------------------
@@ -299,8 +298,9 @@ class Snapshots:
         ev = SnapshotEvent(snapshot_id=snapshot_id, kind=kind, at=time.time(), sandbox_id=sandbox_id, parent_id=parent_id,
                            host_id=self.agent.host_id, metadata=metadata or {}, detail=detail or {})
         try:
-            await self.agent._store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
-        except DsecError as exc:  # the snapshot stands; its provenance event is what is missing
+            assert self.agent.records.publisher is not None
+            await self.agent.records.publisher.store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
+        except Exception as exc:  # noqa: BLE001 - StoreError, timeout  # the snapshot stands; its provenance event is what is missing
             log.warning("snapshot_event_not_stored", snapshot_id=snapshot_id, kind=kind, error=str(exc))
 
 

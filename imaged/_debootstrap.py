@@ -69,6 +69,7 @@ async def python_rootfs(
     key = hashlib.sha256(f"{suite}\0{mirror}\0{','.join(sorted(packages))}".encode()).hexdigest()[:12]
     root = _data_dir(data_dir) / "images" / "rootfs" / f"debian-{suite}-{key}"
     if (root.parent / f"{root.name}{_DONE}").exists() and root.is_dir():
+        ensure_e2b_user(root)
         return root
     if os.geteuid() != 0:
         raise ImageError("building the Python rootfs needs root (debootstrap)")
@@ -90,8 +91,28 @@ async def python_rootfs(
         (root / rel).unlink(missing_ok=True)
     for d in ("workspace", ".dsec", ".dsec/bin", ".dsec/run"):
         (root / d).mkdir(exist_ok=True)
+    ensure_e2b_user(root)
     (root.parent / f"{root.name}{_DONE}").write_text("ok\n")
     return root
+
+
+E2B_USER = ("user", 1000)  # E2B runs commands as `user` (home /home/user): the gateway's envd honours it
+
+
+def ensure_e2b_user(root: Path) -> None:
+    """Give the rootfs E2B's ``user`` account (uid/gid 1000, home /home/user, bash), idempotently
+    (rootfs cached before this existed get it too)."""
+    name, uid = E2B_USER
+    etc = root / "etc"
+    for fname, line in (("passwd", f"{name}:x:{uid}:{uid}::/home/{name}:/bin/bash"), ("group", f"{name}:x:{uid}:"), ("shadow", f"{name}:!:19000::::::")):
+        f = etc / fname
+        text = f.read_text() if f.exists() else ""
+        if not any(ln.split(":", 1)[0] == name for ln in text.splitlines()):
+            f.write_text(text + ("" if text.endswith("\n") or not text else "\n") + line + "\n")
+    home = root / "home" / name
+    home.mkdir(parents=True, exist_ok=True)
+    os.chown(home, uid, uid)
+    home.chmod(0o750)
 
 
 async def build_python_template(

@@ -146,97 +146,106 @@ class Placement(Service):
         await self.handle_batch([msg])
 
     async def handle_batch(self, msgs: list[Msg]) -> None:
-        assert self.acks is not None
-        acks = self.acks
         now = time.time()
-        # (msg, future, host or "", spec or None, attempt)
-        outs: list[tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]] = []
-        # First-time single creates that arrived together are grouped by host: runs of ``per_host`` go to
-        # the same host (chosen as for any create) in one hand-off, so a host gets one message for several
+        outs: list[_Out] = []
+        # First-time single creates that arrived together are grouped by host: runs of them go to the
+        # same host (chosen as for any create) in one hand-off, so a host gets one message for several
         # creates. A group is a batch to the host: it claims each id with its record, so a copy re-placed
         # after this replica died cannot be created twice.
+        runs = _Runs(self.table, len(msgs))
         groups: dict[str, list[tuple[Msg, SandboxSpec]]] = {}
-        per_host = max(1, -(-len(msgs) // max(1, self.table.policy.batch_hosts)))
-        cur: str | None = None
-        run = 0
         for msg in msgs:
-            try:
-                req = codec.REQ.decode(msg.data)
-            except BadRequest as exc:
-                await self.dead_letter(msg, exc)
-                continue
-            bad = next((s.sandbox_id for s in (req.specs if type(req) is CreateBatch else [req.spec]) if not S.valid_token(s.sandbox_id)), None)
-            if bad is not None:
-                # No event subject can name it (a dot or wildcard would reach other sandboxes' subjects).
-                await self.dead_letter(msg, InvalidArgument(f"sandbox_id {bad!r} must be 1-128 of [A-Za-z0-9_-]"))
-                continue
+            req = await self._decode(msg)
             if type(req) is CreateBatch:
                 await self.place_batch(msg, req)
-                continue
-            spec = req.spec
-            if req.attempt == 0 and (msg.metadata.num_delivered if msg.metadata else 1) == 1:
-                await self._note(spec, "requested")  # where a sandbox's audit trail starts
-            err, layers = await self._precheck(spec, now)
-            if err is None and req.attempt >= self.max_attempts:
-                err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
-            if err is not None:
-                log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
-                outs.append((msg, await self._failed(spec, err, req.attempt), "", None, req.attempt))
-                continue
-            fresh = self._fresh(spec, now)
-            first = fresh and req.attempt == 0 and not req.exclude_hosts and (msg.metadata.num_delivered if msg.metadata else 1) == 1
-            if first and cur is not None and run < per_host:
-                e = self.table.hosts.get(cur)
-                if e is not None and e.status.backend == spec.backend and e.status.pool == spec.pool and not self.table.why_not(e, spec):
-                    run += 1
-                    self.table.reserve(cur, spec, now)
-                    groups[cur].append((msg, spec))
-                    continue
-            host = self.table.choose(spec, set(req.exclude_hosts) if req.exclude_hosts else frozenset(), layers, now)
+            elif req is not None:
+                await self._place_one(msg, req, now, runs, groups, outs)
+        await self._hand_off_groups(groups, now, outs)
+        if outs:
+            await self._settle(outs)
+
+    async def _decode(self, msg: Msg) -> CreateSandbox | CreateBatch | None:
+        """The request, or None when it was dead-lettered (malformed, or an id no subject can name)."""
+        try:
+            req = codec.REQ.decode(msg.data)
+        except BadRequest as exc:
+            await self.dead_letter(msg, exc)
+            return None
+        bad = next((s.sandbox_id for s in (req.specs if type(req) is CreateBatch else [req.spec]) if not S.valid_token(s.sandbox_id)), None)
+        if bad is not None:
+            # No event subject can name it (a dot or wildcard would reach other sandboxes' subjects).
+            await self.dead_letter(msg, InvalidArgument(f"sandbox_id {bad!r} must be 1-128 of [A-Za-z0-9_-]"))
+            return None
+        return req
+
+    async def _place_one(
+        self, msg: Msg, req: CreateSandbox, now: float, runs: "_Runs", groups: dict[str, list[tuple[Msg, SandboxSpec]]], outs: "list[_Out]"
+    ) -> None:
+        spec = req.spec
+        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        if req.attempt == 0 and delivered == 1:
+            await self._note(spec, "requested")  # where a sandbox's audit trail starts
+        err, layers = await self._precheck(spec, now)
+        if err is None and req.attempt >= self.max_attempts:
+            err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
+        if err is not None:
+            log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
+            outs.append((msg, await self._failed(spec, err, req.attempt), "", None, req.attempt))
+            return
+        fresh = self._fresh(spec, now)
+        first = fresh and req.attempt == 0 and not req.exclude_hosts and delivered == 1
+        host = runs.extend(spec) if first else None
+        if host is None:
+            host = self._choose(spec, req.exclude_hosts, layers, now)
             if host is not None and first:
-                cur, run = host, 1
-                self.table.reserve(host, spec, now)
-                groups.setdefault(host, []).append((msg, spec))
-                continue
-            if host is None and req.exclude_hosts:
-                host = self.table.choose(spec, frozenset(), layers, now)  # every host was tried once; try again
-            if host is None:
-                await self.pending(msg, spec, req.attempt)
-                continue
-            self.table.reserve(host, spec, now)
-            place = PlaceSandbox(
-                spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
-                placed_by=self.replica_id, placed_at=now, claim=not fresh or (msg.metadata.num_delivered if msg.metadata else 1) > 1,
-            )
-            fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"})
-            outs.append((msg, fut, host, spec, req.attempt))
+                runs.begin(host)
+        if host is None:
+            await self.pending(msg, spec, req.attempt)
+            return
+        self.table.reserve(host, spec, now)
+        if first:
+            groups.setdefault(host, []).append((msg, spec))
+            return
+        place = PlaceSandbox(
+            spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
+            placed_by=self.replica_id, placed_at=now, claim=not fresh or delivered > 1,
+        )
+        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"}), host, spec, req.attempt))
+
+    def _choose(self, spec: SandboxSpec, excluded: list[str], layers: frozenset[str], now: float) -> str | None:
+        host = self.table.choose(spec, set(excluded) if excluded else frozenset(), layers, now)
+        if host is None and excluded:
+            host = self.table.choose(spec, frozenset(), layers, now)  # every host was tried once; try again
+        return host
+
+    async def _hand_off_groups(self, groups: dict[str, list[tuple[Msg, SandboxSpec]]], now: float, outs: "list[_Out]") -> None:
         for host, members in groups.items():
             if len(members) == 1:
-                msg, spec = members[0]
+                spec = members[0][1]
                 place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(acks, host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:0"})
+                fut = await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:0"})
             else:
                 ids = ",".join(sp.sandbox_id for _, sp in members)
                 digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
                 pb = PlaceBatch(batch_id=f"g-{digest}", host_id=host, specs=[sp for _, sp in members], placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
+                fut = await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
             for msg, spec in members:
                 outs.append((msg, fut, host, spec, 0))
-        if not outs:
-            return
-        futs = [o[1] for o in outs]
-        _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
+
+    async def _settle(self, outs: "list[_Out]") -> None:
+        """Wait for every hand-off's ack at once, then ack (or nak) each request."""
+        _, not_done = await asyncio.wait([o[1] for o in outs], timeout=self.handoff_timeout_s)
         for f in not_done:
             f.cancel()
         for msg, fut, host, spec, attempt in outs:
             if fut.cancelled() or fut.exception() is not None:
                 # The hand-off may or may not be stored: redeliver; its Nats-Msg-Id makes a re-send harmless.
-                if host and spec is not None:
+                if spec is not None:
                     self.table.release(host, spec.sandbox_id)
                 log.warning("handoff_failed", error=repr(None if fut.cancelled() else fut.exception()))
                 await msg.nak()
                 continue
-            if host and spec is not None:
+            if spec is not None:
                 if fut.result().duplicate:
                     # An earlier delivery of this request already handed it off (maybe elsewhere).
                     self.table.release(host, spec.sandbox_id)
@@ -245,9 +254,10 @@ class Placement(Service):
                     self.placed += 1
             await msg.ack()
 
-    async def _handoff(self, acks: Publisher, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
+    async def _handoff(self, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
+        assert self.acks is not None
         subject = S.host_create(host)
-        return await acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
+        return await self.acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
 
     async def teardown(self) -> None:
         for w in self._watches:
@@ -301,9 +311,10 @@ class Placement(Service):
 
         A redelivered batch (the replica died between hand-off and ack) skips the ids a host already
         claimed; for the rest, the host agents' claim of each id keeps a second host from creating it.
+        Members go to the same host in runs while it fits (``_Runs``): hosts get fewer, bigger
+        hand-offs and placement probes once per run, not once per member.
         """
         assert self.acks is not None
-        acks = self.acks
         now = time.time()
         specs = req.specs
         delivered = msg.metadata.num_delivered if msg.metadata else 1
@@ -313,12 +324,7 @@ class Placement(Service):
         by_host: dict[str, list[SandboxSpec]] = {}
         leftovers: list[SandboxSpec] = []
         futs: list[asyncio.Future] = []
-        # Members go to the same host in runs of ``per_host`` while it fits: a batch of B lands on about
-        # ``batch_hosts`` hosts (each run's host is chosen as a single create's would be), so hosts get
-        # fewer, bigger hand-offs and placement probes once per run, not once per member.
-        per_host = max(1, -(-len(specs) // max(1, self.table.policy.batch_hosts)))
-        cur: str | None = None
-        run = 0
+        runs = _Runs(self.table, len(specs))
         for spec in specs:
             if delivered == 1 and req.attempt == 0:
                 await self._note(spec, "requested")
@@ -326,18 +332,13 @@ class Placement(Service):
             if err is not None:
                 futs.append(await self._failed(spec, err))
                 continue
-            host = None
-            if cur is not None and run < per_host:
-                e = self.table.hosts.get(cur)
-                if e is not None and e.status.backend == spec.backend and e.status.pool == spec.pool and not self.table.why_not(e, spec):
-                    host = cur
+            host = runs.extend(spec)
             if host is None:
                 host = self.table.choose(spec, frozenset(), layers, now)
-                cur, run = host, 0
-            if host is None:
-                leftovers.append(spec)
-                continue
-            run += 1
+                if host is None:
+                    leftovers.append(spec)
+                    continue
+                runs.begin(host)
             self.table.reserve(host, spec, now)
             by_host.setdefault(host, []).append(spec)
         for host, hspecs in by_host.items():
@@ -347,10 +348,14 @@ class Placement(Service):
                 placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
             )
             digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
-            futs.append(await self._handoff(acks, host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
+            futs.append(await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
-            futs.append(await acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}))
+            futs.append(await self.acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}))
+        await self._settle_batch(msg, req, by_host, futs)
+
+    async def _settle_batch(self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], futs: list[asyncio.Future]) -> None:
+        """All stored: ack the batch and say placed; any write unanswered or refused: undo and redeliver."""
         if futs:
             _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
             for f in not_done:
@@ -368,5 +373,35 @@ class Placement(Service):
         self.placed += sum(len(v) for v in by_host.values())
         await msg.ack()
 
+
+# (request, its hand-off's or failed event's ack, host or "", spec or None for a failed event, attempt)
+_Out = tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]
+
+
+class _Runs:
+    """Consecutive creates go to the same host in runs of ``per_host`` while they fit there: ``count``
+    creates land on about ``policy.batch_hosts`` hosts, each run's host chosen as a single create's is."""
+
+    __slots__ = ("table", "per_host", "cur", "n")
+
+    def __init__(self, table: HostTable, count: int) -> None:
+        self.table = table
+        self.per_host = max(1, -(-count // max(1, table.policy.batch_hosts)))
+        self.cur: str | None = None
+        self.n = 0
+
+    def extend(self, spec: SandboxSpec) -> str | None:
+        """The current run's host when ``spec`` still fits there (counted in the run), else None."""
+        cur = self.cur
+        if cur is None or self.n >= self.per_host:
+            return None
+        e = self.table.hosts.get(cur)
+        if e is None or e.status.backend != spec.backend or e.status.pool != spec.pool or self.table.why_not(e, spec):
+            return None
+        self.n += 1
+        return cur
+
+    def begin(self, host: str) -> None:
+        self.cur, self.n = host, 1
 
 __all__ = ["Placement", "HostTable", "Policy"]

@@ -151,6 +151,48 @@ async def _wait(what: str, check: Any, timeout: float, procs: list[_Proc]) -> No
         await asyncio.sleep(0.1)  # readiness poll interval
 
 
+def _start_sim_hosts(args: argparse.Namespace, env: dict[str, str], tmp: Path, logs: Path, procs: list[_Proc]) -> tuple[float, int]:
+    """Simulated hosts, big enough to hold the whole run (not a capacity test) at 50x cpu overcommit;
+    returns (cores per host, processes)."""
+    total = args.count + args.warmup * args.clients
+    host_cpus = args.host_cpus or max(64.0, math.ceil(1.25 * total * args.cpu / (args.sim_hosts * 50.0)))
+    host_mem = int(max(1024 * 1024, 1.25 * total * args.memory_mb / (args.sim_hosts * args.mem_overcommit)))
+    n_procs = args.sim_procs or min(4, max(2, math.ceil(args.sim_hosts / 400)))  # 2 cores: at least 2
+    per = [args.sim_hosts // n_procs + (1 if i < args.sim_hosts % n_procs else 0) for i in range(n_procs)]
+    first = 0
+    for i, n in enumerate(per):
+        e = dict(env, DSEC_SIM_FIRST=str(first), DSEC_SIM_CPU=str(host_cpus), DSEC_SIM_MEM_MB=str(host_mem))
+        procs.append(_Proc(f"sim-{i}", [sys.executable, "-m", "hostagent", "--backend", "sim", "--sim-hosts", str(n), "--host-id", "sim",
+                                        "--data-dir", str(tmp / "data"), "--concurrency", str(args.host_concurrency),
+                                        "--mem-overcommit", str(args.mem_overcommit)], e, logs))
+        first += n
+    return host_cpus, n_procs
+
+
+async def _start_clients(
+    args: argparse.Namespace, url: str, go_subject: str, env: dict[str, str], tmp: Path, logs: Path, procs: list[_Proc]
+) -> list[_Proc]:
+    """The client processes, each waiting (ready) for ``go_subject``."""
+    shares = [args.count // args.clients + (1 if i < args.count % args.clients else 0) for i in range(args.clients)]
+    clients: list[_Proc] = []
+    for i, share in enumerate(shares):
+        params = {
+            "nats_url": url, "client": i, "count": share, "batch": max(1, args.batch), "concurrency": args.concurrency,
+            "cpu": args.cpu, "memory_mb": args.memory_mb, "disk_mb": args.disk_mb, "sandbox_timeout": 24 * 3600.0,
+            "create_timeout": args.create_timeout, "warmup": args.warmup, "go_subject": go_subject,
+            "result_file": str(tmp / f"client-{i}.json"),
+        }
+        c = _Proc(f"client-{i}", [sys.executable, "-m", "sdk._benchclient", json.dumps(params)], env, logs, pipe=True)
+        clients.append(c)
+        procs.append(c)
+    loop = asyncio.get_running_loop()
+    for c in clients:
+        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]
+        if line.strip() != b"ready":
+            raise RuntimeError(f"{c.name} did not get ready ({line!r}); see {c.log_path}")
+    return clients
+
+
 async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs: list[_Proc], nats_pid: int | None) -> dict[str, Any]:
     storage = StorageType.MEMORY if args.storage == "memory" else StorageType.FILE
     nc = await connect(url, name="dsec-bench")
@@ -180,19 +222,7 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
 
     t_setup = time.monotonic()
     await _wait("placement replicas", placement_ready, 60, procs)
-    # simulated hosts, big enough to hold the whole run (not a capacity test) at 50x cpu overcommit
-    total = args.count + args.warmup * args.clients
-    host_cpus = args.host_cpus or max(64.0, math.ceil(1.25 * total * args.cpu / (args.sim_hosts * 50.0)))
-    host_mem = int(max(1024 * 1024, 1.25 * total * args.memory_mb / (args.sim_hosts * args.mem_overcommit)))
-    n_procs = args.sim_procs or min(4, max(2, math.ceil(args.sim_hosts / 400)))  # 2 cores: at least 2
-    per = [args.sim_hosts // n_procs + (1 if i < args.sim_hosts % n_procs else 0) for i in range(n_procs)]
-    first = 0
-    for i, n in enumerate(per):
-        e = dict(env, DSEC_SIM_FIRST=str(first), DSEC_SIM_CPU=str(host_cpus), DSEC_SIM_MEM_MB=str(host_mem))
-        procs.append(_Proc(f"sim-{i}", [py, "-m", "hostagent", "--backend", "sim", "--sim-hosts", str(n), "--host-id", "sim",
-                                        "--data-dir", str(tmp / "data"), "--concurrency", str(args.host_concurrency),
-                                        "--mem-overcommit", str(args.mem_overcommit)], e, logs))
-        first += n
+    host_cpus, n_procs = _start_sim_hosts(args, env, tmp, logs, procs)
     kv_hosts = await ensure_kv(js, S.KV_HOSTS)
 
     async def hosts_ready() -> bool:
@@ -210,25 +240,10 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
     setup_s = time.monotonic() - t_setup
     del kv_hosts
 
-    # clients
     go_subject = f"_dsec_bench.{uuid.uuid4().hex[:8]}.go"
-    shares = [args.count // args.clients + (1 if i < args.count % args.clients else 0) for i in range(args.clients)]
-    clients: list[_Proc] = []
-    for i, share in enumerate(shares):
-        params = {
-            "nats_url": url, "client": i, "count": share, "batch": max(1, args.batch), "concurrency": args.concurrency,
-            "cpu": args.cpu, "memory_mb": args.memory_mb, "disk_mb": args.disk_mb, "sandbox_timeout": 24 * 3600.0,
-            "create_timeout": args.create_timeout, "warmup": args.warmup, "go_subject": go_subject,
-            "result_file": str(tmp / f"client-{i}.json"),
-        }
-        c = _Proc(f"client-{i}", [py, "-m", "sdk._benchclient", json.dumps(params)], env, logs, pipe=True)
-        clients.append(c)
-        procs.append(c)
+    clients = await _start_clients(args, url, go_subject, env, tmp, logs, procs)
     loop = asyncio.get_running_loop()
-    for c in clients:
-        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]
-        if line.strip() != b"ready":
-            raise RuntimeError(f"{c.name} did not get ready ({line!r}); see {c.log_path}")
+
     def cpu_by_role() -> dict[str, float]:
         out = {"nats": _cpu_s(nats_pid)}
         for p in procs:

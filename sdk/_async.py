@@ -15,7 +15,7 @@ from nats.aio.client import Client as NATS
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, ErrorReply, InvalidArgument, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
 from bus.messages import (
     CreateBatch,
     CreateSandbox,
@@ -28,6 +28,7 @@ from bus.messages import (
     SandboxSpec,
     SetTimeout,
 )
+from bus.messages import KILL_PENDING
 from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
@@ -165,6 +166,7 @@ def build_spec(
     lease: float | None = None,
     create_timeout: float = 120.0,
     sandbox_id: str | None = None,
+    client: str = "",
     snapshot: str | None = None,
 ) -> SandboxSpec:
     """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
@@ -185,7 +187,7 @@ def build_spec(
     spec = SandboxSpec(
         sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
-        priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout,
+        priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout, client=client,
         snapshot=snapshot or "",
     )
     validate_spec(spec)
@@ -351,6 +353,42 @@ async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[s
         interval = min(interval * 2, 30.0)
 
 
+async def _set_lease_owner(nc: NATS, url: str | None, specs: list[SandboxSpec]) -> None:
+    """Sandboxes created with a lease carry this process's lease owner (renewed in the background)."""
+    leased = [s for s in specs if s.lease_s > 0]
+    if leased:
+        owner = await _lease_owner(nc, url, min(s.lease_s for s in leased))
+        for s in leased:
+            s.owner = s.owner or owner
+
+
+async def _send_creates(nc: NATS, specs: list[SandboxSpec], *, batch: bool) -> None:
+    """Store the create requests on DSEC_REQ (a batch as messages of up to BATCH_CHUNK specs)."""
+    try:
+        if batch:
+            bid = specs[0].batch_id
+            chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
+            await asyncio.gather(*(
+                _store(nc, S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
+                for n, c in enumerate(chunks)
+            ))
+        else:
+            for s in specs:
+                await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
+
+
+async def _give_up(nc: NATS, specs: list[SandboxSpec], waiter: _Waiter, create_timeout: float) -> None:
+    """Kill whatever was not ready in time (a late create must not linger), then raise SandboxTimeout."""
+    for s in specs:
+        if s.sandbox_id not in waiter.results:
+            await nc.publish(S.sbx(s.sandbox_id, "kill"), codec.encode(KillRequest(reason="create-timeout")))
+    last = {waiter.last[i].kind for i in waiter.pending_ids if i in waiter.last}
+    why = "waiting for capacity (pending)" if "pending" in last else f"last state: {', '.join(sorted(last)) or 'no answer from placement'}"
+    raise SandboxTimeout(f"{len(waiter.pending_ids)} of {len(specs)} sandbox(es) not ready within {create_timeout}s; {why}") from None
+
+
 class AsyncSandbox:
     """A live sandbox. Create with ``await AsyncSandbox.create(...)``; ``async with`` kills it at the end."""
 
@@ -443,34 +481,13 @@ class AsyncSandbox:
             s.reply_to = replies.subject
             replies.waiters[s.sandbox_id] = on_event
 
-        leased = [s for s in specs if s.lease_s > 0]
-        if leased:
-            owner = await _lease_owner(nc, url, min(s.lease_s for s in leased))
-            for s in leased:
-                s.owner = s.owner or owner
+        await _set_lease_owner(nc, url, specs)
         try:
-            try:
-                if batch:
-                    bid = specs[0].batch_id
-                    chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
-                    await asyncio.gather(*(
-                        _store(nc, S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
-                        for n, c in enumerate(chunks)
-                    ))
-                else:
-                    for s in specs:
-                        await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-                raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
+            await _send_creates(nc, specs, batch=batch)
             try:
                 await _wait_outcomes(waiter, js, create_timeout, heard, {s.sandbox_id: s.requested_at for s in specs if s.generation})
             except asyncio.TimeoutError:
-                for s in specs:
-                    if s.sandbox_id not in waiter.results:
-                        await nc.publish(S.sbx(s.sandbox_id, "kill"), codec.encode(KillRequest(reason="create-timeout")))
-                last = {waiter.last[i].kind for i in waiter.pending_ids if i in waiter.last}
-                why = "waiting for capacity (pending)" if "pending" in last else f"last state: {', '.join(sorted(last)) or 'no answer from placement'}"
-                raise SandboxTimeout(f"{len(waiter.pending_ids)} of {len(specs)} sandbox(es) not ready within {create_timeout}s; {why}") from None
+                await _give_up(nc, specs, waiter, create_timeout)
         finally:
             for s in specs:
                 replies.waiters.pop(s.sandbox_id, None)
@@ -563,12 +580,25 @@ class AsyncSandbox:
             ) from None
         return decode_reply(msg.data, result_type)
 
-    async def kill(self) -> None:
-        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine."""
-        try:
-            await self._request("kill", KillRequest(), Done)
-        except SandboxNotFound:
-            pass
+    async def kill(self, *, timeout: float = 300.0) -> None:
+        """Kill the sandbox and remove everything it had; killing a gone sandbox is fine.
+
+        The host answers ``stopping`` while the teardown goes on (containerd busy): the kill is a
+        durable intent there, and the request is repeated until it is done. Past ``timeout`` seconds
+        it raises ``KillPending`` (the host still finishes it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                done: Done = await self._request("kill", KillRequest(), Done, timeout=max(1.0, min(30.0, left)))
+            except SandboxNotFound:
+                return
+            except SandboxTimeout:  # the host is too busy to answer in time: the intent may stand, ask again
+                done = Done(detail=KILL_PENDING)
+            if done.detail != KILL_PENDING:
+                return
+            if time.monotonic() >= deadline:
+                raise KillPending(f"sandbox {self.sandbox_id} is still being stopped after {timeout:g}s; its host goes on with it")
 
     async def set_timeout(self, timeout: float) -> None:
         _check_positive("timeout", timeout, lo=1, hi=30 * 86400)

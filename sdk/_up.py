@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,7 +37,8 @@ SERVICES_FILE = "services.json"
 
 @dataclass(frozen=True)
 class Service:
-    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth).
+    """One supervised process: ``python -m ARGV...`` connected to NATS as user ``role`` (bus.auth;
+    "" for none: the gateway, whose every API key is its own NATS user).
 
     ``argv`` items are formatted with the stack's settings: every ``dsec up`` option by its dest
     (``{backend}``, ``{concurrency}``, ...), ``{data}`` (the resolved data dir) and ``{host_id}``;
@@ -59,12 +61,14 @@ SERVICES: tuple[Service, ...] = (
     Service("guard", "guard", ("guard",)),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
+    Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
 )
 
 BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 STABLE_S = 30.0  # a process up this long has recovered: the next exit starts the backoff afresh
 TICK_S = 0.2  # how often exits are looked for
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGHUP: the terminal went away
 
 
 def _say(msg: str) -> None:
@@ -84,6 +88,8 @@ def exit_text(code: int | None) -> str:
 
 class Supervised(abc.ABC):
     """One process of the stack and its record: restarts, last exit, up since, next start."""
+
+    blocking_start: bool  # start() waits for readiness (run in a thread) or returns at once
 
     def __init__(self, name: str, log_path: Path, grace_s: float) -> None:
         self.name = name
@@ -140,8 +146,18 @@ class Supervised(abc.ABC):
         }
 
 
+# A service outlives a supervisor killed by SIGKILL unless told otherwise: setpriv (util-linux, always on
+# Debian) has the kernel send it SIGTERM when its parent goes, and it stops as on a Ctrl-C.
+_SETPRIV = shutil.which("setpriv") or shutil.which("setpriv", path="/usr/bin:/bin")
+DIE_WITH_SUPERVISOR = [_SETPRIV, "--pdeathsig", "TERM", "--"] if _SETPRIV else []
+
+
 class Child(Supervised):
-    """A ``python -m`` service, in its own session (a Ctrl-C on the terminal reaches only the supervisor)."""
+    """A ``python -m`` service, in its own session (a Ctrl-C on the terminal reaches only the supervisor).
+
+    Started from the event loop's thread: the parent-death signal follows the thread that forked."""
+
+    blocking_start = False
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path, grace_s: float) -> None:
         super().__init__(name, log_path, grace_s)
@@ -154,7 +170,9 @@ class Child(Supervised):
             if self.restarts:
                 log.write(f"--- dsec up: restart {self.restarts} at {time.strftime('%Y-%m-%dT%H:%M:%S')} ---\n".encode())
                 log.flush()
-            self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*DIE_WITH_SUPERVISOR, *self.argv], env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -174,7 +192,10 @@ class Child(Supervised):
 
 
 class NatsChild(Supervised):
-    """nats-server: restarted on the same store dir, port and users (bus.natsd)."""
+    """nats-server: restarted on the same store dir, port and users (bus.natsd); its start waits until
+    JetStream is ready, off the event loop."""
+
+    blocking_start = True
 
     def __init__(self, server: NatsServer) -> None:
         super().__init__("nats-server", Path(server.log_file), 10.0)
@@ -218,7 +239,10 @@ class Supervisor:
 
     async def _start(self, s: Supervised) -> bool:
         try:
-            await asyncio.to_thread(s.start)
+            if s.blocking_start:
+                await asyncio.to_thread(s.start)
+            else:
+                s.start()
         except (OSError, NatsServerError) as exc:
             delay = s.exited(None)
             _say(f"{s.name} did not start ({exc}); next try in {delay:.1f}s")
@@ -321,9 +345,27 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
     return out
 
 
+async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
+    """`dsec api-key create` adds NATS users to the auth file: have the server load them."""
+    seen = auth_file.stat().st_mtime_ns
+    while not sup.stopping.is_set():
+        try:
+            await asyncio.wait_for(sup.stopping.wait(), TICK_S)
+        except asyncio.TimeoutError:
+            pass
+        now = auth_file.stat().st_mtime_ns
+        if now != seen and not sup.stopping.is_set():
+            seen = now
+            try:
+                await asyncio.to_thread(sup.nats.server.reload, AuthConfig.load_or_create(auth_file).config_block())
+                _say("reloaded NATS users (a new API key)")
+            except NatsServerError as exc:
+                _say(f"could not reload NATS users: {exc}")
+
+
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, sup.stopping.set)
     rc = 0
     tend: asyncio.Task[None] | None = None
@@ -332,11 +374,17 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         url = sup.nats.server.url
         write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
         tend = asyncio.create_task(sup.tend())
+        users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
         st = await _wait_ready(url, time.monotonic() + args.ready_timeout, sup)
         if st:
             _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
+            gw = f"http://127.0.0.1:{args.http_port}"
+            _say(f"gateway (E2B API, envd, REST /v1, /openapi.json) at {gw}; an API key: dsec api-key create --data-dir {data}")
+            _say(f"export E2B_API_URL={gw} E2B_SANDBOX_URL={gw}")
             _say(f"`dsec` and the SDK on this machine reach it as the operator (context {pointer}); Ctrl-C stops everything")
         await sup.stopping.wait()
+        if users is not None:
+            await users
     except DsecError as exc:
         print(f"dsec up: {exc.description}", file=sys.stderr)
         rc = 1
@@ -347,7 +395,7 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         _say("stopping")
         await sup.stop_all()
         remove_client_context(data, pointer)
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
         _say("stopped")
     return rc
@@ -367,7 +415,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     def env_of(svc: Service) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth else nats.url}
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth and svc.role else nats.url}
         if auth and svc.control_key:
             e[ENV_CONTROL_KEY] = auth.control_key
         return e

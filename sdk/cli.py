@@ -185,6 +185,43 @@ async def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- api keys and schema ----------------------------------------------------------------------
+async def _api_key(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from bus.auth import load_client_context
+
+    from .gateway._keys import create_api_key, wait_usable
+
+    ctx = load_client_context()
+    data_dir = args.data_dir or (ctx.data_dir if ctx and ctx.data_dir else "/var/lib/dsec")
+    try:
+        key = create_api_key(Path(data_dir) / "auth.json", args.name)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dsec: {exc}", file=sys.stderr)
+        return 2
+    print(key)
+    if not await wait_usable(key, args.nats_url):
+        print("dsec: the key is saved, but NATS does not accept it yet; is `dsec up` running on this data dir?", file=sys.stderr)
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    from bus.schema import asyncapi, subject_schemas
+
+    if args.asyncapi:
+        _print_json(asyncapi())
+        return 0
+    schemas = subject_schemas()
+    if args.subject:
+        if args.subject not in schemas:
+            print(f"dsec: no subject {args.subject!r}; one of: {', '.join(sorted(schemas))}", file=sys.stderr)
+            return 2
+        schemas = {args.subject: schemas[args.subject]}
+    print(json.dumps(schemas, indent=2))
+    return 0
+
+
 # --- up ------------------------------------------------------------------------------------
 def _up(args: argparse.Namespace) -> int:
     from ._up import run_up
@@ -206,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--placement-replicas", type=int, default=1)
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
+    up.add_argument("--http-port", type=int, default=3000, help="the HTTP gateway's port (E2B API, envd, REST)")
     up.add_argument("--context", default=None, help="where to point clients at this stack (default: $DSEC_CONTEXT, else /run/dsec/context.json as root)")
     up.set_defaults(func=_up)
 
@@ -246,6 +284,18 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kind", action="append", help="only these event kinds (repeatable)")
     r.add_argument("--json", action="store_true")
     r.set_defaults(func=lambda a: asyncio.run(_audit(a)))
+
+    ak = sub.add_parser("api-key", help="API keys of the HTTP gateway (each its own NATS identity)")
+    aks = ak.add_subparsers(dest="key_cmd", required=True)
+    akc = aks.add_parser("create", help="print a new API key")
+    akc.add_argument("--name", default="key", help="a label, part of the key's NATS user name")
+    akc.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (its auth.json; default: the client context's, else /var/lib/dsec)")
+    akc.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+
+    sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
+    sc.add_argument("--subject", default=None, help="only this subject (a name from `dsec schema`, e.g. dsec.req.create)")
+    sc.add_argument("--asyncapi", action="store_true", help="an AsyncAPI 3 document: subjects, streams, replies")
+    sc.set_defaults(func=_schema)
 
     for ep in entry_points(group="dsec.cli"):
         try:

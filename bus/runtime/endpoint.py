@@ -75,12 +75,16 @@ class Endpoint:
         *,
         decoder: Decoder | Mapping[str, Decoder] | None = None,
         bind: Callable[[Msg], dict[str, str]] | None = None,
+        encoder: Callable[[Any, int], bytes] | None = None,
     ) -> None:
         self.nc = nc
         self.name = name
         self.handler = handler
         self.decoder = decoder
         self.bind = bind  # structlog context of a request (e.g. sandbox_id), bound while it runs
+        # encoder(result, limit): the reply's bytes, fitted to ``limit`` its own way (say, output cut
+        # to fit, or an error that says what to do instead); the size check below still applies.
+        self.encoder = encoder
         self.stats = EndpointStats(name=name)
         self._subs: dict[str, Subscription] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -162,8 +166,8 @@ class Endpoint:
                 structlog.contextvars.unbind_contextvars(*ctx)
 
     async def _reply(self, msg: Msg, result: Any) -> None:
-        data = encode(result)
         limit = self.nc.max_payload - REPLY_HEADROOM
+        data = self.encoder(result, limit) if self.encoder is not None else encode(result)
         if len(data) > limit:
             self.stats.replies_too_large += 1
             self.stats.num_errors += 1

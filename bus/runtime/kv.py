@@ -242,7 +242,8 @@ class KV(Generic[T]):
     async def claim(self, key: str, value: T, *, mine: Callable[[T], bool] | None = None) -> Claim:
         """Make this caller the key's owner, compare-and-set; at most one of any number of racing
         claimers gets ``WON``. ``mine(current)`` says whether a record already there is ours (an
-        earlier delivery of the same work): then ``MINE`` and the record is left as it is."""
+        earlier delivery of the same work): then ``MINE`` and the record is left as it is. Raises
+        (StoreError, TimeoutError) when the bucket does not answer: the work stays un-acked."""
         if await self.create(key, value):
             return Claim.WON
         for _ in range(CLAIM_ROUNDS):

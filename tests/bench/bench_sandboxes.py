@@ -1,6 +1,7 @@
 """Benchmark of the whole sandbox path on one host (a script, not a test).
 
     python tests/bench/bench_sandboxes.py [-n 100] [--concurrency 16] [--profile prof.txt]
+    python tests/bench/bench_sandboxes.py --lifecycle [--sizes 300,1000] [--cpus 0.02,1] --memory-mb 16 --disk-mb 32 --cpu-overcommit 1000
 
 A fresh stack in this process: an embedded NATS JetStream server, one placement replica and a host
 agent with the container backend (a private containerd + runc) in a temp data dir, and a busybox
@@ -114,6 +115,13 @@ def machine_cpu_s() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK  # user nice system irq softirq (not idle, iowait, steal)
 
 
+def _cgroup_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return ""
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -216,10 +224,15 @@ def instrument() -> list[str]:
     from hostagent._quota import ScratchFS
     from hostagent._rootfs import RootfsLayout
 
+    from hostagent._intake import Intake
+    from hostagent._ops import OpsEndpoint
+    from hostagent._records import Records
+    from hostagent._registry import Registry
+
     steps = [
-        (HostAgent, "_create_one", "host: whole create (claim .. ready event)"),
-        (HostAgent, "_claim", "host:  claim id in KV (create)"),
-        (HostAgent, "_do_create", "host:  create .. ready event"),
+        (Intake, "create_one", "host: whole create (claim .. ready event)"),
+        (Records, "claim", "host:  claim id in KV (create)"),
+        (Intake, "_do_create", "host:  create .. ready event"),
         (ContainerBackend, "create", "host:   backend.create"),
         (ScratchFS, "allocate", "host:    scratch fs (mkfs + loop + mount)"),
         (ScratchFS, "_reserve", "host:     budget check (lists all images)"),
@@ -228,10 +241,10 @@ def instrument() -> list[str]:
         (RootfsLayout, "create", "host:    upper/work/run dirs"),
         (ContainerRuntime, "create_and_start", "host:    containerd: container+task create+start"),
         (AgentClient, "wait_ready", "host:    agent answers"),
-        (HostAgent, "_serve_ops", "host:   subscribe to ops"),
-        (HostAgent, "_record", "host:   KV record (put)"),
-        (HostAgent, "_event", "host:   event (acked publish)"),
-        (HostAgent, "_save", "host:   local state file"),
+        (OpsEndpoint, "serve", "host:   subscribe to ops"),
+        (Records, "record", "host:   KV record (put)"),
+        (Records, "sandbox_event", "host:   event (acked publish)"),
+        (Registry, "save", "host:   local state file"),
         (Placement, "handle_batch", "placement: handle a batch"),
     ]
     for cls, name, label in steps:
@@ -239,10 +252,10 @@ def instrument() -> list[str]:
     # containerd's gRPC calls, one label per call kind ("create container", "create task", "start task", ...)
     orig_call = ContainerRuntime._call
 
-    async def timed_call(self, method, request, what, timeout=None):  # type: ignore[no-untyped-def]
+    async def timed_call(self, method, request, what, timeout=None, **kw):  # type: ignore[no-untyped-def]
         t = time.perf_counter()
         try:
-            return await orig_call(self, method, request, what, timeout)
+            return await orig_call(self, method, request, what, timeout, **kw)
         finally:
             PHASES["host:     grpc " + " ".join(what.split()[:2])].append((time.perf_counter() - t) * 1000)
 
@@ -289,7 +302,8 @@ class Stack:
         await self.placement.start()
         self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool)
         self.host = HostAgent(
-            self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True
+            self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True,
+            cpu_overcommit=self.args.cpu_overcommit, reconcile_s=self.args.reconcile_s,
         )
         await self.host.start()
         deadline = time.monotonic() + 15
@@ -312,11 +326,43 @@ class Stack:
             shutil.rmtree(self.dir, ignore_errors=True)
         return left
 
-    def create(self, sid: str | None = None) -> "asyncio.Future[AsyncSandbox]":
-        a = self.args
+    def create(self, sid: str | None = None, cpu: float | None = None) -> "asyncio.Future[AsyncSandbox]":
         return AsyncSandbox.create(
-            nats_url=self.url, memory_mb=a.memory_mb, disk_mb=a.disk_mb, cpu=a.cpu, timeout=3600, create_timeout=600, sandbox_id=sid
+            nats_url=self.url, memory_mb=self.args.memory_mb, disk_mb=self.args.disk_mb, cpu=self.args.cpu if cpu is None else cpu,
+            timeout=3600, create_timeout=1800, sandbox_id=sid,
         )
+
+    async def leftovers(self, sids: list[str]) -> list[str]:
+        """Everything of these sandboxes still on the host or in KV: records not gone, containers,
+        agent processes, mounts, cgroups, netns, loop devices, state files."""
+        assert self.host is not None and self.backend is not None and self.backend.rt is not None
+        left = [f"container {c.id}" for c in await self.backend.rt.list()]
+        wanted = set(sids)
+        with open("/proc/self/mountinfo") as f:
+            left += [f"mount {mp}" for mp in (ln.split()[4] for ln in f) if set(mp.split("/")) & wanted]
+        left += [f"cgroup {p}" for p in Path("/sys/fs/cgroup").glob("*/dsec/*") if p.name in wanted]
+        for dev in Path("/sys/block").glob("loop*"):
+            with contextlib.suppress(OSError):
+                if str(self.dir) in (dev / "loop" / "backing_file").read_text():
+                    left.append(f"loop {dev.name}")
+        left += [f"netns {sid}" for sid in sids if os.path.lexists(self.backend.net.netns_path(sid))]
+        left += [f"agent process {p}" for p in pids_matching("dsec-agent") if any(f"/dsec/{s}" in _cgroup_of(p) for s in wanted)]
+        left += [f"state file {p.name}" for p in (self.dir / "hosts" / "bench" / "sandboxes").glob("*")]
+        left += [f"live {sid}" for sid in self.host.live]
+        nc = await connect(self.url)
+        try:
+            kv = await ensure_kv(nc.jetstream(), S.KV_SANDBOXES)
+            sem = asyncio.Semaphore(64)
+
+            async def state(sid: str) -> str:
+                async with sem:
+                    return codec.SANDBOX_RECORD.decode((await kv.get(sid)).value).state
+
+            states = await asyncio.gather(*(state(s) for s in sids))
+            left += [f"record {sid} {st}" for sid, st in zip(sids, states, strict=True) if st != "gone"]
+        finally:
+            await nc.close()
+        return left
 
 
 async def wait_pool_full(backend: Any, size: int, timeout: float = 600.0) -> None:
@@ -404,6 +450,20 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(parts[-2:])})"
 
 
+def throttled(st: "Stack", sbs: list[AsyncSandbox]) -> tuple[int, float]:
+    """How many of these sandboxes' own CPU cgroups were throttled so far, and for how long in all
+    (ms). Read while they are idle, that is their start (runc init, the agent coming up)."""
+    assert st.host is not None
+    n, ns = 0, 0
+    for sb in sbs:
+        cid = st.host.handles[sb.sandbox_id].extra.get("cid", sb.sandbox_id)
+        with contextlib.suppress(OSError):
+            stat = dict(line.split() for line in (Path("/sys/fs/cgroup/cpu/dsec") / cid / "cpu.stat").read_text().splitlines())
+            n += int(stat["nr_throttled"]) > 0
+            ns += int(stat["throttled_time"])
+    return n, ns / 1e6
+
+
 # ------------------------------------------------------------------------------------------ the run
 async def run(args: argparse.Namespace) -> None:
     st = Stack(args)
@@ -441,6 +501,7 @@ async def run(args: argparse.Namespace) -> None:
             sbs.append(sb)  # type: ignore[arg-type]
         seq_wall = time.perf_counter() - t_all
         c1 = cpu.snapshot()
+        seq_throttled = throttled(st, sbs)
         seq_phases = {k: list(v) for k, v in PHASES.items()}
 
         # --- exec round trip ------------------------------------------------------------------------
@@ -509,6 +570,7 @@ async def run(args: argparse.Namespace) -> None:
         burst = [r[0] for r in ok]
         sbs = [r[1] for r in ok]  # type: ignore[misc]
         fails = [r for r in res if not isinstance(r, tuple)]
+        burst_throttled = throttled(st, sbs)
         await asyncio.gather(*(sb.kill() for sb in sbs))
         sbs = []
 
@@ -521,6 +583,8 @@ async def run(args: argparse.Namespace) -> None:
         print(f"exec `true`, same sandbox (x{args.exec_n}): p50 {pct(ex, 50):6.2f} ms   p99 {pct(ex, 99):6.2f} ms")
         print(f"exec `true`, across {n} sandboxes:  p50 {pct(ex_many, 50):6.2f} ms   p99 {pct(ex_many, 99):6.2f} ms")
         print(f"kill, sequential:                p50 {pct(kills, 50):7.1f} ms   p99 {pct(kills, 99):7.1f} ms")
+        print(f"start throttled by the sandbox's own CPU share: sequential {seq_throttled[0]}/{args.n} sandboxes ({seq_throttled[1]:.0f} ms in all), "
+              f"burst {burst_throttled[0]}/{len(burst)} ({burst_throttled[1]:.0f} ms in all)")
         print()
         print(f"host memory per idle sandbox ({n} idle, busybox, {len(shim_pids)} shim processes):")
         print(f"  {'':44} {'RSS':>10} {'PSS':>10}")
@@ -564,6 +628,65 @@ async def run(args: argparse.Namespace) -> None:
         print("\nclean: no mounts, containers or processes left under the data dir")
 
 
+# ------------------------------------------------------------------------------------------ lifecycle
+async def run_lifecycle(args: argparse.Namespace) -> None:
+    """For each N and cpu: a burst of N creates, the reconcile loop's cost at N, all N killed at once
+    (asyncio.gather), then what is left (must be nothing)."""
+    st = Stack(args)
+    sizes = [int(x) for x in args.sizes.split(",")]
+    cpus = [float(x) for x in args.cpus.split(",")]
+    print(f"dsec lifecycle benchmark: N in {sizes}, cpu in {cpus}, memory_mb={args.memory_mb} disk_mb={args.disk_mb}, host concurrency "
+          f"{args.concurrency}, {os.cpu_count()} cores; load average at start {Path('/proc/loadavg').read_text().split()[0]}")
+    await st.start()
+    assert st.host is not None and st.backend is not None
+    rows: list[str] = []
+    dirty = False
+    try:
+        for _ in range(3):  # warm-up: caches, connections
+            sb = await st.create()
+            await sb.kill()
+        for n in sizes:
+            for cpu in cpus:
+                t0 = time.perf_counter()
+                res = await asyncio.gather(*(st.create(cpu=cpu) for _ in range(n)), return_exceptions=True)
+                create_s = time.perf_counter() - t0
+                sbs = [r for r in res if isinstance(r, AsyncSandbox)]
+                failed = [r for r in res if not isinstance(r, AsyncSandbox)]
+                # The reconcile loop's cost per pass with n sandboxes live (they are idle): local drift
+                # check against containerd and the scratch disks, and the sweep of the KV records.
+                passes = [await st.host.reconciler.run_pass() for _ in range(args.passes)]
+                c0, w0 = time.process_time(), time.perf_counter()
+                await st.host.reconciler.sweep_records()
+                sweep_cpu, sweep_wall = (time.process_time() - c0) * 1000, (time.perf_counter() - w0) * 1000
+                t1 = time.perf_counter()
+                kres = await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
+                kill_s = time.perf_counter() - t1
+                kfailed = [r for r in kres if isinstance(r, BaseException)]
+                left = await st.leftovers([sb.sandbox_id for sb in sbs])
+                dirty = dirty or bool(left)
+                row = (f"N={n:5d} cpu={cpu:<5g} create {len(sbs) / create_s:6.1f}/s ({create_s:6.1f} s, {len(failed)} failed)   "
+                       f"kill {len(sbs) / kill_s:6.1f}/s ({kill_s:6.1f} s, {len(kfailed)} failed)   "
+                       f"reconcile pass cpu {statistics.median(p['cpu_ms'] for p in passes):7.1f} ms "
+                       f"wall {statistics.median(p['wall_ms'] for p in passes):7.1f} ms   "
+                       f"KV sweep cpu {sweep_cpu:7.1f} ms wall {sweep_wall:7.1f} ms   leftovers {len(left)}")
+                print(row, flush=True)
+                if failed:
+                    print(f"    first create failure: {failed[0]!r}")
+                if kfailed:
+                    print(f"    first kill failure: {kfailed[0]!r}")
+                if left:
+                    print(f"    left: {left[:10]}")
+                rows.append(row)
+    finally:
+        left_dir = await st.stop()
+    print()
+    for r in rows:
+        print(r)
+    print(f"data dir after stop: {'clean' if not left_dir else left_dir[:10]}")
+    if dirty or left_dir:
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=100, help="sandboxes (sequential run, idle set and burst size)")
@@ -576,13 +699,19 @@ def main() -> None:
     ap.add_argument("--warm-pool", type=int, default=0, help="started sandboxes kept ready per template (0: every create is cold)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds idle before measuring memory")
     ap.add_argument("--profile", default=None, help="py-spy raw output file (samples this process during the burst)")
+    ap.add_argument("--cpu-overcommit", type=float, default=50.0, help="the host's cpu overcommit (admission)")
+    ap.add_argument("--reconcile-s", type=float, default=10.0, help="the host agent's reconcile period")
+    ap.add_argument("--lifecycle", action="store_true", help="create/kill rates, reconcile cost and leftovers at --sizes x --cpus")
+    ap.add_argument("--sizes", default="300,1000", help="with --lifecycle: burst sizes")
+    ap.add_argument("--cpus", default="0.02,1", help="with --lifecycle: sandbox cpu shares")
+    ap.add_argument("--passes", type=int, default=3, help="with --lifecycle: reconcile passes measured per size")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("needs root (containerd, mounts, cgroups)")
     from bus import log as _log
 
     _log.configure(level=os.environ.get("DSEC_LOG_LEVEL", "WARNING"))
-    asyncio.run(run(args))
+    asyncio.run(run_lifecycle(args) if args.lifecycle else run(args))
 
 
 if __name__ == "__main__":

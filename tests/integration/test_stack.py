@@ -206,7 +206,7 @@ async def test_connect_list_kill_removes_everything(stack: Stack) -> None:
     with pytest.raises(SandboxNotFound):
         await sb.commands.run("true")
     assert sid not in {i.sandbox_id for i in await AsyncSandbox.list(nats_url=stack.url)}
-    killed = [i for i in await AsyncSandbox.list(nats_url=stack.url, state="killed") if i.sandbox_id == sid]
+    killed = [i for i in await AsyncSandbox.list(nats_url=stack.url, state="gone") if i.sandbox_id == sid]
     assert len(killed) == 1
 
 

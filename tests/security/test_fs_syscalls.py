@@ -961,10 +961,15 @@ async def test_strict_profile_kills_for_writing_a_system_file(make_stack: Any, r
     relaxed = await st.create()
     assert (await sh(strict, "echo fine > /tmp/f && cat /tmp/f")).out == "fine"  # positive control
     await sh(relaxed, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
-    await sh(strict, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+    from sdk import SandboxNotFound
+
+    try:
+        await sh(strict, "echo 'evil::0:0::/:/bin/sh' >> /etc/passwd")
+    except SandboxNotFound:
+        pass  # guard's kill can land before the exec's answer (seen in full runs): the record says why
 
     async def killed() -> bool:
-        return (await _sandbox_record(st, strict.sandbox_id)).state == "killed"
+        return (await _sandbox_record(st, strict.sandbox_id)).state == "gone"
 
     await until(killed, timeout=20, what="guard to kill the strict sandbox")
     rec = await _sandbox_record(st, strict.sandbox_id)
@@ -987,7 +992,7 @@ async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: d
     await sysx(strict, nr("bpf"), 0, "buf:128", 128)
 
     async def killed() -> bool:
-        return (await _sandbox_record(st, strict.sandbox_id)).state == "killed"
+        return (await _sandbox_record(st, strict.sandbox_id)).state == "gone"
 
     await until(killed, timeout=20, what="guard to kill the strict sandbox")
     rec = await _sandbox_record(st, strict.sandbox_id)
@@ -1048,7 +1053,7 @@ async def test_agent_that_cannot_confine_itself_fails_the_create(stack: Any) -> 
 
     broken = dataclasses.replace(compile_profile(default_profile()), agent_args=("--seccomp-bpf", "zz"))
     sid = f"sb-{stack.uid}-broken-{uuid.uuid4().hex[:6]}"
-    layers = await stack.host._layers("base")
+    layers = await stack.host.intake.layers("base")
     t0 = time.monotonic()
     try:
         with pytest.raises(CreateFailed) as ei:

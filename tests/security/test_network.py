@@ -1320,7 +1320,7 @@ async def test_dropped_packets_apply_the_sandbox_audit_policy(
         v = await vs.expect(q.sandbox_id, "tcp", gq, host_listener.port, "to_host")
 
         async def killed() -> bool:
-            return (await state(q.sandbox_id)).state == "killed"
+            return (await state(q.sandbox_id)).state == "gone"
 
         await until(killed, timeout=20, what="guard to quarantine the sandbox")
         rec = await state(q.sandbox_id)

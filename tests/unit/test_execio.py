@@ -109,3 +109,31 @@ async def test_stream_without_acks_marks_nothing_and_never_waits(nats_server, mo
         assert not st.dead and st.seq == 3 * _execio.ACK_WINDOW and not st._marks
     finally:
         await nc.close()
+
+
+async def test_the_sdk_detects_a_gap_in_streamed_output(nats_server, monkeypatch) -> None:
+    """Chunks are numbered: one missing in the middle, or at the end, is OutputLost, never silence."""
+    from bus.errors import OutputLost
+    from sdk import AsyncSandbox
+    from sdk import _commands
+
+    monkeypatch.setattr(_commands, "DRAIN_S", 0.5)
+    nc = await connect(nats_server.url)
+    try:
+        sb = AsyncSandbox("sb-gap-test", nc)
+        got: list[str] = []
+        out = await _commands._Output(sb, got.append, None, 0).start()
+        for seq in (0, 2):  # 1 lost on the way
+            await nc.publish(out.inbox, codec.encode(ExecChunk(seq=seq, stream=1, data=f"c{seq} ".encode())))
+        await nc.flush()
+        await out.drain(3)
+        assert got == ["c0 ", "c2 "] and isinstance(out.error, OutputLost) and out.error.code == "output_lost"
+        await out.close()
+        tail = await _commands._Output(sb, None, None, 0).start()
+        await nc.publish(tail.inbox, codec.encode(ExecChunk(seq=0, stream=1, data=b"x")))
+        await nc.flush()
+        await tail.drain(2)  # the reply said 2 chunks, only 1 came
+        assert isinstance(tail.error, OutputLost) and "never arrived" in tail.error.description
+        await tail.close()
+    finally:
+        await nc.close()

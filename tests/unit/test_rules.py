@@ -53,7 +53,7 @@ def test_placement_and_host_agree_on_memory(mem_overcommit: float, memory_mb: in
     table = HostTable()
     table.update(st)
     spec = SandboxSpec(sandbox_id="s", backend="sim", cpu=0.1, memory_mb=memory_mb, disk_mb=1)
-    host_says = agent._admits(spec)
+    host_says = agent.intake.admits(spec)
     placement_says = admits(table.hosts["h1"].cap, table.hosts["h1"].alloc, spec)
     assert bool(host_says) == bool(placement_says), (host_says, placement_says)
     assert bool(host_says) == (memory_mb > 1000 * mem_overcommit)

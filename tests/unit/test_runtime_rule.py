@@ -26,13 +26,6 @@ ALLOWED_NATS_MODULES = {
     "nats.js.kv",  # the KeyValue type (watches)
 }
 
-# TEMPORARY: hostagent/ is being split by the `lifecycle` branch, which moves these files onto
-# bus.runtime and then deletes this list. Nothing may be added to it.
-LIFECYCLE_EXEMPT = {
-    "hostagent/_service.py",
-}
-
-
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
     own_nc = any(
@@ -65,14 +58,8 @@ def _service_files() -> list[Path]:
 
 
 def test_only_bus_touches_nats_mechanics() -> None:
-    found = [v for p in _service_files() if str(p.relative_to(ROOT)) not in LIFECYCLE_EXEMPT for v in _violations(p)]
+    found = [v for p in _service_files() for v in _violations(p)]
     assert not found, "outside bus/ (use bus.runtime):\n" + "\n".join(found)
-
-
-def test_exemptions_are_still_needed() -> None:
-    """An exempt file that follows the rule leaves the list (so the list only shrinks)."""
-    clean = [f for f in LIFECYCLE_EXEMPT if not _violations(ROOT / f)]
-    assert not clean, f"no longer needs the exemption, remove it from LIFECYCLE_EXEMPT: {clean}"
 
 
 def test_the_scan_sees_each_kind(tmp_path: Path) -> None:

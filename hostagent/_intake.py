@@ -1,0 +1,240 @@
+"""Intake: the host's pull-consumer handler. Admits work placed on this host (one create or a batch),
+claims ids, creates through the backend, records and announces ``ready``; rejects what does not fit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, SandboxTimeout, UnknownTemplate
+from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
+from bus.messages import TemplateManifest
+from bus.rules import Allocation, Capacity, refusal
+from bus.runtime import KV
+from bus.sign import ERR_BAD_SIGNATURE, verify
+
+from ._registry import LocalSandbox
+
+if TYPE_CHECKING:
+    from ._service import HostAgent
+
+log = structlog.get_logger("dsec.hostagent")
+
+LAYERS_TTL_S = 10.0
+IN_PROGRESS_EVERY_S = 15.0  # well inside the consumer's ack_wait
+
+
+class Intake:
+    def __init__(self, host: "HostAgent") -> None:
+        self.host = host
+        self.creating: dict[str, asyncio.Future[None]] = {}
+        self.created = 0
+        self.kv_images: KV[TemplateManifest] | None = None
+        self._layers_cache: dict[str, list[LayerRef]] = {}
+        self._layers_at: dict[str, float] = {}
+        self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
+
+    # --- the consumer's handler --------------------------------------------------------------
+    async def handle(self, msg: Msg) -> None:
+        host = self.host
+        if not verify(host.control_key, msg.subject, msg.data, msg.headers):
+            # Acked, so it is not redelivered forever; kept in the dead-letter stream as evidence.
+            log.warning("unsigned_work_refused", subject=msg.subject, code=ERR_BAD_SIGNATURE)
+            await host.records.dead_letter(msg, ERR_BAD_SIGNATURE, "host work without a valid placement signature")
+            return
+        try:
+            work = codec.HOST.decode(msg.data)
+        except BadRequest as exc:
+            await host.records.dead_letter(msg, exc.code, exc.description)
+            return
+        match work:
+            case PlaceSandbox():
+                # First hand-off of a first attempt: JetStream's de-duplication of <id>:<attempt> already
+                # guarantees no other host got this id, so the KV claim round trip is skipped. Redeliveries
+                # and re-placements (attempt > 0) claim, as every batch member does.
+                # A hand-off placed longer ago than half the window may be a replay JetStream no longer
+                # de-duplicates: it claims too.
+                first = work.attempt == 0 and not work.claim and _deliveries(msg) == 1 and self._fresh(work.placed_at)
+                await self.create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first)
+                await msg.ack()
+            case PlaceBatch():
+                await self.create_batch(work, msg)
+                await msg.ack()
+
+    def _fresh(self, placed_at: float) -> bool:
+        return abs(time.time() - placed_at) < self.host.stream_options.dedup_window_s / 2
+
+    # --- admission ---------------------------------------------------------------------------------
+    def admits(self, spec: SandboxSpec) -> str:
+        """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
+        host, reg = self.host, self.host.registry
+        cap = host.backend.capacity()
+        return refusal(
+            Capacity(
+                cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
+                cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes,
+            ),
+            Allocation(reg.cpu, reg.ls_cpu, reg.mem_mb, reg.disk_mb, len(reg)),
+            spec,
+        )
+
+    async def layers(self, template: str) -> list[LayerRef]:
+        assert self.kv_images is not None
+        manifest = await self.kv_images.get(template)
+        if manifest is None:
+            raise UnknownTemplate(f"unknown template {template!r}", template=template)
+        layers = manifest.layers
+        self._layers_cache[template] = layers  # a create reads KV at most once per LAYERS_TTL_S per template
+        self._layers_at[template] = time.monotonic()
+        return layers
+
+    # --- create ------------------------------------------------------------------------------------
+    async def create_one(self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False) -> None:
+        # (no structlog context binding here: it costs more than the rest of a simulated create;
+        # the log lines of this path name the sandbox themselves)
+        host = self.host
+        sid = spec.sandbox_id
+        ls = host.registry.get(sid)
+        if ls is not None:
+            if ls.state == "running":
+                await host.records.event(spec, "ready", attempt=attempt)  # redelivery: say it again
+            else:
+                log.info("create_of_stopping_sandbox_dropped", sandbox_id=sid)
+            return
+        if sid in self.creating:
+            await self.creating[sid]
+            return
+        if spec.create_deadline and time.time() > spec.create_deadline:
+            # The client gave up (and its kill found nothing): a late or replayed hand-off starts nothing.
+            if held:
+                await host.records.release(sid)
+            log.info("create_expired", sandbox_id=sid)
+            await host.records.event(spec, "failed", attempt=attempt, err=SandboxTimeout(f"create request for {sid} expired before the host started it"))
+            return
+        why = self.admits(spec)
+        if why:
+            if held:  # give back the batch's claim so another host can take it
+                await host.records.release(sid)
+            await self._reject(spec, attempt, excluded, why)
+            return
+        if claim and not await host.records.claim(spec):
+            log.info("duplicate_create_dropped", sandbox_id=sid)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.creating[sid] = fut
+        try:
+            await self._do_create(spec, attempt, msg, claimed=claim or held)
+        finally:
+            self.creating.pop(sid, None)
+            fut.set_result(None)
+
+    async def create_batch(self, work: PlaceBatch, msg: Msg) -> None:
+        """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
+        pipelined, then each member is created as a single one."""
+        if not (work.claim or work.attempt or _deliveries(msg) > 1) and self._fresh(work.placed_at):
+            # First hand-off of a first-time batch: create first, then claim with the record itself
+            # (see _do_create); a copy handed to another host after a placement crash loses that race.
+            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False) for s in work.specs))
+            return
+        reg = self.host.registry
+        todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
+        claimed: set[str] = set()
+        if todo:
+            oks = await asyncio.gather(*(self.host.records.claim(s) for s in todo), return_exceptions=True)
+            for s, ok in zip(todo, oks, strict=True):
+                if ok is True:
+                    claimed.add(s.sandbox_id)
+        # Members not claimed above (taken already, or admission said no) take the one-by-one path,
+        # which re-checks the claim and rejects or re-places as a single create would.
+        await asyncio.gather(*(
+            self.create_one(s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed) for s in work.specs
+        ))
+
+    async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
+        host = self.host
+        err = HostRejected(f"host {host.host_id} is full: {why}", host_id=host.host_id)
+        again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, host.host_id], last_error=err.description)
+        await host.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{S.incarnation(spec.sandbox_id, spec.generation)}:{attempt + 1}")
+        await host.records.event(spec, "rejected", attempt=attempt, err=err)
+        log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
+
+    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True) -> None:
+        """Create, then store the record and announce ``ready``.
+
+        ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
+        record itself is the claim, written with a KV create once the sandbox exists: if another host's
+        record is there first, this copy is removed silently and the other host's stands.
+        """
+        host = self.host
+        backend = host.backend
+        t0 = time.perf_counter()
+        if msg is not None:  # the tick loop tells JetStream a slow create is still in progress
+            self._working[spec.sandbox_id] = [msg, time.monotonic()]
+        try:
+            layers = self._layers_cache.get(spec.template)
+            if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
+                layers = await self.layers(spec.template)
+            memory = None
+            if spec.snapshot:  # a restore: the snapshot's layers over the template's (and its CRIU dump)
+                layers, memory = await host.snapshots.restore_plan(spec, layers)
+            if memory is not None:
+                handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile) if host.profiles else None, memory=memory)  # type: ignore[call-arg]
+            elif host.profiles is not None:
+                handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
+            else:
+                handle = await backend.create(spec, layers)
+        except DsecError as exc:
+            await backend.destroy(spec.sandbox_id)
+            await self._fail(spec, attempt, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - report, clean up, keep serving
+            log.exception("create_failed", sandbox_id=spec.sandbox_id)
+            await backend.destroy(spec.sandbox_id)
+            await self._fail(spec, attempt, CreateFailed(f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self._working.pop(spec.sandbox_id, None)
+        now = time.time()
+        ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
+        host.registry.add(ls, handle)
+        host.registry.save(ls)
+        await host.ops.serve(spec.sandbox_id)
+        if claimed:
+            await host.records.record(ls, "running")
+        elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
+            host.reaper.begin(spec.sandbox_id, "duplicate")
+            log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
+            return
+        if spec.snapshot:
+            await host.snapshots.restored(ls)
+        await host.records.event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
+        self.created += 1
+        log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
+
+    async def keep_in_progress(self, now: float) -> None:
+        """A create still running says so every IN_PROGRESS_EVERY_S, so it is not redelivered."""
+        for w in list(self._working.values()):
+            if now - w[1] >= IN_PROGRESS_EVERY_S:
+                w[1] = now
+                try:
+                    await w[0].in_progress()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
+        log.warning("create_failed", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
+        await self.host.records.event(spec, "failed", attempt=attempt, err=err)
+        await self.host.records.failed(spec, err)
+
+
+def _deliveries(msg: Msg) -> int:
+    return msg.metadata.num_delivered if msg.metadata else 1
+
+
+__all__ = ["Intake", "LAYERS_TTL_S"]

@@ -1,0 +1,153 @@
+"""The ops endpoint: core request/reply on ``dsec.sbx.<id>.<op>`` (exec, files, kill, timeout, info)
+for every sandbox this host holds, one subscription per sandbox, each request answered."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, SandboxNotFound, SandboxNotRunning
+from bus.messages import (
+    KILL_DONE,
+    KILL_PENDING,
+    Done,
+    ExecRequest,
+    ExecResult,
+    FileUnwatch,
+    FileWatch,
+    InfoRequest,
+    KillRequest,
+    PauseRequest,
+    ResumeRequest,
+    SnapshotRequest,
+    MetricsRequest,
+    PortOpen,
+    PortSend,
+    ProcConnect,
+    ProcDisconnect,
+    ProcessStarted,
+    ProcInput,
+    ProcList,
+    ProcSignal,
+    SandboxInfo,
+    SetTimeout,
+    StreamAck,
+)
+from bus.runtime import Endpoint
+
+from ._backend import Handle
+from ._execio import encode_reply
+from ._registry import LocalSandbox
+
+if TYPE_CHECKING:
+    from ._service import HostAgent
+
+log = structlog.get_logger("dsec.hostagent")
+
+
+class OpsEndpoint:
+    """One ``bus.runtime.Endpoint`` (its error boundary, stats and reply-size check) serving every
+    sandbox's ``dsec.sbx.<id>.*``; ops of one sandbox run concurrently (a long exec does not hold up
+    a file read)."""
+
+    def __init__(self, host: "HostAgent") -> None:
+        self.host = host
+        self.endpoint: Endpoint | None = None
+        self.inflight = 0  # requests being answered now
+
+    def start(self, nc: NATS) -> None:
+        # Replies within the payload limit: command output cut to fit, anything else a typed error (execio).
+        self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind, encoder=encode_reply)
+
+    async def serve(self, sid: str) -> None:
+        assert self.endpoint is not None
+        await self.endpoint.serve(S.sbx_all(sid))
+
+    async def unserve(self, sid: str) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.unserve(S.sbx_all(sid))
+
+    async def stop(self) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.stop()
+
+    async def _handle(self, msg: Msg, req: Any) -> Any:
+        parts = msg.subject.split(".")
+        if len(parts) != 4:
+            raise BadRequest(f"not a sandbox operation subject: {msg.subject}")
+        self.inflight += 1
+        try:
+            return await self._dispatch(parts[2], req)
+        finally:
+            self.inflight -= 1
+
+    async def _dispatch(self, sid: str, req: Any) -> Any:
+        host = self.host
+        handle = host.registry.handles.get(sid)
+        ls = host.registry.get(sid)
+        if handle is None or ls is None:
+            raise SandboxNotFound(f"sandbox {sid} is not running on this host")
+        if ls.state == "stopping":
+            match req:
+                case KillRequest():
+                    done = await host.reaper.kill(sid, ls.end_reason or "user")
+                    return Done(detail=KILL_DONE if done else KILL_PENDING)
+                case InfoRequest():
+                    return self._info(sid, ls, handle)
+            raise SandboxNotFound(f"sandbox {sid} is being stopped ({ls.end_reason})")
+        if ls.state == "paused" and not isinstance(req, (InfoRequest, KillRequest, SetTimeout, PauseRequest, ResumeRequest)):
+            raise SandboxNotRunning(f"sandbox {sid} is paused: resume it first", state="paused")
+        match req:
+            case ExecRequest():
+                return await self._exec(handle, ls, req)
+            case SnapshotRequest():
+                return await host.snapshots.snapshot(ls, handle, req)
+            case PauseRequest():
+                return await host.snapshots.pause(ls, handle, req)
+            case ResumeRequest():
+                return await host.snapshots.resume(ls, handle)
+            case StreamAck():
+                host.execio.ack(sid, req)
+                return Done()
+            case ProcList() | ProcSignal() | ProcInput() | ProcConnect() | ProcDisconnect():
+                return await host.execio.proc(handle, req)
+            case FileWatch() | FileUnwatch():
+                return await host.execio.watch(handle, req)
+            case MetricsRequest():
+                return await host.execio.metrics(handle)
+            case KillRequest(reason=reason):
+                done = await host.reaper.kill(sid, reason or "user")
+                return Done(detail=KILL_DONE if done else KILL_PENDING)
+            case SetTimeout(timeout_s=t):
+                if t <= 0:
+                    raise BadRequest("timeout must be > 0 seconds")
+                await host.reaper.set_timeout(ls, t)
+                return Done()
+            case PortOpen() | PortSend():
+                return await host.ports.handle(handle, req)
+            case InfoRequest():
+                return self._info(sid, ls, handle)
+            case _:
+                return await host.backend.files(handle, req)
+
+    def _info(self, sid: str, ls: LocalSandbox, handle: Handle) -> SandboxInfo:
+        return SandboxInfo(
+            sandbox_id=sid, state=ls.state, host_id=self.host.host_id, template=ls.spec.template,
+            started_at=ls.started_at, expires_at=ls.expires_at, metadata=ls.spec.metadata, pid=handle.pid,
+        )
+
+    async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
+        return await self.host.execio.exec(handle, ls.spec.envs, req)
+
+
+def _bind(msg: Msg) -> dict[str, str]:
+    parts = msg.subject.split(".")
+    return {"sandbox_id": parts[2] if len(parts) > 2 else "", "subject": msg.subject}
+
+
+__all__ = ["OpsEndpoint"]

@@ -1,0 +1,203 @@
+"""The gateway's aiohttp application: one address for E2B's control plane, envd, sandbox ports and
+dsec's own REST API.
+
+A request is for a sandbox when it names one: the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers
+(what the e2b SDK sends when ``E2B_SANDBOX_URL`` points here) or a ``<port>-<id>.<domain>`` host
+name. Port 49983 is envd (Connect RPCs, ``/files``, ``/health``); any other port is relayed to a
+server inside the sandbox. Everything else is the control plane. Other modules add routes with
+``add_routes(app)`` style functions (see ``make_app(extensions=...)``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from bus.errors import DsecError, InvalidArgument, SandboxNotFound
+
+from ._connect import ConnectError, ServerStream, read_request, unary_error
+from ._e2b import E2BApi, e2b_error, http_status
+from ._filesystem import Filesystem, PayloadTooLarge
+from ._ports import Ports
+from ._process import Processes
+from ._rest import RestApi
+from ._tenants import Tenant, Tenants
+from ._users import Users
+
+log = structlog.get_logger("dsec.gateway")
+
+ENVD_PORT = 49983
+HDR_SANDBOX_ID = "E2b-Sandbox-Id"
+HDR_SANDBOX_PORT = "E2b-Sandbox-Port"
+STREAMING = ("Start", "Connect", "WatchDir")  # server-streaming envd methods
+KEY_HEADERS = ("X-API-Key", "X-Access-Token", "e2b-traffic-access-token")
+GATEWAY_KEY = web.AppKey("gateway", object)
+_HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,128})\.")
+
+
+@dataclass
+class GatewayConfig:
+    nats_url: str
+    domain: str = "localhost:3000"
+    pool: str = "default"
+    max_upload: int = 1024 * 1024 * 1024
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.domain = cfg.domain
+        self.pool = cfg.pool
+        self.tenants = Tenants(cfg.nats_url)
+        self.users = Users()
+        self.processes = Processes(self.users)
+        self.files = Filesystem(self.users, cfg.max_upload)
+        self.ports = Ports()
+
+    @staticmethod
+    def api_key(request: web.Request) -> str | None:
+        for h in KEY_HEADERS:
+            v = request.headers.get(h)
+            if v:
+                return v
+        auth = request.headers.get("Authorization", "")
+        return auth[7:] if auth.startswith("Bearer ") else None
+
+    async def tenant(self, request: web.Request) -> tuple[Tenant, str]:
+        key = self.api_key(request)
+        return await self.tenants.get(key), key or ""
+
+    def envd_token(self, api_key: str) -> str:
+        """What the e2b SDK sends back as ``X-Access-Token`` on envd calls: the key itself, so envd
+        calls are the key's calls (they only ever go to this gateway)."""
+        return api_key
+
+    def forget(self, sid: str) -> None:
+        self.users.forget(sid)
+        for wid in [k for k, w in self.files.watchers.items() if w.sandbox_id == sid]:
+            self.files.watchers.pop(wid, None)
+
+    # --- envd -------------------------------------------------------------------------------------------
+    async def envd(self, request: web.Request, sid: str) -> web.StreamResponse:
+        path = request.path
+        is_rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
+        try:
+            tenant, _ = await self.tenant(request)
+            sb = await tenant.sandbox(sid)
+            if path == "/health":
+                await sb.get_info()  # answered by its host agent: it runs
+                return web.Response(status=204)
+            if path == "/files":
+                return await self._files(request, sb)
+            if not is_rpc or request.method != "POST":
+                return web.json_response({"code": 404, "message": f"envd has no route {request.method} {path}"}, status=404)
+            return await self._rpc(request, sb, path)
+        except PayloadTooLarge as exc:
+            return web.json_response({"code": 413, "message": str(exc)}, status=413)
+        except SandboxNotFound:
+            return sandbox_gone(sid)
+        except (ConnectError, DsecError) as exc:
+            err = ConnectError.of(exc)
+            if is_rpc and path.rsplit("/", 1)[-1] in STREAMING:
+                return await ServerStream(request).close(err)  # a stream's error is its end message (HTTP 200)
+            if is_rpc:
+                return unary_error(err)
+            status = http_status(exc) if isinstance(exc, DsecError) else 400
+            return web.json_response({"code": status, "message": err.message}, status=status)
+
+    async def _files(self, request: web.Request, sb: Any) -> web.StreamResponse:
+        if request.method == "GET":
+            return await self.files.download(request, sb)
+        if request.method == "POST":
+            return web.json_response(await self.files.upload(request, sb))
+        return web.json_response({"code": 405, "message": f"{request.method} /files is not allowed"}, status=405)
+
+    async def _rpc(self, request: web.Request, sb: Any, path: str) -> web.StreamResponse:
+        service, _, method = path[1:].partition("/")
+        body = await read_request(request)
+        if service == "filesystem.Filesystem":
+            if method == "WatchDir":
+                return await self.files.watch(request, sb, body)
+            return web.json_response(await self.files.unary(method, request, sb, body))
+        if method == "Start":
+            return await self.processes.start(request, sb, body)
+        if method == "Connect":
+            return await self.processes.connect(request, sb, body)
+        return web.json_response(await self.processes.unary(method, sb, body))
+
+    # --- routing ------------------------------------------------------------------------------------------
+    def sandbox_target(self, request: web.Request) -> tuple[str, int] | None:
+        sid = request.headers.get(HDR_SANDBOX_ID)
+        if sid:
+            port = request.headers.get(HDR_SANDBOX_PORT, str(ENVD_PORT))
+            if not port.isdigit():
+                raise InvalidArgument(f"{HDR_SANDBOX_PORT} must be a port number, got {port!r}")
+            return sid, int(port)
+        m = _HOST.match(request.host or "")
+        if m:
+            return m.group(2), int(m.group(1))
+        return None
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            target = self.sandbox_target(request)
+            if target is not None:
+                sid, port = target
+                if port == ENVD_PORT:
+                    return await self.envd(request, sid)
+                tenant, _ = await self.tenant(request)
+                try:
+                    sb = await tenant.sandbox(sid)
+                except SandboxNotFound:
+                    return sandbox_gone(sid)
+                return await self.ports.relay(request, sb, port)
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            msg = f"no route {request.method} {request.path}" if exc.status in (404, 405) else exc.reason
+            return _error(request, exc.status, "not_found" if exc.status == 404 else "bad_request", msg)
+        except PayloadTooLarge as exc:
+            return _error(request, 413, "payload_too_large", str(exc))
+        except DsecError as exc:
+            return _error(request, http_status(exc), exc.code, exc.description)
+
+
+def sandbox_gone(sid: str) -> web.Response:
+    """What E2B's proxy answers for a sandbox it does not know (killed, timed out, never there, or
+    another key's): 502 "... was not found", which the e2b SDK raises as SandboxNotRunning."""
+    return web.json_response({"code": 502, "message": f"The sandbox {sid} was not found", "sandboxId": sid}, status=502)
+
+
+def _error(request: web.Request, status: int, code: str, message: str) -> web.Response:
+    """dsec's REST API says its stable code; the E2B API its HTTP status (as E2B does)."""
+    if request.path.startswith("/v1/"):
+        return web.json_response({"code": code, "message": message}, status=status)
+    return e2b_error(status, message)
+
+
+# Modules that add routes (metrics, dashboard, ...): each a function taking the app; the Gateway
+# (tenants, config) is ``app[GATEWAY_KEY]``. ``python -m sdk.gateway`` serves these.
+EXTENSIONS: list[Callable[[web.Application], Any]] = []
+
+
+def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application], Any]] | None = None) -> web.Application:
+    """The gateway app; each extension (default: EXTENSIONS) is a function that adds its routes to the app."""
+    gw = Gateway(cfg)
+    app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
+    app[GATEWAY_KEY] = gw
+    app.router.add_routes(E2BApi(gw).routes())
+    RestApi(gw).add_routes(app)
+    app.router.add_get("/health", lambda _r: web.json_response({"ok": True}))
+    for ext in EXTENSIONS if extensions is None else extensions:
+        ext(app)
+    return app
+
+
+__all__ = ["ENVD_PORT", "GATEWAY_KEY", "Gateway", "GatewayConfig", "make_app"]

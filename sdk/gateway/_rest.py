@@ -1,0 +1,204 @@
+"""dsec's own REST API (``/v1/...``), described by the OpenAPI document at ``/openapi.json``.
+
+Errors are ``{"code": "<dsec error code>", "message": ...}`` with the HTTP status of the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from bus.errors import InvalidArgument
+
+from .._async import build_spec
+from ..errors import CommandExitError
+from ._e2b import json_object
+from ._filesystem import PayloadTooLarge
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+_ERR = _ref("Error")
+_BINARY = {"type": "string", "format": "binary"}
+_ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_PATH = [*_ID, {"name": "path", "in": "query", "required": True, "schema": {"type": "string"}}]
+
+
+def _op(summary: str, ok: dict[str, Any], *, body: dict[str, Any] | None = None, params: list[Any] | None = None, raw_body: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "security": [{"apiKey": []}], "responses": {
+        **ok, "400": {"description": "bad input", "content": {"application/json": {"schema": _ERR}}},
+        "401": {"description": "missing or wrong API key", "content": {"application/json": {"schema": _ERR}}},
+        "404": {"description": "no such sandbox for this key", "content": {"application/json": {"schema": _ERR}}},
+    }}
+    if params:
+        op["parameters"] = params
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    if raw_body:
+        op["requestBody"] = {"required": True, "content": {"application/octet-stream": {"schema": _BINARY}}}
+    return op
+
+
+def _json(desc: str, schema: dict[str, Any], status: str = "200") -> dict[str, Any]:
+    return {status: {"description": desc, "content": {"application/json": {"schema": schema}}}}
+
+
+OPENAPI: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {
+        "title": "dsec gateway", "version": "1",
+        "description": "dsec's REST API. The same gateway also serves the E2B API (/sandboxes, /v2/sandboxes) and envd.",
+    },
+    "components": {
+        "securitySchemes": {"apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"}},
+        "schemas": {
+            "Error": {"type": "object", "required": ["code", "message"], "properties": {"code": {"type": "string"}, "message": {"type": "string"}}},
+            "NewSandbox": {"type": "object", "properties": {
+                "template": {"type": "string", "default": "base"}, "cpu": {"type": "number", "default": 1},
+                "memory_mb": {"type": "integer", "default": 512}, "disk_mb": {"type": "integer", "default": 1024},
+                "timeout": {"type": "number", "default": 300}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+            }},
+            "Sandbox": {"type": "object", "properties": {
+                "sandbox_id": {"type": "string"}, "template": {"type": "string"}, "state": {"type": "string"}, "host_id": {"type": "string"},
+                "started_at": {"type": "number"}, "expires_at": {"type": "number"},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+            }},
+            "Exec": {"type": "object", "required": ["cmd"], "properties": {
+                "cmd": {"type": "string"}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
+                "cwd": {"type": "string"}, "timeout": {"type": "number", "default": 60},
+            }},
+            "ExecResult": {"type": "object", "properties": {"stdout": {"type": "string"}, "stderr": {"type": "string"}, "exit_code": {"type": "integer"}}},
+            "Entry": {"type": "object", "properties": {
+                "name": {"type": "string"}, "path": {"type": "string"}, "type": {"type": "string"}, "size": {"type": "integer"},
+                "mode": {"type": "integer"}, "mtime": {"type": "number"},
+            }},
+        },
+    },
+    "paths": {
+        "/v1/sandboxes": {
+            "post": _op("create a sandbox and wait until it runs", _json("created", _ref("Sandbox"), "201"), body=_ref("NewSandbox")),
+            "get": _op("this key's running sandboxes", _json("sandboxes", {"type": "array", "items": {"$ref": "#/components/schemas/Sandbox"}})),
+        },
+        "/v1/sandboxes/{id}": {
+            "get": _op("one sandbox", _json("the sandbox", {"$ref": "#/components/schemas/Sandbox"}), params=_ID),
+            "delete": _op("kill a sandbox", {"204": {"description": "killed"}}, params=_ID),
+        },
+        "/v1/sandboxes/{id}/exec": {
+            "post": _op("run a command (/bin/sh -c) and wait for it", _json("its output", _ref("ExecResult")), params=_ID, body=_ref("Exec")),
+        },
+        "/v1/sandboxes/{id}/files": {
+            "get": _op("read a file", {"200": {"description": "its bytes", "content": {"application/octet-stream": {"schema": _BINARY}}}}, params=_PATH),
+            "put": _op("write a file", _json("written", {"type": "object", "properties": {"path": {"type": "string"}, "size": {"type": "integer"}}}),
+                       params=_PATH, raw_body=True),
+            "delete": _op("remove a file or directory", {"204": {"description": "removed"}}, params=_PATH),
+        },
+        "/v1/sandboxes/{id}/files/list": {
+            "get": _op("list a directory", _json("entries", {"type": "array", "items": {"$ref": "#/components/schemas/Entry"}}), params=_PATH),
+        },
+    },
+}
+
+
+def _info(sb_info: Any) -> dict[str, Any]:
+    return {
+        "sandbox_id": sb_info.sandbox_id, "template": sb_info.template, "state": sb_info.state, "host_id": sb_info.host_id,
+        "started_at": sb_info.started_at, "expires_at": sb_info.expires_at, "metadata": sb_info.metadata,
+    }
+
+
+class RestApi:
+    def __init__(self, gw: Any) -> None:
+        self.gw = gw
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/openapi.json", lambda _r: web.json_response(OPENAPI))
+        app.router.add_post("/v1/sandboxes", self.create)
+        app.router.add_get("/v1/sandboxes", self.list)
+        app.router.add_get("/v1/sandboxes/{id}", self.get)
+        app.router.add_delete("/v1/sandboxes/{id}", self.kill)
+        app.router.add_post("/v1/sandboxes/{id}/exec", self.exec)
+        app.router.add_get("/v1/sandboxes/{id}/files", self.read)
+        app.router.add_put("/v1/sandboxes/{id}/files", self.write)
+        app.router.add_delete("/v1/sandboxes/{id}/files", self.remove)
+        app.router.add_get("/v1/sandboxes/{id}/files/list", self.listdir)
+
+    async def _sb(self, request: web.Request) -> Any:
+        tenant, _ = await self.gw.tenant(request)
+        return await tenant.sandbox(request.match_info["id"])
+
+    @staticmethod
+    def _path(request: web.Request) -> str:
+        p = request.query.get("path", "")
+        if not p.startswith("/"):
+            raise InvalidArgument("?path= must be an absolute path")
+        return p
+
+    async def create(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        doc = await json_object(request, required=False)
+        allowed = {"template", "cpu", "memory_mb", "disk_mb", "timeout", "envs", "metadata"}
+        if set(doc) - allowed:
+            raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
+        template = doc.pop("template", "base")
+        build_spec(template, **doc)  # validates every argument before anything is sent
+        sb = await tenant.create(template, pool=self.gw.pool, **doc)
+        return web.json_response(_info(await sb.get_info()), status=201)
+
+    async def list(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        return web.json_response([
+            {"sandbox_id": r.spec.sandbox_id, "template": r.spec.template, "state": r.state, "host_id": r.host_id,
+             "started_at": r.ready_at, "expires_at": r.expires_at, "metadata": r.spec.metadata}
+            for r in await tenant.records()
+        ])
+
+    async def get(self, request: web.Request) -> web.Response:
+        return web.json_response(_info(await (await self._sb(request)).get_info()))
+
+    async def kill(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        await sb.kill()
+        self.gw.forget(sb.sandbox_id)
+        return web.Response(status=204)
+
+    async def exec(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        doc = await json_object(request)
+        if set(doc) - {"cmd", "envs", "cwd", "timeout"}:
+            raise InvalidArgument(f"unknown fields {sorted(set(doc) - {'cmd', 'envs', 'cwd', 'timeout'})}")
+        try:
+            r = await sb.commands.run(doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60))
+        except CommandExitError as exc:
+            r = exc.result
+        return web.json_response({"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code})
+
+    async def read(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        return web.Response(body=await sb.files.read(self._path(request), format="bytes"), content_type="application/octet-stream")
+
+    async def write(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        path = self._path(request)
+        limit = self.gw.cfg.max_upload
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(limit)
+        data = await request.content.read(limit + 1)
+        if len(data) > limit:
+            raise PayloadTooLarge(limit)
+        w = await sb.files.write(path, data)
+        return web.json_response({"path": w.path, "size": w.size})
+
+    async def remove(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        await sb.files.remove(self._path(request))
+        return web.Response(status=204)
+
+    async def listdir(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        return web.json_response([e.__dict__ for e in await sb.files.list(self._path(request))])
+
+
+__all__ = ["OPENAPI", "RestApi"]
