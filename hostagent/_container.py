@@ -472,13 +472,13 @@ class ContainerBackend:
         assert self.rt is not None
         self._starting.add(cid)
         try:
-            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels)
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore)
         finally:
             self._starting.discard(cid)
 
     async def _start_once(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
-        labels: dict[str, str] | None,
+        labels: dict[str, str] | None, restore: tuple[str, str],
     ) -> tuple[int, str, str, AgentInfo]:
         assert self.rt is not None
         try:
