@@ -164,7 +164,7 @@ async def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of: sizes, fork, memory, pause")
     args = ap.parse_args()
     skip = set(args.skip.split(",")) - {""}
-    st = Stack(argparse.Namespace(shim_group=16, warm_pool=0, concurrency=16, memory_mb=64, disk_mb=1024, cpu=1.0))
+    st = Stack(argparse.Namespace(shim_group=16, warm_pool=0, concurrency=16, memory_mb=64, disk_mb=1024, cpu=1.0, cpu_overcommit=50.0, reconcile_s=10.0))
     await st.start()
     lazy = LazyDaemon(data_dir=st.dir, mount=st.dir / "lazy", nats_url=st.url, host_id="bench")
     lazy.start()
