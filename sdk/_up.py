@@ -59,9 +59,9 @@ SERVICES: tuple[Service, ...] = (
     Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}")),
     Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
+    Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
-    Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
 )
 
 BACKOFF_BASE_S = 0.5

@@ -326,6 +326,8 @@ def _ports(gw: Gw) -> None:
                 break
             time.sleep(0.05)  # poll interval
         assert (st, doc) == (200, b"served from inside")
+        # envd by host name too (port 49983), as E2B's own sandbox URLs name it.
+        assert get({"Host": sb.get_host(49983), "X-Access-Token": gw.key_a}, "/health")[0] == 204
         # By header too (E2b-Sandbox-Port), and with the SDK's traffic token header.
         assert get({"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8080", "e2b-traffic-access-token": gw.key_a}) == (200, b"served from inside")
         st, doc = get({"Host": host, "X-API-Key": gw.key_a}, "/missing")

@@ -96,7 +96,8 @@ async def running_up(tag: str) -> AsyncIterator[Up]:
     host_id = f"{tag}-{uid}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST") and k != "DSEC_NATS_URL"}
     env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", DSEC_NET_PREFIX=NET_PREFIX, DSEC_NET_POOL=NET_POOL, DSEC_NFLOG_GROUP=NFLOG_GROUP)
-    child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--host-id", host_id, "--ready-timeout", "240", "--context", str(pointer)],
+    child = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(free_port()), "--host-id", host_id,
+                   "--ready-timeout", "240", "--context", str(pointer)],
                   env, data.parent / f"{data.name}.log").start()
     u = Up(child, data, pointer, f"nats://127.0.0.1:{port}", host_id)
     try:
