@@ -45,6 +45,12 @@ from .messages import (
     SetTimeout,
     StreamAck,
     TemplateManifest,
+    PackDirectory,
+    PauseRequest,
+    RemoveSnapshot,
+    ResumeRequest,
+    SnapshotRecord,
+    SnapshotRequest,
     FsEvent,
     WatchStarted,
 )
@@ -87,6 +93,12 @@ SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
+SBX_SNAPSHOT = Decoder(SnapshotRequest)  # dsec.sbx.<id>.snapshot
+SBX_PAUSE = Decoder(PauseRequest)  # dsec.sbx.<id>.pause
+SBX_RESUME = Decoder(ResumeRequest)  # dsec.sbx.<id>.resume
+SNAPSHOT = Decoder(SnapshotRecord)  # KV dsec_snapshots
+PACK_REQ = Decoder(PackDirectory)  # dsec.imaged.<host>.pack
+SNAP_REMOVE_REQ = Decoder(RemoveSnapshot)  # dsec.img.snap.rm
 SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
 PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
 SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
@@ -108,6 +120,9 @@ SBX_REQUEST_DECODERS = {
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
     "info": SBX_INFO,
+    "snapshot": SBX_SNAPSHOT,
+    "pause": SBX_PAUSE,
+    "resume": SBX_RESUME,
     "port": SBX_PORT,
     "proc": SBX_PROC,
     "metrics": SBX_METRICS,
@@ -137,6 +152,9 @@ REPLY_TYPES = {
     "kill": Done,
     "timeout": Done,
     "info": SandboxInfo,
+    "snapshot": SnapshotRecord,
+    "pause": SnapshotRecord | Done,
+    "resume": Done,
     "port": PortOpened | Done,
     "proc": ProcessList | ProcessStarted | Done,
     "metrics": SandboxMetrics,

@@ -108,6 +108,28 @@ class ImageError(DsecError):
     code = "image_error"
 
 
+class UnknownSnapshot(DsecError):
+    code = "unknown_snapshot"
+
+
+class SnapshotUnsupported(DsecError):
+    """The sandbox holds something a snapshot cannot capture (CRIU's reason in the description)."""
+
+    code = "snapshot_unsupported"
+
+
+class SnapshotInUse(DsecError):
+    """A snapshot other snapshots build on (or a paused sandbox needs) cannot be removed."""
+
+    code = "snapshot_in_use"
+
+
+class SandboxNotRunning(DsecError):
+    """The operation needs a running sandbox (this one is paused, stopping or being created)."""
+
+    code = "not_running"
+
+
 class InternalError(DsecError):
     code = "internal"
 
@@ -155,6 +177,10 @@ _BY_CODE: dict[str, type[DsecError]] = {
         PortClosed,
         PermissionDenied,
         ImageError,
+        UnknownSnapshot,
+        SnapshotUnsupported,
+        SnapshotInUse,
+        SandboxNotRunning,
         InternalError,
         ProcessNotFound,
         UnknownUser,

@@ -41,6 +41,8 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     batch_id: str = ""
     create_deadline: float = 0.0  # unix seconds; placement fails the request after this (0: none)
     reply_to: str = ""  # core subject where the client hears this create's outcome (ready/failed/pending); the events are in DSEC_EVT regardless
+    snapshot: str = ""  # restore: this snapshot's layers (KV dsec_snapshots) go over the template's, under a fresh upper dir
+    generation: int = 0  # a persisted pause's resume starts the same id again one generation up (see bus.subjects.incarnation)
     client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
 
 
@@ -126,7 +128,20 @@ class ImageEvent(Struct, kw_only=True, tag=True):
     detail: dict[str, str] = {}
 
 
-EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent
+class SnapshotEvent(Struct, kw_only=True, tag=True):
+    """Provenance of a snapshot on ``dsec.evt.snapshot.<id>.<kind>``: created, restored, forked, removed."""
+
+    snapshot_id: str
+    kind: str
+    at: float
+    sandbox_id: str = ""  # created: the source; restored: the new sandbox
+    parent_id: str = ""
+    host_id: str = ""
+    metadata: dict[str, str] = {}  # the client's (a training step, say)
+    detail: dict[str, str] = {}
+
+
+EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent | SnapshotEvent
 
 
 # --- KV records ---------------------------------------------------------------------------
@@ -174,6 +189,7 @@ class SandboxRecord(Struct, kw_only=True, tag=True):
     expires_at: float = 0.0
     ended_at: float = 0.0
     end_reason: str = ""
+    snapshot_id: str = ""  # state paused with persist: the snapshot a resume starts it from, on any host
 
 
 SANDBOX_STATES = ("placed", "creating", "running", "paused", "stopping", "gone", "lost", "failed", "killed")
@@ -206,6 +222,25 @@ class Lease(Struct, kw_only=True, tag=True):
     renewed_at: float
     ttl_s: float
     owner: str = ""
+
+
+class SnapshotRecord(Struct, kw_only=True, tag=True):
+    """One snapshot, kept in KV ``dsec_snapshots`` under its id: the layers a restore stacks over the
+    template's (lowest first; the parent's chain, then this snapshot's own), and where it came from."""
+
+    snapshot_id: str
+    sandbox_id: str
+    template: str
+    created_at: float
+    parent_id: str = ""
+    name: str = ""
+    host_id: str = ""
+    layers: list[LayerRef] = []
+    bytes_added: int = 0  # bytes this snapshot put into the blob store (new chunks)
+    memory: bool = False
+    memory_layer: LayerRef | None = None  # CRIU's images, packed as a layer like the files
+    metadata: dict[str, str] = {}
+    spec: SandboxSpec | None = None  # the source's spec (a persisted pause resumes with it)
 
 
 # --- security profiles (KV ``dsec_profiles``: guard writes them, host agents enforce them) ---
@@ -553,6 +588,52 @@ class SandboxInfo(Struct, kw_only=True, tag=True):
     expires_at: float
     metadata: dict[str, str] = {}
     pid: int = 0
+
+
+MAX_FORK_COUNT = 100  # sandboxes one fork may start
+
+
+class SnapshotRequest(Struct, kw_only=True, tag=True):
+    """On ``dsec.sbx.<id>.snapshot``; ``snapshot_id`` (client-chosen) makes a retried request idempotent.
+    ``fork_ids``: the sandboxes the client starts from it (a fork), named in the ``forked`` event."""
+
+    snapshot_id: str = ""
+    name: str = ""
+    memory: bool = False
+    metadata: dict[str, str] = {}
+    fork_ids: list[str] = []
+
+
+class PauseRequest(Struct, kw_only=True, tag=True):
+    """On ``dsec.sbx.<id>.pause``: freeze in place, or (``persist``) snapshot with memory and free the host."""
+
+    persist: bool = False
+    snapshot_id: str = ""
+    memory: bool = False  # with persist: the processes too (CRIU), so a resume carries on where they were
+
+
+class ResumeRequest(Struct, kw_only=True, tag=True):
+    """On ``dsec.sbx.<id>.resume``: thaw a frozen sandbox."""
+
+
+class PackDirectory(Struct, kw_only=True, tag=True):
+    """On ``bus.subjects.host_pack(host)``: pack a directory on that host into an EROFS layer in the blob
+    store, as it is (whiteouts, opaque dirs, xattrs, modes, owners and times kept)."""
+
+    path: str
+    role: str = "snapshot"
+
+
+class PackedLayer(Struct, kw_only=True, tag=True):
+    ref: LayerRef
+    uploaded_bytes: int = 0
+    seconds: float = 0.0
+
+
+class RemoveSnapshot(Struct, kw_only=True, tag=True):
+    """On ``bus.subjects.SNAP_REMOVE``: delete a snapshot nothing builds on, and its unshared chunks."""
+
+    snapshot_id: str
 
 
 class Done(Struct, kw_only=True, tag=True):

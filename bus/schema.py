@@ -53,6 +53,14 @@ from .messages import (
     SecurityProfile,
     SetTimeout,
     TemplateManifest,
+    PackDirectory,
+    PackedLayer,
+    PauseRequest,
+    RemoveSnapshot,
+    ResumeRequest,
+    SnapshotEvent,
+    SnapshotRecord,
+    SnapshotRequest,
 )
 
 
@@ -101,6 +109,14 @@ CHANNELS: list[Channel] = [
     Channel(_sbx("port"), PortOp, codec.REPLY_TYPES["port"],
             doc="A TCP connection to a server inside the sandbox, relayed by its host agent: PortOpen (the server's bytes come "
                 "to `to` as PortData), then PortSend.", sends_also=(("to", PortData),)),
+    Channel(_sbx("snapshot"), SnapshotRequest, codec.REPLY_TYPES["snapshot"],
+            doc="Snapshot the sandbox: what changed since its last snapshot as one more layer (memory: its processes too, CRIU)."),
+    Channel(_sbx("pause"), PauseRequest, codec.REPLY_TYPES["pause"], doc="Freeze the sandbox; persist: snapshot it and free the host."),
+    Channel(_sbx("resume"), ResumeRequest, codec.REPLY_TYPES["resume"], doc="Thaw a frozen sandbox."),
+    Channel(f"{S.PREFIX}.evt.snapshot.{{id}}.{{kind}}", SnapshotEvent, stream=S.STREAM_EVT,
+            doc="Snapshot provenance: created, forked, restored, removed (source, parent, the client's metadata)."),
+    Channel(S.SNAP_REMOVE, RemoveSnapshot, Done, doc="Remove a snapshot nothing builds on, and the chunks only it used."),
+    Channel(f"{S.PREFIX}.imaged.{{host}}.pack", PackDirectory, PackedLayer, doc="A host's lazy loader packs a host directory into a layer (host agents only)."),
     Channel(S.IMG_LIST, ListImages, ImageList, doc="The templates."),
     Channel(S.IMG_BUILD, BuildImage, ImageBuilt, doc="Build a template from sources on the image service's machine."),
     Channel(S.IMG_REMOVE, RemoveImage, Done, doc="Remove a template."),
@@ -115,6 +131,7 @@ BUCKETS: dict[str, tuple[Any, str]] = {
     S.KV_IMAGES: (TemplateManifest, "template name"),
     S.KV_LEASES: (Lease, "lease owner or sandbox id"),
     S.KV_PROFILES: (SecurityProfile, "profile name"),
+    S.KV_SNAPSHOTS: (SnapshotRecord, "snapshot id"),
 }
 
 STREAMS: dict[str, list[str]] = {

@@ -80,6 +80,7 @@ KV_BUCKETS: dict[str, dict] = {
     S.KV_PROFILES: {"history": 10},
     S.KV_ROLLOUTS: {"history": 1},
     S.KV_LEASES: {"history": 1},
+    S.KV_SNAPSHOTS: {"history": 1},
 }
 
 

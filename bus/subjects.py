@@ -34,6 +34,7 @@ KV_PROFILES = "dsec_profiles"
 KV_QUARANTINE = "dsec_quarantine"  # guard: sandbox id -> the GuardViolation that quarantined it
 KV_ROLLOUTS = "dsec_rollouts"
 KV_LEASES = "dsec_leases"
+KV_SNAPSHOTS = "dsec_snapshots"  # snapshot id -> SnapshotRecord (its layers, parent, provenance)
 OBJ_CHUNKS = "dsec_chunks"
 
 # --- headers -------------------------------------------------------------------
@@ -78,6 +79,12 @@ def is_stream_delivery(reply: str | None) -> bool:
     return bool(reply) and reply.startswith("$JS.ACK.")
 
 
+def incarnation(sandbox_id: str, generation: int) -> str:
+    """What de-duplication ids of a sandbox's work and events name: the id, plus the generation once a
+    persisted pause was resumed (the same id runs again, and JetStream must not drop it as a duplicate)."""
+    return sandbox_id if generation <= 0 else f"{sandbox_id}~g{generation}"
+
+
 def _tok(token: str) -> str:
     if not valid_token(token):
         raise ValueError(f"not a valid subject token: {token!r}")
@@ -94,7 +101,7 @@ def host_all(host_id: str) -> str:
 
 
 # --- live sandbox ops (core request/reply) -----------------------------------
-SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port")
+SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port", "snapshot", "pause", "resume")
 
 
 def sbx(sandbox_id: str, op: str) -> str:
@@ -123,6 +130,11 @@ EVT_ALL = EVT_SUBJECTS[0]
 
 def evt_host(host_id: str, kind: str) -> str:
     return f"{PREFIX}.evt.host.{_tok(host_id)}.{kind}"
+
+
+def evt_snapshot(snapshot_id: str, kind: str) -> str:
+    """Snapshot provenance (created, restored, forked, removed)."""
+    return f"{PREFIX}.evt.snapshot.{_tok(snapshot_id)}.{kind}"
 
 
 EVT_GUARD_VIOLATION = f"{PREFIX}.evt.guard.violation"
@@ -158,3 +170,14 @@ IMG_STATS = f"{PREFIX}.img.stats"
 
 def host_img_stats(host_id: str) -> str:
     return f"{PREFIX}.img.host.{_tok(host_id)}.stats"
+
+
+# Snapshots: clients remove them through the image service (which owns the blob store's garbage).
+SNAP_REMOVE = f"{PREFIX}.img.snap.rm"
+
+
+def host_pack(host_id: str) -> str:
+    """The host's lazy loader packs a host directory (a sandbox's upper-dir diff) into a layer in the
+    blob store. Outside ``dsec.img.>`` on purpose: clients may publish there, and a client-chosen path
+    on the host must never be packed."""
+    return f"{PREFIX}.imaged.{_tok(host_id)}.pack"

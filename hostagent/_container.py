@@ -8,6 +8,7 @@ import ctypes
 import errno as _errno
 import json
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -17,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound, UnknownUser
+from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound, SnapshotUnsupported, UnknownUser
 from bus.messages import (
     DirMade,
     Done,
@@ -53,6 +54,7 @@ from bus.profiles import default_profile
 from .network import NetworkConfig, NetworkManager, write_hosts_file
 from ._quota import ScratchError, ScratchFS
 from ._rootfs import RootfsLayout, overlay_mount
+from ._freezer import freeze, frozen, thaw
 
 log = structlog.get_logger("dsec.hostagent.container")
 
@@ -97,6 +99,22 @@ def _set_limits(cid: str, cpu: float, memory_mb: int) -> None:
             f.write_text(limit)
 
 
+def _criu_log(work_dir: str, name: str) -> str:
+    """The errors of CRIU's log (runc keeps it in the work dir), for the error a caller sees."""
+    try:
+        with open(os.path.join(work_dir, name), errors="replace") as f:
+            errs = [ln.strip() for ln in f if "Error" in ln]
+    except OSError:
+        return ""
+    return ("; criu: " + " | ".join(errs[-4:])) if errs else ""
+
+
+def _loopback_up(pid: int) -> None:
+    """CRIU restores the sandbox's own netns with ``lo`` down (runc sets it up only on a fresh start):
+    up again, the kernel gives it 127.0.0.1 back and the restored listeners are reachable."""
+    r = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "link", "set", "lo", "up"], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise CreateFailed(f"cannot bring the restored sandbox's loopback up: {r.stderr.strip()}")
 def _cgroups_of(cid: str) -> list[Path]:
     return [p for p in CGROUP_ROOT.glob(f"*/{CGROUP_PARENT.lstrip('/')}/{cid}") if p.is_dir()]
 
@@ -398,8 +416,9 @@ class ContainerBackend:
                     del self._groups[g]
                     self._group_up.discard(g)
 
-    async def create(self, spec: SandboxSpec, layers: list[LayerRef], security: Enforcement | None = None) -> Handle:
-        """Start the sandbox confined by ``security`` (the built-in default profile when None)."""
+    async def create(self, spec: SandboxSpec, layers: list[LayerRef], security: Enforcement | None = None, memory: LayerRef | None = None) -> Handle:
+        """Start the sandbox confined by ``security`` (the built-in default profile when None); with
+        ``memory`` (a snapshot's CRIU dump, packed as a layer) its processes are restored instead."""
         assert self.rt is not None
         sid = spec.sandbox_id
         if security is None:
@@ -407,7 +426,7 @@ class ContainerBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self._layer_dir(layer) for layer in reversed(layers)]  # overlay wants the top layer first
-        if self.warm_pool > 0 and not self.net.wanted(spec.network):
+        if self.warm_pool > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
             # Keyed by what the profile compiles to, not its name and version: a pooled container's
             # seccomp filter, capabilities, read-only mounts and Landlock rules were fixed when it
             # started, so it may only serve a sandbox whose profile compiles to the very same.
@@ -423,7 +442,17 @@ class ContainerBackend:
             assert spec.network is not None
             net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
-        pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels)
+        restore = ("", "")
+        if memory is not None:
+            work = self.data_dir / "criu" / sid
+            await asyncio.to_thread(shutil.rmtree, work, True)
+            work.mkdir(parents=True)
+            restore = (await self._layer_dir(memory), str(work))
+        try:
+            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore)
+        finally:
+            if memory is not None:
+                await asyncio.to_thread(shutil.rmtree, restore[1], True)
         self._cid[sid] = sid
         return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
 
@@ -437,19 +466,19 @@ class ContainerBackend:
 
     async def _start(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
-        labels: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""),
     ) -> tuple[int, str, str, AgentInfo]:
         """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
         assert self.rt is not None
         self._starting.add(cid)
         try:
-            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels)
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore)
         finally:
             self._starting.discard(cid)
 
     async def _start_once(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Any,
-        labels: dict[str, str] | None,
+        labels: dict[str, str] | None, restore: tuple[str, str],
     ) -> tuple[int, str, str, AgentInfo]:
         assert self.rt is not None
         try:
@@ -480,12 +509,22 @@ class ContainerBackend:
                 masked_paths=security.masked_paths,
                 readonly_paths=security.readonly_paths,
                 no_new_privileges=security.no_new_privileges,
+                restore_from=restore[0],
+                restore_work=restore[1],
             )
         except ContainerdError as exc:
             self._leave_group(cid)
+            if restore[0]:
+                log.warning("criu_restore_failed", sandbox_id=cid, error=str(exc), criu=_criu_log(restore[1], "restore.log"))
+                raise CreateFailed(f"CRIU could not restore the sandbox's processes: {exc}{_criu_log(restore[1], 'restore.log')}") from None
             raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
         if group:
             self._group_up.add(group)
+        if restore[0]:
+            if frozen(f"{CGROUP_PARENT}/{cid}"):
+                await thaw(f"{CGROUP_PARENT}/{cid}")  # dumped while frozen: CRIU brings the cgroup back frozen
+            if net is None:
+                await asyncio.to_thread(_loopback_up, pid)
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
         info = await self._wait_agent(cid, sdir, client)
         if cpu < START_CPU:
@@ -615,6 +654,16 @@ class ContainerBackend:
         exc = ready.exception() if ready.done() and not ready.cancelled() else None
         why = f"exited: {last}" if last else (str(exc) if exc else "exited")
         raise CreateFailed(f"sandbox agent did not start: {why}")
+
+    async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
+        """CRIU-dump the sandbox's processes into ``image_dir`` (whole memory: no soft-dirty tracking
+        here); the sandbox runs on (or stays frozen, if it was)."""
+        assert self.rt is not None
+        cid = self._cid.get(handle.sandbox_id, handle.sandbox_id)
+        try:
+            await self.rt.checkpoint(cid, image_dir, work_dir, exit=False)
+        except ContainerdError as exc:
+            raise SnapshotUnsupported(f"CRIU could not checkpoint the sandbox: {exc}{_criu_log(work_dir, 'dump.log')}") from None
 
     async def destroy(self, sandbox_id: str) -> None:
         # The container id is kept until leftovers() finds nothing: a retried kill of a sandbox
@@ -837,12 +886,18 @@ class ContainerBackend:
                 continue
             sdir = h.extra.get("dir") or await self.scratch.allocate_async(c.id, 1)
             client = AgentClient(os.path.join(RootfsLayout(sdir).run, "agent.sock"), expected_pid=c.pid)
+            cgroup = f"{CGROUP_PARENT}/{c.id}"
+            was_frozen = frozen(cgroup)  # paused, or an agent that died mid-snapshot
+            if was_frozen:
+                await thaw(cgroup)  # a frozen agent cannot answer the ping
             try:
                 await client.wait_ready(5.0)
             except AgentError as exc:
                 log.warning("recover_agent_unreachable", sandbox_id=sid, error=str(exc))
                 await self._remove(c.id, sid)
                 continue
+            if was_frozen and h.extra.get("paused"):
+                await freeze(cgroup)  # it stays paused; a snapshot cut short is simply thawed
             self._clients[sid] = client
             self._cid[sid] = c.id
             g = h.extra.get("group") or ""

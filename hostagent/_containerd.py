@@ -343,29 +343,43 @@ def build_spec(
     return spec
 
 
-def _runc_options(root: str | None, shim_cgroup: str | None) -> any_pb2.Any | None:
-    """containerd.runc.v1.Options, hand-encoded (the PyPI stubs do not ship it)."""
+def _runc_options(root: str | None, shim_cgroup: str | None, criu_image_path: str = "", criu_work_path: str = "") -> any_pb2.Any | None:
+    """containerd.runc.v1.Options, hand-encoded (the PyPI stubs do not ship it). A task created with
+    ``criu_image_path`` is restored from that CRIU dump instead of started afresh."""
     buf = bytearray()
-
-    def put_str(field_no: int, s: str) -> None:
-        data = s.encode()
-        buf.append((field_no << 3) | 2)
-        n = len(data)
-        while True:
-            b = n & 0x7F
-            n >>= 7
-            buf.append(b | (0x80 if n else 0))
-            if not n:
-                break
-        buf.extend(data)
-
-    if shim_cgroup:
-        put_str(3, shim_cgroup)
-    if root:
-        put_str(7, root)
+    for field_no, value in ((3, shim_cgroup), (7, root), (10, criu_image_path), (11, criu_work_path)):
+        if value:
+            _pb_str(buf, field_no, value)
     if not buf:
         return None
     return any_pb2.Any(type_url=RUNC_OPTIONS_TYPE_URL, value=bytes(buf))
+
+
+CHECKPOINT_OPTIONS_TYPE_URL = "containerd.runc.v1.CheckpointOptions"
+
+
+def _pb_str(buf: bytearray, field_no: int, s: str) -> None:
+    data = s.encode()
+    buf.append((field_no << 3) | 2)
+    n = len(data)
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        buf.append(b | (0x80 if n else 0))
+        if not n:
+            break
+    buf.extend(data)
+
+
+def _checkpoint_options(image_path: str, work_path: str, *, exit: bool, open_tcp: bool, unix_sockets: bool, file_locks: bool) -> any_pb2.Any:
+    """containerd.runc.v1.CheckpointOptions, hand-encoded (the PyPI stubs do not ship it)."""
+    buf = bytearray()
+    for field_no, on in ((1, exit), (2, open_tcp), (3, unix_sockets), (5, file_locks)):
+        if on:
+            buf += bytes(((field_no << 3) | 0, 1))
+    _pb_str(buf, 8, image_path)
+    _pb_str(buf, 9, work_path)
+    return any_pb2.Any(type_url=CHECKPOINT_OPTIONS_TYPE_URL, value=bytes(buf))
 
 
 def _set_map(field: Any, values: dict[str, str]) -> None:
@@ -414,6 +428,7 @@ class ContainerRuntime:
         self._gate = asyncio.Semaphore(max_calls)
         self._md = (("containerd-namespace", namespace),)
         self._runc_opts = _runc_options(runc_root, shim_cgroup)
+        self._runc_root, self._shim_cgroup = runc_root, shim_cgroup
         self._channel: grpc.aio.Channel | None = None
         self._containers: containers_pb2_grpc.ContainersStub | None = None
         self._tasks: tasks_pb2_grpc.TasksStub | None = None
@@ -493,8 +508,13 @@ class ContainerRuntime:
         masked_paths: Sequence[str] = MASKED_PATHS,
         readonly_paths: Sequence[str] = READONLY_PATHS,
         no_new_privileges: bool = True,
+        restore_from: str = "",
+        restore_work: str = "",
     ) -> int:
         """Create the container and its task, start it; return the init's host pid.
+
+        `restore_from`: a CRIU dump (``checkpoint``) the task's processes are restored from, in this
+        container's fresh namespaces and root (which must hold the files they had open).
 
         `stdout_path`: optional host file receiving the init's stdout+stderr (debugging);
         default is null I/O. On any failure everything created so far is removed again.
@@ -550,8 +570,9 @@ class ContainerRuntime:
                 stderr=stdio,
                 terminal=False,
             )
-            if self._runc_opts is not None:
-                req.options.CopyFrom(self._runc_opts)
+            task_opts = _runc_options(self._runc_root, self._shim_cgroup, restore_from, restore_work) if restore_from else self._runc_opts
+            if task_opts is not None:
+                req.options.CopyFrom(task_opts)
             await self._call(tasks.Create, req, f"create task {sandbox_id}")
             resp = await self._call(
                 tasks.Start, tasks_pb2.StartRequest(container_id=sandbox_id), f"start task {sandbox_id}"
@@ -559,8 +580,30 @@ class ContainerRuntime:
             return int(resp.pid)
         except BaseException:
             # Don't leave a half-made sandbox behind (shielded: also on cancellation).
+            if restore_from:
+                await asyncio.shield(self._delete_unstarted(sandbox_id))
             await asyncio.shield(self._cleanup_quietly(sandbox_id))
             raise
+
+    async def checkpoint(self, sandbox_id: str, image_path: str, work_path: str, *, exit: bool = False) -> None:
+        """CRIU-dump the task's processes into ``image_path`` (runc checkpoint through the shim); with
+        ``exit`` the task ends after the dump, else it runs on."""
+        _, tasks = self._stubs()
+        opts = _checkpoint_options(image_path, work_path, exit=exit, open_tcp=True, unix_sockets=True, file_locks=True)
+        await self._call(tasks.Checkpoint, tasks_pb2.CheckpointTaskRequest(container_id=sandbox_id, options=opts), f"checkpoint task {sandbox_id}")
+
+    async def _delete_unstarted(self, sandbox_id: str) -> None:
+        """A task whose CRIU restore failed never ran: there is no exit to wait for (``delete`` would
+        wait out its timeout); delete task and container outright."""
+        containers, tasks = self._stubs()
+        for call, req, what in (
+            (tasks.Delete, tasks_pb2.DeleteTaskRequest(container_id=sandbox_id), "delete task"),
+            (containers.Delete, containers_pb2.DeleteContainerRequest(id=sandbox_id), "delete container"),
+        ):
+            try:
+                await self._call(call, req, f"{what} {sandbox_id}")
+            except ContainerdError:
+                pass
 
     async def _cleanup_quietly(self, sandbox_id: str) -> None:
         try:

@@ -160,7 +160,7 @@ class Intake:
         host = self.host
         err = HostRejected(f"host {host.host_id} is full: {why}", host_id=host.host_id)
         again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, host.host_id], last_error=err.description)
-        await host.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{spec.sandbox_id}:{attempt + 1}")
+        await host.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{S.incarnation(spec.sandbox_id, spec.generation)}:{attempt + 1}")
         await host.records.event(spec, "rejected", attempt=attempt, err=err)
         host.m.creates.inc(result="rejected")
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
@@ -181,7 +181,12 @@ class Intake:
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
                 layers = await self.layers(spec.template)
-            if host.profiles is not None:
+            memory = None
+            if spec.snapshot:  # a restore: the snapshot's layers over the template's (and its CRIU dump)
+                layers, memory = await host.snapshots.restore_plan(spec, layers)
+            if memory is not None:
+                handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile) if host.profiles else None, memory=memory)  # type: ignore[call-arg]
+            elif host.profiles is not None:
                 handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
             else:
                 handle = await backend.create(spec, layers)
@@ -207,6 +212,8 @@ class Intake:
             host.reaper.begin(spec.sandbox_id, "duplicate")
             log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
             return
+        if spec.snapshot:
+            await host.snapshots.restored(ls)
         await host.records.event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
         self.created += 1
         host.m.ready(spec, time.perf_counter() - t0)

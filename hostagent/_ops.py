@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, SandboxNotFound
+from bus.errors import BadRequest, DsecError, SandboxNotFound, SandboxNotRunning
 from bus.messages import (
     KILL_DONE,
     KILL_PENDING,
@@ -23,6 +23,9 @@ from bus.messages import (
     FileWatch,
     InfoRequest,
     KillRequest,
+    PauseRequest,
+    ResumeRequest,
+    SnapshotRequest,
     MetricsRequest,
     PortOpen,
     PortSend,
@@ -100,16 +103,14 @@ class OpsEndpoint:
         if handle is None or ls is None:
             raise SandboxNotFound(f"sandbox {sid} is not running on this host")
         if ls.state == "stopping":
-            match req:
-                case KillRequest():
-                    done = await host.reaper.kill(sid, ls.end_reason or "user")
-                    return Done(detail=KILL_DONE if done else KILL_PENDING)
-                case InfoRequest():
-                    return self._info(sid, ls, handle)
-            raise SandboxNotFound(f"sandbox {sid} is being stopped ({ls.end_reason})")
+            return await self._while_stopping(sid, ls, handle, req)
+        if ls.state == "paused" and not isinstance(req, (InfoRequest, KillRequest, SetTimeout, PauseRequest, ResumeRequest)):
+            raise SandboxNotRunning(f"sandbox {sid} is paused: resume it first", state="paused")
         match req:
             case ExecRequest():
                 return await self._exec(handle, ls, req)
+            case SnapshotRequest() | PauseRequest() | ResumeRequest():
+                return await self._snapshot_op(ls, handle, req)
             case StreamAck():
                 host.execio.ack(sid, req)
                 return Done()
@@ -133,6 +134,26 @@ class OpsEndpoint:
                 return self._info(sid, ls, handle)
             case _:
                 return await host.backend.files(handle, req)
+
+    async def _while_stopping(self, sid: str, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
+        """A sandbox being stopped answers only a (repeated) kill and info."""
+        match req:
+            case KillRequest():
+                done = await self.host.reaper.kill(sid, ls.end_reason or "user")
+                return Done(detail=KILL_DONE if done else KILL_PENDING)
+            case InfoRequest():
+                return self._info(sid, ls, handle)
+        raise SandboxNotFound(f"sandbox {sid} is being stopped ({ls.end_reason})")
+
+    async def _snapshot_op(self, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
+        snapshots = self.host.snapshots
+        match req:
+            case SnapshotRequest():
+                return await snapshots.snapshot(ls, handle, req)
+            case PauseRequest():
+                return await snapshots.pause(ls, handle, req)
+            case _:
+                return await snapshots.resume(ls, handle)
 
     def _info(self, sid: str, ls: LocalSandbox, handle: Handle) -> SandboxInfo:
         return SandboxInfo(

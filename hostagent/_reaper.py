@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dsec.hostagent")
 
 LOST = "lost"  # end reason of a sandbox that vanished behind the host agent's back
-QUIET = ("duplicate",)  # end reasons that publish nothing: another host owns the id
+QUIET = ("duplicate", "paused")  # end reasons that publish nothing: another host owns the id; a persisted pause writes its own record
 
 
 class Reaper:

@@ -17,6 +17,7 @@ from bus.errors import DsecError, InternalError
 from bus.messages import SANDBOX_ENDED, SandboxRecord, SandboxSpec
 from bus.runtime import KV, Claim, Events, Publisher, StoreError, dead_letter, publisher_for
 
+from ._snapshots import resumes
 from ._registry import LocalSandbox
 
 log = structlog.get_logger("dsec.hostagent")
@@ -75,7 +76,8 @@ class Records:
         assert self.kv is not None
         if rec is None:
             rec = SandboxRecord(spec=spec, state=CLAIM_STATE, host_id=self.host_id, created_at=spec.requested_at)
-        got = await self.kv.claim(spec.sandbox_id, rec, mine=lambda cur: cur.host_id == self.host_id and cur.state in OURS)
+        # A persisted pause's record is taken over by its resume (one generation up), on any host.
+        got = await self.kv.claim(spec.sandbox_id, rec, mine=lambda cur: cur.host_id == self.host_id and cur.state in OURS or resumes(cur, spec))
         if got is Claim.MINE and rec.state != CLAIM_STATE:
             await self.put(rec)
         return bool(got)

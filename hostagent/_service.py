@@ -27,6 +27,7 @@ from ._profiles import ProfileCache
 from ._reaper import Reaper
 from ._reconcile import Reconciler
 from ._records import Records
+from ._snapshots import Snapshots
 from ._registry import LocalSandbox, Registry
 
 log = structlog.get_logger("dsec.hostagent")
@@ -85,6 +86,7 @@ class HostAgent(Service):
         self.ops = OpsEndpoint(self)
         self.m = HostMetrics(self)  # Prometheus metrics: creates, their latency, ops, sandboxes, memory and CPU
         self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
+        self.snapshots = Snapshots(self)  # snapshot, fork, pause/resume; restores from snapshots
         self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
         self.registry.observers.append(self.reaper.observe)
         self._kv_hosts: KV[HostStatus] | None = None

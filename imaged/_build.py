@@ -33,6 +33,7 @@ from ._manifests import (
     require_manifest,
 )
 from ._progress import ProgressFn, null_progress
+from ._snapshots import referenced
 from ._sources import Source, parse_source, source_fingerprint, stage_source
 from ._store import BlobNotFound, BlobStore, chunk_key, open_blob_store
 from ._util import (
@@ -220,6 +221,31 @@ class ImageBuilder:
             return hexd, chunks
         finally:
             await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def pack_dir(self, path: str | os.PathLike[str], role: str = "snapshot") -> LayerBuild:
+        """Pack directory ``path`` as it is into a layer (no staging copy, no source cache): whiteouts
+        (0/0 character devices), opaque dirs (``trusted.overlay.opaque``), xattrs, owners, modes, hard
+        links and per-file times are kept, so an overlay upper dir packed here stacks as a lower layer
+        with the very same view. The blob stays in ``blobs/`` for this host to mount directly."""
+        work = Path(tempfile.mkdtemp(prefix="pack-", dir=self.tmp_dir))
+        try:
+            out = work / "layer.erofs"
+            await mkfs_erofs(path, out, compress=self.compress, exact_times=True)
+            hexd, chunks = await asyncio.to_thread(chunk_digests, out, self.chunk_size)
+            dest = self.blob_path(hexd)
+            if dest.exists():
+                out.unlink()
+            else:
+                os.chmod(out, 0o444)
+                os.replace(out, dest)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+        ref = LayerRef(
+            role=role, digest=f"sha256:{hexd}", size=dest.stat().st_size, kind="erofs", path=str(dest),
+            chunks=[f"sha256:{c}" for c in chunks], chunk_size=self.chunk_size,
+        )
+        up_bytes, up_chunks = await self.upload_layer(ref, dest)
+        return LayerBuild(ref=ref, uploaded_bytes=up_bytes, uploaded_chunks=up_chunks, built=True, source=str(path))
 
     async def upload_layer(self, ref: LayerRef, blob: str | os.PathLike[str]) -> tuple[int, int]:
         """Upload the chunks the store lacks, then the layer record. Returns (bytes, chunks) uploaded."""
@@ -443,17 +469,12 @@ async def remove_template(
 async def prune_unreferenced(
     js: JetStreamContext, *, store: BlobStore | None = None, data_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, int]:
-    """Garbage-collect layer records, chunks and local blobs that no manifest references.
+    """Garbage-collect layer records, chunks and local blobs that no manifest or snapshot references.
 
     Not safe against a build running at the same moment (its chunks are unreferenced until its
     manifest is written): run it when no build is in flight."""
     store = store if store is not None else open_blob_store(js)
-    keep_layers: set[str] = set()
-    keep_chunks: set[str] = set()
-    for m in await list_manifests(js):
-        for lay in m.layers:
-            keep_layers.add(digest_hex(lay.digest))
-            keep_chunks.update(digest_hex(c) for c in lay.chunks)
+    keep_layers, keep_chunks = await referenced(js)  # templates' and snapshots' layers
     removed = {"layers": 0, "chunks": 0, "blobs": 0}
     for key in await store.keys("layers/"):
         if key.split("/", 1)[1] not in keep_layers:

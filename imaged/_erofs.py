@@ -30,8 +30,12 @@ def mkfs_version() -> str:
         return "unknown"
 
 
-def mkfs_args(src: str | os.PathLike[str], out: str | os.PathLike[str], *, compress: str | None = None, all_root: bool = False) -> list[str]:
-    args = [mkfs_binary(), "--quiet", f"-T{EROFS_TIMESTAMP}", f"-U{EROFS_UUID}"]
+def mkfs_args(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], *, compress: str | None = None, all_root: bool = False, exact_times: bool = False,
+) -> list[str]:
+    # exact_times (snapshots): every file keeps its own mtime, to the nanosecond; images get one fixed
+    # time instead so that the same tree always gives the same bytes.
+    args = [mkfs_binary(), "--quiet", "--preserve-mtime" if exact_times else f"-T{EROFS_TIMESTAMP}", f"-U{EROFS_UUID}"]
     if compress:
         args.append(f"-z{compress}")
     if all_root:
@@ -40,12 +44,14 @@ def mkfs_args(src: str | os.PathLike[str], out: str | os.PathLike[str], *, compr
     return args
 
 
-async def mkfs_erofs(src: str | os.PathLike[str], out: str | os.PathLike[str], *, compress: str | None = None, all_root: bool = False) -> None:
+async def mkfs_erofs(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], *, compress: str | None = None, all_root: bool = False, exact_times: bool = False,
+) -> None:
     """Build ``out`` (an EROFS image) from directory ``src``."""
     if not Path(src).is_dir():
         raise ImageError(f"not a directory: {src}")
     proc = await asyncio.create_subprocess_exec(
-        *mkfs_args(src, out, compress=compress, all_root=all_root),
+        *mkfs_args(src, out, compress=compress, all_root=all_root, exact_times=exact_times),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

@@ -1,5 +1,5 @@
 """The image service (``python -m imaged serve``): makes sure the ``base`` template exists and answers
-the ``dsec.img.*`` core requests (list, build, remove, stats). Replicas share a queue group."""
+the ``dsec.img.*`` core requests (list, build, remove, stats, snapshot removal). Replicas share a queue group."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from nats.aio.msg import Msg
 
+from bus.codec import SNAP_REMOVE_REQ
 from bus import subjects as S
 from bus.messages import Done
 from bus.runtime import Endpoint, Service
@@ -24,6 +25,7 @@ from ._messages import (
     ImageList,
     ImageStats,
 )
+from ._snapshots import remove_snapshot
 from ._store import BlobStore, open_blob_store
 from ._util import data_dir as _data_dir
 
@@ -51,6 +53,7 @@ class ImagedService(Service):
             (S.IMG_BUILD, self._on_build, IMG_BUILD_REQ),
             (S.IMG_REMOVE, self._on_remove, IMG_REMOVE_REQ),
             (S.IMG_STATS, self._on_stats, IMG_STATS_REQ),
+            (S.SNAP_REMOVE, self._on_snapshot_remove, SNAP_REMOVE_REQ),
         ):
             ep = Endpoint(self.nc, subject, handler, decoder=decoder)
             await ep.serve(subject, queue=QUEUE)
@@ -94,6 +97,11 @@ class ImagedService(Service):
         assert self.js is not None
         m = await require_manifest(self.js, req.name)
         return ImageStats(name=m.name, total_bytes=sum(lay.size for lay in m.layers), layers=m.layers)
+
+    async def _on_snapshot_remove(self, msg: Msg, req: Any) -> Any:
+        assert self.js is not None and self.store is not None
+        removed = await remove_snapshot(self.js, self.store, req.snapshot_id, data_dir=self.data_dir)
+        return Done(detail=f"removed {req.snapshot_id}: {removed['chunks']} chunks ({removed['bytes']} bytes) freed")
 
     async def teardown(self) -> None:
         for ep in self.endpoints:

@@ -7,6 +7,9 @@
 verified against their sha256 and kept in ``D/cache/chunks`` (bounded, LRU). ``prefetch`` mode
 fetches a whole layer when it is opened (the baseline the lazy mode is measured against).
 
+It also packs a host agent's directory into a new layer on request (``dsec.imaged.<host>.pack``:
+snapshots of sandboxes, see ``Packer``).
+
 The host agent mounts a layer with ``mount -t erofs -o ro M/<hex> <data_dir>/layers/<hex>``.
 
 Restarts lose nothing: the FUSE connection is kept open by a holder process (``imaged._fuse``), so a
@@ -29,8 +32,13 @@ import time
 from typing import Any
 
 from bus import subjects as S
+from bus.codec import PACK_REQ
+from bus.errors import InvalidArgument
+from bus.messages import PackedLayer
 from bus.metrics import add_cli_flag as add_metrics_flag
 from bus.runtime import Endpoint, Exposition, connect
+
+from ._build import ImageBuilder
 
 from ._cache import ChunkCache, FetchFailed
 from ._cache_metrics import cache_registry
@@ -188,11 +196,35 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
         return cache.host_stats(list(req.digests) if req else None)
 
     await Endpoint(nc, "host-image-stats", on_stats).serve(S.host_img_stats(host))
+    packer = Packer(js, store, os.path.dirname(os.path.abspath(cache_root)))
+    await Endpoint(nc, "pack", packer.on_pack, decoder=PACK_REQ).serve(S.host_pack(host))
     reg = cache_registry(cache)
     reg.const_labels = {"service": "lazy-loader", "instance": host}
     metrics = Exposition(reg, "lazy-loader", host)
     await metrics.start(nc, http_port=args.metrics_port)
     return nc, cache, metrics
+
+
+class Packer:
+    """Answers ``dsec.imaged.<host>.pack``: a host agent's directory (a snapshot's upper-dir diff) packed
+    into a layer in the blob store, the same chunks and layer records images use. Only directories
+    under this host's data dir are packed."""
+
+    def __init__(self, js: Any, store: Any, data_dir: str, concurrency: int = 2) -> None:
+        self.data_dir = os.path.realpath(data_dir)
+        self.builder = ImageBuilder(js, data_dir, store=store, upload_concurrency=16)
+        self._sem = asyncio.Semaphore(concurrency)  # mkfs and uploads compete with the sandboxes for disk and CPU
+
+    async def on_pack(self, msg: Any, req: Any) -> PackedLayer:
+        t0 = time.monotonic()
+        path = os.path.realpath(req.path)
+        if os.path.commonpath([path, self.data_dir]) != self.data_dir or not os.path.isdir(path):
+            raise InvalidArgument(f"not a directory under {self.data_dir}: {req.path!r}")
+        async with self._sem:
+            built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+        reply = PackedLayer(ref=built.ref, uploaded_bytes=built.uploaded_bytes, seconds=time.monotonic() - t0)
+        log.info("packed %s: %s (%d bytes, %d uploaded) in %.3fs", path, built.ref.digest, built.ref.size, built.uploaded_bytes, reply.seconds)
+        return reply
 
 
 async def _teardown(nc: Any, cache: ChunkCache, metrics: Exposition) -> None:

@@ -214,7 +214,8 @@ class Placement(Service):
             spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
             placed_by=self.replica_id, placed_at=now, claim=not fresh or delivered > 1,
         )
-        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:{req.attempt}"}), host, spec, req.attempt))
+        msg_id = f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"
+        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: msg_id}), host, spec, req.attempt))
 
     def _choose(self, spec: SandboxSpec, excluded: list[str], layers: frozenset[str], now: float) -> str | None:
         host = self.table.choose(spec, set(excluded) if excluded else frozenset(), layers, now)
@@ -227,7 +228,7 @@ class Placement(Service):
             if len(members) == 1:
                 spec = members[0][1]
                 place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{spec.sandbox_id}:0"})
+                fut = await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:0"})
             else:
                 ids = ",".join(sp.sandbox_id for _, sp in members)
                 digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
@@ -355,7 +356,8 @@ class Placement(Service):
             futs.append(await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
-            futs.append(await self.acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), {S.HDR_MSG_ID: spec.sandbox_id}))
+            hdr = {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}
+            futs.append(await self.acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), hdr))
         await self._settle_batch(msg, req, by_host, futs)
 
     async def _settle_batch(self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], futs: list[asyncio.Future]) -> None:

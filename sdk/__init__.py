@@ -4,6 +4,7 @@ from ._async import AsyncSandbox, build_spec
 from ._commands import AsyncCommandHandle
 from ._files import AsyncWatchHandle
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
+from ._snapshots import SnapshotInfo
 from ._sync import CommandHandle, Sandbox, WatchHandle
 from .errors import (
     CommandExitError,
@@ -29,6 +30,7 @@ __all__ = [
     "CommandResult",
     "EntryInfo",
     "SandboxInfo",
+    "SnapshotInfo",
     "WriteInfo",
     "DsecError",
     "CommandExitError",

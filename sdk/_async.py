@@ -34,6 +34,7 @@ from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
 from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync
 
+from . import _snapshots as _snap
 from ._commands import AsyncCommands
 from ._files import AsyncFilesystem
 from ._models import SandboxInfo, SandboxMetrics
@@ -166,6 +167,7 @@ def build_spec(
     create_timeout: float = 120.0,
     sandbox_id: str | None = None,
     client: str = "",
+    snapshot: str | None = None,
 ) -> SandboxSpec:
     """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
     _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
@@ -179,16 +181,23 @@ def build_spec(
         net = NetworkSpec(allow_out=list(allow))
     if lease is not None:
         _check_positive("lease", lease, lo=1, hi=86400)
+    if snapshot is not None and (not isinstance(snapshot, str) or not S.valid_token(snapshot)):
+        raise InvalidArgument(f"snapshot must be a snapshot id, got {snapshot!r}")
     now = time.time()
     spec = SandboxSpec(
         sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
         priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout, client=client,
+        snapshot=snapshot or "",
     )
     validate_spec(spec)
     spec.cpu, spec.timeout_s, spec.lease_s = float(cpu), float(timeout), float(spec.lease_s)
     spec.envs, spec.metadata = dict(spec.envs), dict(spec.metadata)
     return spec
+
+
+async def _snapshot_template(url: str | None, snapshot_id: str) -> str:
+    return (await _snap.get_record(await _nc(url), snapshot_id)).template
 
 
 class _Waiter:
@@ -279,8 +288,9 @@ async def _replies_for(nc: NATS) -> _Replies:
     return await r.start()
 
 
-async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
-    """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path)."""
+async def _outcome_in_stream(js: Any, sid: str, since: float = 0.0) -> SandboxEvent | None:
+    """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path); one from before
+    ``since`` is an earlier generation's (a persisted pause resumed under the same id): not this one."""
     for kind in ("ready", "failed"):
         try:
             m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind))
@@ -290,7 +300,7 @@ async def _outcome_in_stream(js: Any, sid: str) -> SandboxEvent | None:
             ev = codec.EVENT.decode(m.data)
         except BadRequest:
             continue
-        if isinstance(ev, SandboxEvent):
+        if isinstance(ev, SandboxEvent) and ev.at >= since:
             return ev
     return None
 
@@ -320,7 +330,7 @@ async def _wait_fut(fut: asyncio.Future[Any], timeout: float) -> bool:
     return fut.done()
 
 
-async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float]) -> None:
+async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float], since: dict[str, float] | None = None) -> None:
     """Wait until every id is ready or failed; raise TimeoutError after ``timeout``.
 
     Outcomes arrive on the reply inbox; an id not heard of for a while (a reply lost in a reconnect)
@@ -337,7 +347,7 @@ async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[s
             return
         now = time.monotonic()
         quiet = [sid for sid in list(waiter.pending_ids) if now - heard.get(sid, 0.0) >= interval][:256]
-        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid) for sid in quiet)):
+        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid, (since or {}).get(sid, 0.0)) for sid in quiet)):
             if ev is not None:
                 waiter.feed_event(ev)
         interval = min(interval * 2, 30.0)
@@ -364,7 +374,7 @@ async def _send_creates(nc: NATS, specs: list[SandboxSpec], *, batch: bool) -> N
             ))
         else:
             for s in specs:
-                await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: s.sandbox_id})
+                await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
         raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
 
@@ -409,7 +419,10 @@ class AsyncSandbox:
         on_pending: Callable[[str], Any] | None = None,
         **kwargs: Any,
     ) -> "AsyncSandbox":
-        """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments)."""
+        """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments);
+        ``snapshot=<id>`` restores a snapshot (on any host; its template is the snapshot's)."""
+        if kwargs.get("snapshot"):
+            template = await _snapshot_template(nats_url, kwargs["snapshot"])
         spec = build_spec(template, create_timeout=create_timeout, **kwargs)
         return (await cls._create_many([spec], nats_url, create_timeout, on_pending, batch=False))[0]
 
@@ -432,6 +445,8 @@ class AsyncSandbox:
         if sandbox_ids is not None and (len(sandbox_ids) != count or len(set(sandbox_ids)) != count):
             raise InvalidArgument(f"sandbox_ids must be {count} distinct ids")
         ids = sandbox_ids or [None] * count
+        if kwargs.get("snapshot"):
+            template = await _snapshot_template(nats_url, kwargs["snapshot"])
         specs = [build_spec(template, create_timeout=create_timeout, sandbox_id=ids[i], **kwargs) for i in range(count)]
         batch_id = f"batch-{uuid.uuid4().hex[:16]}"
         for s in specs:
@@ -440,9 +455,10 @@ class AsyncSandbox:
 
     @classmethod
     async def _create_many(
-        cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool
+        cls, specs: list[SandboxSpec], url: str | None, create_timeout: float, on_pending: Callable[[str], Any] | None, *, batch: bool,
+        nc: NATS | None = None,
     ) -> list["AsyncSandbox"]:
-        nc = await _nc(url)
+        nc = nc or await _nc(url)
         js = _js(nc)
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
@@ -469,7 +485,7 @@ class AsyncSandbox:
         try:
             await _send_creates(nc, specs, batch=batch)
             try:
-                await _wait_outcomes(waiter, js, create_timeout, heard)
+                await _wait_outcomes(waiter, js, create_timeout, heard, {s.sandbox_id: s.requested_at for s in specs if s.generation})
             except asyncio.TimeoutError:
                 await _give_up(nc, specs, waiter, create_timeout)
         finally:
@@ -490,9 +506,48 @@ class AsyncSandbox:
             raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
         nc = await _nc(nats_url)
         sb = cls(sandbox_id, nc)
-        info = await sb.get_info()
+        try:
+            info = await sb.get_info()
+        except SandboxNotFound:
+            await _snap.resume(sb)  # a persisted pause comes back on any host (else: not found, as before)
+            return sb
         sb.host_id = info.host_id
+        if info.state == "paused":
+            await _snap.resume(sb)
         return sb
+
+    # --- snapshots ------------------------------------------------------------------------------
+    async def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> _snap.SnapshotInfo:
+        """Snapshot the sandbox's files (what changed since its last snapshot, as a new layer); it keeps running."""
+        return await _snap.create_snapshot(self, name, memory, metadata)
+
+    async def fork(self, count: int, **create_kwargs: Any) -> list["AsyncSandbox"]:
+        """Snapshot this sandbox and start ``count`` sandboxes from it (one batched create); this one keeps running.
+        ``snapshot_metadata=`` goes on the snapshot; the rest are create arguments."""
+        return await _snap.fork(self, count, create_kwargs)
+
+    async def pause(self, persist: bool = False, *, memory: bool = False) -> _snap.SnapshotInfo | None:
+        """Freeze the sandbox in place; with ``persist`` snapshot it (``memory``: its processes too) and
+        free the host (returns the snapshot)."""
+        return await _snap.pause(self, persist, memory)
+
+    async def resume(self) -> "AsyncSandbox":
+        await _snap.resume(self)
+        return self
+
+    @classmethod
+    async def list_snapshots(cls, *, nats_url: str | None = None, sandbox_id: str | None = None) -> list[_snap.SnapshotInfo]:
+        recs = await _snap.list_records(await _nc(nats_url))
+        return [_snap.info_of(r) for r in recs if sandbox_id is None or r.sandbox_id == sandbox_id]
+
+    @classmethod
+    async def get_snapshot(cls, snapshot_id: str, *, nats_url: str | None = None) -> _snap.SnapshotInfo:
+        return _snap.info_of(await _snap.get_record(await _nc(nats_url), snapshot_id))
+
+    @classmethod
+    async def delete_snapshot(cls, snapshot_id: str, *, nats_url: str | None = None) -> str:
+        """Remove a snapshot nothing builds on, with the chunks only it used; ``snapshot_in_use`` otherwise."""
+        return await _snap.remove(await _nc(nats_url), snapshot_id)
 
     @classmethod
     async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:

@@ -14,6 +14,7 @@ from ._async import AsyncSandbox
 from ._commands import AsyncCommandHandle
 from ._files import AsyncWatchHandle
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
+from ._snapshots import SnapshotInfo
 
 T = TypeVar("T")
 
@@ -178,6 +179,31 @@ class Sandbox:
     @classmethod
     def list(cls, **kwargs: Any) -> list[SandboxInfo]:
         return _run(AsyncSandbox.list(**kwargs))
+
+    def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> SnapshotInfo:
+        return _run(self._a.create_snapshot(name, memory=memory, metadata=metadata))
+
+    def fork(self, count: int, **create_kwargs: Any) -> list["Sandbox"]:
+        return [Sandbox(a) for a in _run(self._a.fork(count, **create_kwargs))]
+
+    def pause(self, persist: bool = False, *, memory: bool = False) -> SnapshotInfo | None:
+        return _run(self._a.pause(persist, memory=memory))
+
+    def resume(self) -> "Sandbox":
+        _run(self._a.resume())
+        return self
+
+    @classmethod
+    def list_snapshots(cls, **kwargs: Any) -> list[SnapshotInfo]:
+        return _run(AsyncSandbox.list_snapshots(**kwargs))
+
+    @classmethod
+    def get_snapshot(cls, snapshot_id: str, **kwargs: Any) -> SnapshotInfo:
+        return _run(AsyncSandbox.get_snapshot(snapshot_id, **kwargs))
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, **kwargs: Any) -> str:
+        return _run(AsyncSandbox.delete_snapshot(snapshot_id, **kwargs))
 
     def kill(self) -> None:
         _run(self._a.kill())

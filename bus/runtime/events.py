@@ -75,7 +75,7 @@ class Events:
         subject = S.evt_sandbox(spec.sandbox_id, kind)
         fut: asyncio.Future[PubAck] | None = None
         if acked:
-            hdr = {S.HDR_MSG_ID: event_msg_id(spec.sandbox_id, kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
+            hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
             fut = await self.publisher.publish(subject, data, hdr)
         else:
             await self.nc.publish(subject, data)
