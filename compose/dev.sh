@@ -31,6 +31,10 @@ install_debs() {
   fi
 }
 
+install_criu() {
+  bash "$here/compose/criu.sh"  # memory snapshots: a CRIU that runs on this kernel (built once)
+}
+
 install_python() {
   local py="${DSEC_PYTHON:-python3}"
   if [ ! -x "$venv/bin/python" ]; then
@@ -52,16 +56,16 @@ cmd="${1:-}"
 shift || true
 case "$cmd" in
   up)
-    need_root; install_debs; install_python
+    need_root; install_debs; install_criu; install_python
     exec "$venv/bin/dsec" up "$@"
     ;;
   test)
-    need_root; install_debs; install_python
+    need_root; install_debs; install_criu; install_python
     "$venv/bin/ruff" check .  # lint first: CI runs exactly this command
     exec "$venv/bin/python" -m pytest tests "$@"
     ;;
   install)
-    need_root; install_debs; install_python
+    need_root; install_debs; install_criu; install_python
     ;;
   clean)
     need_root; install_python
