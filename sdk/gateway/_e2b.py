@@ -1,4 +1,5 @@
-"""E2B's control plane (api.e2b.dev) over dsec: create, list, get, kill, timeout, connect, metrics.
+"""E2B's control plane (api.e2b.dev) over dsec: create, list, get, kill, timeout, connect, metrics,
+pause/resume, snapshots (``templateID`` of a create may name one) and fork.
 
 Paths, fields and statuses follow the e2b SDK's generated API client; errors are E2B's
 ``{"code": <http status>, "message": ...}``. Every route acts for the API key's tenant only.
@@ -15,9 +16,11 @@ from urllib.parse import parse_qsl
 
 from aiohttp import web
 
-from bus.errors import DsecError, InvalidArgument, NotSupported, SandboxNotFound
+from bus.errors import DsecError, InvalidArgument, SandboxNotFound, SandboxNotRunning
 from bus.messages import SandboxRecord
 
+from .._async import AsyncSandbox
+from .._snapshots import SnapshotInfo
 from ._tenants import Tenant
 
 ENVD_VERSION = "0.6.4"  # the envd API level the gateway speaks (the e2b SDK gates features on it)
@@ -25,12 +28,14 @@ DEFAULT_TIMEOUT_S = 15  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 30 * 86400
 CREATE_TIMEOUT_S = 60.0
 PAGE_MAX = 1000
+SNAPSHOT_PREFIX = "snap-"  # dsec's snapshot ids: a create whose templateID is one restores it
 
 STATUS = {
     "sandbox_not_found": 404, "file_not_found": 404, "unknown_template": 404, "not_found": 404,
     "invalid_argument": 400, "bad_request": 400, "unauthenticated": 401, "permission_denied": 403,
     "payload_too_large": 413, "no_capacity": 503, "unavailable": 503, "timeout": 504, "not_supported": 501,
-    "create_failed": 500, "host_rejected": 500,
+    "create_failed": 500, "host_rejected": 500, "not_running": 409, "unknown_snapshot": 404, "snapshot_in_use": 409,
+    "snapshot_unsupported": 400,
 }
 
 
@@ -73,6 +78,36 @@ def _str_map(doc: dict[str, Any], name: str) -> dict[str, str]:
     return v
 
 
+def _flag(doc: dict[str, Any], name: str, default: bool) -> bool:
+    v = doc.get(name, default)
+    if not isinstance(v, bool):
+        raise InvalidArgument(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+def _next_token(key: tuple[float, str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(key)).encode()).decode()
+
+
+def page(request: web.Request, items: list[Any], key: Any) -> tuple[list[Any], dict[str, str]]:
+    """One page of ``items`` (sorted by ``key``: (float, str)) after ``?nextToken=``, at most ``?limit=``;
+    the headers carry the token of the next page when there is one."""
+    raw_limit = request.query.get("limit", "100")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= PAGE_MAX:
+        raise InvalidArgument(f"limit must be 1..{PAGE_MAX}, got {raw_limit!r}")
+    limit = int(raw_limit)
+    token = request.query.get("nextToken")
+    if token:
+        try:
+            after = json.loads(base64.urlsafe_b64decode(token.encode()))
+            after_key = (float(after[0]), str(after[1]))
+        except (ValueError, TypeError, IndexError):
+            raise InvalidArgument("nextToken is not one this gateway gave out") from None
+        items = [i for i in items if key(i) > after_key]
+    headers = {"x-next-token": _next_token(key(items[limit - 1]))} if len(items) > limit else {}
+    return items[:limit], headers
+
+
 def _timeout(doc: dict[str, Any], default: int | None = DEFAULT_TIMEOUT_S) -> int:
     t = doc.get("timeout", default)
     if isinstance(t, bool) or not isinstance(t, int) or not 1 <= t <= MAX_TIMEOUT_S:
@@ -92,8 +127,9 @@ class E2BApi:
             web.post("/sandboxes/{id}/timeout", self.set_timeout),
             web.post("/sandboxes/{id}/connect", self.connect), web.post("/v2/sandboxes/{id}/connect", self.connect),
             web.get("/sandboxes/{id}/metrics", self.metrics),
-            web.post("/sandboxes/{id}/pause", self.unsupported), web.post("/sandboxes/{id}/resume", self.unsupported),
-            web.post("/sandboxes/{id}/snapshots", self.unsupported), web.post("/sandboxes/{id}/fork", self.unsupported),
+            web.post("/sandboxes/{id}/pause", self.pause), web.post("/sandboxes/{id}/resume", self.resume),
+            web.post("/sandboxes/{id}/snapshots", self.snapshot), web.post("/sandboxes/{id}/fork", self.fork),
+            web.get("/snapshots", self.list_snapshots), web.delete("/templates/{id}", self.delete_snapshot),
         ]
 
     def _sandbox(self, rec: SandboxRecord, tenant: Tenant, api_key: str) -> dict[str, Any]:
@@ -117,9 +153,10 @@ class E2BApi:
         template = doc.get("templateID")
         if not isinstance(template, str) or not template:
             raise InvalidArgument("templateID is required")
+        snapshot = (await tenant.own_snapshot(template)).snapshot_id if template.startswith(SNAPSHOT_PREFIX) else None
         sb = await tenant.create(
             template, timeout=_timeout(doc), metadata=_str_map(doc, "metadata"), envs=_str_map(doc, "envVars"),
-            create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool,
+            create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
         )
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)
@@ -149,25 +186,8 @@ class E2BApi:
 
     async def list_v2(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
-        raw_limit = request.query.get("limit", "100")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= PAGE_MAX:
-            raise InvalidArgument(f"limit must be 1..{PAGE_MAX}, got {raw_limit!r}")
-        limit = int(raw_limit)
-        recs = await self._filtered(request, tenant)
-        token = request.query.get("nextToken")
-        if token:
-            try:
-                after = json.loads(base64.urlsafe_b64decode(token.encode()))
-                after_key = (float(after[0]), str(after[1]))
-            except (ValueError, TypeError, IndexError):
-                raise InvalidArgument("nextToken is not one this gateway gave out") from None
-            recs = [r for r in recs if (r.created_at, r.spec.sandbox_id) > after_key]
-        page = recs[:limit]
-        headers = {}
-        if len(recs) > limit:
-            last = page[-1]
-            headers["x-next-token"] = base64.urlsafe_b64encode(json.dumps([last.created_at, last.spec.sandbox_id]).encode()).decode()
-        return web.json_response([self._listed(r, tenant) for r in page], headers=headers)
+        recs, headers = page(request, await self._filtered(request, tenant), lambda r: (r.created_at, r.spec.sandbox_id))
+        return web.json_response([self._listed(r, tenant) for r in recs], headers=headers)
 
     async def kill(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
@@ -183,15 +203,86 @@ class E2BApi:
         return web.Response(status=204)
 
     async def connect(self, request: web.Request) -> web.Response:
-        """Connect to a running sandbox; its timeout is extended to ``timeout`` from now when later."""
+        """Connect to a sandbox, resuming it when paused (201, as E2B; 200 when it was running); its
+        timeout is extended to ``timeout`` from now when later."""
         tenant, key = await self.gw.tenant(request)
         doc = await json_object(request, required=False)
         rec = await tenant.own_record(request.match_info["id"])
-        if "timeout" in doc:
-            t = _timeout(doc, None)
-            if time.time() + t > rec.expires_at:
-                await (await tenant.sandbox(rec.spec.sandbox_id)).set_timeout(t)
-        return web.json_response(self._sandbox(rec, tenant, key), status=200)
+        resumed = rec.state == "paused"
+        if resumed:
+            await (await tenant.sandbox(rec.spec.sandbox_id)).resume()
+        await self._extend(tenant, rec, doc, resumed)
+        return web.json_response(self._sandbox(rec, tenant, key), status=201 if resumed else 200)
+
+    async def _extend(self, tenant: Tenant, rec: SandboxRecord, doc: dict[str, Any], resumed: bool) -> None:
+        """Apply the body's ``timeout`` (E2B's default on a resume): later only, unless just resumed."""
+        if "timeout" not in doc and not resumed:
+            return
+        t = _timeout(doc)
+        sid = rec.spec.sandbox_id
+        if resumed or time.time() + t > (await tenant.own_record(sid)).expires_at:
+            await (await tenant.sandbox(sid)).set_timeout(t)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        """Pause (204; 409 when already paused). ``memory`` (E2B's default true) freezes the sandbox in
+        place, processes and all; ``memory: false`` keeps its files only and frees the host."""
+        tenant, _ = await self.gw.tenant(request)
+        doc = await json_object(request, required=False)
+        memory = _flag(doc, "memory", True)
+        rec = await tenant.own_record(request.match_info["id"])
+        if rec.state == "paused":
+            raise SandboxNotRunning(f"sandbox {rec.spec.sandbox_id} is already paused", state="paused")
+        await (await tenant.sandbox(rec.spec.sandbox_id)).pause(persist=not memory)
+        return web.Response(status=204)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        """Resume a paused sandbox (201 with the sandbox; 409 when it is running)."""
+        tenant, key = await self.gw.tenant(request)
+        doc = await json_object(request, required=False)
+        rec = await tenant.own_record(request.match_info["id"])
+        if rec.state != "paused":
+            raise SandboxNotRunning(f"sandbox {rec.spec.sandbox_id} is not paused", state=rec.state)
+        await (await tenant.sandbox(rec.spec.sandbox_id)).resume()
+        await self._extend(tenant, rec, doc, True)
+        return web.json_response(self._sandbox(rec, tenant, key), status=201)
+
+    @staticmethod
+    def _snapshot_info(info: SnapshotInfo) -> dict[str, Any]:
+        return {"snapshotID": info.snapshot_id, "names": [info.name] if info.name else [info.snapshot_id]}
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        """Snapshot a running sandbox's files (201 ``{snapshotID, names}``); create from it with ``templateID``."""
+        tenant, _ = await self.gw.tenant(request)
+        doc = await json_object(request, required=False)
+        name = doc.get("name")
+        if name is not None and not isinstance(name, str):
+            raise InvalidArgument(f"name must be a string, got {name!r}")
+        _flag(doc, "memory", False)  # a snapshot keeps the files; sandboxes created from it cold-boot
+        sb = await tenant.sandbox(request.match_info["id"])
+        return web.json_response(self._snapshot_info(await sb.create_snapshot(name or None)), status=201)
+
+    async def list_snapshots(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        sid, name = request.query.get("sandboxID"), request.query.get("name")
+        infos = [i for i in await tenant.snapshots() if (not sid or i.sandbox_id == sid) and (not name or name in (i.name, i.snapshot_id))]
+        infos, headers = page(request, infos, lambda i: (i.created_at, i.snapshot_id))
+        return web.json_response([self._snapshot_info(i) for i in infos], headers=headers)
+
+    async def delete_snapshot(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        rec = await tenant.own_snapshot(request.match_info["id"])
+        await AsyncSandbox.delete_snapshot(rec.snapshot_id, nats_url=tenant.url)
+        return web.Response(status=204)
+
+    async def fork(self, request: web.Request) -> web.Response:
+        """Start ``count`` sandboxes from a snapshot of this one (201, one ``{sandbox}`` each); it keeps running."""
+        tenant, key = await self.gw.tenant(request)
+        doc = await json_object(request, required=False)
+        count = doc.get("count", 1)
+        sb = await tenant.sandbox(request.match_info["id"])
+        forks = await tenant.fork(sb, count, timeout=_timeout(doc), create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool)
+        recs = [await tenant.own_record(f.sandbox_id) for f in forks]
+        return web.json_response([{"sandbox": self._sandbox(r, tenant, key)} for r in recs], status=201)
 
     async def metrics(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
@@ -216,10 +307,5 @@ class E2BApi:
                     m[key] = getattr(got, name)
         return web.json_response([m])
 
-    async def unsupported(self, request: web.Request) -> web.Response:
-        tenant, _ = await self.gw.tenant(request)
-        await tenant.own_record(request.match_info["id"])
-        raise NotSupported(f"{request.path.rsplit('/', 1)[-1]} is not supported by this dsec gateway yet")
 
-
-__all__ = ["ENVD_VERSION", "E2BApi", "e2b_error", "http_status", "iso", "json_object"]
+__all__ = ["ENVD_VERSION", "E2BApi", "e2b_error", "http_status", "iso", "json_object", "page"]

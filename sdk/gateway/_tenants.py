@@ -18,11 +18,12 @@ from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import DsecError, SandboxNotFound, Unavailable
-from bus.messages import SandboxRecord
+from bus.errors import DsecError, SandboxNotFound, Unavailable, UnknownSnapshot
+from bus.messages import SandboxRecord, SnapshotRecord
 from bus.runtime import KV, connect
 
 from .._async import AsyncSandbox, _conns
+from .._snapshots import SnapshotInfo, get_record, info_of, list_records
 from ._keys import BadKey, key_digest, parse_key
 
 LIVE_STATES = ("placed", "running", "paused")
@@ -82,6 +83,29 @@ class Tenant:
         sb = await AsyncSandbox.create(template, nats_url=self.url, client=self.user, **kw)
         self._remember(sb.sandbox_id)
         return sb
+
+    async def fork(self, sb: AsyncSandbox, count: int, **kw: Any) -> list[AsyncSandbox]:
+        forks = await sb.fork(count, nats_url=self.url, client=self.user, **kw)
+        for f in forks:
+            self._remember(f.sandbox_id)
+        return forks
+
+    def _owns_snapshot(self, rec: SnapshotRecord) -> bool:
+        return rec.spec is not None and rec.spec.client == self.user
+
+    async def own_snapshot(self, snapshot_id: str) -> SnapshotRecord:
+        """The record of a snapshot taken of one of this key's sandboxes; else UnknownSnapshot."""
+        try:
+            rec = await get_record(self.nc, snapshot_id)
+        except UnknownSnapshot:
+            rec = None
+        if rec is None or not self._owns_snapshot(rec):
+            raise UnknownSnapshot(f"snapshot {snapshot_id} not found", snapshot_id=snapshot_id)
+        return rec
+
+    async def snapshots(self) -> list[SnapshotInfo]:
+        """This key's snapshots, oldest first."""
+        return [info_of(r) for r in await list_records(self.nc) if self._owns_snapshot(r)]
 
     async def records(self) -> list[SandboxRecord]:
         """Every live sandbox of this key."""

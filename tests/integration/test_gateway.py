@@ -605,3 +605,77 @@ async def test_e2b_async_sdk(gw: Gw) -> None:
         assert m.mem_total == 512 * 1024 * 1024 and m.cpu_count == 1
     finally:
         await sb.kill()
+
+
+# --------------------------------------------------------------------------------- pause, snapshots, fork
+def _pause_resume_snapshot_fork(gw: Gw) -> None:
+    from e2b import Sandbox, SandboxQuery, SandboxState
+
+    def paused_ids() -> list[str]:
+        return [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED]), **gw.sdk()).next_items()]
+
+    sb = Sandbox.create("base", timeout=300, **gw.sdk())
+    made: list[Any] = [sb]
+    try:
+        payload = "".join(chr(32 + i % 90) for i in range(5000)) + "\n\x01end"
+        sb.files.write("/tmp/keep.txt", payload)
+        for round_ in range(3):
+            assert sb.pause() is True
+            assert sb.get_info().state.value == "paused", round_
+            assert sb.sandbox_id in paused_ids()
+            assert sb.pause() is False  # e2b's answer to 409: already paused
+            st, body, _ = http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/pause", b"{}")
+            assert (st, body["code"]) == (409, 409) and "already paused" in body["message"], body
+            back = Sandbox.connect(sb.sandbox_id, **gw.sdk())  # resumes it (E2B's 201)
+            assert back.get_info().state.value == "running" and sb.sandbox_id not in paused_ids()
+            assert back.files.read("/tmp/keep.txt") == payload
+            assert back.commands.run("echo alive").stdout == "alive\n"
+        # Resume of a running sandbox: E2B's 409; connect to it: 200.
+        st, body, _ = http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/resume", b"{}")
+        assert (st, body["code"]) == (409, 409), body
+        assert http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/connect", b'{"timeout": 300}')[0] == 200
+        # The resume route itself, after a pause over raw HTTP.
+        assert http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/pause", b"{}")[0] == 204
+        st, body, _ = http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/resume", b'{"timeout": 300}')
+        assert st == 201 and body["sandboxID"] == sb.sandbox_id, body
+        assert sb.files.read("/tmp/keep.txt") == payload
+        # Snapshot, then a sandbox created from it has the file; the snapshot lists for its sandbox only.
+        snap = sb.create_snapshot()
+        assert snap.snapshot_id.startswith("snap-") and snap.names
+        assert [s.snapshot_id for s in sb.list_snapshots().next_items()] == [snap.snapshot_id]
+        assert snap.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots(**gw.sdk()).next_items()]
+        assert snap.snapshot_id not in [s.snapshot_id for s in Sandbox.list_snapshots(**gw.sdk(gw.key_b)).next_items()]
+        sb.files.write("/tmp/keep.txt", "changed after the snapshot")
+        child = Sandbox.create(snap.snapshot_id, timeout=120, **gw.sdk())
+        made.append(child)
+        assert child.files.read("/tmp/keep.txt") == payload
+        # Fork: two sandboxes with the source's files as of now; the source keeps running.
+        forks = sb.fork(count=2, timeout=120)
+        made.extend(f for f in forks if not isinstance(f, Exception))
+        assert len(forks) == 2 and all(not isinstance(f, Exception) for f in forks), forks
+        assert {f.files.read("/tmp/keep.txt") for f in forks} == {"changed after the snapshot"}
+        assert len({f.sandbox_id for f in forks} | {sb.sandbox_id}) == 3 and sb.is_running()
+        # Another key: its pause, snapshot, fork and create-from-snapshot see nothing.
+        for path in ("pause", "resume", "snapshots", "fork", "connect"):
+            st, body, _ = http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/{path}", b"{}", key="b")
+            assert (st, body["code"]) == (404, 404), (path, body)
+        st, body, _ = http(gw, "POST", "/sandboxes", json.dumps({"templateID": snap.snapshot_id}).encode(), key="b")
+        assert st == 404 and snap.snapshot_id in body["message"], body
+        assert http(gw, "DELETE", f"/templates/{snap.snapshot_id}", key="b")[0] == 404
+        assert sb.is_running()
+    finally:
+        for s in made:
+            s.kill()
+    # Unknown ids: 404; a killed sandbox pauses no more.
+    for sid in ("sb-nope", sb.sandbox_id):
+        for path in ("pause", "resume", "snapshots", "fork"):
+            st, body, _ = http(gw, "POST", f"/sandboxes/{sid}/{path}", b"{}")
+            assert (st, body["code"]) == (404, 404), (sid, path, body)
+    st, body, _ = http(gw, "POST", "/sandboxes", b'{"templateID": "snap-nope"}')
+    assert st == 404, body
+    # Bad bodies: 400.
+    assert http(gw, "POST", "/sandboxes/sb-nope/pause", b'{"memory": "yes"}')[0] == 400
+
+
+async def test_e2b_pause_resume_snapshot_fork(gw: Gw) -> None:
+    await asyncio.to_thread(_pause_resume_snapshot_fork, gw)
