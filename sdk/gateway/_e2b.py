@@ -78,7 +78,7 @@ def _str_map(doc: dict[str, Any], name: str) -> dict[str, str]:
     return v
 
 
-def _flag(doc: dict[str, Any], name: str, default: bool) -> bool:
+def flag(doc: dict[str, Any], name: str, default: bool) -> bool:
     v = doc.get(name, default)
     if not isinstance(v, bool):
         raise InvalidArgument(f"{name} must be true or false, got {v!r}")
@@ -228,7 +228,7 @@ class E2BApi:
         place, processes and all; ``memory: false`` keeps its files only and frees the host."""
         tenant, _ = await self.gw.tenant(request)
         doc = await json_object(request, required=False)
-        memory = _flag(doc, "memory", True)
+        memory = flag(doc, "memory", True)
         rec = await tenant.own_record(request.match_info["id"])
         if rec.state == "paused":
             raise SandboxNotRunning(f"sandbox {rec.spec.sandbox_id} is already paused", state="paused")
@@ -257,7 +257,7 @@ class E2BApi:
         name = doc.get("name")
         if name is not None and not isinstance(name, str):
             raise InvalidArgument(f"name must be a string, got {name!r}")
-        _flag(doc, "memory", False)  # a snapshot keeps the files; sandboxes created from it cold-boot
+        flag(doc, "memory", False)  # a snapshot keeps the files; sandboxes created from it cold-boot
         sb = await tenant.sandbox(request.match_info["id"])
         return web.json_response(self._snapshot_info(await sb.create_snapshot(name or None)), status=201)
 
@@ -308,4 +308,4 @@ class E2BApi:
         return web.json_response([m])
 
 
-__all__ = ["ENVD_VERSION", "E2BApi", "e2b_error", "http_status", "iso", "json_object", "page"]
+__all__ = ["ENVD_VERSION", "E2BApi", "e2b_error", "http_status", "iso", "flag", "json_object", "page"]

@@ -5,15 +5,17 @@ Errors are ``{"code": "<dsec error code>", "message": ...}`` with the HTTP statu
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
 
 from bus.errors import InvalidArgument
 
-from .._async import build_spec
+from .._async import AsyncSandbox, build_spec
+from .._snapshots import info_of
 from ..errors import CommandExitError
-from ._e2b import json_object
+from ._e2b import flag, json_object
 from ._filesystem import PayloadTooLarge
 
 def _ref(name: str) -> dict[str, str]:
@@ -21,6 +23,8 @@ def _ref(name: str) -> dict[str, str]:
 
 
 _ERR = _ref("Error")
+_SNAP_REF = _ref("Snapshot")
+_SANDBOXES = {"type": "array", "items": _ref("Sandbox")}
 _BINARY = {"type": "string", "format": "binary"}
 _ID = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
 _PATH = [*_ID, {"name": "path", "in": "query", "required": True, "schema": {"type": "string"}}]
@@ -60,6 +64,7 @@ OPENAPI: dict[str, Any] = {
                 "memory_mb": {"type": "integer", "default": 512}, "disk_mb": {"type": "integer", "default": 1024},
                 "timeout": {"type": "number", "default": 300}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+                "snapshot": {"type": "string", "description": "a snapshot id of this key's: restore it (the template is the snapshot's)"},
             }},
             "Sandbox": {"type": "object", "properties": {
                 "sandbox_id": {"type": "string"}, "template": {"type": "string"}, "state": {"type": "string"}, "host_id": {"type": "string"},
@@ -69,6 +74,25 @@ OPENAPI: dict[str, Any] = {
             "Exec": {"type": "object", "required": ["cmd"], "properties": {
                 "cmd": {"type": "string"}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
                 "cwd": {"type": "string"}, "timeout": {"type": "number", "default": 60},
+            }},
+            "Snapshot": {"type": "object", "properties": {
+                "snapshot_id": {"type": "string"}, "parent_id": {"type": "string"}, "sandbox_id": {"type": "string"},
+                "template": {"type": "string"}, "created_at": {"type": "number"}, "bytes_added": {"type": "integer"},
+                "memory": {"type": "boolean"}, "name": {"type": "string"}, "host_id": {"type": "string"}, "layers": {"type": "integer"},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+            }},
+            "NewSnapshot": {"type": "object", "properties": {
+                "name": {"type": "string"}, "memory": {"type": "boolean", "default": False, "description": "the processes too (CRIU)"},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+            }},
+            "Pause": {"type": "object", "properties": {
+                "persist": {"type": "boolean", "default": False, "description": "snapshot it and free the host (else: frozen in place)"},
+                "memory": {"type": "boolean", "default": False, "description": "with persist: the processes too (CRIU)"},
+            }},
+            "Paused": {"type": "object", "properties": {"sandbox_id": {"type": "string"}, "snapshot": {"oneOf": [_SNAP_REF, {"type": "null"}]}}},
+            "Fork": {"type": "object", "properties": {
+                "count": {"type": "integer", "default": 1}, "timeout": {"type": "number", "default": 300},
+                "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
             }},
             "ExecResult": {"type": "object", "properties": {"stdout": {"type": "string"}, "stderr": {"type": "string"}, "exit_code": {"type": "integer"}}},
             "Entry": {"type": "object", "properties": {
@@ -80,11 +104,32 @@ OPENAPI: dict[str, Any] = {
     "paths": {
         "/v1/sandboxes": {
             "post": _op("create a sandbox and wait until it runs", _json("created", _ref("Sandbox"), "201"), body=_ref("NewSandbox")),
-            "get": _op("this key's running sandboxes", _json("sandboxes", {"type": "array", "items": {"$ref": "#/components/schemas/Sandbox"}})),
+            "get": _op("this key's live sandboxes (running and paused)", _json("sandboxes", _SANDBOXES)),
         },
         "/v1/sandboxes/{id}": {
             "get": _op("one sandbox", _json("the sandbox", {"$ref": "#/components/schemas/Sandbox"}), params=_ID),
             "delete": _op("kill a sandbox", {"204": {"description": "killed"}}, params=_ID),
+        },
+        "/v1/sandboxes/{id}/pause": {
+            "post": _op("pause: frozen in place, or persisted as a snapshot (the host freed); pausing a paused one is a no-op",
+                        _json("paused", _ref("Paused")), params=_ID, body=_ref("Pause")),
+        },
+        "/v1/sandboxes/{id}/resume": {
+            "post": _op("resume a paused sandbox (a persisted one starts again from its snapshot, on any host)", _json("running", _ref("Sandbox")),
+                        params=_ID),
+        },
+        "/v1/sandboxes/{id}/snapshots": {
+            "post": _op("snapshot a running sandbox (it keeps running)", _json("the snapshot", _SNAP_REF, "201"), params=_ID, body=_ref("NewSnapshot")),
+        },
+        "/v1/sandboxes/{id}/fork": {
+            "post": _op("start count sandboxes from a snapshot of this one", _json("the forks", _SANDBOXES, "201"), params=_ID, body=_ref("Fork")),
+        },
+        "/v1/snapshots": {
+            "get": _op("this key's snapshots (?sandbox_id= filters)", _json("snapshots", {"type": "array", "items": _SNAP_REF})),
+        },
+        "/v1/snapshots/{id}": {
+            "get": _op("one snapshot", _json("the snapshot", _SNAP_REF), params=_ID),
+            "delete": _op("remove a snapshot nothing builds on (409 snapshot_in_use otherwise)", {"204": {"description": "removed"}}, params=_ID),
         },
         "/v1/sandboxes/{id}/exec": {
             "post": _op("run a command (/bin/sh -c) and wait for it", _json("its output", _ref("ExecResult")), params=_ID, body=_ref("Exec")),
@@ -109,6 +154,11 @@ def _info(sb_info: Any) -> dict[str, Any]:
     }
 
 
+def _fields(doc: dict[str, Any], allowed: set[str]) -> None:
+    if set(doc) - allowed:
+        raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
+
+
 class RestApi:
     def __init__(self, gw: Any) -> None:
         self.gw = gw
@@ -119,6 +169,13 @@ class RestApi:
         app.router.add_get("/v1/sandboxes", self.list)
         app.router.add_get("/v1/sandboxes/{id}", self.get)
         app.router.add_delete("/v1/sandboxes/{id}", self.kill)
+        app.router.add_post("/v1/sandboxes/{id}/pause", self.pause)
+        app.router.add_post("/v1/sandboxes/{id}/resume", self.resume)
+        app.router.add_post("/v1/sandboxes/{id}/snapshots", self.snapshot)
+        app.router.add_post("/v1/sandboxes/{id}/fork", self.fork)
+        app.router.add_get("/v1/snapshots", self.list_snapshots)
+        app.router.add_get("/v1/snapshots/{id}", self.get_snapshot)
+        app.router.add_delete("/v1/snapshots/{id}", self.delete_snapshot)
         app.router.add_post("/v1/sandboxes/{id}/exec", self.exec)
         app.router.add_get("/v1/sandboxes/{id}/files", self.read)
         app.router.add_put("/v1/sandboxes/{id}/files", self.write)
@@ -139,10 +196,10 @@ class RestApi:
     async def create(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
         doc = await json_object(request, required=False)
-        allowed = {"template", "cpu", "memory_mb", "disk_mb", "timeout", "envs", "metadata"}
-        if set(doc) - allowed:
-            raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
+        _fields(doc, {"template", "cpu", "memory_mb", "disk_mb", "timeout", "envs", "metadata", "snapshot"})
         template = doc.pop("template", "base")
+        if doc.get("snapshot") is not None:
+            doc["snapshot"] = (await tenant.own_snapshot(doc["snapshot"])).snapshot_id
         build_spec(template, **doc)  # validates every argument before anything is sent
         sb = await tenant.create(template, pool=self.gw.pool, **doc)
         return web.json_response(_info(await sb.get_info()), status=201)
@@ -164,11 +221,51 @@ class RestApi:
         self.gw.forget(sb.sandbox_id)
         return web.Response(status=204)
 
+    async def pause(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        doc = await json_object(request, required=False)
+        _fields(doc, {"persist", "memory"})
+        snap = await sb.pause(flag(doc, "persist", False), memory=flag(doc, "memory", False))
+        return web.json_response({"sandbox_id": sb.sandbox_id, "snapshot": None if snap is None else dataclasses.asdict(snap)})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        sb = await (await self._sb(request)).resume()
+        return web.json_response(_info(await sb.get_info()))
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        doc = await json_object(request, required=False)
+        _fields(doc, {"name", "memory", "metadata"})
+        snap = await sb.create_snapshot(doc.get("name"), memory=flag(doc, "memory", False), metadata=doc.get("metadata"))
+        return web.json_response(dataclasses.asdict(snap), status=201)
+
+    async def fork(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        sb = await tenant.sandbox(request.match_info["id"])
+        doc = await json_object(request, required=False)
+        _fields(doc, {"count", "timeout", "metadata"})
+        forks = await tenant.fork(sb, doc.get("count", 1), timeout=doc.get("timeout", 300), metadata=doc.get("metadata"), pool=self.gw.pool)
+        return web.json_response([_info(await f.get_info()) for f in forks], status=201)
+
+    async def list_snapshots(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        sid = request.query.get("sandbox_id")
+        return web.json_response([dataclasses.asdict(i) for i in await tenant.snapshots() if not sid or i.sandbox_id == sid])
+
+    async def get_snapshot(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        return web.json_response(dataclasses.asdict(info_of(await tenant.own_snapshot(request.match_info["id"]))))
+
+    async def delete_snapshot(self, request: web.Request) -> web.Response:
+        tenant, _ = await self.gw.tenant(request)
+        rec = await tenant.own_snapshot(request.match_info["id"])
+        await AsyncSandbox.delete_snapshot(rec.snapshot_id, nats_url=tenant.url)
+        return web.Response(status=204)
+
     async def exec(self, request: web.Request) -> web.Response:
         sb = await self._sb(request)
         doc = await json_object(request)
-        if set(doc) - {"cmd", "envs", "cwd", "timeout"}:
-            raise InvalidArgument(f"unknown fields {sorted(set(doc) - {'cmd', 'envs', 'cwd', 'timeout'})}")
+        _fields(doc, {"cmd", "envs", "cwd", "timeout"})
         try:
             r = await sb.commands.run(doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60))
         except CommandExitError as exc:

@@ -609,7 +609,7 @@ async def test_e2b_async_sdk(gw: Gw) -> None:
 
 # --------------------------------------------------------------------------------- pause, snapshots, fork
 def _pause_resume_snapshot_fork(gw: Gw) -> None:
-    from e2b import Sandbox, SandboxQuery, SandboxState
+    from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
     def paused_ids() -> list[str]:
         return [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED]), **gw.sdk()).next_items()]
@@ -662,6 +662,8 @@ def _pause_resume_snapshot_fork(gw: Gw) -> None:
         st, body, _ = http(gw, "POST", "/sandboxes", json.dumps({"templateID": snap.snapshot_id}).encode(), key="b")
         assert st == 404 and snap.snapshot_id in body["message"], body
         assert http(gw, "DELETE", f"/templates/{snap.snapshot_id}", key="b")[0] == 404
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.pause(sb.sandbox_id, **gw.sdk(gw.key_b))
         assert sb.is_running()
     finally:
         for s in made:
@@ -673,9 +675,94 @@ def _pause_resume_snapshot_fork(gw: Gw) -> None:
             assert (st, body["code"]) == (404, 404), (sid, path, body)
     st, body, _ = http(gw, "POST", "/sandboxes", b'{"templateID": "snap-nope"}')
     assert st == 404, body
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.pause("sb-nope", **gw.sdk())
+    # Snapshots outlive their sandbox; deleting (newest first: the fork's builds on the first) is e2b's True, then False.
+    snaps = Sandbox.list_snapshots(sandbox_id=sb.sandbox_id, **gw.sdk()).next_items()
+    assert [s.snapshot_id for s in snaps][0] == snap.snapshot_id and len(snaps) == 2
+    assert Sandbox.delete_snapshot(snap.snapshot_id, **gw.sdk(gw.key_b)) is False
+    for s in reversed(snaps):
+        assert Sandbox.delete_snapshot(s.snapshot_id, **gw.sdk()) is True
+    assert Sandbox.delete_snapshot(snap.snapshot_id, **gw.sdk()) is False
     # Bad bodies: 400.
     assert http(gw, "POST", "/sandboxes/sb-nope/pause", b'{"memory": "yes"}')[0] == 400
 
 
 async def test_e2b_pause_resume_snapshot_fork(gw: Gw) -> None:
     await asyncio.to_thread(_pause_resume_snapshot_fork, gw)
+
+
+def _persisted_pause_and_rest(gw: Gw) -> None:
+    from e2b import Sandbox
+
+    # E2B's filesystem-only pause: the sandbox is snapshotted and its host freed; connect starts it again.
+    sb = Sandbox.create("base", timeout=300, **gw.sdk())
+    try:
+        sb.files.write("/home/persist.txt", "on disk")
+        assert sb.pause(mode="filesystem") is True
+        st, rec, _ = http(gw, "GET", f"/v1/sandboxes/{sb.sandbox_id}")
+        assert st == 404 or rec["state"] == "paused", rec  # no host holds it now
+        assert [s["state"] for s in http(gw, "GET", "/v1/sandboxes")[1] if s["sandbox_id"] == sb.sandbox_id] == ["paused"]
+        back = Sandbox.connect(sb.sandbox_id, **gw.sdk())
+        assert back.files.read("/home/persist.txt") == "on disk"
+        assert back.commands.run("echo up").stdout == "up\n"
+    finally:
+        sb.kill()
+
+    # dsec's REST: pause (frozen, then persisted), resume, snapshot, create from it, fork, list, delete.
+    st, d, _ = http(gw, "POST", "/v1/sandboxes", json.dumps({"template": "base", "memory_mb": 64}).encode())
+    assert st == 201, d
+    sid, made = d["sandbox_id"], [d["sandbox_id"]]
+    try:
+        assert http(gw, "PUT", f"/v1/sandboxes/{sid}/files?path=/home/r.txt", b"rest file")[0] == 200
+        st, p, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/pause", b"{}")
+        assert st == 200 and p == {"sandbox_id": sid, "snapshot": None}, p
+        assert http(gw, "POST", f"/v1/sandboxes/{sid}/pause", b"{}")[0] == 200  # dsec: pausing a paused one is a no-op
+        st, err, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/exec", json.dumps({"cmd": "true"}).encode())
+        assert (st, err["code"]) == (409, "not_running"), err
+        st, r, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/resume")
+        assert st == 200 and r["state"] == "running", r
+        st, p, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/pause", b'{"persist": true}')
+        assert st == 200 and p["snapshot"]["sandbox_id"] == sid, p
+        st, r, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/resume")
+        assert st == 200 and r["state"] == "running", r
+        assert http(gw, "GET", f"/v1/sandboxes/{sid}/files?path=/home/r.txt")[1] == b"rest file"
+        st, snap, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/snapshots", json.dumps({"name": "rest", "metadata": {"k": "v"}}).encode())
+        assert st == 201 and snap["name"] == "rest" and snap["metadata"] == {"k": "v"}, snap
+        assert http(gw, "GET", f"/v1/snapshots/{snap['snapshot_id']}")[1]["snapshot_id"] == snap["snapshot_id"]
+        assert snap["snapshot_id"] in [s["snapshot_id"] for s in http(gw, "GET", f"/v1/snapshots?sandbox_id={sid}")[1]]
+        assert snap["snapshot_id"] not in [s["snapshot_id"] for s in http(gw, "GET", "/v1/snapshots", key="b")[1]]
+        assert http(gw, "GET", f"/v1/snapshots/{snap['snapshot_id']}", key="b")[0] == 404
+        st, c, _ = http(gw, "POST", "/v1/sandboxes", json.dumps({"snapshot": snap["snapshot_id"], "memory_mb": 64}).encode())
+        assert st == 201, c
+        made.append(c["sandbox_id"])
+        assert http(gw, "GET", f"/v1/sandboxes/{c['sandbox_id']}/files?path=/home/r.txt")[1] == b"rest file"
+        st, forks, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/fork", json.dumps({"count": 2, "timeout": 120}).encode())
+        assert st == 201 and len(forks) == 2 and all(f["state"] == "running" for f in forks), forks
+        made.extend(f["sandbox_id"] for f in forks)
+        assert http(gw, "GET", f"/v1/sandboxes/{forks[1]['sandbox_id']}/files?path=/home/r.txt")[1] == b"rest file"
+        for path, body in (("pause", b'{"persist": 1}'), ("fork", b'{"count": 0}'), ("snapshots", b'{"nope": 1}')):
+            st, err, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/{path}", body)
+            assert (st, err["code"]) == (400, "invalid_argument"), (path, err)
+        for path in ("pause", "resume", "snapshots", "fork"):
+            st, err, _ = http(gw, "POST", f"/v1/sandboxes/{sid}/{path}", b"{}", key="b")
+            assert (st, err["code"]) == (404, "sandbox_not_found"), (path, err)
+        st, err, _ = http(gw, "POST", "/v1/sandboxes", json.dumps({"snapshot": snap["snapshot_id"]}).encode(), key="b")
+        assert (st, err["code"]) == (404, "unknown_snapshot"), err
+        doc = http(gw, "GET", "/openapi.json", key=None)[1]
+        assert {"/v1/sandboxes/{id}/pause", "/v1/sandboxes/{id}/resume", "/v1/sandboxes/{id}/snapshots", "/v1/sandboxes/{id}/fork",
+                "/v1/snapshots", "/v1/snapshots/{id}"} <= set(doc["paths"])
+    finally:
+        for s in made:
+            assert http(gw, "DELETE", f"/v1/sandboxes/{s}")[0] == 204
+    assert http(gw, "DELETE", f"/v1/snapshots/{snap['snapshot_id']}", key="b")[0] == 404
+    st, err, _ = http(gw, "DELETE", f"/v1/snapshots/{snap['snapshot_id']}")
+    assert (st, err["code"]) == (409, "snapshot_in_use"), err  # the fork's snapshot builds on it
+    (fork_snap,) = [s for s in http(gw, "GET", f"/v1/snapshots?sandbox_id={sid}")[1] if s["parent_id"] == snap["snapshot_id"]]
+    for s in (fork_snap, snap):
+        assert http(gw, "DELETE", f"/v1/snapshots/{s['snapshot_id']}")[0] == 204
+    assert http(gw, "GET", f"/v1/snapshots/{snap['snapshot_id']}")[0] == 404
+
+
+async def test_persisted_pause_and_rest_snapshots(gw: Gw) -> None:
+    await asyncio.to_thread(_persisted_pause_and_rest, gw)
