@@ -215,10 +215,12 @@ class E2BApi:
         return web.json_response(self._sandbox(rec, tenant, key), status=201 if resumed else 200)
 
     async def _extend(self, tenant: Tenant, rec: SandboxRecord, doc: dict[str, Any], resumed: bool) -> None:
-        """Apply the body's ``timeout`` (E2B's default on a resume): later only, unless just resumed."""
+        """Apply the body's ``timeout``: later only, unless just resumed. A resume without one restarts the
+        sandbox's own timeout (the one it was created with), not E2B's 15 s default: a pause is no reason
+        to shorten a sandbox's life."""
         if "timeout" not in doc and not resumed:
             return
-        t = _timeout(doc)
+        t = _timeout(doc, max(1, min(MAX_TIMEOUT_S, round(rec.spec.timeout_s))))
         sid = rec.spec.sandbox_id
         if resumed or time.time() + t > (await tenant.own_record(sid)).expires_at:
             await (await tenant.sandbox(sid)).set_timeout(t)

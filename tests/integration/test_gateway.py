@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import json
 import os
 import shutil
@@ -627,7 +628,9 @@ def _pause_resume_snapshot_fork(gw: Gw) -> None:
             st, body, _ = http(gw, "POST", f"/sandboxes/{sb.sandbox_id}/pause", b"{}")
             assert (st, body["code"]) == (409, 409) and "already paused" in body["message"], body
             back = Sandbox.connect(sb.sandbox_id, **gw.sdk())  # resumes it (E2B's 201)
-            assert back.get_info().state.value == "running" and sb.sandbox_id not in paused_ids()
+            info = back.get_info()
+            assert info.state.value == "running" and sb.sandbox_id not in paused_ids()
+            assert (info.end_at - dt.datetime.now(dt.UTC)).total_seconds() > 200  # its own 300 s again, not E2B's 15 s
             assert back.files.read("/tmp/keep.txt") == payload
             assert back.commands.run("echo alive").stdout == "alive\n"
         # Resume of a running sandbox: E2B's 409; connect to it: 200.
