@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -434,9 +435,8 @@ async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack
         if data_dir_leftovers(data_b):
             await force_cleanup(data_b)
         if not data_dir_leftovers(data_b):
-            import shutil
-
             shutil.rmtree(data_b, ignore_errors=True)
+            log.unlink(missing_ok=True)
 
 
 async def get_snapshot_record(stack: Stack, snapshot_id: str) -> Any:
