@@ -209,6 +209,19 @@ def subprocess_env(nats_url: str, **extra: str) -> dict[str, str]:
     return env
 
 
+
+async def run_process(*argv: str, env: dict[str, str], timeout: float = 60, cwd: str | None = None) -> tuple[int, str, str]:
+    """Run ``argv`` as its own process; (exit code, stdout, stderr). Never blocks the event loop; killed at ``timeout``."""
+    pipe = asyncio.subprocess.PIPE
+    proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=pipe, stderr=pipe)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc.returncode or 0, out.decode(), err.decode()
+
 # ----------------------------------------------------------------------------------------------- stack
 @dataclass
 class Stack:

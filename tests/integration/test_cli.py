@@ -20,7 +20,7 @@ from bus.natsd import free_port
 from tests.conftest import eventually
 from tests.netclaim import claim_net
 
-from .conftest import PY, REPO, Child, Stack, data_dir_leftovers, force_cleanup, needs_stack, subprocess_env
+from .conftest import PY, REPO, Child, Stack, data_dir_leftovers, force_cleanup, needs_stack, run_process, subprocess_env
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
@@ -28,18 +28,8 @@ DSEC = [PY, "-m", "sdk.cli"]
 
 
 async def dsec(*args: str, url: str, timeout: float = 120, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    """Run ``dsec ARGS`` as its own process; (exit code, stdout, stderr). Never blocks the event loop."""
-    proc = await asyncio.create_subprocess_exec(
-        *DSEC, *args, cwd=str(REPO), env=env or subprocess_env(url),
-        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc.returncode or 0, out.decode(), err.decode()
+    """Run ``dsec ARGS`` as its own process; (exit code, stdout, stderr)."""
+    return await run_process(*DSEC, *args, env=env or subprocess_env(url), timeout=timeout, cwd=str(REPO))
 
 
 async def test_status(stack: Stack) -> None:

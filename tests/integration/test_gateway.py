@@ -37,6 +37,7 @@ from .conftest import (
     data_dir_leftovers,
     force_cleanup,
     needs_stack,
+    run_process,
     subprocess_env,
 )
 
@@ -60,18 +61,6 @@ class Gw:
         return {"api_key": key or self.key_a, "api_url": self.url, "sandbox_url": self.url, "request_timeout": 60}
 
 
-async def _run(*argv: str, env: dict[str, str], timeout: float = 60) -> tuple[int, str, str]:
-    pipe = asyncio.subprocess.PIPE
-    proc = await asyncio.create_subprocess_exec(*argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=pipe, stderr=pipe)
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except asyncio.TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    return proc.returncode or 0, out.decode(), err.decode()
-
-
 @pytest.fixture(scope="module")
 async def gw() -> Any:
     import sdk._async
@@ -90,7 +79,7 @@ async def gw() -> Any:
         assert f"export E2B_API_URL=http://127.0.0.1:{http_port} E2B_SANDBOX_URL=http://127.0.0.1:{http_port}" in up.log()
         keys = []
         for name in ("alice", "bob"):
-            rc, out, err = await _run(*DSEC, "api-key", "create", "--name", name, "--data-dir", str(data), env=env)
+            rc, out, err = await run_process(*DSEC, "api-key", "create", "--name", name, "--data-dir", str(data), env=env)
             assert rc == 0 and out.startswith(f"dsec_{name}-"), (rc, out, err)
             assert "does not accept it" not in err, err
             keys.append(out.strip())
@@ -533,7 +522,7 @@ async def test_e2b_on_the_python_template_runs_as_user(gw: Gw) -> None:
     from bus.auth import AuthConfig
 
     admin = AuthConfig.load_or_create(gw.data / "auth.json").url_for("admin", gw.nats_url)
-    rc, out, err = await _run(*DSEC, "image", "build-python", "--data-dir", str(gw.data), "--json", env=subprocess_env(admin), timeout=1800)
+    rc, out, err = await run_process(*DSEC, "image", "build-python", "--data-dir", str(gw.data), "--json", env=subprocess_env(admin), timeout=1800)
     assert rc == 0, (out, err)
 
     def scenario() -> None:
