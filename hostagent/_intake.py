@@ -105,10 +105,16 @@ class Intake:
         sid = spec.sandbox_id
         ls = host.registry.get(sid)
         if ls is not None:
-            if ls.state == "running":
-                await host.records.event(spec, "ready", attempt=attempt)  # redelivery: say it again
-            else:
+            if ls.state != "running":
                 log.info("create_of_stopping_sandbox_dropped", sandbox_id=sid)
+            elif await host.records.claim(spec, host.records.record_of(ls, "running")):
+                # Redelivery: say it again, its record first. The delivery that created it may have failed
+                # to store the record (the server went away between create and record): the sandbox is held
+                # here, but nothing else knows it exists.
+                await host.records.event(spec, "ready", attempt=attempt)
+            else:  # that earlier delivery never claimed the id, and another host has it now
+                host.reaper.begin(sid, "duplicate")
+                log.info("duplicate_create_dropped", sandbox_id=sid)
             return
         if sid in self.creating:
             await self.creating[sid]
@@ -126,9 +132,17 @@ class Intake:
                 await host.records.release(sid)
             await self._reject(spec, attempt, excluded, why)
             return
-        if claim and not await host.records.claim(spec):
-            log.info("duplicate_create_dropped", sandbox_id=sid)
-            return
+        if claim:
+            if not await host.records.claim(spec):
+                log.info("duplicate_create_dropped", sandbox_id=sid)
+                return
+            other = self.creating.get(sid)
+            if other is not None or sid in host.registry:
+                # Another hand-off of this id (a grouped one, and the re-placed copy of its redelivered
+                # request) began creating it here while the claim was out: that one makes it.
+                if other is not None:
+                    await other
+                return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
