@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import pytest
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import LayerRef, SandboxEvent, TemplateManifest
+from bus.messages import LayerRef, SandboxEvent, SandboxRecord, TemplateManifest
 from bus.natsd import NatsServer
-from bus.runtime import connect
+from bus.runtime import KV, connect
 from bus.streams import ensure_all, ensure_kv
 from tests.conftest import eventually  # noqa: F401 - re-exported for the placement tests
 
 LAYER = "sha256:" + "ab" * 32
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -32,16 +39,58 @@ def nats_srv():
 @pytest.fixture
 async def nc(nats_srv) -> AsyncIterator:
     c = await connect(nats_srv.url, name="test")
-    js = c.jetstream()
-    await ensure_all(js)
-    kv = await ensure_kv(js, S.KV_IMAGES)
-    await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest=LAYER)])))
+    await seed(c.jetstream())
     yield c
     # the SDK keeps one connection per loop and URL: drop it with the server
     from sdk._async import close_connections
 
     await close_connections()
     await c.close()
+
+
+async def seed(js) -> None:
+    """Every stream and bucket, and the template ``base`` (one layer)."""
+    await ensure_all(js)
+    kv = await ensure_kv(js, S.KV_IMAGES)
+    await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest=LAYER)])))
+
+
+def spawn(args: list[str], url: str, log: Path, *, level: str = "WARNING") -> subprocess.Popen:
+    """``python <args>`` as a child in its own session, logging (JSON lines at ``level``) to ``log``."""
+    env = dict(os.environ, DSEC_NATS_URL=url, DSEC_LOG_LEVEL=level, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    with open(log, "ab") as f:
+        return subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_process(p: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s; reaped either way (a child already killed is only reaped)."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def log_lines(log: Path, event: str) -> list[dict]:
+    """The JSON log lines of ``event`` in a child's log."""
+    out = []
+    for line in log.read_text().splitlines():
+        if f'"{event}"' in line:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if d.get("event") == event:
+                out.append(d)
+    return out
+
+
+async def records_of(js, ids: Iterable[str]) -> dict[str, SandboxRecord | None]:
+    """The sandbox record of each id in KV ``dsec_sandboxes`` (None: no record)."""
+    kv = await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+    return {sid: await kv.get(sid) for sid in ids}
 
 
 async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, list[SandboxEvent]]:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +19,8 @@ from hostagent import HostAgent, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 
-from .conftest import LAYER, eventually, ready_counts, stored_events
+from .conftest import LAYER, eventually, ready_counts, spawn, stop_process, stored_events
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def agent(url: str, hid: str, **kw) -> HostAgent:
@@ -187,27 +183,11 @@ async def test_lease_not_renewed_is_reaped(nats_srv, nc) -> None:
         await h.shutdown()
 
 
-def _spawn(args: list[str], url: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, DSEC_NATS_URL=url, DSEC_LOG_LEVEL="WARNING", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    with open(log, "ab") as f:
-        return subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tmp_path) -> None:
     url = nats_srv.url
     js = nc.jetstream()
-    sim = _spawn(["-m", "hostagent", "--backend", "sim", "--sim-hosts", "8", "--data-dir", str(tmp_path)], url, tmp_path / "sim.log")
-    reps = [_spawn(["-m", "placement", "--replica-id", f"r{i}", "--ack-wait", "2", "--capacity", "64"], url, tmp_path / f"p{i}.log") for i in range(2)]
+    sim = spawn(["-m", "hostagent", "--backend", "sim", "--sim-hosts", "8", "--data-dir", str(tmp_path)], url, tmp_path / "sim.log")
+    reps = [spawn(["-m", "placement", "--replica-id", f"r{i}", "--ack-wait", "2", "--capacity", "64"], url, tmp_path / f"p{i}.log") for i in range(2)]
     ready: set[str] = set()
 
     async def on_ready(msg) -> None:
@@ -251,7 +231,7 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
         assert all(len(h) == 1 for h in hosts_of.values())
     finally:
         for p in reps[1:] + [sim]:
-            _stop(p)
+            stop_process(p)
 
 
 def test_bench_command_registers_and_runs_small(tmp_path) -> None:
