@@ -53,7 +53,7 @@ async def run_sim_hosts(args: argparse.Namespace) -> None:
     storage = StorageType.MEMORY if os.environ.get("DSEC_SIM_STORAGE", "file") == "memory" else StorageType.FILE
     mem = storage == StorageType.MEMORY  # memory streams share the server's memory store (1 GB embedded)
     await ensure_all(js, StreamOptions(storage=storage, events_max_bytes=512 * 1024**2 if mem else StreamOptions().events_max_bytes))  # once for all hosts here
-    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", 2.0 if args.sim_hosts <= 400 else 5.0)
+    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", max(2.0, args.sim_hosts / 320.0))
     prefix = args.host_id or "sim"
     first = int(os.environ.get("DSEC_SIM_FIRST", "0"))
     agents = [
