@@ -8,7 +8,9 @@ import msgspec
 
 from .errors import BadRequest, ErrorReply, from_reply
 from .messages import (
+    CreateReply,
     DirMade,
+    HandoffReply,
     Done,
     EventMessage,
     ExecChunk,
@@ -83,7 +85,9 @@ class Decoder:
 # Decoders, one per subject family.
 REQ = Decoder(ReqMessage)  # dsec.req.>
 HOST = Decoder(HostMessage)  # dsec.host.<id>.>
+HANDOFF_REPLY = Decoder(HandoffReply)  # the reply subject of a hand-off
 EVENT = Decoder(EventMessage)  # dsec.evt.>
+CREATE_REPLY = Decoder(CreateReply)  # a create's reply_to inbox
 HOST_STATUS = Decoder(HostStatus)  # KV dsec_hosts
 SANDBOX_RECORD = Decoder(SandboxRecord)  # KV dsec_sandboxes
 TEMPLATE = Decoder(TemplateManifest)  # KV dsec_images

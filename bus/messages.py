@@ -87,6 +87,16 @@ class PlaceBatch(Struct, kw_only=True, tag=True):
 HostMessage = PlaceSandbox | PlaceBatch
 
 
+class HandoffReply(Struct, kw_only=True, tag=True):
+    """A host's answer on a hand-off's reply subject (bus.runtime.handoff): ``done`` once whatever the
+    work led to is durable (records, events, work handed on), ``working`` while it goes on, ``refused``
+    (``code``, ``description``) when it was not done: placement then lets the request be placed again."""
+
+    state: Literal["done", "working", "refused"] = "done"
+    code: str = ""
+    description: str = ""
+
+
 # --- events on DSEC_EVT ----------------------------------------------------------------
 # "requested" and "placed" are kept for replays of older streams; placement no longer writes them
 # (a ready event's detail carries placed_by and placed_ms).
@@ -104,6 +114,19 @@ class SandboxEvent(Struct, kw_only=True, tag=True):
     code: str = ""
     description: str = ""
     detail: dict[str, str] = {}
+
+
+class ReadyMany(Struct, kw_only=True, tag=True):
+    """Sandboxes of one hand-off to a host that are ready, told the creating client's inbox at once
+    (``reply_to``); the stream still holds one ``ready`` SandboxEvent for each."""
+
+    sandbox_ids: list[str]
+    host_id: str
+    at: float
+    attempt: int = 0
+
+
+CreateReply = SandboxEvent | ReadyMany  # what a create's reply_to inbox receives
 
 
 class HostEvent(Struct, kw_only=True, tag=True):
@@ -808,6 +831,9 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "Priority",
     "Backend",
     "SandboxEventKind",
+    "HandoffReply",
+    "ReadyMany",
+    "CreateReply",
     "SANDBOX_STATES",
     "SANDBOX_ENDED",
     "KILL_DONE",
