@@ -660,6 +660,9 @@ class ContainerBackend:
         here); the sandbox runs on (or stays frozen, if it was)."""
         assert self.rt is not None
         cid = self._cid.get(handle.sandbox_id, handle.sandbox_id)
+        client = self._clients.get(handle.sandbox_id)
+        if client is not None:
+            client.close_idle()  # no connection of ours for CRIU to find open (a unix socket to the outside)
         try:
             await self.rt.checkpoint(cid, image_dir, work_dir, exit=False)
         except ContainerdError as exc:
@@ -746,9 +749,10 @@ class ContainerBackend:
 
     async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None
-        self._clients.pop(cid, None)
-        if sandbox_id is not None:
-            self._clients.pop(sandbox_id, None)
+        for key in (cid, sandbox_id):
+            client = self._clients.pop(key, None) if key is not None else None
+            if client is not None:
+                client.close_idle()
         self._warm_info.pop(cid, None)
         self._cpu_samples.pop(cid, None)
         # Leave the shim group before the delete: a container started meanwhile must not join a shim

@@ -28,12 +28,16 @@
  * found, so a signal or stdin write can never reach the agent itself or a stranger.
  *
  * ---------------------------------------------------------------------------------------------
- * Wire protocol (unix stream socket, exactly one request per connection)
+ * Wire protocol (unix stream socket, one request at a time per connection)
  *
  *   frame := u32 len | u8 type | payload      len counts type + payload; big-endian; 1..8 MiB
  *   u8/u32/u64/i32/i64 are big-endian; str := u32 n | n bytes (must not contain NUL)
  *
- * The client sends one request frame; the agent answers with one or more frames, then closes.
+ * The client sends one request frame; the agent answers with one or more frames. From protocol 3
+ * on, the connection then takes the next request (a host keeps connections to reuse: no connect
+ * and accept per exec); a watch keeps its connection to itself, and a malformed request (bad
+ * length, unknown type, bad fields) is answered and the connection closed. The client may close
+ * a connection whenever it likes.
  *
  *   'P' ping                                            -> 'K' u32 protocol_version
  *              | u32 landlock_abi (0: none) | u32 confinement flags (1 Landlock enforced,
@@ -42,7 +46,8 @@
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
  *              | u8 flags (1 background, 2 stdin pipe) | str user ("" = ours; name or uid from
  *                the sandbox's /etc/passwd, whose HOME/USER/LOGNAME replace the given ones)
- *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user)
+ *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user;
+ *                                sent at once for a background command, else with what follows)
  *                 any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
  *                                'H'        (heartbeat after 5 s, or --heartbeat-ms, without a frame)
  *                 then           'E' i32 exit_code (128+signal if killed) | u8 timed_out | u8 signal
@@ -108,7 +113,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 2
+#define PROTO_VERSION 3
 #define MAX_REQ (8u << 20)
 #define READ_CAP (4u << 20)
 #define LIST_MAX (64u << 20)
@@ -156,6 +161,7 @@ struct proc {
 
 struct conn {
     int fd, state, dead;
+    int close_after; /* answer, then close: the request stream can't be trusted past a bad frame */
     uint32_t events;
     uint8_t hdr[4];
     uint32_t hdr_got;
@@ -357,11 +363,14 @@ static char *rd_cstr(struct rd *r)
 /* Common validation after a request's fields are read; 0 if an error reply was queued. */
 static int rd_done(struct conn *c, struct rd *r, int allow_rest)
 {
+    /* A client that sends malformed requests is not one of ours: answer it, then close. */
     if (r->bad || (!allow_rest && r->n)) {
+        c->close_after = 1;
         reply_err(c, EPROTO, "malformed request");
         return 0;
     }
     if (r->nul) {
+        c->close_after = 1;
         reply_err(c, EINVAL, "string argument contains a NUL byte");
         return 0;
     }
@@ -532,11 +541,17 @@ static void conn_flush(struct conn *c)
     }
 }
 
+/* The request is answered: the connection waits for the next one (or closes, after a bad frame). */
 static void finish(struct conn *c)
 {
-    c->state = ST_CLOSING;
     free(c->req);
     c->req = NULL;
+    if (c->close_after) {
+        c->state = ST_CLOSING;
+    } else {
+        c->state = ST_HDR;
+        c->hdr_got = 0;
+    }
     conn_flush(c);
 }
 
@@ -845,7 +860,9 @@ static char **user_env(char **envp, uint32_t nenv, const struct user *u, char *s
     return out;
 }
 
-static void proc_attach(struct proc *p, struct conn *c)
+/* ``now``: send the 'i' frame at once (a background start waits for its pid); otherwise it goes
+ * out with the first output, heartbeat or the exit, one wake-up of the host fewer per command. */
+static void proc_attach(struct proc *p, struct conn *c, int now)
 {
     p->c = c;
     c->p = p;
@@ -857,7 +874,10 @@ static void proc_attach(struct proc *p, struct conn *c)
     timer_arm(p);
     free(c->req);
     c->req = NULL;
-    conn_flush(c);
+    if (now)
+        conn_flush(c);
+    else
+        conn_set_events(c, EPOLLIN | EPOLLRDHUP);
 }
 
 #define X_BACKGROUND 1u
@@ -975,7 +995,7 @@ static void op_exec(struct conn *c, struct rd *r)
         procs->prev = p;
     procs = p;
     p = NULL;
-    proc_attach(procs, c);
+    proc_attach(procs, c, procs->background);
 
 out:
     for (i = 0; envp && i < nenv; i++)
@@ -1030,7 +1050,7 @@ static void op_attach(struct conn *c, struct rd *r)
         proc_free(p);
         goto done;
     }
-    proc_attach(p, c);
+    proc_attach(p, c, 1);
     return;
 done:
     finish(c);
@@ -1617,7 +1637,7 @@ static void dispatch(struct conn *c)
     case 'I': op_stdin(c, &r); break;
     case 'U': op_signal(c, &r); break;
     case 'J': op_procs(c, &r); break;
-    default: reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
+    default: c->close_after = 1; reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
     }
     finish(c);
 }
@@ -1664,6 +1684,7 @@ static void conn_read(struct conn *c)
                 continue;
             uint32_t len = (uint32_t)c->hdr[0] << 24 | (uint32_t)c->hdr[1] << 16 | (uint32_t)c->hdr[2] << 8 | c->hdr[3];
             if (len == 0 || len > MAX_REQ) {
+                c->close_after = 1;
                 if (len)
                     reply_err(c, EMSGSIZE, "request frame of %u bytes exceeds %u", len, MAX_REQ);
                 else
@@ -1673,6 +1694,7 @@ static void conn_read(struct conn *c)
             }
             c->req = malloc(len);
             if (!c->req) {
+                c->close_after = 1;
                 reply_err(c, ENOMEM, "out of memory");
                 finish(c);
                 return;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import os
@@ -110,8 +111,9 @@ def s(value: bytes) -> bytes:
     return U32.pack(len(value)) + value
 
 
-async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False) -> list[tuple[int, bytes]]:
-    """Send raw bytes, collect reply frames until the agent closes the connection."""
+async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False, until_close: bool = False) -> list[tuple[int, bytes]]:
+    """Send raw bytes, collect reply frames up to the one that ends the request (the agent keeps the
+    connection for the next one), or with ``until_close`` until the agent closes the connection."""
     frames = []
     async with asyncio.timeout(5):
         reader, writer = await asyncio.open_unix_connection(sock)
@@ -130,6 +132,8 @@ async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False
                     # The agent closed with part of our request unread (e.g. an oversized frame).
                     return frames
                 frames.append((body[0], body[1:]))
+                if body[0] not in b"iOHwF" and not until_close:
+                    return frames
         finally:
             writer.close()
 
@@ -419,6 +423,63 @@ async def test_many_concurrent_execs(agent):
     assert (await slow).stdout == b"slow\n"
 
 
+def _agent_sockets(pid: int) -> int:
+    """Connected sockets the agent holds (its listening socket not counted)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n - 1
+
+
+async def test_connections_are_reused(own_agent):
+    a = await own_agent()
+    c = a.client
+    assert c.keeps_connections  # protocol 3, learnt from wait_ready's ping
+    await c.exec("true")
+    (first,) = c._idle
+    for i in range(20):
+        assert basic(await c.exec(f"echo {i}")) == (0, f"{i}\n".encode(), b"", False)
+        assert await c.exists("/")
+    assert c._idle == [first] and _agent_sockets(a.proc.pid) == 1  # one connection carried all 40 requests
+    # An error answer: the next call takes a fresh connection (the agent may close after an error).
+    with pytest.raises(AgentError):
+        await c.read_file("/nonexistent")
+    assert first.transport.is_closing() and len(c._idle) == 0
+    await c.ping()
+    (second,) = c._idle
+    # Something unexpected arrived on an idle connection: it is not reused.
+    second.data_received(b"junk")
+    assert basic(await c.exec("echo ok")) == (0, b"ok\n", b"", False)
+    assert second.transport.is_closing() and c._idle and c._idle[0] is not second
+    # Concurrent calls each take a connection; at most _IDLE_MAX stay open afterwards.
+    await asyncio.gather(*(c.exec("sleep 0.1") for _ in range(10)))
+    assert len(c._idle) == _agent._IDLE_MAX
+    await until(lambda: _agent_sockets(a.proc.pid) == _agent._IDLE_MAX, "the agent closed the connections we let go")
+    c.close_idle()
+    await until(lambda: _agent_sockets(a.proc.pid) == 0, "the agent closed the connections after close_idle")
+
+
+async def test_raw_requests_follow_each_other_on_one_connection(agent):
+    async def reply(reader: asyncio.StreamReader, last: bytes) -> bytes:
+        kinds = b""
+        while not kinds.endswith(last):
+            (n,) = U32.unpack(await reader.readexactly(4))
+            kinds += (await reader.readexactly(n))[:1]
+        return kinds
+
+    async with asyncio.timeout(5):
+        reader, writer = await asyncio.open_unix_connection(agent.sock)
+        try:
+            for _ in range(3):
+                writer.write(frame(b"X", U32.pack(0), s(b"echo hi"), s(b""), U32.pack(0), b"\x00", s(b"")))
+                assert await reply(reader, b"E") == b"iOE"
+                writer.write(frame(b"P"))
+                assert await reply(reader, b"K") == b"K"
+        finally:
+            writer.close()
+
+
 async def test_large_output_both_streams(agent):
     res = await agent.client.exec("head -c 6000000 /dev/zero & head -c 3000000 /dev/urandom >&2; wait")
     assert res.exit_code == 0
@@ -688,7 +749,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("payload,code", MALFORMED)
 async def test_malformed_frames_get_an_error_and_close(agent, payload, code):
-    frames = await raw_exchange(agent.sock, payload)
+    frames = await raw_exchange(agent.sock, payload, until_close=True)
     assert len(frames) == 1 and frames[0][0] == ord("R"), frames
     assert U32.unpack_from(frames[0][1])[0] == code
     await agent.client.ping()
