@@ -44,8 +44,10 @@
  *                2 seccomp log filter installed, 4 audit session set)   (older agents: version only)
  *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd, or the user's home)
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
- *              | u8 flags (1 background, 2 stdin pipe) | str user ("" = ours; name or uid from
- *                the sandbox's /etc/passwd, whose HOME/USER/LOGNAME replace the given ones)
+ *              | u8 flags (1 background, 2 stdin pipe, 4 buffered: output may wait for the exit, a
+ *                heartbeat or 1 MiB, for a client that wants only the result; protocol 3)
+ *              | str user ("" = ours; name or uid from the sandbox's /etc/passwd, whose
+ *                HOME/USER/LOGNAME replace the given ones)
  *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user;
  *                                sent at once for a background command, else with what follows)
  *                 any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
@@ -148,7 +150,7 @@ struct watch {
 struct proc {
     pid_t pid; /* > 0 only while running and unreaped: the pid (and process group) can't be reused */
     pid_t spawned; /* the pid it was started with, kept after it ended */
-    int pout, perr, pin, tfd, paused, timed_out, background, exited, status, dead;
+    int pout, perr, pin, tfd, paused, timed_out, background, buffered, exited, status, dead;
     int64_t deadline, last_send;
     struct conn *c;
     uint8_t *in;
@@ -520,11 +522,8 @@ static void conn_flush(struct conn *c)
         c->out_len = pending;
         c->out_off = 0;
     }
-    uint32_t ev = 0;
-    if (c->state == ST_EXEC || c->state == ST_WATCH)
-        ev = EPOLLIN | EPOLLRDHUP;
-    else if (c->state != ST_CLOSING)
-        ev = EPOLLIN;
+    /* The same mask in every state but closing: no epoll_ctl per request. */
+    uint32_t ev = c->state != ST_CLOSING ? EPOLLIN | EPOLLRDHUP : 0;
     if (pending)
         ev |= EPOLLOUT;
     conn_set_events(c, ev);
@@ -579,7 +578,8 @@ static int pipe_read(struct proc *p, int stream)
                 h[4] = 'O';
                 h[5] = (uint8_t)stream;
                 c->out_len += 6 + (size_t)n;
-                p->last_send = now_ns();
+                if (!p->buffered)
+                    p->last_send = now_ns();
             }
             return 1;
         }
@@ -597,7 +597,8 @@ static void on_pipe(struct proc *p, int stream)
     if (p->paused)
         return;
     pipe_read(p, stream);
-    if (p->c)
+    /* Buffered output waits for the exit, a heartbeat or OUT_HIGH bytes: one send per small command. */
+    if (p->c && (!p->buffered || p->c->out_len - p->c->out_off > OUT_HIGH))
         conn_flush(p->c);
 }
 
@@ -876,12 +877,11 @@ static void proc_attach(struct proc *p, struct conn *c, int now)
     c->req = NULL;
     if (now)
         conn_flush(c);
-    else
-        conn_set_events(c, EPOLLIN | EPOLLRDHUP);
 }
 
 #define X_BACKGROUND 1u
 #define X_STDIN 2u
+#define X_BUFFERED 4u
 
 static void op_exec(struct conn *c, struct rd *r)
 {
@@ -975,6 +975,7 @@ static void op_exec(struct conn *c, struct rd *r)
     p->pin = pi[1];
     p->tfd = tfd;
     p->background = (flags & X_BACKGROUND) != 0;
+    p->buffered = (flags & X_BUFFERED) && !p->background;
     p->cmd = cmd;
     p->cwd = cwd;
     p->user = user;
@@ -1739,8 +1740,8 @@ static void conn_new(int fd)
     c->ifd = -1;
     c->state = ST_HDR;
     c->w = (struct watch){W_CONN, c, NULL};
-    c->events = EPOLLIN;
-    ep_ctl(EPOLL_CTL_ADD, fd, &c->w, EPOLLIN);
+    c->events = EPOLLIN | EPOLLRDHUP;
+    ep_ctl(EPOLL_CTL_ADD, fd, &c->w, c->events);
 }
 
 static void on_listen(void)
@@ -1810,6 +1811,8 @@ static void on_signal(void)
         for (size_t i = 0; i < (size_t)n / sizeof si[0]; i++)
             if (si[i].ssi_signo == SIGTERM || si[i].ssi_signo == SIGINT)
                 shutdown_now();
+        if ((size_t)n < sizeof si)
+            break; /* drained: no read just to hear EAGAIN */
     }
     reap();
 }

@@ -529,6 +529,22 @@ async def test_heartbeats_keep_a_quiet_exec_alive(own_agent, monkeypatch):
     assert kinds.count(ord("H")) >= 3 and kinds[-1] == ord("E")
 
 
+async def test_buffered_output_comes_with_the_exit_or_a_heartbeat(own_agent, monkeypatch):
+    a = await own_agent("--heartbeat-ms", "50")
+    x = frame(b"X", U32.pack(0), s(b"echo a; sleep 0.3; echo b"), s(b""), U32.pack(0), b"\x04", s(b""))
+    kinds = bytes(k for k, _ in await raw_exchange(a.sock, x))
+    assert kinds.startswith(b"iOH") and kinds.endswith(b"OE") and kinds.count(b"O") == 2  # "a" went out with a heartbeat
+    a = await own_agent()  # the default heartbeat (5 s): a short command's frames all come at its exit
+    frames = await raw_exchange(a.sock, frame(b"X", U32.pack(0), s(b"echo a; sleep 0.2; echo b >&2"), s(b""), U32.pack(0), b"\x04", s(b"")))
+    assert [(k, b) for k, b in frames[1:]] == [(ord("O"), b"\x01a\n"), (ord("O"), b"\x02b\n"), (ord("E"), b"\0\0\0\0\0\0")]
+    # Output that keeps coming in small pieces, read by nobody: the heartbeats carry it, the host's
+    # idle timeout never trips.
+    a = await own_agent("--heartbeat-ms", "50")
+    monkeypatch.setattr(_agent, "_EXEC_IDLE_S", 0.2)
+    res = await a.client.exec("for i in 1 2 3 4 5 6 7 8; do echo $i; sleep 0.1; done")
+    assert basic(res) == (0, b"".join(b"%d\n" % i for i in range(1, 9)), b"", False)
+
+
 async def test_client_gives_up_on_a_silent_agent(tmp_path, monkeypatch):
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # swallow the request, never answer, return once the client leaves
