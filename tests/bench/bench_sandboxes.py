@@ -21,7 +21,9 @@ agent with the container backend (a private containerd + runc) in a temp data di
 
 ``--exec-agents N``: N sandboxes, then N concurrent agents (one per sandbox, in a client process of
 their own, so its CPU is apart from the host agent's) each running ``echo hi`` ``--exec-rounds``
-times with ``--think-ms`` between execs (each value of the list in turn; 0: flat out). Prints
+times with ``--think-ms`` between execs (each value of the list in turn; 0: flat out), started all at
+once (lockstep: with a constant think time they stay in step, 64 execs arriving together) or each at
+a random moment of its first think time (staggered, as independent agents would; ``--exec-start``). Prints
 execs/s, p50/p90/p99 and CPU µs per exec by process: the client, this process (the host agent;
 placement idles), the agents in the sandboxes (dsec-agent itself, and the commands it ran),
 containerd, shims, nats-server, the whole machine. ``--exec-profile DIR`` records the host agent
@@ -37,6 +39,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -704,7 +707,8 @@ async def run_lifecycle(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ exec
-async def _exec_agent(sb: AsyncSandbox, rounds: int, think: float, lat: list[float], errors: list[str]) -> None:
+async def _exec_agent(sb: AsyncSandbox, rounds: int, think: float, lat: list[float], errors: list[str], start: float) -> None:
+    await asyncio.sleep(start)  # the agent's first step comes when its first think ends
     for i in range(rounds):
         t = time.perf_counter()
         try:
@@ -720,8 +724,9 @@ async def _exec_agent(sb: AsyncSandbox, rounds: int, think: float, lat: list[flo
 
 async def exec_client(args: argparse.Namespace) -> None:
     """The client process of ``--exec-agents``: one agent per sandbox id (stdin's first line), each
-    running ``echo hi`` --exec-rounds times with the think time of each "go <think_ms>" line of
-    stdin; prints one JSON line per run (latencies in ms, wall seconds, its own CPU seconds)."""
+    running ``echo hi`` --exec-rounds times with the think time of each "go <think_ms> <start>" line
+    of stdin (start "lockstep": all at once, else each at a random moment of its first think time);
+    prints one JSON line per run (latencies in ms, wall seconds, its own CPU seconds)."""
     import json
 
     ids = sys.stdin.readline().split()
@@ -731,10 +736,13 @@ async def exec_client(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for line in iter(sys.stdin.readline, ""):
         think = float(line.split()[1]) / 1000
+        lockstep = line.split()[2] == "lockstep"
         lat: list[float] = []
         errors: list[str] = []
+        rng = random.Random(1)
+        starts = [0.0 if lockstep else rng.uniform(0, think) for _ in sbs]
         c0, w0 = time.process_time(), loop.time()
-        await asyncio.gather(*(_exec_agent(sb, args.exec_rounds, think, lat, errors) for sb in sbs))
+        await asyncio.gather(*(_exec_agent(sb, args.exec_rounds, think, lat, errors, t0) for sb, t0 in zip(sbs, starts, strict=True)))
         wall, cpu = loop.time() - w0, time.process_time() - c0
         print(json.dumps({"lat": lat, "wall": wall, "cpu": cpu, "errors": errors[:5], "n_errors": len(errors)}), flush=True)
     await sdk._async.close_connections()
@@ -761,6 +769,8 @@ async def run_exec(args: argparse.Namespace) -> None:
 
     st = Stack(args)
     thinks = [float(x) for x in args.think_ms.split(",")]
+    starts = ["lockstep", "staggered"] if args.exec_start == "both" else [args.exec_start]
+    runs = [(t, s) for t in thinks for s in (starts if t else ["lockstep"])]
     print(f"dsec exec benchmark: {args.exec_agents} sandboxes, {args.exec_agents} concurrent agents x {args.exec_rounds} `echo hi`, "
           f"think {thinks} ms, {os.cpu_count()} cores; load average at start {Path('/proc/loadavg').read_text().split()[0]}")
     b0, w0 = machine_cpu_s(), time.monotonic()
@@ -796,7 +806,7 @@ async def run_exec(args: argparse.Namespace) -> None:
         if (await loop.run_in_executor(None, client.stdout.readline)).strip() != "ready":
             raise RuntimeError("the exec client did not start")
         rows = []
-        for think in thinks:
+        for think, start in runs:
             profs = []
             if args.exec_profile and think == 0:
                 os.makedirs(args.exec_profile, exist_ok=True)
@@ -804,19 +814,20 @@ async def run_exec(args: argparse.Namespace) -> None:
                 for p in profs:
                     p.start()
             c0 = cpu.snapshot()
-            client.stdin.write(f"go {think}\n")
+            client.stdin.write(f"go {think} {start}\n")
             client.stdin.flush()
             res = json.loads(await loop.run_in_executor(None, client.stdout.readline))
             c1 = cpu.snapshot()
             for p in profs:
                 p.stop()
             lat, n = res["lat"], len(res["lat"])
-            line = (f"exec think {think:g} ms: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
+            title = f"think {think:g} ms, {start}" if think else "flat out"
+            line = (f"exec {title}: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
                     f"p50 {pct(lat, 50):6.2f} ms  p90 {pct(lat, 90):6.2f} ms  p99 {pct(lat, 99):6.2f} ms  max {max(lat):6.1f} ms")
             print(line, flush=True)
             if res["errors"]:
                 print(f"    first failures: {res['errors']}")
-            print(f"  CPU per exec (µs), think {think:g} ms:")
+            print(f"  CPU per exec (µs), {title}:")
             d = {k: c1[k] - c0[k] for k in c0}
             parts = [
                 (f"client (SDK process, {len(sbs)} agents)", res["cpu"]),
@@ -875,6 +886,8 @@ def main() -> None:
     ap.add_argument("--exec-agents", type=int, default=0, help="exec mode: this many sandboxes and concurrent agents")
     ap.add_argument("--exec-rounds", type=int, default=40, help="with --exec-agents: execs per agent")
     ap.add_argument("--think-ms", default="50,0", help="with --exec-agents: think times between execs, one run each")
+    ap.add_argument("--exec-start", choices=("lockstep", "staggered", "both"), default="both",
+                    help="with think time: agents start all at once (and stay in step), or each at a random moment of its first think time")
     ap.add_argument("--exec-profile", default=None, help="with --exec-agents: py-spy of host agent and client (flat-out run) into DIR")
     ap.add_argument("--exec-client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", default="", help=argparse.SUPPRESS)
