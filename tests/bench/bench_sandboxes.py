@@ -748,6 +748,39 @@ async def exec_client(args: argparse.Namespace) -> None:
     await sdk._async.close_connections()
 
 
+class PerfStat:
+    """``perf stat`` of groups of processes (syscalls, context switches, CPU), per exec."""
+
+    EVENTS = "raw_syscalls:sys_enter,context-switches,task-clock"
+
+    def __init__(self, out_dir: str, groups: dict[str, list[int]]) -> None:
+        self.files = {name: os.path.join(out_dir, f"perf-{i}.txt") for i, name in enumerate(groups)}
+        exe = shutil.which("perf")
+        self.procs = [] if exe is None else [
+            subprocess.Popen([exe, "stat", "-x", ",", "-e", self.EVENTS, "-p", ",".join(map(str, pids)), "-o", self.files[name]],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pids in groups.items()
+        ]
+        time.sleep(0.3)  # perf attaches; not a synchronisation of the system under test
+
+    def report(self, n: int) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)
+            p.wait(10)
+        if not self.procs:
+            return
+        print("  perf stat, per exec:            syscalls  ctx switches  CPU µs")
+        for name, path in self.files.items():
+            vals: dict[str, float] = {}
+            with contextlib.suppress(OSError):
+                for line in Path(path).read_text().splitlines():
+                    f = line.split(",")
+                    if len(f) > 2 and f[0].replace(".", "").isdigit():
+                        vals[f[2]] = float(f[0])
+            print(f"    {name:28} {vals.get('raw_syscalls:sys_enter', 0) / n:9.1f} {vals.get('context-switches', 0) / n:13.1f} "
+                  f"{1000 * vals.get('task-clock', 0) / n:7.1f}")
+
+
 class ExecCpu:
     """CPU seconds by process for the exec run: the sandboxes' agents are read one by one (own time,
     and the time of the commands they ran and reaped), besides the parts CpuMeter knows."""
@@ -813,6 +846,8 @@ async def run_exec(args: argparse.Namespace) -> None:
                 profs = [Profiler(os.path.join(args.exec_profile, f"{name}.txt"), pid) for name, pid in (("hostagent", os.getpid()), ("client", client.pid))]
                 for p in profs:
                     p.start()
+                counters = PerfStat(args.exec_profile, {"client": [client.pid], "host agent": [os.getpid()], "dsec-agents": agent_pids,
+                                                        "nats-server": [st.nats.pid or 0]})
             c0 = cpu.snapshot()
             client.stdin.write(f"go {think} {start}\n")
             client.stdin.flush()
@@ -821,6 +856,8 @@ async def run_exec(args: argparse.Namespace) -> None:
             for p in profs:
                 p.stop()
             lat, n = res["lat"], len(res["lat"])
+            if profs:
+                counters.report(n)
             title = f"think {think:g} ms, {start}" if think else "flat out"
             line = (f"exec {title}: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
                     f"p50 {pct(lat, 50):6.2f} ms  p90 {pct(lat, 90):6.2f} ms  p99 {pct(lat, 99):6.2f} ms  max {max(lat):6.1f} ms")
