@@ -208,10 +208,12 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        if len(self.buf) > _BUF_HIGH and not self._paused and self.transport is not None:
+        buf = self.buf
+        buf += data
+        # Whole frames piling up unread: a slow consumer of the output slows the agent, not our memory.
+        if len(buf) > _BUF_HIGH and not self._paused and self.transport is not None and len(buf) >= 4 + _U32.unpack_from(buf)[0]:
             self._paused = True
-            self.transport.pause_reading()  # a slow consumer of the output slows the agent, not our memory
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -245,18 +247,24 @@ class _Conn(asyncio.Protocol):
         """The next reply frame if it has arrived whole, else None."""
         buf = self.buf
         if len(buf) < 4:
+            self._resume()
             return None
         n = _U32.unpack_from(buf)[0]
         if n == 0 or n > _MAX_REPLY:
             raise AgentError(_errno.EPROTO, f"bad reply frame length {n}")
         if len(buf) < 4 + n:
+            self._resume()  # one frame may be bigger than the pause mark (a long listing): it must come whole
             return None
         kind, body = buf[4], bytes(buf[5:4 + n])
         del buf[:4 + n]
-        if self._paused and len(buf) < _BUF_HIGH // 2 and self.transport is not None:
+        if len(buf) < _BUF_HIGH // 2:
+            self._resume()
+        return kind, body
+
+    def _resume(self) -> None:
+        if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
-        return kind, body
 
     async def frame(self) -> tuple[int, bytes]:
         while True:

@@ -460,6 +460,40 @@ async def test_connections_are_reused(own_agent):
     await until(lambda: _agent_sockets(a.proc.pid) == 0, "the agent closed the connections after close_idle")
 
 
+class _Transport:
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_reply_buffer_pauses_between_frames_never_inside_one():
+    conn = _agent._Conn()
+    t = _Transport()
+    conn.connection_made(t)
+    big = b"T" + b"x" * (3 * _agent._BUF_HIGH)  # one listing three times the pause mark
+    data = U32.pack(len(big)) + big
+    for off in range(0, len(data), 1 << 20):
+        assert not t.paused  # a frame must arrive whole: pausing inside it would wait forever
+        conn.data_received(data[off:off + (1 << 20)])
+    assert await conn.frame() == (ord("T"), big[1:])
+    assert not t.paused and not conn.buf
+    chunk = frame(b"O", b"\x01" + b"y" * (1 << 20))
+    while not t.paused:  # whole frames nobody takes: reading stops
+        conn.data_received(chunk)
+    assert len(conn.buf) <= _agent._BUF_HIGH + len(chunk)
+    while conn.buf:
+        assert await conn.frame() == (ord("O"), chunk[5:])
+    assert not t.paused  # taken: reading goes on
+
+
 async def test_raw_requests_follow_each_other_on_one_connection(agent):
     async def reply(reader: asyncio.StreamReader, last: bytes) -> bytes:
         kinds = b""
