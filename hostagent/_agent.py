@@ -243,6 +243,22 @@ class _Conn(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    async def hang_up(self, timeout_s: float) -> None:
+        """Tell the agent we are done and wait until it has closed its end (its EOF reaches us)."""
+        if self.transport is not None and not self.eof and not self.transport.is_closing():
+            self.transport.write_eof()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while not self.eof and loop.time() < deadline:
+                self._waiter = loop.create_future()
+                try:
+                    await asyncio.wait_for(self._waiter, deadline - loop.time())
+                except TimeoutError:
+                    break
+                finally:
+                    self._waiter = None
+        self.close()
+
     def buffered(self) -> tuple[int, bytes] | None:
         """The next reply frame if it has arrived whole, else None."""
         buf = self.buf
@@ -360,10 +376,17 @@ class AgentClient:
             c.close()
 
     def close_idle(self) -> None:
-        """Close the pooled connections (before a checkpoint: CRIU should find none to the outside)."""
+        """Close the pooled connections (the sandbox is going away)."""
         idle, self._idle = self._idle, []
         for c in idle:
             c.close()
+
+    async def hang_up_idle(self, timeout_s: float = 2.0) -> None:
+        """Close the pooled connections and wait until the agent closed its ends too: before the
+        sandbox is frozen, so a CRIU dump of it finds no socket to the outside (nor a frozen agent
+        one it cannot close)."""
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(c.hang_up(timeout_s) for c in idle))
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()

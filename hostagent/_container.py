@@ -655,14 +655,18 @@ class ContainerBackend:
         why = f"exited: {last}" if last else (str(exc) if exc else "exited")
         raise CreateFailed(f"sandbox agent did not start: {why}")
 
+    async def before_freeze(self, handle: Handle) -> None:
+        """Hang up the idle connections to the sandbox's agent (hostagent._snapshots, before it
+        freezes the sandbox): a frozen agent cannot close its ends, and CRIU cannot dump them."""
+        client = self._clients.get(handle.sandbox_id)
+        if client is not None:
+            await client.hang_up_idle()
+
     async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
         """CRIU-dump the sandbox's processes into ``image_dir`` (whole memory: no soft-dirty tracking
         here); the sandbox runs on (or stays frozen, if it was)."""
         assert self.rt is not None
         cid = self._cid.get(handle.sandbox_id, handle.sandbox_id)
-        client = self._clients.get(handle.sandbox_id)
-        if client is not None:
-            client.close_idle()  # no connection of ours for CRIU to find open (a unix socket to the outside)
         try:
             await self.rt.checkpoint(cid, image_dir, work_dir, exit=False)
         except ContainerdError as exc:

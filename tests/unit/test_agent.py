@@ -456,8 +456,12 @@ async def test_connections_are_reused(own_agent):
     await asyncio.gather(*(c.exec("sleep 0.1") for _ in range(10)))
     assert len(c._idle) == _agent._IDLE_MAX
     await until(lambda: _agent_sockets(a.proc.pid) == _agent._IDLE_MAX, "the agent closed the connections we let go")
+    # Before a freeze: hung up, and the agent has closed its ends by the time this returns.
+    await c.hang_up_idle()
+    assert not c._idle and _agent_sockets(a.proc.pid) == 0
+    await c.exec("true")
     c.close_idle()
-    await until(lambda: _agent_sockets(a.proc.pid) == 0, "the agent closed the connections after close_idle")
+    await until(lambda: _agent_sockets(a.proc.pid) == 0, "the agent closed the connection after close_idle")
 
 
 class _Transport:
