@@ -88,6 +88,8 @@ HostMessage = PlaceSandbox | PlaceBatch
 
 
 # --- events on DSEC_EVT ----------------------------------------------------------------
+# "requested" and "placed" are kept for replays of older streams; placement no longer writes them
+# (a ready event's detail carries placed_by and placed_ms).
 SandboxEventKind = Literal[
     "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered", "lost"
 ]

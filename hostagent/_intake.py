@@ -61,7 +61,7 @@ class Intake:
                 # A hand-off placed longer ago than half the window may be a replay JetStream no longer
                 # de-duplicates: it claims too.
                 first = work.attempt == 0 and not work.claim and _deliveries(msg) == 1 and self._fresh(work.placed_at)
-                await self.create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first)
+                await self.create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first, placed=(work.placed_by, work.placed_at))
                 await msg.ack()
             case PlaceBatch():
                 await self.create_batch(work, msg)
@@ -95,7 +95,10 @@ class Intake:
         return layers
 
     # --- create ------------------------------------------------------------------------------------
-    async def create_one(self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False) -> None:
+    async def create_one(
+        self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False,
+        placed: tuple[str, float] = ("", 0.0),
+    ) -> None:
         # (no structlog context binding here: it costs more than the rest of a simulated create;
         # the log lines of this path name the sandbox themselves)
         host = self.host
@@ -129,7 +132,7 @@ class Intake:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, msg, claimed=claim or held)
+            await self._do_create(spec, attempt, msg, claimed=claim or held, placed=placed)
         finally:
             self.creating.pop(sid, None)
             fut.set_result(None)
@@ -140,7 +143,8 @@ class Intake:
         if not (work.claim or work.attempt or _deliveries(msg) > 1) and self._fresh(work.placed_at):
             # First hand-off of a first-time batch: create first, then claim with the record itself
             # (see _do_create); a copy handed to another host after a placement crash loses that race.
-            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False) for s in work.specs))
+            placed = (work.placed_by, work.placed_at)
+            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False, placed=placed) for s in work.specs))
             return
         reg = self.host.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
@@ -153,7 +157,8 @@ class Intake:
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
         # which re-checks the claim and rejects or re-places as a single create would.
         await asyncio.gather(*(
-            self.create_one(s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed) for s in work.specs
+            self.create_one(s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at))
+            for s in work.specs
         ))
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
@@ -165,7 +170,7 @@ class Intake:
         host.m.creates.inc(result="rejected")
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
-    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True) -> None:
+    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0)) -> None:
         """Create, then store the record and announce ``ready``.
 
         ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
@@ -214,7 +219,13 @@ class Intake:
             return
         if spec.snapshot:
             await host.snapshots.restored(ls)
-        await host.records.event(spec, "ready", attempt=attempt, detail={"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"})
+        # Not acked: the record just stored is the durable fact (a client that misses this reads it).
+        # It also says who placed the sandbox and when: placement writes no event of its own.
+        detail = {"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
+        if placed[0]:
+            detail["placed_by"] = placed[0]
+            detail["placed_ms"] = f"{max(0.0, placed[1] - spec.requested_at) * 1000:.1f}"
+        await host.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False)
         self.created += 1
         host.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)

@@ -144,6 +144,7 @@ class HostAgent(Service):
             capacity=self.concurrency,
             ack_wait_s=60.0,
             max_ack_pending=self.concurrency,  # a burst waits in the stream, not in this process
+            state_in_memory=True,  # DSEC_HOST is a work queue: the stream keeps what is not done
             name=f"host-{self.host_id}",
         )
         await self.records.host_event("up")

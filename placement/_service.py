@@ -139,7 +139,9 @@ class Placement(Service):
         return await self.events.sandbox(spec, "failed", attempt=attempt, err=err, wait=False)  # type: ignore[return-value]
 
     async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
-        """An informational event (requested, placed, pending): no ack round trip."""
+        """An informational event (pending): no ack round trip. Requested and placed are not events of their
+        own: the request is in DSEC_REQ and the hand-off names its placer and time, which the host's
+        ``ready`` event carries (``placed_by``, ``placed_ms``); two stream writes fewer per create."""
         assert self.events is not None
         self.m.event(spec, kind)
         await self.events.sandbox(spec, kind, attempt=attempt, host_id=host_id, err=err, acked=False)
@@ -188,13 +190,13 @@ class Placement(Service):
         spec = req.spec
         delivered = msg.metadata.num_delivered if msg.metadata else 1
         if req.attempt == 0 and delivered == 1:
-            await self._note(spec, "requested")  # where a sandbox's audit trail starts
+            self.m.event(spec, "requested")
         err, layers = await self._precheck(spec, now)
         if err is None and req.attempt >= self.max_attempts:
             err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
         if err is not None:
             log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
-            outs.append((msg, await self._failed(spec, err, req.attempt), "", None, req.attempt))
+            outs.append((msg, await self._failed(spec, err, req.attempt), "", None))
             return
         fresh = self._fresh(spec, now)
         first = fresh and req.attempt == 0 and not req.exclude_hosts and delivered == 1
@@ -215,7 +217,7 @@ class Placement(Service):
             placed_by=self.replica_id, placed_at=now, claim=not fresh or delivered > 1,
         )
         msg_id = f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"
-        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: msg_id}), host, spec, req.attempt))
+        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: msg_id}), host, spec))
 
     def _choose(self, spec: SandboxSpec, excluded: list[str], layers: frozenset[str], now: float) -> str | None:
         host = self.table.choose(spec, set(excluded) if excluded else frozenset(), layers, now)
@@ -235,14 +237,14 @@ class Placement(Service):
                 pb = PlaceBatch(batch_id=f"g-{digest}", host_id=host, specs=[sp for _, sp in members], placed_by=self.replica_id, placed_at=now)
                 fut = await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
             for msg, spec in members:
-                outs.append((msg, fut, host, spec, 0))
+                outs.append((msg, fut, host, spec))
 
     async def _settle(self, outs: "list[_Out]") -> None:
         """Wait for every hand-off's ack at once, then ack (or nak) each request."""
         _, not_done = await asyncio.wait([o[1] for o in outs], timeout=self.handoff_timeout_s)
         for f in not_done:
             f.cancel()
-        for msg, fut, host, spec, attempt in outs:
+        for msg, fut, host, spec in outs:
             if fut.cancelled() or fut.exception() is not None:
                 # The hand-off may or may not be stored: redeliver; its Nats-Msg-Id makes a re-send harmless.
                 if spec is not None:
@@ -255,7 +257,7 @@ class Placement(Service):
                     # An earlier delivery of this request already handed it off (maybe elsewhere).
                     self.table.release(host, spec.sandbox_id)
                 else:
-                    await self._note(spec, "placed", attempt=attempt, host_id=host)
+                    self.m.event(spec, "placed")
                     self.placed += 1
             await msg.ack()
 
@@ -332,7 +334,7 @@ class Placement(Service):
         runs = _Runs(self.table, len(specs))
         for spec in specs:
             if delivered == 1 and req.attempt == 0:
-                await self._note(spec, "requested")
+                self.m.event(spec, "requested")
             err, layers = await self._precheck(spec, now)
             if err is not None:
                 futs.append(await self._failed(spec, err))
@@ -373,15 +375,15 @@ class Placement(Service):
                 log.warning("batch_handoff_failed", batch_id=req.batch_id)
                 await msg.nak()
                 return
-        for host, hspecs in by_host.items():
+        for hspecs in by_host.values():
             for spec in hspecs:
-                await self._note(spec, "placed", host_id=host)
+                self.m.event(spec, "placed")
         self.placed += sum(len(v) for v in by_host.values())
         await msg.ack()
 
 
-# (request, its hand-off's or failed event's ack, host or "", spec or None for a failed event, attempt)
-_Out = tuple[Msg, asyncio.Future, str, SandboxSpec | None, int]
+# (request, its hand-off's or failed event's ack, host or "", spec or None for a failed event)
+_Out = tuple[Msg, asyncio.Future, str, SandboxSpec | None]
 
 
 class _Runs:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     keep = args.keep
     try:
         srv.start()
-        return asyncio.run(_run(args, srv.url, tmp, logs, procs, srv.pid))
+        return asyncio.run(_run(args, srv.url, tmp, logs, procs, srv.pid, srv.monitor_port))
     except BaseException:
         keep = True  # the logs say why
         raise
@@ -193,7 +194,35 @@ async def _start_clients(
     return clients
 
 
-async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs: list[_Proc], nats_pid: int | None) -> dict[str, Any]:
+def _monitor(port: int, path: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{path}", timeout=5) as resp:
+        return json.loads(resp.read())
+
+
+def server_counters(port: int) -> dict[str, int]:
+    """The server's own counters: messages in and out (every publish, ack, pull, reply), JetStream API
+    calls, and messages stored per stream (KV buckets included)."""
+    v = _monitor(port, "varz")
+    j = _monitor(port, "jsz?streams=true")
+    out = {"in_msgs": v["in_msgs"], "out_msgs": v["out_msgs"], "js_api": j.get("api", {}).get("total", 0)}
+    for acc in j.get("account_details") or []:
+        for st in acc.get("stream_detail") or []:
+            out[f"stored.{st['name']}"] = st["state"]["last_seq"]
+    return out
+
+
+def per_op(before: dict[str, int], after: dict[str, int], n: int) -> dict[str, float]:
+    """Counter deltas per operation (streams created during the run count from 0)."""
+    if n <= 0:
+        return {}
+    d = {k: round((after[k] - before.get(k, 0)) / n, 2) for k in after}
+    d["js_stored"] = round(sum(v for k, v in d.items() if k.startswith("stored.")), 2)
+    return {k: v for k, v in d.items() if v}
+
+
+async def _run(
+    args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs: list[_Proc], nats_pid: int | None, monitor_port: int
+) -> dict[str, Any]:
     storage = StorageType.MEMORY if args.storage == "memory" else StorageType.FILE
     nc = await connect(url, name="dsec-bench")
     js = nc.jetstream(timeout=30)
@@ -251,16 +280,19 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
             out[role] = out.get(role, 0.0) + _cpu_s(p.proc.pid)
         return out
 
+    counters0 = await loop.run_in_executor(None, server_counters, monitor_port)
     cpu0 = cpu_by_role()
     await nc.publish(go_subject, b"go")
     await nc.flush()
     cpu1: dict[str, float] = {}
+    counters1: dict[str, int] = {}
     for i, c in enumerate(clients):
         line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]
         if line.strip() != b"done":
             raise RuntimeError(f"{c.name} did not finish ({line!r}); see {c.log_path}")
         if i == 0:
             cpu1 = cpu_by_role()  # the burst is over when the first client is done (clients run alike)
+            counters1 = await loop.run_in_executor(None, server_counters, monitor_port)
         await loop.run_in_executor(None, c.proc.wait)
     cpu_s = {k: round(cpu1.get(k, 0.0) - v, 2) for k, v in cpu0.items()}
 
@@ -311,6 +343,9 @@ async def _run(args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs:
         # what the run really got from the machine: on a shared box the rate alone misleads
         "cores_used": round(sum(cpu_s.values()) / span, 2) if span > 0 else 0.0,
         "cpu_us_per_create": round(sum(cpu_s.values()) / n_ok * 1e6, 1) if n_ok else 0.0,
+        "cpu_us_per_create_by_process": {k: round(v / n_ok * 1e6, 1) for k, v in cpu_s.items()} if n_ok else {},
+        # measured from the go message to the first client's end: the other client's tail is not in it
+        "nats_per_create": per_op(counters0, counters1, n_ok),
         "cpus": os.cpu_count(),
     }
 

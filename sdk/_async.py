@@ -292,7 +292,22 @@ async def _replies_for(nc: NATS) -> _Replies:
 
 async def _outcome_in_stream(js: Any, sid: str, since: float = 0.0) -> SandboxEvent | None:
     """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path); one from before
-    ``since`` is an earlier generation's (a persisted pause resumed under the same id): not this one."""
+    ``since`` is an earlier generation's (a persisted pause resumed under the same id): not this one.
+    A host announces ``ready`` without waiting for the stream's ack, after its record is stored: with
+    no event in the stream, a running record is the outcome."""
+    ev = await _outcome_in_events(js, sid, since)
+    if ev is not None:
+        return ev
+    try:
+        rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sid)
+    except Exception:  # noqa: BLE001 - the bucket is unreachable right now: look again later
+        return None
+    if rec is not None and rec.state in ("running", "paused") and rec.ready_at >= since:
+        return SandboxEvent(sandbox_id=sid, kind="ready", at=rec.ready_at, host_id=rec.host_id, detail={"from": "record"})
+    return None
+
+
+async def _outcome_in_events(js: Any, sid: str, since: float) -> SandboxEvent | None:
     for kind in ("ready", "failed"):
         try:
             m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind))

@@ -47,8 +47,18 @@ def consumer_config(
     max_ack_pending: int,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     max_waiting: int = 512,
+    state_in_memory: bool = False,
 ) -> ConsumerConfig:
-    """A durable, explicitly acked pull consumer's configuration (the one shape dsec uses)."""
+    """A durable, explicitly acked pull consumer's configuration (the one shape dsec uses).
+
+    ``state_in_memory``: for a consumer of a work-queue stream, whose un-acked work the stream itself
+    keeps (an ack deletes the message). A file-backed consumer rewrites its state file up to 10 times a
+    second while busy (nats-server's ``consumerFileStore.flushLoop``: a temp file created and renamed
+    each time); with one consumer per host that is what nats-server spent two thirds of its CPU on
+    during a 160-host create burst. Kept in memory, a server restart loses the consumer (``PullConsumer``
+    makes it again) and its delivery counts: everything left in the stream is delivered again, as a
+    first delivery, which the handler must take (dsec's host intake does: its registry and claims).
+    """
     return ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
@@ -58,6 +68,7 @@ def consumer_config(
         max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
         max_waiting=max_waiting,
+        mem_storage=True if state_in_memory else None,
     )
 
 
@@ -182,6 +193,8 @@ class PullConsumer:
         self._buf: list[Msg] = []
         self._flush_scheduled = False
         self._retry_scheduled = False
+        self._recreating = False
+        self.recreated = 0  # times the consumer was made again (server restarts)
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
 
@@ -220,6 +233,24 @@ class PullConsumer:
 
         asyncio.get_running_loop().call_later(STATUS_BACKOFF_S, again)
 
+    def _recreate(self) -> None:
+        if self._recreating or self._stopping:
+            return
+        self._recreating = True
+
+        async def again() -> None:
+            try:
+                await self.js.add_consumer(self.stream, self.config)
+                self.recreated += 1
+                logger.warning("consumer_recreated", consumer=self.name, stream=self.stream)
+            except Exception as exc:  # noqa: BLE001 - the server is not back yet: the next status retries
+                logger.info("consumer_recreate_failed", consumer=self.name, error=str(exc))
+            finally:
+                self._recreating = False
+            self._retry_later()
+
+        self._spawn(again())
+
     def _spawn(self, coro: Awaitable[None]) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
@@ -235,7 +266,11 @@ class PullConsumer:
             self.credits = max(0, self.credits - int(pending)) if pending is not None else 0
             if status in ("404", "408"):  # no messages / request expired: ask again
                 self._maybe_pull()
-            else:  # 409 (max waiting, consumer deleted, ...): asking at once would spin
+            elif status == "503" or (status == "409" and "Deleted" in hdrs.get("Description", "")):
+                # No consumer answers (a consumer kept in memory did not survive a server restart), or
+                # it was deleted: make it again, then ask; the stream still holds what was not acked.
+                self._recreate()
+            else:  # 409 (max waiting, ...): asking at once would spin
                 logger.info("pull_status", consumer=self.name, status=status, description=hdrs.get("Description", ""))
                 self._retry_later()
             return

@@ -5,8 +5,9 @@ Rules:
 * an acked sandbox event whose kind happens once per attempt (``ONCE_PER_ATTEMPT``) carries
   ``Nats-Msg-Id = <sandbox_id>:<kind>:<attempt>``: a redelivered piece of work that says it again
   is de-duplicated by the stream;
-* an informational event (``acked=False``: requested, placed, exec, ...) is a core publish the
-  stream still records, without an ack round trip on the hot path;
+* an informational event (``acked=False``: exec, ...) is a core publish the stream still records,
+  without an ack round trip on the hot path; so is a create's ``ready``, whose durable twin is the
+  sandbox record the host stored (acked) just before: a client that misses the event reads the record;
 * the events a create waits for (``REPLY_KINDS``) are also sent to the spec's ``reply_to`` inbox,
   so the creating client hears them without a subscription of its own (it finds them in the stream
   if that core message is lost). Only ``_INBOX.`` subjects: a client must not make us publish on
@@ -74,11 +75,11 @@ class Events:
         data = encode(ev)
         subject = S.evt_sandbox(spec.sandbox_id, kind)
         fut: asyncio.Future[PubAck] | None = None
+        hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
         if acked:
-            hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
             fut = await self.publisher.publish(subject, data, hdr)
-        else:
-            await self.nc.publish(subject, data)
+        else:  # the stream still de-duplicates a core publish by its msg-id
+            await self.nc.publish(subject, data, headers=hdr)
         if kind in REPLY_KINDS and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
         if fut is None or not wait:

@@ -79,6 +79,7 @@ class Service:
         max_deliver: int = -1,
         max_ack_pending: int | None = None,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
+        state_in_memory: bool = False,
         config: ConsumerConfig | None = None,
         **kwargs: Any,
     ) -> PullConsumer:
@@ -87,7 +88,7 @@ class Service:
         assert self.nc is not None
         cfg = config or consumer_config(
             durable, filter_subject, ack_wait_s=ack_wait_s, max_deliver=max_deliver,
-            max_ack_pending=max_ack_pending or max(1, capacity), deliver_policy=deliver_policy,
+            max_ack_pending=max_ack_pending or max(1, capacity), deliver_policy=deliver_policy, state_in_memory=state_in_memory,
         )
         w = PullConsumer(self.nc, stream=stream, config=cfg, capacity=capacity, handler=handler, on_batch=on_batch, **kwargs)
         await w.start()

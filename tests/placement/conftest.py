@@ -65,3 +65,16 @@ async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, lis
     return out
 
 
+async def stored_events(js, ids, kinds: tuple[str, ...] = ("ready",), timeout: float = 20.0) -> dict[str, list[SandboxEvent]]:
+    """``ready_counts`` once every id in ``ids`` has an event of ``kinds`` stored: a ready event is a
+    core publish the stream stores, so a subscriber (or the creating client) can hear it first."""
+    out: dict[str, list[SandboxEvent]] = {}
+
+    async def all_there() -> bool:
+        out.clear()
+        out.update(await ready_counts(js, kinds))
+        return set(ids) <= set(out)
+
+    await eventually(all_there, timeout=timeout, what=f"{kinds} events of {len(ids)} sandboxes in the stream")
+    return out
+

@@ -22,7 +22,7 @@ from hostagent import HostAgent, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 
-from .conftest import LAYER, eventually, ready_counts
+from .conftest import LAYER, eventually, ready_counts, stored_events
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,7 +122,7 @@ async def test_batch_create_gives_exactly_one_ready_per_id(nats_srv, nc) -> None
         ids = {s.sandbox_id for s in sbs}
         assert len(ids) == 120
         assert {s.host_id for s in sbs} == {"b0", "b1", "b2"}  # spread
-        ready = await ready_counts(nc.jetstream())
+        ready = await stored_events(nc.jetstream(), ids)
         assert {sid: len(v) for sid, v in ready.items() if sid in ids} == {sid: 1 for sid in ids}
     finally:
         await pl.shutdown()
@@ -146,7 +146,7 @@ async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc, claim) ->
         want = {s.sandbox_id for s in specs} | {part[-1].sandbox_id}
         await eventually(lambda: a.created + b.created >= 41, what="all created")
         await asyncio.sleep(0.2)  # let a duplicate (there must be none) show up
-        ready = await ready_counts(js)
+        ready = await stored_events(js, want)
         assert all(len(ready[sid]) == 1 for sid in want)
         assert a.created + b.created == 41
         assert not set(a.live) & set(b.live)
@@ -245,9 +245,8 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
         held = (await js.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)).num_ack_pending
         assert held > 0  # requests died un-acked with the replica: JetStream redelivers them after ack_wait
         await eventually(lambda: len(ready) >= n, timeout=40, what=f"all {n} ready ({len(ready)} so far)")
-        counts = await ready_counts(js)
-        assert set(ids) <= set(counts)
-        assert [sid for sid in ids if len(counts[sid]) != 1] == []
+        counts = await stored_events(js, ids)
+        assert [(sid, counts[sid]) for sid in ids if len(counts[sid]) != 1] == []
         hosts_of = {sid: {e.host_id for e in counts[sid]} for sid in ids}
         assert all(len(h) == 1 for h in hosts_of.values())
     finally:

@@ -434,8 +434,8 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
         await js.publish(S.REQ_CREATE, data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
         # Placement takes the copy; its hand-off (Nats-Msg-Id <id>:<attempt>) is de-duplicated by the host
         # stream inside the window (PubAck duplicate: not placed again), else the host runs the id already.
-        await eventually(lambda: len(ev.of(sid, "requested")) >= 2, timeout=20, what="placement to take the tampered copy")
-        await eventually(lambda: placement_idle(stack), timeout=20, what="placement to ack the copy")
+        # (stored, so placement's consumer counts it pending until it has taken and acked it)
+        await eventually(lambda: placement_idle(stack), timeout=20, what="placement to take and ack the copy")
         await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the copy")
         assert len(stack.host.live) == 1 and stack.host.created == created0 + 1
         assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
