@@ -182,7 +182,7 @@ def peer_pid(sock: socket.socket) -> int:
 
 
 def _s(value: str | bytes) -> bytes:
-    raw = os.fsencode(value)
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value  # os.fsencode, inline
     return _U32.pack(len(raw)) + raw
 
 
@@ -282,26 +282,36 @@ class _Conn(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
 
-    async def frame(self) -> tuple[int, bytes]:
+    async def frame(self, deadline: float | None = None) -> tuple[int, bytes]:
+        """The next frame; TimeoutError at loop time ``deadline`` (a plain timer on the wait: this
+        is every exec's path, asyncio.timeout's task bookkeeping costs more than the wait)."""
         while True:
             got = self.buffered()
             if got is not None:
                 return got
             if self.eof:
                 raise asyncio.IncompleteReadError(bytes(self.buf), None)
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            w = self._waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, w) if deadline is not None else None
             try:
-                await self._waiter
+                await w
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+
+def _expire(w: "asyncio.Future[None]") -> None:
+    if not w.done():
+        w.set_exception(TimeoutError())
 
 
 async def _exec_frame(conn: _Conn, deadline: float) -> tuple[int, bytes]:
     """The next frame of an exec by ``deadline``: heartbeats bound the silence from a live agent, a
     frozen or dead one trips this. (A frame already here needs no timer: a small exec's come together.)"""
     try:
-        async with asyncio.timeout_at(deadline):
-            return await conn.frame()
+        return await conn.frame(deadline)
     except TimeoutError as e:
         raise AgentUnavailable(_errno.ETIMEDOUT, "agent stopped responding during exec") from e
 

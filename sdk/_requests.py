@@ -3,7 +3,7 @@
 nats-py's ``request`` hands each reply through its inbox subscription's queue and task, then
 ``asyncio.wait_for``, and draws random bytes per request; an RL step is an exec, so that is paid
 on every step. Here one wildcard reply subscription per connection (``subscribe_sync``: no task)
-resolves the request's future directly, a counter names each request, and the timeout is one timer.
+resolves the request's future directly, a counter names each request, and the timeout is a timer.
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ class Requests:
         """The reply, as ``nc.request`` gives it: ``nats.errors.TimeoutError`` past ``timeout``,
         ``NoRespondersError`` when nobody serves the subject, ``MaxPayloadError`` for a request too big."""
         token = str(next(self._n))
-        fut: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Msg] = loop.create_future()
         self._futs[token] = fut
+        timer = loop.call_later(timeout, _expire, fut)  # a plain timer: no task bookkeeping per request
         try:
             await self.nc.publish(subject, data, reply=self.prefix + token)
-            async with asyncio.timeout(timeout):
-                msg = await fut
-        except TimeoutError:
-            raise nats.errors.TimeoutError from None
+            msg = await fut
         finally:
+            timer.cancel()
             self._futs.pop(token, None)
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             raise nats.errors.NoRespondersError
@@ -71,6 +71,11 @@ class Requests:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001 - connection closing
                 pass
+
+
+def _expire(fut: "asyncio.Future[Msg]") -> None:
+    if not fut.done():
+        fut.set_exception(nats.errors.TimeoutError())
 
 
 _shared: dict[int, Requests] = {}
