@@ -26,8 +26,10 @@ once (lockstep: with a constant think time they stay in step, 64 execs arriving 
 a random moment of its first think time (staggered, as independent agents would; ``--exec-start``). Prints
 execs/s, p50/p90/p99 and CPU µs per exec by process: the client, this process (the host agent;
 placement idles), the agents in the sandboxes (dsec-agent itself, and the commands it ran),
-containerd, shims, nats-server, the whole machine. ``--exec-profile DIR`` records the host agent
-and the client with py-spy during the flat-out run.
+containerd, shims, nats-server, the whole machine; ``--exec-perf`` adds ``perf stat`` figures
+(syscalls, context switches, CPU) per exec of the client, host agent, sandbox agents with the
+commands they ran, and nats-server. ``--exec-profile DIR`` records the host agent and the client
+with py-spy during the flat-out run.
 Everything it starts is stopped by pid and its data dir removed at the end.
 """
 
@@ -769,7 +771,7 @@ class PerfStat:
             p.wait(10)
         if not self.procs:
             return
-        print("  perf stat, per exec:            syscalls  ctx switches  CPU µs")
+        print("  perf stat, per exec:                       syscalls  ctx switches  CPU µs")
         for name, path in self.files.items():
             vals: dict[str, float] = {}
             with contextlib.suppress(OSError):
@@ -777,7 +779,7 @@ class PerfStat:
                     f = line.split(",")
                     if len(f) > 2 and f[0].replace(".", "").isdigit():
                         vals[f[2]] = float(f[0])
-            print(f"    {name:28} {vals.get('raw_syscalls:sys_enter', 0) / n:9.1f} {vals.get('context-switches', 0) / n:13.1f} "
+            print(f"    {name:40} {vals.get('raw_syscalls:sys_enter', 0) / n:9.1f} {vals.get('context-switches', 0) / n:13.1f} "
                   f"{1000 * vals.get('task-clock', 0) / n:7.1f}")
 
 
@@ -795,6 +797,33 @@ class ExecCpu:
         snap["dsec-agent in the sandboxes (own)"] = own
         snap["commands they ran (sh -c echo, reaped)"] = sum(cpu_s(p, children=True) for p in self.agent_pids) - own
         return snap
+
+
+def _exec_report(title: str, res: dict[str, Any], d: dict[str, float], agents: int) -> str:
+    """Print one run's figures; returns its summary line."""
+    lat, n = res["lat"], len(res["lat"])
+    line = (f"exec {title}: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
+            f"p50 {pct(lat, 50):6.2f} ms  p90 {pct(lat, 90):6.2f} ms  p99 {pct(lat, 99):6.2f} ms  max {max(lat):6.1f} ms")
+    print(line, flush=True)
+    if res["errors"]:
+        print(f"    first failures: {res['errors']}")
+    print(f"  CPU per exec (µs), {title}:")
+    parts = [
+        (f"client (SDK process, {agents} agents)", res["cpu"]),
+        ("host agent (this process; placement idles)", d["this process (host agent + placement + SDK)"]),
+        ("dsec-agent in the sandboxes (own)", d["dsec-agent in the sandboxes (own)"]),
+        ("commands they ran (sh -c echo, reaped)", d["commands they ran (sh -c echo, reaped)"]),
+        ("  = inside the sandboxes (cpuacct dsec/*)", d["inside the sandboxes (cpuacct dsec/*)"]),
+        ("nats-server", d["nats-server"]),
+        ("containerd", d["containerd"]),
+        ("shims + runc", d["shims + runc"]),
+        ("kernel threads (kworker, loop, ...)", d["kernel threads (kworker, loop, ...)"]),
+        ("other (interrupts, other processes, the client)", d["other (interrupts, other processes on the machine)"]),
+        ("machine (all busy CPU)", d["machine (all busy CPU)"]),
+    ]
+    for label, v in parts:
+        print(f"    {label:52} {1e6 * v / max(1, n):8.1f}")
+    return line
 
 
 async def run_exec(args: argparse.Namespace) -> None:
@@ -846,8 +875,10 @@ async def run_exec(args: argparse.Namespace) -> None:
                 profs = [Profiler(os.path.join(args.exec_profile, f"{name}.txt"), pid) for name, pid in (("hostagent", os.getpid()), ("client", client.pid))]
                 for p in profs:
                     p.start()
-                counters = PerfStat(args.exec_profile, {"client": [client.pid], "host agent": [os.getpid()], "dsec-agents": agent_pids,
-                                                        "nats-server": [st.nats.pid or 0]})
+            counters = None
+            if args.exec_perf:
+                counters = PerfStat(str(st.dir), {"client": [client.pid], "host agent": [os.getpid()], "dsec-agents (+ their commands)": agent_pids,
+                                                  "nats-server": [st.nats.pid or 0]})
             c0 = cpu.snapshot()
             client.stdin.write(f"go {think} {start}\n")
             client.stdin.flush()
@@ -855,33 +886,10 @@ async def run_exec(args: argparse.Namespace) -> None:
             c1 = cpu.snapshot()
             for p in profs:
                 p.stop()
-            lat, n = res["lat"], len(res["lat"])
-            if profs:
-                counters.report(n)
             title = f"think {think:g} ms, {start}" if think else "flat out"
-            line = (f"exec {title}: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
-                    f"p50 {pct(lat, 50):6.2f} ms  p90 {pct(lat, 90):6.2f} ms  p99 {pct(lat, 99):6.2f} ms  max {max(lat):6.1f} ms")
-            print(line, flush=True)
-            if res["errors"]:
-                print(f"    first failures: {res['errors']}")
-            print(f"  CPU per exec (µs), {title}:")
-            d = {k: c1[k] - c0[k] for k in c0}
-            parts = [
-                (f"client (SDK process, {len(sbs)} agents)", res["cpu"]),
-                ("host agent (this process; placement idles)", d["this process (host agent + placement + SDK)"]),
-                ("dsec-agent in the sandboxes (own)", d["dsec-agent in the sandboxes (own)"]),
-                ("commands they ran (sh -c echo, reaped)", d["commands they ran (sh -c echo, reaped)"]),
-                ("  = inside the sandboxes (cpuacct dsec/*)", d["inside the sandboxes (cpuacct dsec/*)"]),
-                ("nats-server", d["nats-server"]),
-                ("containerd", d["containerd"]),
-                ("shims + runc", d["shims + runc"]),
-                ("kernel threads (kworker, loop, ...)", d["kernel threads (kworker, loop, ...)"]),
-                ("other (interrupts, other processes, the client)", d["other (interrupts, other processes on the machine)"]),
-                ("machine (all busy CPU)", d["machine (all busy CPU)"]),
-            ]
-            for label, v in parts:
-                print(f"    {label:52} {1e6 * v / max(1, n):8.1f}")
-            rows.append(line)
+            rows.append(_exec_report(title, res, {k: c1[k] - c0[k] for k in c0}, len(sbs)))
+            if counters is not None:
+                counters.report(len(res["lat"]))
             for p in profs:
                 p.report(top=30)
         client.stdin.close()
@@ -926,6 +934,7 @@ def main() -> None:
     ap.add_argument("--exec-start", choices=("lockstep", "staggered", "both"), default="both",
                     help="with think time: agents start all at once (and stay in step), or each at a random moment of its first think time")
     ap.add_argument("--exec-profile", default=None, help="with --exec-agents: py-spy of host agent and client (flat-out run) into DIR")
+    ap.add_argument("--exec-perf", action="store_true", help="with --exec-agents: perf stat (syscalls, context switches, CPU) per process group and run")
     ap.add_argument("--exec-client", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
