@@ -522,8 +522,8 @@ class AgentClient:
             if not key or "=" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
             env_parts.append(_s(f"{key}={value}"))
-        # Nobody reads the output as it comes: the agent may send it with the exit (one frame batch).
-        buffered = on_output is None and not background
+        # Nobody reads the output or the pid as they come: the agent may send them with the exit.
+        buffered = on_output is None and on_start is None and not background
         flags = (1 if background else 0) | (2 if stdin else 0) | (4 if buffered else 0)
         frame = _frame(
             b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,

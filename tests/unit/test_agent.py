@@ -524,6 +524,15 @@ async def test_large_output_both_streams(agent):
     assert res.stdout == b"\0" * 6000000 and len(res.stderr) == 3000000
 
 
+async def test_timeouts_of_many_commands_at_once(agent):
+    # The agent keeps every command's timers itself (no timer fd per command): each fires on its own.
+    c = agent.client
+    res = await asyncio.gather(*(c.exec(f"sleep 30; echo never {i}", timeout_s=0.1 + 0.05 * i) for i in range(8)),
+                               *(c.exec(f"sleep 0.2; echo done {i}", timeout_s=30) for i in range(8)))
+    assert all(r.timed_out and r.exit_code == 137 and r.stdout == b"" for r in res[:8])
+    assert [basic(r) for r in res[8:]] == [(0, f"done {i}\n".encode(), b"", False) for i in range(8)]
+
+
 SYSCALL_WRITE = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
 
 
