@@ -8,6 +8,7 @@ import msgspec
 
 from .errors import BadRequest, ErrorReply, from_reply
 from .messages import (
+    CreateReply,
     DirMade,
     Done,
     EventMessage,
@@ -84,6 +85,7 @@ class Decoder:
 REQ = Decoder(ReqMessage)  # dsec.req.>
 HOST = Decoder(HostMessage)  # dsec.host.<id>.>
 EVENT = Decoder(EventMessage)  # dsec.evt.>
+CREATE_REPLY = Decoder(CreateReply)  # a create's reply_to inbox
 HOST_STATUS = Decoder(HostStatus)  # KV dsec_hosts
 SANDBOX_RECORD = Decoder(SandboxRecord)  # KV dsec_sandboxes
 TEMPLATE = Decoder(TemplateManifest)  # KV dsec_images

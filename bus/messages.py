@@ -106,6 +106,19 @@ class SandboxEvent(Struct, kw_only=True, tag=True):
     detail: dict[str, str] = {}
 
 
+class ReadyMany(Struct, kw_only=True, tag=True):
+    """Sandboxes of one hand-off to a host that are ready, told the creating client's inbox at once
+    (``reply_to``); the stream still holds one ``ready`` SandboxEvent for each."""
+
+    sandbox_ids: list[str]
+    host_id: str
+    at: float
+    attempt: int = 0
+
+
+CreateReply = SandboxEvent | ReadyMany  # what a create's reply_to inbox receives
+
+
 class HostEvent(Struct, kw_only=True, tag=True):
     host_id: str
     kind: str  # up, down, recovered
@@ -808,6 +821,8 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "Priority",
     "Backend",
     "SandboxEventKind",
+    "ReadyMany",
+    "CreateReply",
     "SANDBOX_STATES",
     "SANDBOX_ENDED",
     "KILL_DONE",

@@ -16,7 +16,7 @@ from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, Sandbo
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
 from bus.messages import TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV
+from bus.runtime import KV, deliveries
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._registry import LocalSandbox
@@ -55,12 +55,12 @@ class Intake:
             return
         match work:
             case PlaceSandbox():
-                # First hand-off of a first attempt: JetStream's de-duplication of <id>:<attempt> already
-                # guarantees no other host got this id, so the KV claim round trip is skipped. Redeliveries
-                # and re-placements (attempt > 0) claim, as every batch member does.
-                # A hand-off placed longer ago than half the window may be a replay JetStream no longer
-                # de-duplicates: it claims too.
-                first = work.attempt == 0 and not work.claim and _deliveries(msg) == 1 and self._fresh(work.placed_at)
+                # First hand-off of a first attempt: no claim before creating; the record, written with a
+                # KV create once the sandbox exists, is the claim (a copy of the id handed to another host
+                # after a placement replica died loses that race and is removed). Redeliveries and
+                # re-placements (attempt > 0) claim first, as every batch member does; so does a hand-off
+                # placed longer ago than half the dedup window (it may be a replay).
+                first = work.attempt == 0 and not work.claim and deliveries(msg) == 1 and self._fresh(work.placed_at)
                 await self.create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first, placed=(work.placed_by, work.placed_at))
                 await msg.ack()
             case PlaceBatch():
@@ -97,7 +97,7 @@ class Intake:
     # --- create ------------------------------------------------------------------------------------
     async def create_one(
         self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False,
-        placed: tuple[str, float] = ("", 0.0),
+        placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None,
     ) -> None:
         # (no structlog context binding here: it costs more than the rest of a simulated create;
         # the log lines of this path name the sandbox themselves)
@@ -132,7 +132,7 @@ class Intake:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, msg, claimed=claim or held, placed=placed)
+            await self._do_create(spec, attempt, msg, claimed=claim or held, placed=placed, ready=ready)
         finally:
             self.creating.pop(sid, None)
             fut.set_result(None)
@@ -140,11 +140,13 @@ class Intake:
     async def create_batch(self, work: PlaceBatch, msg: Msg) -> None:
         """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
         pipelined, then each member is created as a single one."""
-        if not (work.claim or work.attempt or _deliveries(msg) > 1) and self._fresh(work.placed_at):
+        if not (work.claim or work.attempt or deliveries(msg) > 1) and self._fresh(work.placed_at):
             # First hand-off of a first-time batch: create first, then claim with the record itself
             # (see _do_create); a copy handed to another host after a placement crash loses that race.
             placed = (work.placed_by, work.placed_at)
-            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False, placed=placed) for s in work.specs))
+            ready: list[SandboxSpec] = []
+            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False, placed=placed, ready=ready) for s in work.specs))
+            await self.host.records.ready_many(ready, work.attempt)
             return
         reg = self.host.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
@@ -156,10 +158,14 @@ class Intake:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
         # which re-checks the claim and rejects or re-places as a single create would.
+        done: list[SandboxSpec] = []
         await asyncio.gather(*(
-            self.create_one(s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at))
+            self.create_one(
+                s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
+            )
             for s in work.specs
         ))
+        await self.host.records.ready_many(done, work.attempt)
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         host = self.host
@@ -170,12 +176,16 @@ class Intake:
         host.m.creates.inc(result="rejected")
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
-    async def _do_create(self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0)) -> None:
+    async def _do_create(
+        self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0),
+        ready: list[SandboxSpec] | None = None,
+    ) -> None:
         """Create, then store the record and announce ``ready``.
 
         ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
         record itself is the claim, written with a KV create once the sandbox exists: if another host's
         record is there first, this copy is removed silently and the other host's stands.
+        ``ready``: the caller tells the creating client (``Records.ready_many``); the sandbox joins it.
         """
         host = self.host
         backend = host.backend
@@ -225,7 +235,9 @@ class Intake:
         if placed[0]:
             detail["placed_by"] = placed[0]
             detail["placed_ms"] = f"{max(0.0, placed[1] - spec.requested_at) * 1000:.1f}"
-        await host.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False)
+        await host.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False, reply=ready is None)
+        if ready is not None:
+            ready.append(spec)
         self.created += 1
         host.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
@@ -245,10 +257,6 @@ class Intake:
         self.host.m.creates.inc(result="failed")
         await self.host.records.event(spec, "failed", attempt=attempt, err=err)
         await self.host.records.failed(spec, err)
-
-
-def _deliveries(msg: Msg) -> int:
-    return msg.metadata.num_delivered if msg.metadata else 1
 
 
 __all__ = ["Intake", "LAYERS_TTL_S"]

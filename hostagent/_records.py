@@ -85,15 +85,21 @@ class Records:
     # --- events ------------------------------------------------------------------------------------
     async def event(
         self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None,
-        detail: dict[str, str] | None = None, acked: bool = True,
+        detail: dict[str, str] | None = None, acked: bool = True, reply: bool = True,
     ) -> None:
         """An acked sandbox event (de-duplicated per attempt; ready/failed also reach the creating
         client's inbox: bus.runtime.events); ``acked=False`` for audit events on hot paths."""
         assert self.events is not None
         try:
-            await self.events.sandbox(spec, kind, attempt=attempt, err=err, detail=detail, acked=acked)
+            await self.events.sandbox(spec, kind, attempt=attempt, err=err, detail=detail, acked=acked, reply=reply)
         except (StoreError, asyncio.TimeoutError) as exc:
             raise InternalError(f"{kind} event of {spec.sandbox_id} not stored: {exc}") from None
+
+    async def ready_many(self, specs: list[SandboxSpec], attempt: int = 0) -> None:
+        """The creating clients hear of a hand-off's ready sandboxes in one message each (core: a
+        client that misses it finds each one's record or event)."""
+        assert self.events is not None
+        await self.events.ready_many(specs, attempt)
 
     async def host_event(self, kind: str) -> None:
         assert self.events is not None

@@ -18,7 +18,7 @@ from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
-from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter
+from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
 from bus.streams import StreamOptions, ensure_all
 
@@ -188,7 +188,7 @@ class Placement(Service):
         self, msg: Msg, req: CreateSandbox, now: float, runs: "_Runs", groups: dict[str, list[tuple[Msg, SandboxSpec]]], outs: "list[_Out]"
     ) -> None:
         spec = req.spec
-        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        delivered = deliveries(msg)
         if req.attempt == 0 and delivered == 1:
             self.m.event(spec, "requested")
         err, layers = await self._precheck(spec, now)
@@ -296,7 +296,7 @@ class Placement(Service):
 
     async def pending(self, msg: Msg, spec: SandboxSpec, attempt: int) -> None:
         """No host fits: the request waits in the stream (NAK with delay); clients see ``pending``."""
-        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        delivered = deliveries(msg)
         if delivered == 1 or delivered % 20 == 0:
             await self._note(spec, "pending", attempt=attempt, err=NoCapacity("no host has room; waiting"))
         await msg.nak(delay=min(self.pending_delay_s * (1 + delivered // 10), 5.0))
@@ -324,7 +324,7 @@ class Placement(Service):
         assert self.acks is not None
         now = time.time()
         specs = req.specs
-        delivered = msg.metadata.num_delivered if msg.metadata else 1
+        delivered = deliveries(msg)
         if delivered > 1:
             done = await self._already_claimed(specs)
             specs = [s for s in specs if s.sandbox_id not in done]

@@ -260,13 +260,18 @@ class _Replies:
 
     def _on(self, msg: Any) -> None:
         try:
-            ev = codec.EVENT.decode(msg.data)
+            ev = codec.CREATE_REPLY.decode(msg.data)
         except BadRequest:
             return
         if isinstance(ev, SandboxEvent):
             fn = self.waiters.get(ev.sandbox_id)
             if fn is not None:
                 fn(ev)
+            return
+        for sid in ev.sandbox_ids:  # ReadyMany: a host's hand-off of several
+            fn = self.waiters.get(sid)
+            if fn is not None:
+                fn(SandboxEvent(sandbox_id=sid, kind="ready", at=ev.at, host_id=ev.host_id, attempt=ev.attempt))
 
 
 _replies: dict[int, _Replies] = {}

@@ -41,7 +41,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
 """
 
 from .connection import DEFAULT_URL, connect, nats_url
-from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config
+from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config, deliveries
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
@@ -59,6 +59,7 @@ __all__ = [
     "PullConsumer",
     "PullInbox",
     "consumer_config",
+    "deliveries",
     "dead_letter",
     "dead_letter_headers",
     "Endpoint",

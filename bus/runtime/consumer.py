@@ -72,6 +72,22 @@ def consumer_config(
     )
 
 
+def deliveries(msg: Msg) -> int:
+    """How many times JetStream delivered ``msg`` (1 for a message that is not a JetStream delivery),
+    read straight from its ``$JS.ACK`` reply subject: nats-py's ``msg.metadata`` builds a whole
+    metadata object (timestamps included) per message, a visible share of a hot handler."""
+    t = (msg.reply or "").split(".")
+    n = len(t)
+    try:
+        if n == 9 and t[0] == "$JS":
+            return int(t[4])
+        if n >= 11 and t[0] == "$JS":
+            return int(t[6])
+    except ValueError:
+        pass
+    return 1
+
+
 def _route_of(reply: str) -> tuple[str, str] | None:
     """(stream, consumer) of a ``$JS.ACK`` reply subject: v1 has 9 tokens, v2 (with domain and
     account hash) 11 or 12 (ADR-15)."""
@@ -329,4 +345,4 @@ class PullConsumer:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
 
 
-__all__ = ["BatchHandler", "Handler", "PullConsumer", "PullInbox", "consumer_config"]
+__all__ = ["BatchHandler", "Handler", "PullConsumer", "PullInbox", "consumer_config", "deliveries"]

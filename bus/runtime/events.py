@@ -27,7 +27,7 @@ from .. import log as _log
 from .. import subjects as S
 from ..codec import encode
 from ..errors import DsecError
-from ..messages import HostEvent, SandboxEvent, SandboxSpec
+from ..messages import HostEvent, ReadyMany, SandboxEvent, SandboxSpec
 from .publisher import PubAck, Publisher, nc_of
 
 logger = _log.get_logger("dsec.bus.events")
@@ -68,9 +68,11 @@ class Events:
         detail: dict[str, str] | None = None,
         acked: bool = True,
         wait: bool = True,
+        reply: bool = True,
     ) -> "PubAck | asyncio.Future[PubAck] | None":
         """Emit one sandbox event (see the module rules). ``wait=False``: return the ack's future
-        (pipelined); ``acked=False``: a core publish, returns None."""
+        (pipelined); ``acked=False``: a core publish, returns None; ``reply=False``: not to the
+        creating client (its caller tells it with ``ready_many``)."""
         ev = sandbox_event(spec.sandbox_id, kind, attempt=attempt, host_id=self.host_id if host_id is None else host_id, err=err, detail=detail)
         data = encode(ev)
         subject = S.evt_sandbox(spec.sandbox_id, kind)
@@ -80,11 +82,22 @@ class Events:
             fut = await self.publisher.publish(subject, data, hdr)
         else:  # the stream still de-duplicates a core publish by its msg-id
             await self.nc.publish(subject, data, headers=hdr)
-        if kind in REPLY_KINDS and spec.reply_to and S.valid_inbox(spec.reply_to):
+        if reply and kind in REPLY_KINDS and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
         if fut is None or not wait:
             return fut
         return await fut
+
+    async def ready_many(self, specs: list[SandboxSpec], attempt: int = 0) -> None:
+        """Tell each creating client, in one message per inbox, which of its sandboxes are ready."""
+        by_inbox: dict[str, list[str]] = {}
+        for s in specs:
+            if s.reply_to:
+                by_inbox.setdefault(s.reply_to, []).append(s.sandbox_id)
+        now = time.time()
+        for inbox, ids in by_inbox.items():
+            if S.valid_inbox(inbox):
+                await self.nc.publish(inbox, encode(ReadyMany(sandbox_ids=ids, host_id=self.host_id, at=now, attempt=attempt)))
 
     async def host(self, host_id: str, kind: str, detail: dict[str, str] | None = None) -> PubAck:
         return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))

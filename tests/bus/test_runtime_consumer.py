@@ -144,13 +144,14 @@ async def test_consumer_kept_in_memory_comes_back_after_a_server_restart(tmp_pat
     js = nc.jetstream()
     await js.add_stream(name="WQ", subjects=["wq.>"], retention=RetentionPolicy.WORK_QUEUE, storage=StorageType.FILE)
     got: list[tuple[bytes, int]] = []
+    acked: list[bytes] = []
 
     async def handler(msg) -> None:
         got.append((msg.data, msg.metadata.num_delivered))
-        if msg.data != b"held":  # "held" is in flight when the server goes away: never acked before
-            await msg.ack()
-        elif len([d for d, _ in got if d == b"held"]) > 1:
-            await msg.ack()
+        # "held" is in flight when the server goes away: acked only when it comes again
+        if msg.data != b"held" or [d for d, _ in got].count(b"held") > 1:
+            await msg.ack_sync()  # the server has it: the work queue dropped the message
+            acked.append(msg.data)
 
     cfg = consumer_config("w", "wq.>", ack_wait_s=60.0, max_ack_pending=8, state_in_memory=True)
     assert cfg.mem_storage is True
@@ -159,7 +160,7 @@ async def test_consumer_kept_in_memory_comes_back_after_a_server_restart(tmp_pat
     try:
         await js.publish("wq.a", b"held")
         await js.publish("wq.a", b"one")
-        await eventually(lambda: {d for d, _ in got} == {b"held", b"one"}, what="both delivered")
+        await eventually(lambda: {d for d, _ in got} == {b"held", b"one"} and acked == [b"one"], what="both delivered, one acked")
         srv.stop()
         srv.start()
         await eventually(lambda: nc.is_connected, timeout=20, what="the client to reconnect")
@@ -180,3 +181,17 @@ async def test_consumer_kept_in_memory_comes_back_after_a_server_restart(tmp_pat
         await c.finish(5)
         await nc.close()
         srv.stop()
+
+
+def test_deliveries_reads_the_ack_subject_as_nats_py_does() -> None:
+    from nats.aio.msg import Msg
+
+    from bus.runtime import deliveries
+
+    v1 = "$JS.ACK.S.c.3.10.7.1700000000000000000.0"
+    v2 = "$JS.ACK.dom.ACCHASH.S.c.4.10.7.1700000000000000000.0.tok"
+    for reply, n in ((v1, 3), (v2, 4)):
+        m = Msg(_client=None, subject="x", reply=reply)  # type: ignore[arg-type]
+        assert deliveries(m) == n == m.metadata.num_delivered
+    assert deliveries(Msg(_client=None, subject="x", reply="_INBOX.abc")) == 1  # type: ignore[arg-type]
+    assert deliveries(Msg(_client=None, subject="x", reply="")) == 1  # type: ignore[arg-type]
