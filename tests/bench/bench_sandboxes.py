@@ -799,6 +799,14 @@ class ExecCpu:
         return snap
 
 
+def _varz(port: int) -> dict[str, Any]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=5) as r:
+        return json.loads(r.read())
+
+
 def _exec_report(title: str, res: dict[str, Any], d: dict[str, float], agents: int) -> str:
     """Print one run's figures; returns its summary line."""
     lat, n = res["lat"], len(res["lat"])
@@ -879,15 +887,20 @@ async def run_exec(args: argparse.Namespace) -> None:
             if args.exec_perf:
                 counters = PerfStat(str(st.dir), {"client": [client.pid], "host agent": [os.getpid()], "dsec-agents (+ their commands)": agent_pids,
                                                   "nats-server": [st.nats.pid or 0]})
+            v0 = _varz(st.nats.monitor_port)
             c0 = cpu.snapshot()
             client.stdin.write(f"go {think} {start}\n")
             client.stdin.flush()
             res = json.loads(await loop.run_in_executor(None, client.stdout.readline))
             c1 = cpu.snapshot()
+            v1 = _varz(st.nats.monitor_port)
             for p in profs:
                 p.stop()
             title = f"think {think:g} ms, {start}" if think else "flat out"
             rows.append(_exec_report(title, res, {k: c1[k] - c0[k] for k in c0}, len(sbs)))
+            n = len(res["lat"])
+            print(f"  NATS per exec: {(v1['in_msgs'] - v0['in_msgs']) / n:.2f} messages in, {(v1['out_msgs'] - v0['out_msgs']) / n:.2f} out, "
+                  f"{(v1['in_bytes'] - v0['in_bytes']) / n:.0f} bytes in")
             if counters is not None:
                 counters.report(len(res["lat"]))
             for p in profs:
