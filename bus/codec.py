@@ -10,6 +10,7 @@ from .errors import BadRequest, ErrorReply, from_reply
 from .messages import (
     CreateReply,
     DirMade,
+    HandoffReply,
     Done,
     EventMessage,
     ExecChunk,
@@ -84,6 +85,7 @@ class Decoder:
 # Decoders, one per subject family.
 REQ = Decoder(ReqMessage)  # dsec.req.>
 HOST = Decoder(HostMessage)  # dsec.host.<id>.>
+HANDOFF_REPLY = Decoder(HandoffReply)  # the reply subject of a hand-off
 EVENT = Decoder(EventMessage)  # dsec.evt.>
 CREATE_REPLY = Decoder(CreateReply)  # a create's reply_to inbox
 HOST_STATUS = Decoder(HostStatus)  # KV dsec_hosts

@@ -56,6 +56,12 @@ class HostRejected(DsecError):
     code = "host_rejected"
 
 
+class HostUnreachable(DsecError):
+    """Nobody took work handed to a host (not subscribed), or it went silent: placed again elsewhere."""
+
+    code = "host_unreachable"
+
+
 class SandboxNotFound(DsecError):
     code = "sandbox_not_found"
 
@@ -166,6 +172,7 @@ _BY_CODE: dict[str, type[DsecError]] = {
         UnknownTemplate,
         NoCapacity,
         HostRejected,
+        HostUnreachable,
         SandboxNotFound,
         SandboxTimeout,
         KillPending,

@@ -87,6 +87,16 @@ class PlaceBatch(Struct, kw_only=True, tag=True):
 HostMessage = PlaceSandbox | PlaceBatch
 
 
+class HandoffReply(Struct, kw_only=True, tag=True):
+    """A host's answer on a hand-off's reply subject (bus.runtime.handoff): ``done`` once whatever the
+    work led to is durable (records, events, work handed on), ``working`` while it goes on, ``refused``
+    (``code``, ``description``) when it was not done: placement then lets the request be placed again."""
+
+    state: Literal["done", "working", "refused"] = "done"
+    code: str = ""
+    description: str = ""
+
+
 # --- events on DSEC_EVT ----------------------------------------------------------------
 # "requested" and "placed" are kept for replays of older streams; placement no longer writes them
 # (a ready event's detail carries placed_by and placed_ms).
@@ -821,6 +831,7 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "Priority",
     "Backend",
     "SandboxEventKind",
+    "HandoffReply",
     "ReadyMany",
     "CreateReply",
     "SANDBOX_STATES",

@@ -25,12 +25,14 @@ from .messages import (
     StreamAck,
     BuildImage,
     CreateBatch,
+    CreateReply,
     CreateSandbox,
     Done,
     ExecChunk,
     ExecRequest,
     FileOp,
     GuardViolation,
+    HandoffReply,
     HostEvent,
     HostImageStats,
     HostImageStatsRequest,
@@ -83,12 +85,13 @@ CHANNELS: list[Channel] = [
             doc="Ask for a sandbox. Publish with header Nats-Msg-Id: <sandbox_id> (JetStream de-duplication); JetStream acks the "
                 "publish. The outcome is a SandboxEvent (ready, failed, pending) on dsec.evt.sandbox.<id>.<kind> and, when "
                 "spec.reply_to names an inbox, a copy there.",
-            sends_also=(("spec.reply_to", SandboxEvent),)),
+            sends_also=(("spec.reply_to", CreateReply),)),
     Channel(S.REQ_CREATE_BATCH, CreateBatch, stream=S.STREAM_REQ, doc="Many alike sandboxes in one message; each gets its own events.",
-            sends_also=(("specs[].reply_to", SandboxEvent),)),
-    Channel(f"{S.PREFIX}.host.{{host}}.create", HostMessage, stream=S.STREAM_HOST, doc="Placement's work for one host (signed; services only)."),
+            sends_also=(("specs[].reply_to", CreateReply),)),
+    Channel(f"{S.PREFIX}.host.{{host}}.create", HostMessage, HandoffReply,
+            doc="Placement's work for one host (signed; services only): a core hand-off the host answers when it is durable."),
     Channel(f"{S.PREFIX}.evt.sandbox.{{id}}.{{kind}}", SandboxEvent, stream=S.STREAM_EVT,
-            doc="Lifecycle of a sandbox; kind is one of requested, pending, placed, rejected, ready, failed, exec, killed, timeout, recovered."),
+            doc="Lifecycle of a sandbox; kind is one of pending, rejected, ready, failed, exec, killed, timeout, recovered, lost."),
     Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT, doc="A host came up, went down or recovered."),
     Channel(S.EVT_GUARD_VIOLATION, GuardViolation, stream=S.STREAM_EVT, doc="A sandbox tripped a security rule."),
     Channel(f"{S.PREFIX}.evt.image.{{name}}.{{kind}}", ImageEvent, stream=S.STREAM_EVT, doc="A template was built or removed."),
@@ -135,7 +138,7 @@ BUCKETS: dict[str, tuple[Any, str]] = {
 }
 
 STREAMS: dict[str, list[str]] = {
-    S.STREAM_REQ: S.REQ_SUBJECTS, S.STREAM_HOST: S.HOST_SUBJECTS, S.STREAM_EVT: S.EVT_SUBJECTS, S.STREAM_DLQ: S.DLQ_SUBJECTS,
+    S.STREAM_REQ: S.REQ_SUBJECTS, S.STREAM_EVT: S.EVT_SUBJECTS, S.STREAM_DLQ: S.DLQ_SUBJECTS,
 }
 
 

@@ -2,18 +2,17 @@
 
 NATS checks a client's publish permissions on what it publishes, but not a push consumer's
 ``deliver_subject`` against its creator's: an anonymous client that may create a consumer on a stream
-can have the server deliver that stream's messages onto a host's work subject, where the DSEC_HOST
-stream captures them. Work that never went through placement (spec validation, capacity, quotas)
-must not run, so placement signs each hand-off with the deployment's control key (``dsec up``
-generates it next to the NATS users, :class:`bus.auth.AuthConfig`) and a host agent with a key
-refuses anything without a valid signature. Without a key (a dev stack without auth) nothing is
+can have the server deliver that stream's messages onto a host's work subject (under their stored
+subject, which the host's hand-off subscription does not match; a literal subscriber would see them).
+Work that never went through placement (spec validation, capacity, quotas) must not run, so
+placement signs each hand-off with the deployment's control key (``dsec up`` generates it next to
+the NATS users, :class:`bus.auth.AuthConfig`) and a host agent with a key refuses anything without a
+valid signature. Without a key (a dev stack without auth) nothing is
 signed or checked.
 
 Two things stay open on purpose: placement's intake (``dsec.req.create``) can be fed by such a delivery
-too, but a client may ask for sandboxes anyway, so that gains nothing; and a delivery a stream
-captures is stored under the delivered message's own subject (never a host's work subject), so junk
-can sit in DSEC_HOST until its limits drop it, unread. Sandbox ops delivered this way are refused by
-their reply subject (``subjects.is_stream_delivery``).
+too, but a client may ask for sandboxes anyway, so that gains nothing; and sandbox ops delivered
+this way are refused by their reply subject (``subjects.is_stream_delivery``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,6 @@ from nats.js.kv import KeyValue
 from . import subjects as S
 
 DAY = 86_400.0
-HOST_CONSUMERS_LIMIT = 100_000
 
 
 @dataclass(frozen=True)
@@ -38,15 +37,6 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
             name=S.STREAM_REQ,
             subjects=S.REQ_SUBJECTS,
             retention=RetentionPolicy.WORK_QUEUE,
-            storage=opts.storage,
-            duplicate_window=opts.dedup_window_s,
-            num_replicas=opts.replicas,
-        ),
-        StreamConfig(
-            name=S.STREAM_HOST,
-            subjects=S.HOST_SUBJECTS,
-            retention=RetentionPolicy.WORK_QUEUE,
-            max_consumers=HOST_CONSUMERS_LIMIT,  # one durable consumer per host; the server's default caps at 1,000
             storage=opts.storage,
             duplicate_window=opts.dedup_window_s,
             num_replicas=opts.replicas,
@@ -106,7 +96,26 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType =
 
 async def ensure_all(js: JetStreamContext, opts: StreamOptions = StreamOptions()) -> None:
     """Create or update every stream and bucket; safe to call from every service at start."""
+    await _drop_host_stream(js)
     for cfg in stream_configs(opts):
         await ensure_stream(js, cfg)
     for bucket in KV_BUCKETS:
         await ensure_kv(js, bucket, storage=opts.storage, replicas=opts.replicas)
+
+
+async def _drop_host_stream(js: JetStreamContext) -> None:
+    """Earlier versions kept hosts' work in a DSEC_HOST stream; hand-offs are core messages now
+    (bus.runtime.handoff) and a stream on their subjects would store every one: remove it once it is
+    empty. Work still queued in it was handed to a host and is not dropped silently: start the old
+    host agents until it drains."""
+    try:
+        info = await js.stream_info(S.STREAM_HOST)
+    except NotFoundError:
+        return
+    if info.state.messages:
+        raise RuntimeError(
+            f"the {S.STREAM_HOST} stream of an earlier dsec still holds {info.state.messages} hand-off(s) to hosts; "
+            "let its host agents finish them (or purge it on purpose) before starting this version"
+        )
+    await js.delete_stream(S.STREAM_HOST)
+

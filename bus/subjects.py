@@ -8,22 +8,17 @@ PREFIX = "dsec"
 
 # --- streams -----------------------------------------------------------------
 STREAM_REQ = "DSEC_REQ"
-STREAM_HOST = "DSEC_HOST"
+STREAM_HOST = "DSEC_HOST"  # earlier versions' host work stream, removed at start (bus.streams)
 STREAM_EVT = "DSEC_EVT"
 STREAM_DLQ = "DSEC_DLQ"
 
 REQ_SUBJECTS = [f"{PREFIX}.req.>"]
-HOST_SUBJECTS = [f"{PREFIX}.host.*.>"]
 EVT_SUBJECTS = [f"{PREFIX}.evt.>"]
 DLQ_SUBJECTS = [f"{PREFIX}.dlq.>"]
 
 # --- durable consumers ---------------------------------------------------------
 PLACEMENT_DURABLE = "placement"
 GUARD_AUDIT_DURABLE = "guard-audit"
-
-
-def host_durable(host_id: str) -> str:
-    return f"host-{host_id}"
 
 
 # --- KV buckets / object store -----------------------------------------------
@@ -91,7 +86,7 @@ def _tok(token: str) -> str:
     return token
 
 
-# --- per-host work (JetStream, DSEC_HOST) --------------------------------------
+# --- per-host work (core hand-offs, bus.runtime.handoff) -------------------------
 def host_create(host_id: str) -> str:
     return f"{PREFIX}.host.{_tok(host_id)}.create"
 

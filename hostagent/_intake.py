@@ -1,22 +1,23 @@
-"""Intake: the host's pull-consumer handler. Admits work placed on this host (one create or a batch),
-claims ids, creates through the backend, records and announces ``ready``; rejects what does not fit."""
+"""Intake: the handler of the host's hand-offs (bus.runtime.handoff: placement holds the request until
+this answers). Admits work placed on this host (one create or a batch), claims ids, creates through the
+backend, records and announces ``ready``; rejects what does not fit."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, SandboxTimeout, UnknownTemplate
+from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, PermissionDenied, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
 from bus.messages import TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV, deliveries
+from bus.runtime import KV
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._registry import LocalSandbox
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("dsec.hostagent")
 
 LAYERS_TTL_S = 10.0
-IN_PROGRESS_EVERY_S = 15.0  # well inside the consumer's ack_wait
 
 
 class Intake:
@@ -38,21 +38,21 @@ class Intake:
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._layers_at: dict[str, float] = {}
-        self._working: dict[str, list[Any]] = {}  # sandbox id -> [host message, last in-progress] while creating
 
     # --- the consumer's handler --------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
+        """One hand-off; returning means whatever it led to is durable (the inbox then answers done)."""
         host = self.host
         if not verify(host.control_key, msg.subject, msg.data, msg.headers):
-            # Acked, so it is not redelivered forever; kept in the dead-letter stream as evidence.
+            # Kept in the dead-letter stream as evidence; refused to whoever asked.
             log.warning("unsigned_work_refused", subject=msg.subject, code=ERR_BAD_SIGNATURE)
             await host.records.dead_letter(msg, ERR_BAD_SIGNATURE, "host work without a valid placement signature")
-            return
+            raise PermissionDenied("host work without a valid placement signature")
         try:
             work = codec.HOST.decode(msg.data)
         except BadRequest as exc:
             await host.records.dead_letter(msg, exc.code, exc.description)
-            return
+            raise
         match work:
             case PlaceSandbox():
                 # First hand-off of a first attempt: no claim before creating; the record, written with a
@@ -60,12 +60,10 @@ class Intake:
                 # after a placement replica died loses that race and is removed). Redeliveries and
                 # re-placements (attempt > 0) claim first, as every batch member does; so does a hand-off
                 # placed longer ago than half the dedup window (it may be a replay).
-                first = work.attempt == 0 and not work.claim and deliveries(msg) == 1 and self._fresh(work.placed_at)
-                await self.create_one(work.spec, work.attempt, work.exclude_hosts, msg, claim=not first, placed=(work.placed_by, work.placed_at))
-                await msg.ack()
+                first = work.attempt == 0 and not work.claim and self._fresh(work.placed_at)
+                await self.create_one(work.spec, work.attempt, work.exclude_hosts, claim=not first, placed=(work.placed_by, work.placed_at))
             case PlaceBatch():
-                await self.create_batch(work, msg)
-                await msg.ack()
+                await self.create_batch(work)
 
     def _fresh(self, placed_at: float) -> bool:
         return abs(time.time() - placed_at) < self.host.stream_options.dedup_window_s / 2
@@ -96,7 +94,7 @@ class Intake:
 
     # --- create ------------------------------------------------------------------------------------
     async def create_one(
-        self, spec: SandboxSpec, attempt: int, excluded: list[str], msg: Msg | None, *, claim: bool = True, held: bool = False,
+        self, spec: SandboxSpec, attempt: int, excluded: list[str], *, claim: bool = True, held: bool = False,
         placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None,
     ) -> None:
         # (no structlog context binding here: it costs more than the rest of a simulated create;
@@ -132,20 +130,20 @@ class Intake:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, msg, claimed=claim or held, placed=placed, ready=ready)
+            await self._do_create(spec, attempt, claimed=claim or held, placed=placed, ready=ready)
         finally:
             self.creating.pop(sid, None)
             fut.set_result(None)
 
-    async def create_batch(self, work: PlaceBatch, msg: Msg) -> None:
+    async def create_batch(self, work: PlaceBatch) -> None:
         """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
         pipelined, then each member is created as a single one."""
-        if not (work.claim or work.attempt or deliveries(msg) > 1) and self._fresh(work.placed_at):
+        if not (work.claim or work.attempt) and self._fresh(work.placed_at):
             # First hand-off of a first-time batch: create first, then claim with the record itself
             # (see _do_create); a copy handed to another host after a placement crash loses that race.
             placed = (work.placed_by, work.placed_at)
             ready: list[SandboxSpec] = []
-            await asyncio.gather(*(self.create_one(s, work.attempt, [], msg, claim=False, placed=placed, ready=ready) for s in work.specs))
+            await asyncio.gather(*(self.create_one(s, work.attempt, [], claim=False, placed=placed, ready=ready) for s in work.specs))
             await self.host.records.ready_many(ready, work.attempt)
             return
         reg = self.host.registry
@@ -161,7 +159,7 @@ class Intake:
         done: list[SandboxSpec] = []
         await asyncio.gather(*(
             self.create_one(
-                s, work.attempt, [], msg, claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
+                s, work.attempt, [], claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
             )
             for s in work.specs
         ))
@@ -177,7 +175,7 @@ class Intake:
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
     async def _do_create(
-        self, spec: SandboxSpec, attempt: int, msg: Msg | None, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0),
+        self, spec: SandboxSpec, attempt: int, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0),
         ready: list[SandboxSpec] | None = None,
     ) -> None:
         """Create, then store the record and announce ``ready``.
@@ -190,8 +188,6 @@ class Intake:
         host = self.host
         backend = host.backend
         t0 = time.perf_counter()
-        if msg is not None:  # the tick loop tells JetStream a slow create is still in progress
-            self._working[spec.sandbox_id] = [msg, time.monotonic()]
         try:
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
@@ -214,8 +210,6 @@ class Intake:
             await backend.destroy(spec.sandbox_id)
             await self._fail(spec, attempt, CreateFailed(f"{type(exc).__name__}: {exc}"))
             return
-        finally:
-            self._working.pop(spec.sandbox_id, None)
         now = time.time()
         ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
         host.registry.add(ls, handle)
@@ -241,16 +235,6 @@ class Intake:
         self.created += 1
         host.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
-
-    async def keep_in_progress(self, now: float) -> None:
-        """A create still running says so every IN_PROGRESS_EVERY_S, so it is not redelivered."""
-        for w in list(self._working.values()):
-            if now - w[1] >= IN_PROGRESS_EVERY_S:
-                w[1] = now
-                try:
-                    await w[0].in_progress()
-                except Exception:  # noqa: BLE001
-                    pass
 
     async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
         log.warning("create_failed", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)

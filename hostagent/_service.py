@@ -132,21 +132,13 @@ class HostAgent(Service):
         self.registry.ensure_dir()
         await self.backend.start()
         await self.reconciler.recover()
+        # Before the first heartbeat: placement hands work to a host as soon as it sees one. What waits
+        # for a slot waits here (placement holds each request until this host answers, bus.runtime.handoff).
+        await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.concurrency, name=f"host-{self.host_id}")
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), name="heartbeat")
         self.spawn(self._tick_loop(), name="reaper")
         self.spawn(self.reconciler.loop(), name="reconcile")
-        await self.add_worker(
-            stream=S.STREAM_HOST,
-            durable=S.host_durable(self.host_id),
-            filter_subject=S.host_all(self.host_id),
-            handler=self.intake.handle,
-            capacity=self.concurrency,
-            ack_wait_s=60.0,
-            max_ack_pending=self.concurrency,  # a burst waits in the stream, not in this process
-            state_in_memory=True,  # DSEC_HOST is a work queue: the stream keeps what is not done
-            name=f"host-{self.host_id}",
-        )
         await self.records.host_event("up")
 
     async def teardown(self) -> None:
@@ -182,7 +174,6 @@ class HostAgent(Service):
 
     async def _tick_loop(self) -> None:
         while not await self.pause(TICK_S):
-            await self.intake.keep_in_progress(time.monotonic())
             await self.reaper.tick(time.time())
 
     # --- heartbeats ------------------------------------------------------------------------------------

@@ -1,11 +1,8 @@
 """Many simulated hosts in one process, on one NATS connection: for control-plane scale runs only.
 
-Each simulated host is the real ``HostAgent`` (admission, claim, record, events, ops, reaping) with
-the ``SimBackend``; only how its durable consumer is pulled differs. A fetch loop per host would send
-one pull request per host every second even when idle (1,600 hosts: 1,600 requests/s for nothing);
-here every host keeps long-lived pull requests (``expires`` 30 s) for exactly its free slots, and all
-of them answer on one inbox subscription that dispatches by host. Idle cost: one request per host per
-30 s; busy cost: one request per half a host's concurrency of creates.
+Each simulated host is the real ``HostAgent`` (hand-off inbox, admission, claim, record, events,
+ops, reaping) with the ``SimBackend``, all on one connection; a host costs one subscription for its
+hand-offs and nothing else while idle but its heartbeat and reaper tick.
 
 Knobs for scale runs come from the environment (the CLI flags of ``python -m hostagent`` stay the
 same for real hosts): ``DSEC_SIM_CPU``, ``DSEC_SIM_MEM_MB``, ``DSEC_SIM_DISK_MB`` (host size),
@@ -21,33 +18,17 @@ import gc
 import os
 import signal
 import time
-from typing import Any
 
 import structlog
 from nats.js.api import StorageType
 
-from bus.runtime import PullConsumer, PullInbox, connect
+from bus.runtime import connect
 from bus.streams import StreamOptions, ensure_all
 
 from ._backend import SimBackend
 from ._service import HostAgent
 
 log = structlog.get_logger("dsec.hostagent.sim")
-
-PULL_EXPIRES_S = 30.0
-
-
-class SimHostAgent(HostAgent):
-    """The real host agent; its consumer is pulled through the process-wide inbox."""
-
-    def __init__(self, *args: Any, mux: PullInbox, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._mux = mux
-
-    async def add_worker(self, **kwargs: Any) -> PullConsumer:
-        capacity = kwargs["capacity"]
-        return await super().add_worker(inbox=self._mux, expires_s=PULL_EXPIRES_S, min_pull=max(1, capacity // 2), **kwargs)
-
 
 def _env_float(name: str, default: float) -> float:
     v = os.environ.get(name)
@@ -72,16 +53,15 @@ async def run_sim_hosts(args: argparse.Namespace) -> None:
     storage = StorageType.MEMORY if os.environ.get("DSEC_SIM_STORAGE", "file") == "memory" else StorageType.FILE
     mem = storage == StorageType.MEMORY  # memory streams share the server's memory store (1 GB embedded)
     await ensure_all(js, StreamOptions(storage=storage, events_max_bytes=512 * 1024**2 if mem else StreamOptions().events_max_bytes))  # once for all hosts here
-    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", 2.0 if args.sim_hosts <= 400 else 5.0)
-    mux = await PullInbox(nc).start()
+    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", max(2.0, args.sim_hosts / 320.0))
     prefix = args.host_id or "sim"
     first = int(os.environ.get("DSEC_SIM_FIRST", "0"))
     agents = [
-        SimHostAgent(
+        HostAgent(
             sim_backend_from_env(), nats_url=args.nats_url, host_id=f"{prefix}-{first + i}", data_dir=args.data_dir,
             concurrency=args.concurrency, pool=args.pool, cpu_overcommit=args.cpu_overcommit,
             mem_overcommit=args.mem_overcommit, max_sandboxes=args.max_sandboxes, persist_state=False, connection=nc,
-            heartbeat_s=heartbeat_s, mux=mux,
+            heartbeat_s=heartbeat_s,
         )
         for i in range(args.sim_hosts)
     ]
@@ -92,7 +72,7 @@ async def run_sim_hosts(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     gate = asyncio.Semaphore(64)
 
-    async def start(a: SimHostAgent) -> None:
+    async def start(a: HostAgent) -> None:
         async with gate:
             await a.start()
 
@@ -101,5 +81,4 @@ async def run_sim_hosts(args: argparse.Namespace) -> None:
     log.info("sim_hosts_started", hosts=len(agents), seconds=round(time.monotonic() - t0, 2))
     await stop.wait()
     await asyncio.gather(*(a.shutdown() for a in agents), return_exceptions=True)
-    await mux.stop()
     await nc.drain()

@@ -11,7 +11,7 @@ from bus import subjects as S
 from bus.messages import SandboxSpec
 from bus.runtime import stream_collector
 
-STREAMS = (S.STREAM_REQ, S.STREAM_HOST, S.STREAM_EVT, S.STREAM_DLQ)
+STREAMS = (S.STREAM_REQ, S.STREAM_EVT, S.STREAM_DLQ)
 
 
 class PlacementMetrics:

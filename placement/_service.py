@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
@@ -15,10 +16,10 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
+from bus.errors import BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
-from bus.runtime import KV, Events, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
+from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
 from bus.streams import StreamOptions, ensure_all
 
@@ -34,10 +35,12 @@ class Placement(Service):
     """Chooses a host for each create request and hands it to that host's work subject.
 
     Hot path, per batch of messages JetStream delivered together: decode, choose (O(k)), reserve, then
-    publish every hand-off without waiting in between, wait for all their acks at once, and only then
-    ack the requests. A hand-off carries ``Nats-Msg-Id = <sandbox>:<attempt>`` so a request redelivered
-    after a replica died is de-duplicated by JetStream instead of being placed twice; batches are
-    guarded by the host agent's claim of each id.
+    hand every create to its host (a core message, bus.runtime.handoff) without waiting in between,
+    wait for the hosts' answers, and only then ack the requests: a request is never written twice, it
+    stays un-acked in DSEC_REQ until its host says the outcome is durable. No answer (the host died,
+    went silent, or nobody takes its work) or a refusal: the request is redelivered and placed again,
+    as a redelivery, whose host claims the id in KV first (a first hand-off's record is its claim), so
+    a create that did happen on the first host is not made twice.
     """
 
     name = "placement"
@@ -72,6 +75,7 @@ class Placement(Service):
         self.placed = 0
         self.consumer: PullConsumer | None = None
         self.acks: Publisher | None = None
+        self.handoffs: Handoffs | None = None
         self.events: Events | None = None
         self._watches: list[Watch[Any]] = []
         self._kv_images: KV[TemplateManifest] | None = None
@@ -82,6 +86,7 @@ class Placement(Service):
         assert self.js is not None and self.nc is not None and self.publisher is not None
         await ensure_all(self.js, self.stream_options)
         self.acks = self.publisher
+        self.handoffs = await Handoffs(self.nc, silence_s=self.handoff_timeout_s).start()
         self.events = Events(self.nc, self.publisher)
         kv_hosts: KV[HostStatus] = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
@@ -216,8 +221,7 @@ class Placement(Service):
             spec=spec, host_id=host, attempt=req.attempt, exclude_hosts=req.exclude_hosts,
             placed_by=self.replica_id, placed_at=now, claim=not fresh or delivered > 1,
         )
-        msg_id = f"{S.incarnation(spec.sandbox_id, spec.generation)}:{req.attempt}"
-        outs.append((msg, await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: msg_id}), host, spec))
+        outs.append((msg, await self._handoff(host, codec.encode(place)), host, spec))
 
     def _choose(self, spec: SandboxSpec, excluded: list[str], layers: frozenset[str], now: float) -> str | None:
         host = self.table.choose(spec, set(excluded) if excluded else frozenset(), layers, now)
@@ -230,45 +234,61 @@ class Placement(Service):
             if len(members) == 1:
                 spec = members[0][1]
                 place = PlaceSandbox(spec=spec, host_id=host, placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(host, codec.encode(place), {S.HDR_MSG_ID: f"{S.incarnation(spec.sandbox_id, spec.generation)}:0"})
+                fut = await self._handoff(host, codec.encode(place))
             else:
                 ids = ",".join(sp.sandbox_id for _, sp in members)
                 digest = hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()
                 pb = PlaceBatch(batch_id=f"g-{digest}", host_id=host, specs=[sp for _, sp in members], placed_by=self.replica_id, placed_at=now)
-                fut = await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"g-{host}:{digest}"})
+                fut = await self._handoff(host, codec.encode(pb))
             for msg, spec in members:
                 outs.append((msg, fut, host, spec))
 
     async def _settle(self, outs: "list[_Out]") -> None:
-        """Wait for every hand-off's ack at once, then ack (or nak) each request."""
-        _, not_done = await asyncio.wait([o[1] for o in outs], timeout=self.handoff_timeout_s)
-        for f in not_done:
-            f.cancel()
+        """Wait for every hand-off's answer (and failed event's ack), then ack (or nak) each request."""
+        await self._hold([o[1] for o in outs], {id(o[0]): o[0] for o in outs}.values())
         for msg, fut, host, spec in outs:
-            if fut.cancelled() or fut.exception() is not None:
-                # The hand-off may or may not be stored: redeliver; its Nats-Msg-Id makes a re-send harmless.
-                if spec is not None:
-                    self.table.release(host, spec.sandbox_id)
-                log.warning("handoff_failed", error=repr(None if fut.cancelled() else fut.exception()))
+            err = fut.exception()
+            if err is not None:
+                self._handoff_failed(host, spec, err)
                 await msg.nak()
                 continue
             if spec is not None:
-                if fut.result().duplicate:
-                    # An earlier delivery of this request already handed it off (maybe elsewhere).
-                    self.table.release(host, spec.sandbox_id)
-                else:
-                    self.m.event(spec, "placed")
-                    self.placed += 1
+                self.m.event(spec, "placed")
+                self.placed += 1
             await msg.ack()
 
-    async def _handoff(self, host: str, data: bytes, headers: dict[str, str]) -> asyncio.Future:
-        assert self.acks is not None
+    async def _hold(self, futs: list[asyncio.Future], msgs: Iterable[Msg]) -> None:
+        """Wait until every future is done (each has a deadline of its own: the hand-off's silence, the
+        publish's timeout); while hosts work, the requests stay held (``in_progress``), not redelivered."""
+        pending = set(futs)
+        tick = max(0.5, self.ack_wait_s / 3)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=tick)
+            if pending:
+                for m in msgs:
+                    try:
+                        await m.in_progress()
+                    except Exception:  # noqa: BLE001 - not held any more: JetStream redelivers it
+                        pass
+
+    def _handoff_failed(self, host: str, spec: SandboxSpec | None, err: BaseException) -> None:
+        """Undo the reservation; a host nobody answers for leaves the table until its next heartbeat."""
+        if spec is not None:
+            self.table.release(host, spec.sandbox_id)
+        if isinstance(err, HostUnreachable) and host:
+            self.table.remove(host)
+        log.warning("handoff_failed", host_id=host, error=repr(err))
+
+    async def _handoff(self, host: str, data: bytes) -> asyncio.Future:
+        assert self.handoffs is not None
         subject = S.host_create(host)
-        return await self.acks.publish(subject, data, sign_headers(self.control_key, subject, data, headers))
+        return await self.handoffs.send(subject, data, sign_headers(self.control_key, subject, data))
 
     async def teardown(self) -> None:
         for w in self._watches:
             await w.stop()
+        if self.handoffs is not None:
+            await self.handoffs.stop()
 
     async def dead_letter(self, msg: Msg, exc: DsecError) -> None:
         """Malformed work is kept (not dropped) on the DLQ stream with the reason, then acked."""
@@ -330,6 +350,7 @@ class Placement(Service):
             specs = [s for s in specs if s.sandbox_id not in done]
         by_host: dict[str, list[SandboxSpec]] = {}
         leftovers: list[SandboxSpec] = []
+        handed: dict[str, asyncio.Future] = {}
         futs: list[asyncio.Future] = []
         runs = _Runs(self.table, len(specs))
         for spec in specs:
@@ -354,24 +375,28 @@ class Placement(Service):
                 batch_id=req.batch_id, host_id=host, specs=hspecs, attempt=req.attempt,
                 placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
             )
-            digest = hashlib.blake2b(",".join(s.sandbox_id for s in hspecs).encode(), digest_size=8).hexdigest()
-            futs.append(await self._handoff(host, codec.encode(pb), {S.HDR_MSG_ID: f"{req.batch_id}:{host}:{digest}"}))
+            handed[host] = await self._handoff(host, codec.encode(pb))
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
             hdr = {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}
             futs.append(await self.acks.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), hdr))
-        await self._settle_batch(msg, req, by_host, futs)
+        await self._settle_batch(msg, req, by_host, handed, futs)
 
-    async def _settle_batch(self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], futs: list[asyncio.Future]) -> None:
-        """All stored: ack the batch and say placed; any write unanswered or refused: undo and redeliver."""
-        if futs:
-            _, not_done = await asyncio.wait(futs, timeout=self.handoff_timeout_s)
-            for f in not_done:
-                f.cancel()
-            if any(f.cancelled() or f.exception() is not None for f in futs):
+    async def _settle_batch(
+        self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], handed: dict[str, asyncio.Future], futs: list[asyncio.Future],
+    ) -> None:
+        """All answered and stored: ack the batch and say placed; anything unanswered or refused: undo
+        and redeliver (placed again as a redelivery: members a host already claimed are skipped)."""
+        every = [*handed.values(), *futs]
+        if every:
+            await self._hold(every, [msg])
+            if any(f.exception() is not None for f in every):
                 for host, hspecs in by_host.items():
                     for s in hspecs:
                         self.table.release(host, s.sandbox_id)
+                for host, f in handed.items():
+                    if f.exception() is not None:
+                        self._handoff_failed(host, None, f.exception())  # type: ignore[arg-type]
                 log.warning("batch_handoff_failed", batch_id=req.batch_id)
                 await msg.nak()
                 return

@@ -152,6 +152,12 @@ async def _wait(what: str, check: Any, timeout: float, procs: list[_Proc]) -> No
         await asyncio.sleep(0.1)  # readiness poll interval
 
 
+def sim_heartbeat_s(hosts: int) -> float:
+    """Heartbeat period of simulated hosts: 2 s up to 400 hosts, then slower so that the cluster sends
+    at most about 320 a second (as Nomad scales its heartbeat TTL with the number of clients)."""
+    return max(2.0, hosts / 320.0)
+
+
 def _start_sim_hosts(args: argparse.Namespace, env: dict[str, str], tmp: Path, logs: Path, procs: list[_Proc]) -> tuple[float, int]:
     """Simulated hosts, big enough to hold the whole run (not a capacity test) at 50x cpu overcommit;
     returns (cores per host, processes)."""
@@ -162,7 +168,9 @@ def _start_sim_hosts(args: argparse.Namespace, env: dict[str, str], tmp: Path, l
     per = [args.sim_hosts // n_procs + (1 if i < args.sim_hosts % n_procs else 0) for i in range(n_procs)]
     first = 0
     for i, n in enumerate(per):
-        e = dict(env, DSEC_SIM_FIRST=str(first), DSEC_SIM_CPU=str(host_cpus), DSEC_SIM_MEM_MB=str(host_mem))
+        # heartbeats as the hosts' own default for the whole cluster's size, not each process's share
+        e = dict(env, DSEC_SIM_FIRST=str(first), DSEC_SIM_CPU=str(host_cpus), DSEC_SIM_MEM_MB=str(host_mem),
+                 DSEC_SIM_HEARTBEAT_S=env.get("DSEC_SIM_HEARTBEAT_S") or str(sim_heartbeat_s(args.sim_hosts)))
         procs.append(_Proc(f"sim-{i}", [sys.executable, "-m", "hostagent", "--backend", "sim", "--sim-hosts", str(n), "--host-id", "sim",
                                         "--data-dir", str(tmp / "data"), "--concurrency", str(args.host_concurrency),
                                         "--mem-overcommit", str(args.mem_overcommit)], e, logs))
@@ -255,10 +263,8 @@ async def _run(
     kv_hosts = await ensure_kv(js, S.KV_HOSTS)
 
     async def hosts_ready() -> bool:
+        # a host heartbeats once it takes hand-offs
         try:
-            info = await js.stream_info(S.STREAM_HOST)
-            if (info.state.consumer_count or 0) < args.sim_hosts:
-                return False
             hinfo = await js.stream_info(f"KV_{S.KV_HOSTS}")
             return hinfo.state.messages >= args.sim_hosts
         except Exception:  # noqa: BLE001

@@ -8,7 +8,8 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
     ``setup()``/``teardown()`` hooks, ``run()`` until SIGTERM, ``shutdown()``: stop intake, finish
     in-flight work (grace), tear down, drain. ``self.nc``, ``self.js``, ``self.publisher``;
     ``await self.add_worker(stream=, durable=, filter_subject=, capacity=, handler= | on_batch=, ...)``
-    starts a ``PullConsumer`` that shutdown stops.
+    starts a ``PullConsumer`` that shutdown stops; ``add_inbox(subject, handler, capacity=)`` a
+    ``HandoffInbox``, stopped the same way.
 ``PullConsumer(nc, stream=, config=consumer_config(...), capacity=, handler= | on_batch=, inbox=)``
     Credit-based: asks for exactly its free capacity (reserved before the pull), per-message tasks
     or whole batches; a handler that raises leaves the message un-acked (JetStream redelivers).
@@ -36,6 +37,9 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
     Every started Service answers ``dsec.metrics.scrape`` and ``dsec.metrics.<service>.<instance>``
     with its Prometheus text (and serves HTTP on ``service.metrics_port`` when set); consumer pending
     counts, endpoint stats and process usage are added to every registry (``bus.runtime.metrics``).
+``Handoffs(nc)`` / ``HandoffInbox(nc, subject, handler, capacity=)``
+    Work handed to one taker on a core subject, answered on its reply subject (done, working,
+    refused); the giver holds the JetStream request un-acked until ``done`` (bus.runtime.handoff).
 ``dead_letter(publisher, msg, code, description)``
     Keep malformed work on DSEC_DLQ with ``Dsec-Error-Code``/``Dsec-Error``/``Dsec-Origin``, then ack.
 """
@@ -44,6 +48,7 @@ from .connection import DEFAULT_URL, connect, nats_url
 from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config, deliveries
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
+from .handoff import HandoffInbox, Handoffs
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
 from .kv import KV, Claim, Versioned, Watch, kv_keys
 from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
@@ -65,6 +70,8 @@ __all__ = [
     "Endpoint",
     "EndpointStats",
     "error_of",
+    "HandoffInbox",
+    "Handoffs",
     "ONCE_PER_ATTEMPT",
     "REPLY_KINDS",
     "Events",

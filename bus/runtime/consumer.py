@@ -47,18 +47,8 @@ def consumer_config(
     max_ack_pending: int,
     deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
     max_waiting: int = 512,
-    state_in_memory: bool = False,
 ) -> ConsumerConfig:
-    """A durable, explicitly acked pull consumer's configuration (the one shape dsec uses).
-
-    ``state_in_memory``: for a consumer of a work-queue stream, whose un-acked work the stream itself
-    keeps (an ack deletes the message). A file-backed consumer rewrites its state file up to 10 times a
-    second while busy (nats-server's ``consumerFileStore.flushLoop``: a temp file created and renamed
-    each time); with one consumer per host that is what nats-server spent two thirds of its CPU on
-    during a 160-host create burst. Kept in memory, a server restart loses the consumer (``PullConsumer``
-    makes it again) and its delivery counts: everything left in the stream is delivered again, as a
-    first delivery, which the handler must take (dsec's host intake does: its registry and claims).
-    """
+    """A durable, explicitly acked pull consumer's configuration (the one shape dsec uses)."""
     return ConsumerConfig(
         durable_name=durable,
         ack_policy=AckPolicy.EXPLICIT,
@@ -68,7 +58,6 @@ def consumer_config(
         max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
         max_waiting=max_waiting,
-        mem_storage=True if state_in_memory else None,
     )
 
 
@@ -210,7 +199,7 @@ class PullConsumer:
         self._flush_scheduled = False
         self._retry_scheduled = False
         self._recreating = False
-        self.recreated = 0  # times the consumer was made again (server restarts)
+        self.recreated = 0  # times the consumer was made again
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = False
 
@@ -283,8 +272,8 @@ class PullConsumer:
             if status in ("404", "408"):  # no messages / request expired: ask again
                 self._maybe_pull()
             elif status == "503" or (status == "409" and "Deleted" in hdrs.get("Description", "")):
-                # No consumer answers (a consumer kept in memory did not survive a server restart), or
-                # it was deleted: make it again, then ask; the stream still holds what was not acked.
+                # No consumer answers (it did not survive a server that lost its state), or it was
+                # deleted: make it again, then ask; the stream still holds what was not acked.
                 self._recreate()
             else:  # 409 (max waiting, ...): asking at once would spin
                 logger.info("pull_status", consumer=self.name, status=status, description=hdrs.get("Description", ""))

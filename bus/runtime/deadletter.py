@@ -3,8 +3,8 @@
 The message goes to ``dsec.dlq.<origin with dots as underscores>`` (stream DSEC_DLQ) with its
 bytes unchanged and the reason in headers: ``Dsec-Error-Code`` (the stable code), ``Dsec-Error``
 (the human description, at most 512 characters) and ``Dsec-Origin`` (the subject it came in on).
-The original is acked only once the dead letter is stored: if that fails, it stays un-acked and
-JetStream redelivers it.
+The original (a JetStream delivery) is acked only once the dead letter is stored: if that fails, it
+stays un-acked and JetStream redelivers it. A core message (a hand-off) has nothing to ack.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ def dead_letter_headers(origin: str, code: str, description: str = "") -> dict[s
 
 
 async def dead_letter(publisher: Publisher, msg: Msg, code: str, description: str = "") -> PubAck:
-    """Store ``msg`` on the DLQ with the reason, then ack it."""
+    """Store ``msg`` on the DLQ with the reason, then ack it (when JetStream delivered it)."""
     logger.warning("dead_letter", subject=msg.subject, code=code, error=description[:200])
     ack = await publisher.store(S.dlq(msg.subject), msg.data, dead_letter_headers(msg.subject, code, description))
-    await msg.ack()
+    if (msg.reply or "").startswith("$JS.ACK."):
+        await msg.ack()
     return ack
 
 

@@ -25,6 +25,7 @@ from .. import subjects as S
 from ..codec import Decoder, decode_reply, encode
 from ..messages import ScrapeReply, ScrapeRequest
 from ..metrics import CONTENT_TYPE, Registry, process_collector
+from .consumer import PullConsumer
 from .endpoint import Endpoint
 
 logger = _log.get_logger("dsec.bus.metrics")
@@ -172,12 +173,17 @@ async def expose(service: Any) -> Exposition:
     process_collector(reg)
     inflight = reg.gauge("dsec_consumer_inflight_messages", "Messages a pull consumer of this process is handling now", ["consumer"])
 
+    handoffs = reg.gauge("dsec_handoffs_inflight", "Hand-offs this process has taken and not answered yet (waiting or running)", ["inbox"])
+
     def fill_inflight() -> None:
         for w in service.workers:
-            inflight.set(w.inflight, consumer=w.durable)
+            if isinstance(w, PullConsumer):
+                inflight.set(w.inflight, consumer=w.durable)
+            else:
+                handoffs.set(w.inflight, inbox=w.name)
 
     reg.collector(fill_inflight)
-    consumer_collector(reg, lambda: service.js, lambda: [(w.stream, w.durable) for w in service.workers])
+    consumer_collector(reg, lambda: service.js, lambda: [(w.stream, w.durable) for w in service.workers if isinstance(w, PullConsumer)])
     endpoint_collector(reg, lambda: [*_endpoints_of(service), *([ex.endpoint] if ex.endpoint else [])])
     ex = Exposition(reg, service.name, instance)
     await ex.start(service.nc, http_port=service.metrics_port)

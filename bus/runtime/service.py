@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
@@ -16,6 +17,7 @@ from .. import log as _log
 from ..metrics import Registry
 from .connection import connect
 from .consumer import BatchHandler, Handler, PullConsumer, consumer_config
+from .handoff import HandoffInbox
 from .metrics import Exposition, expose
 from .publisher import Publisher, publisher_for, release_publisher
 
@@ -30,7 +32,7 @@ class Service:
         self.grace_s = grace_s
         self.nc: NATS | None = None
         self.js: JetStreamContext | None = None
-        self.workers: list[PullConsumer] = []
+        self.workers: list[PullConsumer | HandoffInbox] = []
         self.publisher: Publisher | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
@@ -79,7 +81,6 @@ class Service:
         max_deliver: int = -1,
         max_ack_pending: int | None = None,
         deliver_policy: DeliverPolicy = DeliverPolicy.ALL,
-        state_in_memory: bool = False,
         config: ConsumerConfig | None = None,
         **kwargs: Any,
     ) -> PullConsumer:
@@ -88,12 +89,20 @@ class Service:
         assert self.nc is not None
         cfg = config or consumer_config(
             durable, filter_subject, ack_wait_s=ack_wait_s, max_deliver=max_deliver,
-            max_ack_pending=max_ack_pending or max(1, capacity), deliver_policy=deliver_policy, state_in_memory=state_in_memory,
+            max_ack_pending=max_ack_pending or max(1, capacity), deliver_policy=deliver_policy,
         )
         w = PullConsumer(self.nc, stream=stream, config=cfg, capacity=capacity, handler=handler, on_batch=on_batch, **kwargs)
         await w.start()
         self.workers.append(w)
         return w
+
+    async def add_inbox(self, subject: str, handler: Callable[[Msg], Awaitable[None]], *, capacity: int, name: str = "") -> HandoffInbox:
+        """Take hand-offs on ``subject`` (bus.runtime.handoff); shutdown() stops it as it stops workers."""
+        assert self.nc is not None
+        inbox = HandoffInbox(self.nc, subject, handler, capacity=capacity, name=name)
+        await inbox.start()
+        self.workers.append(inbox)
+        return inbox
 
     async def run(self) -> None:
         """Start, serve until SIGTERM/SIGINT or shutdown(), then stop cleanly."""

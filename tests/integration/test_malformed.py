@@ -78,15 +78,18 @@ async def test_work_subjects_dead_letter_garbage(stack: Stack) -> None:
     uid = stack.new_id("mal")
     bad = _garbage(uid)
     host_subject = S.host_create(stack.host_id)
-    for subject in (S.REQ_CREATE, S.REQ_CREATE_BATCH, host_subject):
+    for subject in (S.REQ_CREATE, S.REQ_CREATE_BATCH):
         for i, payload in enumerate(bad):
             await stack.js.publish(subject, payload, headers={S.HDR_MSG_ID: f"{uid}-{subject}-{i}"})
+    # A host's hand-offs are core requests: garbage is refused to the sender, and kept as evidence.
+    for payload in bad:
+        answer = codec.HANDOFF_REPLY.decode((await stack.nc.request(host_subject, payload, timeout=10)).data)
+        assert answer.state == "refused" and answer.code == "bad_request" and answer.description, answer
     for subject in (S.REQ_CREATE, S.REQ_CREATE_BATCH, host_subject):
         got = await _dead_letters(stack, subject, uid, len(bad))
         assert sorted(got) == sorted(bad)
-    # The work queues are empty again: garbage is acked, not redelivered forever.
-    for stream in (S.STREAM_REQ, S.STREAM_HOST):
-        await eventually(lambda s=stream: _stream_empty(stack, s), timeout=10, what=f"{stream} to drain")
+    # The request queue is empty again: garbage is acked, not redelivered forever.
+    await eventually(lambda: _stream_empty(stack, S.STREAM_REQ), timeout=10, what="DSEC_REQ to drain")
     # Every service keeps going: a valid create works, end to end.
     async with stack.sandbox(memory_mb=32) as sb:
         assert (await sb.commands.run("echo ok")).stdout == "ok\n"
@@ -182,7 +185,8 @@ async def test_valid_place_for_unknown_template_fails_cleanly(stack: Stack) -> N
 
     sub = await stack.nc.subscribe(S.evt_sandbox_all(sid), cb=on_evt)
     try:
-        await stack.js.publish(S.host_create(stack.host_id), codec.encode(PlaceSandbox(spec=spec, host_id=stack.host_id)))
+        answer = await stack.nc.request(S.host_create(stack.host_id), codec.encode(PlaceSandbox(spec=spec, host_id=stack.host_id)), timeout=15)
+        assert codec.HANDOFF_REPLY.decode(answer.data).state == "done"  # the failure is the outcome, stored
         await asyncio.wait_for(done.wait(), 15)
     finally:
         await sub.unsubscribe()

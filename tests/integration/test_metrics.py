@@ -49,7 +49,7 @@ async def test_a_scrape_over_the_bus_shows_the_sandbox_just_created(stack: Stack
         assert _value(s, "dsec_machine_memory_bytes", kind="used", **host) > 0
         assert _value(s, "dsec_host_cpu", kind="busy", **host) is not None
         assert _value(s, "dsec_host_cpu", kind="allocated", **host) >= 1
-        assert _value(s, "dsec_consumer_pending_messages", stream=S.STREAM_HOST, consumer=S.host_durable(stack.host_id), **host) is not None
+        assert _value(s, "dsec_handoffs_inflight", inbox=f"host-{stack.host_id}", **host) is not None  # placement's hand-offs it holds
         assert _value(s, "process_resident_memory_bytes", **host) > 0
         placed = sum(_value(s, "dsec_placement_events_total", kind="placed", service="placement", instance=p.replica_id) or 0 for p in stack.placements)
         assert placed >= 1

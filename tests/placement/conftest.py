@@ -78,3 +78,16 @@ async def stored_events(js, ids, kinds: tuple[str, ...] = ("ready",), timeout: f
     await eventually(all_there, timeout=timeout, what=f"{kinds} events of {len(ids)} sandboxes in the stream")
     return out
 
+
+async def hosts_up(js, host_ids, since: float) -> bool:
+    """Every host has heartbeated since ``since`` (a host takes hand-offs before its first heartbeat)."""
+    kv = await ensure_kv(js, S.KV_HOSTS)
+    for hid in host_ids:
+        try:
+            st = codec.HOST_STATUS.decode((await kv.get(hid)).value)
+        except Exception:  # noqa: BLE001 - not there yet
+            return False
+        if st.at < since:
+            return False
+    return True
+

@@ -22,7 +22,7 @@ from hostagent import HostAgent, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 
-from .conftest import LAYER, eventually, ready_counts, stored_events
+from .conftest import LAYER, eventually, hosts_up, ready_counts, stored_events
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -140,12 +140,14 @@ async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc, claim) ->
     await b.start()
     try:
         specs = [build_spec("base", backend="sim") for _ in range(40)]
+        handoffs = []
         for hid, part in (("ha", specs), ("hb", specs[10:] + [build_spec("base", backend="sim")])):
             pb = PlaceBatch(batch_id="bx", host_id=hid, specs=part, claim=claim, placed_at=time.time())
-            await js.publish(S.host_create(hid), codec.encode(pb), headers={S.HDR_MSG_ID: f"bx:{hid}"})
+            handoffs.append(nc.request(S.host_create(hid), codec.encode(pb), timeout=30))
+        # both hand-offs answered "done": every member's outcome is durable (a duplicate would be in the stream)
+        answers = [codec.HANDOFF_REPLY.decode(m.data) for m in await asyncio.gather(*handoffs)]
+        assert [a.state for a in answers] == ["done", "done"]
         want = {s.sandbox_id for s in specs} | {part[-1].sandbox_id}
-        await eventually(lambda: a.created + b.created >= 41, what="all created")
-        await asyncio.sleep(0.2)  # let a duplicate (there must be none) show up
         ready = await stored_events(js, want)
         assert all(len(ready[sid]) == 1 for sid in want)
         assert a.created + b.created == 41
@@ -209,6 +211,7 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
     sim = _spawn(["-m", "hostagent", "--backend", "sim", "--sim-hosts", "8", "--data-dir", str(tmp_path)], url, tmp_path / "sim.log")
     reps = [_spawn(["-m", "placement", "--replica-id", f"r{i}", "--ack-wait", "2", "--capacity", "64"], url, tmp_path / f"p{i}.log") for i in range(2)]
     ready: set[str] = set()
+    since = time.time()
 
     async def on_ready(msg) -> None:
         ready.add(msg.subject.split(".")[3])
@@ -217,9 +220,8 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
     try:
         async def consumers_ready() -> bool:
             try:
-                hi = await js.stream_info(S.STREAM_HOST)
                 ci = await js.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
-                return hi.state.consumer_count >= 8 and ci.num_waiting >= 2
+                return await hosts_up(js, [f"sim-{i}" for i in range(8)], since) and ci.num_waiting >= 2
             except Exception:  # noqa: BLE001
                 return False
 

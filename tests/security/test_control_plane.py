@@ -42,6 +42,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest
 from bus.messages import (
+    HandoffReply,
     CreateSandbox,
     Done,
     ExecRequest,
@@ -60,6 +61,7 @@ from bus.messages import (
     SecurityProfile,
     TemplateManifest,
 )
+from bus.auth import inbox_prefix
 from bus.runtime import connect
 from bus.sign import sign_headers
 from sdk import AsyncSandbox, build_spec
@@ -177,10 +179,14 @@ async def stream_count(js: Any, stream: str, subject: str | None = None) -> int:
     return sum((info.state.subjects or {}).values())
 
 
+def host_taken(stack: SecStack) -> int:
+    """Hand-offs the host took (handled, not refused at the door) since it started."""
+    return sum(getattr(w, "taken", 0) for w in stack.host.workers)
+
+
 async def host_idle(stack: SecStack) -> bool:
-    """The host's work queue is empty and nothing it was handed is un-acked."""
-    ci = await stack.js_admin.consumer_info(S.STREAM_HOST, S.host_durable(stack.host_id))
-    return ci.num_pending == 0 and ci.num_ack_pending == 0 and not stack.host.intake.creating
+    """The host holds no hand-off (waiting or running) and creates nothing."""
+    return all(w.inflight == 0 for w in stack.host.workers) and not stack.host.intake.creating
 
 
 async def placement_idle(stack: SecStack) -> bool:
@@ -217,7 +223,7 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
     js = stack.js_admin  # type: ignore[attr-defined]
     kv_hosts, kv_sbx, kv_img, kv_prof = [await js.key_value(b) for b in (S.KV_HOSTS, S.KV_SANDBOXES, S.KV_IMAGES, S.KV_PROFILES)]
     before = {
-        "host_stream": await stream_count(js, S.STREAM_HOST),
+        "host_taken": host_taken(stack),
         "hosts": (await kv_hosts.get(host)).revision,
         "record": (await kv_sbx.get(vid)).revision,
         "base": (await kv_img.get("base")).revision,
@@ -264,26 +270,27 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
             "replace a template (rootfs = host /)",
         )
         await cli.denied_publish(
-            redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_HOST}", b'{"stream_name":"DSEC_HOST","config":{"durable_name":"thief"}}',
-            "create a consumer on the host work queue",
+            redteam, "$JS.API.STREAM.CREATE.snoop", b'{"name":"snoop","subjects":["dsec.host.>"]}',
+            "make a stream that records hosts' hand-offs (to replay one later)",
         )
         await cli.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_REQ}.thief", b"{}", "create a durable on the request queue")
-        await cli.denied_publish(
-            redteam, f"$JS.API.CONSUMER.MSG.NEXT.{S.STREAM_HOST}.{S.host_durable(host)}", b'{"batch":10}', "pull the host's work (steal creates)"
-        )
         await cli.denied_publish(redteam, f"$JS.API.CONSUMER.MSG.NEXT.{S.STREAM_REQ}.{S.PLACEMENT_DURABLE}", b'{"batch":10}', "pull placement's work")
         await cli.denied_publish(redteam, f"$JS.ACK.{S.STREAM_REQ}.{S.PLACEMENT_DURABLE}.1.1.1.0.0", b"+ACK", "ack (drop) someone else's work")
-        await cli.denied_publish(redteam, f"$JS.API.STREAM.PURGE.{S.STREAM_HOST}", b"", "purge the host work stream")
+        await cli.denied_publish(
+            redteam, f"{inbox_prefix('placement')}.handoff.1", codec.encode(HandoffReply(state="done")),
+            "answer a hand-off for the host (make placement drop a request the host never did)",
+        )
         await cli.denied_publish(redteam, f"$JS.API.STREAM.DELETE.{S.STREAM_EVT}", b"", "delete the audit event stream")
         await cli.denied_publish(redteam, f"$JS.API.STREAM.MSG.DELETE.{S.STREAM_EVT}", b'{"seq":1}', "erase one audit event")
         await cli.denied_publish(redteam, S.dlq("x"), b"forged", "write the dead-letter stream")
         await cli.denied_subscribe(redteam, "dsec.sbx.>", "capture live-sandbox requests (to replay an exec)")
         await cli.denied_subscribe(redteam, "dsec.host.>", "watch host work")
+        await cli.denied_subscribe(redteam, S.host_all(host), "take a host's hand-offs (steal its creates)")
         await cli.denied_subscribe(redteam, "$KV.>", "watch KV writes")
         await cli.denied_subscribe(redteam, "dsec.evt.guard.>", "watch guard's verdicts")
 
         # None of it had an effect.
-        assert await stream_count(js, S.STREAM_HOST) == before["host_stream"]
+        assert host_taken(stack) == before["host_taken"]
         assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(fake, "ready")) == 0
         assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
         assert await stream_count(js, S.STREAM_EVT, S.EVT_GUARD_VIOLATION) == 0
@@ -306,12 +313,11 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
             redteam.allowed("hostagent: publish a sandbox event")
             await hp.nc.jetstream().publish(kv_subject(S.KV_SANDBOXES, probe), codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=probe), state="failed")))
             redteam.allowed("hostagent: write a sandbox record")
-            ack = await pl.nc.jetstream().publish(f"dsec.host.{probe}.create", b"probe", headers={S.HDR_MSG_ID: probe})
-            assert ack.stream == S.STREAM_HOST
+            with pytest.raises(nats.errors.NoRespondersError):  # allowed to publish there; no host of that name
+                await pl.nc.request(S.host_create(probe), b"probe", timeout=10)
             redteam.allowed("placement: hand work to a host")
             await gd.nc.jetstream().publish(kv_subject(S.KV_PROFILES, probe), codec.encode(SecurityProfile(name=probe)))
             redteam.allowed("guard: write a security profile")
-            await js.purge_stream(S.STREAM_HOST, subject=f"dsec.host.{probe}.create")
         finally:
             for p in (hp, pl, gd):
                 await p.close()
@@ -432,14 +438,14 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
         redteam.blocked("replayed create (same Nats-Msg-Id, while creating) [JetStream duplicate]")
         # The same create with a fresh Nats-Msg-Id while it runs: the host already runs that id.
         await js.publish(S.REQ_CREATE, data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
-        # Placement takes the copy; its hand-off (Nats-Msg-Id <id>:<attempt>) is de-duplicated by the host
-        # stream inside the window (PubAck duplicate: not placed again), else the host runs the id already.
+        # Placement takes the copy and hands it to the host, which runs the id already: it says ready again
+        # (de-duplicated in the stream by its msg-id) and starts nothing.
         # (stored, so placement's consumer counts it pending until it has taken and acked it)
         await eventually(lambda: placement_idle(stack), timeout=20, what="placement to take and ack the copy")
         await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the copy")
         assert len(stack.host.live) == 1 and stack.host.created == created0 + 1
         assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
-        redteam.blocked("replayed create with a fresh Nats-Msg-Id while running [hand-off de-duplicated, or the host runs the id already: one sandbox]")
+        redteam.blocked("replayed create with a fresh Nats-Msg-Id while running [the host runs the id already: one sandbox, its ready said again]")
 
         msg = await cli.nc.request(S.sbx(sid, "kill"), codec.encode(KillRequest()), timeout=30)
         assert codec.decode_reply(msg.data, Done).detail == "killed"
@@ -462,15 +468,15 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
                 return not (await js.publish(S.REQ_CREATE, data, headers=hdr)).duplicate
 
             await eventually(stored, timeout=DEDUP_S * 4, interval=0.25, what="the dedup window to close")
-            # Placement takes it; its hand-off (<id>:0) reaches the host unless the host stream still
-            # de-duplicates it (its window closes a moment after the request stream's).
+            # Placement takes it and hands it to the host, which claims the id in KV before starting it.
             await eventually(lambda: placement_idle(stack), timeout=20, what="placement to take the replay")
             await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the replay")
         finally:
             started = await watch.stop()
         assert not started, "a replayed create started a killed sandbox again"
         rec = codec.SANDBOX_RECORD.decode((await (await js_admin.key_value(S.KV_SANDBOXES)).get(sid)).value)
-        assert rec.state == "gone" and stack.host.created == created0 + 1 and len(ev.of(sid, "ready")) == 1
+        assert rec.state == "gone" and stack.host.created == created0 + 1
+        assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
         redteam.blocked("replayed create after kill, after the dedup window [host claims the id in KV first: nothing started]")
     finally:
         await ev.stop()
@@ -506,14 +512,15 @@ async def test_expired_create_is_refused_and_never_started(stack: SecStack, redt
         # A hand-off that waited in the host's queue past the deadline (or was replayed there): the host refuses it.
         place = PlaceSandbox(spec=late, host_id=stack.host_id, placed_by="test", placed_at=time.time())
         data = codec.encode(place)  # signed as placement signs its hand-offs
-        hdr = sign_headers(stack.control_key, S.host_create(stack.host_id), data, {S.HDR_MSG_ID: f"{late.sandbox_id}:0"})
-        await pl.nc.jetstream().publish(S.host_create(stack.host_id), data, headers=hdr)
+        hdr = sign_headers(stack.control_key, S.host_create(stack.host_id), data)
+        answer = await pl.nc.request(S.host_create(stack.host_id), data, headers=hdr, timeout=20)
+        assert codec.HANDOFF_REPLY.decode(answer.data).state == "done"  # taken: its outcome (failed) is stored
         await eventually(lambda: ev.of(late.sandbox_id, "failed"), timeout=20, what="the host's failed event")
         f = ev.of(late.sandbox_id, "failed")[0]
         assert f.code == "timeout" and f.host_id == stack.host_id, f
         assert any(r.sandbox_id == late.sandbox_id and r.code == "timeout" for r in replies)
         redteam.blocked("hand-off past its create_deadline at the host [host: failed, code timeout]")
-        await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack")
+        await eventually(lambda: host_idle(stack), timeout=30, what="the host to finish")
     finally:
         seen = [await w.stop() for w in watches]
         await ev.stop()
@@ -539,7 +546,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
     cli = await Principal.open(stack.url, "anonymous client")
     kv_img = await js_admin.key_value(S.KV_IMAGES)
     base_rev = (await kv_img.get("base")).revision
-    host_msgs = await stream_count(js_admin, S.STREAM_HOST)
+    taken = host_taken(stack)
     try:
         # reply_to aimed at subjects only services may write: placement refuses the spec.
         for target, what in (
@@ -589,7 +596,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
                 codec.decode_reply(m.data, ExecResult)
             redteam.blocked(f"{what} [error reply, code bad_request]")
         assert (await kv_img.get("base")).revision == base_rev
-        assert await stream_count(js_admin, S.STREAM_HOST) == host_msgs
+        assert host_taken(stack) == taken  # no hand-off reached the host through a service
         assert vid in stack.host.live and await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
         # Positive control: services are still up and a legitimate create works.
         sb = await stack.create()
@@ -606,9 +613,9 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
     permissions: an anonymous client may create a consumer on a stream it may read (events, the
     sandbox/host/image KVs) that delivers onto a host's work subject or onto ``dsec.sbx.<id>.kill``.
     The server delivers only while some subscription names that subject literally (a wildcard
-    subscriber, like a stream or the host agent's ``dsec.sbx.<id>.*``, is not enough), and the
-    delivery keeps the stored message's own subject: DSEC_HOST captures it under that subject, which
-    no host consumes, while the host agent's op subscription receives it as if sent to that subject.
+    subscriber, like the host agent's ``dsec.host.<host>.>`` or ``dsec.sbx.<id>.*``, is not enough), and
+    then every subscription on that subject gets it, the host agent's hand-off inbox and op subscription
+    too, with the stored message's own subject and an ack subject as its reply: both refuse it as such.
     The test makes the literal interest itself and puts the forged bytes into a readable KV itself
     (the worst case, should any service ever store client bytes there); the host agent must refuse.
     Host work is also signed by placement, so no other credential (here imaged's, which may publish
@@ -632,6 +639,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
     subs: list[Any] = []
     consumers: list[tuple[str, str]] = []
     dlq_subject = S.dlq(S.host_create(host))
+    taken0 = host_taken(stack)
     try:
         # The lease bucket is the one KV a client writes, but it may not consume from it.
         lease_subject = kv_subject(S.KV_LEASES, f"forged-{stack.uid}")
@@ -664,12 +672,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         assert all(S.is_stream_delivery(m.reply) for m in seen["create"] + seen["kill"])
         assert seen["kill"][0].subject == kv_subject(S.KV_SANDBOXES, kk)
 
-        # The host work stream captured the forged create under its stored subject, not a host's.
-        assert await stream_count(js, S.STREAM_HOST, kv_subject(S.KV_SANDBOXES, kp)) == 1
-        assert await stream_count(js, S.STREAM_HOST, S.host_create(host)) == 0
-        redteam.blocked(
-            "anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [captured under its stored subject, never consumed]"
-        )
+        assert seen["create"][0].subject == kv_subject(S.KV_SANDBOXES, kp)
 
         # The forged kill reached the victim's host agent before this exec (one subscription, in order).
         assert "alive" in await exec_ok(stack.nc, vid)
@@ -679,7 +682,8 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         redteam.blocked("anonymous client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
 
         # Another service's credential may publish on dsec.host.>, but only placement holds the key.
-        await img.nc.jetstream().publish(S.host_create(host), forged_place)
+        answer = codec.HANDOFF_REPLY.decode((await img.nc.request(S.host_create(host), forged_place, timeout=20)).data)
+        assert answer.state == "refused" and answer.code == "permission_denied", answer
 
         async def refused() -> bool:
             try:
@@ -689,9 +693,15 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
             return (m.headers or {}).get(S.HDR_ERROR_CODE) == "bad_signature" and m.data == forged_place
 
         await eventually(refused, timeout=20, what="the unsigned create in the dead-letter stream with bad_signature")
-        await eventually(lambda: host_idle(stack), what="the host to ack the unsigned work")
+        await eventually(lambda: host_idle(stack), what="the host to finish with the unsigned work")
         assert not await watch.stop(), "the host agent started a forged create"
         assert fake not in stack.host.live
+        # one hand-off reached the host (imaged's, refused); the push consumer's delivery was not taken
+        assert host_taken(stack) == taken0 + 1
+        assert sum(getattr(w, "stream_deliveries", 0) for w in stack.host.workers) >= 1
+        redteam.blocked(
+            "anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [a JetStream delivery: not taken, not answered]"
+        )
         redteam.blocked("imaged credential: unsigned PlaceSandbox straight onto a host's work subject [dead letter, code bad_signature]")
 
         # Positive control: placement's signed hand-offs still run.
@@ -710,8 +720,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         for key in (kp, kk):
             with contextlib.suppress(Exception):
                 await kv_sbx.purge(key)
-        for st, subj in ((S.STREAM_DLQ, dlq_subject), (S.STREAM_HOST, kv_subject(S.KV_SANDBOXES, ">"))):
-            with contextlib.suppress(Exception):
-                await js.purge_stream(st, subject=subj)
+        with contextlib.suppress(Exception):
+            await js.purge_stream(S.STREAM_DLQ, subject=dlq_subject)
         await cli.close()
         await img.close()
