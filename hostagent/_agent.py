@@ -1,8 +1,10 @@
 """Host side of the in-sandbox agent: building its static binary and talking to it.
 
-The wire protocol is documented at the top of ``agent/dsec-agent.c``. Every call opens its own
-unix-socket connection (one request per connection), so one ``AgentClient`` can be shared by any
-number of concurrent tasks.
+The wire protocol is documented at the top of ``agent/dsec-agent.c``. A call takes a connection
+of its own (one request at a time on it), so one ``AgentClient`` can be shared by any number of
+concurrent tasks; a connection that ended its request cleanly goes back to a small idle pool and
+the next call reuses it (an agent of protocol 3 keeps it open), which spares the connect, accept
+and peer check of every exec.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from pathlib import Path
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+PROTOCOLS = (2, 3)  # spoken with agents still running from before an upgrade; 3 keeps connections open
 
 AGENT_SOURCE = Path(__file__).with_name("agent") / "dsec-agent.c"
 
@@ -35,6 +38,8 @@ _HEARTBEAT_S = 5.0  # the agent sends a frame at least this often during an exec
 _EXEC_IDLE_S = 4 * _HEARTBEAT_S
 _EXEC_GRACE_S = 30.0  # beyond the exec's own timeout, before we stop trusting the agent
 _SUN_PATH_MAX = 107
+_IDLE_MAX = 4  # idle connections kept per agent
+_BUF_HIGH = 2 * (_READ_CHUNK + 4096)  # unread bytes at which a connection stops reading the socket
 
 _KINDS = {0: "other", 1: "file", 2: "dir", 3: "symlink"}
 _U32 = struct.Struct(">I")
@@ -177,7 +182,7 @@ def peer_pid(sock: socket.socket) -> int:
 
 
 def _s(value: str | bytes) -> bytes:
-    raw = os.fsencode(value)
+    raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value  # os.fsencode, inline
     return _U32.pack(len(raw)) + raw
 
 
@@ -186,12 +191,129 @@ def _frame(kind: bytes, *parts: bytes) -> bytes:
     return b"".join((_U32.pack(body_len), kind, *parts))
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    n = _U32.unpack(await reader.readexactly(4))[0]
-    if n == 0 or n > _MAX_REPLY:
-        raise AgentError(_errno.EPROTO, f"bad reply frame length {n}")
-    body = await reader.readexactly(n)
-    return body[0], body[1:]
+class _Conn(asyncio.Protocol):
+    """One connection to the agent: reply frames out of a buffer, no stream reader in between
+    (the frames of a small exec arrive in one read and are taken without a wait each)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.eof = False
+        self.error: BaseException | None = None
+        self.idle = False  # in the pool: anything the agent sends now is unexpected
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        # Whole frames piling up unread: a slow consumer of the output slows the agent, not our memory.
+        if len(buf) > _BUF_HIGH and not self._paused and self.transport is not None and len(buf) >= 4 + _U32.unpack_from(buf)[0]:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self.error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def reusable(self) -> bool:
+        return not self.eof and not self.buf and self.transport is not None and not self.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    async def hang_up(self, timeout_s: float) -> None:
+        """Tell the agent we are done and wait until it has closed its end (its EOF reaches us)."""
+        if self.transport is not None and not self.eof and not self.transport.is_closing():
+            self.transport.write_eof()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            while not self.eof and loop.time() < deadline:
+                self._waiter = loop.create_future()
+                try:
+                    await asyncio.wait_for(self._waiter, deadline - loop.time())
+                except TimeoutError:
+                    break
+                finally:
+                    self._waiter = None
+        self.close()
+
+    def buffered(self) -> tuple[int, bytes] | None:
+        """The next reply frame if it has arrived whole, else None."""
+        buf = self.buf
+        if len(buf) < 4:
+            self._resume()
+            return None
+        n = _U32.unpack_from(buf)[0]
+        if n == 0 or n > _MAX_REPLY:
+            raise AgentError(_errno.EPROTO, f"bad reply frame length {n}")
+        if len(buf) < 4 + n:
+            self._resume()  # one frame may be bigger than the pause mark (a long listing): it must come whole
+            return None
+        kind, body = buf[4], bytes(buf[5:4 + n])
+        del buf[:4 + n]
+        if len(buf) < _BUF_HIGH // 2:
+            self._resume()
+        return kind, body
+
+    def _resume(self) -> None:
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+
+    async def frame(self, deadline: float | None = None) -> tuple[int, bytes]:
+        """The next frame; TimeoutError at loop time ``deadline`` (a plain timer on the wait: this
+        is every exec's path, asyncio.timeout's task bookkeeping costs more than the wait)."""
+        while True:
+            got = self.buffered()
+            if got is not None:
+                return got
+            if self.eof:
+                raise asyncio.IncompleteReadError(bytes(self.buf), None)
+            loop = asyncio.get_running_loop()
+            w = self._waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, w) if deadline is not None else None
+            try:
+                await w
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+
+def _expire(w: "asyncio.Future[None]") -> None:
+    if not w.done():
+        w.set_exception(TimeoutError())
+
+
+async def _exec_frame(conn: _Conn, deadline: float) -> tuple[int, bytes]:
+    """The next frame of an exec by ``deadline``: heartbeats bound the silence from a live agent, a
+    frozen or dead one trips this. (A frame already here needs no timer: a small exec's come together.)"""
+    try:
+        return await conn.frame(deadline)
+    except TimeoutError as e:
+        raise AgentUnavailable(_errno.ETIMEDOUT, "agent stopped responding during exec") from e
 
 
 def _raise_error(body: bytes) -> None:
@@ -240,10 +362,43 @@ class AgentClient:
         self.expected_pid = expected_pid
         self.connect_timeout_s = connect_timeout_s
         self.op_timeout_s = op_timeout_s
+        self.keeps_connections = False  # learnt from the ping: the agent speaks protocol 3
+        self._idle: list[_Conn] = []
 
     # -- connection ------------------------------------------------------------------
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _conn(self) -> _Conn:
+        """An idle connection (checked at connect time, still open, nothing unread), else a new one."""
+        while self._idle:
+            c = self._idle.pop()
+            c.idle = False
+            if c.reusable:
+                return c
+            c.close()
+        return await self._connect()
+
+    def _release(self, c: _Conn, ok: bool) -> None:
+        """``ok``: its request ended with the agent's whole answer read, so the next one may follow."""
+        if ok and self.keeps_connections and c.reusable and len(self._idle) < _IDLE_MAX:
+            c.idle = True
+            self._idle.append(c)
+        else:
+            c.close()
+
+    def close_idle(self) -> None:
+        """Close the pooled connections (the sandbox is going away)."""
+        idle, self._idle = self._idle, []
+        for c in idle:
+            c.close()
+
+    async def hang_up_idle(self, timeout_s: float = 2.0) -> None:
+        """Close the pooled connections and wait until the agent closed its ends too: before the
+        sandbox is frozen, so a CRIU dump of it finds no socket to the outside (nor a frozen agent
+        one it cannot close)."""
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(c.hang_up(timeout_s) for c in idle))
+
+    async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.setblocking(False)
@@ -276,21 +431,28 @@ class AgentClient:
                     _errno.EPERM,
                     f"agent socket {self.socket_path} is served by pid {pid}, expected {self.expected_pid}",
                 )
-        return await asyncio.open_unix_connection(sock=sock, limit=_READ_CHUNK + 4096)
+        try:
+            _, conn = await loop.create_unix_connection(_Conn, sock=sock)
+        except OSError as e:
+            sock.close()
+            raise AgentUnavailable(e.errno or _errno.EIO, f"cannot reach agent at {self.socket_path}: {e}") from e
+        return conn
 
     async def _call(self, frame: bytes) -> tuple[int, bytes]:
         """One request, one reply frame; error frames are raised as AgentError."""
-        reader, writer = await self._connect()
+        conn = await self._conn()
+        ok = False
         try:
             async with asyncio.timeout(self.op_timeout_s):
-                writer.write(frame)
-                kind, body = await _read_frame(reader)
+                conn.write(frame)
+                kind, body = await conn.frame()
+            ok = kind != ord("R")  # after an error the agent may close: a fresh connection for the next call
         except TimeoutError as e:
             raise AgentUnavailable(_errno.ETIMEDOUT, f"agent did not answer within {self.op_timeout_s}s") from e
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise AgentUnavailable(_errno.ECONNRESET, f"agent closed the connection: {e}") from e
         finally:
-            writer.close()
+            self._release(conn, ok)
         if kind == ord("R"):
             _raise_error(body)
         return kind, body
@@ -302,8 +464,9 @@ class AgentClient:
         if kind != ord("K"):
             raise _unexpected(kind)
         version = _U32.unpack_from(body)[0] if len(body) >= 4 else 0
-        if version != PROTOCOL_VERSION:
-            raise AgentError(_errno.EPROTO, f"agent speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+        if version not in PROTOCOLS:
+            raise AgentError(_errno.EPROTO, f"agent speaks protocol {version}, we speak {', '.join(map(str, PROTOCOLS))}")
+        self.keeps_connections = version >= 3
         abi, flags = struct.unpack_from(">II", body, 4) if len(body) >= 12 else (0, 0)
         return AgentInfo(version, abi, bool(flags & 1), bool(flags & 2), bool(flags & 4))
 
@@ -321,11 +484,12 @@ class AgentClient:
 
     async def peer_pid(self) -> int:
         """Pid of the process serving the socket right now (checked against expected_pid if set)."""
-        reader, writer = await self._connect()
+        conn = await self._connect()
         try:
-            return peer_pid(writer.get_extra_info("socket"))
+            assert conn.transport is not None
+            return peer_pid(conn.transport.get_extra_info("socket"))
         finally:
-            writer.close()
+            conn.close()
 
     async def exec(
         self,
@@ -358,7 +522,9 @@ class AgentClient:
             if not key or "=" in key:
                 raise ValueError(f"invalid environment variable name {key!r}")
             env_parts.append(_s(f"{key}={value}"))
-        flags = (1 if background else 0) | (2 if stdin else 0)
+        # Nobody reads the output or the pid as they come: the agent may send them with the exit.
+        buffered = on_output is None and on_start is None and not background
+        flags = (1 if background else 0) | (2 if stdin else 0) | (4 if buffered else 0)
         frame = _frame(
             b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
             bytes((flags,)), _s(user),
@@ -384,16 +550,12 @@ class AgentClient:
         room = {1: math.inf if cap is None else cap, 2: math.inf if cap is None else cap}
         total = {1: 0, 2: 0}
         pid = 0
-        reader, writer = await self._connect()
+        conn = await self._conn()
+        ok = False
         try:
-            writer.write(frame)
+            conn.write(frame)
             while True:
-                # Heartbeats bound the silence from a live agent; a frozen or dead one trips this.
-                try:
-                    async with asyncio.timeout_at(min(loop.time() + _EXEC_IDLE_S, hard_deadline)):
-                        kind, body = await _read_frame(reader)
-                except TimeoutError as e:
-                    raise AgentUnavailable(_errno.ETIMEDOUT, "agent stopped responding during exec") from e
+                kind, body = conn.buffered() or await _exec_frame(conn, min(loop.time() + _EXEC_IDLE_S, hard_deadline))
                 if kind == ord("O"):
                     stream, data = body[0], body[1:]
                     if stream not in total:
@@ -415,6 +577,7 @@ class AgentClient:
                             await res
                 elif kind == ord("E"):
                     code, timed_out, sig = struct.unpack(">iBB", body[:6])
+                    ok = True
                     return ExecOutcome(
                         code, b"".join(kept[1]), b"".join(kept[2]), bool(timed_out), pid, sig, total[1], total[2],
                     )
@@ -425,7 +588,8 @@ class AgentClient:
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise AgentUnavailable(_errno.ECONNRESET, f"agent connection lost during exec: {e}") from e
         finally:
-            writer.close()
+            # Not ok (cancelled, timed out, broken): closing it is what stops a foreground command.
+            self._release(conn, ok)
 
     async def send_stdin(self, pid: int, data: bytes = b"", close: bool = False) -> None:
         """Queue ``data`` for the command's stdin pipe (``close``: then close it). While the agent
@@ -498,11 +662,11 @@ class AgentClient:
     ) -> None:
         """Report changes beneath directory ``path`` as (inotify mask, name relative to it) until
         cancelled (which ends the watch in the agent too)."""
-        reader, writer = await self._connect()
+        conn = await self._connect()
         try:
-            writer.write(_frame(b"Y", bytes((int(recursive),)), _s(path)))
+            conn.write(_frame(b"Y", bytes((int(recursive),)), _s(path)))
             async with asyncio.timeout(self.op_timeout_s):
-                kind, body = await _read_frame(reader)
+                kind, body = await conn.frame()
             if kind == ord("R"):
                 _raise_error(body)
             if kind != ord("w"):
@@ -510,7 +674,7 @@ class AgentClient:
             if on_start is not None:
                 on_start()
             while True:
-                kind, body = await _read_frame(reader)
+                kind, body = await conn.frame()
                 if kind != ord("F"):
                     raise _unexpected(kind)
                 mask, nlen = struct.unpack_from(">II", body)
@@ -522,7 +686,7 @@ class AgentClient:
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             raise AgentUnavailable(_errno.ECONNRESET, f"agent connection lost during watch: {e}") from e
         finally:
-            writer.close()
+            conn.close()  # a watch ends with its connection
 
     async def write_file(
         self, path: str, data: bytes, offset: int = 0, truncate: bool = True, mode: int = 0o644,

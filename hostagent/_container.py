@@ -655,6 +655,13 @@ class ContainerBackend:
         why = f"exited: {last}" if last else (str(exc) if exc else "exited")
         raise CreateFailed(f"sandbox agent did not start: {why}")
 
+    async def before_freeze(self, handle: Handle) -> None:
+        """Hang up the idle connections to the sandbox's agent (hostagent._snapshots, before it
+        freezes the sandbox): a frozen agent cannot close its ends, and CRIU cannot dump them."""
+        client = self._clients.get(handle.sandbox_id)
+        if client is not None:
+            await client.hang_up_idle()
+
     async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
         """CRIU-dump the sandbox's processes into ``image_dir`` (whole memory: no soft-dirty tracking
         here); the sandbox runs on (or stays frozen, if it was)."""
@@ -746,9 +753,10 @@ class ContainerBackend:
 
     async def _remove(self, cid: str, sandbox_id: str | None) -> None:
         assert self.rt is not None
-        self._clients.pop(cid, None)
-        if sandbox_id is not None:
-            self._clients.pop(sandbox_id, None)
+        for key in (cid, sandbox_id):
+            client = self._clients.pop(key, None) if key is not None else None
+            if client is not None:
+                client.close_idle()
         self._warm_info.pop(cid, None)
         self._cpu_samples.pop(cid, None)
         # Leave the shim group before the delete: a container started meanwhile must not join a shim

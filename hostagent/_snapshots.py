@@ -123,6 +123,10 @@ class Snapshots:
             raise NotSupported(f"snapshots need the container backend, this host runs {self.agent.backend.name!r}")
         return f"{CGROUP_PARENT}/{handle.extra.get('cid') or handle.sandbox_id}", handle.extra["dir"]
 
+    async def _freeze(self, handle: "Handle", cgroup: str) -> None:
+        await self.agent.backend.before_freeze(handle)  # type: ignore[attr-defined]  # its idle agent connections closed first
+        await fz.freeze(cgroup)
+
     async def snapshot(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
         if ls.state != "running":
             raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}: only a running sandbox can be snapshotted", state=ls.state)
@@ -178,7 +182,7 @@ class Snapshots:
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = fz.frozen(cgroup)  # a frozen pause stays frozen
         if not already:
-            await fz.freeze(cgroup)
+            await self._freeze(handle, cgroup)
         t_frozen = time.perf_counter()
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
@@ -270,7 +274,7 @@ class Snapshots:
             return Done(detail="paused")
         if ls.state != "running":
             raise SandboxNotRunning(f"sandbox {sid} is {ls.state}", state=ls.state)
-        await fz.freeze(cgroup)
+        await self._freeze(handle, cgroup)
         ls.state = "paused"
         ls.extra["paused"] = handle.extra["paused"] = True  # a restarted host agent keeps it frozen
         self.agent.registry.save(ls)

@@ -22,7 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m placement", description=__doc__)
     ap.add_argument("--nats-url", default=None, help="default: $DSEC_NATS_URL or nats://127.0.0.1:4222")
     ap.add_argument("--replica-id", default=None)
-    ap.add_argument("--capacity", type=int, default=256, help="requests handled at once by this replica")
+    # a request is held until its host answers, for the whole create: room for every host's concurrency
+    ap.add_argument("--capacity", type=int, default=512, help="requests held at once by this replica (until their hosts answer)")
     ap.add_argument("--strategy", choices=["spread", "pack"], default="spread")
     ap.add_argument("--sample-k", type=int, default=8)
     ap.add_argument("--ack-wait", type=float, default=10.0, help="seconds before a dead replica's requests are redelivered")

@@ -50,7 +50,7 @@ class Placement(Service):
         nats_url: str | None = None,
         *,
         replica_id: str | None = None,
-        capacity: int = 256,
+        capacity: int = 512,
         policy: Policy = Policy(),
         pending_delay_s: float = 0.5,
         max_attempts: int = MAX_ATTEMPTS,

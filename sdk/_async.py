@@ -38,6 +38,7 @@ from . import _snapshots as _snap
 from ._commands import AsyncCommands
 from ._files import AsyncFilesystem
 from ._models import SandboxInfo, SandboxMetrics
+from ._requests import release_requests, requests_for
 
 _conns: dict[tuple[int, str], NATS] = {}
 BATCH_CHUNK = 1000  # specs per request message (well under any server's max_payload)
@@ -136,6 +137,7 @@ async def close_connections() -> None:
         nc = _conns.pop(key)
         _jsctx.pop(id(nc), None)
         _replies.pop(id(nc), None)
+        await release_requests(nc)
         await release_publisher(nc)
         if not nc.is_closed:
             await nc.drain()
@@ -589,7 +591,7 @@ class AsyncSandbox:
     # --- requests -------------------------------------------------------------------------------
     async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
         try:
-            msg = await self._nc.request(S.sbx(self.sandbox_id, op), codec.encode(req), timeout=timeout)
+            msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op), codec.encode(req), timeout)
         except nats.errors.NoRespondersError:
             raise SandboxNotFound(f"sandbox {self.sandbox_id} is not running (killed, timed out, or never created)") from None
         except nats.errors.TimeoutError:

@@ -28,21 +28,28 @@
  * found, so a signal or stdin write can never reach the agent itself or a stranger.
  *
  * ---------------------------------------------------------------------------------------------
- * Wire protocol (unix stream socket, exactly one request per connection)
+ * Wire protocol (unix stream socket, one request at a time per connection)
  *
  *   frame := u32 len | u8 type | payload      len counts type + payload; big-endian; 1..8 MiB
  *   u8/u32/u64/i32/i64 are big-endian; str := u32 n | n bytes (must not contain NUL)
  *
- * The client sends one request frame; the agent answers with one or more frames, then closes.
+ * The client sends one request frame; the agent answers with one or more frames. From protocol 3
+ * on, the connection then takes the next request (a host keeps connections to reuse: no connect
+ * and accept per exec); a watch keeps its connection to itself, and a malformed request (bad
+ * length, unknown type, bad fields) is answered and the connection closed. The client may close
+ * a connection whenever it likes.
  *
  *   'P' ping                                            -> 'K' u32 protocol_version
  *              | u32 landlock_abi (0: none) | u32 confinement flags (1 Landlock enforced,
  *                2 seccomp log filter installed, 4 audit session set)   (older agents: version only)
  *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd, or the user's home)
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
- *              | u8 flags (1 background, 2 stdin pipe) | str user ("" = ours; name or uid from
- *                the sandbox's /etc/passwd, whose HOME/USER/LOGNAME replace the given ones)
- *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user)
+ *              | u8 flags (1 background, 2 stdin pipe, 4 buffered: output may wait for the exit, a
+ *                heartbeat or 1 MiB, for a client that wants only the result; protocol 3)
+ *              | str user ("" = ours; name or uid from the sandbox's /etc/passwd, whose
+ *                HOME/USER/LOGNAME replace the given ones)
+ *              -> first          'i' u32 pid       (the command runs; ESRCH error: unknown user;
+ *                                a buffered command's goes out with what follows it)
  *                 any number of  'O' u8 stream (1 stdout, 2 stderr) | bytes   (up to 64 KiB each)
  *                                'H'        (heartbeat after 5 s, or --heartbeat-ms, without a frame)
  *                 then           'E' i32 exit_code (128+signal if killed) | u8 timed_out | u8 signal
@@ -102,13 +109,12 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/timerfd.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 2
+#define PROTO_VERSION 3
 #define MAX_REQ (8u << 20)
 #define READ_CAP (4u << 20)
 #define LIST_MAX (64u << 20)
@@ -127,7 +133,7 @@
 #define EXITED_KEEP 64
 #define WATCH_MAX 4096
 
-enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_ERR, W_TIMER, W_IN, W_INOTIFY };
+enum { W_LISTEN, W_SIGNAL, W_CONN, W_OUT, W_ERR, W_IN, W_INOTIFY };
 enum { ST_HDR, ST_BODY, ST_EXEC, ST_WATCH, ST_CLOSING };
 
 struct conn;
@@ -143,19 +149,22 @@ struct watch {
 struct proc {
     pid_t pid; /* > 0 only while running and unreaped: the pid (and process group) can't be reused */
     pid_t spawned; /* the pid it was started with, kept after it ended */
-    int pout, perr, pin, tfd, paused, timed_out, background, exited, status, dead;
-    int64_t deadline, last_send;
+    int pout, perr, pin, paused, timed_out, background, buffered, exited, status, dead;
+    /* Timers, all served by the main loop's epoll timeout (no timerfd per command): the timeout
+     * kill, the heartbeat, and when a buffered command's pipes start being watched. */
+    int64_t deadline, last_send, watch_at, next_timer;
     struct conn *c;
     uint8_t *in;
     size_t in_len, in_off;
     int in_close;
     char *cmd, *cwd, *user;
-    struct watch w_out, w_err, w_in, w_tim;
+    struct watch w_out, w_err, w_in;
     struct proc *next, *prev, *next_dead;
 };
 
 struct conn {
     int fd, state, dead;
+    int close_after; /* answer, then close: the request stream can't be trusted past a bad frame */
     uint32_t events;
     uint8_t hdr[4];
     uint32_t hdr_got;
@@ -357,11 +366,14 @@ static char *rd_cstr(struct rd *r)
 /* Common validation after a request's fields are read; 0 if an error reply was queued. */
 static int rd_done(struct conn *c, struct rd *r, int allow_rest)
 {
+    /* A client that sends malformed requests is not one of ours: answer it, then close. */
     if (r->bad || (!allow_rest && r->n)) {
+        c->close_after = 1;
         reply_err(c, EPROTO, "malformed request");
         return 0;
     }
     if (r->nul) {
+        c->close_after = 1;
         reply_err(c, EINVAL, "string argument contains a NUL byte");
         return 0;
     }
@@ -398,7 +410,7 @@ static void proc_free(struct proc *p)
     close_watched(&p->pout);
     close_watched(&p->perr);
     close_watched(&p->pin);
-    close_watched(&p->tfd);
+    p->next_timer = 0;
     if (p->prev)
         p->prev->next = p->next;
     else if (procs == p)
@@ -511,11 +523,8 @@ static void conn_flush(struct conn *c)
         c->out_len = pending;
         c->out_off = 0;
     }
-    uint32_t ev = 0;
-    if (c->state == ST_EXEC || c->state == ST_WATCH)
-        ev = EPOLLIN | EPOLLRDHUP;
-    else if (c->state != ST_CLOSING)
-        ev = EPOLLIN;
+    /* The same mask in every state but closing: no epoll_ctl per request. */
+    uint32_t ev = c->state != ST_CLOSING ? EPOLLIN | EPOLLRDHUP : 0;
     if (pending)
         ev |= EPOLLOUT;
     conn_set_events(c, ev);
@@ -532,11 +541,17 @@ static void conn_flush(struct conn *c)
     }
 }
 
+/* The request is answered: the connection waits for the next one (or closes, after a bad frame). */
 static void finish(struct conn *c)
 {
-    c->state = ST_CLOSING;
     free(c->req);
     c->req = NULL;
+    if (c->close_after) {
+        c->state = ST_CLOSING;
+    } else {
+        c->state = ST_HDR;
+        c->hdr_got = 0;
+    }
     conn_flush(c);
 }
 
@@ -564,7 +579,8 @@ static int pipe_read(struct proc *p, int stream)
                 h[4] = 'O';
                 h[5] = (uint8_t)stream;
                 c->out_len += 6 + (size_t)n;
-                p->last_send = now_ns();
+                if (!p->buffered)
+                    p->last_send = now_ns();
             }
             return 1;
         }
@@ -582,7 +598,8 @@ static void on_pipe(struct proc *p, int stream)
     if (p->paused)
         return;
     pipe_read(p, stream);
-    if (p->c)
+    /* Buffered output waits for the exit, a heartbeat or OUT_HIGH bytes: one send per small command. */
+    if (p->c && (!p->buffered || p->c->out_len - p->c->out_off > OUT_HIGH))
         conn_flush(p->c);
 }
 
@@ -609,7 +626,7 @@ static void proc_exited(struct proc *p, int status)
     close_watched(&p->pout);
     close_watched(&p->perr);
     close_watched(&p->pin);
-    close_watched(&p->tfd);
+    p->next_timer = p->watch_at = 0;
     struct conn *c = p->c;
     if (c) {
         put_exit(c, p);
@@ -639,18 +656,26 @@ static void timer_arm(struct proc *p)
     int64_t next = p->c ? p->last_send + heartbeat_ns : 0;
     if (p->deadline && !p->timed_out && (!next || p->deadline < next))
         next = p->deadline;
-    struct itimerspec its = {0};
-    its.it_value.tv_sec = next / 1000000000LL;
-    its.it_value.tv_nsec = next % 1000000000LL;
-    timerfd_settime(p->tfd, TFD_TIMER_ABSTIME, &its, NULL); /* 0: disarmed */
+    if (p->watch_at && (!next || p->watch_at < next))
+        next = p->watch_at;
+    p->next_timer = p->pid > 0 ? next : 0; /* 0: none */
 }
 
-static void on_timer(struct proc *p)
+static void watch_pipes(struct proc *p)
 {
-    uint64_t ticks;
-    if (read(p->tfd, &ticks, sizeof ticks) < 0 && errno == EAGAIN)
-        return;
-    int64_t now = now_ns();
+    p->watch_at = 0;
+    if (p->paused)
+        return; /* proc_set_paused adds them when it resumes */
+    if (p->pout >= 0)
+        ep_ctl(EPOLL_CTL_ADD, p->pout, &p->w_out, EPOLLIN);
+    if (p->perr >= 0)
+        ep_ctl(EPOLL_CTL_ADD, p->perr, &p->w_err, EPOLLIN);
+}
+
+static void on_timer(struct proc *p, int64_t now)
+{
+    if (p->watch_at && now >= p->watch_at)
+        watch_pipes(p);
     if (p->deadline && !p->timed_out && now >= p->deadline && p->pid > 0) {
         p->timed_out = 1;
         kill(-p->pid, SIGKILL);
@@ -845,7 +870,9 @@ static char **user_env(char **envp, uint32_t nenv, const struct user *u, char *s
     return out;
 }
 
-static void proc_attach(struct proc *p, struct conn *c)
+/* ``now``: send the 'i' frame at once (a background start waits for its pid); a buffered one goes
+ * out with the output, a heartbeat or the exit, one wake-up of the host fewer per command. */
+static void proc_attach(struct proc *p, struct conn *c, int now)
 {
     p->c = c;
     c->p = p;
@@ -857,17 +884,20 @@ static void proc_attach(struct proc *p, struct conn *c)
     timer_arm(p);
     free(c->req);
     c->req = NULL;
-    conn_flush(c);
+    if (now)
+        conn_flush(c);
 }
 
 #define X_BACKGROUND 1u
 #define X_STDIN 2u
+#define X_BUFFERED 4u
+#define WATCH_DELAY_NS (2 * 1000000LL)
 
 static void op_exec(struct conn *c, struct rd *r)
 {
     char *cmd = NULL, *cwd = NULL, *user = NULL, **envp = NULL, **uenv = NULL, *slots[3] = {NULL, NULL, NULL};
     uint32_t nenv = 0, i;
-    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1}, tfd = -1;
+    int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     struct user u;
     struct proc *p = NULL;
 
@@ -919,8 +949,7 @@ static void op_exec(struct conn *c, struct rd *r)
         }
     }
     p = calloc(1, sizeof *p);
-    tfd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
-    if (!p || tfd < 0 || pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 ||
+    if (!p || pipe2(po, O_CLOEXEC) < 0 || pipe2(pe, O_CLOEXEC) < 0 ||
         ((flags & X_STDIN) && pipe2(pi, O_CLOEXEC) < 0)) {
         reply_err(c, errno ? errno : ENOMEM, "exec setup: %s", strerror(errno ? errno : ENOMEM));
         goto out;
@@ -953,21 +982,24 @@ static void op_exec(struct conn *c, struct rd *r)
     p->pout = po[0];
     p->perr = pe[0];
     p->pin = pi[1];
-    p->tfd = tfd;
     p->background = (flags & X_BACKGROUND) != 0;
+    p->buffered = (flags & X_BUFFERED) && !p->background;
     p->cmd = cmd;
     p->cwd = cwd;
     p->user = user;
     cmd = cwd = user = NULL;
-    po[0] = pe[0] = pi[1] = tfd = -1;
+    po[0] = pe[0] = pi[1] = -1;
     p->w_out = (struct watch){W_OUT, NULL, p};
     p->w_err = (struct watch){W_ERR, NULL, p};
     p->w_in = (struct watch){W_IN, NULL, p};
-    p->w_tim = (struct watch){W_TIMER, NULL, p};
     p->deadline = timeout_ms ? now_ns() + (int64_t)timeout_ms * 1000000LL : 0;
-    ep_ctl(EPOLL_CTL_ADD, p->pout, &p->w_out, EPOLLIN);
-    ep_ctl(EPOLL_CTL_ADD, p->perr, &p->w_err, EPOLLIN);
-    ep_ctl(EPOLL_CTL_ADD, p->tfd, &p->w_tim, EPOLLIN);
+    /* A buffered command's pipes are watched only from WATCH_DELAY on: one that ends sooner (most
+     * do) has its output taken at its exit, without a wake-up for it; one that fills a pipe first
+     * waits at most that long. */
+    if (p->buffered)
+        p->watch_at = now_ns() + WATCH_DELAY_NS;
+    else
+        watch_pipes(p);
     if (p->pin >= 0)
         ep_ctl(EPOLL_CTL_ADD, p->pin, &p->w_in, 0);
     p->next = procs;
@@ -975,7 +1007,7 @@ static void op_exec(struct conn *c, struct rd *r)
         procs->prev = p;
     procs = p;
     p = NULL;
-    proc_attach(procs, c);
+    proc_attach(procs, c, !procs->buffered);
 
 out:
     for (i = 0; envp && i < nenv; i++)
@@ -993,7 +1025,6 @@ out:
         if (pe[i] >= 0) close(pe[i]);
         if (pi[i] >= 0) close(pi[i]);
     }
-    if (tfd >= 0) close(tfd);
     if (c->state != ST_EXEC)
         finish(c);
 }
@@ -1030,7 +1061,7 @@ static void op_attach(struct conn *c, struct rd *r)
         proc_free(p);
         goto done;
     }
-    proc_attach(p, c);
+    proc_attach(p, c, 1);
     return;
 done:
     finish(c);
@@ -1617,7 +1648,7 @@ static void dispatch(struct conn *c)
     case 'I': op_stdin(c, &r); break;
     case 'U': op_signal(c, &r); break;
     case 'J': op_procs(c, &r); break;
-    default: reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
+    default: c->close_after = 1; reply_err(c, EPROTO, "unknown request type 0x%02x", c->req[0]); break;
     }
     finish(c);
 }
@@ -1664,6 +1695,7 @@ static void conn_read(struct conn *c)
                 continue;
             uint32_t len = (uint32_t)c->hdr[0] << 24 | (uint32_t)c->hdr[1] << 16 | (uint32_t)c->hdr[2] << 8 | c->hdr[3];
             if (len == 0 || len > MAX_REQ) {
+                c->close_after = 1;
                 if (len)
                     reply_err(c, EMSGSIZE, "request frame of %u bytes exceeds %u", len, MAX_REQ);
                 else
@@ -1673,6 +1705,7 @@ static void conn_read(struct conn *c)
             }
             c->req = malloc(len);
             if (!c->req) {
+                c->close_after = 1;
                 reply_err(c, ENOMEM, "out of memory");
                 finish(c);
                 return;
@@ -1717,8 +1750,8 @@ static void conn_new(int fd)
     c->ifd = -1;
     c->state = ST_HDR;
     c->w = (struct watch){W_CONN, c, NULL};
-    c->events = EPOLLIN;
-    ep_ctl(EPOLL_CTL_ADD, fd, &c->w, EPOLLIN);
+    c->events = EPOLLIN | EPOLLRDHUP;
+    ep_ctl(EPOLL_CTL_ADD, fd, &c->w, c->events);
 }
 
 static void on_listen(void)
@@ -1788,11 +1821,36 @@ static void on_signal(void)
         for (size_t i = 0; i < (size_t)n / sizeof si[0]; i++)
             if (si[i].ssi_signo == SIGTERM || si[i].ssi_signo == SIGINT)
                 shutdown_now();
+        if ((size_t)n < sizeof si)
+            break; /* drained: no read just to hear EAGAIN */
     }
     reap();
 }
 
 /* ------------------------------------------------------------------ setup */
+
+/* Milliseconds until the next timer of any command (-1: none), for epoll_wait. */
+static int timers_due(void)
+{
+    int64_t next = 0;
+    for (struct proc *p = procs; p; p = p->next)
+        if (p->next_timer && (!next || p->next_timer < next))
+            next = p->next_timer;
+    if (!next)
+        return -1;
+    int64_t left = next - now_ns();
+    return left <= 0 ? 0 : (int)((left + 999999) / 1000000 > 86400000 ? 86400000 : (left + 999999) / 1000000);
+}
+
+static void run_timers(void)
+{
+    int64_t now = now_ns();
+    for (struct proc *p = procs, *next; p; p = next) {
+        next = p->next; /* on_timer may free p (never another command) */
+        if (p->next_timer && now >= p->next_timer && !p->dead)
+            on_timer(p, now);
+    }
+}
 
 static void die(const char *what)
 {
@@ -2176,12 +2234,13 @@ int main(int argc, char **argv)
 
     struct epoll_event evs[128];
     for (;;) {
-        int n = epoll_wait(ep, evs, 128, -1);
+        int n = epoll_wait(ep, evs, 128, timers_due());
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             die("epoll_wait");
         }
+        run_timers();
         for (int i = 0; i < n; i++) {
             struct watch *w = evs[i].data.ptr;
             if (w->kind == W_LISTEN) {
@@ -2199,7 +2258,6 @@ int main(int argc, char **argv)
                 switch (w->kind) {
                 case W_OUT: on_pipe(p, 1); break;
                 case W_ERR: on_pipe(p, 2); break;
-                case W_TIMER: if (p->tfd >= 0) on_timer(p); break;
                 case W_IN: stdin_flush(p); break;
                 }
                 continue;

@@ -2,6 +2,7 @@
 
     python tests/bench/bench_sandboxes.py [-n 100] [--concurrency 16] [--profile prof.txt]
     python tests/bench/bench_sandboxes.py --lifecycle [--sizes 300,1000] [--cpus 0.02,1] --memory-mb 16 --disk-mb 32 --cpu-overcommit 1000
+    python tests/bench/bench_sandboxes.py --exec-agents 64 [--exec-rounds 40] [--think-ms 50,0] [--exec-profile DIR]
 
 A fresh stack in this process: an embedded NATS JetStream server, one placement replica and a host
 agent with the container backend (a private containerd + runc) in a temp data dir, and a busybox
@@ -17,6 +18,18 @@ agent with the container backend (a private containerd + runc) in a temp data di
 * CPU time per create, by process: this process, its children (mkfs, ...), containerd, shims + runc.
 
 ``--profile FILE`` samples this process with py-spy during the burst and prints where its time goes.
+
+``--exec-agents N``: N sandboxes, then N concurrent agents (one per sandbox, in a client process of
+their own, so its CPU is apart from the host agent's) each running ``echo hi`` ``--exec-rounds``
+times with ``--think-ms`` between execs (each value of the list in turn; 0: flat out), started all at
+once (lockstep: with a constant think time they stay in step, 64 execs arriving together) or each at
+a random moment of its first think time (staggered, as independent agents would; ``--exec-start``). Prints
+execs/s, p50/p90/p99 and CPU µs per exec by process: the client, this process (the host agent;
+placement idles), the agents in the sandboxes (dsec-agent itself, and the commands it ran),
+containerd, shims, nats-server, the whole machine; ``--exec-perf`` adds ``perf stat`` figures
+(syscalls, context switches, CPU) per exec of the client, host agent, sandbox agents with the
+commands they ran, and nats-server. ``--exec-profile DIR`` records the host agent and the client
+with py-spy during the flat-out run.
 Everything it starts is stopped by pid and its data dir removed at the end.
 """
 
@@ -28,6 +41,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -390,8 +404,9 @@ async def timed(coro) -> tuple[float, object]:
 class Profiler:
     """py-spy attached to this process; SIGINT makes it write what it sampled."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, pid: int | None = None) -> None:
         self.path = path
+        self.pid = pid or os.getpid()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -399,7 +414,7 @@ class Profiler:
         if exe is None:
             print("  (py-spy not installed: pip install py-spy)")
             return
-        self.proc = subprocess.Popen([exe, "record", "--pid", str(os.getpid()), "--rate", "250", "--format", "raw", "--nonblocking", "-o", self.path],
+        self.proc = subprocess.Popen([exe, "record", "--pid", str(self.pid), "--rate", "250", "--format", "raw", "--nonblocking", "-o", self.path],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.5)  # py-spy attaches; not a synchronisation of the system under test
 
@@ -433,7 +448,7 @@ class Profiler:
                 incl[fr] += k
         if not total:
             return
-        print(f"\n  py-spy, this process during the burst ({total} samples; file {self.path})")
+        print(f"\n  py-spy, pid {self.pid} ({total} samples; file {self.path})")
         print("  self time:")
         for fr, k in own.most_common(top):
             print(f"    {100 * k / total:5.1f}%  {fr}")
@@ -693,6 +708,221 @@ async def run_lifecycle(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
+# ------------------------------------------------------------------------------------------ exec
+async def _exec_agent(sb: AsyncSandbox, rounds: int, think: float, lat: list[float], errors: list[str], start: float) -> None:
+    await asyncio.sleep(start)  # the agent's first step comes when its first think ends
+    for i in range(rounds):
+        t = time.perf_counter()
+        try:
+            r = await sb.commands.run("echo hi")
+            if r.stdout != "hi\n":
+                errors.append(f"stdout {r.stdout!r}")
+        except Exception as exc:  # noqa: BLE001 - counted and shown, the run goes on
+            errors.append(repr(exc))
+        lat.append((time.perf_counter() - t) * 1000)
+        if think and i + 1 < rounds:
+            await asyncio.sleep(think)  # the agent's think time (what is measured around it)
+
+
+async def exec_client(args: argparse.Namespace) -> None:
+    """The client process of ``--exec-agents``: one agent per sandbox id (stdin's first line), each
+    running ``echo hi`` --exec-rounds times with the think time of each "go <think_ms> <start>" line
+    of stdin (start "lockstep": all at once, else each at a random moment of its first think time);
+    prints one JSON line per run (latencies in ms, wall seconds, its own CPU seconds)."""
+    import json
+
+    ids = sys.stdin.readline().split()
+    sbs = [await AsyncSandbox.connect(sid, nats_url=args.url) for sid in ids]
+    await asyncio.gather(*(sb.commands.run("echo hi") for sb in sbs))  # warm: connection, inbox subscription
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    for line in iter(sys.stdin.readline, ""):
+        think = float(line.split()[1]) / 1000
+        lockstep = line.split()[2] == "lockstep"
+        lat: list[float] = []
+        errors: list[str] = []
+        rng = random.Random(1)
+        starts = [0.0 if lockstep else rng.uniform(0, think) for _ in sbs]
+        c0, w0 = time.process_time(), loop.time()
+        await asyncio.gather(*(_exec_agent(sb, args.exec_rounds, think, lat, errors, t0) for sb, t0 in zip(sbs, starts, strict=True)))
+        wall, cpu = loop.time() - w0, time.process_time() - c0
+        print(json.dumps({"lat": lat, "wall": wall, "cpu": cpu, "errors": errors[:5], "n_errors": len(errors)}), flush=True)
+    await sdk._async.close_connections()
+
+
+class PerfStat:
+    """``perf stat`` of groups of processes (syscalls, context switches, CPU), per exec."""
+
+    EVENTS = "raw_syscalls:sys_enter,context-switches,task-clock"
+
+    def __init__(self, out_dir: str, groups: dict[str, list[int]]) -> None:
+        self.files = {name: os.path.join(out_dir, f"perf-{i}.txt") for i, name in enumerate(groups)}
+        exe = shutil.which("perf")
+        self.procs = [] if exe is None else [
+            subprocess.Popen([exe, "stat", "-x", ",", "-e", self.EVENTS, "-p", ",".join(map(str, pids)), "-o", self.files[name]],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pids in groups.items()
+        ]
+        time.sleep(0.3)  # perf attaches; not a synchronisation of the system under test
+
+    def report(self, n: int) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGINT)
+            p.wait(10)
+        if not self.procs:
+            return
+        print("  perf stat, per exec:                       syscalls  ctx switches  CPU µs")
+        for name, path in self.files.items():
+            vals: dict[str, float] = {}
+            with contextlib.suppress(OSError):
+                for line in Path(path).read_text().splitlines():
+                    f = line.split(",")
+                    if len(f) > 2 and f[0].replace(".", "").isdigit():
+                        vals[f[2]] = float(f[0])
+            print(f"    {name:40} {vals.get('raw_syscalls:sys_enter', 0) / n:9.1f} {vals.get('context-switches', 0) / n:13.1f} "
+                  f"{1000 * vals.get('task-clock', 0) / n:7.1f}")
+
+
+class ExecCpu:
+    """CPU seconds by process for the exec run: the sandboxes' agents are read one by one (own time,
+    and the time of the commands they ran and reaped), besides the parts CpuMeter knows."""
+
+    def __init__(self, meter: CpuMeter, agent_pids: list[int]) -> None:
+        self.meter = meter
+        self.agent_pids = agent_pids
+
+    def snapshot(self) -> dict[str, float]:
+        snap = self.meter.snapshot()
+        own = sum(cpu_s(p) for p in self.agent_pids)
+        snap["dsec-agent in the sandboxes (own)"] = own
+        snap["commands they ran (sh -c echo, reaped)"] = sum(cpu_s(p, children=True) for p in self.agent_pids) - own
+        return snap
+
+
+def _varz(port: int) -> dict[str, Any]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/varz", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _exec_report(title: str, res: dict[str, Any], d: dict[str, float], agents: int) -> str:
+    """Print one run's figures; returns its summary line."""
+    lat, n = res["lat"], len(res["lat"])
+    line = (f"exec {title}: {n / res['wall']:7.1f} execs/s  ({n} in {res['wall']:.2f} s, {res['n_errors']} failed)   "
+            f"p50 {pct(lat, 50):6.2f} ms  p90 {pct(lat, 90):6.2f} ms  p99 {pct(lat, 99):6.2f} ms  max {max(lat):6.1f} ms")
+    print(line, flush=True)
+    if res["errors"]:
+        print(f"    first failures: {res['errors']}")
+    print(f"  CPU per exec (µs), {title}:")
+    parts = [
+        (f"client (SDK process, {agents} agents)", res["cpu"]),
+        ("host agent (this process; placement idles)", d["this process (host agent + placement + SDK)"]),
+        ("dsec-agent in the sandboxes (own)", d["dsec-agent in the sandboxes (own)"]),
+        ("commands they ran (sh -c echo, reaped)", d["commands they ran (sh -c echo, reaped)"]),
+        ("  = inside the sandboxes (cpuacct dsec/*)", d["inside the sandboxes (cpuacct dsec/*)"]),
+        ("nats-server", d["nats-server"]),
+        ("containerd", d["containerd"]),
+        ("shims + runc", d["shims + runc"]),
+        ("kernel threads (kworker, loop, ...)", d["kernel threads (kworker, loop, ...)"]),
+        ("other (interrupts, other processes, the client)", d["other (interrupts, other processes on the machine)"]),
+        ("machine (all busy CPU)", d["machine (all busy CPU)"]),
+    ]
+    for label, v in parts:
+        print(f"    {label:52} {1e6 * v / max(1, n):8.1f}")
+    return line
+
+
+async def run_exec(args: argparse.Namespace) -> None:
+    import json
+
+    st = Stack(args)
+    thinks = [float(x) for x in args.think_ms.split(",")]
+    starts = ["lockstep", "staggered"] if args.exec_start == "both" else [args.exec_start]
+    runs = [(t, s) for t in thinks for s in (starts if t else ["lockstep"])]
+    print(f"dsec exec benchmark: {args.exec_agents} sandboxes, {args.exec_agents} concurrent agents x {args.exec_rounds} `echo hi`, "
+          f"think {thinks} ms, {os.cpu_count()} cores; load average at start {Path('/proc/loadavg').read_text().split()[0]}")
+    b0, w0 = machine_cpu_s(), time.monotonic()
+    await asyncio.sleep(1.0)  # what else keeps the machine busy (other processes), before we start
+    print(f"cores already busy with other work before the run: {(machine_cpu_s() - b0) / (time.monotonic() - w0):.2f} of {os.cpu_count()}")
+    await st.start()
+    assert st.backend is not None and st.host is not None and st.backend.daemon is not None
+    sbs: list[AsyncSandbox] = []
+    client: subprocess.Popen[str] | None = None
+    try:
+        sem = asyncio.Semaphore(16)
+
+        async def one() -> AsyncSandbox:
+            async with sem:
+                return await st.create()
+
+        sbs = list(await asyncio.gather(*(one() for _ in range(args.exec_agents))))
+        idle: list[float] = []
+        for _ in range(50):
+            ms, _r = await timed(sbs[0].commands.run("echo hi"))
+            idle.append(ms)
+        print(f"exec `echo hi` on an idle sandbox, one at a time (x50, in this process): p50 {pct(idle, 50):.2f} ms  p99 {pct(idle, 99):.2f} ms")
+        agent_pids = [st.host.handles[sb.sandbox_id].pid for sb in sbs]
+        cpu = ExecCpu(CpuMeter(str(st.dir), st.backend.daemon.pid or 0, st.nats.pid), agent_pids)
+        client = subprocess.Popen(
+            [sys.executable, __file__, "--exec-client", "--url", st.url, "--exec-rounds", str(args.exec_rounds)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        assert client.stdin is not None and client.stdout is not None
+        client.stdin.write(" ".join(sb.sandbox_id for sb in sbs) + "\n")
+        client.stdin.flush()
+        loop = asyncio.get_running_loop()
+        if (await loop.run_in_executor(None, client.stdout.readline)).strip() != "ready":
+            raise RuntimeError("the exec client did not start")
+        rows = []
+        for think, start in runs:
+            profs = []
+            if args.exec_profile and think == 0:
+                os.makedirs(args.exec_profile, exist_ok=True)
+                profs = [Profiler(os.path.join(args.exec_profile, f"{name}.txt"), pid) for name, pid in (("hostagent", os.getpid()), ("client", client.pid))]
+                for p in profs:
+                    p.start()
+            counters = None
+            if args.exec_perf:
+                counters = PerfStat(str(st.dir), {"client": [client.pid], "host agent": [os.getpid()], "dsec-agents (+ their commands)": agent_pids,
+                                                  "nats-server": [st.nats.pid or 0]})
+            v0 = _varz(st.nats.monitor_port)
+            c0 = cpu.snapshot()
+            client.stdin.write(f"go {think} {start}\n")
+            client.stdin.flush()
+            res = json.loads(await loop.run_in_executor(None, client.stdout.readline))
+            c1 = cpu.snapshot()
+            v1 = _varz(st.nats.monitor_port)
+            for p in profs:
+                p.stop()
+            title = f"think {think:g} ms, {start}" if think else "flat out"
+            rows.append(_exec_report(title, res, {k: c1[k] - c0[k] for k in c0}, len(sbs)))
+            n = len(res["lat"])
+            print(f"  NATS per exec: {(v1['in_msgs'] - v0['in_msgs']) / n:.2f} messages in, {(v1['out_msgs'] - v0['out_msgs']) / n:.2f} out, "
+                  f"{(v1['in_bytes'] - v0['in_bytes']) / n:.0f} bytes in")
+            if counters is not None:
+                counters.report(len(res["lat"]))
+            for p in profs:
+                p.report(top=30)
+        client.stdin.close()
+        await loop.run_in_executor(None, client.wait)
+        client = None
+        print()
+        for r in rows:
+            print(r)
+    finally:
+        if client is not None:
+            client.kill()
+            client.wait()
+        await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
+        left = await st.stop()
+        if left:
+            print(f"LEFT BEHIND under {st.dir}: {left}", file=sys.stderr)
+            sys.exit(1)
+        print("clean: no mounts, containers or processes left under the data dir")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=100, help="sandboxes (sequential run, idle set and burst size)")
@@ -711,13 +941,25 @@ def main() -> None:
     ap.add_argument("--sizes", default="300,1000", help="with --lifecycle: burst sizes")
     ap.add_argument("--cpus", default="0.02,1", help="with --lifecycle: sandbox cpu shares")
     ap.add_argument("--passes", type=int, default=3, help="with --lifecycle: reconcile passes measured per size")
+    ap.add_argument("--exec-agents", type=int, default=0, help="exec mode: this many sandboxes and concurrent agents")
+    ap.add_argument("--exec-rounds", type=int, default=40, help="with --exec-agents: execs per agent")
+    ap.add_argument("--think-ms", default="50,0", help="with --exec-agents: think times between execs, one run each")
+    ap.add_argument("--exec-start", choices=("lockstep", "staggered", "both"), default="both",
+                    help="with think time: agents start all at once (and stay in step), or each at a random moment of its first think time")
+    ap.add_argument("--exec-profile", default=None, help="with --exec-agents: py-spy of host agent and client (flat-out run) into DIR")
+    ap.add_argument("--exec-perf", action="store_true", help="with --exec-agents: perf stat (syscalls, context switches, CPU) per process group and run")
+    ap.add_argument("--exec-client", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--url", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("needs root (containerd, mounts, cgroups)")
     from bus import log as _log
 
     _log.configure(level=os.environ.get("DSEC_LOG_LEVEL", "WARNING"))
-    asyncio.run(run_lifecycle(args) if args.lifecycle else run(args))
+    if args.exec_client:
+        asyncio.run(exec_client(args))
+        return
+    if os.geteuid() != 0:
+        sys.exit("needs root (containerd, mounts, cgroups)")
+    asyncio.run(run_lifecycle(args) if args.lifecycle else run_exec(args) if args.exec_agents else run(args))
 
 
 if __name__ == "__main__":

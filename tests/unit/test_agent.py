@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import hashlib
 import os
@@ -110,8 +111,9 @@ def s(value: bytes) -> bytes:
     return U32.pack(len(value)) + value
 
 
-async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False) -> list[tuple[int, bytes]]:
-    """Send raw bytes, collect reply frames until the agent closes the connection."""
+async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False, until_close: bool = False) -> list[tuple[int, bytes]]:
+    """Send raw bytes, collect reply frames up to the one that ends the request (the agent keeps the
+    connection for the next one), or with ``until_close`` until the agent closes the connection."""
     frames = []
     async with asyncio.timeout(5):
         reader, writer = await asyncio.open_unix_connection(sock)
@@ -130,6 +132,8 @@ async def raw_exchange(sock: str, payload: bytes, close_after_send: bool = False
                     # The agent closed with part of our request unread (e.g. an oversized frame).
                     return frames
                 frames.append((body[0], body[1:]))
+                if body[0] not in b"iOHwF" and not until_close:
+                    return frames
         finally:
             writer.close()
 
@@ -419,10 +423,114 @@ async def test_many_concurrent_execs(agent):
     assert (await slow).stdout == b"slow\n"
 
 
+def _agent_sockets(pid: int) -> int:
+    """Connected sockets the agent holds (its listening socket not counted)."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n - 1
+
+
+async def test_connections_are_reused(own_agent):
+    a = await own_agent()
+    c = a.client
+    assert c.keeps_connections  # protocol 3, learnt from wait_ready's ping
+    await c.exec("true")
+    (first,) = c._idle
+    for i in range(20):
+        assert basic(await c.exec(f"echo {i}")) == (0, f"{i}\n".encode(), b"", False)
+        assert await c.exists("/")
+    assert c._idle == [first] and _agent_sockets(a.proc.pid) == 1  # one connection carried all 40 requests
+    # An error answer: the next call takes a fresh connection (the agent may close after an error).
+    with pytest.raises(AgentError):
+        await c.read_file("/nonexistent")
+    assert first.transport.is_closing() and len(c._idle) == 0
+    await c.ping()
+    (second,) = c._idle
+    # Something unexpected arrived on an idle connection: it is not reused.
+    second.data_received(b"junk")
+    assert basic(await c.exec("echo ok")) == (0, b"ok\n", b"", False)
+    assert second.transport.is_closing() and c._idle and c._idle[0] is not second
+    # Concurrent calls each take a connection; at most _IDLE_MAX stay open afterwards.
+    await asyncio.gather(*(c.exec("sleep 0.1") for _ in range(10)))
+    assert len(c._idle) == _agent._IDLE_MAX
+    await until(lambda: _agent_sockets(a.proc.pid) == _agent._IDLE_MAX, "the agent closed the connections we let go")
+    # Before a freeze: hung up, and the agent has closed its ends by the time this returns.
+    await c.hang_up_idle()
+    assert not c._idle and _agent_sockets(a.proc.pid) == 0
+    await c.exec("true")
+    c.close_idle()
+    await until(lambda: _agent_sockets(a.proc.pid) == 0, "the agent closed the connection after close_idle")
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def is_closing(self) -> bool:
+        return False
+
+
+async def test_reply_buffer_pauses_between_frames_never_inside_one():
+    conn = _agent._Conn()
+    t = _Transport()
+    conn.connection_made(t)
+    big = b"T" + b"x" * (3 * _agent._BUF_HIGH)  # one listing three times the pause mark
+    data = U32.pack(len(big)) + big
+    for off in range(0, len(data), 1 << 20):
+        assert not t.paused  # a frame must arrive whole: pausing inside it would wait forever
+        conn.data_received(data[off:off + (1 << 20)])
+    assert await conn.frame() == (ord("T"), big[1:])
+    assert not t.paused and not conn.buf
+    chunk = frame(b"O", b"\x01" + b"y" * (1 << 20))
+    while not t.paused:  # whole frames nobody takes: reading stops
+        conn.data_received(chunk)
+    assert len(conn.buf) <= _agent._BUF_HIGH + len(chunk)
+    while conn.buf:
+        assert await conn.frame() == (ord("O"), chunk[5:])
+    assert not t.paused  # taken: reading goes on
+
+
+async def test_raw_requests_follow_each_other_on_one_connection(agent):
+    async def reply(reader: asyncio.StreamReader, last: bytes) -> bytes:
+        kinds = b""
+        while not kinds.endswith(last):
+            (n,) = U32.unpack(await reader.readexactly(4))
+            kinds += (await reader.readexactly(n))[:1]
+        return kinds
+
+    async with asyncio.timeout(5):
+        reader, writer = await asyncio.open_unix_connection(agent.sock)
+        try:
+            for _ in range(3):
+                writer.write(frame(b"X", U32.pack(0), s(b"echo hi"), s(b""), U32.pack(0), b"\x00", s(b"")))
+                assert await reply(reader, b"E") == b"iOE"
+                writer.write(frame(b"P"))
+                assert await reply(reader, b"K") == b"K"
+        finally:
+            writer.close()
+
+
 async def test_large_output_both_streams(agent):
     res = await agent.client.exec("head -c 6000000 /dev/zero & head -c 3000000 /dev/urandom >&2; wait")
     assert res.exit_code == 0
     assert res.stdout == b"\0" * 6000000 and len(res.stderr) == 3000000
+
+
+async def test_timeouts_of_many_commands_at_once(agent):
+    # The agent keeps every command's timers itself (no timer fd per command): each fires on its own.
+    c = agent.client
+    res = await asyncio.gather(*(c.exec(f"sleep 30; echo never {i}", timeout_s=0.1 + 0.05 * i) for i in range(8)),
+                               *(c.exec(f"sleep 0.2; echo done {i}", timeout_s=30) for i in range(8)))
+    assert all(r.timed_out and r.exit_code == 137 and r.stdout == b"" for r in res[:8])
+    assert [basic(r) for r in res[8:]] == [(0, f"done {i}\n".encode(), b"", False) for i in range(8)]
 
 
 SYSCALL_WRITE = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
@@ -466,6 +574,22 @@ async def test_heartbeats_keep_a_quiet_exec_alive(own_agent, monkeypatch):
     frames = await raw_exchange(a.sock, frame(b"X", U32.pack(0), s(b"sleep 0.2"), s(b""), U32.pack(0), b"\x00", s(b"")))
     kinds = [k for k, _ in frames]
     assert kinds.count(ord("H")) >= 3 and kinds[-1] == ord("E")
+
+
+async def test_buffered_output_comes_with_the_exit_or_a_heartbeat(own_agent, monkeypatch):
+    a = await own_agent("--heartbeat-ms", "50")
+    x = frame(b"X", U32.pack(0), s(b"echo a; sleep 0.3; echo b"), s(b""), U32.pack(0), b"\x04", s(b""))
+    kinds = bytes(k for k, _ in await raw_exchange(a.sock, x))
+    assert kinds.startswith(b"iOH") and kinds.endswith(b"OE") and kinds.count(b"O") == 2  # "a" went out with a heartbeat
+    a = await own_agent()  # the default heartbeat (5 s): a short command's frames all come at its exit
+    frames = await raw_exchange(a.sock, frame(b"X", U32.pack(0), s(b"echo a; sleep 0.2; echo b >&2"), s(b""), U32.pack(0), b"\x04", s(b"")))
+    assert [(k, b) for k, b in frames[1:]] == [(ord("O"), b"\x01a\n"), (ord("O"), b"\x02b\n"), (ord("E"), b"\0\0\0\0\0\0")]
+    # Output that keeps coming in small pieces, read by nobody: the heartbeats carry it, the host's
+    # idle timeout never trips.
+    a = await own_agent("--heartbeat-ms", "50")
+    monkeypatch.setattr(_agent, "_EXEC_IDLE_S", 0.2)
+    res = await a.client.exec("for i in 1 2 3 4 5 6 7 8; do echo $i; sleep 0.1; done")
+    assert basic(res) == (0, b"".join(b"%d\n" % i for i in range(1, 9)), b"", False)
 
 
 async def test_client_gives_up_on_a_silent_agent(tmp_path, monkeypatch):
@@ -688,7 +812,7 @@ MALFORMED = [
 
 @pytest.mark.parametrize("payload,code", MALFORMED)
 async def test_malformed_frames_get_an_error_and_close(agent, payload, code):
-    frames = await raw_exchange(agent.sock, payload)
+    frames = await raw_exchange(agent.sock, payload, until_close=True)
     assert len(frames) == 1 and frames[0][0] == ord("R"), frames
     assert U32.unpack_from(frames[0][1])[0] == code
     await agent.client.ping()
