@@ -112,7 +112,7 @@ class Intake:
                 await host.records.event(spec, "ready", attempt=attempt)
             else:  # that earlier delivery never claimed the id, and another host has it now
                 host.reaper.begin(sid, "duplicate")
-                log.info("duplicate_create_dropped", sandbox_id=sid)
+                await self._dropped(spec, attempt)
             return
         if sid in self.creating:
             await self.creating[sid]
@@ -132,7 +132,7 @@ class Intake:
             return
         if claim:
             if not await host.records.claim(spec):
-                log.info("duplicate_create_dropped", sandbox_id=sid)
+                await self._dropped(spec, attempt)
                 return
             other = self.creating.get(sid)
             if other is not None or sid in host.registry:
@@ -178,6 +178,21 @@ class Intake:
             for s in work.specs
         ))
         await self.host.records.ready_many(done, work.attempt)
+
+    async def _dropped(self, spec: SandboxSpec, attempt: int) -> None:
+        """This copy of a create lost the id's claim to another host's record. When that record says the
+        sandbox runs, its ``ready`` is said again from the record, for that host (acked; the stream drops
+        it as a duplicate when the first one got through): the host that made it may have stored the
+        record and then died before its own ready event left, and its hand-off was placed again here."""
+        host = self.host
+        log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
+        assert host.records.kv is not None
+        rec = await host.records.kv.get(spec.sandbox_id)
+        if rec is None or rec.host_id == host.host_id or rec.state not in ("running", "paused"):
+            return
+        if rec.spec.generation != spec.generation:
+            return  # another incarnation of the id (a resumed pause): not this create's outcome
+        await host.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": host.host_id})
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         host = self.host
@@ -233,7 +248,7 @@ class Intake:
             await host.records.record(ls, "running")
         elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
             host.reaper.begin(spec.sandbox_id, "duplicate")
-            log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
+            await self._dropped(spec, attempt)
             return
         if spec.snapshot:
             await host.snapshots.restored(ls)

@@ -85,13 +85,13 @@ class Records:
     # --- events ------------------------------------------------------------------------------------
     async def event(
         self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None,
-        detail: dict[str, str] | None = None, acked: bool = True, reply: bool = True,
+        detail: dict[str, str] | None = None, acked: bool = True, reply: bool = True, host_id: str | None = None,
     ) -> None:
         """An acked sandbox event (de-duplicated per attempt; ready/failed also reach the creating
         client's inbox: bus.runtime.events); ``acked=False`` for audit events on hot paths."""
         assert self.events is not None
         try:
-            await self.events.sandbox(spec, kind, attempt=attempt, err=err, detail=detail, acked=acked, reply=reply)
+            await self.events.sandbox(spec, kind, attempt=attempt, err=err, detail=detail, acked=acked, reply=reply, host_id=host_id)
         except (StoreError, asyncio.TimeoutError) as exc:
             raise InternalError(f"{kind} event of {spec.sandbox_id} not stored: {exc}") from None
 
