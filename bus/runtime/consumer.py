@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .. import log as _log
+from .publisher import unsubscribe_quietly
 
 logger = _log.get_logger("dsec.bus.consumer")
 
@@ -148,12 +149,8 @@ class PullInbox:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection already closing
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
 
 
 class PullConsumer:

@@ -29,7 +29,7 @@ from .. import log as _log
 from ..codec import Decoder, encode
 from ..errors import BadRequest, DsecError, ErrorReply, InternalError, ReplyTooLarge
 from ..subjects import is_stream_delivery
-from .publisher import subscribe_sync
+from .publisher import subscribe_sync, unsubscribe_quietly
 
 logger = _log.get_logger("dsec.bus.endpoint")
 
@@ -97,11 +97,7 @@ class Endpoint:
 
     async def unserve(self, subject: str) -> None:
         sub = self._subs.pop(subject, None)
-        if sub is not None:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
+        await unsubscribe_quietly(sub)
 
     @property
     def subjects(self) -> list[str]:

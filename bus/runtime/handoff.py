@@ -32,7 +32,7 @@ from ..codec import HANDOFF_REPLY, encode
 from ..errors import BadRequest, DsecError, ErrorReply, HostUnreachable, from_reply
 from ..messages import HandoffReply
 from ..subjects import is_stream_delivery
-from .publisher import subscribe_sync
+from .publisher import subscribe_sync, unsubscribe_quietly
 
 logger = _log.get_logger("dsec.bus.handoff")
 
@@ -128,12 +128,8 @@ class Handoffs:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
         for token in list(self._pending):
             self._fail(token, HostUnreachable("stopping: hand-off not answered"))
 
@@ -228,12 +224,8 @@ class HandoffInbox:
 
     async def stop_intake(self) -> None:
         self._stopping = True
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
 
     async def finish(self, grace_s: float) -> None:
         if self._tasks:

@@ -124,6 +124,16 @@ async def subscribe_sync(nc: NATS, subject: str, fn: Callable[[Msg], None], *, q
     return sub
 
 
+async def unsubscribe_quietly(sub: Subscription | None) -> None:
+    """Unsubscribe, if subscribed; a connection that is closing anyway is not an error."""
+    if sub is None:
+        return
+    try:
+        await sub.unsubscribe()
+    except Exception:  # noqa: BLE001 - connection closing
+        pass
+
+
 class Publisher:
     """Acked writes to JetStream on one connection, pipelined; one per connection (``publisher_for``)."""
 
@@ -219,12 +229,8 @@ class Publisher:
             w = self._slot_waiters.popleft()
             if not w.done():
                 w.cancel()
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
-            self._sub = None
+        await unsubscribe_quietly(self._sub)
+        self._sub = None
 
 
 _shared: dict[int, Publisher] = {}
