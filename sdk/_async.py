@@ -280,11 +280,11 @@ _replies: dict[int, _Replies] = {}
 async def _store(nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> PubAck:
     """An acked JetStream publish of a request, with the control plane's failure as ``Unavailable``."""
     fut = await (await publisher_for(nc)).publish(subject, data, headers)
+    if not await _wait_fut(fut, timeout):  # (asyncio.wait_for costs a create several microseconds more)
+        raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?")
     try:
-        return await asyncio.wait_for(fut, timeout)
-    except asyncio.TimeoutError:
-        raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?") from None
-    except StoreError as exc:
+        return fut.result()
+    except (StoreError, asyncio.TimeoutError) as exc:
         raise Unavailable(f"the request was not stored ({exc}); is `dsec up` running?") from None
 
 
