@@ -8,7 +8,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import structlog
@@ -165,15 +165,25 @@ class Placement(Service):
         # after this replica died cannot be created twice.
         runs = _Runs(self.table, len(msgs))
         groups: dict[str, list[tuple[Msg, SandboxSpec]]] = {}
+        batches: list[asyncio.Task[None]] = []  # each held until its hosts answer, beside the singles
         for msg in msgs:
             req = await self._decode(msg)
             if type(req) is CreateBatch:
-                await self.place_batch(msg, req)
+                batches.append(asyncio.ensure_future(self.place_batch(msg, req)))
             elif req is not None:
                 await self._place_one(msg, req, now, runs, groups, outs)
+            else:
+                self._settled()  # dead-lettered
         await self._hand_off_groups(groups, now, outs)
         if outs:
             await self._settle(outs)
+        if batches:
+            await asyncio.gather(*batches)
+
+    def _settled(self) -> None:
+        """One request of the running batch is acked or nak'ed: its room in the consumer is free again."""
+        if self.consumer is not None:
+            self.consumer.settled()
 
     async def _decode(self, msg: Msg) -> CreateSandbox | CreateBatch | None:
         """The request, or None when it was dead-lettered (malformed, or an id no subject can name)."""
@@ -244,28 +254,43 @@ class Placement(Service):
                 outs.append((msg, fut, host, spec))
 
     async def _settle(self, outs: "list[_Out]") -> None:
-        """Wait for every hand-off's answer (and failed event's ack), then ack (or nak) each request."""
-        await self._hold([o[1] for o in outs], {id(o[0]): o[0] for o in outs}.values())
-        for msg, fut, host, spec in outs:
-            err = fut.exception()
-            if err is not None:
-                self._handoff_failed(host, spec, err)
-                await msg.nak()
-                continue
-            if spec is not None:
-                self.m.event(spec, "placed")
-                self.placed += 1
-            await msg.ack()
+        """Ack (or nak) each request as its hand-off is answered (or its failed event stored)."""
+        by_fut: dict[asyncio.Future, list[_Out]] = {}
+        for o in outs:
+            by_fut.setdefault(o[1], []).append(o)
 
-    async def _hold(self, futs: list[asyncio.Future], msgs: Iterable[Msg]) -> None:
+        async def settle(fut: asyncio.Future) -> None:
+            for msg, _, host, spec in by_fut.pop(fut):
+                err = fut.exception()
+                if err is not None:
+                    self._handoff_failed(host, spec, err)
+                    await msg.nak()
+                else:
+                    if spec is not None:
+                        self.m.event(spec, "placed")
+                        self.placed += 1
+                    await msg.ack()
+                self._settled()
+
+        await self._hold(list(by_fut), lambda: [o[0] for os in by_fut.values() for o in os], settle)
+
+    async def _hold(
+        self, futs: list[asyncio.Future], msgs: Callable[[], Iterable[Msg]], on_done: Callable[[asyncio.Future], Awaitable[None]] | None = None,
+    ) -> None:
         """Wait until every future is done (each has a deadline of its own: the hand-off's silence, the
-        publish's timeout); while hosts work, the requests stay held (``in_progress``), not redelivered."""
+        publish's timeout), handing each to ``on_done`` as it is; while hosts work, the requests still
+        waiting (``msgs()``) stay held (``in_progress``), not redelivered."""
         pending = set(futs)
         tick = max(0.5, self.ack_wait_s / 3)
+        deadline = time.monotonic() + tick
         while pending:
-            _, pending = await asyncio.wait(pending, timeout=tick)
-            if pending:
-                for m in msgs:
+            done, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+            if on_done is not None:
+                for f in done:
+                    await on_done(f)
+            if pending and time.monotonic() >= deadline:
+                deadline = time.monotonic() + tick
+                for m in msgs():
                     try:
                         await m.in_progress()
                     except Exception:  # noqa: BLE001 - not held any more: JetStream redelivers it
@@ -320,6 +345,7 @@ class Placement(Service):
         if delivered == 1 or delivered % 20 == 0:
             await self._note(spec, "pending", attempt=attempt, err=NoCapacity("no host has room; waiting"))
         await msg.nak(delay=min(self.pending_delay_s * (1 + delivered // 10), 5.0))
+        self._settled()
 
     async def _already_claimed(self, specs: list[SandboxSpec]) -> set[str]:
         """Ids some host already claimed (a redelivered batch must not hand them off again)."""
@@ -389,7 +415,7 @@ class Placement(Service):
         and redeliver (placed again as a redelivery: members a host already claimed are skipped)."""
         every = [*handed.values(), *futs]
         if every:
-            await self._hold(every, [msg])
+            await self._hold(every, lambda: [msg])
             if any(f.exception() is not None for f in every):
                 for host, hspecs in by_host.items():
                     for s in hspecs:
@@ -399,12 +425,14 @@ class Placement(Service):
                         self._handoff_failed(host, None, f.exception())  # type: ignore[arg-type]
                 log.warning("batch_handoff_failed", batch_id=req.batch_id)
                 await msg.nak()
+                self._settled()
                 return
         for hspecs in by_host.values():
             for spec in hspecs:
                 self.m.event(spec, "placed")
         self.placed += sum(len(v) for v in by_host.values())
         await msg.ack()
+        self._settled()
 
 
 # (request, its hand-off's or failed event's ack, host or "", spec or None for a failed event)

@@ -18,6 +18,7 @@ status answer by the consumer's own inbox token.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import json
 import time
@@ -151,6 +152,18 @@ class PullInbox:
             self._watchdog = None
         await unsubscribe_quietly(self._sub)
         self._sub = None
+
+
+class _Held:
+    """The messages of one running batch not settled yet (``PullConsumer.settled``)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+
+_held: contextvars.ContextVar[_Held | None] = contextvars.ContextVar("dsec_pull_batch", default=None)
 
 
 class PullConsumer:
@@ -306,12 +319,28 @@ class PullConsumer:
 
     async def _run_batch(self, batch: list[Msg]) -> None:
         assert self.on_batch is not None
+        held = _Held(len(batch))
+        token = _held.set(held)
         try:
             await self.on_batch(batch)
         except Exception as exc:  # noqa: BLE001 - leave un-acked messages to JetStream's redelivery
             logger.exception("batch_failed", consumer=self.name, error=str(exc))
         finally:
-            self.inflight -= len(batch)
+            _held.reset(token)
+            self.inflight -= held.left
+            self._maybe_pull()
+
+    def settled(self, n: int = 1) -> None:
+        """Called from an ``on_batch`` handler for messages of its batch it is done with (acked or
+        nak'ed) before the whole batch is: their room is asked for again now, not once the slowest
+        message of the batch is done (placement holds each request until its host answers)."""
+        held = _held.get()
+        if held is None:
+            return
+        k = min(n, held.left)
+        held.left -= k
+        self.inflight -= k
+        if k:
             self._maybe_pull()
 
     # --- stopping ---------------------------------------------------------------------------

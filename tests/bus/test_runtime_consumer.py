@@ -179,3 +179,45 @@ def test_deliveries_reads_the_ack_subject_as_nats_py_does() -> None:
         assert deliveries(m) == n == m.metadata.num_delivered
     assert deliveries(Msg(_client=None, subject="x", reply="_INBOX.abc")) == 1  # type: ignore[arg-type]
     assert deliveries(Msg(_client=None, subject="x", reply="")) == 1  # type: ignore[arg-type]
+
+
+async def test_a_batch_handler_settling_early_frees_room_before_the_batch_ends(nc, stream) -> None:
+    """Capacity 2: a batch holds one message (its work goes on) and settles the other; the room that
+    frees takes the next message while the first batch still runs. Without ``settled`` it would wait."""
+    name, prefix = stream
+    js = nc.jetstream()
+    release = asyncio.Event()
+    seen: list[bytes] = []
+    sizes: list[int] = []
+    c: PullConsumer
+
+    async def on_batch(msgs) -> None:
+        sizes.append(len(msgs))
+        for m in msgs:
+            seen.append(m.data)
+        for m in msgs:
+            if m.data != b"slow":
+                await m.ack()
+                c.settled()
+        for m in msgs:
+            if m.data == b"slow":
+                await release.wait()
+                await m.ack()
+
+    c = PullConsumer(nc, stream=name, config=consumer_config("b", f"{prefix}.>", ack_wait_s=30.0, max_ack_pending=2), capacity=2,
+                     on_batch=on_batch, min_pull=1, expires_s=1.0)
+    await js.publish(f"{prefix}.a", b"slow")
+    await js.publish(f"{prefix}.a", b"quick")
+    await c.start()  # both are in the stream already: one pull, one batch of two
+    try:
+        await eventually(lambda: {b"slow", b"quick"} <= set(seen), what="the first two delivered")
+        assert sizes == [2]
+        await js.publish(f"{prefix}.a", b"next")
+        await eventually(lambda: b"next" in seen, timeout=10, what="the next message while the slow one is still held")
+        assert not release.is_set() and c.inflight <= c.capacity
+        release.set()
+        await eventually(lambda: c.inflight == 0, what="everything settled")
+    finally:
+        release.set()
+        await c.stop_intake()
+        await c.finish(5)
