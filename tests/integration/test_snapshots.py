@@ -472,8 +472,15 @@ COUNTER = (
 )
 
 
-async def _count(sb: AsyncSandbox) -> int:
-    return int((await sb.files.read("/tmp/count")).strip() or 0)
+async def _count(sb: AsyncSandbox, timeout: float = 10.0) -> int:
+    """The counter's value. The shell truncates the file, then writes it: an empty read falls between
+    the two, so read again (polled, with a deadline) until it holds a number."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = (await sb.files.read("/tmp/count")).strip()
+        if s or time.monotonic() > deadline:
+            return int(s or 0)
+        await asyncio.sleep(0.01)  # poll interval
 
 
 async def test_memory_snapshot_counter_keeps_counting_in_every_fork(stack: Stack, lazy: LazyDaemon, nolandlock: str) -> None:
