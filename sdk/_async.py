@@ -28,7 +28,7 @@ from bus.messages import (
     SandboxSpec,
     SetTimeout,
 )
-from bus.messages import KILL_PENDING
+from bus.messages import KILL_PENDING, SANDBOX_ENDED
 from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
@@ -327,6 +327,7 @@ async def _outcome_in_events(js: Any, sid: str, since: float) -> SandboxEvent | 
     return None
 
 
+INFO_TIMEOUT_S = 5.0  # a host answers info at once; past this the record answers (get_info)
 RECHECK_AFTER_S = 3.0  # a create silent this long looks its outcome up in the stream (lost reply?)
 
 
@@ -627,10 +628,25 @@ class AsyncSandbox:
         await self._request("timeout", SetTimeout(timeout_s=float(timeout)), Done)
 
     async def get_info(self) -> SandboxInfo:
-        i: WireInfo = await self._request("info", InfoRequest(), WireInfo)
+        """What the sandbox's host says of it; when the host does not answer in time (a request lost
+        while the sandbox's subject goes away: NATS can drop a request racing an unsubscribe), what its
+        record says: an ended sandbox is not found, a live one is described from the record."""
+        try:
+            i: WireInfo = await self._request("info", InfoRequest(), WireInfo, timeout=INFO_TIMEOUT_S)
+        except SandboxTimeout:
+            return await self._info_from_record()
         return SandboxInfo(
             sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id,
             started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata,
+        )
+
+    async def _info_from_record(self) -> SandboxInfo:
+        rec = await (await KV.bind(_js(self._nc), S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(self.sandbox_id)
+        if rec is None or rec.state in SANDBOX_ENDED:
+            raise SandboxNotFound(f"sandbox {self.sandbox_id} {'has ended (' + rec.state + ')' if rec else 'does not exist'}")
+        return SandboxInfo(
+            sandbox_id=self.sandbox_id, template=rec.spec.template, state=rec.state, host_id=rec.host_id,
+            started_at=rec.ready_at, expires_at=rec.expires_at, metadata=rec.spec.metadata,
         )
 
     async def get_metrics(self) -> SandboxMetrics:

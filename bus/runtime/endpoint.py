@@ -29,7 +29,7 @@ from .. import log as _log
 from ..codec import Decoder, encode
 from ..errors import BadRequest, DsecError, ErrorReply, InternalError, ReplyTooLarge
 from ..subjects import is_stream_delivery
-from .publisher import subscribe_sync, unsubscribe_quietly
+from .publisher import subscribe_sync, unsubscribe_answering
 
 logger = _log.get_logger("dsec.bus.endpoint")
 
@@ -96,8 +96,8 @@ class Endpoint:
             self._subs[subject] = await subscribe_sync(self.nc, subject, self._on_msg, queue=queue)
 
     async def unserve(self, subject: str) -> None:
-        sub = self._subs.pop(subject, None)
-        await unsubscribe_quietly(sub)
+        """Stop answering on ``subject``; requests already on their way still get an answer."""
+        await unsubscribe_answering(self._subs.pop(subject, None))
 
     @property
     def subjects(self) -> list[str]:

@@ -134,6 +134,28 @@ async def unsubscribe_quietly(sub: Subscription | None) -> None:
         pass
 
 
+async def unsubscribe_answering(sub: Subscription | None, *, timeout_s: int = 2) -> None:
+    """Unsubscribe only after what the server routed to ``sub`` before its UNSUB has come in and been
+    handed over: nats-py's ``unsubscribe`` forgets the subscription at once and drops such messages
+    unseen, so a request racing the end of a served subject (a sandbox being torn down) would wait its
+    whole timeout for an answer nobody sends. A PING/PONG after the UNSUB brings them all. (The server
+    itself can still drop a request it matched while the UNSUB was being processed: a requester needs
+    its own way out, as ``AsyncSandbox.get_info`` reads the record.)"""
+    if sub is None:
+        return
+    nc = sub._conn
+    if nc.is_closed or nc.is_draining or sub._closed:
+        return
+    try:
+        await nc._send_unsubscribe(sub._id)
+        await nc.flush(timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - connection closing or slow: what is left is dropped, as before
+        pass
+    finally:
+        sub._closed = True
+        nc._remove_sub(sub._id)
+
+
 class Publisher:
     """Acked writes to JetStream on one connection, pipelined; one per connection (``publisher_for``)."""
 
