@@ -71,18 +71,16 @@ def start_agent(
 ) -> subprocess.Popen:
     # What the agent inherits must not reach commands: a marker variable in its environment,
     # Python's ignored SIGPIPE (restore_signals=False), and a low fd soft limit that the agent
-    # raises for itself.
+    # raises for itself. The limit is set by prlimit, not a preexec_fn: Python code in a forked child
+    # of this (multi-threaded: gRPC) test process can deadlock before exec, as the subprocess docs warn.
     return subprocess.Popen(
-        [*prefix, binary, "--socket", sock, *args], cwd=cwd, env={"AGENT_ONLY_VAR": "leak"}, stdin=subprocess.DEVNULL,
-        restore_signals=False, preexec_fn=_low_nofile,
+        [*prefix, PRLIMIT, f"--nofile={AGENT_NOFILE}:", "--", binary, "--socket", sock, *args], cwd=cwd,
+        env={"AGENT_ONLY_VAR": "leak"}, stdin=subprocess.DEVNULL, restore_signals=False,
     )
 
 
 AGENT_NOFILE = min(1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-
-
-def _low_nofile() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (AGENT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+PRLIMIT = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, in every Debian
 
 
 def stop_agent(proc: subprocess.Popen, pid: int | None = None) -> None:
