@@ -54,7 +54,7 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--sim-procs", type=int, default=0, help="processes the simulated hosts are spread over (0: auto)")
     c.add_argument("--host-concurrency", type=int, default=8, help="creates a host handles at once")
     c.add_argument("--placement-capacity", type=int, default=512)
-    c.add_argument("--storage", choices=["memory", "file"], default="memory", help="JetStream storage of the streams")
+    c.add_argument("--storage", choices=["memory", "file"], default="file", help="JetStream storage of the streams (file: as production runs)")
     c.add_argument("--cpu", type=float, default=1.0)
     c.add_argument("--memory-mb", type=int, default=512)
     c.add_argument("--disk-mb", type=int, default=1024)
