@@ -16,7 +16,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from bus.runtime import subscribe_sync
+from bus.runtime import subscribe_sync, unsubscribe_quietly
 
 NO_RESPONDERS = "503"
 
@@ -65,12 +65,8 @@ class Requests:
             if not f.done():
                 f.cancel()
         self._futs.clear()
-        if self._sub is not None:
-            sub, self._sub = self._sub, None
-            try:
-                await sub.unsubscribe()
-            except Exception:  # noqa: BLE001 - connection closing
-                pass
+        sub, self._sub = self._sub, None
+        await unsubscribe_quietly(sub)
 
 
 def _expire(fut: "asyncio.Future[Msg]") -> None:

@@ -51,7 +51,9 @@ from .endpoint import Endpoint, EndpointStats, error_of
 from .handoff import HandoffInbox, Handoffs
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
 from .kv import KV, Claim, Versioned, Watch, kv_keys
-from .publisher import ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync
+from .publisher import (
+    ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync, unsubscribe_quietly,
+)
 from .metrics import Exposition, consumer_collector, endpoint_collector, expose, instance_of, scrape_all, scrape_one, stream_collector
 from .service import Service
 
@@ -92,6 +94,7 @@ __all__ = [
     "publisher_for",
     "release_publisher",
     "subscribe_sync",
+    "unsubscribe_quietly",
     "Service",
     "Exposition",
     "consumer_collector",

@@ -29,6 +29,7 @@ async def test_done_when_the_handler_returns_and_refused_with_its_code(nc, nc2, 
 
     inbox = HandoffInbox(nc2, f"ho{uid}.>", handler, capacity=4)
     await inbox.start()
+    await nc2.flush()  # the SUB is at the server before anything is sent to it
     try:
         assert await (await giver.send(f"ho{uid}.a", b"good")) is None
         assert seen == [b"good"]  # done is sent after the handler returned
@@ -49,6 +50,7 @@ async def test_nobody_taking_the_subject_fails_at_once(giver, uid) -> None:
 async def test_a_silent_taker_fails_after_the_silence_deadline(nc, nc2, giver, uid) -> None:
     # a subscriber that never answers (a taker that died after taking it, or lost the message)
     sub = await nc2.subscribe(f"mute{uid}.create")
+    await nc2.flush()
     try:
         fut = await giver.send(f"mute{uid}.create", b"x")
         with pytest.raises(HostUnreachable, match="no answer"):
@@ -65,6 +67,7 @@ async def test_progress_keeps_a_slow_handoff_alive_past_the_silence_deadline(nc,
 
     inbox = HandoffInbox(nc2, f"slow{uid}.>", slow, capacity=1, progress_s=0.5)
     await inbox.start()
+    await nc2.flush()  # the SUB is at the server before anything is sent to it
     try:
         running = await giver.send(f"slow{uid}.a", b"1")
         queued = await giver.send(f"slow{uid}.a", b"2")  # waits for the one slot: told "working" too
@@ -87,6 +90,7 @@ async def test_stopping_refuses_what_waits_and_finishes_what_runs(nc, nc2, giver
 
     inbox = HandoffInbox(nc2, f"stop{uid}.>", slow, capacity=1, refuse_code="unavailable")
     await inbox.start()
+    await nc2.flush()  # the SUB is at the server before anything is sent to it
     running = await giver.send(f"stop{uid}.a", b"1")
     await started.wait()
     queued = await giver.send(f"stop{uid}.a", b"2")
@@ -112,6 +116,7 @@ async def test_a_stream_delivery_onto_the_subject_is_not_taken(nc, nc2, uid) -> 
     subject = f"sd{uid}.create"
     inbox = HandoffInbox(nc2, subject, handler, capacity=2)
     await inbox.start()
+    await nc2.flush()  # the SUB is at the server before anything is sent to it
     await js.add_stream(name=f"SD{uid}", subjects=[f"sdsrc{uid}.>"])
     try:
         await js.publish(f"sdsrc{uid}.x", b"forged")
