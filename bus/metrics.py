@@ -27,8 +27,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Seconds: from a 1 ms exec round trip to a minute-long cold create.
 DEFAULT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*\Z")
 
 Collector = Callable[[], Awaitable[None] | None]
 

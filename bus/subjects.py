@@ -52,20 +52,22 @@ STATUS = f"{PREFIX}.status"
 METRICS_SCRAPE = f"{PREFIX}.metrics.scrape"  # every process answers (scatter-gather)
 METRICS_ALL = f"{PREFIX}.metrics.>"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# fullmatch, never ``^…$``: ``$`` also matches before a final newline, and a token ending in one
+# would end a protocol line early on the connection that publishes it.
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_INBOX = re.compile(r"_INBOX(?:\.[A-Za-z0-9_-]{1,128})+")
 
 
 def valid_token(token: str) -> bool:
     """True when ``token`` is safe as one subject token (no dots, wildcards or spaces)."""
-    return bool(_TOKEN.match(token))
+    return _TOKEN.fullmatch(token) is not None
 
 
 def valid_inbox(subject: str) -> bool:
     """True for a reply inbox (``_INBOX.<tokens>``, no wildcards): the only place services send
     a client-named reply, so a spec or request can never aim a service's own permissions at a
     control subject (a host's work, an event, a KV key)."""
-    parts = subject.split(".")
-    return len(parts) >= 2 and parts[0] == "_INBOX" and all(_TOKEN.match(p) for p in parts[1:])
+    return _INBOX.fullmatch(subject) is not None
 
 
 def is_stream_delivery(reply: str | None) -> bool:

@@ -197,7 +197,7 @@ def image_bytes_for(disk_mb: int, bytes_per_inode: int = _BYTES_PER_INODE) -> in
     return (total + _MiB - 1) // _MiB * _MiB
 
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 
 
 class ScratchError(RuntimeError):

@@ -19,7 +19,7 @@ from bus.streams import ensure_kv
 from ._store import BlobStore
 from ._util import digest_hex, full_digest
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
 ROLES = ("base", "workspace", "toolkit")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 DEFAULT_DATA_DIR = "/var/lib/dsec"
 DEFAULT_CHUNK_SIZE = 128 * 1024  # see tests/bench/bench_images.py: smaller chunks fetch less, cost no time here
 
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+_HEX = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def data_dir(path: str | os.PathLike[str] | None = None) -> Path:

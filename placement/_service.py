@@ -379,9 +379,9 @@ class Placement(Service):
         handed: dict[str, asyncio.Future] = {}
         futs: list[asyncio.Future] = []
         runs = _Runs(self.table, len(specs))
+        if delivered == 1 and req.attempt == 0:
+            self.m.events_of(specs, "requested")
         for spec in specs:
-            if delivered == 1 and req.attempt == 0:
-                self.m.event(spec, "requested")
             err, layers = await self._precheck(spec, now)
             if err is not None:
                 futs.append(await self._failed(spec, err))
@@ -428,8 +428,7 @@ class Placement(Service):
                 self._settled()
                 return
         for hspecs in by_host.values():
-            for spec in hspecs:
-                self.m.event(spec, "placed")
+            self.m.events_of(hspecs, "placed")
         self.placed += sum(len(v) for v in by_host.values())
         await msg.ack()
         self._settled()

@@ -62,7 +62,7 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
         await nc.close()
 
 
-_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])\Z")
 
 
 def parse_since(since: str | None) -> dt.datetime | None:

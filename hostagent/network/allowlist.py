@@ -26,7 +26,7 @@ log = structlog.get_logger("dsec.hostagent.network")
 __all__ = ["Entry", "AllowPlan", "parse_allow_out", "compile_allowlist", "write_hosts_file"]
 
 MAX_PORT = 65535
-_DOMAIN_RE = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*\.?$")
+_DOMAIN_RE = re.compile(r"^(?=.{1,253}\Z)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*\.?\Z")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from bus.auth import CLIENT_USER_PREFIX, AuthConfig
 
 KEY_PREFIX = "dsec_"
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 
 class BadKey(ValueError):

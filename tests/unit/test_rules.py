@@ -72,3 +72,23 @@ def test_admits_reasons() -> None:
     ls = SandboxSpec(sandbox_id="s", cpu=1.0, memory_mb=100, disk_mb=10, priority="latency-sensitive")
     assert admits(cap, Allocation(cpu_ls=1.5), ls) == "cpu-ls"
     assert admits(Capacity(2.0, 1000, 0, cpu_overcommit=0, mem_overcommit=0), Allocation(disk_mb=10**9), s) == ""  # 0: none / no limit
+
+
+@pytest.mark.parametrize("bad", ["sb-1\n", "sb-1\r", "sb.1", "sb 1", "sb-*", ""])
+def test_an_id_that_would_break_a_subject_is_refused(bad: str) -> None:
+    """A trailing newline passed ``^…$`` (``$`` matches before it) and would have ended a protocol
+    line early on the host's connection; every id must be a whole subject token."""
+    with pytest.raises(InvalidArgument, match="sandbox_id must be"):
+        validate_spec(SandboxSpec(sandbox_id=bad, backend="sim"))
+    validate_spec(SandboxSpec(sandbox_id="sb-1", backend="sim"))  # positive control
+
+
+@pytest.mark.parametrize(
+    ("inbox", "ok"),
+    [("_INBOX.a.b", True), ("_INBOX.a", True), ("_INBOX.a.b\n", False), ("_INBOX", False), ("_INBOX.a.*", False), ("_INBOX..a", False),
+     ("dsec.host.h1.create", False)],
+)
+def test_reply_inboxes_are_whole_inbox_subjects(inbox: str, ok: bool) -> None:
+    from bus import subjects as S
+
+    assert S.valid_inbox(inbox) is ok
