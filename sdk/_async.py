@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 import uuid
@@ -41,6 +42,7 @@ from ._models import SandboxInfo, SandboxMetrics
 from ._requests import release_requests, requests_for
 
 _conns: dict[tuple[int, str], NATS] = {}
+_connecting: dict[tuple[int, str], "asyncio.Task[NATS]"] = {}  # a first connect in progress, shared by its callers
 BATCH_CHUNK = 1000  # specs per request message (well under any server's max_payload)
 
 
@@ -112,10 +114,23 @@ async def _nc(url: str | None) -> NATS:
     """One connection per event loop and URL, shared by every sandbox object."""
     key = (id(asyncio.get_running_loop()), nats_url(url))
     nc = _conns.get(key)
-    if nc is None or nc.is_closed:
-        nc = await connect(url, name="dsec-sdk", connect_attempts=3, connect_timeout_s=5.0)
-        _conns[key] = nc
-    return nc
+    if nc is not None and not nc.is_closed:
+        return nc
+    # Concurrent first calls (a gather of creates) share one connect: each making its own left all
+    # but the last open and unreachable, still reconnecting after the server had gone.
+    task = _connecting.get(key)
+    if task is None:
+        task = _connecting[key] = asyncio.ensure_future(connect(url, name="dsec-sdk", connect_attempts=3, connect_timeout_s=5.0))
+
+        def settle(t: "asyncio.Task[NATS]") -> None:
+            if _connecting.get(key) is t:
+                del _connecting[key]
+            if not t.cancelled() and t.exception() is None:
+                _conns[key] = t.result()
+
+        task.add_done_callback(settle)
+    # shield: one caller cancelled (its own timeout) must not cancel the connect the others wait on
+    return await asyncio.shield(task)
 
 
 _jsctx: dict[int, tuple[NATS, Any]] = {}
@@ -131,6 +146,9 @@ def _js(nc: NATS) -> Any:
 
 async def close_connections() -> None:
     loop_id = id(asyncio.get_running_loop())
+    for task in [t for k, t in _connecting.items() if k[0] == loop_id]:  # a connect on its way is closed with the rest
+        with contextlib.suppress(Exception):
+            await asyncio.shield(task)
     for key in [k for k in _leases if k[0] == loop_id]:
         _leases.pop(key).stop()
     for key in [k for k in _conns if k[0] == loop_id]:
