@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, PermissionDenied, SandboxTimeout, UnknownTemplate
+from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, InternalError, PermissionDenied, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
 from bus.messages import TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
@@ -38,6 +38,10 @@ class Intake:
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._layers_at: dict[str, float] = {}
+        self._layers_reads: dict[str, asyncio.Task[list[LayerRef]]] = {}
+        # Admitted, being made by the backend, not in the registry yet: counted by admission too, or
+        # creates that wait on the backend together would all be admitted against the same free room.
+        self.pending = Allocation()
 
     # --- the consumer's handler --------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
@@ -71,18 +75,45 @@ class Intake:
     # --- admission ---------------------------------------------------------------------------------
     def admits(self, spec: SandboxSpec) -> str:
         """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
-        host, reg = self.host, self.host.registry
+        host, reg, p = self.host, self.host.registry, self.pending
         cap = host.backend.capacity()
         return refusal(
             Capacity(
                 cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
                 cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes,
             ),
-            Allocation(reg.cpu, reg.ls_cpu, reg.mem_mb, reg.disk_mb, len(reg)),
+            Allocation(reg.cpu + p.cpu, reg.ls_cpu + p.cpu_ls, reg.mem_mb + p.mem_mb, reg.disk_mb + p.disk_mb, len(reg) + p.sandboxes),
             spec,
         )
 
+    def _hold(self, spec: SandboxSpec, sign: int) -> None:
+        p = self.pending
+        p.cpu += sign * spec.cpu
+        p.mem_mb += sign * spec.memory_mb
+        p.disk_mb += sign * spec.disk_mb
+        p.sandboxes += sign
+        if spec.priority == "latency-sensitive":
+            p.cpu_ls += sign * spec.cpu
+        if not p.sandboxes:
+            self.pending = Allocation()  # no float drift
+
     async def layers(self, template: str) -> list[LayerRef]:
+        """The template's layers from KV, one read at a time per template: a batch whose members all
+        find the cached layers stale reads them once, not once each."""
+        task = self._layers_reads.get(template)
+        if task is None:
+            task = self._layers_reads[template] = asyncio.ensure_future(self._read_layers(template))
+
+            def done(t: "asyncio.Task[list[LayerRef]]", template: str = template) -> None:
+                if self._layers_reads.get(template) is t:
+                    del self._layers_reads[template]
+                if not t.cancelled():
+                    t.exception()  # retrieved here too: every waiter may have gone
+
+            task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _read_layers(self, template: str) -> list[LayerRef]:
         assert self.kv_images is not None
         manifest = await self.kv_images.get(template)
         if manifest is None:
@@ -153,12 +184,7 @@ class Intake:
         """Every member of a batch is claimed (another host may hold a re-placed copy); the claims go out
         pipelined, then each member is created as a single one."""
         if not (work.claim or work.attempt) and self._fresh(work.placed_at):
-            # First hand-off of a first-time batch: create first, then claim with the record itself
-            # (see _do_create); a copy handed to another host after a placement crash loses that race.
-            placed = (work.placed_by, work.placed_at)
-            ready: list[SandboxSpec] = []
-            await asyncio.gather(*(self.create_one(s, work.attempt, [], claim=False, placed=placed, ready=ready) for s in work.specs))
-            await self.host.records.ready_many(ready, work.attempt)
+            await self._create_fresh(work)
             return
         reg = self.host.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
@@ -178,6 +204,86 @@ class Intake:
             for s in work.specs
         ))
         await self.host.records.ready_many(done, work.attempt)
+
+    async def _create_fresh(self, work: PlaceBatch) -> None:
+        """First hand-off of a first-time batch, as one piece of work: create first, then claim with the
+        records themselves (as a single first create does, see _do_create: a copy handed to another host
+        after a placement crash loses that race), all written pipelined. Members are admitted in turn,
+        each counted before the next; made together; then every record goes out at once, then the ready
+        events and one reply per creating client. A member with anything unusual about it (here or
+        being made already, a duplicate in the batch, a restore, expired, not admitted) takes the
+        one-by-one path alongside."""
+        host, reg = self.host, self.host.registry
+        placed = (work.placed_by, work.placed_at)
+        now = time.time()
+        group: list[SandboxSpec] = []
+        alone: list[SandboxSpec] = []
+        mine: dict[str, asyncio.Future[None]] = {}  # this call's entries in ``creating``
+        loop = asyncio.get_running_loop()
+        for s in work.specs:
+            sid = s.sandbox_id
+            if sid in reg or sid in self.creating or s.snapshot or (s.create_deadline and now > s.create_deadline) or self.admits(s):
+                alone.append(s)
+                continue
+            self._hold(s, 1)
+            self.creating[sid] = mine[sid] = loop.create_future()
+            group.append(s)
+        held = {s.sandbox_id for s in group}  # each leaves as the backend starts on it (_make)
+        ready: list[SandboxSpec] = []
+        try:
+            outcomes = await asyncio.gather(
+                self._create_group(group, held, mine, work.attempt, placed, ready),
+                *(self.create_one(s, work.attempt, [], claim=False, placed=placed, ready=ready) for s in alone),
+                return_exceptions=True,
+            )
+        finally:
+            for s in group:
+                if s.sandbox_id in held:  # cancelled before the backend saw it
+                    held.discard(s.sandbox_id)
+                    self._hold(s, -1)
+            self._settle(mine)
+        await host.records.ready_many(ready, work.attempt)
+        for o in outcomes:
+            if isinstance(o, BaseException):
+                raise o  # not done: the hand-off is redelivered, and each member claimed then
+
+    async def _create_group(
+        self, group: list[SandboxSpec], held: set[str], mine: dict[str, "asyncio.Future[None]"], attempt: int,
+        placed: tuple[str, float], ready: list[SandboxSpec],
+    ) -> None:
+        """``_create_fresh``'s admitted members (counted in ``pending`` while ``held``, and in ``creating``)."""
+        host = self.host
+        t0 = time.perf_counter()
+        failed: BaseException | None = None
+        try:
+            made = await asyncio.gather(*(self._make(s, attempt, held=held) for s in group))
+            live = [ls for ls in made if ls is not None]
+            for ls in live:
+                await host.ops.serve(ls.spec.sandbox_id)
+            got = await host.records.claim_running([host.records.record_of(ls, "running") for ls in live])
+            announced: list[SandboxSpec] = []
+            for ls, g in zip(live, got, strict=True):
+                if g is True:
+                    await self._announce(ls, attempt, t0, placed, ready, counted=True)
+                    announced.append(ls.spec)
+                elif g is False:
+                    host.reaper.begin(ls.spec.sandbox_id, "duplicate")
+                    await self._dropped(ls.spec, attempt)
+                elif failed is None:  # the sandbox is held here without its record: a redelivery stores it
+                    failed = g if isinstance(g, DsecError) else InternalError(f"record of {ls.spec.sandbox_id} not stored: {g}")
+            host.m.ready_many(announced, time.perf_counter() - t0)
+        finally:
+            self._settle(mine)  # a copy of a member waiting on it (the one-by-one path) goes on now
+        if failed is not None:
+            raise failed
+
+    def _settle(self, mine: dict[str, "asyncio.Future[None]"]) -> None:
+        """Take this call's entries out of ``creating`` (idempotent), waking whoever waits on them."""
+        for sid, fut in mine.items():
+            if self.creating.get(sid) is fut:
+                del self.creating[sid]
+            if not fut.done():
+                fut.set_result(None)
 
     async def _dropped(self, spec: SandboxSpec, attempt: int) -> None:
         """This copy of a create lost the id's claim to another host's record. When that record says the
@@ -215,8 +321,29 @@ class Intake:
         ``ready``: the caller tells the creating client (``Records.ready_many``); the sandbox joins it.
         """
         host = self.host
-        backend = host.backend
         t0 = time.perf_counter()
+        ls = await self._make(spec, attempt)
+        if ls is None:
+            return
+        await host.ops.serve(spec.sandbox_id)
+        if claimed:
+            await host.records.record(ls, "running")
+        elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
+            host.reaper.begin(spec.sandbox_id, "duplicate")
+            await self._dropped(spec, attempt)
+            return
+        await self._announce(ls, attempt, t0, placed, ready)
+
+    async def _make(self, spec: SandboxSpec, attempt: int, *, held: set[str] | None = None) -> LocalSandbox | None:
+        """The sandbox, made by the backend and held in the registry; None when it could not be made
+        (reported as failed, and cleaned up). An id in ``held`` is counted in ``pending`` already (by
+        the caller, who learns here that it is this one's to give back now)."""
+        host = self.host
+        backend = host.backend
+        if held is not None and spec.sandbox_id in held:
+            held.discard(spec.sandbox_id)
+        else:
+            self._hold(spec, 1)
         try:
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
@@ -231,29 +358,37 @@ class Intake:
             else:
                 handle = await backend.create(spec, layers)
         except DsecError as exc:
+            self._hold(spec, -1)
             await backend.destroy(spec.sandbox_id)
             await self._fail(spec, attempt, exc)
-            return
+            return None
         except Exception as exc:  # noqa: BLE001 - report, clean up, keep serving
+            self._hold(spec, -1)
             log.exception("create_failed", sandbox_id=spec.sandbox_id)
             await backend.destroy(spec.sandbox_id)
             await self._fail(spec, attempt, CreateFailed(f"{type(exc).__name__}: {exc}"))
-            return
+            return None
+        except BaseException:
+            self._hold(spec, -1)
+            raise
+        # from pending to the registry in one step: admission never counts it twice, or not at all
+        self._hold(spec, -1)
         now = time.time()
         ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
         host.registry.add(ls, handle)
         host.registry.save(ls)
-        await host.ops.serve(spec.sandbox_id)
-        if claimed:
-            await host.records.record(ls, "running")
-        elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
-            host.reaper.begin(spec.sandbox_id, "duplicate")
-            await self._dropped(spec, attempt)
-            return
+        return ls
+
+    async def _announce(
+        self, ls: LocalSandbox, attempt: int, t0: float, placed: tuple[str, float], ready: list[SandboxSpec] | None,
+        *, counted: bool = False,
+    ) -> None:
+        """Its record is stored: say ``ready`` (not acked: the record is the durable fact, and a client
+        that misses this reads it). It also says who placed the sandbox and when: placement writes no
+        event of its own."""
+        host, spec = self.host, ls.spec
         if spec.snapshot:
             await host.snapshots.restored(ls)
-        # Not acked: the record just stored is the durable fact (a client that misses this reads it).
-        # It also says who placed the sandbox and when: placement writes no event of its own.
         detail = {"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
         if placed[0]:
             detail["placed_by"] = placed[0]
@@ -262,7 +397,8 @@ class Intake:
         if ready is not None:
             ready.append(spec)
         self.created += 1
-        host.m.ready(spec, time.perf_counter() - t0)
+        if not counted:  # else the caller counts its batch at once
+            host.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 
     async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:

@@ -48,6 +48,17 @@ class HostMetrics:
         if spec.requested_at:
             self.ready_s.observe(max(0.0, time.time() - spec.requested_at))
 
+    def ready_many(self, specs: list[SandboxSpec], host_seconds: float) -> None:
+        """``ready`` of a batch's members made together (the counter bumped once)."""
+        if not specs:
+            return
+        self.creates.inc(len(specs), result="ready")
+        now = time.time()
+        for spec in specs:
+            self.create_s.observe(host_seconds)
+            if spec.requested_at:
+                self.ready_s.observe(max(0.0, now - spec.requested_at))
+
     def op(self, op: str, code: str, seconds: float) -> None:
         self.ops.inc(op=op, code=code)
         self.op_s.observe(seconds, op=op)

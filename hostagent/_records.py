@@ -4,6 +4,7 @@ compare-and-set claim), sandbox and host events, dead letters, re-placed work.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 
 import structlog
@@ -77,10 +78,32 @@ class Records:
         if rec is None:
             rec = SandboxRecord(spec=spec, state=CLAIM_STATE, host_id=self.host_id, created_at=spec.requested_at)
         # A persisted pause's record is taken over by its resume (one generation up), on any host.
-        got = await self.kv.claim(spec.sandbox_id, rec, mine=lambda cur: cur.host_id == self.host_id and cur.state in OURS or resumes(cur, spec))
+        got = await self.kv.claim(spec.sandbox_id, rec, mine=functools.partial(self._mine, rec=rec))
         if got is Claim.MINE and rec.state != CLAIM_STATE:
             await self.put(rec)
         return bool(got)
+
+    async def claim_running(self, recs: list[SandboxRecord]) -> list[bool | BaseException]:
+        """``claim`` with each of ``recs`` (records of sandboxes this host just made), written
+        pipelined; per record: claimed (stored), lost to another host, or what storing it raised."""
+        assert self.kv is not None
+        got = await self.kv.claim_many([(r.spec.sandbox_id, r) for r in recs], mine=self._mine)
+        out: list[bool | BaseException] = []
+        for rec, g in zip(recs, got, strict=True):
+            if isinstance(g, BaseException):
+                out.append(g)
+            elif g is Claim.MINE:
+                try:
+                    await self.put(rec)
+                    out.append(True)
+                except InternalError as exc:
+                    out.append(exc)
+            else:
+                out.append(bool(g))
+        return out
+
+    def _mine(self, cur: SandboxRecord, rec: SandboxRecord) -> bool:
+        return cur.host_id == self.host_id and cur.state in OURS or resumes(cur, rec.spec)
 
     # --- events ------------------------------------------------------------------------------------
     async def event(

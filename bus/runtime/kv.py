@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import random
 from typing import Any, Callable, Generic, TypeVar
 
@@ -235,6 +236,32 @@ class KV(Generic[T]):
         except KeyWrongLastSequenceError:
             return False
 
+    async def claim_many(self, items: list[tuple[str, T]], *, mine: Callable[[T, T], bool] | None = None) -> list[Claim | BaseException]:
+        """``claim`` of every ``(key, value)``, the first writes pipelined (one round trip for all, not
+        one each): a key that holds nothing is ``WON`` by its create alone; one that does (a record,
+        a tombstone, an unreadable value) goes through ``claim``, ``mine(current, value)`` saying
+        whether what is there is ours. Per item, its outcome or the exception that writing it raised
+        (StoreError, TimeoutError): the others still count."""
+        pub = await self._pub()
+        hdr = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
+        futs = [await pub.publish(self.subject(k), encode(v), hdr) for k, v in items]
+        out: list[Claim | BaseException] = []
+        for (key, value), fut in zip(items, futs, strict=True):
+            try:
+                await fut
+                out.append(Claim.WON)
+            except StoreError as exc:
+                if exc.err_code != ERR_WRONG_LAST_SEQUENCE:
+                    out.append(exc)
+                    continue
+                try:
+                    out.append(await self.claim(key, value, mine=None if mine is None else functools.partial(_mine_of, mine, value)))
+                except (StoreError, asyncio.TimeoutError) as again:
+                    out.append(again)
+            except asyncio.TimeoutError as exc:
+                out.append(exc)
+        return out
+
     async def delete(self, key: str) -> None:
         await self.raw.delete(key)
 
@@ -260,6 +287,10 @@ class KV(Generic[T]):
             if await self.update(key, value, last=e.revision or 0):
                 return Claim.WON
         return Claim.LOST
+
+
+def _mine_of(mine: Callable[[T, T], bool], value: T, current: T) -> bool:
+    return mine(current, value)
 
 
 __all__ = ["Claim", "KV", "Versioned", "Watch", "kv_keys"]

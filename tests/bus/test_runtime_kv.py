@@ -73,6 +73,36 @@ async def test_corrupt_record_read_as_absent_and_claimable_by_one(nc, nc2, uid) 
         await nc.jetstream().delete_key_value(a.bucket)
 
 
+async def test_claim_many_against_one_by_one_claimers(nc, nc2, uid) -> None:
+    """The pipelined claim of many keys: free keys won by their create alone; a key held by another
+    (LOST), one held by us (MINE, left as it is), a tombstone and a corrupt value (claimable) go
+    through the one-by-one claim; racing a one-by-one claimer, each key has exactly one winner."""
+    a = await _bucket(nc, uid)
+    b = await KV.bind(nc2.jetstream(), a.bucket, Rec)
+    try:
+        await b.put("theirs", Rec(owner="b"))
+        await a.put("ours", Rec(owner="a", n=7))
+        await a.put("gone", Rec(owner="b"))
+        await a.delete("gone")
+        await a.raw.put("bad", b"\xc1 not msgpack")
+        keys = ["free1", "theirs", "ours", "gone", "bad", "free2"]
+        got = await a.claim_many([(k, Rec(owner="a")) for k in keys], mine=lambda cur, ours: cur.owner == ours.owner)
+        assert got == [Claim.WON, Claim.LOST, Claim.MINE, Claim.WON, Claim.WON, Claim.WON]
+        assert (await a.get("ours")) == Rec(owner="a", n=7)  # MINE leaves what is there
+        assert (await a.get("theirs")) == Rec(owner="b")
+        for k in ("free1", "gone", "bad", "free2"):
+            assert (await a.get(k)) == Rec(owner="a"), k
+        race = [f"r{i}" for i in range(50)]
+        many, ones = await asyncio.gather(
+            a.claim_many([(k, Rec(owner="a")) for k in race]), asyncio.gather(*(b.claim(k, Rec(owner="b")) for k in race)),
+        )
+        for k, x, y in zip(race, many, ones, strict=True):
+            assert sorted([x, y]) == [Claim.LOST, Claim.WON], (k, x, y)
+            assert (await a.get(k)) == Rec(owner="a" if x == Claim.WON else "b")
+    finally:
+        await nc.jetstream().delete_key_value(a.bucket)
+
+
 async def test_watch_delivers_puts_and_deletes_and_skips_corrupt(nc, uid) -> None:
     kv = await _bucket(nc, uid)
     try:

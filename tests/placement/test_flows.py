@@ -153,6 +153,39 @@ async def test_batch_handed_to_two_hosts_is_created_once(nats_srv, nc, claim) ->
         await b.shutdown()
 
 
+class _SlowSim(SimBackend):
+    """The simulated backend, taking a moment to start each sandbox as a real backend does: the
+    members of a batch are all being made at once before any of them is in the registry."""
+
+    async def create(self, spec, layers):
+        await asyncio.sleep(0.05)
+        return await super().create(spec, layers)
+
+
+async def test_fresh_batch_larger_than_the_host_is_admitted_in_turn(nats_srv, nc) -> None:
+    """A first-time batch handed to a host with room for 5: five are made, the rest handed back to
+    placement (rejected, then re-placed elsewhere), and an id twice in the batch is made once."""
+    url = nats_srv.url
+    js = nc.jetstream()
+    a = agent(url, "hsmall", backend=_SlowSim(), max_sandboxes=5)
+    await a.start()
+    try:
+        specs = [build_spec("base", backend="sim") for _ in range(8)]
+        pb = PlaceBatch(batch_id="big", host_id="hsmall", specs=[*specs[:2], specs[0], *specs[2:]], placed_at=time.time())
+        answer = codec.HANDOFF_REPLY.decode((await nc.request(S.host_create("hsmall"), codec.encode(pb), timeout=30)).data)
+        assert answer.state == "done"
+        assert len(a.live) == 5 and a.created == 5  # never more than the host's room, the duplicate not twice
+        ids = {s.sandbox_id for s in specs}
+        assert set(a.live) <= ids
+        rejected = await stored_events(js, ids - set(a.live), kinds=("rejected",))
+        assert {sid: len(v) for sid, v in rejected.items() if sid in ids} == {sid: 1 for sid in ids - set(a.live)}
+        ready = await stored_events(js, set(a.live))
+        assert all(len(ready[sid]) == 1 for sid in a.live)
+        assert a.intake.pending.sandboxes == 0 and not a.intake.creating  # nothing still counted as being made
+    finally:
+        await a.shutdown()
+
+
 async def test_lease_not_renewed_is_reaped(nats_srv, nc) -> None:
     url = nats_srv.url
     h = agent(url, "lh")
