@@ -36,6 +36,7 @@ class Service:
         self.publisher: Publisher | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stopped = asyncio.Event()
+        self._sleepers: set[asyncio.Future[None]] = set()  # pause()s, woken by shutdown
         self._shutdown_started = False
         self._shutdown_done = asyncio.Event()
         self.log = _log.get_logger(f"dsec.{self.name}")
@@ -44,6 +45,23 @@ class Service:
         self.metrics = Registry()
         self.metrics_port: int | None = None
         self._exposition: Exposition | None = None
+
+    async def pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` or until shutdown; True when stopping. A timer and a future, nothing else:
+        periodic loops call this (1,600 simulated hosts in one process, several times a second each),
+        and ``asyncio.wait``/``wait_for`` on the stop event cost several times more per call."""
+        if self._stopped.is_set():
+            return True
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(seconds, _wake, fut)
+        self._sleepers.add(fut)
+        try:
+            await fut
+        finally:
+            timer.cancel()
+            self._sleepers.discard(fut)
+        return self._stopped.is_set()
 
     # subclasses override these two
     async def setup(self) -> None:
@@ -128,6 +146,9 @@ class Service:
             return
         self._shutdown_started = True
         self._stopped.set()
+        for f in list(self._sleepers):
+            if not f.done():
+                f.set_result(None)
         try:
             for w in self.workers:
                 await w.stop_intake()
@@ -156,6 +177,11 @@ class Service:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+def _wake(fut: "asyncio.Future[None]") -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 __all__ = ["Service"]

@@ -328,16 +328,18 @@ class Stack:
             await asyncio.sleep(0.02)  # readiness poll
 
     async def stop(self) -> list[str]:
-        with contextlib.suppress(Exception):
-            await sdk._async.close_connections()
-        if self.host is not None:
-            await self.host.shutdown()
-        if self.placement is not None:
-            await self.placement.shutdown()
-        self.nats.stop()
-        if self.net is not None:
-            await self.net.purge()
-            self.net.release()
+        try:
+            with contextlib.suppress(Exception):
+                await sdk._async.close_connections()
+            if self.host is not None:
+                await self.host.shutdown()
+            if self.placement is not None:
+                await self.placement.shutdown()
+        finally:  # whatever failed above, the server and the network go too (stopped by pid)
+            self.nats.stop()
+            if self.net is not None:
+                await self.net.purge()
+                self.net.release()
         d = str(self.dir)
         with open("/proc/self/mountinfo") as f:
             left = [ln.split()[4] for ln in f if d in ln]
