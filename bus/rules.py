@@ -132,6 +132,20 @@ class Allocation:
         self.disk_mb = disk_mb
         self.sandboxes = sandboxes
 
+    def add(self, spec: SandboxSpec, sign: int = 1) -> None:
+        """Count ``spec`` in (``sign`` 1) or out (-1)."""
+        self.cpu += sign * spec.cpu
+        self.mem_mb += sign * spec.memory_mb
+        self.disk_mb += sign * spec.disk_mb
+        self.sandboxes += sign
+        if spec.priority == "latency-sensitive":
+            self.cpu_ls += sign * spec.cpu
+
+    def plus(self, other: "Allocation") -> "Allocation":
+        return Allocation(
+            self.cpu + other.cpu, self.cpu_ls + other.cpu_ls, self.mem_mb + other.mem_mb, self.disk_mb + other.disk_mb, self.sandboxes + other.sandboxes,
+        )
+
 
 def admits(cap: Capacity, alloc: Allocation, spec: SandboxSpec) -> str:
     """Empty when ``spec`` fits next to ``alloc`` within ``cap``, else the reason's code

@@ -75,26 +75,20 @@ class Intake:
     # --- admission ---------------------------------------------------------------------------------
     def admits(self, spec: SandboxSpec) -> str:
         """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
-        host, reg, p = self.host, self.host.registry, self.pending
+        host = self.host
         cap = host.backend.capacity()
         return refusal(
             Capacity(
                 cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
                 cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes,
             ),
-            Allocation(reg.cpu + p.cpu, reg.ls_cpu + p.cpu_ls, reg.mem_mb + p.mem_mb, reg.disk_mb + p.disk_mb, len(reg) + p.sandboxes),
+            host.registry.alloc.plus(self.pending),
             spec,
         )
 
     def _hold(self, spec: SandboxSpec, sign: int) -> None:
-        p = self.pending
-        p.cpu += sign * spec.cpu
-        p.mem_mb += sign * spec.memory_mb
-        p.disk_mb += sign * spec.disk_mb
-        p.sandboxes += sign
-        if spec.priority == "latency-sensitive":
-            p.cpu_ls += sign * spec.cpu
-        if not p.sandboxes:
+        self.pending.add(spec, sign)
+        if not self.pending.sandboxes:
             self.pending = Allocation()  # no float drift
 
     async def layers(self, template: str) -> list[LayerRef]:

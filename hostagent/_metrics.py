@@ -43,13 +43,10 @@ class HostMetrics:
         reg.collector(fill)
 
     def ready(self, spec: SandboxSpec, host_seconds: float) -> None:
-        self.creates.inc(result="ready")
-        self.create_s.observe(host_seconds)
-        if spec.requested_at:
-            self.ready_s.observe(max(0.0, time.time() - spec.requested_at))
+        self.ready_many([spec], host_seconds)
 
     def ready_many(self, specs: list[SandboxSpec], host_seconds: float) -> None:
-        """``ready`` of a batch's members made together (the counter bumped once)."""
+        """Sandboxes made in ``host_seconds`` (a batch's members made together: the counter bumped once)."""
         if not specs:
             return
         self.creates.inc(len(specs), result="ready")

@@ -12,6 +12,7 @@ import msgspec
 import structlog
 
 from bus.messages import SandboxSpec
+from bus.rules import Allocation
 
 from ._backend import Handle
 
@@ -50,10 +51,7 @@ class Registry:
         self.persist = persist
         self.live: dict[str, LocalSandbox] = {}
         self.handles: dict[str, Handle] = {}
-        self.cpu = 0.0
-        self.ls_cpu = 0.0  # latency-sensitive share of cpu
-        self.mem_mb = 0
-        self.disk_mb = 0
+        self.alloc = Allocation()  # what the live sandboxes requested (cpu_ls: the latency-sensitive share)
         self.observers: list[Observer] = []
 
     def __contains__(self, sid: str) -> bool:
@@ -82,15 +80,9 @@ class Registry:
         return ls
 
     def _count(self, ls: LocalSandbox, sign: int) -> None:
-        spec = ls.spec
-        self.cpu += sign * spec.cpu
-        self.mem_mb += sign * spec.memory_mb
-        self.disk_mb += sign * spec.disk_mb
-        if spec.priority == "latency-sensitive":
-            self.ls_cpu += sign * spec.cpu
+        self.alloc.add(ls.spec, sign)
         if not self.live:  # no float drift left over once the host is empty
-            self.cpu = self.ls_cpu = 0.0
-            self.mem_mb = self.disk_mb = 0
+            self.alloc = Allocation()
         for fn in self.observers:
             fn(ls, sign)
 

@@ -179,10 +179,10 @@ class HostAgent(Service):
             cpu_total=float(cap["cpu_total"]),
             mem_total_mb=int(cap["mem_total_mb"]),
             disk_total_mb=int(cap["disk_total_mb"]),
-            cpu_alloc=reg.cpu,
-            mem_alloc_mb=int(reg.mem_mb),
+            cpu_alloc=reg.alloc.cpu,
+            mem_alloc_mb=int(reg.alloc.mem_mb),
             mem_resident_mb=self._resident_mb,
-            disk_alloc_mb=int(reg.disk_mb),
+            disk_alloc_mb=int(reg.alloc.disk_mb),
             cpu_busy=self._cpu_busy,
             sandboxes=len(reg),
             max_sandboxes=self.max_sandboxes,
@@ -190,7 +190,7 @@ class HostAgent(Service):
             layers=self._cached_layers(),
             cpu_overcommit=self.cpu_overcommit,
             mem_overcommit=self.mem_overcommit,
-            cpu_alloc_ls=reg.ls_cpu,
+            cpu_alloc_ls=reg.alloc.cpu_ls,
         )
 
     def _cached_layers(self) -> list[str]:

@@ -32,12 +32,10 @@ class PlacementMetrics:
         reg.collector(fill)
 
     def event(self, spec: SandboxSpec, kind: str) -> None:
-        self.events.inc(kind=kind)
-        if kind == "placed" and spec.requested_at:
-            self.placed_s.observe(max(0.0, time.time() - spec.requested_at))
+        self.events_of([spec], kind)
 
     def events_of(self, specs: list[SandboxSpec], kind: str) -> None:
-        """``event`` for each of a batch's members, the counter bumped once."""
+        """What became of these requests (a batch's members: the counter bumped once)."""
         if not specs:
             return
         self.events.inc(len(specs), kind=kind)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import functools
 import random
 from typing import Any, Callable, Generic, TypeVar
 
@@ -255,7 +254,7 @@ class KV(Generic[T]):
                     out.append(exc)
                     continue
                 try:
-                    out.append(await self.claim(key, value, mine=None if mine is None else functools.partial(_mine_of, mine, value)))
+                    out.append(await self.claim(key, value, mine=None if mine is None else lambda cur, v=value: mine(cur, v)))
                 except (StoreError, asyncio.TimeoutError) as again:
                     out.append(again)
             except asyncio.TimeoutError as exc:
@@ -287,10 +286,6 @@ class KV(Generic[T]):
             if await self.update(key, value, last=e.revision or 0):
                 return Claim.WON
         return Claim.LOST
-
-
-def _mine_of(mine: Callable[[T, T], bool], value: T, current: T) -> bool:
-    return mine(current, value)
 
 
 __all__ = ["Claim", "KV", "Versioned", "Watch", "kv_keys"]
