@@ -11,7 +11,8 @@ from typing import Literal
 from msgspec import Struct, field
 
 Priority = Literal["best-effort", "latency-sensitive"]
-Backend = Literal["container", "fncall", "microvm", "vm", "sim"]
+BackendName = Literal["container", "fncall", "microvm", "vm", "sim"]
+Backend = BackendName  # the older name of the same vocabulary
 
 
 # --- sandbox spec ----------------------------------------------------------------
@@ -170,6 +171,16 @@ EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent | Snapshot
 
 
 # --- KV records ---------------------------------------------------------------------------
+class HostBackend(Struct, kw_only=True, tag=True):
+    """One backend a host runs, as its heartbeat advertises it; placement routes on these."""
+
+    name: BackendName
+    max_cpu: float = 0.0  # largest cpu one sandbox may ask on this backend (0: the host's cpu_total)
+    max_memory_mb: int = 0  # likewise for memory_mb (0: the host's mem_total_mb)
+    max_disk_mb: int = 0  # likewise for disk_mb (0: the host's disk_total_mb)
+    detail: dict[str, str] = {}  # what its probe found (for example accel: kvm | tcg); shown by dsec status
+
+
 class HostStatus(Struct, kw_only=True, tag=True):
     """A host's heartbeat, kept in KV ``dsec_hosts`` under its id."""
 
@@ -194,6 +205,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     mem_overcommit: float = 1.0
     version: int = 1
     cpu_alloc_ls: float = 0.0  # requested cpu of latency-sensitive sandboxes (never overcommitted)
+    backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
