@@ -164,6 +164,24 @@ class OutputLost(DsecError):
     code = "output_lost"
 
 
+class UnsupportedBackend(DsecError):
+    """No host runs the backend the sandbox asks for; the description names those that are run."""
+
+    code = "unsupported_backend"
+
+
+class QuotaExceeded(DsecError):
+    """A limit of the tenant or the sandbox would be passed; the description names the limit."""
+
+    code = "quota_exceeded"
+
+
+class NoSpace(DsecError):
+    """The host's disk (data dir, chunk store or scratch) is full; nothing half-written was kept."""
+
+    code = "no_space"
+
+
 _BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls
     for cls in (
@@ -193,6 +211,9 @@ _BY_CODE: dict[str, type[DsecError]] = {
         UnknownUser,
         ReplyTooLarge,
         OutputLost,
+        UnsupportedBackend,
+        QuotaExceeded,
+        NoSpace,
     )
 }
 
