@@ -1,17 +1,25 @@
 """NATS authentication and per-subject permissions for the control plane.
 
-Each service role gets its own user with only the subjects it needs; anything that connects
-without credentials is the ``client`` role (``no_auth_user``), which can ask for sandboxes and talk
-to them but can neither publish placement work, events or KV writes nor consume work queues.
+Each service role gets its own user with only the subjects it needs. Every client identity (an API
+key, a named SDK credential) is a **tenant**: its user name is a subject token of its sandboxes'
+creates (``dsec.req.<tenant>.create``), ops (``dsec.sbx.<tenant>.<id>.<op>``) and events
+(``dsec.evt.sandbox.<tenant>.<id>.<kind>``), and nats-server lets it publish and read only under its
+own token (:func:`client_permissions`): another tenant's ops, events, records and inboxes are
+refused by the server. Placement binds each create to the tenant of its subject (``spec.client``),
+host agents refuse an op whose tenant does not own the sandbox (``hostagent._tenancy``), and the
+operator's tenant (``admin``) reaches every sandbox. Sandbox records (KV ``dsec_sandboxes``, with
+their envs) are for services and the operator only.
+
+Nothing connects without credentials: there is no ``no_auth_user`` unless a development stack asks
+for one (``config_block(anonymous=True)``); ``dsec up --no-auth`` runs NATS without any
+authorization at all, for tests.
 
 Every user keeps its reply inboxes under its own prefix, ``_INBOX.u.<user>`` (see
-:func:`inbox_prefix`; ``bus.runtime.connect`` sets it from the URL's user name, ``client`` without
-one), and only services may subscribe to other prefixes: an anonymous connection subscribed to
-``_INBOX.>`` would otherwise read the services' work deliveries (sandbox specs with their envs) and
-every client's replies. (A deny on ``_INBOX.u.>`` is not enough: the server checks a deny against
-a JetStream delivery's original subject, not the inbox it goes to.) Anonymous clients still share
-one inbox space with each other (a dev stack's single user); a client that needs its own issues a
-credential (:meth:`AuthConfig.issue_client_credential`).
+:func:`inbox_prefix`; ``bus.runtime.connect`` sets it from the URL's user name), and only services
+may subscribe to other prefixes: a client subscribed to ``_INBOX.>`` would otherwise read the
+services' work deliveries (sandbox specs with their envs) and every client's replies. (A deny on
+``_INBOX.u.>`` is not enough: the server checks a deny against a JetStream delivery's original
+subject, not the inbox it goes to.)
 """
 
 from __future__ import annotations
@@ -19,20 +27,23 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from . import subjects as S
 from .sign import new_control_key, parse_key
 
-# JetStream API calls a read-only client needs: stream/KV info, direct gets, and ephemeral ordered
-# consumers on the event stream and the KV buckets it may read (never on the work queues).
-_CLIENT_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}"]
+# Streams every reader may read whole: hosts, templates and snapshots (the monitor also reads the
+# event stream and the sandbox records; clients read their own events only, and no records).
+_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SNAPSHOTS}"]
+_MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", *_SHARED_READ_STREAMS]
 
 
 NAMED_INBOXES = "_INBOX.u"
-ANONYMOUS_USER = "client"  # nats-server's no_auth_user
+ANONYMOUS_USER = "client"  # nats-server's no_auth_user, on development stacks only (config_block)
 
 
 def inbox_prefix(user: str) -> str:
@@ -40,9 +51,10 @@ def inbox_prefix(user: str) -> str:
     return f"{NAMED_INBOXES}.{S._tok(user)}"
 
 
-def _client_js_api() -> list[str]:
+def _read_js_api(streams: list[str]) -> list[str]:
+    """JetStream API calls that read ``streams`` whole: info, direct gets, ephemeral ordered consumers."""
     allow = ["$JS.API.INFO", "$JS.FC.>"]
-    for st in _CLIENT_READ_STREAMS:
+    for st in streams:
         allow += [
             f"$JS.API.STREAM.INFO.{st}",
             f"$JS.API.STREAM.MSG.GET.{st}",
@@ -56,17 +68,25 @@ def _client_js_api() -> list[str]:
     return allow
 
 
+def _tenant_js_api(tenant: str) -> list[str]:
+    """A tenant reads its own events only: a direct get names the subject in the API subject, and a
+    consumer create (``CONSUMER.CREATE.<stream>.<name>.<filter>``) its filter, so the server can
+    check both against the tenant's prefix. (``STREAM.MSG.GET`` and filterless creates carry the
+    subject in the body, out of the server's sight: not allowed.)"""
+    own = S.evt_tenant(tenant)
+    return [f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{own}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{own}"]
+
+
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
-_CLIENT_PUBLISH = [
-    S.REQ_CREATE, S.REQ_CREATE_BATCH, S.SBX_WILDCARD, S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>",
-    f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_client_js_api(),
+_CLIENT_COMMON_PUBLISH = [
+    S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
 MONITOR_ROLE = "monitor"  # the gateway's /metrics and /dashboard: scrape every service, read hosts, sandboxes, events
 ENV_MONITOR_URL = "DSEC_MONITOR_NATS_URL"  # the monitor's NATS URL, handed to the gateway by `dsec up`
 
-ROLE_PERMISSIONS: dict[str, dict] = {
+ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
     # Services are trusted processes of the control plane.
     "placement": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "$KV.>", "dsec.>"]}},
     "hostagent": {
@@ -80,14 +100,8 @@ ROLE_PERMISSIONS: dict[str, dict] = {
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
     # Read-only: asks for metrics (the services answer its inbox), reads KV and the event stream, hears events.
     MONITOR_ROLE: {
-        "publish": {"allow": [S.METRICS_SCRAPE, *_client_js_api()]},
+        "publish": {"allow": [S.METRICS_SCRAPE, *_read_js_api(_MONITOR_READ_STREAMS)]},
         "subscribe": {"allow": [f"{NAMED_INBOXES}.{MONITOR_ROLE}.>", S.EVT_ALL]},
-    },
-    # What the SDK and the CLI get without credentials (connected through bus.runtime.connect, which
-    # puts their inboxes under _INBOX.u.client).
-    "client": {
-        "publish": {"allow": _CLIENT_PUBLISH},
-        "subscribe": {"allow": [f"{NAMED_INBOXES}.{ANONYMOUS_USER}.>", S.EVT_SANDBOX_ALL]},
     },
 }
 
@@ -96,20 +110,32 @@ SANDBOX_USER_PREFIX = "sbx-"
 CLIENT_USER_PREFIX = "cli-"
 
 
-def sandbox_permissions(sandbox_id: str) -> dict:
+def sandbox_permissions(sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> dict[str, Any]:
     """A credential handed to code inside a sandbox reaches only that sandbox's own subjects."""
     return {
-        "publish": {"allow": [S.sbx(sandbox_id, "*")]},
+        "publish": {"allow": [S.sbx(sandbox_id, "*", tenant)]},
         "subscribe": {"allow": [f"{inbox_prefix(SANDBOX_USER_PREFIX + sandbox_id)}.>"]},
     }
 
 
-def client_permissions(user: str) -> dict:
-    """A named SDK client: what the anonymous client may do, with replies only under its own inbox prefix."""
+def client_permissions(user: str) -> dict[str, Any]:
+    """A tenant (the NATS user ``user``): creates, ops, events and inboxes under its own token only."""
     return {
-        "publish": {"allow": list(_CLIENT_PUBLISH)},
-        "subscribe": {"allow": [f"{inbox_prefix(user)}.>", S.EVT_SANDBOX_ALL]},
+        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user)]},
+        "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
     }
+
+
+def bind_tenant(subject: str, specs: list[Any]) -> None:
+    """Placement's binding of a client's create to its tenant: a client create names the tenant in
+    its subject (the only create subject its credential may publish), and that is the owner of its
+    sandboxes whatever its spec says; the operator's creates keep the ``client`` they name."""
+    t = S.request_tenant(subject)
+    for spec in specs:
+        if t is not None and t != S.OPERATOR_TENANT:
+            spec.client = t
+        elif not spec.client:
+            spec.client = S.OPERATOR_TENANT
 
 
 @dataclass
@@ -121,6 +147,8 @@ class AuthConfig:
     client_users: dict[str, str] = field(default_factory=dict)
     # Hex HMAC key placement signs host work with (bus.sign); only placement and host agents get it.
     control_key: str = ""
+    sandbox_tenants: dict[str, str] = field(default_factory=dict)  # sandbox user -> the tenant owning its sandbox
+    client_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # client user -> {name, created_at} (api-key ls)
 
     @property
     def control_key_bytes(self) -> bytes:
@@ -133,7 +161,7 @@ class AuthConfig:
             d = json.loads(p.read_text())
             cfg = cls(
                 passwords=d.get("passwords", {}), sandbox_users=d.get("sandbox_users", {}), client_users=d.get("client_users", {}),
-                control_key=d.get("control_key", ""),
+                control_key=d.get("control_key", ""), sandbox_tenants=d.get("sandbox_tenants", {}), client_info=d.get("client_info", {}),
             )
         else:
             cfg = cls()
@@ -150,39 +178,45 @@ class AuthConfig:
         return cfg
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(
-                {"passwords": self.passwords, "sandbox_users": self.sandbox_users, "client_users": self.client_users, "control_key": self.control_key}, f
-            )
-        os.replace(tmp, p)
+        _write_private(Path(path), {
+            "passwords": self.passwords, "sandbox_users": self.sandbox_users, "client_users": self.client_users, "control_key": self.control_key,
+            "sandbox_tenants": self.sandbox_tenants, "client_info": self.client_info,
+        })
 
-    def issue_sandbox_credential(self, sandbox_id: str) -> tuple[str, str]:
+    def issue_sandbox_credential(self, sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> tuple[str, str]:
+        """A credential for code inside ``sandbox_id`` (owned by ``tenant``): its own ops only."""
         user = SANDBOX_USER_PREFIX + S._tok(sandbox_id)
         pw = self.sandbox_users.get(user) or secrets.token_urlsafe(24)
         self.sandbox_users[user] = pw
+        self.sandbox_tenants[user] = S._tok(tenant)
         return user, pw
 
-    def issue_client_credential(self, name: str) -> tuple[str, str]:
-        """A named SDK client's user and password (nats-server must reload its config to know it)."""
+    def issue_client_credential(self, name: str, password: str | None = None, label: str = "") -> tuple[str, str]:
+        """A named SDK client's user and password: a tenant (nats-server must reload its config to know it)."""
         user = CLIENT_USER_PREFIX + S._tok(name)
-        pw = self.client_users.get(user) or secrets.token_urlsafe(24)
+        pw = self.client_users.get(user) or password or secrets.token_urlsafe(24)
         self.client_users[user] = pw
+        self.client_info.setdefault(user, {"name": label or name, "created_at": time.time()})
         return user, pw
 
-    def config_block(self) -> str:
-        """The ``authorization`` block for nats-server's config file."""
+    def revoke_client(self, user: str) -> bool:
+        """Forget a client's credential (after a reload nats-server drops its connections); False if unknown."""
+        self.client_info.pop(user, None)
+        return self.client_users.pop(user, None) is not None
+
+    def config_block(self, *, anonymous: bool = False) -> str:
+        """The ``authorization`` block for nats-server's config file. ``anonymous`` (development only)
+        makes a connection without credentials the tenant ``client``."""
         users = [{"user": role, "password": pw, "permissions": ROLE_PERMISSIONS[role]} for role, pw in self.passwords.items() if role in ROLE_PERMISSIONS]
-        users.append({"user": ANONYMOUS_USER, "password": secrets.token_urlsafe(24), "permissions": ROLE_PERMISSIONS["client"]})
         for user, pw in self.sandbox_users.items():
-            users.append({"user": user, "password": pw, "permissions": sandbox_permissions(user.removeprefix(SANDBOX_USER_PREFIX))})
+            tenant = self.sandbox_tenants.get(user, S.OPERATOR_TENANT)
+            users.append({"user": user, "password": pw, "permissions": sandbox_permissions(user.removeprefix(SANDBOX_USER_PREFIX), tenant)})
         for user, pw in self.client_users.items():
             users.append({"user": user, "password": pw, "permissions": client_permissions(user)})
+        if anonymous:
+            users.append({"user": ANONYMOUS_USER, "password": secrets.token_urlsafe(24), "permissions": client_permissions(ANONYMOUS_USER)})
         # nats-server's config format accepts JSON values.
-        return "authorization {\n  users: " + json.dumps(users) + "\n}\nno_auth_user: " + ANONYMOUS_USER + "\n"
+        return "authorization {\n  users: " + json.dumps(users) + "\n}\n" + (f"no_auth_user: {ANONYMOUS_USER}\n" if anonymous else "")
 
     def url_for(self, role: str, base_url: str) -> str:
         """``base_url`` with the credentials of a service role, a named client or a sandbox user."""

@@ -76,21 +76,26 @@ class Channel:
     sends_also: tuple[tuple[str, Any], ...] = ()  # side channels a request opens: (field naming the inbox, type)
 
 
+CLIENT_CREATE = f"{S.PREFIX}.req.{{tenant}}.create"
+CLIENT_CREATE_BATCH = f"{S.PREFIX}.req.{{tenant}}.create_batch"
+
+
 def _sbx(op: str) -> str:
-    return f"{S.PREFIX}.sbx.{{id}}.{op}"
+    return f"{S.PREFIX}.sbx.{{tenant}}.{{id}}.{op}"
 
 
 CHANNELS: list[Channel] = [
-    Channel(S.REQ_CREATE, CreateSandbox, stream=S.STREAM_REQ,
-            doc="Ask for a sandbox. Publish with header Nats-Msg-Id: <sandbox_id> (JetStream de-duplication); JetStream acks the "
-                "publish. The outcome is a SandboxEvent (ready, failed, pending) on dsec.evt.sandbox.<id>.<kind> and, when "
-                "spec.reply_to names an inbox, a copy there.",
+    Channel(CLIENT_CREATE, CreateSandbox, stream=S.STREAM_REQ,
+            doc="Ask for a sandbox, as tenant <tenant> (your NATS user: the sandbox's owner, whatever spec.client says). Publish "
+                "with header Nats-Msg-Id: <sandbox_id> (JetStream de-duplication); JetStream acks the publish. The outcome is a "
+                "SandboxEvent (ready, failed, pending) on dsec.evt.sandbox.<tenant>.<id>.<kind> and, when spec.reply_to names "
+                "an inbox, a copy there.",
             sends_also=(("spec.reply_to", CreateReply),)),
-    Channel(S.REQ_CREATE_BATCH, CreateBatch, stream=S.STREAM_REQ, doc="Many alike sandboxes in one message; each gets its own events.",
+    Channel(CLIENT_CREATE_BATCH, CreateBatch, stream=S.STREAM_REQ, doc="Many alike sandboxes in one message; each gets its own events.",
             sends_also=(("specs[].reply_to", CreateReply),)),
     Channel(f"{S.PREFIX}.host.{{host}}.create", HostMessage, HandoffReply,
             doc="Placement's work for one host (signed; services only): a core hand-off the host answers when it is durable."),
-    Channel(f"{S.PREFIX}.evt.sandbox.{{id}}.{{kind}}", SandboxEvent, stream=S.STREAM_EVT,
+    Channel(f"{S.PREFIX}.evt.sandbox.{{tenant}}.{{id}}.{{kind}}", SandboxEvent, stream=S.STREAM_EVT,
             doc="Lifecycle of a sandbox; kind is one of pending, rejected, ready, failed, exec, killed, timeout, recovered, lost."),
     Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT, doc="A host came up, went down or recovered."),
     Channel(S.EVT_GUARD_VIOLATION, GuardViolation, stream=S.STREAM_EVT, doc="A sandbox tripped a security rule."),

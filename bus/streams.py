@@ -50,6 +50,7 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
             max_bytes=opts.events_max_bytes,
             discard=DiscardPolicy.OLD,
             duplicate_window=opts.dedup_window_s,
+            allow_direct=True,  # a tenant reads its own events by direct gets, whose subject the server checks (bus.auth)
             num_replicas=opts.replicas,
         ),
         StreamConfig(

@@ -42,6 +42,7 @@ HDR_ORIGIN = "Dsec-Origin"  # dead letters: the subject the message came in on
 HDR_SIGNATURE = "Dsec-Signature"
 
 # --- request subjects (JetStream, DSEC_REQ) ----------------------------------
+# Services (placement re-queueing, a host re-placing) publish here; the spec keeps its ``client``.
 REQ_CREATE = f"{PREFIX}.req.create"
 REQ_CREATE_BATCH = f"{PREFIX}.req.create_batch"
 
@@ -97,28 +98,76 @@ def host_all(host_id: str) -> str:
     return f"{PREFIX}.host.{_tok(host_id)}.>"
 
 
+# --- tenants -------------------------------------------------------------------
+# Every client identity (NATS user) is a tenant; its sandboxes' ops, events and creates carry it
+# as a subject token, so nats-server permissions on ``<prefix>.<tenant>.>`` keep tenants apart
+# (bus.auth). A sandbox belongs to ``spec.client``; the operator's tenant reaches every sandbox
+# (only the operator and services may publish under it).
+OPERATOR_TENANT = "admin"
+
+
+def tenant(client: str) -> str:
+    """The tenant token of a sandbox's ``spec.client`` (empty: made by the operator or a service)."""
+    return _tok(client) if client else OPERATOR_TENANT
+
+
+def req_create(tenant: str) -> str:
+    """A client's create request: placement binds the spec to the tenant in the subject."""
+    return f"{PREFIX}.req.{_tok(tenant)}.create"
+
+
+def req_create_batch(tenant: str) -> str:
+    return f"{PREFIX}.req.{_tok(tenant)}.create_batch"
+
+
+def request_tenant(subject: str) -> str | None:
+    """The tenant a create request was published under; None for the services' own subjects."""
+    t = subject.split(".")
+    return t[2] if len(t) == 4 and t[0] == PREFIX and t[1] == "req" and t[3] in ("create", "create_batch") else None
+
+
 # --- live sandbox ops (core request/reply) -----------------------------------
 SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port", "snapshot", "pause", "resume")
 
 
-def sbx(sandbox_id: str, op: str) -> str:
-    return f"{PREFIX}.sbx.{_tok(sandbox_id)}.{op}"
+def sbx(sandbox_id: str, op: str, tenant: str = OPERATOR_TENANT) -> str:
+    """``dsec.sbx.<tenant>.<id>.<op>``: clients name their own tenant; services and the operator theirs."""
+    return f"{PREFIX}.sbx.{_tok(tenant)}.{_tok(sandbox_id)}.{op}"
 
 
 def sbx_all(sandbox_id: str) -> str:
-    return f"{PREFIX}.sbx.{_tok(sandbox_id)}.*"
+    """What a host serves for one sandbox: every tenant's ops on it (it refuses a tenant not the owner)."""
+    return f"{PREFIX}.sbx.*.{_tok(sandbox_id)}.*"
 
 
-SBX_WILDCARD = f"{PREFIX}.sbx.*.*"
+def sbx_tenant(tenant: str) -> str:
+    """Every op of one tenant: what its credential may publish."""
+    return f"{PREFIX}.sbx.{_tok(tenant)}.>"
+
+
+def parse_sbx(subject: str) -> tuple[str, str, str] | None:
+    """(tenant, sandbox id, op) of an op subject; None for anything else."""
+    t = subject.split(".")
+    if len(t) != 5 or t[0] != PREFIX or t[1] != "sbx":
+        return None
+    return t[2], t[3], t[4]
+
+
+SBX_WILDCARD = f"{PREFIX}.sbx.*.*.*"
 
 
 # --- events (JetStream, DSEC_EVT) ----------------------------------------------
-def evt_sandbox(sandbox_id: str, kind: str) -> str:
-    return f"{PREFIX}.evt.sandbox.{_tok(sandbox_id)}.{kind}"
+def evt_sandbox(sandbox_id: str, kind: str, tenant: str) -> str:
+    return f"{PREFIX}.evt.sandbox.{_tok(tenant)}.{_tok(sandbox_id)}.{kind}"
 
 
-def evt_sandbox_all(sandbox_id: str) -> str:
-    return f"{PREFIX}.evt.sandbox.{_tok(sandbox_id)}.>"
+def evt_sandbox_all(sandbox_id: str, tenant: str = "*") -> str:
+    return f"{PREFIX}.evt.sandbox.{tenant if tenant == '*' else _tok(tenant)}.{_tok(sandbox_id)}.>"
+
+
+def evt_tenant(tenant: str) -> str:
+    """Every event of one tenant's sandboxes: what its credential may read."""
+    return f"{PREFIX}.evt.sandbox.{_tok(tenant)}.>"
 
 
 EVT_SANDBOX_ALL = f"{PREFIX}.evt.sandbox.>"

@@ -406,7 +406,9 @@ class ExecIO:
                 await t
 
     # --- exec ------------------------------------------------------------------------------
-    async def exec(self, handle: Handle, base_envs: dict[str, str], req: ExecRequest) -> ExecResult | ProcessStarted:
+    async def exec(
+        self, handle: Handle, base_envs: dict[str, str], req: ExecRequest, tenant: str = S.OPERATOR_TENANT
+    ) -> ExecResult | ProcessStarted:
         if req.stream_to:
             _check_inbox(req.stream_to)
         if req.output_cap < 0:
@@ -414,7 +416,7 @@ class ExecIO:
         if base_envs:
             req.envs = {**base_envs, **req.envs}
         if req.background:
-            return await self._start_background(handle, req)
+            return await self._start_background(handle, req, tenant)
         st = self._stream(handle.sandbox_id, req.stream_to, req.acks) if req.stream_to else None
         on_output = None
         if st is not None:
@@ -431,10 +433,10 @@ class ExecIO:
         res.chunks = st.seq if st is not None else 0
         res.duration_ms = (time.perf_counter() - t0) * 1000
         fit_output(res, self.nc.max_payload - REPLY_MARGIN)  # whichever endpoint sends it, it fits
-        await self._event(handle.sandbox_id, req, res)
+        await self._event(handle.sandbox_id, req, res, tenant)
         return res
 
-    async def _event(self, sid: str, req: ExecRequest, res: ExecResult) -> None:
+    async def _event(self, sid: str, req: ExecRequest, res: ExecResult, tenant: str) -> None:
         # Audit trail without an ack round trip on the exec path: a core publish the stream still captures.
         ev = SandboxEvent(
             sandbox_id=sid, kind="exec", at=time.time(), host_id=self.host_id,
@@ -444,9 +446,9 @@ class ExecIO:
             },
         )
         with contextlib.suppress(Exception):
-            await self.nc.publish(S.evt_sandbox(sid, "exec"), codec.encode(ev))
+            await self.nc.publish(S.evt_sandbox(sid, "exec", tenant), codec.encode(ev))
 
-    async def _start_background(self, handle: Handle, req: ExecRequest) -> ProcessStarted:
+    async def _start_background(self, handle: Handle, req: ExecRequest, tenant: str) -> ProcessStarted:
         self._agent(handle)  # NotSupported before anything starts
         sid = handle.sandbox_id
         started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -464,11 +466,13 @@ class ExecIO:
         async def run() -> ExecResult:
             return await self.backend.exec(handle, req, proc.fanout, on_start=on_start)
 
-        proc.task = self._spawn(self._run(sid, proc, run(), started, req))
+        proc.task = self._spawn(self._run(sid, proc, run(), started, req, tenant))
         pid = await started
         return ProcessStarted(pid=pid, tag=req.tag)
 
-    async def _run(self, sid: str, proc: BgProc, work: Any, started: asyncio.Future[int], req: ExecRequest | None) -> None:
+    async def _run(
+        self, sid: str, proc: BgProc, work: Any, started: asyncio.Future[int], req: ExecRequest | None, tenant: str = S.OPERATOR_TENANT
+    ) -> None:
         try:
             res = await work
         except asyncio.CancelledError:
@@ -489,7 +493,7 @@ class ExecIO:
             self._drop_stream(sid, st)
         proc.streams.clear()
         if req is not None:
-            await self._event(sid, req, res)
+            await self._event(sid, req, res, tenant)
         table = self._procs.get(sid, {})
         ended = [p for p in table.values() if p.result is not None]
         for old in ended[:-ENDED_KEEP]:

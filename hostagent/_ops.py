@@ -44,6 +44,7 @@ from bus.runtime import Endpoint
 from ._backend import Handle
 from ._execio import encode_reply
 from ._registry import LocalSandbox
+from ._tenancy import check_tenant
 
 if TYPE_CHECKING:
     from ._service import HostAgent
@@ -78,14 +79,16 @@ class OpsEndpoint:
             await self.endpoint.stop()
 
     async def _handle(self, msg: Msg, req: Any) -> Any:
-        parts = msg.subject.split(".")
-        if len(parts) != 4:
+        parts = S.parse_sbx(msg.subject)
+        if parts is None:
             raise BadRequest(f"not a sandbox operation subject: {msg.subject}")
+        tenant, sid, op = parts
         self.inflight += 1
         t0 = time.perf_counter()
         code = "ok"
         try:
-            return await self._dispatch(parts[2], req)
+            await check_tenant(self.host, tenant, sid, op)
+            return await self._dispatch(sid, req)
         except DsecError as exc:
             code = exc.code
             raise
@@ -94,7 +97,7 @@ class OpsEndpoint:
             raise
         finally:
             self.inflight -= 1
-            self.host.m.op(parts[3] if parts[3] in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
+            self.host.m.op(op if op in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
 
     async def _dispatch(self, sid: str, req: Any) -> Any:
         host = self.host
@@ -162,12 +165,12 @@ class OpsEndpoint:
         )
 
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
-        return await self.host.execio.exec(handle, ls.spec.envs, req)
+        return await self.host.execio.exec(handle, ls.spec.envs, req, S.tenant(ls.spec.client))
 
 
 def _bind(msg: Msg) -> dict[str, str]:
-    parts = msg.subject.split(".")
-    return {"sandbox_id": parts[2] if len(parts) > 2 else "", "subject": msg.subject}
+    parts = S.parse_sbx(msg.subject)
+    return {"sandbox_id": parts[1] if parts else "", "subject": msg.subject}
 
 
 __all__ = ["OpsEndpoint"]

@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
+from bus.auth import bind_tenant
 from bus.errors import BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
 from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
@@ -197,6 +198,7 @@ class Placement(Service):
             # No event subject can name it (a dot or wildcard would reach other sandboxes' subjects).
             await self.dead_letter(msg, InvalidArgument(f"sandbox_id {bad!r} must be 1-128 of [A-Za-z0-9_-]"))
             return None
+        bind_tenant(msg.subject, req.specs if type(req) is CreateBatch else [req.spec])
         return req
 
     async def _place_one(

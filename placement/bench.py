@@ -365,7 +365,7 @@ async def _count_ready(js: Any) -> tuple[dict[str, int], dict[str, set[str]]]:
         return counts, hosts
     durable = f"bench-count-{uuid.uuid4().hex[:6]}"
     sub = await js.pull_subscribe(
-        f"{S.PREFIX}.evt.sandbox.*.ready", durable=durable, stream=S.STREAM_EVT,
+        f"{S.PREFIX}.evt.sandbox.*.*.ready", durable=durable, stream=S.STREAM_EVT,
         config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, max_waiting=4),
     )
     try:
@@ -383,7 +383,7 @@ async def _count_ready(js: Any) -> tuple[dict[str, int], dict[str, set[str]]]:
                 except Exception:  # noqa: BLE001
                     continue
             for m in msgs:
-                sid = m.subject.split(".")[3]
+                sid = m.subject.split(".")[4]  # dsec.evt.sandbox.<tenant>.<id>.ready
                 counts[sid] = counts.get(sid, 0) + 1
                 ev = codec.EVENT.decode(m.data)
                 if isinstance(ev, SandboxEvent):

@@ -6,17 +6,18 @@ import asyncio
 import datetime as dt
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, NotFoundError
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, InvalidArgument, Unavailable
-from bus.runtime import KV, connect, kv_keys, nats_url
+from bus.runtime import KV, connect, kv_keys, nats_url, reads_records, tenant_of
 
 STALE_S = 10.0
 
@@ -88,29 +89,39 @@ async def replay_events(
 ) -> AsyncIterator[dict[str, Any]]:
     """Yield every event kept in DSEC_EVT (oldest first) from ``since``, until caught up.
 
-    With ``sandbox_id``: that sandbox's lifecycle events and the guard violations about it (those
-    live on one subject for all sandboxes, so they are filtered here by their ``sandbox_id``)."""
+    The operator sees every event; a client tenant only its own sandboxes' (the server refuses it
+    any other filter). With ``sandbox_id``: that sandbox's lifecycle events and, for the operator,
+    the guard violations about it (those live on one subject for all sandboxes, so they are
+    filtered here by their ``sandbox_id``)."""
     start = parse_since(since)
     if sandbox_id is not None and not S.valid_token(sandbox_id):
         raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
-    subject = S.evt_sandbox_all(sandbox_id) if sandbox_id else "dsec.evt.>"
     nc = await connect(url, name="dsec-audit", connect_attempts=2, connect_timeout_s=5)
     try:
+        operator = reads_records(nc)
+        own = "*" if operator else tenant_of(nc)
+        subject = S.evt_sandbox_all(sandbox_id, own) if sandbox_id else (S.EVT_ALL if operator else S.evt_tenant(own))
         js = nc.jetstream()
-        try:
-            info = await js.stream_info(S.STREAM_EVT)
-        except NotFoundError:
-            raise Unavailable("no event stream: has `dsec up` ever run against this NATS?") from None
-        if info.state.messages == 0:
-            return
+        if operator:
+            try:
+                info = await js.stream_info(S.STREAM_EVT)
+            except NotFoundError:
+                raise Unavailable("no event stream: has `dsec up` ever run against this NATS?") from None
+            if info.state.messages == 0:
+                return
         if start:
             cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
         else:
             cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-        if sandbox_id:
-            cfg.filter_subjects = [subject, S.EVT_GUARD_VIOLATION]
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        sub = await js.subscribe(subject, stream=S.STREAM_EVT, ordered_consumer=True, config=cfg, cb=queue.put)
+        if operator:
+            if sandbox_id:
+                cfg.filter_subjects = [subject, S.EVT_GUARD_VIOLATION]
+            sub = await js.subscribe(subject, stream=S.STREAM_EVT, ordered_consumer=True, config=cfg, cb=queue.put)
+        else:
+            sub = await _tenant_consumer(nc, subject, cfg, queue)
+            if sub is None:
+                return
         try:
             while True:
                 try:
@@ -133,3 +144,22 @@ async def replay_events(
             await sub.unsubscribe()
     finally:
         await nc.close()
+
+
+async def _tenant_consumer(nc: Any, subject: str, cfg: ConsumerConfig, queue: "asyncio.Queue[Any]") -> Any:
+    """A tenant's own ephemeral push consumer on its events: named, with the filter in the create
+    subject (the only create its credential may make), delivering to its own inbox; None when the
+    event stream does not exist."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=queue.put)
+    cfg.name = f"audit-{uuid.uuid4().hex[:16]}"
+    cfg.filter_subject = subject
+    cfg.deliver_subject = inbox
+    cfg.ack_policy = AckPolicy.NONE
+    cfg.inactive_threshold = 30.0
+    try:
+        await nc.jetstream().add_consumer(S.STREAM_EVT, cfg)
+    except NotFoundError:
+        await sub.unsubscribe()
+        return None
+    return sub

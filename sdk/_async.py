@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, PermissionDenied, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
 from bus.messages import (
     CreateBatch,
     CreateSandbox,
@@ -33,7 +33,7 @@ from bus.messages import KILL_PENDING, SANDBOX_ENDED
 from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
-from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync
+from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync, tenant_of
 
 from . import _snapshots as _snap
 from ._commands import AsyncCommands
@@ -313,16 +313,17 @@ async def _replies_for(nc: NATS) -> _Replies:
     return await r.start()
 
 
-async def _outcome_in_stream(js: Any, sid: str, since: float = 0.0) -> SandboxEvent | None:
+async def _outcome_in_stream(nc: NATS, spec: SandboxSpec, since: float = 0.0) -> SandboxEvent | None:
     """The sandbox's ready or failed event, read back from DSEC_EVT (the slow path); one from before
     ``since`` is an earlier generation's (a persisted pause resumed under the same id): not this one.
     A host announces ``ready`` without waiting for the stream's ack, after its record is stored: with
     no event in the stream, a running record is the outcome."""
-    ev = await _outcome_in_events(js, sid, since)
+    sid = spec.sandbox_id
+    ev = await _outcome_in_events(_js(nc), sid, S.tenant(spec.client), since)
     if ev is not None:
         return ev
     try:
-        rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sid)
+        rec = await _snap.sandbox_record(nc, sid)
     except Exception:  # noqa: BLE001 - the bucket is unreachable right now: look again later
         return None
     if rec is not None and rec.state in ("running", "paused") and rec.ready_at >= since:
@@ -330,10 +331,10 @@ async def _outcome_in_stream(js: Any, sid: str, since: float = 0.0) -> SandboxEv
     return None
 
 
-async def _outcome_in_events(js: Any, sid: str, since: float) -> SandboxEvent | None:
+async def _outcome_in_events(js: Any, sid: str, tenant: str, since: float) -> SandboxEvent | None:
     for kind in ("ready", "failed"):
-        try:
-            m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind))
+        try:  # a direct get names the subject where the server can check it against the tenant's prefix
+            m = await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(sid, kind, tenant), direct=True)
         except Exception:  # noqa: BLE001 - none yet (or the stream is unreachable right now)
             continue
         try:
@@ -371,7 +372,9 @@ async def _wait_fut(fut: asyncio.Future[Any], timeout: float) -> bool:
     return fut.done()
 
 
-async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[str, float], since: dict[str, float] | None = None) -> None:
+async def _wait_outcomes(
+    waiter: _Waiter, nc: NATS, specs: dict[str, SandboxSpec], timeout: float, heard: dict[str, float], since: dict[str, float] | None = None
+) -> None:
     """Wait until every id is ready or failed; raise TimeoutError after ``timeout``.
 
     Outcomes arrive on the reply inbox; an id not heard of for a while (a reply lost in a reconnect)
@@ -388,7 +391,7 @@ async def _wait_outcomes(waiter: _Waiter, js: Any, timeout: float, heard: dict[s
             return
         now = time.monotonic()
         quiet = [sid for sid in list(waiter.pending_ids) if now - heard.get(sid, 0.0) >= interval][:256]
-        for ev in await asyncio.gather(*(_outcome_in_stream(js, sid, (since or {}).get(sid, 0.0)) for sid in quiet)):
+        for ev in await asyncio.gather(*(_outcome_in_stream(nc, specs[sid], (since or {}).get(sid, 0.0)) for sid in quiet)):
             if ev is not None:
                 waiter.feed_event(ev)
         interval = min(interval * 2, 30.0)
@@ -405,17 +408,18 @@ async def _set_lease_owner(nc: NATS, url: str | None, specs: list[SandboxSpec]) 
 
 async def _send_creates(nc: NATS, specs: list[SandboxSpec], *, batch: bool) -> None:
     """Store the create requests on DSEC_REQ (a batch as messages of up to BATCH_CHUNK specs)."""
+    tenant = tenant_of(nc)
     try:
         if batch:
             bid = specs[0].batch_id
             chunks = [specs[i:i + BATCH_CHUNK] for i in range(0, len(specs), BATCH_CHUNK)]
             await asyncio.gather(*(
-                _store(nc, S.REQ_CREATE_BATCH, codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
+                _store(nc, S.req_create_batch(tenant), codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
                 for n, c in enumerate(chunks)
             ))
         else:
             for s in specs:
-                await _store(nc, S.REQ_CREATE, codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
+                await _store(nc, S.req_create(tenant), codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
         raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
 
@@ -424,7 +428,7 @@ async def _give_up(nc: NATS, specs: list[SandboxSpec], waiter: _Waiter, create_t
     """Kill whatever was not ready in time (a late create must not linger), then raise SandboxTimeout."""
     for s in specs:
         if s.sandbox_id not in waiter.results:
-            await nc.publish(S.sbx(s.sandbox_id, "kill"), codec.encode(KillRequest(reason="create-timeout")))
+            await nc.publish(S.sbx(s.sandbox_id, "kill", tenant_of(nc)), codec.encode(KillRequest(reason="create-timeout")))
     last = {waiter.last[i].kind for i in waiter.pending_ids if i in waiter.last}
     why = "waiting for capacity (pending)" if "pending" in last else f"last state: {', '.join(sorted(last)) or 'no answer from placement'}"
     raise SandboxTimeout(f"{len(waiter.pending_ids)} of {len(specs)} sandbox(es) not ready within {create_timeout}s; {why}") from None
@@ -443,6 +447,11 @@ class AsyncSandbox:
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
+
+    @property
+    def tenant(self) -> str:
+        """Whom this handle's ops speak for: its connection's tenant (the operator's reaches every sandbox)."""
+        return tenant_of(self._nc)
 
     @property
     def nc(self) -> NATS:
@@ -500,7 +509,9 @@ class AsyncSandbox:
         nc: NATS | None = None,
     ) -> list["AsyncSandbox"]:
         nc = nc or await _nc(url)
-        js = _js(nc)
+        tenant = tenant_of(nc)
+        for s in specs:  # placement binds a client's creates to its tenant; the operator's keep the client they name
+            s.client = s.client if s.client and tenant == S.OPERATOR_TENANT else tenant
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
         heard: dict[str, float] = {}
@@ -526,7 +537,8 @@ class AsyncSandbox:
         try:
             await _send_creates(nc, specs, batch=batch)
             try:
-                await _wait_outcomes(waiter, js, create_timeout, heard, {s.sandbox_id: s.requested_at for s in specs if s.generation})
+                since = {s.sandbox_id: s.requested_at for s in specs if s.generation}
+                await _wait_outcomes(waiter, nc, {s.sandbox_id: s for s in specs}, create_timeout, heard, since)
             except asyncio.TimeoutError:
                 await _give_up(nc, specs, waiter, create_timeout)
         finally:
@@ -593,7 +605,10 @@ class AsyncSandbox:
     @classmethod
     async def list(cls, *, nats_url: str | None = None, state: str | None = "running") -> list[SandboxInfo]:
         nc = await _nc(nats_url)
-        kv = await KV.bind(_js(nc), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        reader = _snap.records_conn(nc)
+        if reader is None:
+            raise PermissionDenied("listing sandboxes reads every tenant's records: it takes the operator's credential")
+        kv = await KV.bind(_js(reader), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
         out: list[SandboxInfo] = []
         for k in await kv.keys():
             rec = await kv.get(k)  # missing (deleted meanwhile) or undecodable: skipped
@@ -610,7 +625,7 @@ class AsyncSandbox:
     # --- requests -------------------------------------------------------------------------------
     async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
         try:
-            msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op), codec.encode(req), timeout)
+            msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op, self.tenant), codec.encode(req), timeout)
         except nats.errors.NoRespondersError:
             raise SandboxNotFound(f"sandbox {self.sandbox_id} is not running (killed, timed out, or never created)") from None
         except nats.errors.TimeoutError:
@@ -659,7 +674,9 @@ class AsyncSandbox:
         )
 
     async def _info_from_record(self) -> SandboxInfo:
-        rec = await (await KV.bind(_js(self._nc), S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(self.sandbox_id)
+        if _snap.records_conn(self._nc) is None:
+            raise SandboxTimeout(f"sandbox {self.sandbox_id} did not answer info within {INFO_TIMEOUT_S:g}s")
+        rec = await _snap.sandbox_record(self._nc, self.sandbox_id)
         if rec is None or rec.state in SANDBOX_ENDED:
             raise SandboxNotFound(f"sandbox {self.sandbox_id} {'has ended (' + rec.state + ')' if rec else 'does not exist'}")
         return SandboxInfo(

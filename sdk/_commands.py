@@ -110,7 +110,7 @@ class _Output:
                         self.error = DsecError(f"on_{'stdout' if ch.stream == 1 else 'stderr'} raised {type(exc).__name__}: {exc}")
         if ch.ack:  # after the callback: a slow handler slows the command, nothing piles up here
             try:
-                await self.sb.nc.publish(S.sbx(self.sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self.inbox, seq=ch.seq)))
+                await self.sb.nc.publish(S.sbx(self.sb.sandbox_id, "ack", self.sb.tenant), codec.encode(StreamAck(stream_id=self.inbox, seq=ch.seq)))
             except Exception:  # noqa: BLE001 - the host gives up on us; the gap shows below
                 pass
         self._progress.set()

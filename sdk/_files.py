@@ -91,7 +91,7 @@ class AsyncWatchHandle:
                     await r
         if ev.ack:
             try:
-                await self._sb.nc.publish(S.sbx(self._sb.sandbox_id, "ack"), codec.encode(StreamAck(stream_id=self._inbox, seq=ev.seq)))
+                await self._sb.nc.publish(S.sbx(self._sb.sandbox_id, "ack", self._sb.tenant), codec.encode(StreamAck(stream_id=self._inbox, seq=ev.seq)))
             except Exception:  # noqa: BLE001 - the host ends a watch nobody answers; the gap shows
                 pass
 

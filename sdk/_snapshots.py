@@ -16,7 +16,7 @@ from bus import subjects as S
 from bus.codec import decode_reply
 from bus.errors import BadRequest, InvalidArgument, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
 from bus.messages import MAX_FORK_COUNT, Done, PauseRequest, RemoveSnapshot, ResumeRequest, SnapshotRecord, SnapshotRequest
-from bus.runtime import kv_keys
+from bus.runtime import kv_keys, reads_records
 from bus.streams import ensure_kv
 
 if TYPE_CHECKING:
@@ -147,8 +147,29 @@ async def resume(sb: "AsyncSandbox", *, create_timeout: float = 120.0) -> None:
     sb.spec = spec
 
 
+# A client tenant may not read sandbox records (their specs hold every tenant's envs): a service
+# that acts for tenants (the gateway) lends its own connection for the reads (records_via).
+_record_readers: dict[int, tuple[Any, Any]] = {}
+
+
+def records_via(nc: Any, reader: Any) -> None:
+    """Read sandbox records for ``nc``'s sandboxes over ``reader`` (a service's connection)."""
+    _record_readers[id(nc)] = (nc, reader)
+
+
+def records_conn(nc: Any) -> Any | None:
+    """The connection that reads ``nc``'s sandbox records; None when nothing may (a client tenant)."""
+    entry = _record_readers.get(id(nc))
+    if entry is not None and entry[0] is nc:
+        return entry[1]
+    return nc if reads_records(nc) else None
+
+
 async def sandbox_record(nc: Any, sandbox_id: str) -> Any:
-    kv = await ensure_kv(nc.jetstream(), S.KV_SANDBOXES)
+    reader = records_conn(nc)
+    if reader is None:
+        return None
+    kv = await ensure_kv(reader.jetstream(), S.KV_SANDBOXES)
     try:
         entry = await kv.get(sandbox_id)
     except KeyNotFoundError:

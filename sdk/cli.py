@@ -191,12 +191,29 @@ async def _api_key(args: argparse.Namespace) -> int:
 
     from bus.auth import load_client_context
 
-    from .gateway._keys import create_api_key, wait_usable
+    from .gateway._keys import create_api_key, kill_tenant_sandboxes, list_api_keys, revoke_api_key, wait_usable
 
     ctx = load_client_context()
     data_dir = args.data_dir or (ctx.data_dir if ctx and ctx.data_dir else "/var/lib/dsec")
+    auth_file = Path(data_dir) / "auth.json"
     try:
-        key = create_api_key(Path(data_dir) / "auth.json", args.name)
+        if args.key_cmd == "ls":
+            keys = list_api_keys(auth_file)
+            if args.json:
+                _print_json(keys)
+            for k in [] if args.json else keys:
+                print(f"{k['name']:<24} {k['user']:<28} {k['created']}")
+            return 0
+        if args.key_cmd == "revoke":
+            users = revoke_api_key(auth_file, args.name)
+            if not users:
+                print(f"dsec: no API key named {args.name!r}", file=sys.stderr)
+                return 1
+            for u in users:
+                killed = await kill_tenant_sandboxes(u, args.nats_url) if args.kill_sandboxes else []
+                print(f"revoked {u}" + (f"; killed {len(killed)} sandbox(es)" if args.kill_sandboxes else "; its sandboxes keep running"))
+            return 0
+        key = create_api_key(auth_file, args.name)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsec: {exc}", file=sys.stderr)
         return 2
@@ -291,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     akc.add_argument("--name", default="key", help="a label, part of the key's NATS user name")
     akc.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (its auth.json; default: the client context's, else /var/lib/dsec)")
     akc.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+    akl = aks.add_parser("ls", help="list the API keys (names, NATS users, creation times; never secrets)")
+    akl.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
+    akl.add_argument("--json", action="store_true")
+    akl.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+    akr = aks.add_parser("revoke", help="revoke an API key: NATS refuses it within seconds (on the bus and through the gateway)")
+    akr.add_argument("name", help="the key's name (as created), its NATS user or key id")
+    akr.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
+    akr.add_argument("--kill-sandboxes", action="store_true", help="also kill the key's live sandboxes (default: they keep running)")
+    akr.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
 
     sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
     sc.add_argument("--subject", default=None, help="only this subject (a name from `dsec schema`, e.g. dsec.req.create)")

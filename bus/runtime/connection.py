@@ -6,13 +6,14 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from ..auth import ANONYMOUS_USER, inbox_prefix, load_client_context
+from ..auth import ANONYMOUS_USER, CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
 from ..errors import Unavailable
 from ..subjects import valid_token
 
@@ -69,6 +70,8 @@ async def connect(
                 ),
                 remaining,
             )
+            if valid_token(user):
+                _tenants[nc] = user
             return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             last = exc if not isinstance(exc, asyncio.TimeoutError) else nc.last_error or exc
@@ -83,9 +86,28 @@ async def connect(
     raise Unavailable(f"cannot reach NATS at {','.join(servers)}: {last or 'timed out'}")
 
 
+_tenants: "weakref.WeakKeyDictionary[NATS, str]" = weakref.WeakKeyDictionary()
+
+
+def tenant_of(nc: NATS) -> str:
+    """The tenant a connection speaks for: its NATS user (bus.auth), ``client`` without one."""
+    t = _tenants.get(nc)
+    if t is None:
+        u = nc.connected_url
+        user = unquote(u.username) if u is not None and u.username else ANONYMOUS_USER
+        t = user if valid_token(user) else ANONYMOUS_USER
+    return t
+
+
+def reads_records(nc: NATS) -> bool:
+    """Whether this connection may read sandbox records (KV dsec_sandboxes): services and the
+    operator may, a client tenant may not (the server would refuse it, after a timeout)."""
+    return not tenant_of(nc).startswith((CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX))
+
+
 async def _log_nats_error(exc: Exception) -> None:
     """One line per connection error (nats-py's default prints a whole traceback for each retry)."""
     logging.getLogger("dsec.nats").warning("nats: %s: %s", type(exc).__name__, exc)
 
 
-__all__ = ["DEFAULT_URL", "connect", "nats_url"]
+__all__ = ["DEFAULT_URL", "connect", "nats_url", "reads_records", "tenant_of"]

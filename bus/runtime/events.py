@@ -75,7 +75,7 @@ class Events:
         creating client (its caller tells it with ``ready_many``)."""
         ev = sandbox_event(spec.sandbox_id, kind, attempt=attempt, host_id=self.host_id if host_id is None else host_id, err=err, detail=detail)
         data = encode(ev)
-        subject = S.evt_sandbox(spec.sandbox_id, kind)
+        subject = S.evt_sandbox(spec.sandbox_id, kind, S.tenant(spec.client))
         fut: asyncio.Future[PubAck] | None = None
         hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
         if acked:

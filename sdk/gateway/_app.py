@@ -56,7 +56,7 @@ class Gateway:
         self.cfg = cfg
         self.domain = cfg.domain
         self.pool = cfg.pool
-        self.tenants = Tenants(cfg.nats_url)
+        self.tenants = Tenants(cfg.nats_url, records_url=os.environ.get(ENV_MONITOR_URL))
         self.users = Users()
         self.processes = Processes(self.users)
         self.files = Filesystem(self.users, cfg.max_upload)

@@ -1,8 +1,10 @@
 """One tenant per API key: its own NATS connection (as the key's user) and only its own sandboxes.
 
-A sandbox belongs to the key whose NATS user is in its spec's ``client`` (set at create); the
-record in KV ``dsec_sandboxes`` says so, and the gateway answers every other key as if the
-sandbox did not exist (404, as E2B does).
+A sandbox belongs to the key whose NATS user is in its spec's ``client`` (placement binds it to
+the tenant of the create's subject); the record in KV ``dsec_sandboxes`` says so, and the gateway
+answers every other key as if the sandbox did not exist (404, as E2B does). A key's own NATS user
+may not read records (bus.auth): the gateway reads them over its monitor connection (``dsec up``
+hands it one), and NATS refuses the key's connection any other tenant's ops and events anyway.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from bus.messages import SandboxRecord, SnapshotRecord
 from bus.runtime import KV, connect
 
 from .._async import AsyncSandbox, _conns
-from .._snapshots import SnapshotInfo, get_record, info_of, list_records
+from .._snapshots import SnapshotInfo, get_record, info_of, list_records, records_via
 from ._keys import BadKey, key_digest, parse_key
 
 LIVE_STATES = ("placed", "running", "paused")
@@ -47,11 +49,12 @@ class Tenant:
     nc: NATS
     owned: dict[str, bool] = field(default_factory=dict)
     kv: KV[SandboxRecord] | None = None
+    records_nc: NATS | None = None  # the gateway's own reader of sandbox records (else the key's connection)
 
     async def _kv(self) -> KV[SandboxRecord] | None:
         if self.kv is None:
             try:
-                self.kv = await KV.bind(self.nc.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+                self.kv = await KV.bind((self.records_nc or self.nc).jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
             except NotFoundError:
                 return None  # no sandbox was ever created on this NATS
         return self.kv
@@ -119,8 +122,10 @@ class Tenant:
 class Tenants:
     """Keys to tenants; a key NATS refuses is Unauthenticated (401), NATS away is Unavailable (503)."""
 
-    def __init__(self, nats_url: str) -> None:
+    def __init__(self, nats_url: str, records_url: str | None = None) -> None:
         self.nats_url = nats_url
+        self.records_url = records_url
+        self._records_nc: NATS | None = None
         self._by_digest: dict[str, Tenant] = {}
         self._refused: dict[str, float] = {}  # digest -> when NATS refused it (no reconnect storm per request)
         self._lock = asyncio.Lock()
@@ -150,8 +155,16 @@ class Tenants:
                 if len(self._refused) > 10_000:
                     self._refused.clear()
                 raise
-            t = self._by_digest[digest] = Tenant(user=user, url=url, nc=nc)
+            reader = await self._reader()
+            if reader is not None:
+                records_via(nc, reader)  # the SDK's own record reads (a persisted pause's resume) go there too
+            t = self._by_digest[digest] = Tenant(user=user, url=url, nc=nc, records_nc=reader)
             return t
+
+    async def _reader(self) -> NATS | None:
+        if self.records_url and (self._records_nc is None or self._records_nc.is_closed):
+            self._records_nc = await connect(self.records_url, name="dsec-gateway-records", connect_attempts=3, connect_timeout_s=5.0)
+        return self._records_nc
 
 
 async def _nc_checked(url: str) -> NATS:

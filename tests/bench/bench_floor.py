@@ -157,7 +157,8 @@ async def host_floor(n: int, batch: int) -> None:
                     await f
                 for spec in specs:
                     ev = sandbox_event(spec.sandbox_id, "ready", host_id="floor-0", detail={"create_ms": "1.0"})
-                    await nc.publish(S.evt_sandbox(spec.sandbox_id, "ready"), codec.encode(ev), headers={S.HDR_MSG_ID: event_msg_id(spec.sandbox_id, "ready")})
+                    subject = S.evt_sandbox(spec.sandbox_id, "ready", S.tenant(spec.client))
+                    await nc.publish(subject, codec.encode(ev), headers={S.HDR_MSG_ID: event_msg_id(spec.sandbox_id, "ready")})
             await nc.flush()
             wall, py, ns = time.perf_counter() - t0, time.process_time() - c0, _cpu_of(srv.pid) - s0
             stored = (await js.stream_info(f"KV_{S.KV_SANDBOXES}")).state.messages

@@ -43,7 +43,7 @@ async def test_sandbox_events_dedup_and_fan_out(nc, uid) -> None:
         await nc.flush()
         await spy_sub.unsubscribe()
         assert not spied
-        last = await nc.jetstream().get_last_msg(S.STREAM_EVT, S.evt_sandbox(spec.sandbox_id, "ready"))
+        last = await nc.jetstream().get_last_msg(S.STREAM_EVT, S.evt_sandbox(spec.sandbox_id, "ready", S.tenant(spec.client)))
         assert last.headers[S.HDR_MSG_ID] == f"sb-{uid}:ready:1"
     finally:
         await sub.unsubscribe()

@@ -24,6 +24,7 @@ def authed():
     d = tempfile.mkdtemp(prefix="dsec-auth-")
     auth = AuthConfig.load_or_create(f"{d}/auth.json")
     auth.issue_sandbox_credential("sb-mine")
+    auth.issue_client_credential("alice")
     srv = NatsServer(f"{d}/nats", port=0, extra_config=auth.config_block())
     srv.start()
     yield srv, auth
@@ -42,21 +43,31 @@ async def _errors(url: str, **kw):
     return nc, errs
 
 
-async def test_client_without_credentials_cannot_forge_control_messages(authed) -> None:
+async def test_connection_without_credentials_is_refused(authed) -> None:
+    srv, auth = authed
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(srv.url, max_reconnect_attempts=0, allow_reconnect=False, connect_timeout=2)
+    # Positive control: the same server takes a named client.
+    nc = await nats.connect(srv.url, user="cli-alice", password=auth.client_users["cli-alice"], inbox_prefix=inbox_prefix("cli-alice"))
+    await nc.close()
+
+
+async def test_client_cannot_forge_control_messages(authed) -> None:
     srv, auth = authed
     admin = await connect(auth.url_for("admin", srv.url))
     await ensure_all(admin.jetstream())
     kv = await ensure_kv(admin.jetstream(), S.KV_HOSTS)
     await kv.put("h1", codec.encode(HostStatus(host_id="h1", backend="container", at=0.0)))
-    nc, errs = await _errors(srv.url)
+    nc, errs = await _errors(srv.url, user="cli-alice", password=auth.client_users["cli-alice"])
     try:
-        for subject in (S.host_create("h1"), S.evt_sandbox("sb-x", "ready"), f"$KV.{S.KV_IMAGES}.base", f"$KV.{S.KV_HOSTS}.h1", S.dlq("x")):
+        forged = (S.host_create("h1"), S.evt_sandbox("sb-x", "ready", "cli-alice"), f"$KV.{S.KV_IMAGES}.base", f"$KV.{S.KV_HOSTS}.h1", S.dlq("x"), S.REQ_CREATE)
+        for subject in forged:
             await nc.publish(subject, b"forged")
         await nc.flush()
-        await eventually(lambda: len(errs) >= 5, what="five permission violations")
+        await eventually(lambda: len(errs) >= len(forged), what="a permission violation per forged publish")
         assert all("permissions violation for publish" in e for e in errs)
         # Positive control: what a client needs still works.
-        await nc.publish(S.REQ_CREATE, b"ok-to-ask")
+        await nc.publish(S.req_create("cli-alice"), b"ok-to-ask")
         js = nc.jetstream()
         assert (await (await js.key_value(S.KV_HOSTS)).get("h1")).value
         # ... but it cannot consume the work queue (steal or drop create requests).

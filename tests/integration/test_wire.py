@@ -64,13 +64,14 @@ def _struct(schema: dict[str, Any], name: str, **fields: Any) -> dict[str, Any]:
 
 
 async def test_plain_nats_client_creates_execs_and_kills(stack: Stack) -> None:
-    create = await _schema(stack.url, "dsec.req.create")
-    exec_s = await _schema(stack.url, "dsec.sbx.{id}.exec")
-    kill_s = await _schema(stack.url, "dsec.sbx.{id}.kill")
+    create = await _schema(stack.url, "dsec.req.{tenant}.create")
+    exec_s = await _schema(stack.url, "dsec.sbx.{tenant}.{id}.exec")
+    kill_s = await _schema(stack.url, "dsec.sbx.{tenant}.{id}.kill")
     assert create["transport"] == "jetstream:DSEC_REQ" and "reply" in exec_s
 
     nc = await nats.connect(stack.url)
     sid = f"wire-{stack.uid}-{uuid.uuid4().hex[:8]}"
+    tenant = "wire"  # this stack's NATS checks no users; on a real one, the tenant is your NATS user
     try:
         events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         replies: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
@@ -82,11 +83,11 @@ async def test_plain_nats_client_creates_execs_and_kills(stack: Stack) -> None:
         async def on_reply(m: Any) -> None:
             replies.put_nowait(msgspec.msgpack.decode(m.data))
 
-        await nc.subscribe(f"dsec.evt.sandbox.{sid}.>", cb=on_event)
+        await nc.subscribe(f"dsec.evt.sandbox.{tenant}.{sid}.>", cb=on_event)
         await nc.subscribe(inbox, cb=on_reply)
         spec = _struct(create["message"], "SandboxSpec", sandbox_id=sid, template="base", memory_mb=64, pool=stack.pool, reply_to=inbox)
         msg = _struct(create["message"], "CreateSandbox", spec=spec)
-        ack = await nc.jetstream().publish("dsec.req.create", mp(msg), headers={"Nats-Msg-Id": sid})
+        ack = await nc.jetstream().publish(f"dsec.req.{tenant}.create", mp(msg), headers={"Nats-Msg-Id": sid})
         assert ack.stream == "DSEC_REQ"
 
         async def until(q: asyncio.Queue[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -100,15 +101,15 @@ async def test_plain_nats_client_creates_execs_and_kills(stack: Stack) -> None:
         assert ready["type"] == "SandboxEvent" and ready["sandbox_id"] == sid
         assert (await until(events, "ready"))["sandbox_id"] == sid  # and the event on its subject
 
-        r = await nc.request(f"dsec.sbx.{sid}.exec", mp(_struct(exec_s["message"], "ExecRequest", cmd="echo from-the-wire")), timeout=30)
+        r = await nc.request(f"dsec.sbx.{tenant}.{sid}.exec", mp(_struct(exec_s["message"], "ExecRequest", cmd="echo from-the-wire")), timeout=30)
         res = msgspec.msgpack.decode(r.data)
         assert res["type"] == "ExecResult" and res["exit_code"] == 0 and res["stdout"] == b"from-the-wire\n", res
         # A malformed request gets the error envelope the schema names as the reply's other branch.
-        bad = msgspec.msgpack.decode((await nc.request(f"dsec.sbx.{sid}.exec", mp({"type": "ExecRequest"}), timeout=30)).data)
+        bad = msgspec.msgpack.decode((await nc.request(f"dsec.sbx.{tenant}.{sid}.exec", mp({"type": "ExecRequest"}), timeout=30)).data)
         assert bad["type"] == "ErrorReply" and bad["code"] == "bad_request", bad
         assert "ErrorReply" in json.dumps(exec_s["reply"])
 
-        done = msgspec.msgpack.decode((await nc.request(f"dsec.sbx.{sid}.kill", mp(_struct(kill_s["message"], "KillRequest")), timeout=60)).data)
+        done = msgspec.msgpack.decode((await nc.request(f"dsec.sbx.{tenant}.{sid}.kill", mp(_struct(kill_s["message"], "KillRequest")), timeout=60)).data)
         assert done["type"] == "Done", done
         assert (await until(events, "killed"))["sandbox_id"] == sid
     finally:

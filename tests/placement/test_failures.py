@@ -65,9 +65,9 @@ async def listen_ready(nc) -> set[str]:
     seen: set[str] = set()
 
     async def on_ready(msg) -> None:
-        seen.add(msg.subject.split(".")[3])
+        seen.add(msg.subject.split(".")[4])  # dsec.evt.sandbox.<tenant>.<id>.ready
 
-    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.ready", cb=on_ready)
+    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.*.ready", cb=on_ready)
     return seen
 
 
@@ -384,8 +384,8 @@ async def test_ready_never_heard_nor_in_the_stream_is_read_from_the_record(nats_
     purged: list[str] = []
 
     async def purge(msg) -> None:  # the ready event is taken out of the stream as soon as it is there
-        sid = msg.subject.split(".")[3]
-        subject = S.evt_sandbox(sid, "ready")
+        sid = msg.subject.split(".")[4]
+        subject = S.evt_sandbox(sid, "ready", S.OPERATOR_TENANT)
 
         async def stored() -> bool:
             try:
@@ -398,7 +398,7 @@ async def test_ready_never_heard_nor_in_the_stream_is_read_from_the_record(nats_
         await js.purge_stream(S.STREAM_EVT, subject=subject)
         purged.append(sid)
 
-    sub = await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.ready", cb=purge)
+    sub = await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.*.ready", cb=purge)
     try:
         # 1. the client waits while the ready event goes astray
         sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10)
@@ -416,9 +416,9 @@ async def test_ready_never_heard_nor_in_the_stream_is_read_from_the_record(nats_
         await js.publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: late})
         await eventually(lambda: late in h.live, what="the sandbox made")
         await stored_events(js, [late])
-        await js.purge_stream(S.STREAM_EVT, subject=S.evt_sandbox(late, "ready"))
+        await js.purge_stream(S.STREAM_EVT, subject=S.evt_sandbox(late, "ready", S.OPERATOR_TENANT))
         with pytest.raises(Exception):  # noqa: B017 - nats' NotFoundError: nothing left in the stream
-            await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(late, "ready"))
+            await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(late, "ready", S.OPERATOR_TENANT))
         answers.clear()
         sb2 = await AsyncSandbox.create("base", backend="sim", nats_url=url, sandbox_id=late, create_timeout=10)
         assert sb2.host_id == "quiet"

@@ -227,9 +227,9 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
     since = time.time()
 
     async def on_ready(msg) -> None:
-        ready.add(msg.subject.split(".")[3])
+        ready.add(msg.subject.split(".")[4])  # dsec.evt.sandbox.<tenant>.<id>.ready
 
-    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.ready", cb=on_ready)
+    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.*.ready", cb=on_ready)
     try:
         async def consumers_ready() -> bool:
             try:

@@ -85,6 +85,12 @@ class SecStack:
     stream_options: Any = None  # bus.streams.StreamOptions the services run with
     control_key: bytes | None = None  # placement signs host work with it (auth stacks, as `dsec up`)
     claim: Any = None  # tests.netclaim.NetClaim: the names of ``net``, this stack's alone
+    client_user: str = ""  # auth stacks: the NATS user (tenant) the tests' own creates run as
+
+    @property
+    def client_url(self) -> str:
+        """The URL of this stack's client tenant (auth stacks: nothing connects without credentials)."""
+        return self.url_as(self.client_user) if self.auth is not None else self.url
 
     def url_as(self, role: str) -> str:
         """NATS URL of a service role (or named user) on an ``auth`` stack; the plain URL otherwise."""
@@ -95,7 +101,7 @@ class SecStack:
         from sdk import AsyncSandbox
 
         kw.setdefault("sandbox_id", f"sb-{self.uid}-{uuid.uuid4().hex[:8]}")
-        sb = await AsyncSandbox.create(nats_url=self.url, **kw)
+        sb = await AsyncSandbox.create(nats_url=self.client_url, **kw)
         self.sandboxes.append(sb)
         return sb
 
@@ -212,6 +218,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
 
             # As `dsec up` does: the users file under the data dir, its authorization block in NATS' config.
             authcfg = AuthConfig.load_or_create(Path(nats_dir) / "auth.json")
+            authcfg.issue_client_credential(f"sec{uid}")
         nats = NatsServer(nats_dir, host=nats_host, port=0, extra_config=authcfg.config_block() if authcfg else "")
         nats.start()
 
@@ -240,7 +247,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         host_id = f"sec-{uid}"
         st = SecStack(
             url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts, key), backend, placement, nc, nats,
-            auth=authcfg, stream_options=opts, control_key=key, claim=claim,
+            auth=authcfg, stream_options=opts, control_key=key, claim=claim, client_user=f"cli-sec{uid}" if authcfg else "",
         )
 
         cleanups.append(lambda: _close_stack(st))

@@ -1,11 +1,11 @@
 """Red team: forged and replayed control messages against a real stack with NATS authentication.
 
 The stack (``make_stack(auth=True)``) is what ``dsec up`` runs: nats-server with the
-``bus.auth.AuthConfig`` users file (each service its own user and permissions, the anonymous
-``client`` for everything without credentials), placement and a host agent with the container
-backend connected as their roles. Attackers are an anonymous client (what any process that reaches
-NATS gets), a named client (``issue_client_credential``) and a sandbox-scoped credential
-(``issue_sandbox_credential``).
+``bus.auth.AuthConfig`` users file (each service its own user and permissions, each client a
+tenant; nothing without credentials), placement and a host agent with the container backend
+connected as their roles. Attackers are a client tenant (``stack.client_url``, what an API key
+gets), another named client (``issue_client_credential``) and a sandbox-scoped credential
+(``issue_sandbox_credential``); tenant against tenant is tests/security/test_tenants.py.
 
 Every attack asserts one specific rejection: a NATS permissions violation for that subject, a typed
 dsec error code (an ``ErrorReply`` or a ``failed`` event with its ``code``, or a dead letter with
@@ -195,8 +195,8 @@ async def placement_idle(stack: SecStack) -> bool:
     return ci.num_pending == 0 and ci.num_ack_pending == 0
 
 
-async def exec_ok(nc: Any, sid: str, cmd: str = "echo alive") -> str:
-    msg = await nc.request(S.sbx(sid, "exec"), codec.encode(ExecRequest(cmd=cmd, timeout_s=20)), timeout=30)
+async def exec_ok(nc: Any, sid: str, cmd: str = "echo alive", tenant: str = S.OPERATOR_TENANT) -> str:
+    msg = await nc.request(S.sbx(sid, "exec", tenant), codec.encode(ExecRequest(cmd=cmd, timeout_s=20)), timeout=30)
     res = codec.decode_reply(msg.data, ExecResult)
     assert res.exit_code == 0, res
     return res.stdout.decode()
@@ -214,11 +214,11 @@ def kv_subject(bucket: str, key: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ forgery
-async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecStack, redteam: RedTeam) -> None:
+async def test_client_cannot_forge_control_plane_traffic(stack: SecStack, redteam: RedTeam) -> None:
     """Host work, events, KV state, work-queue consumers and stream admin are out of a client's reach."""
-    victim = await stack.create(template="base")  # positive control: an anonymous client creates and execs
+    victim = await stack.create(template="base")  # positive control: a client creates and execs
     assert "alive" in await exec_ok(stack.nc, victim.sandbox_id)
-    redteam.allowed("anonymous client: create + exec through the SDK")
+    redteam.allowed("client: create + exec through the SDK")
     host, vid, fake = stack.host_id, victim.sandbox_id, f"forged-{stack.uid}-{uuid.uuid4().hex[:6]}"
     js = stack.js_admin  # type: ignore[attr-defined]
     kv_hosts, kv_sbx, kv_img, kv_prof = [await js.key_value(b) for b in (S.KV_HOSTS, S.KV_SANDBOXES, S.KV_IMAGES, S.KV_PROFILES)]
@@ -229,7 +229,7 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         "base": (await kv_img.get("base")).revision,
         "profile": await _revision(kv_prof, "default"),
     }
-    cli = await Principal.open(stack.url, "anonymous client")
+    cli = await Principal.open(stack.client_url, "client")
     try:
         spec = SandboxSpec(sandbox_id=fake, pool="default", requested_at=time.time(), create_deadline=time.time() + 60)
         place = codec.encode(PlaceSandbox(spec=spec, host_id=host))
@@ -237,10 +237,10 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         await cli.denied_publish(redteam, f"dsec.host.{host}.kill", place, "other work on a host's subject")
         now = time.time()
         await cli.denied_publish(
-            redteam, S.evt_sandbox(fake, "ready"), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event"
+            redteam, S.evt_sandbox(fake, "ready", stack.client_user), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event"
         )
         await cli.denied_publish(
-            redteam, S.evt_sandbox(vid, "killed"), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=now)),
+            redteam, S.evt_sandbox(vid, "killed", stack.client_user), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=now)),
             "fake 'killed' (dead) event for a live sandbox",
         )
         await cli.denied_publish(redteam, S.evt_host(host, "down"), codec.encode(HostEvent(host_id=host, kind="down", at=now)), "fake HostEvent 'down'")
@@ -291,8 +291,8 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
 
         # None of it had an effect.
         assert host_taken(stack) == before["host_taken"]
-        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(fake, "ready")) == 0
-        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
+        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(fake, "ready", stack.client_user)) == 0
+        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed", stack.client_user)) == 0
         assert await stream_count(js, S.STREAM_EVT, S.EVT_GUARD_VIOLATION) == 0
         assert (await kv_sbx.get(vid)).revision == before["record"]
         assert (await kv_img.get("base")).revision == before["base"]
@@ -309,7 +309,7 @@ async def test_anonymous_client_cannot_forge_control_plane_traffic(stack: SecSta
         gd = await Principal.open(stack.url_as("guard"), "guard")
         try:
             probe = f"probe-{stack.uid}-{uuid.uuid4().hex[:6]}"
-            await hp.nc.jetstream().publish(S.evt_sandbox(probe, "ready"), codec.encode(SandboxEvent(sandbox_id=probe, kind="ready", at=time.time())))
+            await hp.nc.jetstream().publish(S.evt_sandbox(probe, "ready", stack.client_user), codec.encode(SandboxEvent(sandbox_id=probe, kind="ready", at=time.time())))
             redteam.allowed("hostagent: publish a sandbox event")
             await hp.nc.jetstream().publish(kv_subject(S.KV_SANDBOXES, probe), codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=probe), state="failed")))
             redteam.allowed("hostagent: write a sandbox record")
@@ -342,13 +342,13 @@ async def _has_key(kv: Any, key: str) -> bool:
 
 # ------------------------------------------------------------------------------------------ inboxes
 async def test_inboxes_are_private_to_their_principal(stack: SecStack, redteam: RedTeam) -> None:
-    """Nobody but services listens beyond its own inbox prefix: the anonymous client's inbox space
-    carries neither the services' deliveries (specs with their envs) nor a named client's replies."""
+    """Nobody but services listens beyond its own inbox prefix: a client's inbox space carries
+    neither the services' deliveries (specs with their envs) nor another client's replies."""
     user, _ = stack.auth.issue_client_credential(f"alice{stack.uid}")
     await asyncio.to_thread(stack.nats.reload, stack.auth.config_block())
     secret = uuid.uuid4().hex
     snooped: list[bytes] = []
-    snoop = await Principal.open(stack.url, "anonymous client")
+    snoop = await Principal.open(stack.client_url, "client")
     alice = await Principal.open(stack.auth.url_for(user, stack.url), "named client")
     try:
         async def cb(m: Any) -> None:
@@ -358,7 +358,7 @@ async def test_inboxes_are_private_to_their_principal(stack: SecStack, redteam: 
         await snoop.denied_subscribe(redteam, "_INBOX.u.hostagent.>", "listen on the host agent's inboxes")
         await snoop.denied_subscribe(redteam, "_INBOX.u.placement.>", "listen on placement's inboxes")
         await snoop.denied_subscribe(redteam, f"_INBOX.u.{user}.>", "listen on a named client's inboxes")
-        await snoop.nc.subscribe("_INBOX.u.client.>", cb=cb)  # the anonymous clients' own (shared) space
+        await snoop.nc.subscribe(f"_INBOX.u.{stack.client_user}.>", cb=cb)  # the snooping tenant's own space
         await snoop.nc.flush()
         # The named client creates through the SDK (its replies under _INBOX.u.<user>) and reads its secret back.
         sb = await AsyncSandbox.create(nats_url=stack.auth.url_for(user, stack.url), envs={"DSEC_SECRET": secret}, lease=60)
@@ -368,10 +368,10 @@ async def test_inboxes_are_private_to_their_principal(stack: SecStack, redteam: 
         redteam.allowed("named client: create (with a lease) + streamed exec under its own inbox prefix")
         # Positive control: the snooper's own inbox works (a KV read is a request/reply to its inbox).
         assert (await (await snoop.nc.jetstream().key_value(S.KV_IMAGES)).get("base")).value
-        redteam.allowed("anonymous client: its own replies")
+        redteam.allowed("client: its own replies")
         await eventually(lambda: host_idle(stack), what="the host to ack its work")
-        assert not [m for m in snooped if secret.encode() in m], "an anonymous client read a sandbox's envs or output"
-        redteam.blocked("anonymous client: read a named client's create, envs or exec output in its own inbox space [never delivered there]")
+        assert not [m for m in snooped if secret.encode() in m], "a client read another's sandbox envs or output"
+        redteam.blocked("client: read a named client's create, envs or exec output in its own inbox space [never delivered there]")
 
         await alice.denied_subscribe(redteam, "_INBOX.>", "listen on every inbox")
         await alice.denied_subscribe(redteam, "_INBOX.u.hostagent.>", "listen on the host agent's inboxes")
@@ -385,25 +385,25 @@ async def test_inboxes_are_private_to_their_principal(stack: SecStack, redteam: 
 # ------------------------------------------------------------------------------------------ sandbox credential
 async def test_sandbox_credential_reaches_only_its_own_sandbox(stack: SecStack, redteam: RedTeam) -> None:
     mine, other = await stack.create(), await stack.create()
-    user, _ = stack.auth.issue_sandbox_credential(mine.sandbox_id)
+    user, _ = stack.auth.issue_sandbox_credential(mine.sandbox_id, stack.client_user)
     await asyncio.to_thread(stack.nats.reload, stack.auth.config_block())
     sbx = await Principal.open(stack.auth.url_for(user, stack.url), "sandbox credential")
     try:
         # Positive control: its own sandbox answers (replies come back under _INBOX.u.sbx-<id>).
-        assert "alive" in await exec_ok(sbx.nc, mine.sandbox_id)
+        assert "alive" in await exec_ok(sbx.nc, mine.sandbox_id, tenant=stack.client_user)
         redteam.allowed("sandbox credential: exec in its own sandbox")
-        info = await sbx.nc.request(S.sbx(mine.sandbox_id, "info"), codec.encode(InfoRequest()), timeout=10)
+        info = await sbx.nc.request(S.sbx(mine.sandbox_id, "info", stack.client_user), codec.encode(InfoRequest()), timeout=10)
         assert codec.decode_reply(info.data, SandboxInfo).sandbox_id == mine.sandbox_id
         redteam.allowed("sandbox credential: info on its own sandbox")
 
         oid = other.sandbox_id
-        await sbx.denied_publish(redteam, S.sbx(oid, "exec"), codec.encode(ExecRequest(cmd="id")), "exec in another sandbox")
-        await sbx.denied_publish(redteam, S.sbx(oid, "kill"), codec.encode(KillRequest()), "kill another sandbox")
-        await sbx.denied_publish(redteam, S.sbx(oid, "files"), b"x", "files API of another sandbox")
+        await sbx.denied_publish(redteam, S.sbx(oid, "exec", stack.client_user), codec.encode(ExecRequest(cmd="id")), "exec in another sandbox")
+        await sbx.denied_publish(redteam, S.sbx(oid, "kill", stack.client_user), codec.encode(KillRequest()), "kill another sandbox")
+        await sbx.denied_publish(redteam, S.sbx(oid, "files", stack.client_user), b"x", "files API of another sandbox")
         spec = build_spec("base", sandbox_id=f"escape-{stack.uid}")
-        await sbx.denied_publish(redteam, S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), "create a sandbox")
-        await sbx.denied_publish(redteam, S.REQ_CREATE_BATCH, b"x", "create a batch")
-        await sbx.denied_publish(redteam, S.evt_sandbox(mine.sandbox_id, "ready"), b"x", "publish an event about itself")
+        await sbx.denied_publish(redteam, S.req_create(stack.client_user), codec.encode(CreateSandbox(spec=spec)), "create a sandbox")
+        await sbx.denied_publish(redteam, S.req_create_batch(stack.client_user), b"x", "create a batch")
+        await sbx.denied_publish(redteam, S.evt_sandbox(mine.sandbox_id, "ready", stack.client_user), b"x", "publish an event about itself")
         await sbx.denied_publish(redteam, kv_subject(S.KV_SANDBOXES, mine.sandbox_id), b"x", "rewrite its own record")
         await sbx.denied_publish(redteam, f"$JS.API.DIRECT.GET.KV_{S.KV_SANDBOXES}.$KV.{S.KV_SANDBOXES}.{oid}", b"", "read another sandbox's record (envs)")
         await sbx.denied_publish(redteam, "$JS.API.INFO", b"", "use the JetStream API at all")
@@ -421,7 +421,7 @@ async def test_sandbox_credential_reaches_only_its_own_sandbox(stack: SecStack, 
 # ------------------------------------------------------------------------------------------ replay
 async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: SecStack, redteam: RedTeam) -> None:
     js_admin = stack.js_admin  # type: ignore[attr-defined]
-    cli = await Principal.open(stack.url, "anonymous client")
+    cli = await Principal.open(stack.client_url, "client")
     spec = build_spec("base", sandbox_id=f"rp-{stack.uid}-{uuid.uuid4().hex[:6]}")
     sid = spec.sandbox_id
     spec.reply_to = cli.nc.new_inbox()
@@ -430,42 +430,42 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
     js = cli.nc.jetstream()
     created0 = stack.host.created
     try:
-        first = await js.publish(S.REQ_CREATE, data, headers=hdr)
-        again = await js.publish(S.REQ_CREATE, data, headers=hdr)
+        first = await js.publish(S.req_create(stack.client_user), data, headers=hdr)
+        again = await js.publish(S.req_create(stack.client_user), data, headers=hdr)
         assert not first.duplicate and again.duplicate and again.seq == first.seq
         await eventually(lambda: ev.of(sid, "ready"), timeout=60, what="the sandbox to be ready")
-        redteam.allowed("anonymous client: create by a raw JetStream publish")
+        redteam.allowed("client: create by a raw JetStream publish")
         redteam.blocked("replayed create (same Nats-Msg-Id, while creating) [JetStream duplicate]")
         # The same create with a fresh Nats-Msg-Id while it runs: the host already runs that id.
-        await js.publish(S.REQ_CREATE, data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
+        await js.publish(S.req_create(stack.client_user), data, headers={S.HDR_MSG_ID: f"{sid}-tampered"})
         # Placement takes the copy and hands it to the host, which runs the id already: it says ready again
         # (de-duplicated in the stream by its msg-id) and starts nothing.
         # (stored, so placement's consumer counts it pending until it has taken and acked it)
         await eventually(lambda: placement_idle(stack), timeout=20, what="placement to take and ack the copy")
         await eventually(lambda: host_idle(stack), timeout=30, what="the host to ack the copy")
         assert len(stack.host.live) == 1 and stack.host.created == created0 + 1
-        assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
+        assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready", stack.client_user)) == 1
         redteam.blocked("replayed create with a fresh Nats-Msg-Id while running [the host runs the id already: one sandbox, its ready said again]")
 
-        msg = await cli.nc.request(S.sbx(sid, "kill"), codec.encode(KillRequest()), timeout=30)
+        msg = await cli.nc.request(S.sbx(sid, "kill", stack.client_user), codec.encode(KillRequest()), timeout=30)
         assert codec.decode_reply(msg.data, Done).detail == "killed"
         await eventually(lambda: ev.of(sid, "killed"), what="the killed event")
         # A replayed kill: nobody serves the id any more; the SDK's kill is a no-op; one killed event.
         with pytest.raises(nats.errors.NoRespondersError):
-            await cli.nc.request(S.sbx(sid, "kill"), codec.encode(KillRequest()), timeout=10)
+            await cli.nc.request(S.sbx(sid, "kill", stack.client_user), codec.encode(KillRequest()), timeout=10)
         await AsyncSandbox(sid, cli.nc).kill()
-        assert len(ev.of(sid, "killed")) == 1 and await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "killed")) == 1
+        assert len(ev.of(sid, "killed")) == 1 and await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "killed", stack.client_user)) == 1
         redteam.blocked("replayed kill [no responders: idempotent, one killed event]")
 
         watch = StartWatch(stack.host, sid)
         try:
-            dup = await js.publish(S.REQ_CREATE, data, headers=hdr)
+            dup = await js.publish(S.req_create(stack.client_user), data, headers=hdr)
             assert dup.duplicate
             redteam.blocked("replayed create after kill, inside the dedup window [JetStream duplicate]")
             # Replay until the stream stops de-duplicating it: the first copy it stores is the attack.
 
             async def stored() -> bool:
-                return not (await js.publish(S.REQ_CREATE, data, headers=hdr)).duplicate
+                return not (await js.publish(S.req_create(stack.client_user), data, headers=hdr)).duplicate
 
             await eventually(stored, timeout=DEDUP_S * 4, interval=0.25, what="the dedup window to close")
             # Placement takes it and hands it to the host, which claims the id in KV before starting it.
@@ -476,7 +476,7 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
         assert not started, "a replayed create started a killed sandbox again"
         rec = codec.SANDBOX_RECORD.decode((await (await js_admin.key_value(S.KV_SANDBOXES)).get(sid)).value)
         assert rec.state == "gone" and stack.host.created == created0 + 1
-        assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready")) == 1
+        assert await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(sid, "ready", stack.client_user)) == 1
         redteam.blocked("replayed create after kill, after the dedup window [host claims the id in KV first: nothing started]")
     finally:
         await ev.stop()
@@ -484,7 +484,7 @@ async def test_replayed_create_makes_one_sandbox_and_never_resurrects(stack: Sec
 
 
 async def test_expired_create_is_refused_and_never_started(stack: SecStack, redteam: RedTeam) -> None:
-    cli = await Principal.open(stack.url, "anonymous client")
+    cli = await Principal.open(stack.client_url, "client")
     replies: list[SandboxEvent] = []
 
     async def on_reply(m: Any) -> None:
@@ -504,7 +504,7 @@ async def test_expired_create_is_refused_and_never_started(stack: SecStack, redt
     pl = await Principal.open(stack.url_as("placement"), "placement")
     try:
         # A replayed (or long-delayed) client request: placement refuses it with its stable code.
-        await cli.nc.jetstream().publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=old)), headers={S.HDR_MSG_ID: old.sandbox_id})
+        await cli.nc.jetstream().publish(S.req_create(stack.client_user), codec.encode(CreateSandbox(spec=old)), headers={S.HDR_MSG_ID: old.sandbox_id})
         await eventually(lambda: any(r.sandbox_id == old.sandbox_id for r in replies), timeout=20, what="placement's answer")
         r = next(r for r in replies if r.sandbox_id == old.sandbox_id)
         assert r.kind == "failed" and r.code == "timeout", r
@@ -543,7 +543,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
     js_admin = stack.js_admin  # type: ignore[attr-defined]
     victim = await stack.create()
     vid = victim.sandbox_id
-    cli = await Principal.open(stack.url, "anonymous client")
+    cli = await Principal.open(stack.client_url, "client")
     kv_img = await js_admin.key_value(S.KV_IMAGES)
     base_rev = (await kv_img.get("base")).revision
     taken = host_taken(stack)
@@ -552,15 +552,15 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
         for target, what in (
             (kv_subject(S.KV_IMAGES, "base"), "overwrite the base template"),
             (S.host_create(stack.host_id), "inject host work"),
-            (S.evt_sandbox(vid, "killed"), "fake a victim's death"),
-            (S.sbx(vid, "kill"), "kill a victim"),
+            (S.evt_sandbox(vid, "killed", stack.client_user), "fake a victim's death"),
+            (S.sbx(vid, "kill", stack.client_user), "kill a victim"),
             ("_INBOX.>", "a wildcard inbox"),
         ):
             spec = build_spec("base", sandbox_id=f"rt-{stack.uid}-{uuid.uuid4().hex[:6]}")
             spec.reply_to = target
             ev = await Events.watch(stack.nc, spec.sandbox_id)
             try:
-                await cli.nc.jetstream().publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
+                await cli.nc.jetstream().publish(S.req_create(stack.client_user), codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
                 await eventually(lambda ev=ev, sid=spec.sandbox_id: ev.of(sid, "failed"), timeout=20, what="the failed event")
                 assert ev.of(spec.sandbox_id, "failed")[0].code == "invalid_argument"
                 assert spec.sandbox_id not in stack.host.live
@@ -572,11 +572,11 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             spec = SandboxSpec(sandbox_id=bad, requested_at=time.time(), create_deadline=time.time() + 60)
             marker = uuid.uuid4().hex
             spec.metadata = {"m": marker}
-            await cli.nc.jetstream().publish(S.REQ_CREATE, codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: marker})
+            await cli.nc.jetstream().publish(S.req_create(stack.client_user), codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: marker})
 
             async def dead(marker: str = marker) -> bool:
                 try:
-                    m = await js_admin.get_last_msg(S.STREAM_DLQ, S.dlq(S.REQ_CREATE))
+                    m = await js_admin.get_last_msg(S.STREAM_DLQ, S.dlq(S.req_create(stack.client_user)))
                 except Exception:  # noqa: BLE001 - none yet
                     return False
                 return marker.encode() in m.data and (m.headers or {}).get(S.HDR_ERROR_CODE) == "invalid_argument"
@@ -585,11 +585,11 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             redteam.blocked(f"create with sandbox_id {bad!r} [dead-lettered, code invalid_argument]")
         # Live-sandbox subjects: a typed error reply, the sandbox unharmed.
         for subject, payload, what in (
-            (S.sbx(vid, "exec"), b"\xc1garbage", "garbage exec"),
-            (S.sbx(vid, "kill"), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=0.0)), "an event where a kill request goes"),
-            (S.sbx(vid, "exec"), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill"))), "exec output streamed onto the victim's kill subject"),
-            (S.sbx(vid, "exec"), codec.encode(ExecRequest(cmd="echo x", stream_to=kv_subject(S.KV_IMAGES, "base"))), "exec output streamed into KV"),
-            (S.sbx(vid, "nope"), b"", "an unknown operation"),
+            (S.sbx(vid, "exec", stack.client_user), b"\xc1garbage", "garbage exec"),
+            (S.sbx(vid, "kill", stack.client_user), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=0.0)), "an event where a kill request goes"),
+            (S.sbx(vid, "exec", stack.client_user), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill", stack.client_user))), "exec output streamed onto the victim's kill subject"),
+            (S.sbx(vid, "exec", stack.client_user), codec.encode(ExecRequest(cmd="echo x", stream_to=kv_subject(S.KV_IMAGES, "base"))), "exec output streamed into KV"),
+            (S.sbx(vid, "nope", stack.client_user), b"", "an unknown operation"),
         ):
             m = await cli.nc.request(subject, payload, timeout=20)
             with pytest.raises(BadRequest):
@@ -597,7 +597,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             redteam.blocked(f"{what} [error reply, code bad_request]")
         assert (await kv_img.get("base")).revision == base_rev
         assert host_taken(stack) == taken  # no hand-off reached the host through a service
-        assert vid in stack.host.live and await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
+        assert vid in stack.host.live and await stream_count(js_admin, S.STREAM_EVT, S.evt_sandbox(vid, "killed", stack.client_user)) == 0
         # Positive control: services are still up and a legitimate create works.
         sb = await stack.create()
         assert "alive" in await exec_ok(stack.nc, sb.sandbox_id)
@@ -610,8 +610,8 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
 # ------------------------------------------------------------------------------------------ consumer delivery
 async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack: SecStack, redteam: RedTeam) -> None:
     """NATS does not check a push consumer's ``deliver_subject`` against its creator's publish
-    permissions: an anonymous client may create a consumer on a stream it may read (events, the
-    sandbox/host/image KVs) that delivers onto a host's work subject or onto ``dsec.sbx.<id>.kill``.
+    permissions: a client may create a consumer on what it may read (its own events; the host, image
+    and snapshot KVs) that delivers onto a host's work subject or onto ``dsec.sbx.<tenant>.<id>.kill``.
     The server delivers only while some subscription names that subject literally (a wildcard
     subscriber, like the host agent's ``dsec.host.<host>.>`` or ``dsec.sbx.<id>.*``, is not enough), and
     then every subscription on that subject gets it, the host agent's hand-off inbox and op subscription
@@ -622,16 +622,18 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
     on ``dsec.>``) can hand a host work: it goes to the dead-letter stream with ``bad_signature``."""
     victim = await stack.create(template="base")  # positive control: a legit create through placement
     assert "alive" in await exec_ok(stack.nc, victim.sandbox_id)
-    redteam.allowed("anonymous client: create through placement (signed hand-off runs)")
+    redteam.allowed("client: create through placement (signed hand-off runs)")
     host, vid, fake = stack.host_id, victim.sandbox_id, f"forged-{stack.uid}-{uuid.uuid4().hex[:6]}"
     js = stack.js_admin  # type: ignore[attr-defined]
     now = time.time()
     spec = SandboxSpec(sandbox_id=fake, pool="default", requested_at=now, create_deadline=now + 60)
     forged_place = codec.encode(PlaceSandbox(spec=spec, host_id=host, placed_at=now))
     forged_kill = codec.encode(KillRequest(reason="forged"))
-    kv_sbx = await js.key_value(S.KV_SANDBOXES)
-    kp, kk = f"zz-place-{stack.uid}", f"{vid}.kill"  # the kill's key makes its stored subject $KV.dsec_sandboxes.<victim>.kill
-    cli = await Principal.open(stack.url, "anonymous client")
+    # A client may consume only its own events (a named consumer filtered on its tenant's prefix):
+    # the forged bytes are stored there (by the admin: the worst case, client bytes in its own events).
+    tenant = stack.client_user
+    kp, kk = S.evt_sandbox(f"zz-place-{stack.uid}", "x", tenant), S.evt_sandbox(vid, "kill", tenant)
+    cli = await Principal.open(stack.client_url, "client")
     img = await Principal.open(stack.url_as("imaged"), "imaged credential")
     cjs = cli.nc.jetstream()
     watch = StartWatch(stack.host, fake)
@@ -652,7 +654,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         await js.purge_stream(f"KV_{S.KV_LEASES}", subject=lease_subject)
 
         for key, data in ((kp, forged_place), (kk, forged_kill)):
-            await kv_sbx.put(key, data)
+            await js.publish(key, data)
 
         async def on_create(m: Any) -> None:
             seen["create"].append(m)
@@ -661,25 +663,26 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
             seen["kill"].append(m)
 
         subs.append(await stack.nc.subscribe(S.host_create(host), cb=on_create))
-        subs.append(await stack.nc.subscribe(S.sbx(vid, "kill"), cb=on_kill))
+        subs.append(await stack.nc.subscribe(S.sbx(vid, "kill", stack.client_user), cb=on_kill))
         await stack.nc.flush()
-        stream = f"KV_{S.KV_SANDBOXES}"
-        for key, target in ((kp, S.host_create(host)), (kk, S.sbx(vid, "kill"))):
-            ci = await cjs.add_consumer(stream, deliver_subject=target, filter_subject=kv_subject(S.KV_SANDBOXES, key), ack_policy="none")
+        stream = S.STREAM_EVT
+        for key, target in ((kp, S.host_create(host)), (kk, S.sbx(vid, "kill", stack.client_user))):
+            name = f"fwd-{uuid.uuid4().hex[:8]}"
+            ci = await cjs.add_consumer(stream, name=name, deliver_subject=target, filter_subject=key, ack_policy="none", inactive_threshold=30.0)
             consumers.append((stream, ci.name))
         # The server accepted both consumers and delivered: the primitive is real.
         await eventually(lambda: seen["create"] and seen["kill"], what="the server to deliver onto the host's and the sandbox's subjects")
         assert all(S.is_stream_delivery(m.reply) for m in seen["create"] + seen["kill"])
-        assert seen["kill"][0].subject == kv_subject(S.KV_SANDBOXES, kk)
+        assert seen["kill"][0].subject == kk
 
-        assert seen["create"][0].subject == kv_subject(S.KV_SANDBOXES, kp)
+        assert seen["create"][0].subject == kp
 
         # The forged kill reached the victim's host agent before this exec (one subscription, in order).
         assert "alive" in await exec_ok(stack.nc, vid)
         await eventually(lambda: not stack.host.ops.inflight, what="the host's ops to finish")
         assert vid in stack.host.live
-        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed")) == 0
-        redteam.blocked("anonymous client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
+        assert await stream_count(js, S.STREAM_EVT, S.evt_sandbox(vid, "killed", stack.client_user)) == 0
+        redteam.blocked("client: KillRequest delivered onto dsec.sbx.<victim>.kill by a push consumer [refused: reply is a JetStream ack]")
 
         # Another service's credential may publish on dsec.host.>, but only placement holds the key.
         answer = codec.HANDOFF_REPLY.decode((await img.nc.request(S.host_create(host), forged_place, timeout=20)).data)
@@ -700,7 +703,7 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
         assert host_taken(stack) == taken0 + 1
         assert sum(getattr(w, "stream_deliveries", 0) for w in stack.host.workers) >= 1
         redteam.blocked(
-            "anonymous client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [a JetStream delivery: not taken, not answered]"
+            "client: forged PlaceSandbox delivered onto a host's work subject by a push consumer [a JetStream delivery: not taken, not answered]"
         )
         redteam.blocked("imaged credential: unsigned PlaceSandbox straight onto a host's work subject [dead letter, code bad_signature]")
 
@@ -713,13 +716,13 @@ async def test_consumer_delivery_and_other_services_cannot_forge_host_work(stack
             await watch.stop()
         for stream, name in consumers:
             with contextlib.suppress(Exception):
-                await cjs.delete_consumer(stream, name)
+                await js.delete_consumer(stream, name)
         for s in subs:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         for key in (kp, kk):
             with contextlib.suppress(Exception):
-                await kv_sbx.purge(key)
+                await js.purge_stream(S.STREAM_EVT, subject=key)
         with contextlib.suppress(Exception):
             await js.purge_stream(S.STREAM_DLQ, subject=dlq_subject)
         await cli.close()

@@ -401,7 +401,7 @@ async def test_guard_quarantines_and_acts_on_other_components_reports(nats_serve
         kills: list[tuple[str, str]] = []
 
         async def on_kill(msg: Any) -> None:
-            kills.append((msg.subject.split(".")[2], codec.SBX_KILL.decode(msg.data).reason))
+            kills.append((msg.subject.split(".")[3], codec.SBX_KILL.decode(msg.data).reason))
             await msg.respond(codec.encode(Done(detail="killed")))
 
         for sid in (a, b):

@@ -1,0 +1,47 @@
+"""Defence in depth for tenants: an op reaches a sandbox only under its owner's tenant.
+
+nats-server already keeps a client credential under its own tenant token (bus.auth); the host
+agent serves each sandbox on every tenant's subject (``dsec.sbx.*.<id>.*``) and refuses here, with a
+typed ``permission_denied`` and a ``control-plane`` guard violation event, any op whose tenant is
+neither the sandbox's owner (``spec.client``) nor the operator's: it never runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import PermissionDenied
+from bus.messages import GuardViolation
+
+if TYPE_CHECKING:
+    from ._service import HostAgent
+
+log = structlog.get_logger("dsec.hostagent")
+
+
+async def check_tenant(host: "HostAgent", tenant: str, sandbox_id: str, op: str) -> None:
+    """Raise PermissionDenied (after recording the violation) unless ``tenant`` may run ``op`` on the sandbox."""
+    ls = host.registry.get(sandbox_id)
+    if ls is None:
+        return  # not held here: the op's own lookup answers not-found
+    owner = S.tenant(ls.spec.client)
+    if tenant in (owner, S.OPERATOR_TENANT):
+        return
+    log.warning("tenant_violation", sandbox_id=sandbox_id, tenant=tenant, op=op)
+    v = GuardViolation(
+        sandbox_id=sandbox_id, at=time.time(), kind="control-plane", what=f"{op} by another tenant refused", action="record",
+        host_id=host.host_id, detail={"tenant": tenant, "op": op},
+    )
+    with contextlib.suppress(Exception):  # the refusal stands even when the event cannot be sent
+        assert host.nc is not None
+        await host.nc.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
+    raise PermissionDenied(f"sandbox {sandbox_id} does not belong to tenant {tenant}")
+
+
+__all__ = ["check_tenant"]
