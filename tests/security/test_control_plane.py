@@ -216,6 +216,7 @@ def kv_subject(bucket: str, key: str) -> str:
 # ------------------------------------------------------------------------------------------ forgery
 async def test_client_cannot_forge_control_plane_traffic(stack: SecStack, redteam: RedTeam) -> None:
     """Host work, events, KV state, work-queue consumers and stream admin are out of a client's reach."""
+    tn = stack.client_user
     victim = await stack.create(template="base")  # positive control: a client creates and execs
     assert "alive" in await exec_ok(stack.nc, victim.sandbox_id)
     redteam.allowed("client: create + exec through the SDK")
@@ -237,7 +238,7 @@ async def test_client_cannot_forge_control_plane_traffic(stack: SecStack, redtea
         await cli.denied_publish(redteam, f"dsec.host.{host}.kill", place, "other work on a host's subject")
         now = time.time()
         await cli.denied_publish(
-            redteam, S.evt_sandbox(fake, "ready", stack.client_user), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event"
+            redteam, S.evt_sandbox(fake, "ready", tn), codec.encode(SandboxEvent(sandbox_id=fake, kind="ready", at=now, host_id=host)), "fake 'ready' event"
         )
         await cli.denied_publish(
             redteam, S.evt_sandbox(vid, "killed", stack.client_user), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=now)),
@@ -309,7 +310,7 @@ async def test_client_cannot_forge_control_plane_traffic(stack: SecStack, redtea
         gd = await Principal.open(stack.url_as("guard"), "guard")
         try:
             probe = f"probe-{stack.uid}-{uuid.uuid4().hex[:6]}"
-            await hp.nc.jetstream().publish(S.evt_sandbox(probe, "ready", stack.client_user), codec.encode(SandboxEvent(sandbox_id=probe, kind="ready", at=time.time())))
+            await hp.nc.jetstream().publish(S.evt_sandbox(probe, "ready", tn), codec.encode(SandboxEvent(sandbox_id=probe, kind="ready", at=time.time())))
             redteam.allowed("hostagent: publish a sandbox event")
             await hp.nc.jetstream().publish(kv_subject(S.KV_SANDBOXES, probe), codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=probe), state="failed")))
             redteam.allowed("hostagent: write a sandbox record")
@@ -540,6 +541,7 @@ async def test_expired_create_is_refused_and_never_started(stack: SecStack, redt
 async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack: SecStack, redteam: RedTeam) -> None:
     """What a client may publish, filled with forgeries: each answered with a stable code or
     dead-lettered with one; no service's own permissions are lent to the client (confused deputy)."""
+    tn = stack.client_user
     js_admin = stack.js_admin  # type: ignore[attr-defined]
     victim = await stack.create()
     vid = victim.sandbox_id
@@ -560,7 +562,7 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
             spec.reply_to = target
             ev = await Events.watch(stack.nc, spec.sandbox_id)
             try:
-                await cli.nc.jetstream().publish(S.req_create(stack.client_user), codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
+                await cli.nc.jetstream().publish(S.req_create(tn), codec.encode(CreateSandbox(spec=spec)), headers={S.HDR_MSG_ID: spec.sandbox_id})
                 await eventually(lambda ev=ev, sid=spec.sandbox_id: ev.of(sid, "failed"), timeout=20, what="the failed event")
                 assert ev.of(spec.sandbox_id, "failed")[0].code == "invalid_argument"
                 assert spec.sandbox_id not in stack.host.live
@@ -587,8 +589,8 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
         for subject, payload, what in (
             (S.sbx(vid, "exec", stack.client_user), b"\xc1garbage", "garbage exec"),
             (S.sbx(vid, "kill", stack.client_user), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=0.0)), "an event where a kill request goes"),
-            (S.sbx(vid, "exec", stack.client_user), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill", stack.client_user))), "exec output streamed onto the victim's kill subject"),
-            (S.sbx(vid, "exec", stack.client_user), codec.encode(ExecRequest(cmd="echo x", stream_to=kv_subject(S.KV_IMAGES, "base"))), "exec output streamed into KV"),
+            (S.sbx(vid, "exec", tn), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill", tn))), "exec output streamed onto the victim's kill subject"),
+            (S.sbx(vid, "exec", tn), codec.encode(ExecRequest(cmd="echo x", stream_to=kv_subject(S.KV_IMAGES, "base"))), "exec output streamed into KV"),
             (S.sbx(vid, "nope", stack.client_user), b"", "an unknown operation"),
         ):
             m = await cli.nc.request(subject, payload, timeout=20)
