@@ -589,7 +589,10 @@ async def test_forged_payloads_get_typed_errors_and_services_keep_running(stack:
         for subject, payload, what in (
             (S.sbx(vid, "exec", stack.client_user), b"\xc1garbage", "garbage exec"),
             (S.sbx(vid, "kill", stack.client_user), codec.encode(SandboxEvent(sandbox_id=vid, kind="killed", at=0.0)), "an event where a kill request goes"),
-            (S.sbx(vid, "exec", tn), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill", tn))), "exec output streamed onto the victim's kill subject"),
+            (
+                S.sbx(vid, "exec", tn), codec.encode(ExecRequest(cmd="echo x", stream_to=S.sbx(vid, "kill", tn))),
+                "exec output streamed onto the victim's kill subject",
+            ),
             (S.sbx(vid, "exec", tn), codec.encode(ExecRequest(cmd="echo x", stream_to=kv_subject(S.KV_IMAGES, "base"))), "exec output streamed into KV"),
             (S.sbx(vid, "nope", stack.client_user), b"", "an unknown operation"),
         ):
