@@ -46,7 +46,18 @@ async def connect(
         kwargs.setdefault("inbox_prefix", inbox_prefix(user))
     if user_credentials is None:
         user_credentials = os.environ.get("DSEC_NATS_CREDS") or None
-    kwargs.setdefault("error_cb", _log_nats_error)
+    user_cb = kwargs.pop("error_cb", None) or _log_nats_error
+    holder: list[NATS] = []
+    connected: list[bool] = []  # once the first connect is done (its own refusals are retried below)
+
+    async def on_error(exc: Exception) -> None:
+        await user_cb(exc)
+        # A credential the server refuses once connected was revoked (`dsec api-key revoke`: the
+        # reload drops its connections): stop, rather than retry it for minutes as a reconnect.
+        if connected and _refused(exc) and not holder[0].is_closed:
+            asyncio.ensure_future(holder[0].close())
+
+    kwargs["error_cb"] = on_error
     deadline = time.monotonic() + connect_timeout_s
     delay = 0.05
     last: Exception | None = None
@@ -56,6 +67,7 @@ async def connect(
         if remaining <= 0:
             break
         nc = NATS()
+        holder[:] = [nc]
         try:
             await asyncio.wait_for(
                 nc.connect(
@@ -72,6 +84,7 @@ async def connect(
             )
             if valid_token(user):
                 _tenants[nc] = user
+            connected.append(True)
             return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
             last = exc if not isinstance(exc, asyncio.TimeoutError) else nc.last_error or exc
@@ -87,6 +100,10 @@ async def connect(
 
 
 _tenants: "weakref.WeakKeyDictionary[NATS, str]" = weakref.WeakKeyDictionary()
+
+
+def _refused(exc: Exception) -> bool:
+    return isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower()
 
 
 def tenant_of(nc: NATS) -> str:

@@ -9,7 +9,8 @@ and the sandbox networks (netns mounts, veths, the nft table) the stack's host a
 
 ``make_stack(**options)`` builds one with options: ``auth`` (NATS with the per-role users and
 permissions ``dsec up`` configures: each service connects as its role, ``stack.nc`` as ``admin``,
-``stack.url`` is the anonymous client's URL; ``stack.auth`` the ``bus.auth.AuthConfig``),
+``stack.url`` has no credentials (refused), ``stack.client_url`` is a client tenant's; ``stack.auth`` the
+``bus.auth.AuthConfig``),
 ``dedup_window_s`` (the streams' de-duplication window, for replay tests), ``network`` (a dict of
 ``hostagent.network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's

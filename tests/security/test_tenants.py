@@ -1,0 +1,328 @@
+"""Tenants on the bus: an API key (a NATS client identity) reaches only its own sandboxes.
+
+A real stack with NATS authentication (``make_stack(auth=True)``, what ``dsec up`` runs) and two or
+three tenants, each its own client credential (``bus.auth.client_permissions``). Every attack is
+made as an attacker would: through the SDK with another tenant's credentials, with none, and with
+raw nats-py publishes, subscriptions and JetStream API calls crafted by hand. Each refusal is
+asserted precisely: the server's ``Permissions Violation`` for that subject, the ``Authorization
+Violation`` of a connection without credentials, or the typed ``permission_denied`` the host agent
+answers (with its ``control-plane`` guard violation event), and each has a positive control: the
+owner can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+
+from bus import codec
+from bus import subjects as S
+from bus.auth import AuthConfig, with_credentials
+from bus.errors import PermissionDenied, Unavailable
+from bus.messages import CreateSandbox, ExecRequest, ExecResult
+from bus.runtime import connect
+from sdk import AsyncSandbox, build_spec
+from sdk._admin import replay_events
+from tests.conftest import eventually
+from tests.security.conftest import SKIP_REASON, RedTeam, SecStack
+
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+
+
+class Tenant:
+    """One client credential: its URL, and a raw connection recording the server's permission errors."""
+
+    def __init__(self, name: str, user: str, url: str, nc: Any, errs: list[str]) -> None:
+        self.name, self.user, self.url, self.nc, self.errs = name, user, url, nc, errs
+
+    @classmethod
+    async def open(cls, stack: SecStack, name: str) -> "Tenant":
+        user, _ = stack.auth.issue_client_credential(f"{name}{stack.uid}")
+        return cls(name, user, stack.auth.url_for(user, stack.url), None, [])
+
+    async def connect(self) -> None:
+        async def on_err(e: Exception) -> None:
+            self.errs.append(str(e).lower())
+
+        # bus.runtime.connect: the tenant's own inbox prefix, as the SDK uses it.
+        self.nc = await connect(self.url, name=f"tenant-{self.name}", error_cb=on_err, connect_attempts=3, connect_timeout_s=10, max_reconnect_attempts=0)
+
+    def violation(self, kind: str, subject: str) -> bool:
+        return any(f"permissions violation for {kind}" in e and f'"{subject.lower()}"' in e for e in self.errs)
+
+    async def denied_publish(self, rt: RedTeam, subject: str, data: bytes, what: str) -> None:
+        await self.nc.publish(subject, data, reply=self.nc.new_inbox())
+        await self.nc.flush()
+        await eventually(lambda: self.violation("publish", subject), what=f"a publish violation for {subject}")
+        rt.blocked(f"tenant {self.name}: {what} [permissions violation: publish {subject}]")
+
+    async def denied_subscribe(self, rt: RedTeam, subject: str, what: str) -> None:
+        got: list[Any] = []
+
+        async def cb(m: Any) -> None:
+            got.append(m)
+
+        sub = await self.nc.subscribe(subject, cb=cb)
+        await self.nc.flush()
+        await eventually(lambda: self.violation("subscription", subject), what=f"a subscription violation for {subject}")
+        assert not got
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        rt.blocked(f"tenant {self.name}: {what} [permissions violation: subscribe {subject}]")
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+
+async def tenants(stack: SecStack, *names: str) -> list[Tenant]:
+    ts = [await Tenant.open(stack, n) for n in names]
+    await asyncio.to_thread(stack.nats.reload, stack.auth.config_block())
+    for t in ts:
+        await t.connect()
+    return ts
+
+
+async def create_as(stack: SecStack, t: Tenant, **kw: Any) -> AsyncSandbox:
+    kw.setdefault("sandbox_id", f"sb-{stack.uid}-{t.name}-{uuid.uuid4().hex[:6]}")
+    sb = await AsyncSandbox.create(nats_url=t.url, **kw)
+    stack.sandboxes.append(sb)
+    return sb
+
+
+async def violations(stack: SecStack, sid: str) -> list[dict[str, Any]]:
+    """The control-plane violations about ``sid`` in the event stream (read as the operator)."""
+    out = []
+    async for ev in replay_events(stack.url_as("admin"), sandbox_id=sid, kinds=["control-plane"], idle_timeout=1.0):
+        if ev["type"] == "GuardViolation":
+            out.append(ev)
+    return out
+
+
+@pytest.fixture
+async def stack(make_stack: Any) -> SecStack:
+    return await make_stack(auth=True)
+
+
+# ------------------------------------------------------------------------------------------ SDK
+async def test_sdk_with_another_tenants_credentials_is_refused(stack: SecStack, redteam: RedTeam) -> None:
+    """B and C hold A's sandbox id: every SDK route answers them permission_denied (the host agent's
+    check, logged as a control-plane violation) and nothing runs; A reads its own secret."""
+    a, b, c = await tenants(stack, "a", "b", "c")
+    try:
+        secret = uuid.uuid4().hex
+        sa = await create_as(stack, a, envs={"A_TOKEN": secret})
+        await sa.files.write("/tmp/secret", b"file-" + secret.encode())
+        out = await sa.commands.run("cat /tmp/secret; echo; echo $A_TOKEN")
+        assert out.stdout == f"file-{secret}\n{secret}\n"
+        redteam.allowed("tenant a: exec + files in its own sandbox (envs and files)")
+        sb_b = await create_as(stack, b)
+        assert (await sb_b.commands.run("echo b")).stdout == "b\n"
+        redteam.allowed("tenant b: its own sandbox")
+
+        for t in (b, c):
+            with pytest.raises(PermissionDenied):
+                await AsyncSandbox.connect(sa.sandbox_id, nats_url=t.url)
+            h = AsyncSandbox(sa.sandbox_id, await _sdk_nc(t))
+            with pytest.raises(PermissionDenied):
+                await h.commands.run("cat /tmp/secret; echo $A_TOKEN")
+            with pytest.raises(PermissionDenied):
+                await h.files.read("/tmp/secret")
+            with pytest.raises(PermissionDenied):
+                await h.set_timeout(5)
+            with pytest.raises(PermissionDenied):
+                await h.kill(timeout=5)
+            redteam.blocked(f"tenant {t.name}: connect, exec, files, timeout, kill on another tenant's sandbox through the SDK [permission_denied]")
+
+        # Nothing ran: A's sandbox is alive with its timeout, and each refusal is on the record.
+        assert sa.sandbox_id in stack.host.live
+        assert (await sa.commands.run("echo $A_TOKEN")).stdout == f"{secret}\n"
+
+        async def recorded() -> bool:
+            return len(await violations(stack, sa.sandbox_id)) >= 10
+
+        await eventually(recorded, timeout=15, what="a control-plane violation per refused op")
+        vs = await violations(stack, sa.sandbox_id)
+        assert {v["detail"]["tenant"] for v in vs} == {b.user, c.user}
+        assert {v["detail"]["op"] for v in vs} >= {"info", "exec", "files", "timeout", "kill"}
+        assert all(v["kind"] == "control-plane" and v["host_id"] == stack.host_id for v in vs)
+    finally:
+        for t in (a, b, c):
+            await t.close()
+
+
+async def _sdk_nc(t: Tenant) -> Any:
+    import sdk._async
+
+    return await sdk._async._nc(t.url)
+
+
+async def test_no_credentials_no_access(stack: SecStack, redteam: RedTeam) -> None:
+    """Nothing connects without credentials: the SDK, the CLI's library and raw nats-py are refused."""
+    with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+        await nats.connect(stack.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+    redteam.blocked("no credentials: raw nats-py connect [Authorization Violation]")
+    with pytest.raises(Unavailable, match="Authorization Violation"):
+        await AsyncSandbox.create(nats_url=stack.url, create_timeout=10)
+    redteam.blocked("no credentials: SDK create [unavailable: Authorization Violation]")
+    # Positive control: a credential of the same server works.
+    sb = await stack.create()
+    assert (await sb.commands.run("echo ok")).stdout == "ok\n"
+    redteam.allowed("client credential: SDK create + exec")
+
+
+# ------------------------------------------------------------------------------------------ raw NATS
+async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: RedTeam) -> None:
+    """Hand-crafted publishes, subscriptions and JetStream API calls at A's sandbox by B: each
+    refused by nats-server for its subject; the same calls by A on its own prefix work."""
+    a, b = await tenants(stack, "a", "b")
+    try:
+        sa = await create_as(stack, a, envs={"A_TOKEN": "s3cret"})
+        aid = sa.sandbox_id
+        exec_req = codec.encode(ExecRequest(cmd="echo $A_TOKEN"))
+        # Ops on A's prefix.
+        for op in ("exec", "files", "kill", "info", "port"):
+            await b.denied_publish(redteam, S.sbx(aid, op, a.user), exec_req, f"{op} on A's sandbox under A's tenant")
+        await b.denied_publish(redteam, S.sbx(aid, "exec", S.OPERATOR_TENANT), exec_req, "exec as the operator's tenant")
+        # Creates as A (its sandbox would be A's, and A's quota) and through the services' subject.
+        spec = codec.encode(CreateSandbox(spec=build_spec("base", sandbox_id=f"x-{stack.uid}", client=a.user)))
+        await b.denied_publish(redteam, S.req_create(a.user), spec, "create in A's name")
+        await b.denied_publish(redteam, S.req_create_batch(a.user), spec, "create a batch in A's name")
+        await b.denied_publish(redteam, S.REQ_CREATE, spec, "create on the services' subject (spec.client taken as given)")
+        # Events, records, inboxes.
+        for subject, what in (
+            (S.evt_tenant(a.user), "A's events"), (S.evt_sandbox_all(aid), "A's sandbox's events, any tenant token"),
+            (S.EVT_SANDBOX_ALL, "every sandbox's events"), (S.EVT_ALL, "every event"), ("dsec.>", "everything"),
+            ("_INBOX.>", "every inbox"), (f"_INBOX.u.{a.user}.>", "A's inboxes (create outcomes, exec output)"),
+            (S.SBX_WILDCARD, "every sandbox op (to replay one)"), (f"$KV.{S.KV_SANDBOXES}.>", "record writes"),
+        ):
+            await b.denied_subscribe(redteam, subject, f"listen on {what}")
+        evt_ready = S.evt_sandbox(aid, "ready", a.user)
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{evt_ready}", b"", "read A's ready event (direct get)")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.MSG.GET.{S.STREAM_EVT}", json.dumps({"last_by_subj": evt_ready}).encode(), "read A's event (msg get)")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.INFO.{S.STREAM_EVT}", b'{"subjects_filter":">"}', "list every event subject (sandbox ids)")
+        rec = f"$KV.{S.KV_SANDBOXES}.{aid}"
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.KV_{S.KV_SANDBOXES}.{rec}", b"", "read A's record (its envs)")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.MSG.GET.KV_{S.KV_SANDBOXES}", json.dumps({"last_by_subj": rec}).encode(), "read A's record")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.INFO.KV_{S.KV_SANDBOXES}", b"", "sandbox records' stream info")
+        consumer = json.dumps({"stream_name": S.STREAM_EVT, "config": {"filter_subject": S.evt_tenant(a.user), "deliver_subject": "_INBOX.u.x"}}).encode()
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}", consumer, "consumer on the event stream (filter in the body)")
+        await b.denied_publish(
+            redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.spy.{S.evt_tenant(a.user)}", consumer, "named consumer on A's events",
+        )
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.spy.{S.EVT_ALL}", consumer, "named consumer on every event")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_EVT}.spy", consumer, "durable on the event stream")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.KV_{S.KV_SANDBOXES}", b"{}", "consumer on the sandbox records")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.DELETE.{S.STREAM_EVT}.{S.GUARD_AUDIT_DURABLE}", b"", "delete guard's audit consumer")
+        # Still nothing reached A's sandbox, and B's raw connection was never closed for it.
+        assert b.nc.is_connected and aid in stack.host.live
+
+        # Positive controls: the same calls by A on its own prefix.
+        got = codec.decode_reply((await a.nc.request(S.sbx(aid, "exec", a.user), exec_req, timeout=30)).data, ExecResult)
+        assert got.stdout == b"s3cret\n"
+        m = await a.nc.jetstream().get_last_msg(S.STREAM_EVT, evt_ready, direct=True)
+        assert codec.EVENT.decode(m.data).sandbox_id == aid
+        seen: list[str] = []
+        async for ev in replay_events(a.url, idle_timeout=2.0):  # a consumer filtered on its own prefix
+            seen.append(ev["sandbox_id"])
+        assert aid in seen
+        redteam.allowed("tenant a: raw exec, direct get and a filtered consumer on its own prefix")
+        assert not [e for e in a.errs if "permissions violation" in e], a.errs
+    finally:
+        for t in (a, b):
+            await t.close()
+
+
+async def test_create_is_bound_to_the_publishers_tenant(stack: SecStack, redteam: RedTeam) -> None:
+    """A create whose spec names another tenant as its client is B's sandbox all the same (placement
+    binds it to the tenant of the subject): A cannot reach it, B can."""
+    a, b = await tenants(stack, "a", "b")
+    try:
+        sb = await create_as(stack, b, client=a.user)
+        rec = await (await stack.nc.jetstream().key_value(S.KV_SANDBOXES)).get(sb.sandbox_id)
+        assert codec.SANDBOX_RECORD.decode(rec.value).spec.client == b.user
+        assert (await sb.commands.run("echo mine")).stdout == "mine\n"
+        with pytest.raises(PermissionDenied):
+            await AsyncSandbox.connect(sb.sandbox_id, nats_url=a.url)
+        redteam.blocked("tenant b: create a sandbox in A's name (spec.client) [bound to b by placement]")
+    finally:
+        for t in (a, b):
+            await t.close()
+
+
+# ------------------------------------------------------------------------------------------ audit, operator
+async def test_audit_replay_shows_a_tenant_only_its_sandboxes(stack: SecStack, redteam: RedTeam) -> None:
+    a, b = await tenants(stack, "a", "b")
+    try:
+        sa, sb = await create_as(stack, a), await create_as(stack, b)
+        await sa.commands.run("echo a-cmd")
+        await sb.commands.run("echo b-secret-cmd")
+
+        async def seen(url: str, **kw: Any) -> list[dict[str, Any]]:
+            return [ev async for ev in replay_events(url, idle_timeout=2.0, **kw)]
+
+        mine = await seen(a.url)
+        assert {e["sandbox_id"] for e in mine} == {sa.sandbox_id}
+        assert not [e for e in mine if "b-secret-cmd" in json.dumps(e.get("detail", {}))]
+        assert await seen(a.url, sandbox_id=sb.sandbox_id) == []
+        redteam.blocked("tenant a: audit replay of B's sandbox [its consumer sees its own prefix only]")
+        # Positive control: the operator sees both, exec command lines included.
+        every = await seen(stack.url_as("admin"))
+        assert {sa.sandbox_id, sb.sandbox_id} <= {e["sandbox_id"] for e in every if e["type"] == "SandboxEvent"}
+        assert any("b-secret-cmd" in e.get("detail", {}).get("cmd", "") for e in every)
+        # The operator reaches a tenant's sandbox too (its tenant token is allowed by the host).
+        assert (await AsyncSandbox(sa.sandbox_id, stack.nc).commands.run("echo op")).stdout == "op\n"
+        redteam.allowed("operator: every tenant's events and sandboxes")
+    finally:
+        for t in (a, b):
+            await t.close()
+
+
+# ------------------------------------------------------------------------------------------ key lifecycle
+async def test_revoked_key_stops_working_on_the_bus(stack: SecStack, redteam: RedTeam) -> None:
+    """``dsec api-key revoke``: after the reload its live connection is dropped and a new one refused;
+    its sandboxes keep running (or are killed on request); another key is untouched."""
+    from sdk.gateway._keys import create_api_key, kill_tenant_sandboxes, parse_key, revoke_api_key
+
+    auth_file = Path(stack.nats.data_dir) / "auth.json"
+    stack.auth.save(auth_file)  # the stack's users (its client tenant) in the file `dsec api-key` edits
+
+    def reload() -> None:
+        stack.nats.reload(AuthConfig.load_or_create(auth_file).config_block())
+
+    key, other = create_api_key(auth_file, "doomed"), create_api_key(auth_file, "kept")
+    assert key.startswith("e2b_") and all(ch in "0123456789abcdef" for ch in key[4:])
+    await asyncio.to_thread(reload)
+    user, pw = parse_key(key)
+    url = with_credentials(stack.url, user, pw)
+    sb = await AsyncSandbox.create(nats_url=url, sandbox_id=f"sb-{stack.uid}-doomed")
+    stack.sandboxes.append(sb)
+    assert (await sb.commands.run("echo before")).stdout == "before\n"
+    kept = await connect(with_credentials(stack.url, *parse_key(other)), name="kept", connect_attempts=2, connect_timeout_s=5)
+    try:
+        t0 = time.monotonic()
+        assert revoke_api_key(auth_file, "doomed") == [user]
+        await asyncio.to_thread(reload)
+        await eventually(lambda: sb.nc.is_closed, timeout=10, what="the revoked key's connection dropped")
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=3)
+        redteam.blocked("revoked key: its live connection dropped and a new one refused [Authorization Violation]")
+        # Its sandbox kept running (the default); killing it is the operator's choice.
+        assert sb.sandbox_id in stack.host.live
+        assert kept.is_connected
+        redteam.allowed("another key: untouched by the revocation")
+        assert await kill_tenant_sandboxes(user, stack.url_as("admin")) == [sb.sandbox_id]
+        await eventually(lambda: sb.sandbox_id not in stack.host.live, timeout=30, what="the revoked key's sandbox killed")
+    finally:
+        await kept.close()
