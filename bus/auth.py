@@ -256,7 +256,7 @@ def default_context_path() -> Path:
     return Path("/run/dsec/context.json") if os.geteuid() == 0 else Path.home() / ".config" / "dsec" / "context.json"
 
 
-def _write_private(path: Path, obj: dict) -> None:
+def _write_private(path: Path, obj: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -74,7 +74,7 @@ def valid_inbox(subject: str) -> bool:
 def is_stream_delivery(reply: str | None) -> bool:
     """True when a message came from a JetStream consumer (its reply is the ack subject), not from a
     client's core request (whose reply is an inbox)."""
-    return bool(reply) and reply.startswith("$JS.ACK.")
+    return reply is not None and reply.startswith("$JS.ACK.")
 
 
 def incarnation(sandbox_id: str, generation: int) -> str:

@@ -131,7 +131,7 @@ class Supervised(abc.ABC):
         self.failures = 1 if time.monotonic() - self.started_mono > STABLE_S else self.failures + 1
         # Full jitter on a capped exponential: a crash loop costs little, and restarts of several
         # services that fell together (NATS away) spread out.
-        delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (self.failures - 1))
+        delay: float = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (self.failures - 1))
         self.state, self.up_since, self.next_start = "backoff", None, time.monotonic() + delay
         return delay
 
@@ -311,10 +311,10 @@ class Supervisor:
             _say(f"the final clean-up did not finish (exit {rc}); see {log_path}")
 
 
-async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict:
+async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict[str, Any]:
     from ._admin import cluster_status
 
-    last: dict = {}
+    last: dict[str, Any] = {}
     while time.monotonic() < deadline and not sup.stopping.is_set():
         try:
             last = await cluster_status(url, timeout=2)
@@ -347,7 +347,8 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
 
 
 async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
-    """`dsec api-key create` adds NATS users to the auth file: have the server load them."""
+    """`dsec api-key create` and `revoke` edit the users in the auth file: have the server load them
+    (a reload drops the connections of a removed user)."""
     seen = auth_file.stat().st_mtime_ns
     while not sup.stopping.is_set():
         try:
@@ -359,7 +360,7 @@ async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
             seen = now
             try:
                 await asyncio.to_thread(sup.nats.server.reload, AuthConfig.load_or_create(auth_file).config_block())
-                _say("reloaded NATS users (a new API key)")
+                _say("reloaded NATS users (API keys changed)")
             except NatsServerError as exc:
                 _say(f"could not reload NATS users: {exc}")
 
@@ -376,7 +377,8 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
         tend = asyncio.create_task(sup.tend())
         users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
-        st = await _wait_ready(url, time.monotonic() + args.ready_timeout, sup)
+        # As the operator: nothing connects to an authenticated NATS without credentials.
+        st = await _wait_ready(auth.url_for(OPERATOR_ROLE, url) if auth else url, time.monotonic() + args.ready_timeout, sup)
         if st:
             _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
             gw = f"http://127.0.0.1:{args.http_port}"

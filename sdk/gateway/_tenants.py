@@ -156,8 +156,9 @@ class Tenants:
                     self._refused.clear()
                 raise
             reader = await self._reader()
-            if reader is not None:
-                records_via(nc, reader)  # the SDK's own record reads (a persisted pause's resume) go there too
+            # The SDK's own record reads (a persisted pause's resume) go there too; without a reader of
+            # its own (a NATS without users: the compose stack) the gateway reads them as the key.
+            records_via(nc, reader or nc)
             t = self._by_digest[digest] = Tenant(user=user, url=url, nc=nc, records_nc=reader)
             return t
 

@@ -12,6 +12,7 @@ import base64
 import datetime as dt
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -80,7 +81,7 @@ async def gw() -> Any:
         keys = []
         for name in ("alice", "bob"):
             rc, out, err = await run_process(*DSEC, "api-key", "create", "--name", name, "--data-dir", str(data), env=env)
-            assert rc == 0 and out.startswith(f"dsec_{name}-"), (rc, out, err)
+            assert rc == 0 and re.fullmatch(r"e2b_[0-9a-f]{48}", out.strip()), (rc, out, err)  # what e2b SDKs accept
             assert "does not accept it" not in err, err
             keys.append(out.strip())
         gw_url = f"http://127.0.0.1:{http_port}"
@@ -286,8 +287,8 @@ async def test_two_keys_see_only_their_own_sandboxes(gw: Gw) -> None:
 
 
 async def test_wrong_key_is_refused(gw: Gw) -> None:
-    wrong_secret = gw.key_a.rsplit(".", 1)[0] + ".not-the-secret"
-    for key in ("garbage", wrong_secret, "dsec_nosuchuser.secret"):
+    wrong_secret = gw.key_a[:-32] + ("0" * 32 if not gw.key_a.endswith("0" * 32) else "1" * 32)
+    for key in ("garbage", wrong_secret, "dsec_nosuchuser.secret", "e2b_" + "ab" * 24):
         st, doc, _ = await asyncio.to_thread(http, gw, "GET", "/v2/sandboxes", None, None, key)
         assert st == 401 and doc["code"] == 401 and doc["message"], (key, st, doc)
     st, doc, _ = await asyncio.to_thread(http, gw, "GET", "/v2/sandboxes", None, None, None)
@@ -295,6 +296,46 @@ async def test_wrong_key_is_refused(gw: Gw) -> None:
     # Positive control, and the gateway kept serving.
     st, doc, _ = await asyncio.to_thread(http, gw, "GET", "/v2/sandboxes")
     assert st == 200 and isinstance(doc, list)
+
+
+async def test_revoked_key_is_refused_within_seconds(gw: Gw) -> None:
+    """`dsec api-key revoke`: the key worked a moment ago, on an open sandbox; once `dsec up` has NATS
+    reload its users the gateway answers it 401 (its NATS connection was dropped and is refused) and
+    the sandbox keeps running (no --kill-sandboxes); `dsec api-key ls` no longer lists it."""
+    env = subprocess_env(gw.nats_url, DSEC_CONTEXT=str(gw.data.parent / f"{gw.data.name}.context.json"))
+    rc, out, err = await run_process(*DSEC, "api-key", "create", "--name", "carol", "--data-dir", str(gw.data), env=env)
+    assert rc == 0, (rc, out, err)
+    key = out.strip()
+    st, doc, _ = await asyncio.to_thread(http, gw, "POST", "/v1/sandboxes", json.dumps({"template": "base"}).encode(), None, key)
+    assert st in (200, 201), (st, doc)
+    sid = doc["sandbox_id"] if "sandbox_id" in doc else doc["sandboxID"]
+    st, doc, _ = await asyncio.to_thread(http, gw, "GET", f"/v1/sandboxes/{sid}", None, None, key)
+    assert st == 200, (st, doc)
+    rc, out, err = await run_process(*DSEC, "api-key", "ls", "--json", "--data-dir", str(gw.data), env=env)
+    assert rc == 0 and "carol" in {k["name"] for k in json.loads(out)}, (out, err)
+    rc, out, err = await run_process(*DSEC, "api-key", "revoke", "carol", "--data-dir", str(gw.data), env=env)
+    assert rc == 0 and "keep running" in out, (rc, out, err)
+    t0 = time.monotonic()
+
+    async def refused() -> bool:
+        st, _, _ = await asyncio.to_thread(http, gw, "GET", f"/v1/sandboxes/{sid}", None, None, key)
+        return st == 401
+
+    await eventually(refused, timeout=15, interval=0.2, what="the revoked key refused by the gateway")
+    assert time.monotonic() - t0 < 15
+    rc, out, err = await run_process(*DSEC, "api-key", "ls", "--json", "--data-dir", str(gw.data), env=env)
+    assert "carol" not in {k["name"] for k in json.loads(out)}
+    # Positive control: another key still works; the revoked key's sandbox still runs (the operator's view).
+    st, _, _ = await asyncio.to_thread(http, gw, "GET", "/v2/sandboxes")
+    assert st == 200
+    from bus.auth import AuthConfig
+    from sdk import AsyncSandbox
+    from sdk._async import _nc
+
+    admin = AuthConfig.load_or_create(gw.data / "auth.json").url_for("admin", gw.nats_url)
+    sb = AsyncSandbox(sid, await _nc(admin))
+    assert await sb.is_running()
+    await sb.kill()
 
 
 # --------------------------------------------------------------------------------------------- ports
@@ -343,7 +384,7 @@ def _ports(gw: Gw) -> None:
             assert time.monotonic() < deadline, seen
             time.sleep(0.05)  # poll interval
         assert seen.startswith("GET /seen?q=1 HTTP/1.1\r\n") and "X-Extra: kept" in seen, seen
-        assert gw.key_a.split(".")[1] not in seen and "x-api-key" not in seen.lower(), seen
+        assert gw.key_a[-32:] not in seen and "x-api-key" not in seen.lower(), seen
         # The sandbox's network is still closed: loopback only.
         ifaces = sb.commands.run("cat /proc/net/dev").stdout
         assert "lo:" in ifaces and "eth0" not in ifaces, ifaces
@@ -458,9 +499,12 @@ async def test_oversized_upload_is_refused(gw: Gw) -> None:
     that the next upload cannot replace, and it keeps serving."""
     from e2b import Sandbox
 
+    from bus.auth import ENV_MONITOR_URL, MONITOR_ROLE, AuthConfig
+
     http_port = free_port()
-    small = Child([PY, "-m", "sdk.gateway", "--http-port", str(http_port), "--max-upload-mb", "1"], subprocess_env(gw.nats_url),
-                  gw.data / "gateway-small.log").start()
+    monitor = AuthConfig.load_or_create(gw.data / "auth.json").url_for(MONITOR_ROLE, gw.nats_url)  # its reader of records, as `dsec up` gives it
+    small = Child([PY, "-m", "sdk.gateway", "--http-port", str(http_port), "--max-upload-mb", "1"],
+                  subprocess_env(gw.nats_url, **{ENV_MONITOR_URL: monitor}), gw.data / "gateway-small.log").start()
     url = f"http://127.0.0.1:{http_port}"
     try:
         await eventually(lambda: _status(url + "/health") == 200, timeout=30, what="the second gateway to answer")
