@@ -36,10 +36,11 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from . import subjects as S
 from .sign import new_control_key, parse_key
 
-# Streams every reader may read whole: hosts, templates and snapshots (the monitor also reads the
-# event stream and the sandbox records; clients read their own events only, and no records).
-_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SNAPSHOTS}"]
-_MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", *_SHARED_READ_STREAMS]
+# Streams every reader may read whole: hosts and templates (the monitor also reads the event stream
+# and the sandbox and snapshot records; clients read their own events only, and no records: a
+# record's spec holds its sandbox's envs).
+_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}"]
+_MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", *_SHARED_READ_STREAMS]
 
 
 NAMED_INBOXES = "_INBOX.u"
@@ -79,7 +80,9 @@ def _tenant_js_api(tenant: str) -> list[str]:
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
 _CLIENT_COMMON_PUBLISH = [
-    S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
+    # Templates are listed, never built or removed by a client (the operator does); a snapshot's removal
+    # goes to the image service (which does not yet check its owner: see the README).
+    S.STATUS, S.IMG_LIST, S.IMG_STATS, S.SNAP_REMOVE, f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack

@@ -52,6 +52,7 @@ from . import _freezer as fz
 from . import _upperdiff as snap
 from ._containerd import CGROUP_PARENT
 from ._rootfs import RootfsLayout
+from ._tenancy import check_restore
 
 if TYPE_CHECKING:
     from ._backend import Handle
@@ -101,6 +102,7 @@ class Snapshots:
         """A create from ``spec.snapshot``: the template's layers, then the snapshot's chain; and the
         layer of its CRIU dump when it has memory (the processes are restored from it)."""
         rec = await self.get(spec.snapshot)
+        check_restore(rec, spec)
         if rec.template != spec.template:
             raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
         # A layer's path is where the host that packed it keeps the blob. It is used only under this

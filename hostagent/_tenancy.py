@@ -3,7 +3,8 @@
 nats-server already keeps a client credential under its own tenant token (bus.auth); the host
 agent serves each sandbox on every tenant's subject (``dsec.sbx.*.<id>.*``) and refuses here, with a
 typed ``permission_denied`` and a ``control-plane`` guard violation event, any op whose tenant is
-neither the sandbox's owner (``spec.client``) nor the operator's: it never runs.
+neither the sandbox's owner (``spec.client``) nor the operator's: it never runs. A restore from a
+snapshot of another tenant's sandbox fails the same way (its files are that tenant's).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 from bus import codec
 from bus import subjects as S
 from bus.errors import PermissionDenied
-from bus.messages import GuardViolation
+from bus.messages import GuardViolation, SandboxSpec, SnapshotRecord
 
 if TYPE_CHECKING:
     from ._service import HostAgent
@@ -44,4 +45,13 @@ async def check_tenant(host: "HostAgent", tenant: str, sandbox_id: str, op: str)
     raise PermissionDenied(f"sandbox {sandbox_id} does not belong to tenant {tenant}")
 
 
-__all__ = ["check_tenant"]
+def check_restore(snapshot: SnapshotRecord, spec: SandboxSpec) -> None:
+    """A snapshot restores (and forks) only into a sandbox of the tenant whose sandbox it was taken
+    of, or the operator's: its files are that tenant's."""
+    owner = S.tenant(snapshot.spec.client) if snapshot.spec is not None else S.OPERATOR_TENANT
+    if S.tenant(spec.client) not in (owner, S.OPERATOR_TENANT):
+        log.warning("tenant_violation", sandbox_id=spec.sandbox_id, tenant=spec.client, op="restore", snapshot_id=snapshot.snapshot_id)
+        raise PermissionDenied(f"snapshot {snapshot.snapshot_id} does not belong to tenant {S.tenant(spec.client)}")
+
+
+__all__ = ["check_restore", "check_tenant"]

@@ -216,8 +216,13 @@ def build_spec(
     return spec
 
 
-async def _snapshot_template(url: str | None, snapshot_id: str) -> str:
-    return (await _snap.get_record(await _nc(url), snapshot_id)).template
+async def _snapshot_template(url: str | None, snapshot_id: str, template: str) -> str:
+    """The template a snapshot restores onto, from its record; a client tenant may not read snapshot
+    records (they hold their sandboxes' envs), so it names the template itself (fork does)."""
+    nc = await _nc(url)
+    if _snap.records_conn(nc) is None:
+        return template
+    return (await _snap.get_record(nc, snapshot_id)).template
 
 
 class _Waiter:
@@ -472,7 +477,7 @@ class AsyncSandbox:
         """Create one sandbox and wait until it is ready (see ``build_spec`` for the arguments);
         ``snapshot=<id>`` restores a snapshot (on any host; its template is the snapshot's)."""
         if kwargs.get("snapshot"):
-            template = await _snapshot_template(nats_url, kwargs["snapshot"])
+            template = await _snapshot_template(nats_url, kwargs["snapshot"], template)
         spec = build_spec(template, create_timeout=create_timeout, **kwargs)
         return (await cls._create_many([spec], nats_url, create_timeout, on_pending, batch=False))[0]
 
@@ -496,7 +501,7 @@ class AsyncSandbox:
             raise InvalidArgument(f"sandbox_ids must be {count} distinct ids")
         ids: list[str | None] = list(sandbox_ids) if sandbox_ids else [None] * count
         if kwargs.get("snapshot"):
-            template = await _snapshot_template(nats_url, kwargs["snapshot"])
+            template = await _snapshot_template(nats_url, kwargs["snapshot"], template)
         specs = [build_spec(template, create_timeout=create_timeout, sandbox_id=ids[i], **kwargs) for i in range(count)]
         batch_id = f"batch-{uuid.uuid4().hex[:16]}"
         for s in specs:

@@ -14,7 +14,7 @@ from nats.js.errors import KeyNotFoundError
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, InvalidArgument, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
+from bus.errors import BadRequest, InvalidArgument, PermissionDenied, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
 from bus.messages import MAX_FORK_COUNT, Done, PauseRequest, RemoveSnapshot, ResumeRequest, SnapshotRecord, SnapshotRequest
 from bus.runtime import kv_keys, reads_records
 from bus.streams import ensure_kv
@@ -58,7 +58,7 @@ def _check_meta(metadata: Any) -> dict[str, str]:
 async def get_record(nc: Any, snapshot_id: str) -> SnapshotRecord:
     if not isinstance(snapshot_id, str) or not S.valid_token(snapshot_id):
         raise UnknownSnapshot(f"not a snapshot id: {snapshot_id!r}", snapshot_id=str(snapshot_id))
-    kv = await ensure_kv(nc.jetstream(), S.KV_SNAPSHOTS)
+    kv = await ensure_kv(_snapshot_reader(nc).jetstream(), S.KV_SNAPSHOTS)
     try:
         entry = await kv.get(snapshot_id)
     except KeyNotFoundError:
@@ -69,7 +69,7 @@ async def get_record(nc: Any, snapshot_id: str) -> SnapshotRecord:
 
 
 async def list_records(nc: Any) -> list[SnapshotRecord]:
-    js = nc.jetstream()
+    js = _snapshot_reader(nc).jetstream()
     kv = await ensure_kv(js, S.KV_SNAPSHOTS)
     out = []
     for key in await kv_keys(js, S.KV_SNAPSHOTS):
@@ -116,7 +116,7 @@ async def fork(sb: "AsyncSandbox", count: int, kwargs: dict[str, Any]) -> list["
     if spec is not None:  # the forks take the source's shape unless told otherwise
         for key, value in (("cpu", spec.cpu), ("memory_mb", spec.memory_mb), ("disk_mb", spec.disk_mb), ("pool", spec.pool), ("profile", spec.profile)):
             kwargs.setdefault(key, value)
-    return await type(sb).create_batch(count, snapshot=info.snapshot_id, sandbox_ids=ids, **kwargs)
+    return await type(sb).create_batch(count, info.template, snapshot=info.snapshot_id, sandbox_ids=ids, **kwargs)
 
 
 async def pause(sb: "AsyncSandbox", persist: bool, memory: bool = False) -> SnapshotInfo | None:
@@ -145,6 +145,13 @@ async def resume(sb: "AsyncSandbox", *, create_timeout: float = 120.0) -> None:
     again = await type(sb)._create_many([spec], None, create_timeout, None, batch=False, nc=sb.nc)
     sb.host_id = again[0].host_id
     sb.spec = spec
+
+
+def _snapshot_reader(nc: Any) -> Any:
+    reader = records_conn(nc)
+    if reader is None:
+        raise PermissionDenied("snapshot records hold their sandboxes' envs: reading them takes the operator's credential (or the gateway)")
+    return reader
 
 
 # A client tenant may not read sandbox records (their specs hold every tenant's envs): a service

@@ -109,15 +109,18 @@ def main() -> None:
 
         from e2b import Sandbox as E2B
 
+        from bus.auth import with_credentials
         from sdk import Sandbox
+        from sdk.gateway._keys import parse_key
 
         opts = {"api_key": key, "api_url": gw, "sandbox_url": gw}
+        tenant_url = with_credentials(nats_url, *parse_key(key))  # the same key's tenant, straight on NATS
         results = {
             "e2b SDK -> gateway": measure(
                 "e2b", lambda: E2B.create("base", timeout=300, **opts), lambda sb: sb.kill(), lambda sb: sb.commands.run("true"),
                 lambda sb, b: sb.files.write("/tmp/blob", b), lambda sb: bytes(sb.files.read("/tmp/blob", format="bytes")), args),
             "dsec SDK -> NATS": measure(
-                "dsec", lambda: Sandbox.create("base", timeout=300, memory_mb=512, nats_url=nats_url), lambda sb: sb.kill(),
+                "dsec", lambda: Sandbox.create("base", timeout=300, memory_mb=512, nats_url=tenant_url), lambda sb: sb.kill(),
                 lambda sb: sb.commands.run("true"), lambda sb, b: sb.files.write("/tmp/blob", b),
                 lambda sb: sb.files.read("/tmp/blob", format="bytes"), args),
         }

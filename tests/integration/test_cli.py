@@ -143,6 +143,8 @@ def _up_missing() -> str | None:
 @pytest.mark.skipif(_up_missing() is not None, reason=_up_missing() or "")
 async def test_dsec_up_end_to_end() -> None:
     """``dsec up`` in the foreground: ready, a sandbox through the SDK, SIGINT, and nothing left behind."""
+    from bus.auth import load_client_context
+    from bus.errors import Unavailable
     from sdk import AsyncSandbox
     import sdk._async
 
@@ -158,6 +160,12 @@ async def test_dsec_up_end_to_end() -> None:
     try:
         await eventually(lambda: "dsec up: ready" in up.log() or not up.alive(), timeout=240, interval=0.2, what="dsec up to print ready")
         assert up.alive(), up.log()
+        # Nothing connects without credentials; the operator's context `dsec up` wrote does.
+        with pytest.raises(Unavailable, match="Authorization Violation"):
+            await AsyncSandbox.create(nats_url=url, memory_mb=64, create_timeout=10)
+        ctx = load_client_context(data.parent / f"{data.name}.context.json")
+        assert ctx is not None and ctx.user == "admin"
+        url = ctx.url
         sb = await AsyncSandbox.create(nats_url=url, memory_mb=64, create_timeout=60)
         try:
             assert (await sb.commands.run("echo up")).stdout == "up\n"

@@ -700,6 +700,24 @@ def _pause_resume_snapshot_fork(gw: Gw) -> None:
         assert http(gw, "DELETE", f"/templates/{snap.snapshot_id}", key="b")[0] == 404
         with pytest.raises(SandboxNotFoundException):
             Sandbox.pause(sb.sandbox_id, **gw.sdk(gw.key_b))
+        # B over NATS with its own key (no gateway in between): the host agent refuses to restore A's
+        # snapshot into B's sandbox, and B may not read snapshot records (they hold A's envs).
+        from bus.auth import with_credentials
+        from bus.errors import PermissionDenied
+        from sdk import Sandbox as DsecSandbox
+        from sdk.gateway._keys import parse_key
+
+        b_url = with_credentials(gw.nats_url, *parse_key(gw.key_b))
+        with pytest.raises(PermissionDenied, match="does not belong to tenant"):
+            DsecSandbox.create("base", snapshot=snap.snapshot_id, nats_url=b_url, create_timeout=60)
+        with pytest.raises(PermissionDenied):
+            DsecSandbox.list_snapshots(nats_url=b_url)
+        # Positive control: A's own key restores it over NATS.
+        own = DsecSandbox.create("base", snapshot=snap.snapshot_id, nats_url=with_credentials(gw.nats_url, *parse_key(gw.key_a)), create_timeout=60)
+        try:
+            assert own.files.read("/tmp/keep.txt") == payload
+        finally:
+            own.kill()
         assert sb.is_running()
     finally:
         for s in made:

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from bus.auth import load_client_context
+from bus.auth import load_client_context, with_credentials
 from bus.errors import DsecError
 from bus.natsd import free_port
 from sdk._async import close_connections
+from sdk.gateway._keys import parse_key
 from tests.conftest import eventually
 from tests.netclaim import NetClaim, claim_net
 
@@ -140,9 +141,10 @@ async def test_client_context_reaches_the_stack_as_the_operator(up: Up) -> None:
     assert all(s["state"] == "running" and s["pid"] and s["restarts"] == 0 and s["up_since"] for s in names.values()), names
     rc, out, _ = await dsec("status", env=up.env())
     assert rc == 0 and "services (dsec up):" in out and "hostagent" in out and ctx.password not in out
-    # DSEC_NATS_URL overrides the context: the anonymous client, which may not build images.
+    # DSEC_NATS_URL overrides the context: without credentials, refused in one line.
     rc, out, err = await dsec("image", "ls", "--json", env=up.env(DSEC_NATS_URL=up.url))
-    assert rc == 0, err
+    assert rc == 1 and "Authorization Violation" in err, (rc, out, err)
+    one_line_error(err)
 
 
 async def test_readme_image_build_on_the_default_stack(up: Up, tmp_path: Path) -> None:
@@ -168,8 +170,14 @@ async def test_readme_image_build_on_the_default_stack(up: Up, tmp_path: Path) -
     rc, _, err = await dsec("image", "rm", name, env=up.env())
     assert rc == 0, err
 
-    # Without the operator's credential the same command is refused, in one line.
-    rc, out, err = await dsec("image", "build", f"{name}-anon", "--base", "template:base", env=up.env(DSEC_NATS_URL=up.url), timeout=60)
+    # With an API key instead of the operator's credential the same command is refused, in one line
+    # (a tenant lists templates; it neither builds nor removes them).
+    rc, key, err = await dsec("api-key", "create", "--name", "builder", env=up.env())
+    assert rc == 0, err
+    tenant_url = with_credentials(up.url, *parse_key(key.strip()))
+    rc, out, err = await dsec("image", "ls", "--json", env=up.env(DSEC_NATS_URL=tenant_url))
+    assert rc == 0 and "base" in {t["name"] for t in json.loads(out)}, (out, err)
+    rc, out, err = await dsec("image", "build", f"{name}-anon", "--base", "template:base", env=up.env(DSEC_NATS_URL=tenant_url), timeout=60)
     assert rc == 1, (out, err)
     one_line_error(err)
     assert "not allowed" in err and "permissions violation" in err

@@ -224,6 +224,19 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_EVT}.spy", consumer, "durable on the event stream")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.KV_{S.KV_SANDBOXES}", b"{}", "consumer on the sandbox records")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.DELETE.{S.STREAM_EVT}.{S.GUARD_AUDIT_DURABLE}", b"", "delete guard's audit consumer")
+        # Snapshots (their records hold the source's spec and envs; their chunks its files) and templates.
+        snap_rec = f"$KV.{S.KV_SNAPSHOTS}.snap-{aid}"
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.KV_{S.KV_SNAPSHOTS}.{snap_rec}", b"", "read a snapshot record (its spec's envs)")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.KV_{S.KV_SNAPSHOTS}", b"{}", "list snapshot records")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.INFO.OBJ_{S.OBJ_CHUNKS}", b"", "snapshot chunks' stream info")
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.OBJ_{S.OBJ_CHUNKS}.$O.{S.OBJ_CHUNKS}.M.x", b"", "read a chunk's metadata")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.OBJ_{S.OBJ_CHUNKS}", b"{}", "read snapshot chunks (files)")
+        await b.denied_subscribe(redteam, f"$O.{S.OBJ_CHUNKS}.>", "snapshot chunks as they are written")
+        await b.denied_publish(redteam, S.IMG_BUILD, b"x", "build a template")
+        await b.denied_publish(redteam, S.IMG_REMOVE, b"x", "remove a template (every tenant's base)")
+        with pytest.raises(PermissionDenied):
+            await AsyncSandbox.list_snapshots(nats_url=b.url)
+        redteam.blocked("tenant b: list every snapshot through the SDK [permission_denied: records are not a client's]")
         # Still nothing reached A's sandbox, and B's raw connection was never closed for it.
         assert b.nc.is_connected and aid in stack.host.live
 
