@@ -40,7 +40,6 @@ import pytest
 import pytest_asyncio
 
 from hostagent.network import NetworkManager, compile_allowlist, parse_allow_out
-from hostagent.network.resolver import _dns_answers
 from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
@@ -586,14 +585,6 @@ def _dns_reply(query: bytes, answers: dict[str, list[str]]) -> bytes:
         return qid + struct.pack("!HHHHH", 0x8183, 1, 0, 0, 0) + question
     body = b"".join(b"\xc0\x0c" + struct.pack("!HHIH", 1, 1, 60, 4) + socket.inet_aton(ip) for ip in ips)
     return qid + struct.pack("!HHHHH", 0x8180, 1, len(ips), 0, 0) + question + body
-
-
-def test_dns_answer_parsing() -> None:
-    from hostagent.network.resolver import _dns_query
-
-    q = _dns_query("svc.dsec.test", 0x1234)
-    assert _dns_answers(_dns_reply(q, {"svc.dsec.test": ["198.18.0.2", "198.18.0.3"]}), "svc.dsec.test") == ["198.18.0.2", "198.18.0.3"]
-    assert _dns_answers(_dns_reply(q, {}), "svc.dsec.test") == []
 
 
 class DnsServer:
