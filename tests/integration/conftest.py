@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_asyncio
 
-from tests.conftest import eventually
+from tests.conftest import cannot_run, eventually, needs
 from tests.netclaim import claim_net
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +50,7 @@ def stack_skip_reason() -> str | None:
 
 
 SKIP_REASON = stack_skip_reason()
-needs_stack = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+needs_stack = needs(SKIP_REASON)
 
 
 # ----------------------------------------------------------------------------------------------- probes
@@ -307,7 +306,7 @@ async def register_base_template(js: Any, rootfs: str) -> bytes | None:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     from bus import connect, ensure_all
     from bus import subjects as S
     from bus.streams import ensure_kv

@@ -13,6 +13,7 @@ import pytest
 
 from bus import codec
 from bus import subjects as S
+from bus.errors import NoCapacity, UnknownTemplate
 from bus.messages import CreateSandbox, HostStatus, PlaceBatch
 from bus.streams import ensure_kv
 from hostagent import HostAgent, SimBackend
@@ -297,9 +298,9 @@ async def test_lost_outcome_reply_is_found_in_the_stream(nats_srv, nc, monkeypat
     try:
         sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10)
         assert sb.host_id == "quiet"
-        with pytest.raises(Exception) as ei:
+        with pytest.raises(UnknownTemplate) as ei:
             await AsyncSandbox.create("nope", backend="sim", nats_url=url, create_timeout=10)
-        assert getattr(ei.value, "code", "") == "unknown_template"
+        assert ei.value.code == "unknown_template" and "nope" in ei.value.description
     finally:
         await pl.shutdown()
         await h.shutdown()
@@ -317,9 +318,9 @@ async def test_every_host_rejecting_ends_in_a_clear_failure_after_bounded_attemp
     await pl.start()
     try:
         await eventually(lambda: "liar2" in pl.table.hosts and pl.table.hosts["liar2"].status.cpu_total == 64, what="fake heartbeat seen")
-        with pytest.raises(Exception) as ei:
+        with pytest.raises(NoCapacity) as ei:
             await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10, sandbox_id="never")
-        assert getattr(ei.value, "code", "") == "no_capacity" and "after 3 attempts" in str(ei.value)
+        assert ei.value.code == "no_capacity" and "after 3 attempts" in str(ei.value)
         async def settled() -> bool:
             evs = await ready_counts(js, ("rejected", "failed", "ready"))
             return len(evs.get("never", [])) >= 4

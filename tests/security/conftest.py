@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.conftest import eventually
+from tests.conftest import cannot_run, eventually
 from tests.netclaim import NetClaim, claim_net
 from tests.integration.conftest import data_dir_leftovers, force_cleanup, register_base_template, stack_skip_reason
 
@@ -182,7 +182,7 @@ def _released(claim: NetClaim) -> Callable[[], Awaitable[None]]:
 @pytest_asyncio.fixture(loop_scope="session")
 async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     from bus import connect, ensure_all
     from bus.natsd import NatsServer
     from bus.streams import StreamOptions

@@ -44,10 +44,11 @@ from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
 from tests.netclaim import claim_net, lock_route
+from tests.conftest import cannot_run, needs
 from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, network_leftovers, until
 
 pytestmark = [pytest.mark.containerd]
-needs_stack = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+needs_stack = needs(SKIP_REASON)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
@@ -223,14 +224,14 @@ PROBE = "/tmp/netprobe"  # where it lives inside a sandbox (a Landlock-writable 
 @pytest.fixture(scope="session")
 def netprobe_bin() -> bytes:
     if shutil.which("gcc") is None:
-        pytest.skip("gcc not installed (needed to build the static probe)")
+        cannot_run("gcc not installed (needed to build the static probe)")
     d = tempfile.mkdtemp(prefix="dsec-netprobe-")
     try:
         src = Path(d, "netprobe.c")
         src.write_text(NETPROBE_C)
         r = subprocess.run(["gcc", "-static", "-O1", "-w", "-o", str(Path(d, "netprobe")), str(src)], capture_output=True, text=True)
         if r.returncode != 0:
-            pytest.skip(f"cannot build a static probe: {r.stderr[-500:]}")
+            cannot_run(f"cannot build a static probe (static libc missing?): {r.stderr[-500:]}")
         return Path(d, "netprobe").read_bytes()
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -474,7 +475,7 @@ class TestHost:
 @pytest_asyncio.fixture(loop_scope="session")
 async def testhost() -> AsyncIterator[TestHost]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     th = TestHost()
     try:
         th.start()
