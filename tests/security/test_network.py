@@ -589,12 +589,14 @@ def _dns_reply(query: bytes, answers: dict[str, list[str]]) -> bytes:
 
 
 class DnsServer:
-    """A tiny authoritative DNS server on the host's loopback: the resolver the host agent is given."""
+    """A tiny authoritative DNS server on the host's loopback: the resolver the host agent is given.
+    Names in ``garbage`` are answered with bytes that are no DNS reply (a broken server)."""
 
     __test__ = False
 
-    def __init__(self, answers: dict[str, list[str]]) -> None:
+    def __init__(self, answers: dict[str, list[str]], garbage: tuple[str, ...] = ()) -> None:
         self.answers = answers
+        self.garbage = garbage
         self.queries: list[str] = []
         self.port = 0
         self._t: Any = None
@@ -612,7 +614,7 @@ class DnsServer:
                     labels.append(data[off + 1 : off + 1 + data[off]].decode())
                     off += 1 + data[off]
                 srv.queries.append(".".join(labels))
-                self.t.sendto(_dns_reply(data, srv.answers), addr)
+                self.t.sendto(data[:2] + b"\x81\x80garbage" if srv.queries[-1] in srv.garbage else _dns_reply(data, srv.answers), addr)
 
         self._t, _ = await asyncio.get_running_loop().create_datagram_endpoint(P, local_addr=("127.0.0.1", 0))
         self.port = self._t.get_extra_info("sockname")[1]
@@ -985,7 +987,8 @@ async def test_root_of_the_netns_still_cannot_pass(
 async def test_domain_allowlist_resolves_through_the_host(make_stack: Any, testhost: TestHost, netprobe_bin: bytes, redteam: RedTeam) -> None:
     from sdk.errors import DsecError
 
-    dns = await DnsServer({"svc.dsec.test": [testhost.ip], "evil.dsec.test": ["127.0.0.1"], "meta.dsec.test": ["169.254.169.254"]}).start()
+    answers = {"svc.dsec.test": [testhost.ip], "evil.dsec.test": ["127.0.0.1"], "meta.dsec.test": ["169.254.169.254"]}
+    dns = await DnsServer(answers, garbage=("broken.dsec.test",)).start()
     try:
         st = await make_stack(network={"nameservers": (f"127.0.0.1:{dns.port}",)})
         lis = await testhost.listen()
@@ -1019,6 +1022,13 @@ async def test_domain_allowlist_resolves_through_the_host(make_stack: Any, testh
                 await st.create(network={"allow_out": [entry]})
             assert ei.value.code == "invalid_argument" and why in str(ei.value), ei.value
             redteam.blocked(f"allowlisted domain resolving to a forbidden or no address refused ({entry}) [invalid_argument]")
+        # a nameserver that answers garbage: the create fails typed (the host could not resolve), and the agent serves on
+        with pytest.raises(DsecError) as ei:
+            await st.create(network={"allow_out": ["broken.dsec.test"]})
+        assert ei.value.code == "create_failed" and "cannot resolve broken.dsec.test" in str(ei.value) and "malformed" in str(ei.value), ei.value
+        redteam.blocked("allowlisted domain whose nameserver answers garbage refused [create_failed]")
+        assert st.attachment(await st.create(network={"allow_out": [f"svc.dsec.test:{lis.port}"]})) is not None
+        redteam.allowed("the next create with a resolvable name works")
     finally:
         dns.close()
 
