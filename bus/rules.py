@@ -11,16 +11,13 @@ decodes but is out of bounds must reach placement, which answers its creator wit
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
 from . import subjects as S
 from .errors import InvalidArgument
-from .messages import HostStatus, SandboxSpec
-
-BACKENDS = ("container", "fncall", "microvm", "vm", "sim")
-PRIORITIES = ("best-effort", "latency-sensitive")
+from .messages import BACKENDS, PRIORITIES, BackendName, HostStatus, Priority, SandboxSpec
 
 # name -> (low, high), both inclusive. cpu 0.01: the smallest share a cgroup CPU quota expresses well
 # (the 50x-overcommit regime runs at 0.02); timeout 1 s: a sandbox must live long enough to be used.
@@ -48,8 +45,8 @@ class SpecBounds(msgspec.Struct):
     disk_mb: _b("disk_mb", int)  # type: ignore[valid-type]
     timeout_s: _b("timeout_s", float)  # type: ignore[valid-type]
     lease_s: _b("lease_s", float)  # type: ignore[valid-type]
-    backend: Literal["container", "fncall", "microvm", "vm", "sim"]
-    priority: Literal["best-effort", "latency-sensitive"]
+    backend: BackendName
+    priority: Priority
     template: Annotated[str, msgspec.Meta(min_length=1)]
     envs: dict[str, str]
     metadata: dict[str, str]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterable
+from typing import get_args
 
 import msgspec
 import structlog
@@ -28,7 +29,7 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile, ViolationAction
 from bus.runtime import KV, Service, Watch
 from bus.streams import StreamOptions, ensure_all
 
@@ -41,7 +42,7 @@ log = structlog.get_logger("dsec.guard")
 _PROFILE_DEC = msgspec.msgpack.Decoder(SecurityProfile)
 AGENT_EXE = "/.dsec/bin/dsec-agent"  # the sandbox's own agent: acts for the host API, never killed for it
 SOURCE = "guard.kernel"
-ACTIONS = ("record", "kill", "quarantine")
+ACTIONS: tuple[ViolationAction, ...] = get_args(ViolationAction)
 
 
 def _same(a: SecurityProfile, b: SecurityProfile) -> bool:
@@ -190,12 +191,13 @@ class Guard(Service):
         return p.audit if p is not None else AuditPolicy()
 
     @staticmethod
-    def _action(policy: AuditPolicy, kind: str) -> str:
+    def _action(policy: AuditPolicy, kind: str) -> ViolationAction:
         # "fs": the read-only mounts and Landlock enforce one filesystem policy (the system paths
         # are in both, and the mount refuses first), so one action for both.
         kind = "landlock" if kind == "fs" else kind
         a = getattr(policy, kind, None) if kind in ("seccomp", "landlock") else policy.other
-        return a if a in ACTIONS else "record"
+        # A profile is data (KV): an action this guard does not know is recorded, never guessed at.
+        return next((x for x in ACTIONS if x == a), "record")
 
     # --- kernel denials ---------------------------------------------------------------------------
     def _on_denial(self, d: Denial) -> None:
