@@ -8,6 +8,7 @@ import os
 import socket
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -21,14 +22,13 @@ from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, Pla
 from bus.rules import validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
-from bus.streams import StreamOptions, ensure_all
+from bus.streams import ensure_all
 
+from ._config import PlacementConfig
 from ._metrics import PlacementMetrics
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
-
-MAX_ATTEMPTS = 5
 
 
 class Placement(Service):
@@ -45,31 +45,23 @@ class Placement(Service):
 
     name = "placement"
 
-    def __init__(
-        self,
-        nats_url: str | None = None,
-        *,
-        replica_id: str | None = None,
-        capacity: int = 512,
-        policy: Policy = Policy(),
-        pending_delay_s: float = 0.5,
-        max_attempts: int = MAX_ATTEMPTS,
-        stream_options: StreamOptions = StreamOptions(),
-        ack_wait_s: float = 10.0,
-        handoff_timeout_s: float = 10.0,
-        grace_s: float = 10.0,
-        control_key: bytes | None = None,
-    ) -> None:
-        super().__init__(nats_url, grace_s=grace_s)
-        self.control_key = control_key  # signs every hand-off to a host (bus.sign); None: unsigned (dev)
-        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.capacity = capacity
-        self.table = HostTable(policy)
-        self.pending_delay_s = pending_delay_s
-        self.max_attempts = max_attempts
-        self.stream_options = stream_options
-        self.ack_wait_s = ack_wait_s
-        self.handoff_timeout_s = handoff_timeout_s
+    def __init__(self, nats_url: str | None = None, *, config: PlacementConfig | None = None, **settings: Any) -> None:
+        """``config`` as ``python -m placement`` builds it from its flags; ``settings`` replace single
+        fields of it (``Placement(url, pending_delay_s=0.1)``: tests and tools)."""
+        cfg = replace(config or PlacementConfig(), **settings)
+        if nats_url is not None:
+            cfg = replace(cfg, nats_url=nats_url)
+        super().__init__(cfg.nats_url, grace_s=cfg.grace_s)
+        self.config = cfg
+        self.control_key = cfg.control_key
+        self.replica_id = cfg.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.capacity = cfg.capacity
+        self.table = HostTable(cfg.placement_policy())
+        self.pending_delay_s = cfg.pending_delay_s
+        self.max_attempts = cfg.max_attempts
+        self.stream_options = cfg.streams()
+        self.ack_wait_s = cfg.ack_wait_s
+        self.handoff_timeout_s = cfg.handoff_timeout_s
         self.templates: dict[str, TemplateManifest] = {}
         self._template_layers: dict[str, frozenset[str]] = {}
         self.placed = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 from bus.messages import HostBackend, HostStatus, SandboxSpec
 from bus.rules import Allocation, Capacity, admits, capacity_of
@@ -105,7 +106,7 @@ class Policy:
     """
 
     sample_k: int = 8  # candidates scored per decision: cost does not grow with host count
-    strategy: str = "spread"  # spread or pack
+    strategy: Literal["spread", "pack"] = "spread"
     ls_cpu_headroom: float = 0.5  # latency-sensitive needs this many really idle cores left
     mem_resident_limit: float = 0.95  # resident memory + newcomers must stay under this share of RAM
     locality_weight: float = 0.5
