@@ -288,8 +288,8 @@ class Guard(Service):
         if self.nflog is not None:
             self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest
-            for k in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
-                del self._gone[k]
+            for old in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
+                del self._gone[old]
 
 
 __all__ = ["Guard", "publish_profiles"]

@@ -194,6 +194,10 @@ def _monitor(app: web.Application) -> None:
 EXTENSIONS: list[Callable[[web.Application], Any]] = [_monitor]
 
 
+async def _health(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
 def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application], Any]] | None = None) -> web.Application:
     """The gateway app; each extension (default: EXTENSIONS) is a function that adds its routes to the app."""
     gw = Gateway(cfg)
@@ -201,7 +205,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     app[GATEWAY_KEY] = gw
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
-    app.router.add_get("/health", lambda _r: web.json_response({"ok": True}))
+    app.router.add_get("/health", _health)
     for ext in EXTENSIONS if extensions is None else extensions:
         ext(app)
     return app
