@@ -8,8 +8,8 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import structlog

@@ -189,9 +189,16 @@ class HostTable:
 
     def runs(self, backend: str, now: float | None = None) -> bool:
         """Some live host runs ``backend`` (typically O(1): the first host advertising it is live)."""
+        ids = self._by_backend.get(backend)
+        if not ids:
+            return False
         now = time.time() if now is None else now
         hosts = self.hosts
-        return any((e := hosts.get(h)) is not None and self._live(e, now) for h in self._by_backend.get(backend, ()))
+        for h in ids:  # on every request: a plain loop, no generator
+            e = hosts.get(h)
+            if e is not None and self._live(e, now):
+                return True
+        return False
 
     def any_live(self, now: float | None = None) -> bool:
         now = time.time() if now is None else now
