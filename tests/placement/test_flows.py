@@ -19,6 +19,7 @@ from bus.streams import ensure_kv
 from hostagent import HostAgent, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
+from sdk.errors import UnsupportedBackend
 
 from .conftest import LAYER, eventually, hosts_up, ready_counts, spawn, stop_process, stored_events
 
@@ -332,3 +333,47 @@ async def test_every_host_rejecting_ends_in_a_clear_failure_after_bounded_attemp
     finally:
         await pl.shutdown()
         await liar.shutdown()
+
+
+async def test_a_backend_no_live_host_runs_is_refused_at_once_naming_those_run(nats_srv, nc) -> None:
+    url = nats_srv.url
+    h = agent(url, "simonly")  # its heartbeat may not list backends yet: it runs just "sim"
+    pl = Placement(url, pending_delay_s=0.1, grace_s=2)
+    await h.start()
+    await pl.start()
+    try:
+        await eventually(lambda: "simonly" in pl.table.hosts, what="the host's heartbeat")
+        t0 = time.monotonic()
+        with pytest.raises(UnsupportedBackend) as ei:
+            await AsyncSandbox.create("base", backend="microvm", nats_url=url, create_timeout=60, sandbox_id="wantvm")
+        assert time.monotonic() - t0 < 10  # refused, not pending until the 60 s deadline
+        assert ei.value.code == "unsupported_backend"
+        assert "'microvm'" in ei.value.description and "available: sim" in ei.value.description
+        ev = (await stored_events(nc.jetstream(), ["wantvm"], ("failed",)))["wantvm"][0]
+        assert ev.code == "unsupported_backend" and ev.attempt == 0
+        # positive control: the backend the host runs is placed on it
+        sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=20)
+        assert sb.host_id == "simonly"
+
+        async def settled() -> bool:  # neither request waits in the stream
+            info = await nc.jetstream().consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await eventually(settled, what="requests acked")
+    finally:
+        await pl.shutdown()
+        await h.shutdown()
+
+
+async def test_with_no_live_host_at_all_a_create_waits_pending(nats_srv, nc) -> None:
+    """No host heartbeats (the cluster is away, or this replica has not heard it yet): nothing is refused."""
+    url = nats_srv.url
+    pl = Placement(url, pending_delay_s=0.1, grace_s=2)
+    await pl.start()
+    try:
+        pending: list[str] = []
+        with pytest.raises(SandboxTimeout) as ei:
+            await AsyncSandbox.create("base", backend="microvm", nats_url=url, create_timeout=1.5, on_pending=pending.append)
+        assert "pending" in str(ei.value) and len(pending) == 1
+    finally:
+        await pl.shutdown()
