@@ -14,7 +14,7 @@ from ._config import add_flags, from_args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m hostagent", description=__doc__)
     add_flags(ap, backends.names())
     ap.add_argument("--cleanup", action="store_true",
                     help="remove everything left for --data-dir (containers, containerd, shims, mounts, network) and exit; only while no agent serves it")

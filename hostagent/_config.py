@@ -58,22 +58,23 @@ _D = HostAgentConfig(host_id="-")  # the declared defaults, for the flags
 
 def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
     """The command line of ``python -m hostagent``; every default comes from ``HostAgentConfig``."""
+    d = " (default: %(default)s)"
     ap.add_argument("--nats-url", default=_D.nats_url, help="default: $DSEC_NATS_URL or nats://127.0.0.1:4222")
     ap.add_argument("--host-id", default=None, help="default: this machine's hostname")
-    ap.add_argument("--data-dir", default=_D.data_dir)
-    ap.add_argument("--backend", default=_D.backend, choices=backends)
-    ap.add_argument("--concurrency", type=int, default=_D.concurrency, help="creates handled at once")
-    ap.add_argument("--pool", default=_D.pool)
-    ap.add_argument("--cpu-overcommit", type=float, default=_D.cpu_overcommit)
-    ap.add_argument("--mem-overcommit", type=float, default=_D.mem_overcommit)
-    ap.add_argument("--max-sandboxes", type=int, default=_D.max_sandboxes, help="0: no limit but resources")
+    ap.add_argument("--data-dir", default=_D.data_dir, help="state, layers, scratch disks, the private containerd" + d)
+    ap.add_argument("--backend", default=_D.backend, choices=backends, help="the sandbox backend this host runs" + d)
+    ap.add_argument("--concurrency", type=int, default=_D.concurrency, help="creates handled at once" + d)
+    ap.add_argument("--pool", default=_D.pool, help="the host pool placement matches sandboxes to" + d)
+    ap.add_argument("--cpu-overcommit", type=float, default=_D.cpu_overcommit, help="CPU admitted per CPU of the host" + d)
+    ap.add_argument("--mem-overcommit", type=float, default=_D.mem_overcommit, help="memory admitted per MB of the host" + d)
+    ap.add_argument("--max-sandboxes", type=int, default=_D.max_sandboxes, help="0: no limit but resources" + d)
     ap.add_argument("--containerd-address", default=_D.containerd_address, help="default: start a private containerd under the data dir")
     ap.add_argument("--destroy-on-shutdown", action="store_true", default=_D.destroy_on_shutdown,
                     help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
-    ap.add_argument("--reconcile-s", type=float, default=_D.reconcile_s, help="period of the reconcile loop (records vs containerd, mounts, cgroups)")
-    ap.add_argument("--containerd-calls", type=int, default=_D.containerd_calls, help="containerd calls in flight at once (more queue)")
-    ap.add_argument("--warm-pool", type=int, default=_D.warm_pool, help="started sandboxes kept ready per template, disk size and profile (0: off)")
-    ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs")
+    ap.add_argument("--reconcile-s", type=float, default=_D.reconcile_s, help="period of the reconcile loop (records vs containerd, mounts, cgroups)" + d)
+    ap.add_argument("--containerd-calls", type=int, default=_D.containerd_calls, help="containerd calls in flight at once (more queue)" + d)
+    ap.add_argument("--warm-pool", type=int, default=_D.warm_pool, help="started sandboxes kept ready per template, disk size and profile (0: off)" + d)
+    ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs" + d)
     ap.add_argument("--control-key-file", default=None,
                     help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
 

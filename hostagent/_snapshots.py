@@ -76,7 +76,7 @@ class Snapshots:
     ) -> None:
         self.host_id = host_id
         self.data_dir = data_dir
-        self.caps = caps
+        self.caps = caps  # the backend's abilities: freezing, checkpoints
         self.registry = registry
         self.records = records
         self._kill = kill  # the reaper's kill (a persisted pause ends the sandbox here)
@@ -119,7 +119,7 @@ class Snapshots:
         own = [lay if lay.path and os.path.realpath(lay.path).startswith(mine) else msgspec.structs.replace(lay, path="") for lay in rec.layers]
         return [*template_layers, *own], rec.memory_layer
 
-    async def restored(self, ls: LocalSandbox) -> None:
+    async def restored(self, ls: "LocalSandbox") -> None:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
         spec = ls.spec
         ls.extra[LAST] = spec.snapshot
@@ -127,15 +127,16 @@ class Snapshots:
         await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
 
     # --- ops --------------------------------------------------------------------------------------
-    def _container(self, handle: Handle) -> tuple[Handle, str]:
+    def _container(self, handle: "Handle") -> tuple["Handle", str]:
+        """What is frozen (the sandbox, through the backend's freezer) and its scratch dir."""
         return handle, self.caps.need_freezer().scratch_dir(handle)
 
-    async def _freeze(self, handle: Handle, cgroup: Handle) -> None:
+    async def _freeze(self, handle: "Handle", cgroup: "Handle") -> None:
         freezer = self.caps.need_freezer()
         await freezer.before_freeze(handle)  # its idle agent connections closed first
         await freezer.freeze(cgroup)
 
-    async def snapshot(self, ls: LocalSandbox, handle: Handle, req: SnapshotRequest) -> SnapshotRecord:
+    async def snapshot(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
         if ls.state != "running":
             raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}: only a running sandbox can be snapshotted", state=ls.state)
         if len(req.fork_ids) > MAX_FORK_COUNT:
@@ -150,7 +151,7 @@ class Snapshots:
                               detail={"count": str(len(req.fork_ids)), "sandboxes": ",".join(req.fork_ids)[:4000]})
         return rec
 
-    def _memory_supported(self, ls: LocalSandbox) -> None:
+    def _memory_supported(self, ls: "LocalSandbox") -> None:
         """Raise ``snapshot_unsupported`` for what CRIU cannot checkpoint and restore faithfully here."""
         if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
             raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
@@ -165,7 +166,7 @@ class Snapshots:
         if ls.spec.network is not None and ls.spec.network.allow_out:
             raise SnapshotUnsupported("memory snapshots of a sandbox with network egress (a host-made veth) are not supported")
 
-    async def _take(self, ls: LocalSandbox, handle: Handle, req: SnapshotRequest) -> SnapshotRecord:
+    async def _take(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
         sid = ls.spec.sandbox_id
         snap_id = req.snapshot_id or new_snapshot_id()
         if not S.valid_token(snap_id):
@@ -225,7 +226,7 @@ class Snapshots:
         log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))
         return rec
 
-    async def _dump_memory(self, handle: Handle, snap_id: str) -> PackedLayer:
+    async def _dump_memory(self, handle: "Handle", snap_id: str) -> PackedLayer:
         """CRIU's dump of the (frozen) sandbox, packed as a layer like the files."""
         checkpointer = self.caps.need_checkpointer()
         root = os.path.join(self.data_dir, "criu", snap_id)
@@ -249,7 +250,7 @@ class Snapshots:
             raise Unavailable(f"the lazy loader on host {self.host_id} did not pack the snapshot within {PACK_TIMEOUT_S:g}s") from None
         return codec.decode_reply(msg.data, PackedLayer)
 
-    async def pause(self, ls: LocalSandbox, handle: Handle, req: PauseRequest) -> Any:
+    async def pause(self, ls: "LocalSandbox", handle: "Handle", req: PauseRequest) -> Any:
         sid = ls.spec.sandbox_id
         cgroup, _ = self._container(handle)
         if req.persist:
@@ -290,7 +291,7 @@ class Snapshots:
         await self.records.event(ls.spec, "paused", detail={"persist": "false"})
         return Done(detail="paused")
 
-    async def resume(self, ls: LocalSandbox, handle: Handle) -> Done:
+    async def resume(self, ls: "LocalSandbox", handle: "Handle") -> Done:
         if ls.state == "running":
             return Done(detail="running")
         if ls.state != "paused":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..._backend import Backend
 from ..._config import HostAgentConfig
 from ...network import NetworkConfig
 from .backend import ContainerBackend
@@ -31,7 +32,7 @@ def network_config(prefix: str = "") -> NetworkConfig:
     return dataclasses.replace(cfg, table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-") if prefix else cfg
 
 
-def from_config(config: HostAgentConfig) -> ContainerBackend:
+def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
     return ContainerBackend(
         config.data_dir, containerd_address=config.containerd_address, warm_pool=config.warm_pool,
         network=network_config(config.net_prefix), containerd_calls=config.containerd_calls,

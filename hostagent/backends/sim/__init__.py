@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ..._backend import Backend
 from ..._config import HostAgentConfig
 from .backend import SimBackend
 
@@ -13,7 +14,7 @@ def _env_float(name: str, default: float) -> float:
     return float(v) if v else default
 
 
-def from_config(config: HostAgentConfig) -> SimBackend:
+def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
     """A simulated host's size from the environment: ``DSEC_SIM_CPU``, ``DSEC_SIM_MEM_MB``,
     ``DSEC_SIM_DISK_MB``, ``DSEC_SIM_RESIDENT`` (share of requested memory a sandbox really holds)."""
     return SimBackend(
