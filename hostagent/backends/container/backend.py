@@ -42,7 +42,7 @@ from bus.messages import (
 from bus.profiles import default_profile
 
 from ..._agent import AgentClient, AgentError, AgentInfo, DirEntry, ensure_agent_binary
-from ..._agent_errors import agent_errors
+from ..._agent_errors import translate
 from ..._config import DEFAULT_WARM_POOL
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._execio import result_of
@@ -387,17 +387,19 @@ class ContainerBackend:
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
         env = {**DEFAULT_ENV, **req.envs}
-        with agent_errors(handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True):
+        try:  # (no context manager on the exec path: nothing added to a round trip that succeeds)
             out = await self.agent_client(handle).exec(
                 req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
                 cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
                 user=req.user, on_start=on_start,
             )
+        except AgentError as exc:  # AgentUnavailable too
+            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True) from None
         return result_of(out)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
         c = self.agent_client(handle)
-        with agent_errors(handle.sandbox_id, path="" if isinstance(op, FileUnwatch) else op.path):
+        try:
             match op:
                 case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
                     await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
@@ -421,6 +423,8 @@ class ContainerBackend:
                     return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False)))
                 case FileStat(path=p, follow_symlinks=follow):
                     return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow)))
+        except AgentError as exc:  # AgentUnavailable too
+            raise translate(exc, handle.sandbox_id, path="" if isinstance(op, FileUnwatch) else op.path) from None
         raise InvalidArgument(f"unsupported file operation {type(op).__name__}")
 
     # --- optional abilities: metrics, freezing, checkpoints ----------------------------------------
