@@ -60,17 +60,17 @@ class HostAgent(Service):
         self.profiles: ProfileCache | None = ProfileCache() if self.caps.enforces_profiles else None
         self.registry = Registry(self.data_dir / "hosts" / self.host_id / "sandboxes", persist=config.persist_state)
         self.records = Records(self.host_id)
-        self.ports = PortRelay(self._nc)  # sandbox ports relayed over NATS (the gateway's get_host)
-        self.execio = ExecIO(backend, self.caps, self._nc, self.host_id)  # exec streaming, background processes, watches
+        self.ports = PortRelay(self._connection)  # sandbox ports relayed over NATS (the gateway's get_host)
+        self.execio = ExecIO(backend, self.caps, self._connection, self.host_id)  # exec streaming, background processes, watches
         creating: dict[str, asyncio.Future[None]] = {}  # sandboxes being made now (the intake's)
         self.m = HostMetrics(self.metrics, creating, self.registry, self._status)  # Prometheus metrics
         self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m)
         self.reaper = Reaper(
-            self.registry, self.records, backend, creating, self.execio, self.ports, self.ops.unserve, self._js,
+            self.registry, self.records, backend, creating, self.execio, self.ports, self.ops.unserve, self._jetstream,
             kill_wait_s=config.kill_wait_s,
         )
         self.snapshots = Snapshots(  # snapshot, fork, pause/resume; restores from snapshots
-            self.host_id, self.data_dir, self.caps, self.registry, self.records, self.reaper.kill, self.profiles, self._nc, self._js,
+            self.host_id, self.data_dir, self.caps, self.registry, self.records, self.reaper.kill, self.profiles, self._connection, self._jetstream,
         )
         self.ops.bind(self.reaper, self.snapshots)  # (they unserve through it: bound once both exist)
         self.intake = Intake(
@@ -78,7 +78,7 @@ class HostAgent(Service):
             stream_options.dedup_window_s,
         )
         self.reconciler = Reconciler(
-            self.host_id, self.registry, self.records, backend, self.reaper, self.ops, creating, self._js, self.pause,
+            self.host_id, self.registry, self.records, backend, self.reaper, self.ops, creating, self._jetstream, self.pause,
             period_s=config.reconcile_s,
         )
         self.registry.observers.append(self.reaper.observe)
@@ -86,10 +86,10 @@ class HostAgent(Service):
         self._resident_mb = 0
         self._cpu_busy = 0.0
 
-    def _nc(self) -> NATS | None:
+    def _connection(self) -> NATS | None:
         return self.nc
 
-    def _js(self) -> JetStreamContext | None:
+    def _jetstream(self) -> JetStreamContext | None:
         return self.js
 
     # The live table, as tests, benchmarks and the simulated hosts read it.
