@@ -18,7 +18,6 @@ from bus.errors import DsecError, InternalError
 from bus.messages import SANDBOX_ENDED, SandboxRecord, SandboxSpec
 from bus.runtime import KV, Claim, Events, Publisher, StoreError, dead_letter, publisher_for
 
-from ._snapshots import resumes
 from ._registry import LocalSandbox
 
 log = structlog.get_logger("dsec.hostagent")
@@ -27,6 +26,11 @@ log = structlog.get_logger("dsec.hostagent")
 # back whose record it wrote itself in one of OURS (an earlier delivery of the same work).
 CLAIM_STATE = "creating"
 OURS = ("placed", "creating", "running")
+
+
+def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
+    """True when ``spec`` is the resume of the persisted pause ``cur`` records (so it may take the id)."""
+    return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
 
 
 class Records:
@@ -140,4 +144,4 @@ class Records:
         await self.publisher.store(subject, data, {S.HDR_MSG_ID: msg_id})
 
 
-__all__ = ["Records", "CLAIM_STATE", "OURS"]
+__all__ = ["Records", "CLAIM_STATE", "OURS", "resumes"]
