@@ -36,6 +36,7 @@ from bus.errors import (
     UnknownSnapshot,
 )
 from bus.messages import (
+    SnapshotEventKind,
     MAX_FORK_COUNT,
     Done,
     LayerRef,
@@ -308,7 +309,7 @@ class Snapshots:
         return Done(detail="running")
 
     # --- events -------------------------------------------------------------------------------------
-    async def _event(self, snapshot_id: str, kind: str, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
+    async def _event(self, snapshot_id: str, kind: SnapshotEventKind, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
                      detail: dict[str, str] | None = None) -> None:
         ev = SnapshotEvent(snapshot_id=snapshot_id, kind=kind, at=time.time(), sandbox_id=sandbox_id, parent_id=parent_id,
                            host_id=self.host_id, metadata=metadata or {}, detail=detail or {})
