@@ -18,7 +18,17 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, SandboxNotFound, SnapshotUnsupported, UnknownUser
+from bus.errors import (
+    CreateFailed,
+    FileError,
+    FileNotFound,
+    ImageError,
+    InvalidArgument,
+    NotSupported,
+    SandboxNotFound,
+    SnapshotUnsupported,
+    UnknownUser,
+)
 from bus.messages import (
     DirMade,
     Done,
@@ -782,12 +792,12 @@ class ContainerBackend:
     async def exec(
         self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: Any = None,
     ) -> ExecResult:
-        env = {**DEFAULT_ENV, **req.envs}
+        env = dict(req.envs) if req.trusted else {**DEFAULT_ENV, **req.envs}  # trusted: the agent's fixed set instead
         try:
             out = await self._client(handle).exec(
                 req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
                 cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
-                user=req.user, on_start=on_start,
+                user=req.user, on_start=on_start, trusted=req.trusted,
             )
         except AgentUnavailable as exc:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
@@ -796,6 +806,9 @@ class ContainerBackend:
                 raise UnknownUser(f"user {req.user!r} is not in the sandbox's /etc/passwd", user=req.user) from None
             if exc.errno == _errno.ENOENT and req.cwd:
                 raise InvalidArgument(f"cwd {req.cwd!r} does not exist in the sandbox") from None
+            if req.trusted and exc.errno in (_errno.ENOTSUP, _errno.EPROTO):
+                why = exc.message if exc.errno == _errno.ENOTSUP else "its agent predates trusted runs (recreate the sandbox)"
+                raise NotSupported(f"no trusted run in sandbox {handle.sandbox_id}: {why}") from None
             raise FileError(f"exec failed: {exc.message}") from None
         return result_of(out)
 
