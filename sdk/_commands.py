@@ -281,19 +281,19 @@ class AsyncCommands:
                 await out.close()
                 raise
             return AsyncCommandHandle(self._sb, started.pid, out, tag=tag, timeout=timeout)
-        out = None
+        stream: _Output | None = None
         if on_stdout or on_stderr:
-            out = await _Output(self._sb, on_stdout, on_stderr, 0).start()
-            req.stream_to = out.inbox
+            stream = await _Output(self._sb, on_stdout, on_stderr, 0).start()
+            req.stream_to = stream.inbox
         try:
             res: ExecResult = await self._sb._request("exec", req, ExecResult, timeout=(timeout or 86400) + 10)
-            if out is not None:
-                await out.drain(res.chunks)
+            if stream is not None:
+                await stream.drain(res.chunks)
         finally:
-            if out is not None:
-                await out.close()
-        if out is not None and out.error is not None:
-            raise out.error
+            if stream is not None:
+                await stream.close()
+        if stream is not None and stream.error is not None:
+            raise stream.error
         return _raise_for(_result(res, res.stdout, res.stderr), res.timed_out, timeout)
 
     async def list(self) -> list[ProcessInfo]:

@@ -166,7 +166,7 @@ class RestApi:
         self.gw = gw
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/openapi.json", lambda _r: web.json_response(OPENAPI))
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/sandboxes", self.create)
         app.router.add_get("/v1/sandboxes", self.list)
         app.router.add_get("/v1/sandboxes/{id}", self.get)
@@ -183,6 +183,10 @@ class RestApi:
         app.router.add_put("/v1/sandboxes/{id}/files", self.write)
         app.router.add_delete("/v1/sandboxes/{id}/files", self.remove)
         app.router.add_get("/v1/sandboxes/{id}/files/list", self.listdir)
+
+    @staticmethod
+    async def openapi(_request: web.Request) -> web.Response:
+        return web.json_response(OPENAPI)
 
     async def _sb(self, request: web.Request) -> Any:
         tenant, _ = await self.gw.tenant(request)
