@@ -65,7 +65,8 @@
  *              on top of a fixed set (HOME, USER, LOGNAME, PATH, LANG, PYTHONNOUSERSITE,
  *              PYTHONDONTWRITEBYTECODE, GIT_CONFIG_GLOBAL=/dev/null, GIT_CONFIG_NOSYSTEM): no
  *              PYTHONPATH, PYTHONSTARTUP, BASH_ENV, ENV, LD_PRELOAD, ... unless the caller names
- *              them. /bin/sh -c reads no startup file without ENV. Refused (ENOTSUP) unless every
+ *              them. /bin/sh -c reads no startup file without ENV. Refused (ENOTSUP) without a
+ *              writable /tmp for the HOME, and unless every
  *              system directory (/usr /bin /sbin /lib* /etc) is on a read-only mount: with a
  *              writable /etc (ld.so.preload, ld.so.cache, python's sitecustomize, profile.d) or
  *              /usr no environment makes a run trustworthy, and we cannot mount over them.
@@ -1071,7 +1072,7 @@ static void op_exec(struct conn *c, struct rd *r, int trusted)
             goto out;
         }
         if (!(home = home_create(*user ? &u : NULL))) {
-            reply_err(c, errno, "trusted run: private HOME under /tmp: %s", strerror(errno));
+            reply_err(c, ENOTSUP, "trusted run refused: cannot create a private HOME under /tmp: %s", strerror(errno));
             goto out;
         }
         if (!*cwd) {

@@ -332,3 +332,37 @@ async def test_trusted_over_rest_exec(make_stack: Any, glibc_rootfs: Path) -> No
         if sid:
             await asyncio.to_thread(http, "DELETE", f"/v1/sandboxes/{sid}")
         await runner.cleanup()
+
+
+async def test_an_agent_without_trusted_runs_never_runs_one_as_ordinary(tmp_path: Path) -> None:
+    """An agent of an older protocol (built here from today's source without its 'T' request: the
+    older agents in running sandboxes know only 'X') answers EPROTO and starts nothing; today's
+    agent refuses with ENOTSUP where the system directories are writable (here: the host's own)."""
+    import errno
+
+    from hostagent._agent import AGENT_SOURCE, AgentClient, AgentError
+
+    src = AGENT_SOURCE.read_text()
+    line = "    case 'T': op_exec(c, &r, 1); return;\n"
+    assert line in src
+    marker = tmp_path / "ran"
+    for name, text, want in (("old", src.replace(line, ""), errno.EPROTO), ("new", src, errno.ENOTSUP)):
+        exe, sock = tmp_path / f"agent-{name}", str(tmp_path / f"{name}.sock")
+        r = subprocess.run(["gcc", "-static", "-O1", "-x", "c", "-o", str(exe), "-"], input=text, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        proc = subprocess.Popen([str(exe), "--socket", sock], stdin=subprocess.DEVNULL)
+        try:
+            client = AgentClient(sock, expected_pid=proc.pid)
+            await client.wait_ready(10)
+            ok = await client.exec(f"touch {marker}-ordinary")
+            assert ok.exit_code == 0 and os.path.exists(f"{marker}-ordinary")  # positive control: it runs commands
+            with pytest.raises(AgentError) as exc:
+                await client.exec(f"touch {marker}-{name}", trusted=True)
+            assert exc.value.errno == want, exc.value
+            assert not os.path.exists(f"{marker}-{name}"), f"the {name} agent ran the trusted command"
+            if name == "new":
+                assert "trusted run refused" in exc.value.message and "is writable" in exc.value.message
+            client.close_idle()
+        finally:
+            proc.terminate()
+            proc.wait(10)
