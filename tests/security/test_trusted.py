@@ -265,8 +265,10 @@ async def test_system_vectors_cannot_be_planted_under_the_default_profile(make_s
     sb = await st.create(template=TEMPLATE, memory_mb=128)
     ok = await run(sb, "echo /opt/pwn.so > /tmp/preload && echo written")
     assert ok.stdout == "written\n", ok  # positive control: the agent does write where it may
-    for path in ("/etc/ld.so.preload", "/etc/profile", f"/usr/local/lib/{PYVER}/dist-packages/sitecustomize.py", "/usr/bin/python3"):
-        r = await run(sb, f"echo x > {path}")
+    redteam.allowed("default profile: writing /tmp")
+    for path in ("/etc/ld.so.preload", "/etc/profile", f"/usr/local/lib/{PYVER}/dist-packages/sitecustomize.py", "/usr/bin/python3",
+                 "/etc/hosts", "/etc/resolv.conf", "/lib64/ld-linux-x86-64.so.2"):
+        r = await run(sb, f"echo x >> {path}")
         assert r.exit_code != 0 and "Read-only file system" in r.stderr, f"{path}: {r}"
         redteam.blocked(f"default profile: planting {path} (EROFS)")
 
