@@ -18,17 +18,7 @@ from typing import Any
 
 import structlog
 
-from bus.errors import (
-    CreateFailed,
-    FileError,
-    FileNotFound,
-    ImageError,
-    InvalidArgument,
-    NotSupported,
-    SandboxNotFound,
-    SnapshotUnsupported,
-    UnknownUser,
-)
+from bus.errors import CreateFailed, FileError, FileNotFound, ImageError, InvalidArgument, NotSupported, SandboxNotFound, SnapshotUnsupported, UnknownUser
 from bus.messages import (
     DirMade,
     Done,
