@@ -60,8 +60,9 @@
  *              buffered is sent, but background children that keep the pipes open don't delay it.
  *   'T' trusted exec: as 'X' (same fields, same answers; protocol 4), for a grader's command that
  *              what the sandbox's own processes wrote must not hijack. The command gets a fresh
- *              private HOME (created 0700 and empty under /tmp, removed when the shell exits; the
- *              default cwd), PATH of the existing system directories, and only the given variables
+ *              private HOME (created 0700 and empty under /tmp, removed when the shell exits, and
+ *              /tmp's mtime put back unless something else changed it meanwhile; the default
+ *              cwd), PATH of the existing system directories, and only the given variables
  *              on top of a fixed set (HOME, USER, LOGNAME, PATH, LANG, PYTHONNOUSERSITE,
  *              PYTHONDONTWRITEBYTECODE, GIT_CONFIG_GLOBAL=/dev/null, GIT_CONFIG_NOSYSTEM): no
  *              PYTHONPATH, PYTHONSTARTUP, BASH_ENV, ENV, LD_PRELOAD, ... unless the caller names
@@ -174,6 +175,9 @@ struct proc {
     int in_close;
     char *cmd, *cwd, *user;
     char *home; /* a trusted run's private HOME, removed when its shell exits */
+    /* /tmp's mtime before the HOME was made and right after: put back once it is gone, unless
+     * something else changed /tmp meanwhile (a trusted run leaves the sandbox's files as they were) */
+    struct timespec tmp_mtime, tmp_mtime_made;
     struct watch w_out, w_err, w_in;
     struct proc *next, *prev, *next_dead;
 };
@@ -981,12 +985,19 @@ fail:
 
 static void rm_tree(const char *path);
 
-/* The fresh private HOME of a trusted run, owned by the user it runs as; NULL and errno set. */
-static char *home_create(const struct user *u)
+/* The fresh private HOME of a trusted run, owned by the user it runs as; NULL and errno set.
+ * times[0], times[1]: /tmp's mtime before and after. */
+static char *home_create(const struct user *u, struct timespec times[2])
 {
     char tmpl[] = "/tmp/.dsec-trusted-XXXXXX";
+    struct stat st;
+    times[0] = times[1] = (struct timespec){0, 0};
+    if (stat("/tmp", &st) == 0)
+        times[0] = st.st_mtim;
     if (!mkdtemp(tmpl)) /* 0700, whatever the umask */
         return NULL;
+    if (stat("/tmp", &st) == 0)
+        times[1] = st.st_mtim;
     char *home = strdup(tmpl);
     if (!home || (u && chown(tmpl, u->uid, u->gid) < 0)) {
         int e = home ? errno : ENOMEM;
@@ -1000,11 +1011,18 @@ static char *home_create(const struct user *u)
 
 static void home_remove(struct proc *p)
 {
-    if (p->home) {
-        rm_tree(p->home);
-        free(p->home);
-        p->home = NULL;
+    if (!p->home)
+        return;
+    struct stat st;
+    int untouched = p->tmp_mtime.tv_sec && stat("/tmp", &st) == 0 && st.st_mtim.tv_sec == p->tmp_mtime_made.tv_sec &&
+                    st.st_mtim.tv_nsec == p->tmp_mtime_made.tv_nsec;
+    rm_tree(p->home);
+    if (untouched) {
+        struct timespec ts[2] = {{0, UTIME_OMIT}, p->tmp_mtime};
+        utimensat(AT_FDCWD, "/tmp", ts, 0);
     }
+    free(p->home);
+    p->home = NULL;
 }
 
 
@@ -1035,6 +1053,7 @@ static void op_exec(struct conn *c, struct rd *r, int trusted)
 {
     char *cmd = NULL, *cwd = NULL, *user = NULL, **envp = NULL, **uenv = NULL, *slots[3] = {NULL, NULL, NULL};
     char *home = NULL, **tenv = NULL;
+    struct timespec tmp_times[2] = {{0, 0}, {0, 0}};
     uint32_t nenv = 0, i;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     struct user u;
@@ -1071,7 +1090,7 @@ static void op_exec(struct conn *c, struct rd *r, int trusted)
                       "directories writable, and no environment keeps a run from what was written there)", w);
             goto out;
         }
-        if (!(home = home_create(*user ? &u : NULL))) {
+        if (!(home = home_create(*user ? &u : NULL, tmp_times))) {
             reply_err(c, ENOTSUP, "trusted run refused: cannot create a private HOME under /tmp: %s", strerror(errno));
             goto out;
         }
@@ -1148,6 +1167,8 @@ static void op_exec(struct conn *c, struct rd *r, int trusted)
     p->cwd = cwd;
     p->user = user;
     p->home = home;
+    p->tmp_mtime = tmp_times[0];
+    p->tmp_mtime_made = tmp_times[1];
     cmd = cwd = user = home = NULL;
     po[0] = pe[0] = pi[1] = -1;
     p->w_out = (struct watch){W_OUT, NULL, p};
