@@ -28,7 +28,7 @@ from typing import cast
 import msgspec
 
 PROTOCOL_VERSION = 3
-PROTOCOLS = (2, 3)  # spoken with agents still running from before an upgrade; 3 keeps connections open
+PROTOCOLS = (2, 3, 4)  # spoken with agents still running from before an upgrade; 3 keeps connections open; 4 trusted runs
 
 AGENT_SOURCE = Path(__file__).with_name("agent") / "dsec-agent.c"
 
@@ -506,6 +506,7 @@ class AgentClient:
         stdin: bool = False,
         user: str = "",
         on_start: Callable[[int], Awaitable[None] | None] | None = None,
+        trusted: bool = False,
     ) -> ExecOutcome:
         """Run ``cmd`` with ``/bin/sh -c`` in its own session; output streams to ``on_output``.
 
@@ -516,7 +517,9 @@ class AgentClient:
         first bytes; the totals are counted regardless). ``stdin`` gives it a pipe for
         ``send_stdin``; ``user`` runs it as that user of the sandbox. ``on_start`` hears the pid.
         A command that could not be started (missing cwd, no /bin/sh, unknown user: ESRCH)
-        raises AgentError.
+        raises AgentError. ``trusted``: the agent's trusted run ('T', see the agent's protocol
+        notes): ``env`` is then only what the caller adds to the agent's fixed set; ENOTSUP when the
+        sandbox's system directories are writable, EPROTO from an agent that predates it.
         """
         timeout_ms = 0 if not timeout_s or timeout_s <= 0 else min(math.ceil(timeout_s * 1000), 0xFFFFFFFF)
         env_parts = []
@@ -528,7 +531,7 @@ class AgentClient:
         buffered = on_output is None and on_start is None and not background
         flags = (1 if background else 0) | (2 if stdin else 0) | (4 if buffered else 0)
         frame = _frame(
-            b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
+            b"T" if trusted else b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
             bytes((flags,)), _s(user),
         )
         loop = asyncio.get_running_loop()

@@ -386,15 +386,15 @@ class ContainerBackend:
         return c
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
-        env = {**DEFAULT_ENV, **req.envs}
+        env = dict(req.envs) if req.trusted else {**DEFAULT_ENV, **req.envs}  # trusted: the agent's fixed set instead
         try:  # (no context manager on the exec path: nothing added to a round trip that succeeds)
             out = await self.agent_client(handle).exec(
                 req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
                 cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
-                user=req.user, on_start=on_start,
+                user=req.user, on_start=on_start, trusted=req.trusted,
             )
         except AgentError as exc:  # AgentUnavailable too
-            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True) from None
+            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True, trusted=req.trusted) from None
         return result_of(out)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
