@@ -11,37 +11,37 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING
 
 import structlog
+from nats.aio.client import Client as NATS
 
 from bus import codec
 from bus import subjects as S
 from bus.errors import PermissionDenied
 from bus.messages import GuardViolation, SandboxSpec, SnapshotRecord
 
-if TYPE_CHECKING:
-    from ._service import HostAgent
+from ._registry import LocalSandbox
 
 log = structlog.get_logger("dsec.hostagent")
 
 
-async def check_tenant(host: "HostAgent", tenant: str, sandbox_id: str, op: str) -> None:
-    """Raise PermissionDenied (after recording the violation) unless ``tenant`` may run ``op`` on the sandbox."""
-    ls = host.registry.get(sandbox_id)
+async def check_tenant(nc: NATS | None, host_id: str, ls: LocalSandbox | None, tenant: str, op: str) -> None:
+    """Raise PermissionDenied (after recording the violation on ``nc``) unless ``tenant`` may run
+    ``op`` on the sandbox ``ls``."""
     if ls is None:
         return  # not held here: the op's own lookup answers not-found
+    sandbox_id = ls.spec.sandbox_id
     owner = S.tenant(ls.spec.client)
     if tenant in (owner, S.OPERATOR_TENANT):
         return
     log.warning("tenant_violation", sandbox_id=sandbox_id, tenant=tenant, op=op)
     v = GuardViolation(
         sandbox_id=sandbox_id, at=time.time(), kind="control-plane", what=f"{op} by another tenant refused", action="record",
-        host_id=host.host_id, detail={"tenant": tenant, "op": op},
+        host_id=host_id, detail={"tenant": tenant, "op": op},
     )
-    with contextlib.suppress(Exception):  # the refusal stands even when the event cannot be sent
-        assert host.nc is not None
-        await host.nc.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
+    if nc is not None:
+        with contextlib.suppress(Exception):  # the refusal stands even when the event cannot be sent
+            await nc.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
     raise PermissionDenied(f"sandbox {sandbox_id} does not belong to tenant {tenant}")
 
 

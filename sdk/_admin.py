@@ -110,7 +110,8 @@ async def replay_events(
             if info.state.messages == 0:
                 return
         if start:
-            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())  # type: ignore[arg-type]  # nats-py sends it as is: the server wants RFC 3339
+            # the server reads RFC 3339 text, which nats-py passes on as given (it annotates a datetime)
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())  # type: ignore[arg-type]  # see above
         else:
             cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         queue: asyncio.Queue[Any] = asyncio.Queue()

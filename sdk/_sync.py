@@ -184,7 +184,7 @@ class Sandbox:
     def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> SnapshotInfo:
         return _run(self._a.create_snapshot(name, memory=memory, metadata=metadata))
 
-    def fork(self, count: int, **create_kwargs: Any) -> builtins.list["Sandbox"]:  # (``list`` is the method above)
+    def fork(self, count: int, **create_kwargs: Any) -> builtins.list["Sandbox"]:
         return [Sandbox(a) for a in _run(self._a.fork(count, **create_kwargs))]
 
     def pause(self, persist: bool = False, *, memory: bool = False) -> SnapshotInfo | None:

@@ -137,7 +137,8 @@ def _sandbox(args: argparse.Namespace) -> int:
                 r = exc.result
             finally:
                 sys.stdout.flush()
-            return int(r.exit_code)
+            code: int = r.exit_code
+            return code
         elif args.sbx_cmd == "ls":
             items = Sandbox.list(**kw)
             if args.json:

@@ -74,6 +74,8 @@ OPENAPI: dict[str, Any] = {
             "Exec": {"type": "object", "required": ["cmd"], "properties": {
                 "cmd": {"type": "string"}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
                 "cwd": {"type": "string"}, "timeout": {"type": "number", "default": 60},
+                "trusted": {"type": "boolean", "default": False, "description": "a grader's run the sandbox's processes cannot hijack "
+                            "(fresh HOME, system PATH, only these envs, no startup files; see commands.run(trusted=True))"},
             }},
             "Snapshot": {"type": "object", "properties": {
                 "snapshot_id": {"type": "string"}, "parent_id": {"type": "string"}, "sandbox_id": {"type": "string"},
@@ -159,12 +161,16 @@ def _fields(doc: dict[str, Any], allowed: set[str]) -> None:
         raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
 
 
+async def _openapi(_request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
 class RestApi:
     def __init__(self, gw: Any) -> None:
         self.gw = gw
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/openapi.json", lambda _r: web.json_response(OPENAPI))
+        app.router.add_get("/openapi.json", _openapi)
         app.router.add_post("/v1/sandboxes", self.create)
         app.router.add_get("/v1/sandboxes", self.list)
         app.router.add_get("/v1/sandboxes/{id}", self.get)
@@ -265,9 +271,11 @@ class RestApi:
     async def exec(self, request: web.Request) -> web.Response:
         sb = await self._sb(request)
         doc = await json_object(request)
-        _fields(doc, {"cmd", "envs", "cwd", "timeout"})
+        _fields(doc, {"cmd", "envs", "cwd", "timeout", "trusted"})
         try:
-            r = await sb.commands.run(doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60))
+            r = await sb.commands.run(
+                doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60), trusted=doc.get("trusted", False),
+            )
         except CommandExitError as exc:
             r = exc.result
         return web.json_response({"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code})
