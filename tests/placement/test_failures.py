@@ -384,8 +384,8 @@ async def test_ready_never_heard_nor_in_the_stream_is_read_from_the_record(nats_
     purged: list[str] = []
 
     async def purge(msg) -> None:  # the ready event is taken out of the stream as soon as it is there
-        sid = msg.subject.split(".")[4]
-        subject = S.evt_sandbox(sid, "ready", S.OPERATOR_TENANT)
+        tenant, sid = msg.subject.split(".")[3:5]  # dsec.evt.sandbox.<tenant>.<id>.ready
+        subject = S.evt_sandbox(sid, "ready", tenant)
 
         async def stored() -> bool:
             try:

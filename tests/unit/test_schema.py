@@ -73,7 +73,7 @@ def _enum_of(schema: dict, struct: str, field: str) -> list[str]:
 def test_the_vocabulary_is_enumerated_in_the_schema_and_checked_on_decode() -> None:
     """Every wire enumeration is a Literal: the schema lists its values, and a decoder refuses another."""
     schemas = subject_schemas()
-    evt = schemas["dsec.evt.sandbox.{id}.{kind}"]["message"]
+    evt = schemas["dsec.evt.sandbox.{tenant}.{id}.{kind}"]["message"]
     assert set(_enum_of(evt, "SandboxEvent", "kind")) == set(get_args(SandboxEventKind)) >= {"paused", "resumed", "ready", "failed"}
     rec = schemas[f"$KV.{S.KV_SANDBOXES}.{{key}}"]["message"]
     assert set(_enum_of(rec, "SandboxRecord", "state")) == set(SANDBOX_STATES)
@@ -103,10 +103,10 @@ def test_the_vocabulary_is_enumerated_in_the_schema_and_checked_on_decode() -> N
 
 
 def test_cli_schema_shows_the_enumerations() -> None:
-    r = subprocess.run([sys.executable, "-m", "sdk.cli", "schema", "--subject", "dsec.evt.sandbox.{id}.{kind}"],
+    r = subprocess.run([sys.executable, "-m", "sdk.cli", "schema", "--subject", "dsec.evt.sandbox.{tenant}.{id}.{kind}"],
                        cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stderr
-    doc = json.loads(r.stdout)["dsec.evt.sandbox.{id}.{kind}"]
+    doc = json.loads(r.stdout)["dsec.evt.sandbox.{tenant}.{id}.{kind}"]
     assert "paused" in _enum_of(doc["message"], "SandboxEvent", "kind") and "paused" in doc["doc"]
 
 
