@@ -29,8 +29,8 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from . import subjects as S
