@@ -81,7 +81,7 @@ def test_the_vocabulary_is_enumerated_in_the_schema_and_checked_on_decode() -> N
     host = schemas[f"$KV.{S.KV_HOSTS}.{{key}}"]["message"]
     assert set(_enum_of(host, "HostStatus", "backend")) == set(BACKENDS) == set(_enum_of(host, "HostBackend", "name"))
     assert set(_enum_of(host, "HostStatus", "state")) == {"ready", "draining", "down"}
-    req = schemas[S.REQ_CREATE]["message"]
+    req = schemas[CLIENT_CREATE]["message"]
     assert _enum_of(req, "SandboxSpec", "backend") == list(BACKENDS) and _enum_of(req, "SandboxSpec", "priority") == list(PRIORITIES)
     assert set(_enum_of(schemas["dsec.evt.host.{host}.{kind}"]["message"], "HostEvent", "kind")) == {"up", "down", "recovered"}
     assert set(_enum_of(schemas[S.EVT_GUARD_VIOLATION]["message"], "GuardViolation", "action")) == {"record", "kill", "quarantine"}
