@@ -515,6 +515,11 @@ class FileWrite(Struct, kw_only=True, tag=True):
     offset: int = 0
     truncate: bool = True
     mode: int = 0o644
+    # Set before the data is written (the first chunk of a file carries them): the owner (-1: as is)
+    # and the metadata (the file's user.e2b.<key> xattrs become exactly these; None: left alone).
+    uid: int = -1
+    gid: int = -1
+    metadata: dict[str, str] | None = None
 
 
 class FileRead(Struct, kw_only=True, tag=True):
@@ -525,6 +530,7 @@ class FileRead(Struct, kw_only=True, tag=True):
 
 class FileList(Struct, kw_only=True, tag=True):
     path: str
+    long: bool = False  # as FileStat.long
 
 
 class FileRemove(Struct, kw_only=True, tag=True):
@@ -552,6 +558,7 @@ class FileRename(Struct, kw_only=True, tag=True):
 class FileStat(Struct, kw_only=True, tag=True):
     path: str
     follow_symlinks: bool = True
+    long: bool = False  # with owner, symlink target and metadata (EntryInfo's uid ... metadata)
 
 
 class FileWatch(Struct, kw_only=True, tag=True):
@@ -581,6 +588,10 @@ class EntryInfo(Struct, kw_only=True):
     size: int = 0
     mode: int = 0
     mtime: float = 0.0
+    uid: int = -1  # -1: not reported (a listing or stat without ``long``)
+    gid: int = -1
+    symlink_target: str = ""  # what a symlink points to, as stored
+    metadata: dict[str, str] = {}  # the user.e2b.<key> xattrs (key without the prefix)
 
 
 class FileData(Struct, kw_only=True, tag=True):
@@ -596,6 +607,7 @@ class FileListing(Struct, kw_only=True, tag=True):
 class FileWritten(Struct, kw_only=True, tag=True):
     path: str
     size: int
+    attrs: bool = False  # the FileWrite's uid/gid/metadata were applied (an older host or agent ignores them)
 
 
 class Exists(Struct, kw_only=True, tag=True):

@@ -213,7 +213,10 @@ def _mount_erofs(blob: str, target: str) -> None:
 
 
 def _entry(e: DirEntry) -> EntryInfo:
-    return EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime)
+    return EntryInfo(
+        name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime, uid=e.uid, gid=e.gid,
+        symlink_target=e.symlink_target, metadata=e.metadata,
+    )
 
 
 class ContainerBackend:
@@ -842,16 +845,21 @@ class ContainerBackend:
         c = self._client(handle)
         try:
             match op:
-                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
-                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
-                    return FileWritten(path=p, size=off + len(d))
+                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode, uid=uid, gid=gid, metadata=meta):
+                    owner = (uid, gid) if uid >= 0 and gid >= 0 else None
+                    attrs = (owner is not None or meta is not None) and c.long_entries
+                    if attrs:
+                        await c.write_file(p, d, offset=off, truncate=tr, mode=mode, owner=owner, metadata=meta)
+                    else:
+                        await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
+                    return FileWritten(path=p, size=off + len(d), attrs=attrs)
                 case FileRead(path=p, offset=off, length=n):
                     # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
                     # tells the rest), so no request makes the host hold more than that in memory.
                     data, size = await c.read_file(p, offset=off, length=min(n, READ_CHUNK) if n >= 0 else READ_CHUNK)
                     return FileData(data=data, size=size, offset=off)
-                case FileList(path=p):
-                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p)])
+                case FileList(path=p, long=long):
+                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p, long=long)])
                 case FileRemove(path=p):
                     await c.remove(p)
                     return Done()
@@ -861,9 +869,9 @@ class ContainerBackend:
                     return DirMade(path=p, created=await c.mkdir(p, mode))
                 case FileRename(path=p, new_path=dst):
                     await c.rename(p, dst)
-                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False)))
-                case FileStat(path=p, follow_symlinks=follow):
-                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow)))
+                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False, long=True)))
+                case FileStat(path=p, follow_symlinks=follow, long=long):
+                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow, long=long)))
         except AgentUnavailable as exc:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} does not answer: {exc.message}") from None
         except AgentError as exc:

@@ -76,9 +76,19 @@
  *   'V' rename str from | str to                       -> 'K'          (missing parents of `to` made)
  *   'Y' watch  u8 recursive | str dir  -> 'w', then any number of 'F' u32 inotify mask | str name
  *              (relative to dir) until the client closes the connection
+ *   'a' write with attributes: u64 offset | u8 flags (1 truncate, 2 chown, 4 replace metadata)
+ *              | u32 mode | u32 uid | u32 gid | u32 n | n * (str key | str value) | str path | data
+ *              -> 'Z' as 'W'. Owner and metadata (the user.e2b.<key> xattrs, all others of that
+ *                 namespace removed) are set before the data is written, so a watcher sees create,
+ *                 attrib, modify (the kernel merges the consecutive attrib events).
+ *   'l' list   str path                                -> 't' u32 n | n * xentry   (lstat)
+ *   's' stat   u8 follow_symlinks | str path           -> 'n' xentry   (entry name is "")
+ *   ('a', 'l' and 's' came after protocol 3; an older agent answers them EPROTO)
  *
  *   entry := str name | u8 kind (0 other, 1 file, 2 dir, 3 symlink) | u64 size
  *            | u32 mode (permission bits, 07777) | i64 mtime_ns
+ *   xentry := entry | u32 uid | u32 gid | str symlink target ("" unless a symlink)
+ *            | u32 n | n * (str key | str value)   (the user.e2b.<key> xattrs, prefix removed)
  *
  * Any request may instead be answered by  'R' u32 errno | str message,  after which the agent
  * closes.  A malformed frame gets 'R' EPROTO (EMSGSIZE if too long); the agent never exits on
@@ -111,6 +121,7 @@
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1179,12 +1190,59 @@ static int mkdir_parents(const char *path)
     return 0;
 }
 
-static void op_write(struct conn *c, struct rd *r)
+#define META_PREFIX "user.e2b."
+#define META_MAX 64 /* metadata pairs of one write */
+#define XATTR_LIST_MAX_LEN 65536
+
+/* Remove every user.e2b.* xattr of the open file, then set the given ones (keys without prefix). */
+static int meta_replace(int fd, char **kv, uint32_t n)
+{
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = flistxattr(fd, names, sizeof names);
+    if (len < 0 && errno != ENOTSUP)
+        return -1;
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1)
+        if (!strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1) && fremovexattr(fd, names + i) < 0 && errno != ENODATA)
+            return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        char name[XATTR_NAME_MAX + 1];
+        if ((size_t)snprintf(name, sizeof name, "%s%s", META_PREFIX, kv[2 * i]) >= sizeof name) {
+            errno = ERANGE;
+            return -1;
+        }
+        if (fsetxattr(fd, name, kv[2 * i + 1], strlen(kv[2 * i + 1]), 0) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs);
+
+static void op_write(struct conn *c, struct rd *r) { write_file(c, r, 0); }
+static void op_write_attrs(struct conn *c, struct rd *r) { write_file(c, r, 1); }
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs)
 {
     uint64_t off = rd_u64(r);
     uint8_t flags = rd_u8(r);
     uint32_t mode = rd_u32(r) & 07777;
-    char *path = rd_cstr(r);
+    uint32_t uid = 0, gid = 0, nmeta = 0;
+    char **kv = NULL;
+    char *path = NULL;
+    if (with_attrs) {
+        uid = rd_u32(r);
+        gid = rd_u32(r);
+        nmeta = rd_u32(r);
+        if (nmeta > META_MAX)
+            r->bad = 1;
+        else if (nmeta && !(kv = calloc(2 * (size_t)nmeta, sizeof *kv)))
+            r->bad = 1;
+        for (uint32_t i = 0; i < 2 * nmeta && !r->bad; i++)
+            kv[i] = rd_cstr(r);
+    } else {
+        flags &= 1;
+    }
+    path = rd_cstr(r);
     if (!rd_done(c, r, 1))
         goto out;
     if (!*path || off > (uint64_t)INT64_MAX) {
@@ -1212,7 +1270,17 @@ static void op_write(struct conn *c, struct rd *r)
     }
     if (created)
         fchmod(fd, mode);
-    else if ((flags & 1) && ftruncate(fd, 0) < 0) {
+    if ((flags & 2) && fchown(fd, (uid_t)uid, (gid_t)gid) < 0) {
+        reply_err(c, errno, "chown %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if ((flags & 4) && meta_replace(fd, kv, nmeta) < 0) {
+        reply_err(c, errno, "set metadata of %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if (!created && (flags & 1) && ftruncate(fd, 0) < 0) {
         reply_err(c, errno, "truncate %s: %s", path, strerror(errno));
         close(fd);
         goto out;
@@ -1238,6 +1306,113 @@ static void op_write(struct conn *c, struct rd *r)
     }
     size_t f = frame_begin(c, 'Z');
     put_u64(c, (uint64_t)st.st_size);
+    frame_end(c, f);
+out:
+    for (uint32_t i = 0; kv && i < 2 * nmeta; i++)
+        free(kv[i]);
+    free(kv);
+    free(path);
+}
+
+/* The tail of an xentry: owner, symlink target, user.e2b.* xattrs of `path` (not followed). */
+static void put_entry_extra(struct conn *c, const char *path, const struct stat *st)
+{
+    put_u32(c, (uint32_t)st->st_uid);
+    put_u32(c, (uint32_t)st->st_gid);
+    char target[PATH_MAX];
+    ssize_t tn = S_ISLNK(st->st_mode) ? readlink(path, target, sizeof target) : -1;
+    put_str(c, target, tn > 0 ? (size_t)tn : 0);
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = S_ISLNK(st->st_mode) ? -1 : llistxattr(path, names, sizeof names); /* user.* is never on a symlink */
+    size_t count_at = c->out_len;
+    uint32_t count = 0;
+    put_u32(c, 0);
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1) {
+        if (strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1))
+            continue;
+        char value[4096];
+        ssize_t vn = lgetxattr(path, names + i, value, sizeof value);
+        if (vn < 0)
+            continue; /* removed meanwhile, or too long to be ours */
+        const char *key = names + i + sizeof META_PREFIX - 1;
+        put_str(c, key, strlen(key));
+        put_str(c, value, (size_t)vn);
+        count++;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+}
+
+static void op_list_long(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
+    if (!d) {
+        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
+        if (dfd >= 0)
+            close(dfd);
+        goto out;
+    }
+    size_t f = frame_begin(c, 't');
+    size_t count_at = c->out_len;
+    put_u32(c, 0);
+    uint32_t count = 0;
+    struct dirent *de;
+    char full[PATH_MAX];
+    for (;;) {
+        errno = 0;
+        de = readdir(d);
+        if (!de)
+            break;
+        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* removed while we were listing */
+        if ((size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
+            continue;
+        put_entry(c, de->d_name, strlen(de->d_name), &st);
+        put_entry_extra(c, full, &st);
+        count++;
+        if (c->out_len - f > LIST_MAX) {
+            errno = EFBIG;
+            break;
+        }
+    }
+    int e = errno;
+    closedir(d);
+    if (e) {
+        c->out_len = f;
+        reply_err(c, e, "readdir %s: %s", path, strerror(e));
+        goto out;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_stat_long(struct conn *c, struct rd *r)
+{
+    uint8_t follow = rd_u8(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
+        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
+        goto out;
+    }
+    char real[PATH_MAX];
+    /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
+    const char *at = follow && realpath(path, real) ? real : path;
+    size_t f = frame_begin(c, 'n');
+    put_entry(c, "", 0, &st);
+    put_entry_extra(c, at, &st);
     frame_end(c, f);
 out:
     free(path);
@@ -1643,6 +1818,9 @@ static void dispatch(struct conn *c)
     case 'S': op_stat(c, &r); break;
     case 'C': op_mkdir(c, &r); break;
     case 'V': op_rename(c, &r); break;
+    case 'a': op_write_attrs(c, &r); break;
+    case 'l': op_list_long(c, &r); break;
+    case 's': op_stat_long(c, &r); break;
     case 'A': op_attach(c, &r); return; /* like exec: keeps the connection */
     case 'Y': op_watch(c, &r); return; /* keeps the connection until the client closes it */
     case 'I': op_stdin(c, &r); break;

@@ -19,13 +19,17 @@ import structlog
 from aiohttp import web
 
 from bus import codec
+from bus import subjects as S
 from bus.errors import DsecError, InvalidArgument
 from bus.messages import (
     Done, ExecChunk, ExecRequest, ExecResult, ProcConnect, ProcDisconnect, ProcessList, ProcessStarted, ProcInput, ProcList, ProcSignal,
 )
 
+from bus.runtime import KV
+
 from .._async import AsyncSandbox
 from ._connect import ConnectError, ServerStream
+from ._tenants import LIVE_STATES
 from ._users import Users, resolve, user_of
 
 log = structlog.get_logger("dsec.gateway.process")
@@ -72,6 +76,16 @@ def _selector(body: dict[str, Any]) -> tuple[int, str]:
         return int(sel.get("pid") or 0), str(sel.get("tag") or "")
     except (TypeError, ValueError):
         raise InvalidArgument(f"process pid must be an integer, got {sel.get('pid')!r}") from None
+
+
+async def _sandbox_ended(sb: AsyncSandbox) -> bool:
+    """Whether the sandbox's record says it ended (killed, timed out, lost) or is ending."""
+    try:
+        kv = await KV.bind(sb.nc.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        rec = await kv.get(sb.sandbox_id)
+    except Exception:  # noqa: BLE001 - unknown: report the command's own end
+        return False
+    return rec is None or rec.state not in LIVE_STATES
 
 
 class Processes:
@@ -128,6 +142,9 @@ class Processes:
                     continue
                 if m.timed_out:
                     return await stream.close(ConnectError("deadline_exceeded", "the command ran past its timeout and was killed"))
+                if (m.signal == 9 or m.exit_code < 0) and await _sandbox_ended(sb):
+                    # As envd's stream when its sandbox goes: the SDK's health probe then names the cause.
+                    return await stream.close(ConnectError("unavailable", f"the connection to sandbox {sb.sandbox_id} ended before the stream completed"))
                 await stream.send({"event": {"end": _end(m)}})
                 return await stream.close()
         except (ConnectionResetError, asyncio.CancelledError):

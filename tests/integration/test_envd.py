@@ -1,0 +1,277 @@
+"""envd as the unmodified e2b SDK uses it, through the gateway under ``dsec up`` (the ``gw`` stack of
+test_gateway): entry owners, symlink targets and file metadata, batch writes, signed file URLs,
+inotify watches (entry info, recursive ones seeing new directories), ``list(depth=N)`` in envd's
+order, removing a missing path, per-command envs, a sandbox killed under a running command, and
+pause making ``is_running()`` false until ``connect()``.
+
+Scenarios use the busybox ``base`` template given E2B's ``user`` account (uid 1000, home /home/user)
+through dsec's REST exec before the first envd call, so the gateway sees the account as a template
+would have it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.conftest import eventually
+
+from .test_gateway import Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
+
+pytestmark = pytest.mark.usefixtures("gw")
+
+ADD_USER = (
+    "echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd && echo 'user:x:1000:' >> /etc/group"
+    " && echo 'staff:x:50:' >> /etc/group && mkdir -p /home/user && chown 1000:1000 /home/user"
+)
+
+
+def _sandbox(gw: Gw, key: str | None = None) -> Any:
+    from e2b import Sandbox
+
+    sb = Sandbox.create("base", timeout=180, **gw.sdk(key))
+    st, doc, _ = http(gw, "POST", f"/v1/sandboxes/{sb.sandbox_id}/exec", json.dumps({"cmd": ADD_USER}).encode(),
+                      {"Content-Type": "application/json"}, key=key or "a")
+    assert st == 200 and doc["exit_code"] == 0, (st, doc)
+    return sb
+
+
+def _get(url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+# --------------------------------------------------------------------------------------------- entries
+def _entries(gw: Gw) -> None:
+    from e2b import FileType
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    sb = _sandbox(gw)
+    try:
+        info = sb.files.write("notes.txt", "hello", metadata={"Author": "ann", "purpose": "t"})
+        assert (info.path, info.metadata) == ("/home/user/notes.txt", {"author": "ann", "purpose": "t"})
+        e = sb.files.get_info("notes.txt")
+        assert (e.name, e.type, e.size, e.mode, e.permissions) == ("notes.txt", FileType.FILE, 5, 0o644, "-rw-r--r--")
+        assert (e.owner, e.group, e.symlink_target, e.metadata) == ("user", "user", None, {"author": "ann", "purpose": "t"})
+        # Listing shows the same; a directory too, owned by the user that made it.
+        assert sb.files.make_dir("d") is True
+        listed = {x.name: x for x in sb.files.list("/home/user")}
+        assert listed["notes.txt"].metadata == {"author": "ann", "purpose": "t"} and listed["notes.txt"].owner == "user"
+        assert (listed["d"].type, listed["d"].owner, listed["d"].group, listed["d"].permissions) == (FileType.DIR, "user", "user", "drwxr-xr-x")
+        # Rewriting without metadata clears it; a renamed file keeps its own.
+        assert sb.files.write("notes.txt", "again").metadata is None
+        assert sb.files.get_info("notes.txt").metadata is None
+        sb.files.write("tagged.txt", "t", metadata={"stage": "renamed"})
+        moved = sb.files.rename("tagged.txt", "d/moved.txt")
+        assert (moved.path, moved.metadata, moved.owner) == ("/home/user/d/moved.txt", {"stage": "renamed"}, "user")
+        # Metadata set out of band (a user.e2b.* xattr) shows too.
+        r = sb.commands.run("cd /home/user && printf x > oob.txt && setfattr -n user.e2b.origin -v shell oob.txt 2>&1 || echo no-setfattr")
+        if "no-setfattr" not in r.stdout:
+            assert sb.files.get_info("oob.txt").metadata == {"origin": "shell"}
+        # A symlink: its target as stored; the link itself is reported, not what it points at.
+        sb.commands.run("ln -s /home/user/notes.txt /home/user/link && ln -s missing /home/user/dangling")
+        link = sb.files.get_info("link")
+        assert (link.type, link.symlink_target, link.name) == (FileType.SYMLINK, "/home/user/notes.txt", "link")
+        listed = {x.name: x for x in sb.files.list("/home/user")}
+        assert (listed["dangling"].type, listed["dangling"].symlink_target) == (FileType.SYMLINK, "missing")
+        assert listed["notes.txt"].symlink_target is None
+        # Root's file, and a group only the group file names.
+        sb.files.write("/tmp/r.txt", "r", user="root")
+        sb.commands.run("chgrp 50 /tmp/r.txt", user="root")
+        r_info = sb.files.get_info("/tmp/r.txt")
+        assert (r_info.owner, r_info.group) == ("root", "staff")
+        # write_files: several files in one multipart request, each owned by the user, each with the metadata.
+        infos = sb.files.write_files([WriteEntry(path="b/1.txt", data="one"), WriteEntry(path="/home/user/b/2.txt", data=b"two")], metadata={"batch": "1"})
+        assert [(i.path, i.metadata) for i in infos] == [("/home/user/b/1.txt", {"batch": "1"}), ("/home/user/b/2.txt", {"batch": "1"})]
+        assert [(x.name, x.owner, x.size, x.metadata) for x in sb.files.list("b")] == [("1.txt", "user", 3, {"batch": "1"}), ("2.txt", "user", 3, {"batch": "1"})]
+        assert sb.files.read("b/2.txt") == "two"
+    finally:
+        sb.kill()
+
+
+async def test_entries_owner_symlink_metadata(gw: Gw) -> None:
+    await asyncio.to_thread(_entries, gw)
+
+
+# --------------------------------------------------------------------------------------------- listing
+def _listing(gw: Gw) -> None:
+    from e2b import FileType
+
+    sb = _sandbox(gw)
+    try:
+        for d in ("t/subdir2/subdir2_2", "t/subdir1/subdir1_2", "t/subdir2/subdir2_1", "t/subdir1/subdir1_1"):
+            sb.files.make_dir(d)
+        sb.files.write("t/file1.txt", "Hello, world!")
+        want2 = ["file1.txt", "subdir1", "subdir1_1", "subdir1_2", "subdir2", "subdir2_1", "subdir2_2"]
+        for depth, names in ((None, ["file1.txt", "subdir1", "subdir2"]), (1, ["file1.txt", "subdir1", "subdir2"]), (2, want2), (3, want2)):
+            got = sb.files.list("t", depth=depth)
+            assert [x.name for x in got] == names, (depth, got)
+        got = sb.files.list("t", depth=2)
+        assert [x.path for x in got][1:4] == ["/home/user/t/subdir1", "/home/user/t/subdir1/subdir1_1", "/home/user/t/subdir1/subdir1_2"]
+        assert [x.type for x in got] == [FileType.FILE] + [FileType.DIR] * 6
+        # Removing a path that is not there is not an error (envd removes with RemoveAll); a real one goes.
+        sb.files.remove("never-was")
+        sb.files.remove("t")
+        assert not sb.files.exists("t")
+    finally:
+        sb.kill()
+
+
+async def test_list_depth_order_and_remove_missing(gw: Gw) -> None:
+    await asyncio.to_thread(_listing, gw)
+
+
+# --------------------------------------------------------------------------------------------- signed URLs
+def _signed(gw: Gw) -> None:
+    sb, other = _sandbox(gw), _sandbox(gw)
+    try:
+        sb.files.write("s.txt", "signed content")
+        other.files.write("s.txt", "other's content")
+        url = sb.download_url("s.txt", "user")
+        assert "signature=v1_" in url
+        assert _get(url) == (200, b"signed content")
+        assert _get(sb.download_url("s.txt", "user", 120)) == (200, b"signed content")
+        # Expired: E2B's answer, word for word.
+        st, body = _get(sb.download_url("s.txt", "user", use_signature_expiration=-120))
+        assert (st, json.loads(body)) == (401, {"code": 401, "message": "signature is already expired"})
+        # Tampered: another path under the same signature, or the signature sent to another sandbox of the key.
+        q = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        st, body = _get(url.replace("path=s.txt", "path=%2Fetc%2Fpasswd"))
+        assert (st, json.loads(body)["message"]) == (401, "invalid signature")
+        req = urllib.request.Request(gw.url + "/files?" + urllib.parse.urlencode(q), headers={"E2b-Sandbox-Id": other.sandbox_id})
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=30)
+        assert ei.value.code == 401 and json.loads(ei.value.read())["message"] == "invalid signature"
+        positive = urllib.request.Request(gw.url + "/files?path=s.txt&username=user", headers={"E2b-Sandbox-Id": other.sandbox_id, "X-API-Key": gw.key_a})
+        with urllib.request.urlopen(positive, timeout=30) as r:
+            assert r.read() == b"other's content"  # the key itself reaches the other sandbox
+        # No signature and no key: refused.
+        st, _ = _get(url.split("&signature=")[0])
+        assert st == 401
+        # Upload through a signed URL: multipart, as the SDK documents; the file belongs to the user.
+        up = sb.upload_url("up/u.txt", "user", 60)
+        boundary = "dsecboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"u.txt\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\nuploaded\r\n--{boundary}--\r\n").encode()
+        st, resp = _get(up, body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert st == 200 and json.loads(resp)[0]["path"] == "/home/user/up/u.txt", (st, resp)
+        got = sb.files.get_info("up/u.txt")
+        assert (sb.files.read("up/u.txt"), got.owner) == ("uploaded", "user")
+        # A read signature does not write.
+        st, _ = _get(sb.download_url("up/u.txt", "user"), body, {"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        assert st == 401
+    finally:
+        sb.kill()
+        other.kill()
+
+
+async def test_signed_urls(gw: Gw) -> None:
+    await asyncio.to_thread(_signed, gw)
+
+
+# --------------------------------------------------------------------------------------------- watches
+def _watches(gw: Gw) -> None:
+    from e2b import FilesystemEventType as T
+
+    sb = _sandbox(gw)
+    try:
+        sb.files.make_dir("w")
+        h = sb.files.watch_dir("w")
+        sb.files.write("w/f.txt", "watched")
+        events = h.get_new_events()
+        assert [(e.name, e.type) for e in events] == [("f.txt", T.CREATE), ("f.txt", T.CHMOD), ("f.txt", T.WRITE)], events
+        sb.files.remove("w/f.txt")
+        assert [(e.name, e.type) for e in h.get_new_events()] == [("f.txt", T.REMOVE)]
+        h.stop()
+        # Recursive: a directory made after the watch started is watched too.
+        sb.files.make_dir("r")
+        h = sb.files.watch_dir("r", recursive=True, include_entry=True)
+        sb.files.make_dir("r/nested")
+        sb.files.write("r/nested/f.txt", "deep")
+        events = h.get_new_events()
+        writes = [e for e in events if (e.name, e.type) == ("nested/f.txt", T.WRITE)]
+        assert writes and writes[0].entry is not None, events
+        assert (writes[0].entry.path, writes[0].entry.size, writes[0].entry.owner) == ("/home/user/r/nested/f.txt", 4, "user")
+        assert [(e.name, e.type) for e in events][0] == ("nested", T.CREATE)
+        h.stop()
+    finally:
+        sb.kill()
+
+
+async def test_watch_events(gw: Gw) -> None:
+    await asyncio.to_thread(_watches, gw)
+
+
+async def test_watch_stream_async(gw: Gw) -> None:
+    """The async SDK's WatchDir stream: events pushed as they happen, with entry info."""
+    from e2b import AsyncSandbox
+    from e2b import FilesystemEventType as T
+
+    sb = await AsyncSandbox.create("base", timeout=180, **gw.sdk())
+    try:
+        seen: list[Any] = []
+        h = await sb.files.watch_dir("/tmp", seen.append, recursive=True, include_entry=True)
+        await sb.files.make_dir("/tmp/later")
+        await sb.files.write("/tmp/later/x.txt", "x")
+        await eventually(lambda: any((e.name, e.type) == ("later/x.txt", T.WRITE) for e in seen), timeout=20, what="the write event")
+        w = next(e for e in seen if (e.name, e.type) == ("later/x.txt", T.WRITE))
+        assert w.entry is not None and (w.entry.path, w.entry.size) == ("/tmp/later/x.txt", 1)
+        assert seen[0].name == "later" and seen[0].type == T.CREATE
+        await h.stop()
+    finally:
+        await sb.kill()
+
+
+# --------------------------------------------------------------------------------------------- commands
+def _commands(gw: Gw) -> None:
+    from e2b import SandboxException, SandboxNotRunningException, TimeoutException
+
+    sb = _sandbox(gw)
+    try:
+        assert sb.commands.run("echo $FOO", envs={"FOO": "bar"}).stdout == "bar\n"
+        assert sb.commands.run("echo ${FOO:-unset}").stdout == "unset\n"
+        h = sb.commands.run("echo ${FOO:-unset}; sleep 1; echo ${FOO:-unset}", envs={"FOO": "bg"}, background=True)
+        assert sb.commands.run("echo ${FOO:-unset}").stdout == "unset\n"  # while the other one runs
+        assert h.wait().stdout == "bg\nbg\n"
+        # The sandbox killed under a running command: E2B's error for it.
+        cmd = sb.commands.run("sleep 60", background=True)
+        sb.kill()
+        with pytest.raises(SandboxException) as ei:
+            cmd.wait()
+        assert isinstance(ei.value, SandboxNotRunningException) and isinstance(ei.value, TimeoutException)
+        assert "sandbox was killed or reached its end of life" in str(ei.value)
+    finally:
+        sb.kill()
+
+
+async def test_envs_and_killed_sandbox(gw: Gw) -> None:
+    await asyncio.to_thread(_commands, gw)
+
+
+def _pause(gw: Gw) -> None:
+    from e2b import Sandbox
+
+    sb = _sandbox(gw)
+    try:
+        assert sb.is_running() is True
+        sb.pause()
+        assert sb.is_running() is False
+        assert Sandbox.connect(sb.sandbox_id, **gw.sdk()).is_running() is True
+        assert sb.is_running() is True
+        assert sb.commands.run("echo back").stdout == "back\n"
+    finally:
+        sb.kill()
+
+
+async def test_pause_is_not_running(gw: Gw) -> None:
+    await asyncio.to_thread(_pause, gw)
