@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import posixpath
+import re
 import shlex
 import stat as st
 import uuid
@@ -326,7 +327,7 @@ class Filesystem:
                     break
                 if not isinstance(part, BodyPartReader):
                     continue
-                name = qpath or part.filename
+                name = qpath or _part_filename(part)
                 if not name:
                     raise InvalidArgument("a multipart upload needs ?path= or a filename per part")
                 await one(name, _part_chunks(part, sb.files._chunk()))
@@ -354,6 +355,16 @@ class Filesystem:
             first = False
             off += len(piece)
         return attrs
+
+
+_FILENAME = re.compile(r'filename="((?:[^"\\]|\\.)*)"')
+
+
+def _part_filename(part: BodyPartReader) -> str | None:
+    """A part's filename as sent: the e2b SDK names each part of a batch write by its path, absolute
+    or relative (aiohttp's ``part.filename`` drops a leading slash)."""
+    m = _FILENAME.search(part.headers.get("Content-Disposition", ""))
+    return re.sub(r"\\(.)", r"\1", m.group(1)) if m else part.filename
 
 
 async def _first_or_empty(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
