@@ -1245,6 +1245,11 @@ static void write_file(struct conn *c, struct rd *r, int with_attrs)
     path = rd_cstr(r);
     if (!rd_done(c, r, 1))
         goto out;
+    for (uint32_t i = 0; i < nmeta; i++) /* refused before anything is created */
+        if (sizeof META_PREFIX - 1 + strlen(kv[2 * i]) > XATTR_NAME_MAX || !*kv[2 * i] || strlen(kv[2 * i + 1]) > XATTR_SIZE_MAX) {
+            reply_err(c, ERANGE, "metadata key or value of %s too long (or an empty key)", path);
+            goto out;
+        }
     if (!*path || off > (uint64_t)INT64_MAX) {
         reply_err(c, EINVAL, "invalid path or offset");
         goto out;

@@ -54,6 +54,8 @@ MAX_DEPTH = 16
 MAX_WATCHERS = 64  # per sandbox
 WATCH_SETTLE_S = 0.05  # a polled watcher's answer covers the changes made up to this long before the poll
 METADATA_HEADER = "x-metadata-"
+MAX_METADATA = 64  # keys per upload (the agent's limit)
+MAX_METADATA_KEY = 246  # an xattr name is at most 255 bytes, "user.e2b." included
 
 
 class PayloadTooLarge(Exception):
@@ -86,7 +88,10 @@ def entry_json(e: WireEntry, names: tuple[dict[int, str], dict[int, str]] = ({},
 
 def metadata_of(request: web.Request) -> dict[str, str]:
     """The upload's ``X-Metadata-<key>`` headers (keys lowercased, as envd stores them)."""
-    return {k[len(METADATA_HEADER):].lower(): v for k, v in request.headers.items() if k.lower().startswith(METADATA_HEADER)}
+    meta = {k[len(METADATA_HEADER):].lower(): v for k, v in request.headers.items() if k.lower().startswith(METADATA_HEADER)}
+    if len(meta) > MAX_METADATA or any(not k or len(k) > MAX_METADATA_KEY for k in meta):
+        raise InvalidArgument(f"metadata: at most {MAX_METADATA} keys of 1..{MAX_METADATA_KEY} characters")
+    return meta
 
 
 @dataclass
