@@ -2312,8 +2312,180 @@ static void apply_confinement(void)
     apply_seccomp_log_filter();
 }
 
+
+/* ------------------------------------------------------------------ pty helper modes
+ * The agent binary doubles as the pty relay of envd's PTY sessions (the gateway starts
+ * `exec dsec-agent --pty ROWS COLS CMD [ARG...]` as an ordinary command with a stdin pipe):
+ *   --pty ROWS COLS CMD...        CMD runs in a new session on a new pty of that size; stdin is
+ *                                 copied to the pty, the pty's output to stdout; exits as CMD did
+ *                                 (128+signal if killed). A SIGTERM/SIGINT/SIGHUP is passed on.
+ *   --pty-resize PID ROWS COLS    resize the pty of the relay PID's command (its SIGWINCH follows)
+ */
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+
+static volatile pid_t pty_child;
+
+static void pty_forward(int sig)
+{
+    if (pty_child > 0)
+        kill(pty_child, sig);
+}
+
+static int pty_size(const char *rows, const char *cols, struct winsize *ws)
+{
+    long r = strtol(rows, NULL, 10), c = strtol(cols, NULL, 10);
+    if (r <= 0 || c <= 0 || r > 65535 || c > 65535)
+        return -1;
+    *ws = (struct winsize){.ws_row = (unsigned short)r, .ws_col = (unsigned short)c};
+    return 0;
+}
+
+static int pty_run(int argc, char **argv)
+{
+    struct winsize ws;
+    if (argc < 5 || pty_size(argv[2], argv[3], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty ROWS COLS CMD [ARG...]\n");
+        return 2;
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (m < 0 || grantpt(m) < 0 || unlockpt(m) < 0 || ioctl(m, TIOCSWINSZ, &ws) < 0) {
+        perror("dsec-agent: pty");
+        return 1;
+    }
+    const char *slave = ptsname(m);
+    pid_t pid = slave ? fork() : -1;
+    if (pid < 0) {
+        perror("dsec-agent: pty fork");
+        return 1;
+    }
+    if (pid == 0) {
+        setsid();
+        int s = open(slave, O_RDWR);
+        if (s < 0 || ioctl(s, TIOCSCTTY, 0) < 0 || dup2(s, 0) < 0 || dup2(s, 1) < 0 || dup2(s, 2) < 0) {
+            perror("dsec-agent: pty slave");
+            _exit(127);
+        }
+        if (s > 2)
+            close(s);
+        execvp(argv[4], argv + 4);
+        fprintf(stderr, "dsec-agent: %s: %s\n", argv[4], strerror(errno));
+        _exit(127);
+    }
+    pty_child = pid;
+    struct sigaction sa = {.sa_handler = pty_forward};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    char buf[65536];
+    struct pollfd fds[2] = {{.fd = m, .events = POLLIN}, {.fd = 0, .events = POLLIN}};
+    for (;;) {
+        int n = poll(fds, 2, -1);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            break;
+        if (fds[0].revents) {
+            ssize_t got = read(m, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                break; /* EIO: every holder of the slave closed it (the command ended) */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(1, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+        if (fds[1].revents) {
+            ssize_t got = read(0, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                fds[1].fd = -1; /* stdin closed: the pty stays open until the command ends */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(m, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+/* 0 when the pty of relay's child took the size; -1 while there is no such child (yet). */
+static int pty_resize_once(long relay, const struct winsize *ws)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char path[64], stat_line[512];
+        snprintf(path, sizeof path, "/proc/%.20s/stat", de->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        size_t n = fread(stat_line, 1, sizeof stat_line - 1, f);
+        fclose(f);
+        stat_line[n] = 0;
+        const char *close_paren = strrchr(stat_line, ')');
+        long ppid = 0;
+        if (!close_paren || sscanf(close_paren + 1, " %*c %ld", &ppid) != 1 || ppid != relay)
+            continue;
+        snprintf(path, sizeof path, "/proc/%.20s/fd/0", de->d_name);
+        int s = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (s >= 0 && isatty(s) && ioctl(s, TIOCSWINSZ, ws) == 0) {
+            close(s);
+            closedir(d);
+            return 0;
+        }
+        if (s >= 0)
+            close(s);
+    }
+    if (d)
+        closedir(d);
+    return -1;
+}
+
+static int pty_resize(int argc, char **argv)
+{
+    struct winsize ws;
+    long relay = argc == 5 ? strtol(argv[2], NULL, 10) : 0;
+    if (relay <= 0 || pty_size(argv[3], argv[4], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty-resize PID ROWS COLS\n");
+        return 2;
+    }
+    /* A session resized right after its start may not have forked its command yet: retry for 2 s. */
+    for (int i = 0; i < 40; i++) {
+        if (pty_resize_once(relay, &ws) == 0)
+            return 0;
+        if (kill((pid_t)relay, 0) < 0)
+            break;
+        usleep(50000);
+    }
+    fprintf(stderr, "dsec-agent: no pty session of process %ld\n", relay);
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--pty"))
+        return pty_run(argc, argv);
+    if (argc > 1 && !strcmp(argv[1], "--pty-resize"))
+        return pty_resize(argc, argv);
     const char *path = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc)

@@ -79,6 +79,8 @@ class Gateway:
     def forget(self, sid: str) -> None:
         self.users.forget(sid)
         self.signer.forget(sid)
+        for p in [p for p in self.processes.ptys if p[0] == sid]:
+            self.processes.ptys.pop(p, None)
         for wid in [k for k, w in self.files.watchers.items() if w.sandbox_id == sid]:
             asyncio.ensure_future(self.files.watchers.pop(wid).handle._close_sub())
 

@@ -2,7 +2,7 @@
 test_gateway): entry owners, symlink targets and file metadata, batch writes, signed file URLs,
 inotify watches (entry info, recursive ones seeing new directories), ``list(depth=N)`` in envd's
 order, removing a missing path, per-command envs, a sandbox killed under a running command, and
-pause making ``is_running()`` false until ``connect()``.
+pause making ``is_running()`` false until ``connect()``, and PTY sessions (create, input, resize, kill).
 
 Scenarios use a busybox template with E2B's ``user`` account (uid 1000, home /home/user) and a
 ``staff`` group, built by ``dsec image build`` at the start.
@@ -286,3 +286,37 @@ def _pause(gw: Gw) -> None:
 
 async def test_pause_is_not_running(gw: Gw) -> None:
     await asyncio.to_thread(_pause, gw)
+
+
+# --------------------------------------------------------------------------------------------- PTY
+def _pty(gw: Gw) -> None:
+    from e2b import CommandExitException, PtySize
+
+    sb = _sandbox(gw)
+    try:
+        out: list[bytes] = []
+        t = sb.pty.create(PtySize(rows=24, cols=80), envs={"ABC": "123"}, cwd="/")
+        sb.pty.send_stdin(t.pid, b"echo v=$ABC; stty size; pwd; tty\nexit 7\n")
+        with pytest.raises(CommandExitException) as ei:
+            t.wait(on_pty=out.append)
+        assert ei.value.exit_code == 7, ei.value
+        text = b"".join(out).decode()
+        assert "v=123" in text and "24 80" in text and "/dev/pts/" in text, text
+        # Resized while it runs: the shell sees the new size.
+        out.clear()
+        t = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.resize(t.pid, PtySize(rows=30, cols=100))
+        sb.pty.send_stdin(t.pid, b"stty size\nexit\n")
+        assert t.wait(on_pty=out.append).exit_code == 0
+        assert "30 100" in b"".join(out).decode()
+        # Killed: the session ends; a pid that is no session is not killed.
+        t = sb.pty.create(PtySize(rows=24, cols=80))
+        assert sb.pty.kill(t.pid) is True
+        assert sb.commands.run(f"for i in $(seq 1 50); do kill -0 {t.pid} 2>/dev/null || exit 0; sleep 0.1; done; exit 1").exit_code == 0
+        assert sb.pty.kill(999999) is False
+    finally:
+        sb.kill()
+
+
+async def test_pty(gw: Gw) -> None:
+    await asyncio.to_thread(_pty, gw)
