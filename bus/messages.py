@@ -408,6 +408,10 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     tag: str = ""  # a client-chosen name of a background process (ProcSelector.tag)
     output_cap: int = -1  # bytes of each stream kept in the ExecResult; -1: the host's default (8 MiB)
     acks: bool = False  # the client answers chunks marked ack (flow control, see above)
+    # A grader's run that what the sandbox's processes wrote cannot hijack: fresh private HOME,
+    # fixed PATH of system directories, only ``envs`` on a fixed minimal set (no sandbox envs), no
+    # user site-packages or startup files; refused (not_supported) where system dirs are writable.
+    trusted: bool = False
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):

@@ -58,6 +58,21 @@
  *              until a client attaches, and an ended one keeps its exit status (the last 64)
  *              for an attach. 'E' follows the shell's exit, not EOF on its pipes: output already
  *              buffered is sent, but background children that keep the pipes open don't delay it.
+ *   'T' trusted exec: as 'X' (same fields, same answers; protocol 4), for a grader's command that
+ *              what the sandbox's own processes wrote must not hijack. The command gets a fresh
+ *              private HOME (created 0700 and empty under /tmp, removed when the shell exits, and
+ *              /tmp's mtime put back unless something else changed it meanwhile; the default
+ *              cwd), PATH of the existing system directories, and only the given variables
+ *              on top of a fixed set (HOME, USER, LOGNAME, PATH, LANG, PYTHONNOUSERSITE,
+ *              PYTHONDONTWRITEBYTECODE, GIT_CONFIG_GLOBAL=/dev/null, GIT_CONFIG_NOSYSTEM): no
+ *              PYTHONPATH, PYTHONSTARTUP, BASH_ENV, ENV, LD_PRELOAD, ... unless the caller names
+ *              them. /bin/sh -c reads no startup file without ENV. Refused (ENOTSUP) without a
+ *              writable /tmp for the HOME, and unless every
+ *              system directory (/usr /bin /sbin /lib* /etc) is on a read-only mount: with a
+ *              writable /etc (ld.so.preload, ld.so.cache, python's sitecustomize, profile.d) or
+ *              /usr no environment makes a run trustworthy, and we cannot mount over them.
+ *              Agents before protocol 4 answer 'T' with EPROTO (unknown request), never run it
+ *              as an ordinary command.
  *   'A' attach u32 pid   -> as 'X' from 'i' on (EBUSY: another client is attached; ESRCH)
  *   'I' stdin  u32 pid | u8 flags (1 = close after) | data (rest)   -> 'K'   (queued; EPIPE when
  *              stdin is closed or was never a pipe, EAGAIN beyond 8 MiB unread)
@@ -118,6 +133,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -125,7 +141,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 3
+#define PROTO_VERSION 4
 #define MAX_REQ (8u << 20)
 #define READ_CAP (4u << 20)
 #define LIST_MAX (64u << 20)
@@ -169,6 +185,10 @@ struct proc {
     size_t in_len, in_off;
     int in_close;
     char *cmd, *cwd, *user;
+    char *home; /* a trusted run's private HOME, removed when its shell exits */
+    /* /tmp's mtime before the HOME was made and right after: put back once it is gone, unless
+     * something else changed /tmp meanwhile (a trusted run leaves the sandbox's files as they were) */
+    struct timespec tmp_mtime, tmp_mtime_made;
     struct watch w_out, w_err, w_in;
     struct proc *next, *prev, *next_dead;
 };
@@ -416,8 +436,11 @@ static void close_watched(int *fd)
     }
 }
 
+static void home_remove(struct proc *p);
+
 static void proc_free(struct proc *p)
 {
+    home_remove(p);
     close_watched(&p->pout);
     close_watched(&p->perr);
     close_watched(&p->pin);
@@ -629,6 +652,7 @@ static void proc_exited(struct proc *p, int status)
 {
     p->pid = 0;
     p->status = status;
+    home_remove(p);
     for (int stream = 1; stream <= 2; stream++) {
         size_t got = 0;
         while (got < EXIT_DRAIN_MAX && pipe_read(p, stream) == 1)
@@ -881,6 +905,138 @@ static char **user_env(char **envp, uint32_t nenv, const struct user *u, char *s
     return out;
 }
 
+/* ------------------------------------------------------------------ trusted runs ('T') */
+
+static const char *const trusted_path_dirs[] = {"/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"};
+/* What a trusted run's programs, loader and interpreters are read from: each must be immutable for
+ * the sandbox's processes. A read-only mount is what root in the sandbox can't undo (no
+ * CAP_SYS_ADMIN, mount refused by seccomp); Landlock alone would not show in statvfs. */
+static const char *const system_dirs[] = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"};
+static const char *const trusted_fixed[] = {
+    "LANG=C.UTF-8",
+    "PYTHONNOUSERSITE=1",        /* no ~/.local site-packages, so no usercustomize or .pth there */
+    "PYTHONDONTWRITEBYTECODE=1", /* the grader leaves no __pycache__ in the workspace */
+    "GIT_CONFIG_GLOBAL=/dev/null", /* not $HOME/.gitconfig nor $XDG_CONFIG_HOME/git/config */
+    "GIT_CONFIG_NOSYSTEM=1",
+};
+
+/* The first system directory not on a read-only mount, or NULL. A missing one is fine: creating
+ * it needs a writable "/", which the profile's Landlock rules refuse. */
+static const char *writable_system_dir(void)
+{
+    for (size_t i = 0; i < sizeof system_dirs / sizeof *system_dirs; i++) {
+        struct statvfs sv;
+        if (statvfs(system_dirs[i], &sv) < 0) {
+            if (errno == ENOENT)
+                continue;
+            return system_dirs[i];
+        }
+        if (!(sv.f_flag & ST_RDONLY))
+            return system_dirs[i];
+    }
+    return NULL;
+}
+
+static int env_given(char **envp, uint32_t n, const char *kv)
+{
+    size_t klen = (size_t)(strchr(kv, '=') - kv) + 1;
+    for (uint32_t i = 0; i < n; i++)
+        if (!strncmp(envp[i], kv, klen))
+            return 1;
+    return 0;
+}
+
+static void env_free(char **env)
+{
+    for (size_t i = 0; env && env[i]; i++)
+        free(env[i]);
+    free(env);
+}
+
+/* A trusted run's whole environment (owned, NULL-terminated): the fixed set, each unless the
+ * caller gave that variable, then the caller's. Nothing of ours or the sandbox's is inherited. */
+static char **trusted_env(char **given, uint32_t ngiven, const char *home, const char *name)
+{
+    size_t nfixed = sizeof trusted_fixed / sizeof *trusted_fixed, k = 0;
+    char **out = calloc((size_t)ngiven + nfixed + 5, sizeof *out);
+    char path[512] = "PATH=", *mine[4] = {NULL, NULL, NULL, NULL};
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < sizeof trusted_path_dirs / sizeof *trusted_path_dirs; i++) {
+        struct stat st;
+        if (stat(trusted_path_dirs[i], &st) == 0 && S_ISDIR(st.st_mode)) {
+            if (path[5])
+                strcat(path, ":");
+            strcat(path, trusted_path_dirs[i]);
+        }
+    }
+    if (asprintf(&mine[0], "HOME=%s", home) < 0 || asprintf(&mine[1], "USER=%s", name) < 0 ||
+        asprintf(&mine[2], "LOGNAME=%s", name) < 0 || !(mine[3] = strdup(path)))
+        goto fail;
+    for (size_t i = 0; i < 4; i++) {
+        if (env_given(given, ngiven, mine[i]))
+            free(mine[i]);
+        else
+            out[k++] = mine[i];
+        mine[i] = NULL;
+    }
+    for (size_t i = 0; i < nfixed; i++)
+        if (!env_given(given, ngiven, trusted_fixed[i]) && !(out[k++] = strdup(trusted_fixed[i])))
+            goto fail;
+    for (uint32_t i = 0; i < ngiven; i++)
+        if (!(out[k++] = strdup(given[i])))
+            goto fail;
+    return out;
+fail:
+    for (size_t i = 0; i < 4; i++)
+        free(mine[i]);
+    env_free(out);
+    return NULL;
+}
+
+static void rm_tree(const char *path);
+
+/* The fresh private HOME of a trusted run, owned by the user it runs as; NULL and errno set.
+ * times[0], times[1]: /tmp's mtime before and after. */
+static char *home_create(const struct user *u, struct timespec times[2])
+{
+    char tmpl[] = "/tmp/.dsec-trusted-XXXXXX";
+    struct stat st;
+    times[0] = times[1] = (struct timespec){0, 0};
+    if (stat("/tmp", &st) == 0)
+        times[0] = st.st_mtim;
+    if (!mkdtemp(tmpl)) /* 0700, whatever the umask */
+        return NULL;
+    if (stat("/tmp", &st) == 0)
+        times[1] = st.st_mtim;
+    char *home = strdup(tmpl);
+    if (!home || (u && chown(tmpl, u->uid, u->gid) < 0)) {
+        int e = home ? errno : ENOMEM;
+        rmdir(tmpl);
+        free(home);
+        errno = e;
+        return NULL;
+    }
+    return home;
+}
+
+static void home_remove(struct proc *p)
+{
+    if (!p->home)
+        return;
+    struct stat st;
+    int untouched = p->tmp_mtime.tv_sec && stat("/tmp", &st) == 0 && st.st_mtim.tv_sec == p->tmp_mtime_made.tv_sec &&
+                    st.st_mtim.tv_nsec == p->tmp_mtime_made.tv_nsec;
+    rm_tree(p->home);
+    if (untouched) {
+        struct timespec ts[2] = {{0, UTIME_OMIT}, p->tmp_mtime};
+        utimensat(AT_FDCWD, "/tmp", ts, 0);
+    }
+    free(p->home);
+    p->home = NULL;
+}
+
+
 /* ``now``: send the 'i' frame at once (a background start waits for its pid); a buffered one goes
  * out with the output, a heartbeat or the exit, one wake-up of the host fewer per command. */
 static void proc_attach(struct proc *p, struct conn *c, int now)
@@ -904,9 +1060,11 @@ static void proc_attach(struct proc *p, struct conn *c, int now)
 #define X_BUFFERED 4u
 #define WATCH_DELAY_NS (2 * 1000000LL)
 
-static void op_exec(struct conn *c, struct rd *r)
+static void op_exec(struct conn *c, struct rd *r, int trusted)
 {
     char *cmd = NULL, *cwd = NULL, *user = NULL, **envp = NULL, **uenv = NULL, *slots[3] = {NULL, NULL, NULL};
+    char *home = NULL, **tenv = NULL;
+    struct timespec tmp_times[2] = {{0, 0}, {0, 0}};
     uint32_t nenv = 0, i;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     struct user u;
@@ -935,6 +1093,27 @@ static void op_exec(struct conn *c, struct rd *r)
             reply_err(c, ESRCH, "unknown user %s: not in the sandbox's /etc/passwd", user);
             goto out;
         }
+    }
+    if (trusted) {
+        const char *w = writable_system_dir();
+        if (w) {
+            reply_err(c, ENOTSUP, "trusted run refused: %s is writable in this sandbox (its profile leaves system "
+                      "directories writable, and no environment keeps a run from what was written there)", w);
+            goto out;
+        }
+        if (!(home = home_create(*user ? &u : NULL, tmp_times))) {
+            reply_err(c, ENOTSUP, "trusted run refused: cannot create a private HOME under /tmp: %s", strerror(errno));
+            goto out;
+        }
+        if (!*cwd) {
+            free(cwd);
+            cwd = strdup(home);
+        }
+        if (!(tenv = trusted_env(envp, nenv, home, *user ? u.name : "root")) || !cwd) {
+            reply_err(c, ENOMEM, "out of memory");
+            goto out;
+        }
+    } else if (*user) {
         if (!*cwd) {
             struct stat st;
             if (stat(u.home, &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -972,7 +1151,7 @@ static void op_exec(struct conn *c, struct rd *r)
         fcntl(pi[1], F_SETFL, O_NONBLOCK);
 
     int err = 0;
-    pid_t pid = spawn_shell(cmd, cwd, uenv ? uenv : nenv ? envp : default_env, pi[0] >= 0 ? pi[0] : devnull,
+    pid_t pid = spawn_shell(cmd, cwd, tenv ? tenv : uenv ? uenv : nenv ? envp : default_env, pi[0] >= 0 ? pi[0] : devnull,
                             po[1], pe[1], *user ? &u : NULL, &err);
     close(po[1]);
     close(pe[1]);
@@ -998,7 +1177,10 @@ static void op_exec(struct conn *c, struct rd *r)
     p->cmd = cmd;
     p->cwd = cwd;
     p->user = user;
-    cmd = cwd = user = NULL;
+    p->home = home;
+    p->tmp_mtime = tmp_times[0];
+    p->tmp_mtime_made = tmp_times[1];
+    cmd = cwd = user = home = NULL;
     po[0] = pe[0] = pi[1] = -1;
     p->w_out = (struct watch){W_OUT, NULL, p};
     p->w_err = (struct watch){W_ERR, NULL, p};
@@ -1025,6 +1207,11 @@ out:
         free(envp[i]);
     free(envp);
     free(uenv);
+    env_free(tenv);
+    if (home) {
+        rm_tree(home);
+        free(home);
+    }
     for (i = 0; i < 3; i++)
         free(slots[i]);
     free(cmd);
@@ -1541,6 +1728,12 @@ static int rm_one(const char *p, const struct stat *st, int type, struct FTW *ft
     return 0;
 }
 
+/* Best effort (a trusted run's HOME): symlinks are removed, never followed; other mounts untouched. */
+static void rm_tree(const char *path)
+{
+    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+}
+
 static void op_remove(struct conn *c, struct rd *r)
 {
     char *path = rd_cstr(r);
@@ -1813,7 +2006,8 @@ static void dispatch(struct conn *c)
 {
     struct rd r = {c->req + 1, c->req_len - 1, 0, 0};
     switch (c->req[0]) {
-    case 'X': op_exec(c, &r); return; /* finishes itself: it may keep the connection */
+    case 'X': op_exec(c, &r, 0); return; /* finishes itself: it may keep the connection */
+    case 'T': op_exec(c, &r, 1); return;
     case 'P': op_ping(c, &r); break;
     case 'W': op_write(c, &r); break;
     case 'G': op_read(c, &r); break;

@@ -91,7 +91,7 @@ def umount(path: str | Path) -> None:
 
 def mount_erofs(blob: str | Path, target: str | Path) -> None:
     """As the host agent mounts a layer: straight from the file, no loop device."""
-    from hostagent._container import _mount_erofs
+    from hostagent.backends.container.layers import mount_erofs as _mount_erofs
 
     Path(target).mkdir(parents=True, exist_ok=True)
     _mount_erofs(str(blob), str(target))

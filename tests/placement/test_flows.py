@@ -16,7 +16,7 @@ from bus import subjects as S
 from bus.errors import NoCapacity, UnknownTemplate
 from bus.messages import CreateSandbox, HostStatus, PlaceBatch
 from bus.streams import ensure_kv
-from hostagent import HostAgent, SimBackend
+from hostagent import HostAgent, HostAgentConfig, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 from sdk.errors import UnsupportedBackend
@@ -29,7 +29,8 @@ def agent(url: str, hid: str, **kw) -> HostAgent:
     backend = kw.pop("backend", None) or SimBackend()
     kw.setdefault("heartbeat_s", 0.2)
     # persist_state=False: nothing is written under data_dir
-    return HostAgent(backend, nats_url=url, host_id=hid, data_dir=os.path.join(tempfile.gettempdir(), "dsec-pl-unused"), persist_state=False, grace_s=2, **kw)
+    cfg = HostAgentConfig(nats_url=url, host_id=hid, data_dir=os.path.join(tempfile.gettempdir(), "dsec-pl-unused"), persist_state=False, grace_s=2, **kw)
+    return HostAgent(backend, cfg)
 
 
 async def test_host_rejects_and_request_is_replaced_elsewhere(nats_srv, nc) -> None:
@@ -159,9 +160,9 @@ class _SlowSim(SimBackend):
     """The simulated backend, taking a moment to start each sandbox as a real backend does: the
     members of a batch are all being made at once before any of them is in the registry."""
 
-    async def create(self, spec, layers):
+    async def create(self, spec, layers, **kw):
         await asyncio.sleep(0.05)
-        return await super().create(spec, layers)
+        return await super().create(spec, layers, **kw)
 
 
 async def test_fresh_batch_larger_than_the_host_is_admitted_in_turn(nats_srv, nc) -> None:

@@ -440,8 +440,8 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
     st = await make_stack(warm_pool=1)
     backend = st.backend
 
-    def pooled(profile: str) -> list[tuple[Any, ...]]:
-        return [k for k, v in backend._pool.items() if k[2] == profile and v]
+    def pooled(profile: str) -> list[Any]:
+        return [k for k, v in backend.pool.entries().items() if k.profile == profile and v]
 
     cold = await st.create()
     await until(lambda: pooled("default"), timeout=60, what="a warm container for the default profile")
@@ -473,7 +473,7 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
     assert c.code == 0, f"without /etc among its read-only mounts the profile leaves /etc's metadata open: {c}"
     await until(lambda: pooled("edit"), timeout=60, what="a warm container for profile edit without /etc")
     stale_key = pooled("edit")[0]
-    stale_cids = [cid for cid, _, _ in backend._pool[stale_key]]
+    stale_cids = [w.cid for w in backend.pool.entries()[stale_key]]
     await kv.put("edit", codec.encode(full))
     await until(lambda: "/etc" in st.host.profiles.profiles["edit"].fs.readonly_paths, timeout=10, what="the edited profile")
     tight = await st.create(profile="edit")
@@ -488,7 +488,7 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
 
     async def stale_gone() -> bool:
         live = {c.id for c in await backend.rt.list()}
-        return stale_key not in backend._pool and not live & set(stale_cids)
+        return stale_key not in backend.pool.entries() and not live & set(stale_cids)
 
     await until(stale_gone, timeout=30, what="the warm containers of the old content to be removed")
 

@@ -146,7 +146,7 @@ def test_system_paths_become_read_only_mounts() -> None:
     """Landlock can't refuse metadata changes, so the system paths are read-only mounts as well;
     the spec hands them to runc, and a profile whose read-only mount would swallow one of its own
     writable paths is refused rather than quietly breaking that path."""
-    from hostagent._containerd import build_spec
+    from hostagent.backends.container.containerd import build_spec
 
     fs = default_profile().fs
     e = hp.compile_profile(default_profile())
