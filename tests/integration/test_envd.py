@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import eventually
 
 from .conftest import run_process, subprocess_env
-from .test_gateway import DSEC, Gw, gw  # noqa: F401 - gw is the module's stack fixture
+from .test_gateway import DSEC, Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
 
 TEMPLATE = "e2b-busybox"
 
@@ -320,3 +320,35 @@ def _pty(gw: Gw) -> None:
 
 async def test_pty(gw: Gw) -> None:
     await asyncio.to_thread(_pty, gw)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def _bad_input(gw: Gw) -> None:
+    from e2b import InvalidArgumentException, NotFoundException, PtySize
+
+    sb = _sandbox(gw)
+    envd = {"E2b-Sandbox-Id": sb.sandbox_id, "X-API-Key": gw.key_a, "Content-Type": "application/octet-stream"}
+    try:
+        # Upload metadata: within the bounds it is stored; 65 keys, or a key too long for an xattr, are 400.
+        st, doc, _ = http(gw, "POST", "/files?path=/tmp/m.txt", b"m", {**envd, "X-Metadata-A": "1", "X-Metadata-B": "2"}, key=None)
+        assert (st, doc[0]["metadata"]) == (200, {"a": "1", "b": "2"})
+        many = {f"X-Metadata-K{i}": "v" for i in range(65)}
+        for extra in (many, {"X-Metadata-" + "k" * 247: "v"}):
+            st, doc, _ = http(gw, "POST", "/files?path=/tmp/bad.txt", b"x", {**envd, **extra}, key=None)
+            assert (st, doc["message"]) == (400, "metadata: at most 64 keys of 1..246 characters"), (st, doc)
+        assert not sb.files.exists("/tmp/bad.txt")
+        # A PTY of an impossible size; a resize of a command that is no PTY session.
+        with pytest.raises(InvalidArgumentException) as ei:
+            sb.pty.create(PtySize(rows=70000, cols=80))
+        assert "pty.size rows and cols must be 1..65535" in str(ei.value)
+        h = sb.commands.run("sleep 30", background=True)
+        with pytest.raises(NotFoundException) as nf:
+            sb.pty.resize(h.pid, PtySize(rows=30, cols=100))
+        assert f"process {h.pid} is not a PTY session of this gateway" in str(nf.value)
+        assert h.kill() is True
+    finally:
+        sb.kill()
+
+
+async def test_bad_input(gw: Gw) -> None:
+    await asyncio.to_thread(_bad_input, gw)
