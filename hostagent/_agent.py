@@ -726,13 +726,12 @@ class AgentClient:
 
         ``mode`` applies only when the file is created. ``truncate`` empties an existing file first.
         ``owner`` (uid, gid) and ``metadata`` (replacing the file's user.e2b.* xattrs) are set with the
-        first chunk, before its data; an agent from before them raises AgentError EPROTO.
+        first chunk, before its data. An agent from before them writes the data only: ``long_entries``
+        is False afterwards, which tells the caller they were not applied.
         """
         if offset < 0:
             raise ValueError("offset must be >= 0")
-        attrs = owner is not None or metadata is not None
-        if attrs and not self.long_entries:
-            raise AgentError(_errno.EPROTO, "the sandbox's agent predates file owners and metadata")
+        attrs = (owner is not None or metadata is not None) and self.long_entries
         view = memoryview(data).cast("B")
         pos = 0
         size = 0
@@ -746,7 +745,13 @@ class AgentClient:
                 pairs = b"".join(_s(k) + _s(v) for k, v in meta.items())
                 head = (_U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _U32.pack(uid) + _U32.pack(gid)
                         + _U32.pack(len(meta)) + pairs + _s(path))
-                kind, body = await self._long_call(_frame(b"a", head, chunk))
+                try:
+                    kind, body = await self._long_call(_frame(b"a", head, chunk))
+                except AgentError:
+                    if self.long_entries:
+                        raise
+                    attrs = False
+                    continue  # an older agent: this chunk again, plainly
             else:
                 head = _U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _s(path)
                 kind, body = await self._call(_frame(b"W", head, chunk))

@@ -7,11 +7,16 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
-from hostagent._agent import IN_ATTRIB, IN_CREATE, IN_MODIFY, AgentError
-from tests.unit.test_agent import until
+from hostagent import _agent
+from hostagent._agent import IN_ATTRIB, IN_CREATE, IN_MODIFY, AgentClient, AgentError, ensure_agent_binary
+from tests.unit.test_agent import launch, stop_agent, until
+
+BEFORE_LONG_OPS = "d5f0824"  # the last commit whose agent had no 'a', 'l', 's'
 
 
 async def test_long_listing_and_stat(agent, tmp_path):
@@ -80,3 +85,32 @@ async def test_write_events_create_attrib_modify(agent, tmp_path):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_older_agent_falls_back(tmp_path, monkeypatch):
+    """An agent started before the upgrade (it answers 'a', 'l', 's' EPROTO): listings and stats
+    come without the new fields, a write without its owner and metadata, and the client says so
+    (test_write_with_owner_and_metadata is the positive control: the current agent applies them)."""
+    repo = Path(_agent.__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{BEFORE_LONG_OPS}:hostagent/agent/dsec-agent.c"], cwd=repo, capture_output=True)
+    if src.returncode != 0:
+        pytest.skip(f"the agent source of {BEFORE_LONG_OPS} is not in this checkout's history")
+    old = tmp_path / "old-agent.c"
+    old.write_bytes(src.stdout)
+    monkeypatch.setattr(_agent, "AGENT_SOURCE", old)
+    a = await launch(await asyncio.to_thread(ensure_agent_binary, str(tmp_path / "data")), tmp_path / "agent")
+    try:
+        f = tmp_path / "f.txt"
+        f.write_text("x")
+        os.setxattr(f, "user.e2b.k", b"v")
+        listing = AgentClient(a.sock)
+        got = {e.name: e for e in await listing.list_dir(str(tmp_path), long=True)}
+        assert (got["f.txt"].uid, got["f.txt"].metadata, listing.long_entries) == (-1, {}, False)
+        stat = AgentClient(a.sock)
+        assert ((await stat.stat(str(f), long=True)).uid, stat.long_entries) == (-1, False)
+        writer = AgentClient(a.sock)
+        p = tmp_path / "w.txt"
+        assert await writer.write_file(str(p), b"data", owner=(1234, 5678), metadata={"a": "1"}) == 4
+        assert (writer.long_entries, p.read_bytes(), p.stat().st_uid, os.listxattr(p)) == (False, b"data", os.getuid(), [])
+    finally:
+        stop_agent(a.proc)

@@ -406,12 +406,8 @@ class ContainerBackend:
             match op:
                 case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode, uid=uid, gid=gid, metadata=meta):
                     owner = (uid, gid) if uid >= 0 and gid >= 0 else None
-                    attrs = (owner is not None or meta is not None) and c.long_entries
-                    if attrs:
-                        await c.write_file(p, d, offset=off, truncate=tr, mode=mode, owner=owner, metadata=meta)
-                    else:
-                        await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
-                    return FileWritten(path=p, size=off + len(d), attrs=attrs)
+                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode, owner=owner, metadata=meta)
+                    return FileWritten(path=p, size=off + len(d), attrs=(owner is not None or meta is not None) and c.long_entries)
                 case FileRead(path=p, offset=off, length=n):
                     # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
                     # tells the rest), so no request makes the host hold more than that in memory.
