@@ -266,13 +266,27 @@ class LayerRef(Struct, kw_only=True, tag=True):
     chunk_size: int = 0
 
 
+class ImageDefaults(Struct, kw_only=True, tag=True):
+    """What an OCI image's config (or a Dockerfile's ENV/WORKDIR/USER/ENTRYPOINT/CMD) says a process in
+    the template runs with, unless the create or exec says otherwise."""
+
+    env: dict[str, str] = {}
+    workdir: str = ""
+    user: str = ""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    source: str = ""  # where they came from: the image reference with its manifest digest
+
+
 class TemplateManifest(Struct, kw_only=True, tag=True):
-    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name."""
+    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name.
+    A template pulled from a registry has one ``base`` layer per image layer (lowest first)."""
 
     name: str
     layers: list[LayerRef]
     created_at: float = 0.0
     description: str = ""
+    defaults: ImageDefaults | None = None
 
 
 class Lease(Struct, kw_only=True, tag=True):
@@ -817,6 +831,8 @@ class BuildImage(Struct, kw_only=True, tag=True):
     workspace: str = ""
     toolkit: str = ""
     description: str = ""
+    from_ref: str = ""  # an image in a registry (``[host/]repo[:tag][@sha256:...]``), instead of ``base``
+    platform: str = ""  # of ``from_ref``: ``os/arch[/variant]``, default this machine's
 
 
 class ImageBuilt(Struct, kw_only=True, tag=True):
