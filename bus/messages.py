@@ -833,6 +833,11 @@ class BuildImage(Struct, kw_only=True, tag=True):
     description: str = ""
     from_ref: str = ""  # an image in a registry (``[host/]repo[:tag][@sha256:...]``), instead of ``base``
     platform: str = ""  # of ``from_ref``: ``os/arch[/variant]``, default this machine's
+    # a template made of layers that exist already: a snapshot's (its template's layers, then the
+    # snapshot's chain; how a Dockerfile build ends) or another template's, with new defaults
+    from_snapshot: str = ""
+    from_template: str = ""
+    defaults: ImageDefaults | None = None
 
 
 class ImageBuilt(Struct, kw_only=True, tag=True):

@@ -17,6 +17,7 @@ from bus.runtime import Endpoint, Service
 from bus.streams import ensure_all
 
 from ._build import ImageBuilder, ensure_base_template, remove_template
+from ._compose import compose_template
 from ._oci import build_from_image
 from ._manifests import list_manifests, require_manifest
 from ._messages import (
@@ -85,7 +86,12 @@ class ImagedService(Service):
     async def _on_build(self, msg: Msg, req: Any) -> Any:
         async with self._build_lock:
             builder = ImageBuilder(self.js, self.data_dir, store=self.store)
-            if req.from_ref:
+            if req.from_snapshot or req.from_template:
+                if req.base or req.workspace or req.toolkit or req.from_ref:
+                    raise InvalidArgument("from_snapshot/from_template name every layer: leave the sources empty")
+                res = await compose_template(self.js, req.name, snapshot=req.from_snapshot, template=req.from_template,
+                                             defaults=req.defaults, description=req.description)
+            elif req.from_ref:
                 if req.base or req.workspace or req.toolkit:
                     raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")
                 res, _ = await build_from_image(builder, req.name, req.from_ref, platform=req.platform, description=req.description)

@@ -2,6 +2,7 @@
 
     dsec image build NAME --base SRC [--workspace SRC] [--toolkit SRC] [--json]
     dsec image build NAME --from REF [--platform OS/ARCH] [--json]   (an image in a registry; mirrors: $DSEC_REGISTRY_MIRRORS)
+    dsec image build NAME --dockerfile PATH [--context DIR] [--build-arg K=V] [--no-cache] [--allow-out HOST]
     dsec image build-python [NAME] [--json]      (debian bookworm + python3, pip, git; default name "python")
     dsec image ensure-base [--json]              (the busybox "base" template, idempotent)
     dsec image ls [--json]
@@ -59,6 +60,12 @@ def register(subparsers: Any) -> None:
     src = b.add_mutually_exclusive_group(required=True)
     src.add_argument("--base", metavar="SRC")
     src.add_argument("--from", dest="from_ref", metavar="REF", help="an image in a registry: [host/]repo[:tag][@sha256:...]")
+    # A Dockerfile build is a client of the stack (build sandboxes, snapshots): the `dsec` command runs it (sdk._builder).
+    src.add_argument("--dockerfile", default=None, metavar="PATH", help="build from a Dockerfile (RUN steps run in a build sandbox)")
+    b.add_argument("--context", default=None, metavar="DIR", help="of --dockerfile: where COPY/ADD read (default: the Dockerfile's directory)")
+    b.add_argument("--build-arg", action="append", default=[], metavar="K=V")
+    b.add_argument("--no-cache", action="store_true", help="of --dockerfile: run every step again")
+    b.add_argument("--allow-out", action="append", default=[], metavar="HOST", help="of --dockerfile: egress RUN may use (package mirrors)")
     b.add_argument("--platform", default="", help="of --from: os/arch[/variant] (default: this machine's)")
     b.add_argument("--workspace", default=None, metavar="SRC")
     b.add_argument("--toolkit", default=None, metavar="SRC")
@@ -144,6 +151,8 @@ async def _build(args: argparse.Namespace) -> int:
         builder = ImageBuilder(
             js, args.data_dir, store=store, chunk_size=args.chunk_size, compress=args.compress, progress=progress
         )
+        if args.dockerfile:
+            raise InvalidArgument("--dockerfile builds run in the `dsec` command (they are a client of the stack)")
         if args.from_ref:
             from ._oci import build_from_image
 

@@ -1,0 +1,248 @@
+"""Templates users define: Dockerfile builds on the real stack (build sandboxes through the bus, each
+step a snapshot packed by the host's real lazy loader, the step cache), FROM a template, a snapshot or
+an image in a real registry (docker-registry, pushed with skopeo), and what a bad build leaves: nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BuildFailed, InvalidArgument
+from bus.streams import ensure_kv
+from sdk._builder import TemplateBuilder, build_dockerfile
+from sdk._dockerfile import parse_dockerfile
+from tests import registry as R
+from tests.conftest import needs
+from tests.imaged.conftest import LazyDaemon, needs_fuse
+
+from .conftest import Stack, needs_stack
+
+pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse, needs(R.missing())]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def lazy(stack: Stack, nats_server: Any) -> AsyncIterator[LazyDaemon]:
+    """The stack host's lazy loader (it packs the build steps' snapshots)."""
+    d = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url, host_id=stack.host_id)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.release()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def imaged(stack: Stack, lazy: LazyDaemon) -> AsyncIterator[Any]:
+    from imaged._service import ImagedService
+
+    svc = ImagedService(stack.url, data_dir=stack.data_dir / "imaged", ensure_base=False)
+    await svc.start()
+    try:
+        yield svc
+    finally:
+        await svc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def registry():
+    reg = R.LocalRegistry().start()
+    yield reg
+    reg.close()
+
+
+def _opts(stack: Stack, logs: list[str] | None = None, **kw: Any) -> dict[str, Any]:
+    return {"nats_url": stack.url, "pool": stack.pool, "on_log": (logs.append if logs is not None else None), **kw}
+
+
+def _build_sandboxes(stack: Stack) -> list[str]:
+    return sorted(sid for sid, ls in stack.host.live.items() if ls.spec.metadata.get("dsec.build"))
+
+
+async def _manifest(stack: Stack, name: str) -> Any:
+    kv = await ensure_kv(stack.js, S.KV_IMAGES)
+    try:
+        entry = await kv.get(name)
+    except Exception:  # noqa: BLE001 - KeyNotFoundError: not there
+        return None
+    return codec.TEMPLATE.decode(entry.value) if entry.value else None
+
+
+DOCKERFILE = """\
+# a comment
+ARG GREETING=hello
+FROM base
+ARG GREETING
+ENV APP_HOME=/srv/app \\
+    MODE="fast mode"
+WORKDIR $APP_HOME
+COPY app/ ./
+COPY --chmod=0755 run.sh /usr/local/bin/run.sh
+RUN echo "$GREETING from $MODE" > greeting.txt && mkdir -p /var/lib/thing && echo 1 > /var/lib/thing/v
+RUN rm /etc/hostname
+LABEL ignored=yes
+CMD ["/usr/local/bin/run.sh"]
+RUN echo {last} > last.txt
+"""
+
+
+def _context(tmp: Path) -> Path:
+    ctx = tmp / "ctx"
+    (ctx / "app" / "pkg").mkdir(parents=True, exist_ok=True)
+    (ctx / "app" / "main.txt").write_text("main\n")
+    (ctx / "app" / "pkg" / "mod.txt").write_text("mod\n")
+    os.symlink("main.txt", ctx / "app" / "link")
+    (ctx / "run.sh").write_text("#!/bin/sh\necho running\n")
+    return ctx
+
+
+async def test_dockerfile_build_then_cached_rebuild(stack: Stack, imaged: Any, tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    (ctx / "Dockerfile").write_text(DOCKERFILE.format(last="one"))
+    name = f"df-{stack.uid}"
+    logs: list[str] = []
+    rep = await build_dockerfile(name, ctx / "Dockerfile", build_args={"GREETING": "hi"}, **_opts(stack, logs))
+    assert rep.sandboxes == 1 and not any(s.cached for s in rep.steps)
+    assert any("[1/" in line and "FROM base" in line for line in logs)
+    assert _build_sandboxes(stack) == []
+    m = await _manifest(stack, name)
+    assert m is not None and m == rep.manifest
+    d = m.defaults
+    assert d.env == {"APP_HOME": "/srv/app", "MODE": "fast mode"} and d.workdir == "/srv/app" and d.cmd == ["/usr/local/bin/run.sh"]
+    async with stack.sandbox(template=name) as sb:
+        r = await sb.commands.run(
+            "cat /srv/app/greeting.txt /srv/app/main.txt /srv/app/pkg/mod.txt /var/lib/thing/v /srv/app/last.txt;"
+            " readlink /srv/app/link; stat -c %a /usr/local/bin/run.sh; /usr/local/bin/run.sh; test -e /etc/hostname || echo nohost"
+        )
+        assert r.stdout.split("\n")[:-1] == ["hi from fast mode", "main", "mod", "1", "one", "main.txt", "755", "running", "nohost"]
+
+    # the same Dockerfile again: every step from the cache, no build sandbox at all
+    rep2 = await build_dockerfile(name, ctx / "Dockerfile", build_args={"GREETING": "hi"}, **_opts(stack))
+    assert rep2.sandboxes == 0 and all(s.cached for s in rep2.steps if s.snapshot)
+    assert [lay.digest for lay in rep2.manifest.layers] == [lay.digest for lay in m.layers]
+    # the last step changed: only it runs again (one sandbox, from the cached prefix)
+    (ctx / "Dockerfile").write_text(DOCKERFILE.format(last="two"))
+    rep3 = await build_dockerfile(name, ctx / "Dockerfile", build_args={"GREETING": "hi"}, **_opts(stack))
+    fs_steps = [s for s in rep3.steps if s.snapshot]
+    assert rep3.sandboxes == 1 and all(s.cached for s in fs_steps[:-1]) and not fs_steps[-1].cached
+    assert [lay.digest for lay in rep3.manifest.layers][:-1] == [lay.digest for lay in m.layers][:-1]
+    # a different build arg changes the RUN that uses it (and what follows), not the COPYs before it
+    rep4 = await build_dockerfile(f"{name}-b", ctx / "Dockerfile", build_args={"GREETING": "yo"}, **_opts(stack))
+    assert [s.cached for s in rep4.steps if s.snapshot] == [True, True, True, False, False, False]
+    # a changed file in the context invalidates its COPY
+    (ctx / "app" / "main.txt").write_text("main v2\n")
+    rep5 = await build_dockerfile(f"{name}-c", ctx / "Dockerfile", build_args={"GREETING": "hi"}, **_opts(stack))
+    assert [s.cached for s in rep5.steps if s.snapshot][:3] == [True, False, False]
+    async with stack.sandbox(template=f"{name}-c") as sb:
+        assert (await sb.files.read("/srv/app/main.txt")) == "main v2\n"
+    assert _build_sandboxes(stack) == []
+
+
+async def test_failing_run_fails_the_build_and_leaves_nothing(stack: Stack, imaged: Any, tmp_path: Path) -> None:
+    name = f"dffail-{stack.uid}"
+    df = tmp_path / "Dockerfile"
+    df.write_text("FROM base\nRUN echo preparing\nRUN echo out-line; echo err-line >&2; exit 7\nRUN echo never\n")
+    logs: list[str] = []
+    with pytest.raises(BuildFailed) as ei:
+        await build_dockerfile(name, df, **_opts(stack, logs))
+    e = ei.value
+    assert e.code == "build_failed" and e.context["exit_code"] == 7 and e.context["step"] == 3
+    assert "exit 7" in e.context["instruction"] and "out-line" in e.context["output"] and "err-line" in e.context["output"]
+    assert await _manifest(stack, name) is None
+    assert _build_sandboxes(stack) == []
+    assert "  never" not in logs and any("out-line" in line for line in logs)
+    # positive control: the same build without the failing step makes the template
+    df.write_text("FROM base\nRUN echo preparing\nRUN echo fine\n")
+    rep = await build_dockerfile(name, df, **_opts(stack))
+    assert rep.steps[1].cached  # the step that succeeded before is in the cache
+    assert await _manifest(stack, name) is not None
+
+
+async def test_bad_dockerfiles_and_contexts_are_refused(stack: Stack, imaged: Any, tmp_path: Path) -> None:
+    ctx = _context(tmp_path)
+    (tmp_path / "secret").write_text("outside\n")
+    os.symlink(str(tmp_path / "secret"), ctx / "escape")
+    (ctx / "inner").mkdir()
+    os.symlink("../../secret", ctx / "inner" / "up")
+    name = f"dfbad-{stack.uid}"
+    cases = {
+        "FROM base\nCOPY ../secret /x\n": "climbs out",
+        "FROM base\nCOPY escape /x\n": "outside the build context",
+        "FROM base\nCOPY inner /x\n": "outside the build context",
+        "FROM base\nCOPY nothere /x\n": "not in the build context",
+        "FROM base\nFROBNICATE x\n": "unknown instruction",
+        "FROM base\nFROM base\n": "multi-stage",
+        "RUN echo\n": "before FROM",
+        "FROM template:no-such-template-x\n": "no such template",
+    }
+    for text, why in cases.items():
+        (ctx / "Dockerfile").write_text(text)
+        with pytest.raises(InvalidArgument) as ei:
+            await build_dockerfile(name, ctx / "Dockerfile", **_opts(stack))
+        assert why in ei.value.description, (text, ei.value.description)
+    assert await _manifest(stack, name) is None and _build_sandboxes(stack) == []
+    # positive control: a COPY inside the context
+    (ctx / "Dockerfile").write_text("FROM base\nCOPY app/main.txt /x\n")
+    await build_dockerfile(name, ctx / "Dockerfile", **_opts(stack))
+    assert await _manifest(stack, name) is not None
+
+
+async def test_from_a_registry_image_and_from_a_snapshot(stack: Stack, imaged: Any, registry: Any, tmp_path: Path) -> None:
+    layout = R.oci_layout(tmp_path / "img", [R.busybox_layer(), R.tar_layer({"opt": ("dir",), "opt/from-image.txt": b"image\n"})],
+                          {"Env": ["PATH=/bin", "IMG=yes"], "WorkingDir": "/opt"})
+    digest = registry.push(layout, "test/app", "v1")
+    df = tmp_path / "Dockerfile"
+    df.write_text(f"FROM {registry.host}/test/app:v1\nRUN echo built-on-image > /opt/b.txt && echo $IMG >> /opt/b.txt\n")
+    name = f"dfimg-{stack.uid}"
+    rep = await build_dockerfile(name, df, **_opts(stack))
+    assert rep.manifest.defaults.env == {"PATH": "/bin", "IMG": "yes"} and rep.manifest.defaults.workdir == "/opt"
+    async with stack.sandbox(template=name) as sb:
+        r = await sb.commands.run("cat /opt/from-image.txt /opt/b.txt")
+        assert r.stdout == "image\nbuilt-on-image\nyes\n"
+        snap = await sb.create_snapshot("from-here")
+    assert digest  # pushed by digest too: the same image by digest is the same base
+    df.write_text(f"FROM {registry.host}/test/app@{digest}\nRUN echo built-on-image > /opt/b.txt && echo $IMG >> /opt/b.txt\n")
+    rep_d = await build_dockerfile(f"{name}-d", df, **_opts(stack))
+    assert [lay.digest for lay in rep_d.manifest.layers][:2] == [lay.digest for lay in rep.manifest.layers][:2]
+    # FROM a snapshot: its files are the start
+    df.write_text(f"FROM snapshot:{snap.snapshot_id}\nRUN cat /opt/b.txt > /opt/c.txt\n")
+    rep2 = await build_dockerfile(f"{name}-s", df, **_opts(stack))
+    async with stack.sandbox(template=f"{name}-s") as sb:
+        assert (await sb.files.read("/opt/c.txt")) == "built-on-image\nyes\n"
+    assert len(rep2.manifest.layers) > len(rep.manifest.layers)
+    # an image that is not there: typed, nothing made
+    df.write_text(f"FROM {registry.host}/test/absent:v1\nRUN true\n")
+    from bus.errors import ImageNotFound
+
+    with pytest.raises(ImageNotFound):
+        await build_dockerfile(f"{name}-x", df, **_opts(stack))
+    assert await _manifest(stack, f"{name}-x") is None and _build_sandboxes(stack) == []
+
+
+def test_parse_dockerfile_forms() -> None:
+    steps = parse_dockerfile(
+        'ARG V=1\nFROM --platform=linux/amd64 img:${V} AS b\nENV A=x B="y z"\nENV C legacy value\nRUN ["echo", "$A"]\n'
+        "RUN echo a \\\n  && echo b\nCOPY --chown=1:1 a b /d/\nWORKDIR ${A:-none}/w\nUSER ${NOPE:-nobody}\nEXPOSE 80\n"
+    )
+    assert [s.kind for s in steps] == ["ARG", "FROM", "ENV", "ENV", "RUN", "RUN", "COPY", "WORKDIR", "USER"]
+    assert steps[1].args == ["img:1"] and steps[1].flags == {"platform": "linux/amd64"}
+    assert steps[2].args == ["A", "x", "B", "y z"] and steps[3].args == ["C", "legacy value"]
+    assert steps[4].exec_form and steps[4].args == ["echo", "$A"]  # no expansion in RUN: the shell does it
+    assert steps[5].args == ["echo a && echo b"]
+    assert steps[6].flags == {"chown": "1:1"} and steps[6].args == ["a", "b", "/d/"]
+    assert steps[7].args == ["x/w"] and steps[8].args == ["nobody"]
+    for bad in ("FROM a\nONBUILD RUN x\n", "FROM a\nCOPY --from=x a b\n", "FROM a\nSHELL /bin/bash\n", "ENV A=1\n", ""):
+        with pytest.raises(InvalidArgument):
+            parse_dockerfile(bad)
+
+
+async def test_builder_needs_a_good_name(stack: Stack) -> None:
+    with pytest.raises(InvalidArgument):
+        await TemplateBuilder(nats_url=stack.url).build("bad name!", parse_dockerfile("FROM base\n"))
