@@ -153,6 +153,13 @@ class BuildFailed(ImageError):
     http_status = 422
 
 
+class TemplateTaken(DsecError):
+    """The template name is in use by a template the caller does not own (another client's, or the operator's)."""
+
+    code = "template_taken"
+    http_status = 409
+
+
 class UnknownSnapshot(DsecError):
     code = "unknown_snapshot"
     http_status = 404

@@ -287,6 +287,7 @@ class TemplateManifest(Struct, kw_only=True, tag=True):
     created_at: float = 0.0
     description: str = ""
     defaults: ImageDefaults | None = None
+    owner: str = ""  # the client that built it through the gateway's template API ("" = the operator's)
 
 
 class Lease(Struct, kw_only=True, tag=True):
@@ -838,6 +839,7 @@ class BuildImage(Struct, kw_only=True, tag=True):
     from_snapshot: str = ""
     from_template: str = ""
     defaults: ImageDefaults | None = None
+    owner: str = ""  # written into the manifest (the gateway's template API: only the owner rebuilds or removes it)
 
 
 class ImageBuilt(Struct, kw_only=True, tag=True):

@@ -22,6 +22,7 @@ from ._manifests import check_name, publish_event, put_manifest, require_manifes
 
 async def compose_template(
     js: JetStreamContext, name: str, *, snapshot: str = "", template: str = "", defaults: ImageDefaults | None = None, description: str = "",
+    owner: str = "",
 ) -> BuildResult:
     """Template ``name`` = ``template``'s layers (or the snapshot's template's, then the snapshot's chain)."""
     check_name(name)
@@ -41,7 +42,7 @@ async def compose_template(
     base = await require_manifest(js, template)
     manifest = TemplateManifest(
         name=name, layers=[*base.layers, *extra], created_at=time.time(), description=description,
-        defaults=defaults if defaults is not None else base.defaults,
+        defaults=defaults if defaults is not None else base.defaults, owner=owner,
     )
     await put_manifest(js, manifest)
     await publish_event(js, name, "built", template=template, snapshot=snapshot, layers=str(len(manifest.layers)))

@@ -90,7 +90,7 @@ class ImagedService(Service):
                 if req.base or req.workspace or req.toolkit or req.from_ref:
                     raise InvalidArgument("from_snapshot/from_template name every layer: leave the sources empty")
                 res = await compose_template(self.js, req.name, snapshot=req.from_snapshot, template=req.from_template,
-                                             defaults=req.defaults, description=req.description)
+                                             defaults=req.defaults, description=req.description, owner=req.owner)
             elif req.from_ref:
                 if req.base or req.workspace or req.toolkit:
                     raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")

@@ -107,12 +107,12 @@ class TemplateBuilder:
     def __init__(
         self, *, nats_url: str | None = None, on_log: LogFn | None = None, network: dict[str, list[str]] | None = None,
         cpu: float = 1.0, memory_mb: int = 1024, disk_mb: int = 4096, run_timeout: float = 1800.0, no_cache: bool = False,
-        pool: str = "default", profile: str = "build",
+        pool: str = "default", profile: str = "build", client: str = "",
     ) -> None:
         self.nats_url = nats_url
         self.on_log = on_log or (lambda line: None)
         self.network = network
-        self.shape: dict[str, Any] = {"cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb, "pool": pool, "profile": profile}
+        self.shape: dict[str, Any] = {"cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb, "pool": pool, "profile": profile, "client": client}
         self.run_timeout = run_timeout
         self.no_cache = no_cache
         self._sb: AsyncSandbox | None = None
@@ -200,7 +200,9 @@ class TemplateBuilder:
                 self.log(f"warning: could not remove build sandbox {sb.sandbox_id}: {exc}")
 
     # --- steps --------------------------------------------------------------------------------
-    async def build(self, name: str, steps: list[Step], context: str | os.PathLike[str] | None = None, *, description: str = "") -> BuildReport:
+    async def build(
+        self, name: str, steps: list[Step], context: str | os.PathLike[str] | None = None, *, description: str = "", owner: str = "",
+    ) -> BuildReport:
         """Run ``steps`` (the first FROM, after any ARGs) and write template ``name``."""
         if not name or len(name) > 128 or any(c not in _TEMPLATE_NAME for c in name):
             raise InvalidArgument(f"bad template name {name!r}: use letters, digits, '-' and '_' (max 128)")
@@ -224,7 +226,7 @@ class TemplateBuilder:
                 reports.append(await self._step(i, total, step, st, ctx))
             defaults = ImageDefaults(env=dict(st.env), workdir=st.workdir, user=st.user, entrypoint=st.entrypoint, cmd=st.cmd,
                                      source=f"build {st.key[:16]}")
-            req = BuildImage(name=name, base="", description=description, defaults=defaults,
+            req = BuildImage(name=name, base="", description=description, defaults=defaults, owner=owner,
                              **({"from_snapshot": st.snapshot} if st.snapshot else {"from_template": st.template}))
             built = await self._image_request(req)
         finally:
@@ -267,8 +269,11 @@ class TemplateBuilder:
         # RUN sees the build's ARGs and ENVs: a different value is a different step
         env_key = json.dumps([st.args, st.env, st.user, st.workdir, st.shell], sort_keys=True) if step.kind == "RUN" else ""
         key = _sha(st.key, step.text, digest, env_key)
+        force = self.no_cache or bool(step.flags.get("force"))
+        if force:  # built afresh, and so is every step after it (their keys descend from a new one)
+            key = _sha(key, uuid.uuid4().hex)
         snap_id = f"build-{key[:40]}"
-        if not self.no_cache:
+        if not force:
             rec = await self._cached(snap_id, st.template)
             if rec is not None:
                 st.key, st.snapshot = key, rec.snapshot_id
@@ -283,7 +288,7 @@ class TemplateBuilder:
             await sb.files.make_dir(st.workdir)
         else:
             await _upload(sb, files, step.flags.get("chown", ""))
-        rec = await self._snapshot(sb, snap_id if not self.no_cache else f"build-{uuid.uuid4().hex[:36]}", key, step.text)
+        rec = await self._snapshot(sb, snap_id, key, step.text)
         st.key, st.snapshot = key, rec.snapshot_id
         self._sb_at = rec.snapshot_id
         rep.snapshot, rep.seconds = rec.snapshot_id, time.monotonic() - t0
@@ -322,7 +327,8 @@ class TemplateBuilder:
                 self.log(f"  {line}")
 
         try:
-            await sb.commands.run(cmd, envs={**st.args, **st.env}, cwd=st.workdir or None, user=st.user or None, timeout=self.run_timeout,
+            user = step.flags.get("user") or st.user or None  # E2B's run_cmd(user=...) is for that step only
+            await sb.commands.run(cmd, envs={**st.args, **st.env}, cwd=st.workdir or None, user=user, timeout=self.run_timeout,
                                   on_stdout=out, on_stderr=out)
         except CommandExitError as exc:
             text = "".join(tail)[-OUTPUT_TAIL:]

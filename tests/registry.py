@@ -135,6 +135,7 @@ def tar_layer(files: dict[str, Any]) -> bytes:
                 tf.addfile(ti)
             elif what[0] == "dir":
                 ti.type, ti.mode = tarfile.DIRTYPE, 0o755
+                ti.uid = ti.gid = what[1] if len(what) > 1 else 0
                 tf.addfile(ti)
             elif what[0] == "wh":
                 d, _, base = name.rpartition("/")
@@ -149,7 +150,7 @@ def busybox_layer() -> bytes:
         "bin/cat": ("sym", "busybox"), "bin/ls": ("sym", "busybox"), "bin/env": ("sym", "busybox"),
         "bin/id": ("sym", "busybox"), "bin/pwd": ("sym", "busybox"), "bin/echo": ("sym", "busybox"),
         "etc": ("dir",), "etc/passwd": b"root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/sh\n",
-        "etc/group": b"root:x:0:\nuser:x:1000:\n", "tmp": ("dir",), "root": ("dir",),
+        "etc/group": b"root:x:0:\nuser:x:1000:\n", "tmp": ("dir",), "root": ("dir",), "home": ("dir",), "home/user": ("dir", 1000),
     })
 
 

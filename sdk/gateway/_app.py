@@ -30,6 +30,7 @@ from ._filesystem import Filesystem, PayloadTooLarge
 from ._ports import Ports
 from ._process import Processes
 from ._rest import RestApi
+from ._templates import TemplateApi
 from ._tenants import Tenant, Tenants
 from ._users import Users
 
@@ -203,6 +204,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     gw = Gateway(cfg)
     app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
     app[GATEWAY_KEY] = gw
+    app.router.add_routes(TemplateApi(gw).routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
     app.router.add_get("/health", _health)

@@ -24,6 +24,7 @@ from tests.conftest import needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 
 from .conftest import Stack, needs_stack
+from .test_gateway import Gw, gw, http  # noqa: F401 - gw: the `dsec up` stack with its gateway (a module fixture)
 
 pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse, needs(R.missing())]
 
@@ -246,3 +247,101 @@ def test_parse_dockerfile_forms() -> None:
 async def test_builder_needs_a_good_name(stack: Stack) -> None:
     with pytest.raises(InvalidArgument):
         await TemplateBuilder(nats_url=stack.url).build("bad name!", parse_dockerfile("FROM base\n"))
+
+
+# --------------------------------------------------------------------------- E2B's template API, unmodified SDK
+
+E2B_DOCKERFILE = """\
+FROM {image}
+ENV GREETING=dockerfile
+WORKDIR /opt/df
+COPY app/ ./app/
+RUN echo "$GREETING built" > /opt/df/built.txt
+"""
+
+
+def _e2b_flow(gw: Gw, image: str, ctx: Path, uid: str) -> None:
+    from e2b import BuildException, Sandbox, Template
+
+    name = f"e2b-{uid}"
+    assert not Template.exists(name, **gw.sdk()) and not Template.alias_exists(name, **gw.sdk())
+    t = (
+        Template(file_context_path=str(ctx))
+        .from_image(image)
+        .set_envs({"E2B_X": "from-env"})
+        .copy("app", "/opt/app/")
+        .copy("tool.sh", "/usr/local/bin/tool.sh", mode=0o755)
+        .set_workdir("/opt/app")
+        .run_cmd(["echo built > /opt/app/built.txt", "echo $E2B_X >> /opt/app/built.txt"])
+    )
+    logs: list = []
+    info = Template.build(t, name, on_build_logs=logs.append, **gw.sdk())
+    assert info.template_id == name and info.build_id
+    messages = [str(getattr(e, "message", "")) for e in logs]
+    assert any("RUN" in m for m in messages) and any("Uploaded 'app'" in m for m in messages), messages
+    assert Template.exists(name, **gw.sdk()) and Template.alias_exists(name, **gw.sdk())
+    assert Template.get_build_status(info, **gw.sdk()).status.value == "ready"
+    sb = Sandbox.create(name, timeout=120, **gw.sdk())
+    try:
+        r = sb.commands.run("cat /opt/app/built.txt /opt/app/main.txt; /usr/local/bin/tool.sh", user="root")
+        assert r.stdout == "built\nfrom-env\nmain\ntool ran\n", r
+    finally:
+        sb.kill()
+    # the same template again: the steps come from the cache (no upload either: the files are present)
+    logs.clear()
+    Template.build(t, name, on_build_logs=logs.append, **gw.sdk())
+    messages = [str(getattr(e, "message", "")) for e in logs]
+    assert any("already cached" in m for m in messages) and sum("  cached" == m for m in messages) >= 3, messages
+
+    # from_dockerfile: the SDK parses it into the same steps
+    dname = f"e2bdf-{uid}"
+    td = Template(file_context_path=str(ctx)).from_dockerfile(E2B_DOCKERFILE.format(image=image))
+    Template.build(td, dname, **gw.sdk())
+    sb = Sandbox.create(dname, timeout=120, **gw.sdk())
+    try:
+        r = sb.commands.run("cat /opt/df/built.txt /opt/df/app/main.txt", user="root")
+        assert r.stdout == "dockerfile built\nmain\n", r
+    finally:
+        sb.kill()
+
+    # a failing step: BuildException naming its exit code and output; no template
+    fname = f"e2bfail-{uid}"
+    with pytest.raises(BuildException) as ei:
+        Template.build(Template().from_template("base").run_cmd("echo boom-output; exit 3"), fname, **gw.sdk())
+    assert "exit code 3" in str(ei.value) and "boom-output" in str(ei.value)
+    assert not Template.exists(fname, **gw.sdk())
+
+    # the name is alice's: bob can neither build over it nor see it as his; a builtin one is taken too
+    with pytest.raises(BuildException) as eb:
+        Template.build(Template().from_template("base").run_cmd("true"), name, **gw.sdk(gw.key_b))
+    assert "taken" in str(eb.value)
+    assert Template.exists(name, **gw.sdk(gw.key_b))  # E2B: another team's alias exists (403)
+    with pytest.raises(BuildException):
+        Template.build(Template().from_template("base").run_cmd("true"), "base", **gw.sdk())
+
+
+async def test_e2b_template_api_with_the_unmodified_sdk(gw: Gw, registry: Any, tmp_path: Path) -> None:
+    import asyncio
+    import uuid
+
+    layout = R.oci_layout(tmp_path / "img", [R.busybox_layer()], {"Env": ["PATH=/usr/local/bin:/bin"]})
+    registry.push(layout, "test/e2b", "v1")
+    ctx = tmp_path / "ctx"
+    (ctx / "app").mkdir(parents=True)
+    (ctx / "app" / "main.txt").write_text("main\n")
+    (ctx / "tool.sh").write_text("#!/bin/sh\necho tool ran\n")
+    uid = uuid.uuid4().hex[:8]
+    await asyncio.to_thread(_e2b_flow, gw, f"{registry.host}/test/e2b:v1", ctx, uid)
+
+    # list and delete (the API the SDK's client exposes; raw HTTP here)
+    status, body, _ = http(gw, "GET", "/templates")
+    assert status == 200 and {t["templateID"] for t in body} >= {f"e2b-{uid}", f"e2bdf-{uid}"}
+    assert all(t["templateID"] != "base" for t in body)
+    status, body, _ = http(gw, "GET", "/templates", key="b")
+    assert status == 200 and body == []
+    assert http(gw, "DELETE", f"/templates/e2b-{uid}", key="b")[0] == 403
+    assert http(gw, "DELETE", f"/templates/e2b-{uid}")[0] == 204
+    assert http(gw, "GET", f"/templates/aliases/e2b-{uid}")[0] == 404
+    assert http(gw, "DELETE", f"/templates/e2b-{uid}")[0] == 404
+    # an upload link is one use, and only a link the gateway gave out works
+    assert http(gw, "PUT", "/templates/uploads/not-a-token", body=b"x", key=None)[0] == 403
