@@ -24,9 +24,11 @@ from tests.conftest import needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 
 from .conftest import Stack, needs_stack
-from .test_gateway import Gw, gw, http  # noqa: F401 - gw: the `dsec up` stack with its gateway (a module fixture)
+from . import test_gateway as _gateway
+from .test_gateway import Gw, http
 
 pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse, needs(R.missing())]
+gw = _gateway.gw  # the `dsec up` stack with its gateway (a module fixture of its own here)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -291,7 +293,7 @@ def _e2b_flow(gw: Gw, image: str, ctx: Path, uid: str) -> None:
     logs.clear()
     Template.build(t, name, on_build_logs=logs.append, **gw.sdk())
     messages = [str(getattr(e, "message", "")) for e in logs]
-    assert any("already cached" in m for m in messages) and sum("  cached" == m for m in messages) >= 3, messages
+    assert any("already cached" in m for m in messages) and sum(m == "  cached" for m in messages) >= 3, messages
 
     # from_dockerfile: the SDK parses it into the same steps
     dname = f"e2bdf-{uid}"
