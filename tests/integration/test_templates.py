@@ -347,3 +347,32 @@ async def test_e2b_template_api_with_the_unmodified_sdk(gw: Gw, registry: Any, t
     assert http(gw, "DELETE", f"/templates/e2b-{uid}")[0] == 404
     # an upload link is one use, and only a link the gateway gave out works
     assert http(gw, "PUT", "/templates/uploads/not-a-token", body=b"x", key=None)[0] == 403
+
+
+async def test_cli_dockerfile_build_against_dsec_up(gw: Gw, tmp_path: Path) -> None:
+    import json
+    import uuid
+
+    from .conftest import run_process, subprocess_env
+
+    env = subprocess_env(gw.nats_url, DSEC_CONTEXT=str(gw.data.parent / f"{gw.data.name}.context.json"))
+    (tmp_path / "a.txt").write_text("from the context\n")
+    df = tmp_path / "Dockerfile"
+    name = f"cli-{uuid.uuid4().hex[:8]}"
+    df.write_text("FROM base\nCOPY a.txt /opt/a.txt\nRUN cat /opt/a.txt > /opt/b.txt\n")
+    rc, out, err = await run_process(*_gateway.DSEC, "image", "build", name, "--dockerfile", str(df), "--json", env=env, timeout=300)
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["name"] == name and [s["cached"] for s in rep["steps"]] == [False, False, False] and rep["sandboxes"] == 1
+    rc, out, err = await run_process(*_gateway.DSEC, "image", "build", name, "--dockerfile", str(df), env=env, timeout=300)
+    assert rc == 0 and "(2 cached)" in out, (out, err)
+    assert "[1/3] FROM base" in err and "cached" in err  # the build log, streamed to stderr
+    df.write_text("FROM base\nRUN echo no; exit 4\n")
+    rc, out, err = await run_process(*_gateway.DSEC, "image", "build", f"{name}-x", "--dockerfile", str(df), env=env, timeout=300)
+    assert rc == 1 and "[build_failed]" in err and "exit code 4" in err
+    df.write_text("FROM base\nCOPY ../../etc/passwd /x\n")
+    rc, out, err = await run_process(*_gateway.DSEC, "image", "build", f"{name}-x", "--dockerfile", str(df), env=env, timeout=300)
+    assert rc == 1 and "[invalid_argument]" in err and "climbs out" in err
+    rc, out, _ = await run_process(*_gateway.DSEC, "image", "ls", "--json", env=env)
+    names = {t["name"] for t in json.loads(out)}
+    assert name in names and f"{name}-x" not in names
