@@ -84,6 +84,7 @@ class ImagedService(Service):
         return ImageList(templates=await list_manifests(self.js))
 
     async def _on_build(self, msg: Msg, req: Any) -> Any:
+        assert self.js is not None
         async with self._build_lock:
             builder = ImageBuilder(self.js, self.data_dir, store=self.store)
             if req.from_snapshot or req.from_template:

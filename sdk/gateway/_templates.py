@@ -52,6 +52,7 @@ log = structlog.get_logger("dsec.gateway.templates")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _HASH = re.compile(r"^[A-Za-z0-9_-]{8,128}$")
 UPLOAD_TTL_S = 3600.0
+BUILD_KEEP_S = 86400.0
 LOG_PAGE = 100  # entries one status call returns at most (as E2B)
 
 
@@ -162,6 +163,8 @@ class TemplateApi:
             raise TemplateTaken(f"the template name {name!r} is taken", template=name)
         if any(b.template_id == name and b.status in ("waiting", "building") and b.owner != tenant.user for b in self.builds.values()):
             raise TemplateTaken(f"the template name {name!r} is being built by another client", template=name)
+        for old in [k for k, x in self.builds.items() if x.status in ("ready", "error") and x.created_at < time.time() - BUILD_KEEP_S]:
+            del self.builds[old]  # a finished build's status is kept a day (E2B keeps it longer; nothing needs it here)
         b = Build(build_id=str(uuid.uuid4()), template_id=name, owner=tenant.user, tag=tag,
                   cpu=_positive(doc, "cpuCount", 2, 64), memory_mb=_positive(doc, "memoryMB", 1024, 1 << 20))
         self.builds[b.build_id] = b
