@@ -441,9 +441,9 @@ async def _upload(sb: AsyncSandbox, files: list[tuple[str, str, int, bytes | str
     fixups = list(links)
     if chown:
         fixups.append("chown -h " + shlex.quote(chown) + " " + " ".join(shlex.quote(d) for _, d, _, _ in files))
-    modes = [f"chmod {m:o} {shlex.quote(d)}" for k, d, m, _ in files if k == "dir"]  # make_dir leaves an existing dir's mode
-    for cmd in (fixups + modes):
-        await sb.commands.run(cmd, timeout=120)
+    fixups += [f"chmod {m:o} {shlex.quote(d)}" for k, d, m, _ in files if k == "dir"]  # make_dir leaves an existing dir's mode
+    for i in range(0, len(fixups), 200):  # a few commands per exec, well under the argument size limit
+        await sb.commands.run(" && ".join(fixups[i:i + 200]), timeout=300)
 
 
 # --- entry points --------------------------------------------------------------------------------
