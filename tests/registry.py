@@ -15,7 +15,9 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ class LocalRegistry:
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="dsec-registry-")))
     port: int = 0
     proc: subprocess.Popen | None = None
+    auth: tuple[str, str] | None = None  # (user, password): htpasswd (Basic) auth on every request
 
     @property
     def host(self) -> str:
@@ -55,10 +58,18 @@ class LocalRegistry:
     def start(self, timeout: float = 20.0) -> LocalRegistry:
         self.port = free_port()
         cfg = self.dir / "config.yml"
+        auth = ""
+        if self.auth is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                import crypt  # bcrypt through libcrypt: what the registry's htpasswd wants
+
+            (self.dir / "htpasswd").write_text(f"{self.auth[0]}:{crypt.crypt(self.auth[1], crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))}\n")
+            auth = f"auth:\n  htpasswd:\n    realm: dsec-test\n    path: {self.dir / 'htpasswd'}\n"
         cfg.write_text(
             "version: 0.1\nlog:\n  level: error\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.dir / 'data'}\n  delete:\n    enabled: true\n"
-            f"http:\n  addr: {self.host}\n"
+            f"http:\n  addr: {self.host}\n{auth}"
         )
         log = open(self.dir / "registry.log", "ab")  # noqa: SIM115 - the child holds it; closed below
         try:
@@ -73,6 +84,9 @@ class LocalRegistry:
                 with urllib.request.urlopen(f"http://{self.host}/v2/", timeout=2) as r:
                     if r.status == 200:
                         return self
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401 and self.auth is not None:
+                    return self  # up, and asking for credentials
             except OSError:
                 pass
             if time.monotonic() > deadline:
@@ -105,6 +119,8 @@ class LocalRegistry:
         cmd = ["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--digestfile", str(digest_file)]
         if all_images:
             cmd.append("--all")
+        if self.auth is not None:
+            cmd += ["--dest-creds", f"{self.auth[0]}:{self.auth[1]}"]
         cmd += [f"oci:{layout}", f"docker://{self.host}/{repo}:{tag}"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:

@@ -236,3 +236,32 @@ async def _request_build(nc, req: BuildImage) -> ImageBuilt:
                 raise
             await asyncio.sleep(0.05)  # poll interval
     return codec.decode_reply(r.data, ImageBuilt)
+
+
+async def test_registry_credentials_from_the_auth_file(js, tmp_path: Path, uid: str) -> None:
+    """A registry that wants Basic credentials: the auth file's are sent; none or wrong ones are refused, typed."""
+    import base64
+    import json
+
+    reg = R.LocalRegistry(auth=("alice", "s3cret")).start()
+    try:
+        digest = reg.push(R.oci_layout(tmp_path / "img", [R.tar_layer({"secret.txt": b"behind auth\n"})]), "test/private", "v1")
+        ref = f"{reg.host}/test/private:v1"
+        b = _builder(js, tmp_path)
+
+        def auth_file(user: str, pw: str) -> str:
+            p = tmp_path / f"auth-{user}-{pw}.json"
+            p.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(f"{user}:{pw}".encode()).decode()}}}))
+            return str(p)
+
+        with pytest.raises(ImageError) as e1:
+            await build_from_image(b, f"priv-{uid}", ref, registry=Registry(auth_file=str(tmp_path / "none.json")))
+        assert e1.value.code == "image_error" and e1.value.context["status"] == 401 and "wants credentials" in e1.value.description
+        with pytest.raises(ImageError) as e2:
+            await build_from_image(b, f"priv-{uid}", ref, registry=Registry(auth_file=auth_file("alice", "wrong")))
+        assert e2.value.code == "image_error" and e2.value.context["status"] == 401 and "denied" in e2.value.description
+        assert await get_manifest(js, f"priv-{uid}") is None
+        res, pulled = await build_from_image(b, f"priv-{uid}", ref, registry=Registry(auth_file=auth_file("alice", "s3cret")))
+        assert pulled.manifest.digest == digest and (await get_manifest(js, f"priv-{uid}")) == res.manifest
+    finally:
+        reg.close()
