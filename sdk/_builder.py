@@ -461,6 +461,12 @@ async def build_dockerfile(
     return await TemplateBuilder(**opts).build(name, steps, context if context is not None else path.parent, description=description)
 
 
+async def build_from_image(name: str, image: str, *, platform: str = "", nats_url: str | None = None, description: str = "") -> TemplateManifest:
+    """Template ``name`` from an image in a registry (imaged pulls it; each layer is fetched and stored once)."""
+    req = BuildImage(name=name, base="", from_ref=image, platform=platform, description=description)
+    return (await TemplateBuilder(nats_url=nats_url)._image_request(req)).manifest
+
+
 def tar_context(data: bytes, dest: str | os.PathLike[str]) -> None:
     """Unpack an uploaded context (a tar, maybe gzip) into ``dest``, refusing names that climb out."""
     with tarfile.open(fileobj=io.BytesIO(data)) as tf:
@@ -499,4 +505,4 @@ def cli_build(args: Any) -> int:
     return 0
 
 
-__all__ = ["BuildReport", "StepReport", "TemplateBuilder", "build_dockerfile", "cli_build", "run_steps", "tar_context"]
+__all__ = ["BuildReport", "StepReport", "TemplateBuilder", "build_dockerfile", "build_from_image", "cli_build", "run_steps", "tar_context"]

@@ -210,7 +210,12 @@ async def test_from_a_registry_image_and_from_a_snapshot(stack: Stack, imaged: A
         r = await sb.commands.run("cat /opt/from-image.txt /opt/b.txt")
         assert r.stdout == "image\nbuilt-on-image\nyes\n"
         snap = await sb.create_snapshot("from-here")
-    assert digest  # pushed by digest too: the same image by digest is the same base
+    # the SDK's own call for a pull (BuildImage(from_ref=...) to imaged): the same layers as the FROM's base
+    from sdk import build_from_image
+
+    pulled = await build_from_image(f"{name}-pull", f"{registry.host}/test/app@{digest}", nats_url=stack.url)
+    assert [lay.digest for lay in pulled.layers] == [lay.digest for lay in rep.manifest.layers][:2]
+    assert pulled.defaults is not None and pulled.defaults.source == f"{registry.host}/test/app@{digest}"
     df.write_text(f"FROM {registry.host}/test/app@{digest}\nRUN echo built-on-image > /opt/b.txt && echo $IMG >> /opt/b.txt\n")
     rep_d = await build_dockerfile(f"{name}-d", df, **_opts(stack))
     assert [lay.digest for lay in rep_d.manifest.layers][:2] == [lay.digest for lay in rep.manifest.layers][:2]
