@@ -265,3 +265,22 @@ async def test_registry_credentials_from_the_auth_file(js, tmp_path: Path, uid: 
         assert pulled.manifest.digest == digest and (await get_manifest(js, f"priv-{uid}")) == res.manifest
     finally:
         reg.close()
+
+
+async def test_registry_that_never_answers_times_out_typed(js, tmp_path: Path, uid: str) -> None:
+    """A registry that takes the connection and says nothing: registry_unavailable after the client's timeout."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel completes the handshakes; nobody ever reads or answers
+    try:
+        host = f"127.0.0.1:{silent.getsockname()[1]}"
+        b = _builder(js, tmp_path)
+        t0 = time.monotonic()
+        with pytest.raises(RegistryUnavailable) as ei:
+            await build_from_image(b, f"slow-{uid}", f"{host}/test/one:v1", registry=Registry(timeout_s=1.0))
+        assert "timed out" in ei.value.description and time.monotonic() - t0 < 10
+        assert await get_manifest(js, f"slow-{uid}") is None
+    finally:
+        silent.close()
