@@ -5,6 +5,7 @@ an image in a real registry (docker-registry, pushed with skopeo), and what a ba
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -355,7 +356,6 @@ async def test_e2b_template_api_with_the_unmodified_sdk(gw: Gw, registry: Any, t
 
 
 async def test_cli_dockerfile_build_against_dsec_up(gw: Gw, tmp_path: Path) -> None:
-    import json
     import uuid
 
     from .conftest import run_process, subprocess_env
@@ -381,3 +381,45 @@ async def test_cli_dockerfile_build_against_dsec_up(gw: Gw, tmp_path: Path) -> N
     rc, out, _ = await run_process(*_gateway.DSEC, "image", "ls", "--json", env=env)
     names = {t["name"] for t in json.loads(out)}
     assert name in names and f"{name}-x" not in names
+
+
+async def test_e2b_upload_that_climbs_out_fails_the_build(gw: Gw, tmp_path: Path) -> None:
+    """Uploaded COPY sources are unpacked inside the build context: a member naming ../.. fails the build
+    (invalid_argument in its status) and writes nothing outside; the upload link is one use."""
+    import io
+    import tarfile
+    import uuid
+
+    from tests.conftest import eventually
+
+    uid = uuid.uuid4().hex[:8]
+    escape = Path(f"/tmp/dsec-evil-{uid}")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name in ("ok.txt", f"../../../../../..{escape}"):
+            ti = tarfile.TarInfo(name)
+            ti.size = 3
+            tf.addfile(ti, io.BytesIO(b"bad"))
+    status, body, _ = http(gw, "POST", "/v3/templates", json.dumps({"name": f"evil-{uid}"}).encode(), {"Content-Type": "application/json"})
+    assert status == 202, body
+    tid, bid = body["templateID"], body["buildID"]
+    files_hash = "f" * 64
+    status, link, _ = http(gw, "GET", f"/templates/{tid}/files/{files_hash}")
+    assert status == 201 and link["present"] is False
+    path = link["url"].split(gw.url, 1)[1]
+    assert http(gw, "PUT", path, buf.getvalue(), key=None)[0] == 200
+    assert http(gw, "PUT", path, buf.getvalue(), key=None)[0] == 403  # one use
+    steps = {"fromTemplate": "base", "steps": [{"type": "COPY", "args": ["ok.txt", "/ok.txt", "", ""], "filesHash": files_hash, "force": False}]}
+    status, body, _ = http(gw, "POST", f"/v2/templates/{tid}/builds/{bid}", json.dumps(steps).encode(), {"Content-Type": "application/json"})
+    assert status == 202, body
+    # another key sees no such build
+    assert http(gw, "GET", f"/templates/{tid}/builds/{bid}/status", key="b")[0] == 404
+
+    def finished() -> bool:
+        return http(gw, "GET", f"/templates/{tid}/builds/{bid}/status")[1]["status"] in ("ready", "error")
+
+    await eventually(finished, timeout=60, what="the build to finish")
+    st = http(gw, "GET", f"/templates/{tid}/builds/{bid}/status")[1]
+    assert st["status"] == "error" and "climbs out" in st["reason"]["message"], st
+    assert not escape.exists()
+    assert http(gw, "GET", f"/templates/aliases/{tid}")[0] == 404
