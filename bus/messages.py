@@ -266,13 +266,28 @@ class LayerRef(Struct, kw_only=True, tag=True):
     chunk_size: int = 0
 
 
+class ImageDefaults(Struct, kw_only=True, tag=True):
+    """What an OCI image's config (or a Dockerfile's ENV/WORKDIR/USER/ENTRYPOINT/CMD) says a process in
+    the template runs with, unless the create or exec says otherwise."""
+
+    env: dict[str, str] = {}
+    workdir: str = ""
+    user: str = ""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    source: str = ""  # where they came from: the image reference with its manifest digest
+
+
 class TemplateManifest(Struct, kw_only=True, tag=True):
-    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name."""
+    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name.
+    A template pulled from a registry has one ``base`` layer per image layer (lowest first)."""
 
     name: str
     layers: list[LayerRef]
     created_at: float = 0.0
     description: str = ""
+    defaults: ImageDefaults | None = None
+    owner: str = ""  # the client that built it through the gateway's template API ("" = the operator's)
 
 
 class Lease(Struct, kw_only=True, tag=True):
@@ -833,6 +848,14 @@ class BuildImage(Struct, kw_only=True, tag=True):
     workspace: str = ""
     toolkit: str = ""
     description: str = ""
+    from_ref: str = ""  # an image in a registry (``[host/]repo[:tag][@sha256:...]``), instead of ``base``
+    platform: str = ""  # of ``from_ref``: ``os/arch[/variant]``, default this machine's
+    # a template made of layers that exist already: a snapshot's (its template's layers, then the
+    # snapshot's chain; how a Dockerfile build ends) or another template's, with new defaults
+    from_snapshot: str = ""
+    from_template: str = ""
+    defaults: ImageDefaults | None = None
+    owner: str = ""  # written into the manifest (the gateway's template API: only the owner rebuilds or removes it)
 
 
 class ImageBuilt(Struct, kw_only=True, tag=True):

@@ -32,6 +32,7 @@ from ._ports import Ports
 from ._process import Processes
 from ._rest import RestApi
 from ._signing import Signer, key_of_token
+from ._templates import TemplateApi
 from ._tenants import Tenant, Tenants
 from ._users import Users
 
@@ -216,6 +217,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     gw = Gateway(cfg)
     app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
     app[GATEWAY_KEY] = gw
+    app.router.add_routes(TemplateApi(gw).routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
     app.router.add_get("/health", _health)
