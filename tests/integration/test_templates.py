@@ -126,6 +126,11 @@ async def test_dockerfile_build_then_cached_rebuild(stack: Stack, imaged: Any, t
             " readlink /srv/app/link; stat -c %a /usr/local/bin/run.sh; /usr/local/bin/run.sh; test -e /etc/hostname || echo nohost"
         )
         assert r.stdout.split("\n")[:-1] == ["hi from fast mode", "main", "mod", "1", "one", "main.txt", "755", "running", "nohost"]
+        # the image's ENV and WORKDIR apply to a command that names neither; what the command names wins
+        r = await sb.commands.run('pwd; echo "$APP_HOME|$MODE"')
+        assert r.stdout.split("\n")[:-1] == ["/srv/app", "/srv/app|fast mode"]
+        r = await sb.commands.run('pwd; echo "$MODE"', cwd="/tmp", envs={"MODE": "slow"})
+        assert r.stdout.split("\n")[:-1] == ["/tmp", "slow"]
 
     # the same Dockerfile again: every step from the cache, no build sandbox at all
     rep2 = await build_dockerfile(name, ctx / "Dockerfile", build_args={"GREETING": "hi"}, **_opts(stack))
