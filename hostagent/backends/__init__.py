@@ -18,6 +18,7 @@ Factory = Callable[[HostAgentConfig], Backend]
 REGISTRY: dict[str, str] = {
     "container": "hostagent.backends.container",
     "sim": "hostagent.backends.sim",
+    "microvm": "hostagent.backends.microvm",
 }
 
 
