@@ -23,6 +23,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus import codec
 from bus import subjects as S
+from bus.messages import HostStatus
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotFound, SandboxNotFound
 from tests.conftest import eventually, needs
@@ -49,20 +50,23 @@ class MicroHost:
     def vm_dir(self, sid: str) -> Path:
         return self.data / "mvm" / "vms" / sid
 
-    async def status(self) -> object | None:
+    async def status(self) -> HostStatus | None:
         kv = await ensure_kv(self.stack.js, S.KV_HOSTS)
         try:
-            return codec.HOST_STATUS.decode((await kv.get(self.host_id)).value)
+            raw = (await kv.get(self.host_id)).value
         except KeyNotFoundError:
             return None
+        return codec.HOST_STATUS.decode(raw) if raw else None
 
     async def ready_since(self, t: float) -> bool:
         st = await self.status()
-        return st is not None and st.state == "ready" and st.at >= t  # type: ignore[attr-defined]
+        return st is not None and st.state == "ready" and st.at >= t
 
     async def record_state(self, sid: str) -> str:
         kv = await ensure_kv(self.stack.js, S.KV_SANDBOXES)
-        return codec.SANDBOX_RECORD.decode((await kv.get(sid)).value).state
+        raw = (await kv.get(sid)).value
+        assert raw is not None
+        return codec.SANDBOX_RECORD.decode(raw).state
 
     def create(self, sid: str) -> "asyncio.Future[AsyncSandbox]":
         return asyncio.ensure_future(AsyncSandbox.create(**self.stack.kw(
@@ -111,7 +115,7 @@ async def vm(mhost: MicroHost) -> AsyncIterator[AsyncSandbox]:
 async def test_heartbeat_names_the_accelerator_the_probe_found(mhost: MicroHost) -> None:
     st = await mhost.status()
     assert st is not None
-    (b,) = [b for b in st.backends if b.name == "microvm"]  # type: ignore[attr-defined]
+    (b,) = [b for b in st.backends if b.name == "microvm"]
     assert b.detail["accel"] in ("kvm", "tcg") and b.detail["kernel"].endswith("-cloud-amd64"), b
     if not os.access("/dev/kvm", os.W_OK):
         assert b.detail["accel"] == "tcg"
