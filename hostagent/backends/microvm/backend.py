@@ -19,14 +19,14 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, ImageError, SandboxNotFound
+from bus.errors import CreateFailed, ImageError, SandboxNotFound, SnapshotUnsupported
 from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, SandboxSpec
 
 from ..._agent import AgentClient, AgentError, ensure_agent_binary
 from ..._agentops import agent_exec, agent_files
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement
-from . import qemu
+from . import qemu, snapshot
 from .kernel import Kernel, build_initramfs, ensure_kernel
 from .serialmux import SerialMux
 
@@ -55,6 +55,7 @@ class MicroVMBackend:
         self.links: dict[str, SerialMux] = {}
         self.clients: dict[str, AgentClient] = {}
         self._layer_locks: dict[str, asyncio.Lock] = {}
+        self._memory_users: dict[str, int] = {}  # memory layer mounted for restores -> restores reading it
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,22 +140,35 @@ class MicroVMBackend:
     async def create(
         self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
     ) -> Handle:
+        """Boot a microVM over ``layers``; with ``memory`` (a memory snapshot, packed as a layer) the
+        VM resumes where the snapshot stopped it instead: its RAM, devices and disk."""
         sid = spec.sandbox_id
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         assert self.kernel is not None, "the microvm backend is not started"
-        blobs = [await self._blob(layer) for layer in layers]  # bottom first, as the guest's init numbers them
         d = self._dir(sid)
         await self._remove(sid)  # a retried create starts clean
         os.makedirs(d)
         upper = os.path.join(d, "upper.img")
+        mem_dir = ""
         try:
-            await asyncio.to_thread(_make_disk, upper, spec.disk_mb or DEFAULT_DISK_MB)
+            vcpus, memory_mb = max(1, math.ceil(spec.cpu)), max(MIN_MEMORY_MB, spec.memory_mb)
+            if memory is not None:
+                mem_dir = await self._mount_memory(memory)
+                meta = snapshot.read_meta(mem_dir)
+                # The snapshot's own file layers are in its disk already: the VM gets the devices it had.
+                layers, vcpus, memory_mb = layers[:int(meta["layers"])], int(meta["vcpus"]), int(meta["memory_mb"])
+                await asyncio.to_thread(snapshot.restore_disk, mem_dir, upper)
+            else:
+                await asyncio.to_thread(_make_disk, upper, spec.disk_mb or DEFAULT_DISK_MB)
+            blobs = [await self._blob(layer) for layer in layers]  # bottom first, as the guest's init numbers them
             vm = qemu.VMSpec(
-                d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=max(1, math.ceil(spec.cpu)),
-                memory_mb=max(MIN_MEMORY_MB, spec.memory_mb), layers=blobs, upper=upper, name=f"dsec-{sid}",
+                d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=vcpus, memory_mb=memory_mb, layers=blobs, upper=upper,
+                name=f"dsec-{sid}", incoming=mem_dir,
             )
             pid = await qemu.launch(vm)
+            if mem_dir:
+                await snapshot.incoming(d, mem_dir)
             await self._attach(sid, BOOT_TIMEOUT_S)
         except (OSError, RuntimeError, AgentError, asyncio.TimeoutError) as exc:
             console = _tail(os.path.join(d, "console.log"))
@@ -163,7 +177,34 @@ class MicroVMBackend:
         except BaseException:
             await self._remove(sid)
             raise
-        return Handle(sid, pid, {"dir": d, "accel": self.accel, "vcpus": vm.vcpus, "memory_mb": vm.memory_mb})
+        finally:
+            if memory is not None:
+                await self._unmount_memory(memory)
+        return Handle(sid, pid, {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs)})
+
+    async def _mount_memory(self, ref: LayerRef) -> str:
+        """The memory snapshot's files, its layer mounted read-only while restores read it."""
+        hexd = ref.digest.split(":", 1)[-1]
+        target = str(self.root / "mem" / hexd)
+        async with self._layer_locks.setdefault(f"mem-{hexd}", asyncio.Lock()):
+            self._memory_users[hexd] = self._memory_users.get(hexd, 0) + 1
+            if not snapshot.mounted(target):
+                os.makedirs(target, exist_ok=True)
+                blob = await self._blob(ref)
+                r = await asyncio.to_thread(subprocess.run, ["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
+                if r.returncode != 0:
+                    self._memory_users[hexd] -= 1
+                    raise ImageError(f"cannot mount the memory snapshot {ref.digest}: {r.stderr.strip()}")
+        return target
+
+    async def _unmount_memory(self, ref: LayerRef) -> None:
+        hexd = ref.digest.split(":", 1)[-1]
+        target = str(self.root / "mem" / hexd)
+        async with self._layer_locks.setdefault(f"mem-{hexd}", asyncio.Lock()):
+            self._memory_users[hexd] = max(0, self._memory_users.get(hexd, 0) - 1)
+            if self._memory_users[hexd] == 0 and snapshot.mounted(target):
+                await asyncio.to_thread(subprocess.run, ["umount", target], capture_output=True)
+                os.rmdir(target)
 
     async def _attach(self, sid: str, timeout_s: float) -> None:
         """Connect to the VM's serial socket and wait for its agent; fails early if QEMU exits."""
@@ -194,6 +235,7 @@ class MicroVMBackend:
     async def _remove(self, sid: str) -> None:
         await self._detach(sid)
         d = self._dir(sid)
+        await snapshot.release_disk(d)  # a frozen VM's disk, mounted for a snapshot's diff
         pid = qemu.kill(d)
         if pid is not None:
             for _ in range(500):  # the kernel frees the process at once; wait for it to be reaped
@@ -205,6 +247,7 @@ class MicroVMBackend:
     async def leftovers(self, sandbox_id: str) -> list[str]:
         d = self._dir(sandbox_id)
         left = [f"qemu {pid}" for pid in [qemu.read_pid(d)] if pid is not None]
+        left += [f"mount {m}" for m in [os.path.join(d, "disk")] if snapshot.mounted(m)]
         if os.path.exists(d):
             left.append(f"dir {d}")
         return left
@@ -250,12 +293,42 @@ class MicroVMBackend:
     async def files(self, handle: Handle, op: FileOp) -> Any:
         return await agent_files(self.agent_client(handle), handle.sandbox_id, op)
 
+    # --- optional abilities: freezing, memory snapshots ------------------------------------------
+    async def before_freeze(self, handle: Handle) -> None:
+        """The guest's dirty pages onto its disk (read from the host while the VM is stopped), and
+        the agent's idle connections closed."""
+        client = self.agent_client(handle)
+        try:
+            await client.exec("sync", timeout_s=60)
+        except AgentError as exc:
+            raise SnapshotUnsupported(f"the microVM could not sync its disk: {exc}") from None
+        await client.hang_up_idle()
+
+    async def freeze(self, handle: Handle) -> None:
+        await snapshot.freeze(self._dir(handle.sandbox_id))
+
+    async def thaw(self, handle: Handle) -> None:
+        await snapshot.thaw(self._dir(handle.sandbox_id))
+
+    def frozen(self, handle: Handle) -> bool:
+        return snapshot.is_frozen(self._dir(handle.sandbox_id))
+
+    def scratch_dir(self, handle: Handle) -> str:
+        return snapshot.scratch_dir(self._dir(handle.sandbox_id))
+
+    async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
+        """QEMU's migration stream of the stopped VM, and its disk, into ``image_dir``."""
+        x = handle.extra
+        meta = {"layers": x.get("layers", 1), "vcpus": x.get("vcpus", 1), "memory_mb": x.get("memory_mb", MIN_MEMORY_MB), "accel": self.accel}
+        await snapshot.checkpoint(self._dir(handle.sandbox_id), image_dir, meta)
+
 
 def _make_disk(path: str, size_mb: int) -> None:
     """A sparse raw disk with an empty ext4 on it (the overlay's upper and work dirs, made by the guest)."""
     with open(path, "wb") as f:
         f.truncate(size_mb << 20)
-    r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E", "lazy_itable_init=1,lazy_journal_init=1", path], capture_output=True, text=True)
+    # No journal: a synced, stopped guest leaves a consistent disk the host can mount to diff it.
+    r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "lazy_itable_init=1", path], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"mkfs.ext4: {r.stderr.strip()}")
 

@@ -52,7 +52,7 @@ class VMSpec:
     layers: list[str] = field(default_factory=list)  # EROFS blobs, bottom first
     upper: str = ""  # the raw ext4 disk of the overlay's upper dir
     name: str = ""
-    incoming: str = ""  # a migration stream to restore from ("file" of a snapshot)
+    incoming: str = ""  # a memory snapshot's dir: QEMU waits for its stream (snapshot.incoming)
     cmdline_extra: str = ""
 
     def path(self, name: str) -> str:
