@@ -13,7 +13,7 @@ import signal
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ from bus.messages import HostStatus
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotFound, SandboxNotFound
 from tests.conftest import eventually, needs
+from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.integration.conftest import PY, Child, Stack, needs_stack, pid_alive, processes_mentioning, subprocess_env
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
@@ -99,6 +100,17 @@ async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
         for pid in processes_mentioning(str(data)):  # only what names this test's data dir
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lazy(mhost: MicroHost) -> AsyncIterator[LazyDaemon]:
+    """The microVM host's lazy loader: it packs snapshot layers (the disk's diff, the memory)."""
+    d = LazyDaemon(data_dir=mhost.data, mount=mhost.data / "lazy", nats_url=mhost.stack.url, host_id=mhost.host_id)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.release()
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -176,6 +188,47 @@ async def test_the_guest_is_its_own_kernel_without_host_paths_or_network(vm: Asy
     r = await vm.commands.run("cat /proc/meminfo | head -1; nproc")
     mem_kb, ncpu = int(r.stdout.split()[1]), int(r.stdout.split()[3])
     assert mem_kb < 300 * 1024 and ncpu == 1  # memory_mb=256 of guest RAM, cpu=1 vCPU
+
+
+@needs_fuse
+async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox, mhost: MicroHost, lazy: LazyDaemon) -> None:
+    await vm.files.write("/root/snap.txt", "at-snapshot")
+    await vm.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &")
+
+    async def count(sb: AsyncSandbox) -> int:  # (0 until the loop first wrote it, or mid-write)
+        r = await sb.commands.run("cat /tmp/count 2>/dev/null || true")
+        return int(r.stdout.strip() or 0)
+
+    def past(sb: AsyncSandbox, n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return await count(sb) > n
+        return check
+
+    await eventually(past(vm, 1), timeout=30, what="the counter to run")
+    forks = await vm.fork(2, memory=True, **mhost.stack.kw(pool=mhost.pool, backend="microvm", create_timeout=BOOT_S))
+    try:
+        assert len({f.sandbox_id for f in forks}) == 2
+        for i, f in enumerate(forks):
+            assert await f.files.read("/root/snap.txt") == "at-snapshot"
+            # The counter is the source's process, restored from memory: it carries on from its value.
+            before = await count(f)
+            assert before >= 2
+            await eventually(past(f, before), timeout=30, what="the restored counter to advance")
+            r = await f.commands.run("ps -o args | grep -c '^/bin/sh -c (i=0'")
+            assert r.stdout.strip() == "1"  # one loop, not restarted
+            await f.files.write("/root/mine.txt", str(i))
+        # Each fork has its own disk: its writes reach neither the other fork nor the source.
+        assert not await vm.files.exists("/root/mine.txt")
+        assert await forks[0].files.read("/root/mine.txt") == "0" and await forks[1].files.read("/root/mine.txt") == "1"
+        # The source runs on (thawed after the snapshot).
+        before = await count(vm)
+        await eventually(past(vm, before), timeout=30, what="the source's counter")
+    finally:
+        await asyncio.gather(*(f.kill() for f in forks))
+    for f in forks:
+        await eventually(lambda f=f: not mhost.leftovers(f.sandbox_id), timeout=30, what="the forks to be gone")
+    mem = mhost.data / "mvm" / "mem"
+    assert not mem.exists() or not os.listdir(mem)  # the memory layer was mounted only while restoring
 
 
 async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhost: MicroHost) -> None:
