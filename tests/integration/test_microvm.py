@@ -225,8 +225,8 @@ async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox
         await eventually(past(vm, before), timeout=30, what="the source's counter")
     finally:
         await asyncio.gather(*(f.kill() for f in forks))
-    for f in forks:
-        await eventually(lambda f=f: not mhost.leftovers(f.sandbox_id), timeout=30, what="the forks to be gone")
+    gone = [f.sandbox_id for f in forks]
+    await eventually(lambda: not any(mhost.leftovers(sid) for sid in gone), timeout=30, what="the forks to be gone")
     mem = mhost.data / "mvm" / "mem"
     assert not mem.exists() or not os.listdir(mem)  # the memory layer was mounted only while restoring
 
