@@ -19,6 +19,7 @@ REGISTRY: dict[str, str] = {
     "container": "hostagent.backends.container",
     "sim": "hostagent.backends.sim",
     "microvm": "hostagent.backends.microvm",
+    "vm": "hostagent.backends.vm",
 }
 
 

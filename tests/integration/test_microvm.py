@@ -271,3 +271,45 @@ async def test_qemu_killed_from_outside_is_lost_and_leaves_nothing(mhost: MicroH
     await eventually(lost, timeout=30, what="the sandbox to be recorded lost")
     await eventually(lambda: not mhost.leftovers(sid), timeout=30, what=f"nothing left: {mhost.leftovers(sid)}")
     assert not pid_alive(qemu_pid)
+
+
+async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
+    """The full-VM backend, driven directly (its screenshot and input calls have no SDK op yet): a
+    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame."""
+    from bus.errors import InvalidArgument
+    from bus.messages import ExecRequest, LayerRef, SandboxSpec
+    from hostagent.backends.vm import VMBackend
+
+    st = await mhost.status()
+    assert st is not None
+    accel = next(b.detail["accel"] for b in st.backends if b.name == "microvm")  # the probe's answer on this host
+    data = Path(tempfile.mkdtemp(prefix="dsec-vm-", dir="/tmp"))
+    b = VMBackend(str(data), kernel_cache=KERNEL_CACHE, accel=accel)
+    sid = "gui"
+    try:
+        await b.start()
+        base = LayerRef(role="base", digest="sha256:" + "0" * 64, kind="dir", path=str(mhost.stack.rootfs))
+        h = await b.create(SandboxSpec(sandbox_id=sid, template="base", backend="vm", cpu=1, memory_mb=256, disk_mb=256), [base])
+        first = await b.screenshot(h)
+        assert first.startswith(b"\x89PNG\r\n\x1a\n")
+        await b.input_type(h, "echo typed-Text > /tmp/typed")
+        await b.input_key(h, "enter")
+
+        async def typed() -> bool:
+            r = await b.exec(h, ExecRequest(cmd="cat /tmp/typed 2>/dev/null || true"), None)
+            return r.stdout == b"typed-Text\n"
+
+        await eventually(typed, timeout=60, what="the typed command to run in the screen's shell")
+        after = await b.screenshot(h)
+        assert after.startswith(b"\x89PNG") and after != first  # the frame shows it
+        await b.input_click(h, 10, 10)  # positive control for the refusals below
+        with pytest.raises(InvalidArgument):
+            await b.input_click(h, 5000, 10)
+        with pytest.raises(InvalidArgument):
+            await b.input_key(h, "hyper+q")
+    finally:
+        await b.destroy(sid)
+        assert await b.leftovers(sid) == []
+        await b.stop()
+        assert not processes_mentioning(str(data))
+        shutil.rmtree(data, ignore_errors=True)

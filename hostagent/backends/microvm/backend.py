@@ -27,7 +27,7 @@ from ..._agentops import agent_exec, agent_files
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement
 from . import qemu, snapshot
-from .kernel import Kernel, build_initramfs, ensure_kernel
+from .kernel import GUEST_MODULES, Kernel, build_initramfs, ensure_kernel
 from .serialmux import SerialMux
 
 log = structlog.get_logger("dsec.hostagent.microvm")
@@ -41,6 +41,8 @@ class MicroVMBackend:
     """Sandboxes as QEMU microVMs (KVM when the probe boots, else TCG)."""
 
     name: BackendName = "microvm"
+    machine: qemu.Machine = "microvm"
+    modules: tuple[str, ...] = GUEST_MODULES
 
     def __init__(self, data_dir: str, *, kernel_cache: str | None = None, accel: str | None = None, lazy_mount: str | None = None) -> None:
         self.data_dir = Path(data_dir)
@@ -64,7 +66,7 @@ class MicroVMBackend:
         self.vms.mkdir(parents=True, exist_ok=True)
         self.kernel = await asyncio.to_thread(ensure_kernel, self.kernel_cache)
         agent = await asyncio.to_thread(ensure_agent_binary, str(self.data_dir))
-        self.initrd = await asyncio.to_thread(build_initramfs, agent, self.kernel, str(self.root))
+        self.initrd = await asyncio.to_thread(build_initramfs, agent, self.kernel, str(self.root), self.modules)
         if self.forced_accel in ("kvm", "tcg"):
             self.accel = "kvm" if self.forced_accel == "kvm" else "tcg"
         else:
@@ -164,12 +166,14 @@ class MicroVMBackend:
             blobs = [await self._blob(layer) for layer in layers]  # bottom first, as the guest's init numbers them
             vm = qemu.VMSpec(
                 d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=vcpus, memory_mb=memory_mb, layers=blobs, upper=upper,
-                name=f"dsec-{sid}", incoming=mem_dir,
+                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine,
             )
             pid = await qemu.launch(vm)
             if mem_dir:
                 await snapshot.incoming(d, mem_dir)
             await self._attach(sid, BOOT_TIMEOUT_S)
+            if not mem_dir:
+                await self._booted(sid)
         except (OSError, RuntimeError, AgentError, asyncio.TimeoutError) as exc:
             console = _tail(os.path.join(d, "console.log"))
             await self._remove(sid)
@@ -181,6 +185,9 @@ class MicroVMBackend:
             if memory is not None:
                 await self._unmount_memory(memory)
         return Handle(sid, pid, {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs)})
+
+    async def _booted(self, sid: str) -> None:
+        """A freshly booted VM's agent answers (the full-VM backend starts its console here)."""
 
     async def _mount_memory(self, ref: LayerRef) -> str:
         """The memory snapshot's files, its layer mounted read-only while restores read it."""

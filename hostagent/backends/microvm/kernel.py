@@ -108,9 +108,9 @@ def _cpio_entry(name: str, mode: int, data: bytes = b"", rdev: tuple[int, int] =
     return head + raw + pad(len(head) + len(raw)) + data + pad(len(data))
 
 
-def build_initramfs(agent_bin: str, kernel: Kernel, out_dir: str) -> str:
-    """``<out_dir>/initrd-<hash>.cpio`` for this agent and kernel (built once, atomically)."""
-    modules = module_order(kernel.modules_dir)
+def build_initramfs(agent_bin: str, kernel: Kernel, out_dir: str, wanted: tuple[str, ...] = GUEST_MODULES) -> str:
+    """``<out_dir>/initrd-<hash>.cpio`` for this agent, kernel and modules (built once, atomically)."""
+    modules = module_order(kernel.modules_dir, wanted)
     agent = Path(agent_bin).read_bytes()
     digest = hashlib.sha256(agent + "\n".join(modules).encode()).hexdigest()[:12]
     path = Path(out_dir) / f"initrd-{digest}.cpio"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 Accel = Literal["kvm", "tcg"]
+Machine = Literal["microvm", "q35"]
 QEMU = "qemu-system-x86_64"
 PROBE_TIMEOUT_S = 8.0  # KVM boots the probe in well under a second; a PVM host's /dev/kvm hangs it
 
@@ -54,31 +55,37 @@ class VMSpec:
     name: str = ""
     incoming: str = ""  # a memory snapshot's dir: QEMU waits for its stream (snapshot.incoming)
     cmdline_extra: str = ""
+    machine: Machine = "microvm"  # q35: the full-VM backend's PC with a display (PCI devices)
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
     def argv(self, daemonize: bool = True) -> list[str]:
         cpu = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+        bus = "device" if self.machine == "microvm" else "pci"  # virtio-mmio or virtio-pci devices
+        # microvm: ACPI stays on, it is how this kernel finds the virtio-mmio devices (no cmdline devices)
+        machine = ["-M", "microvm,acpi=on,rtc=on"] if self.machine == "microvm" else ["-M", "q35", "-vga", "std"]
+        extra = self.cmdline_extra if self.machine == "microvm" else f"console=tty0 {self.cmdline_extra}"
         a = [
             QEMU, "-name", self.name or "dsec-microvm",
-            # ACPI stays on: it is how this kernel finds the virtio-mmio devices (no cmdline devices)
-            "-M", "microvm,acpi=on,rtc=on", *cpu, "-m", str(self.memory_mb), "-smp", str(self.vcpus),
+            *machine, *cpu, "-m", str(self.memory_mb), "-smp", str(self.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-kernel", self.kernel, "-initrd", self.initrd, "-append", kernel_cmdline(len(self.layers), self.cmdline_extra),
+            "-kernel", self.kernel, "-initrd", self.initrd, "-append", kernel_cmdline(len(self.layers), extra),
             "-serial", f"file:{self.path('console.log')}",
             "-qmp", f"unix:{self.path('qmp.sock')},server=on,wait=off",
             "-pidfile", self.path("qemu.pid"),
         ]
         if self.upper:
-            a += ["-device", "virtio-serial-device",
+            a += ["-device", f"virtio-serial-{bus}",
                   "-chardev", f"socket,id=agent,path={self.path('serial.sock')},server=on,wait=off",
                   "-device", "virtserialport,chardev=agent,name=dsec.agent",
                   "-drive", f"id=upper,file={self.upper},format=raw,if=none,cache=unsafe,discard=unmap",
-                  "-device", "virtio-blk-device,drive=upper,serial=upper"]
+                  "-device", f"virtio-blk-{bus},drive=upper,serial=upper"]
         for i, blob in enumerate(self.layers):
             a += ["-drive", f"id=l{i},file={blob},format=raw,if=none,readonly=on",
-                  "-device", f"virtio-blk-device,drive=l{i},serial=layer{i}"]
+                  "-device", f"virtio-blk-{bus},drive=l{i},serial=layer{i}"]
+        if self.machine == "q35":
+            a += ["-device", "qemu-xhci", "-device", "usb-tablet"]  # absolute pointer events (clicks)
         if self.incoming:
             a += ["-incoming", "defer"]
         if daemonize:
@@ -189,4 +196,4 @@ async def probe_accel(kernel: str, initrd: str, timeout_s: float = PROBE_TIMEOUT
     return "kvm" if ok else "tcg"
 
 
-__all__ = ["Accel", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]
+__all__ = ["Accel", "Machine", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]
