@@ -231,6 +231,21 @@ async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox
     assert not mem.exists() or not os.listdir(mem)  # the memory layer was mounted only while restoring
 
 
+async def test_pause_stops_the_vm_and_resume_continues_it(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    from hostagent.backends.microvm import qemu
+
+    qmp = str(mhost.vm_dir(vm.sandbox_id) / "qmp.sock")
+    await vm.pause()
+    assert (await vm.get_info()).state == "paused"
+    (st,) = await qemu.qmp(qmp, ("query-status", {}))
+    assert st["status"] == "paused"  # QEMU runs no vCPU: the guest is stopped, not just its agent
+    await vm.resume()
+    (st,) = await qemu.qmp(qmp, ("query-status", {}))
+    assert st["status"] == "running"
+    assert (await vm.commands.run("echo resumed")).stdout == "resumed\n"
+    assert not (mhost.vm_dir(vm.sandbox_id) / "disk").is_mount()  # the disk mounted while frozen is let go
+
+
 async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhost: MicroHost) -> None:
     await vm.files.write("/workspace/state.txt", "before")
     await vm.commands.run("sleep 1000 >/dev/null 2>&1 &")

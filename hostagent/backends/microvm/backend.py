@@ -213,13 +213,17 @@ class MicroVMBackend:
                 await asyncio.to_thread(subprocess.run, ["umount", target], capture_output=True)
                 os.rmdir(target)
 
-    async def _attach(self, sid: str, timeout_s: float) -> None:
-        """Connect to the VM's serial socket and wait for its agent; fails early if QEMU exits."""
+    async def _attach(self, sid: str, timeout_s: float, *, wait: bool = True) -> None:
+        """Connect to the VM's serial socket and wait for its agent (unless ``wait`` is false: a
+        stopped VM answers once it is thawed); fails early if QEMU exits."""
         d = self._dir(sid)
         link = SerialMux(os.path.join(d, "serial.sock"), os.path.join(d, "agent.sock"))
         self.links[sid] = link
         await link.start()
         client = AgentClient(os.path.join(d, "agent.sock"), op_timeout_s=120.0)
+        if not wait:
+            self.clients[sid] = client
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not link.ready.is_set():
@@ -275,7 +279,7 @@ class MicroVMBackend:
             if qemu.read_pid(self._dir(sid)) is None:
                 continue
             try:
-                await self._attach(sid, 30.0)
+                await self._attach(sid, 30.0, wait=not snapshot.is_frozen(self._dir(sid)))
             except (OSError, RuntimeError, AgentError, asyncio.TimeoutError) as exc:
                 log.warning("microvm_reattach_failed", sandbox_id=sid, error=str(exc))
                 await self._detach(sid)
