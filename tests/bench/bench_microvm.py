@@ -6,9 +6,10 @@ It drives ``MicroVMBackend`` directly (no NATS: what is measured is QEMU and the
 
 * boot to ready: QEMU started until the guest's agent answers a ping (TCG here; KVM where the
   probe boots), and restore to ready from a memory snapshot (QEMU ``-incoming``);
-* host memory per idle microVM: QEMU's RSS, and the drop in the host's MemAvailable per VM;
+* host memory per idle microVM: QEMU's RSS and PSS (the machine is shared: MemAvailable is noise);
 * ``--vms`` microVMs on one template, its EROFS layer shared (every VM attaches the same blob, one
-  copy in the host's page cache) vs private (each VM its own copy of the blob): MemAvailable drop.
+  copy in the host's page cache) vs private (each VM its own copy of the blob): QEMU PSS plus the
+  blobs' pages in the host's page cache (``fincore``), dropped from the cache before each round.
   The layers are virtio-blk disks: the guests still cache what they read in their own RAM (DAX over
   virtio-pmem, which would spare that copy too, is not implemented).
 
@@ -23,6 +24,7 @@ import asyncio
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,9 +40,32 @@ from hostagent.backends.microvm import qemu  # noqa: E402
 KERNEL_CACHE = "/tmp/dsec-microvm-kernel"
 
 
-def mem_available_mb() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")) // 1024
+def pss_mb(pid: int) -> int:
+    """The process's proportional set size (its shared pages split among their users)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("Pss:")) // 1024
+    except (OSError, StopIteration):
+        return 0
+
+
+def cached_mb(paths: list[str]) -> int:
+    """Pages of ``paths`` in the host's page cache (util-linux fincore): what the layers cost the host."""
+    r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths], capture_output=True, text=True)
+    return sum(int(x) for x in r.stdout.split()) >> 20
+
+
+def drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def host_cost_mb(b: MicroVMBackend, sids: list[str], blobs: list[str]) -> tuple[int, int]:
+    """(QEMU PSS summed over the VMs, the layer blobs' page cache)."""
+    return sum(pss_mb(qemu.read_pid(b._dir(s)) or 0) for s in sids), cached_mb(sorted(set(blobs)))
 
 
 async def boot_many(b: MicroVMBackend, prefix: str, n: int, layers: list[list[LayerRef]], memory_mb: int) -> tuple[list[float], list[Handle]]:
@@ -78,13 +103,14 @@ async def main() -> int:
         print(f"accel={b.accel} kernel={b.kernel.release if b.kernel else '?'} layer={os.path.getsize(blob) >> 10} KiB")
 
         # 1. boot to ready, and memory per idle VM (shared layer)
-        free0 = mem_available_mb()
+        drop_cache(blob)
         boots, handles = await boot_many(b, "s", args.vms, [[shared]] * args.vms, args.memory_mb)
         await asyncio.sleep(2)  # let the guests go idle before reading memory
-        rss = [qemu.rss_mb(qemu.read_pid(b._dir(f"s{i}")) or 0) for i in range(args.vms)]
-        shared_drop = free0 - mem_available_mb()
+        sids = [f"s{i}" for i in range(args.vms)]
+        rss = [qemu.rss_mb(qemu.read_pid(b._dir(s)) or 0) for s in sids]
+        shared_pss, shared_cache = host_cost_mb(b, sids, [blob])
         print(f"boot to ready: median {statistics.median(boots):.2f}s min {min(boots):.2f}s max {max(boots):.2f}s (n={len(boots)})")
-        print(f"idle microVM: QEMU RSS median {statistics.median(rss)} MB; host MemAvailable drop {shared_drop / args.vms:.0f} MB per VM")
+        print(f"idle microVM ({args.memory_mb} MB guest): QEMU RSS median {statistics.median(rss)} MB, PSS {shared_pss / args.vms:.0f} MB per VM")
 
         # 2. a memory snapshot of one of them, and restore to ready
         h = handles[0]
@@ -109,16 +135,19 @@ async def main() -> int:
         # 3. the same number of VMs, each on a private copy of the layer
         private = []
         for i in range(args.vms):
-            p = data / f"private-{i}.erofs"
-            shutil.copyfile(blob, p)
-            private.append([LayerRef(role="base", digest=f"sha256:{i:064x}", kind="erofs", path=str(p))])
+            copy = str(data / f"private-{i}.erofs")
+            shutil.copyfile(blob, copy)
+            private.append([LayerRef(role="base", digest=f"sha256:{i:064x}", kind="erofs", path=copy)])
         os.sync()
-        free0 = mem_available_mb()
+        paths = [lay[0].path for lay in private]
+        for copy in paths:
+            drop_cache(copy)
         await boot_many(b, "p", args.vms, private, args.memory_mb)
         await asyncio.sleep(2)
-        private_drop = free0 - mem_available_mb()
-        print(f"{args.vms} microVMs: host memory shared layer {shared_drop} MB vs private copies {private_drop} MB "
-              f"({(shared_drop - private_drop) / max(private_drop, 1) * 100:+.1f}%)")
+        private_pss, private_cache = host_cost_mb(b, [f"p{i}" for i in range(args.vms)], paths)
+        one, each = shared_pss + shared_cache, private_pss + private_cache
+        print(f"{args.vms} microVMs: shared layer {one} MB (PSS {shared_pss} + cache {shared_cache}) vs private copies {each} MB "
+              f"(PSS {private_pss} + cache {private_cache}): {(one - each) / max(each, 1) * 100:+.1f}%")
         for i in range(args.vms):
             await b.destroy(f"p{i}")
     finally:
