@@ -100,6 +100,7 @@ async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
         for pid in processes_mentioning(str(data)):  # only what names this test's data dir
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)
+        log.unlink(missing_ok=True)
 
 
 @pytest_asyncio.fixture(scope="module")
