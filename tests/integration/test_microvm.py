@@ -28,7 +28,7 @@ from bus.streams import ensure_kv
 from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotFound, SandboxNotFound
 from tests.conftest import eventually, needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
-from tests.integration.conftest import PY, Child, Stack, needs_stack, pid_alive, processes_mentioning, subprocess_env
+from tests.integration.conftest import PY, REPO, Child, Stack, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
 pytestmark = [pytest.mark.containerd, needs_stack, needs(NO_QEMU)]
@@ -134,6 +134,9 @@ async def test_heartbeat_names_the_accelerator_the_probe_found(mhost: MicroHost)
         assert b.detail["accel"] == "tcg"
     # The probe's answer is kept: a restarted agent does not boot the probe again.
     assert (mhost.data / "mvm" / f"accel-{b.detail['kernel']}").read_text() == b.detail["accel"]
+    # `dsec status` shows it (its exit code also judges other hosts on this NATS: not asserted)
+    _, out, err = await run_process(PY, "-m", "sdk.cli", "status", env=subprocess_env(mhost.stack.url), cwd=str(REPO))
+    assert f"microvm: accel={b.detail['accel']} kernel={b.detail['kernel']}" in out, (out, err)
 
 
 async def test_exec_streams_output_and_reports_exit_codes(vm: AsyncSandbox) -> None:
