@@ -95,6 +95,9 @@ async def _status(args: argparse.Namespace) -> int:
                 f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} "
                 f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s"
             )
+            for b in h.get("backends") or []:  # what each backend's probe found (a microvm host: accel=kvm|tcg)
+                if b.detail:
+                    print(f"    {b.name}: " + " ".join(f"{k}={v}" for k, v in sorted(b.detail.items())))
         if services:
             print("services (dsec up):")
             _print_services(services)
@@ -389,6 +392,10 @@ def main(argv: list[str] | None = None) -> None:
     import nats.js.errors
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "dockerfile", None):  # `image build --dockerfile`: imaged's CLI declares it, the build is client-side
+        from ._builder import cli_build
+
+        args.func = cli_build
     ctx = _context_in_use(args)
     if ctx is not None and ctx.data_dir:
         # Local state of client-side work (image build caches) goes where that stack keeps its own.

@@ -91,9 +91,19 @@
  *   'V' rename str from | str to                       -> 'K'          (missing parents of `to` made)
  *   'Y' watch  u8 recursive | str dir  -> 'w', then any number of 'F' u32 inotify mask | str name
  *              (relative to dir) until the client closes the connection
+ *   'a' write with attributes: u64 offset | u8 flags (1 truncate, 2 chown, 4 replace metadata)
+ *              | u32 mode | u32 uid | u32 gid | u32 n | n * (str key | str value) | str path | data
+ *              -> 'Z' as 'W'. Owner and metadata (the user.e2b.<key> xattrs, all others of that
+ *                 namespace removed) are set before the data is written, so a watcher sees create,
+ *                 attrib, modify (the kernel merges the consecutive attrib events).
+ *   'l' list   str path                                -> 't' u32 n | n * xentry   (lstat)
+ *   's' stat   u8 follow_symlinks | str path           -> 'n' xentry   (entry name is "")
+ *   ('a', 'l' and 's' came after protocol 3; an older agent answers them EPROTO)
  *
  *   entry := str name | u8 kind (0 other, 1 file, 2 dir, 3 symlink) | u64 size
  *            | u32 mode (permission bits, 07777) | i64 mtime_ns
+ *   xentry := entry | u32 uid | u32 gid | str symlink target ("" unless a symlink)
+ *            | u32 n | n * (str key | str value)   (the user.e2b.<key> xattrs, prefix removed)
  *
  * Any request may instead be answered by  'R' u32 errno | str message,  after which the agent
  * closes.  A malformed frame gets 'R' EPROTO (EMSGSIZE if too long); the agent never exits on
@@ -127,6 +137,7 @@
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1366,14 +1377,66 @@ static int mkdir_parents(const char *path)
     return 0;
 }
 
-static void op_write(struct conn *c, struct rd *r)
+#define META_PREFIX "user.e2b."
+#define META_MAX 64 /* metadata pairs of one write */
+#define XATTR_LIST_MAX_LEN 65536
+
+/* Remove every user.e2b.* xattr of the open file, then set the given ones (keys without prefix). */
+static int meta_replace(int fd, char **kv, uint32_t n)
+{
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = flistxattr(fd, names, sizeof names);
+    if (len < 0 && errno != ENOTSUP)
+        return -1;
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1)
+        if (!strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1) && fremovexattr(fd, names + i) < 0 && errno != ENODATA)
+            return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        char name[XATTR_NAME_MAX + 1];
+        if ((size_t)snprintf(name, sizeof name, "%s%s", META_PREFIX, kv[2 * i]) >= sizeof name) {
+            errno = ERANGE;
+            return -1;
+        }
+        if (fsetxattr(fd, name, kv[2 * i + 1], strlen(kv[2 * i + 1]), 0) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs);
+
+static void op_write(struct conn *c, struct rd *r) { write_file(c, r, 0); }
+static void op_write_attrs(struct conn *c, struct rd *r) { write_file(c, r, 1); }
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs)
 {
     uint64_t off = rd_u64(r);
     uint8_t flags = rd_u8(r);
     uint32_t mode = rd_u32(r) & 07777;
-    char *path = rd_cstr(r);
+    uint32_t uid = 0, gid = 0, nmeta = 0;
+    char **kv = NULL;
+    char *path = NULL;
+    if (with_attrs) {
+        uid = rd_u32(r);
+        gid = rd_u32(r);
+        nmeta = rd_u32(r);
+        if (nmeta > META_MAX)
+            r->bad = 1;
+        else if (nmeta && !(kv = calloc(2 * (size_t)nmeta, sizeof *kv)))
+            r->bad = 1;
+        for (uint32_t i = 0; i < 2 * nmeta && !r->bad; i++)
+            kv[i] = rd_cstr(r);
+    } else {
+        flags &= 1;
+    }
+    path = rd_cstr(r);
     if (!rd_done(c, r, 1))
         goto out;
+    for (uint32_t i = 0; i < nmeta; i++) /* refused before anything is created */
+        if (sizeof META_PREFIX - 1 + strlen(kv[2 * i]) > XATTR_NAME_MAX || !*kv[2 * i] || strlen(kv[2 * i + 1]) > XATTR_SIZE_MAX) {
+            reply_err(c, ERANGE, "metadata key or value of %s too long (or an empty key)", path);
+            goto out;
+        }
     if (!*path || off > (uint64_t)INT64_MAX) {
         reply_err(c, EINVAL, "invalid path or offset");
         goto out;
@@ -1399,7 +1462,17 @@ static void op_write(struct conn *c, struct rd *r)
     }
     if (created)
         fchmod(fd, mode);
-    else if ((flags & 1) && ftruncate(fd, 0) < 0) {
+    if ((flags & 2) && fchown(fd, (uid_t)uid, (gid_t)gid) < 0) {
+        reply_err(c, errno, "chown %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if ((flags & 4) && meta_replace(fd, kv, nmeta) < 0) {
+        reply_err(c, errno, "set metadata of %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if (!created && (flags & 1) && ftruncate(fd, 0) < 0) {
         reply_err(c, errno, "truncate %s: %s", path, strerror(errno));
         close(fd);
         goto out;
@@ -1425,6 +1498,113 @@ static void op_write(struct conn *c, struct rd *r)
     }
     size_t f = frame_begin(c, 'Z');
     put_u64(c, (uint64_t)st.st_size);
+    frame_end(c, f);
+out:
+    for (uint32_t i = 0; kv && i < 2 * nmeta; i++)
+        free(kv[i]);
+    free(kv);
+    free(path);
+}
+
+/* The tail of an xentry: owner, symlink target, user.e2b.* xattrs of `path` (not followed). */
+static void put_entry_extra(struct conn *c, const char *path, const struct stat *st)
+{
+    put_u32(c, (uint32_t)st->st_uid);
+    put_u32(c, (uint32_t)st->st_gid);
+    char target[PATH_MAX];
+    ssize_t tn = S_ISLNK(st->st_mode) ? readlink(path, target, sizeof target) : -1;
+    put_str(c, target, tn > 0 ? (size_t)tn : 0);
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = S_ISLNK(st->st_mode) ? -1 : llistxattr(path, names, sizeof names); /* user.* is never on a symlink */
+    size_t count_at = c->out_len;
+    uint32_t count = 0;
+    put_u32(c, 0);
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1) {
+        if (strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1))
+            continue;
+        char value[4096];
+        ssize_t vn = lgetxattr(path, names + i, value, sizeof value);
+        if (vn < 0)
+            continue; /* removed meanwhile, or too long to be ours */
+        const char *key = names + i + sizeof META_PREFIX - 1;
+        put_str(c, key, strlen(key));
+        put_str(c, value, (size_t)vn);
+        count++;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+}
+
+static void op_list_long(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
+    if (!d) {
+        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
+        if (dfd >= 0)
+            close(dfd);
+        goto out;
+    }
+    size_t f = frame_begin(c, 't');
+    size_t count_at = c->out_len;
+    put_u32(c, 0);
+    uint32_t count = 0;
+    struct dirent *de;
+    char full[PATH_MAX];
+    for (;;) {
+        errno = 0;
+        de = readdir(d);
+        if (!de)
+            break;
+        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* removed while we were listing */
+        if ((size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
+            continue;
+        put_entry(c, de->d_name, strlen(de->d_name), &st);
+        put_entry_extra(c, full, &st);
+        count++;
+        if (c->out_len - f > LIST_MAX) {
+            errno = EFBIG;
+            break;
+        }
+    }
+    int e = errno;
+    closedir(d);
+    if (e) {
+        c->out_len = f;
+        reply_err(c, e, "readdir %s: %s", path, strerror(e));
+        goto out;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_stat_long(struct conn *c, struct rd *r)
+{
+    uint8_t follow = rd_u8(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
+        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
+        goto out;
+    }
+    char real[PATH_MAX];
+    /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
+    const char *at = follow && realpath(path, real) ? real : path;
+    size_t f = frame_begin(c, 'n');
+    put_entry(c, "", 0, &st);
+    put_entry_extra(c, at, &st);
     frame_end(c, f);
 out:
     free(path);
@@ -1837,6 +2017,9 @@ static void dispatch(struct conn *c)
     case 'S': op_stat(c, &r); break;
     case 'C': op_mkdir(c, &r); break;
     case 'V': op_rename(c, &r); break;
+    case 'a': op_write_attrs(c, &r); break;
+    case 'l': op_list_long(c, &r); break;
+    case 's': op_stat_long(c, &r); break;
     case 'A': op_attach(c, &r); return; /* like exec: keeps the connection */
     case 'Y': op_watch(c, &r); return; /* keeps the connection until the client closes it */
     case 'I': op_stdin(c, &r); break;
@@ -2323,9 +2506,514 @@ static void apply_confinement(void)
     apply_seccomp_log_filter();
 }
 
+
+/* ------------------------------------------------------------------ pty helper modes
+ * The agent binary doubles as the pty relay of envd's PTY sessions (the gateway starts
+ * `exec dsec-agent --pty ROWS COLS CMD [ARG...]` as an ordinary command with a stdin pipe):
+ *   --pty ROWS COLS CMD...        CMD runs in a new session on a new pty of that size; stdin is
+ *                                 copied to the pty, the pty's output to stdout; exits as CMD did
+ *                                 (128+signal if killed). A SIGTERM/SIGINT/SIGHUP is passed on.
+ *   --pty-resize PID ROWS COLS    resize the pty of the relay PID's command (its SIGWINCH follows)
+ */
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+
+static volatile pid_t pty_child;
+
+static void pty_forward(int sig)
+{
+    if (pty_child > 0)
+        kill(pty_child, sig);
+}
+
+static int pty_size(const char *rows, const char *cols, struct winsize *ws)
+{
+    long r = strtol(rows, NULL, 10), c = strtol(cols, NULL, 10);
+    if (r <= 0 || c <= 0 || r > 65535 || c > 65535)
+        return -1;
+    *ws = (struct winsize){.ws_row = (unsigned short)r, .ws_col = (unsigned short)c};
+    return 0;
+}
+
+static int pty_run(int argc, char **argv)
+{
+    struct winsize ws;
+    if (argc < 5 || pty_size(argv[2], argv[3], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty ROWS COLS CMD [ARG...]\n");
+        return 2;
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (m < 0 || grantpt(m) < 0 || unlockpt(m) < 0 || ioctl(m, TIOCSWINSZ, &ws) < 0) {
+        perror("dsec-agent: pty");
+        return 1;
+    }
+    const char *slave = ptsname(m);
+    pid_t pid = slave ? fork() : -1;
+    if (pid < 0) {
+        perror("dsec-agent: pty fork");
+        return 1;
+    }
+    if (pid == 0) {
+        setsid();
+        int s = open(slave, O_RDWR);
+        if (s < 0 || ioctl(s, TIOCSCTTY, 0) < 0 || dup2(s, 0) < 0 || dup2(s, 1) < 0 || dup2(s, 2) < 0) {
+            perror("dsec-agent: pty slave");
+            _exit(127);
+        }
+        if (s > 2)
+            close(s);
+        execvp(argv[4], argv + 4);
+        fprintf(stderr, "dsec-agent: %s: %s\n", argv[4], strerror(errno));
+        _exit(127);
+    }
+    pty_child = pid;
+    struct sigaction sa = {.sa_handler = pty_forward};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    char buf[65536];
+    struct pollfd fds[2] = {{.fd = m, .events = POLLIN}, {.fd = 0, .events = POLLIN}};
+    for (;;) {
+        int n = poll(fds, 2, -1);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            break;
+        if (fds[0].revents) {
+            ssize_t got = read(m, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                break; /* EIO: every holder of the slave closed it (the command ended) */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(1, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+        if (fds[1].revents) {
+            ssize_t got = read(0, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                fds[1].fd = -1; /* stdin closed: the pty stays open until the command ends */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(m, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+/* 0 when the pty of relay's child took the size; -1 while there is no such child (yet). */
+static int pty_resize_once(long relay, const struct winsize *ws)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char path[64], stat_line[512];
+        snprintf(path, sizeof path, "/proc/%.20s/stat", de->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        size_t n = fread(stat_line, 1, sizeof stat_line - 1, f);
+        fclose(f);
+        stat_line[n] = 0;
+        const char *close_paren = strrchr(stat_line, ')');
+        long ppid = 0;
+        if (!close_paren || sscanf(close_paren + 1, " %*c %ld", &ppid) != 1 || ppid != relay)
+            continue;
+        snprintf(path, sizeof path, "/proc/%.20s/fd/0", de->d_name);
+        int s = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (s >= 0 && isatty(s) && ioctl(s, TIOCSWINSZ, ws) == 0) {
+            close(s);
+            closedir(d);
+            return 0;
+        }
+        if (s >= 0)
+            close(s);
+    }
+    if (d)
+        closedir(d);
+    return -1;
+}
+
+static int pty_resize(int argc, char **argv)
+{
+    struct winsize ws;
+    long relay = argc == 5 ? strtol(argv[2], NULL, 10) : 0;
+    if (relay <= 0 || pty_size(argv[3], argv[4], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty-resize PID ROWS COLS\n");
+        return 2;
+    }
+    /* A session resized right after its start may not have forked its command yet: retry for 2 s. */
+    for (int i = 0; i < 40; i++) {
+        if (pty_resize_once(relay, &ws) == 0)
+            return 0;
+        if (kill((pid_t)relay, 0) < 0)
+            break;
+        usleep(50000);
+    }
+    fprintf(stderr, "dsec-agent: no pty session of process %ld\n", relay);
+    return 1;
+}
+
+/* ------------------------------------------------------------------ microVM: init and serial mux
+ *
+ * In a microVM (the microvm backend) this binary is the initramfs's /init. vm_boot() mounts the
+ * root (the template's read-only EROFS layers, each a virtio disk with serial "layer<i>", bottom
+ * first, under an overlay whose upper dir is on the ext4 disk with serial "upper"), moves into it,
+ * and forks vm_mux(); main then serves the usual protocol on a unix socket inside the guest.
+ *
+ * The guest has no vsock: the host reaches the agent through one virtio-serial port (named
+ * "dsec.agent"), a single byte stream the mux splits into the host's connections:
+ *
+ *   mux frame := u32 channel | u32 n | n bytes        big-endian
+ *
+ * A channel's first frame from the host opens a connection to the agent's socket; n = 0 closes
+ * it (either way). Channel 0xffffffff is the link's own: the host sends a reset carrying a nonce
+ * when it (re)connects; the mux closes every connection and answers "DSECMUX1" + the nonce, so the
+ * host can skip whatever an earlier host process left half-read in the stream. */
+#include <poll.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+
+#define VM_LINK 0xffffffffu
+#define VM_MAXCH 128
+#define VM_CHUNK 65536
+#define VM_SOCK "/run/dsec/agent.sock"
+
+static void vm_die(const char *what)
+{
+    fprintf(stderr, "dsec-agent (vm): %s: %s\n", what, strerror(errno));
+    sync();
+    reboot(RB_AUTOBOOT); /* -no-reboot: QEMU exits, and the host sees the boot fail */
+    _exit(1);
+}
+
+static uint32_t vm_get32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+
+static int vm_read_small(const char *path, char *buf, size_t n)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t r = read(fd, buf, n - 1);
+    close(fd);
+    if (r < 0)
+        return -1;
+    while (r > 0 && (buf[r - 1] == '\n' || buf[r - 1] == ' '))
+        r--;
+    buf[r] = 0;
+    return 0;
+}
+
+/* Modules the initramfs carries (/lib/dsec/modules, one path a line, dependencies first). */
+static void vm_load_modules(void)
+{
+    FILE *f = fopen("/lib/dsec/modules", "re");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!*line)
+            continue;
+        int fd = open(line, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            vm_die(line);
+        if (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST)
+            vm_die(line);
+        close(fd);
+    }
+    fclose(f);
+}
+
+/* /dev/<name> of the entry under `cls` whose `attr` file reads `want`; waits for it a while
+ * (drivers probe as their modules load, devtmpfs makes the node). */
+static void vm_find(const char *cls, const char *attr, const char *want, char *out, size_t n)
+{
+    for (int tries = 0; tries < 1000; tries++) {
+        DIR *d = opendir(cls);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            char p[600], v[128];
+            if (e->d_name[0] == '.')
+                continue;
+            snprintf(p, sizeof p, "%s/%s/%s", cls, e->d_name, attr);
+            if (vm_read_small(p, v, sizeof v) == 0 && !strcmp(v, want)) {
+                snprintf(out, n, "/dev/%s", e->d_name);
+                closedir(d);
+                if (access(out, F_OK) == 0)
+                    return;
+                d = NULL;
+                break;
+            }
+        }
+        if (d)
+            closedir(d);
+        usleep(10000);
+    }
+    errno = ENODEV;
+    vm_die(want);
+}
+
+static void vm_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data)
+{
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, data) < 0)
+        vm_die(dst);
+}
+
+static void vm_loopback_up(void)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (s >= 0 && ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP;
+        ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    if (s >= 0)
+        close(s);
+}
+
+static int vm_write_all(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int vm_send(int port, uint32_t ch, const void *data, uint32_t n)
+{
+    uint8_t h[8];
+    be32(h, ch);
+    be32(h + 4, n);
+    return vm_write_all(port, h, 8) < 0 || (n && vm_write_all(port, data, n) < 0) ? -1 : 0;
+}
+
+static int vm_connect_agent(void)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strcpy(sa.sun_path, VM_SOCK);
+    for (int tries = 0; tries < 500; tries++) { /* the agent binds its socket just after the fork */
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -1;
+        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+            return fd;
+        close(fd);
+        if (errno != ENOENT && errno != ECONNREFUSED)
+            return -1;
+        usleep(10000);
+    }
+    return -1;
+}
+
+static void vm_mux(const char *port_path)
+{
+    int port = open(port_path, O_RDWR | O_CLOEXEC);
+    if (port < 0)
+        vm_die(port_path);
+    uint32_t ids[VM_MAXCH];
+    int fds[VM_MAXCH], nch = 0;
+    static uint8_t in[4 * VM_CHUNK], tmp[VM_CHUNK];
+    size_t have = 0;
+    for (;;) {
+        struct pollfd pf[1 + VM_MAXCH];
+        pf[0] = (struct pollfd){port, POLLIN, 0};
+        for (int i = 0; i < nch; i++)
+            pf[1 + i] = (struct pollfd){fds[i], POLLIN, 0};
+        if (poll(pf, 1 + nch, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            vm_die("poll");
+        }
+        ssize_t r = 0;
+        if (pf[0].revents & POLLIN && !(pf[0].revents & POLLHUP))
+            r = read(port, in + have, sizeof in - have);
+        if (pf[0].revents & POLLHUP || (pf[0].revents & POLLIN && r <= 0 && !(r < 0 && errno == EINTR))) {
+            /* No host on the other end (a host agent restarting): drop its connections, wait. */
+            for (int i = 0; i < nch; i++)
+                close(fds[i]);
+            nch = 0;
+            have = 0;
+            usleep(20000);
+            continue;
+        }
+        if (r > 0)
+            have += (size_t)r;
+        size_t off = 0;
+        while (have - off >= 8) {
+            uint32_t ch = vm_get32(in + off), n = vm_get32(in + off + 4);
+            if (n > VM_CHUNK * 3) { /* not a frame of ours: wait for the host's reset */
+                have = off = 0;
+                break;
+            }
+            if (have - off < 8 + n)
+                break;
+            const uint8_t *data = in + off + 8;
+            off += 8 + n;
+            int i = 0;
+            while (i < nch && ids[i] != ch)
+                i++;
+            if (ch == VM_LINK) {
+                for (int j = 0; j < nch; j++)
+                    close(fds[j]);
+                nch = 0;
+                uint8_t m[16] = "DSECMUX1";
+                memcpy(m + 8, data, n < 8 ? n : 8);
+                vm_send(port, VM_LINK, m, 16);
+                continue;
+            }
+            if (n == 0) {
+                if (i < nch) {
+                    close(fds[i]);
+                    fds[i] = fds[nch - 1];
+                    ids[i] = ids[nch - 1];
+                    nch--;
+                }
+                continue;
+            }
+            if (i == nch) {
+                int fd = nch < VM_MAXCH ? vm_connect_agent() : -1;
+                if (fd < 0) {
+                    vm_send(port, ch, NULL, 0);
+                    continue;
+                }
+                ids[nch] = ch;
+                fds[nch++] = fd;
+            }
+            if (vm_write_all(fds[i], data, n) < 0) {
+                close(fds[i]);
+                fds[i] = fds[nch - 1];
+                ids[i] = ids[nch - 1];
+                nch--;
+                vm_send(port, ch, NULL, 0);
+            }
+        }
+        memmove(in, in + off, have - off);
+        have -= off;
+        for (int i = nch - 1; i >= 0; i--) {
+            if (!pf[1 + i].revents || i >= nch)
+                continue;
+            ssize_t got = read(fds[i], tmp, sizeof tmp);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got > 0) {
+                vm_send(port, ids[i], tmp, (uint32_t)got);
+                continue;
+            }
+            vm_send(port, ids[i], NULL, 0);
+            close(fds[i]);
+            fds[i] = fds[nch - 1];
+            ids[i] = ids[nch - 1];
+            nch--;
+        }
+    }
+}
+
+/* PID 1 of a microVM: the root, then the mux; returns the agent's socket path. */
+static const char *vm_boot(void)
+{
+    vm_mount("devtmpfs", "/dev", "devtmpfs", 0, NULL);
+    vm_mount("proc", "/proc", "proc", 0, NULL);
+    vm_mount("sysfs", "/sys", "sysfs", 0, NULL);
+    int con = open("/dev/console", O_RDWR | O_CLOEXEC);
+    if (con >= 0) {
+        dup2(con, 1);
+        dup2(con, 2);
+        close(con);
+    }
+    vm_load_modules();
+    if (getenv("dsec_probe")) { /* the host's timed boot that tells whether its accelerator works */
+        printf("dsec-probe-ok\n");
+        fflush(stdout);
+        reboot(RB_AUTOBOOT);
+        _exit(0);
+    }
+    char dev[300], dst[64];
+    vm_find("/sys/block", "serial", "upper", dev, sizeof dev);
+    vm_mount(dev, "/mnt/rw", "ext4", MS_NOATIME, NULL);
+    mkdir("/mnt/rw/upper", 0755);
+    mkdir("/mnt/rw/work", 0755);
+    int layers = getenv("dsec_layers") ? atoi(getenv("dsec_layers")) : 0;
+    for (int i = 0; i < layers; i++) {
+        char want[32];
+        snprintf(want, sizeof want, "layer%d", i);
+        vm_find("/sys/block", "serial", want, dev, sizeof dev);
+        snprintf(dst, sizeof dst, "/mnt/l%d", i);
+        vm_mount(dev, dst, "erofs", MS_RDONLY, NULL);
+    }
+    char opts[4200] = "lowerdir=";
+    for (int i = layers - 1; i >= 0; i--) /* overlay wants the top layer first */
+        snprintf(opts + strlen(opts), sizeof opts - strlen(opts), "/mnt/l%d%s", i, i ? ":" : "");
+    snprintf(opts + strlen(opts), sizeof opts - strlen(opts), ",upperdir=/mnt/rw/upper,workdir=/mnt/rw/work");
+    vm_mount("overlay", "/mnt/root", "overlay", 0, layers ? opts : NULL);
+    const char *moved[] = {"/dev", "/proc", "/sys"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(dst, sizeof dst, "/mnt/root%s", moved[i]);
+        vm_mount(moved[i], dst, NULL, MS_MOVE, NULL);
+    }
+    if (chdir("/mnt/root") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        vm_die("switch root");
+    vm_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666");
+    vm_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, NULL);
+    vm_mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+    mkdir("/run/dsec", 0700);
+    mkdir("/tmp", 01777);
+    sethostname("sandbox", 7);
+    vm_loopback_up();
+    vm_find("/sys/class/virtio-ports", "name", "dsec.agent", dev, sizeof dev);
+    pid_t pid = fork();
+    if (pid < 0)
+        vm_die("fork");
+    if (pid == 0) {
+        vm_mux(dev);
+        _exit(1);
+    }
+    return VM_SOCK;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--pty"))
+        return pty_run(argc, argv);
+    if (argc > 1 && !strcmp(argv[1], "--pty-resize"))
+        return pty_resize(argc, argv);
     const char *path = NULL;
+    if (getpid() == 1 && !strcmp(argv[0], "/init")) { /* a microVM's init: no flags (the kernel's leftovers) */
+        path = vm_boot();
+        argc = 1;
+    }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc)
             path = argv[++i];
