@@ -80,9 +80,10 @@ def _tenant_js_api(tenant: str) -> list[str]:
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
 _CLIENT_COMMON_PUBLISH = [
-    # Templates are listed, never built or removed by a client (the operator does); a snapshot's removal
-    # goes to the image service (which does not yet check its owner: see the README).
-    S.STATUS, S.IMG_LIST, S.IMG_STATS, S.SNAP_REMOVE, f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
+    # The image service's requests (the gateway's template API builds as the key): the image service
+    # checks a template's owner and a snapshot's removal itself (not the publisher's tenant yet).
+    S.STATUS, S.IMG_LIST, S.IMG_STATS, S.IMG_BUILD, S.IMG_REMOVE, S.SNAP_REMOVE,
+    f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack

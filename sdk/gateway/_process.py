@@ -19,15 +19,14 @@ import structlog
 from aiohttp import web
 
 from bus import codec
-from bus import subjects as S
 from bus.errors import DsecError, InvalidArgument
 from bus.messages import (
     Done, ExecChunk, ExecRequest, ExecResult, ProcConnect, ProcDisconnect, ProcessList, ProcessStarted, ProcInput, ProcList, ProcSignal,
 )
 
-from bus.runtime import KV
 
 from .._async import AsyncSandbox
+from .._snapshots import records_conn, sandbox_record
 from ._connect import ConnectError, ServerStream
 from ._tenants import LIVE_STATES
 from ._users import Users, resolve, user_of
@@ -82,9 +81,10 @@ def _selector(body: dict[str, Any]) -> tuple[int, str]:
 
 async def _sandbox_ended(sb: AsyncSandbox) -> bool:
     """Whether the sandbox's record says it ended (killed, timed out, lost) or is ending."""
+    if records_conn(sb.nc) is None:
+        return False  # no reader of records for this key: unknown, report the command's own end
     try:
-        kv = await KV.bind(sb.nc.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)
-        rec = await kv.get(sb.sandbox_id)
+        rec = await sandbox_record(sb.nc, sb.sandbox_id)  # the gateway's reader (the key may not read records)
     except Exception:  # noqa: BLE001 - unknown: report the command's own end
         return False
     return rec is None or rec.state not in LIVE_STATES

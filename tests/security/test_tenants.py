@@ -232,8 +232,7 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
         await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.OBJ_{S.OBJ_CHUNKS}.$O.{S.OBJ_CHUNKS}.M.x", b"", "read a chunk's metadata")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.OBJ_{S.OBJ_CHUNKS}", b"{}", "read snapshot chunks (files)")
         await b.denied_subscribe(redteam, f"$O.{S.OBJ_CHUNKS}.>", "snapshot chunks as they are written")
-        await b.denied_publish(redteam, S.IMG_BUILD, b"x", "build a template")
-        await b.denied_publish(redteam, S.IMG_REMOVE, b"x", "remove a template (every tenant's base)")
+        await b.denied_subscribe(redteam, "dsec.img.>", "answer image requests (impersonate the image service)")
         with pytest.raises(PermissionDenied):
             await AsyncSandbox.list_snapshots(nats_url=b.url)
         redteam.blocked("tenant b: list every snapshot through the SDK [permission_denied: records are not a client's]")
