@@ -365,7 +365,10 @@ async def test_cli_dockerfile_build_against_dsec_up(gw: Gw, tmp_path: Path) -> N
 
     from .conftest import run_process, subprocess_env
 
-    env = subprocess_env(gw.nats_url, DSEC_CONTEXT=str(gw.data.parent / f"{gw.data.name}.context.json"))
+    from bus.auth import OPERATOR_ROLE, AuthConfig
+
+    operator = AuthConfig.load_or_create(gw.data / "auth.json").url_for(OPERATOR_ROLE, gw.nats_url)  # nothing connects without credentials
+    env = subprocess_env(operator, DSEC_CONTEXT=str(gw.data.parent / f"{gw.data.name}.context.json"))
     (tmp_path / "a.txt").write_text("from the context\n")
     df = tmp_path / "Dockerfile"
     name = f"cli-{uuid.uuid4().hex[:8]}"
