@@ -21,6 +21,7 @@ from bus.errors import ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import LayerRef, TemplateManifest
 
 from ._erofs import EROFS_UUID, mkfs_erofs, mkfs_version
+from ._erofs_write import write_erofs
 from ._manifests import (
     ROLES,
     check_name,
@@ -226,11 +227,14 @@ class ImageBuilder:
         """Pack directory ``path`` as it is into a layer (no staging copy, no source cache): whiteouts
         (0/0 character devices), opaque dirs (``trusted.overlay.opaque``), xattrs, owners, modes, hard
         links and per-file times are kept, so an overlay upper dir packed here stacks as a lower layer
-        with the very same view. The blob stays in ``blobs/`` for this host to mount directly."""
+        with the very same view. The blob stays in ``blobs/`` for this host to mount directly.
+
+        Packed by ``write_erofs``, not mkfs.erofs: holes stay holes and repeated chunks are stored
+        once, so a sparse file costs what its data costs (mkfs.erofs 1.5 writes every hole out)."""
         work = Path(tempfile.mkdtemp(prefix="pack-", dir=self.tmp_dir))
         try:
             out = work / "layer.erofs"
-            await mkfs_erofs(path, out, compress=self.compress, exact_times=True)
+            await asyncio.to_thread(write_erofs, path, out)
             hexd, chunks = await asyncio.to_thread(chunk_digests, out, self.chunk_size)
             dest = self.blob_path(hexd)
             if dest.exists():
