@@ -10,6 +10,8 @@ from typing import Any
 from bus import log as _log
 from bus.metrics import add_cli_flag as add_metrics_flag
 
+from . import _storage as storage
+
 
 def network_config() -> Any:
     """The network config from the environment (NetworkConfig.from_env), with $DSEC_NET_PREFIX naming
@@ -46,7 +48,9 @@ def main() -> None:
     ap.add_argument("--control-key-file", default=None,
                     help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
     add_metrics_flag(ap)
+    storage.add_cli_flags(ap)
     args = ap.parse_args()
+    storage.apply_cli_flags(args)
     _log.configure()
     if args.cleanup:
         from ._cleanup import run_cleanup

@@ -49,6 +49,7 @@ from bus.messages import (
 from bus.streams import ensure_kv
 
 from . import _freezer as fz
+from . import _storage as storage
 from . import _upperdiff as snap
 from ._containerd import CGROUP_PARENT
 from ._rootfs import RootfsLayout
@@ -178,6 +179,8 @@ class Snapshots:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
         stage = os.path.join(sdir, snap.STAGE_NAME)
+        assert agent.js is not None
+        budget = await storage.budget_for(agent.js, ls.spec)  # quota_exceeded before anything is packed
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = fz.frozen(cgroup)  # a frozen pause stays frozen
@@ -187,10 +190,12 @@ class Snapshots:
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
             diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
+            if diff.entries:
+                budget.charge(await asyncio.to_thread(storage.staged_bytes, stage))
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
-            memory = await self._dump_memory(handle, snap_id) if req.memory else None  # still frozen: files and memory of one moment
+            memory = await self._dump_memory(handle, snap_id, budget) if req.memory else None  # still frozen: files and memory of one moment
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:
@@ -218,7 +223,7 @@ class Snapshots:
         log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))
         return rec
 
-    async def _dump_memory(self, handle: "Handle", snap_id: str) -> PackedLayer:
+    async def _dump_memory(self, handle: "Handle", snap_id: str, budget: storage.Budget | None = None) -> PackedLayer:
         """CRIU's dump of the (frozen) sandbox, packed as a layer like the files."""
         root = os.path.join(self.agent.data_dir, "criu", snap_id)
         img, work = os.path.join(root, "img"), os.path.join(root, "work")
@@ -226,6 +231,8 @@ class Snapshots:
             os.makedirs(img)
             os.makedirs(work)
             await self.agent.backend.checkpoint(handle, img, work)  # type: ignore[attr-defined]
+            if budget is not None:
+                budget.charge(await asyncio.to_thread(storage.staged_bytes, img), "memory dump")
             return await self._pack(img, role="memory")
         finally:
             await asyncio.to_thread(shutil.rmtree, root, True)

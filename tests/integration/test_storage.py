@@ -89,3 +89,74 @@ async def test_repeated_blocks_snapshot_stores_one_block(stack: Stack, lazy: Laz
         assert layer.size < 64 * 1024, layer.size  # 8 MiB of one 4 KiB block (plus that block on its own)
         async with many(stack, [await AsyncSandbox.create(snapshot=s.snapshot_id, **stack.kw())]) as (back,):
             assert (await back.commands.run("md5sum /root/rep | cut -c1-32")).stdout == r.stdout
+
+
+async def _layer_keys(stack: Stack) -> set[str]:
+    from imaged._store import open_blob_store
+
+    return set(await open_blob_store(stack.js).keys("layers/"))
+
+
+async def test_snapshot_quota_per_sandbox_refuses_before_writing(stack: Stack, lazy: LazyDaemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from bus.errors import QuotaExceeded
+
+    monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(4 << 20))  # read at each check by the in-process host agent
+    async with stack.sandbox() as sb:
+        await sb.commands.run("head -c 3000000 /dev/urandom > /root/a")
+        s1 = await sb.create_snapshot("under")  # positive control: 3 MB of 4 MiB
+        assert s1.bytes_added > 3_000_000
+        await sb.commands.run("head -c 1500000 /dev/urandom > /root/b")
+        layers = await _layer_keys(stack)
+        with pytest.raises(QuotaExceeded, match=r"per-sandbox snapshot limit of 4194304 bytes") as ei:
+            await sb.create_snapshot("over")
+        assert ei.value.code == "quota_exceeded"
+        # Refused before the pack: no layer, no record; the sandbox runs on.
+        assert await _layer_keys(stack) == layers
+        assert [s.snapshot_id for s in await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id)] == [s1.snapshot_id]
+        assert (await sb.commands.run("echo alive")).stdout == "alive\n"
+        # Just under again: what is staged now (the 1.5 MB file gone, 0.5 MB new) fits beside the first snapshot.
+        await sb.commands.run("rm /root/b && head -c 500000 /dev/urandom > /root/c")
+        s3 = await sb.create_snapshot("under-again")
+        assert s3.parent_id == s1.snapshot_id and 500_000 < s3.bytes_added < 1 << 20
+        # A persisted pause is a snapshot too: refused the same way, and the sandbox stays running.
+        await sb.commands.run("head -c 1000000 /dev/urandom > /root/d")
+        with pytest.raises(QuotaExceeded, match="per-sandbox"):
+            await sb.pause(persist=True)
+        assert (await sb.get_info()).state == "running"
+
+
+async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    from bus.errors import QuotaExceeded
+
+    tenant = f"tenant-{stack.uid}"
+    monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(3 << 20))
+    async with stack.sandbox(client=tenant) as a, stack.sandbox(client=tenant) as b, stack.sandbox() as operator:
+        await a.commands.run("head -c 2000000 /dev/urandom > /root/a")
+        await a.create_snapshot()  # 2 MB of the tenant's 3 MiB
+        await b.commands.run("head -c 1200000 /dev/urandom > /root/b")
+        with pytest.raises(QuotaExceeded, match=rf"tenant '{tenant}' .* per-tenant snapshot limit of 3145728 bytes"):
+            await b.create_snapshot()
+        await b.commands.run("rm /root/b && head -c 900000 /dev/urandom > /root/b")
+        await b.create_snapshot()  # just under: 2.9 MB
+        # Another tenant (the operator) is not charged for it.
+        await operator.commands.run("head -c 1200000 /dev/urandom > /root/o")
+        monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(_operator_usage(await _records(stack)) + (2 << 20)))
+        await operator.create_snapshot()
+    import json
+
+    from .test_snapshots import _cli
+
+    rc, out, err = await _cli(stack, "ls", "--usage", "--json")
+    assert rc == 0, err
+    use = json.loads(out)
+    assert 2_900_000 < use["tenants"][tenant] < 3 << 20 and use["sandboxes"][a.sandbox_id] > 2_000_000
+
+
+async def _records(stack: Stack) -> list[Any]:
+    from hostagent._storage import snapshot_records
+
+    return await snapshot_records(stack.js)
+
+
+def _operator_usage(recs: list[Any]) -> int:
+    return sum(r.bytes_added for r in recs if (r.spec.client if r.spec else "") == "")

@@ -1,0 +1,184 @@
+"""What a sandbox may make this host store, and how full the host's disk is.
+
+Bounds on snapshots (persisted pauses and CRIU dumps are snapshots too), checked on the staged
+directory BEFORE it is packed, so a refused snapshot writes nothing to the blob store:
+
+* per sandbox: the bytes all of a sandbox's snapshots put into the blob store (``bytes_added`` of
+  its records in KV ``dsec_snapshots``) plus what this one would add;
+* per tenant (the spec's ``client``; ``''`` is the operator): the same over every sandbox of the tenant.
+
+What a staged directory "would add" is an upper bound: the allocated bytes of its distinct regular
+files (a hole costs nothing, as the packer keeps holes; repeats are deduplicated later, not here)
+plus a block per other entry. Limits: ``--snapshot-max-bytes-per-sandbox`` /
+``--snapshot-max-bytes-per-tenant`` (env ``DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX`` /
+``DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT``; 0 means no limit), read at each check.
+
+Free space: ``disk_free_mb`` (the heartbeat's figure) and ``--min-free-mb`` (env
+``DSEC_MIN_FREE_MB``): under it, placement sends this host no creates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import BadRequest, NoSpace, QuotaExceeded
+from bus.messages import SandboxSpec, SnapshotRecord
+from bus.runtime import kv_keys
+from bus.streams import ensure_kv
+
+GiB = 1 << 30
+ENV_SANDBOX = "DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX"
+ENV_TENANT = "DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT"
+ENV_MIN_FREE = "DSEC_MIN_FREE_MB"
+DEFAULT_PER_SANDBOX = 16 * GiB
+DEFAULT_PER_TENANT = 256 * GiB
+DEFAULT_MIN_FREE_MB = 1024
+ENTRY_BYTES = 4096  # what a directory, link or device may cost a layer (an upper bound)
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return max(0, int(os.environ.get(name, "") or default))
+    except ValueError:
+        return default
+
+
+@dataclass(frozen=True)
+class Limits:
+    per_sandbox: int = DEFAULT_PER_SANDBOX  # 0: none
+    per_tenant: int = DEFAULT_PER_TENANT
+    min_free_mb: int = DEFAULT_MIN_FREE_MB
+
+    @classmethod
+    def from_env(cls) -> "Limits":
+        return cls(_env_int(ENV_SANDBOX, DEFAULT_PER_SANDBOX), _env_int(ENV_TENANT, DEFAULT_PER_TENANT), _env_int(ENV_MIN_FREE, DEFAULT_MIN_FREE_MB))
+
+
+def add_cli_flags(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--snapshot-max-bytes-per-sandbox", type=int, default=None,
+                    help=f"bytes one sandbox's snapshots may put in the blob store (default ${ENV_SANDBOX} or {DEFAULT_PER_SANDBOX}; 0: no limit)")
+    ap.add_argument("--snapshot-max-bytes-per-tenant", type=int, default=None,
+                    help=f"the same for all sandboxes of one client (default ${ENV_TENANT} or {DEFAULT_PER_TENANT}; 0: no limit)")
+    ap.add_argument("--min-free-mb", type=int, default=None,
+                    help=f"free MiB in the data dir under which placement sends no creates here (default ${ENV_MIN_FREE} or {DEFAULT_MIN_FREE_MB})")
+
+
+def apply_cli_flags(args: argparse.Namespace) -> None:
+    """The flags win over the environment (the checks read the environment)."""
+    for flag, env in (("snapshot_max_bytes_per_sandbox", ENV_SANDBOX), ("snapshot_max_bytes_per_tenant", ENV_TENANT), ("min_free_mb", ENV_MIN_FREE)):
+        v = getattr(args, flag, None)
+        if v is not None:
+            os.environ[env] = str(v)
+
+
+def staged_bytes(root: str) -> int:
+    """An upper bound of what packing ``root`` adds to the blob store (see the module's doc)."""
+    total = 0
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        d = stack.pop()
+        total += ENTRY_BYTES
+        with os.scandir(d) as it:
+            for e in it:
+                st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+                elif stat.S_ISREG(st.st_mode):
+                    if st.st_ino not in seen:
+                        seen.add(st.st_ino)
+                        total += min(st.st_size, st.st_blocks * 512) + 256
+                else:
+                    total += 256
+    return total
+
+
+@dataclass
+class Budget:
+    """Room left for one snapshot of one sandbox; ``charge`` raises ``quota_exceeded`` when passed."""
+
+    sandbox_id: str
+    tenant: str
+    sandbox_used: int
+    tenant_used: int
+    limits: Limits
+    charged: int = 0
+
+    def charge(self, nbytes: int, what: str = "snapshot") -> None:
+        lim = self.limits
+        after = self.charged + nbytes
+        if lim.per_sandbox and self.sandbox_used + after > lim.per_sandbox:
+            raise QuotaExceeded(
+                f"{what} of sandbox {self.sandbox_id} would store up to {after} bytes; with the {self.sandbox_used} its snapshots hold "
+                f"that passes the per-sandbox snapshot limit of {lim.per_sandbox} bytes ({ENV_SANDBOX})",
+                limit="snapshot_bytes_per_sandbox", max=str(lim.per_sandbox), used=str(self.sandbox_used), wanted=str(after),
+            )
+        if lim.per_tenant and self.tenant_used + after > lim.per_tenant:
+            raise QuotaExceeded(
+                f"{what} of sandbox {self.sandbox_id} would store up to {after} bytes; with the {self.tenant_used} the snapshots of "
+                f"tenant {self.tenant or '(operator)'!r} hold that passes the per-tenant snapshot limit of {lim.per_tenant} bytes ({ENV_TENANT})",
+                limit="snapshot_bytes_per_tenant", max=str(lim.per_tenant), used=str(self.tenant_used), wanted=str(after),
+            )
+        self.charged = after
+
+
+async def snapshot_records(js: Any) -> list[SnapshotRecord]:
+    kv = await ensure_kv(js, S.KV_SNAPSHOTS)
+    out: list[SnapshotRecord] = []
+    for key in await kv_keys(js, S.KV_SNAPSHOTS):
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue
+        if entry.value:
+            try:
+                out.append(codec.SNAPSHOT.decode(entry.value))
+            except BadRequest:
+                continue
+    return out
+
+
+def tenant_of(rec: SnapshotRecord) -> str:
+    return rec.spec.client if rec.spec is not None else ""
+
+
+async def budget_for(js: Any, spec: SandboxSpec) -> Budget:
+    """What the sandbox's and its tenant's snapshots hold now, against the limits in force."""
+    recs = await snapshot_records(js)
+    mine = sum(r.bytes_added for r in recs if r.sandbox_id == spec.sandbox_id)
+    tenant = sum(r.bytes_added for r in recs if tenant_of(r) == spec.client)
+    return Budget(spec.sandbox_id, spec.client, mine, tenant, Limits.from_env())
+
+
+# --- free space ------------------------------------------------------------------------------------
+def disk_free_mb(path: str) -> int:
+    """MiB free for root in ``path``'s file system (0 when it cannot be read)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bfree * st.f_frsize >> 20
+
+
+def is_no_space(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
+    """The typed error for a write that found the disk (or a quota) full."""
+    return NoSpace(f"{what}: no space left on the host's disk{f' ({path})' if path else ''}: {exc.strerror}", **({"path": path} if path else {}))
+
+
+__all__ = [
+    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "disk_free_mb", "is_no_space", "no_space",
+    "snapshot_records", "staged_bytes", "tenant_of",
+]
