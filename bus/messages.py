@@ -206,6 +206,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     version: int = 1
     cpu_alloc_ls: float = 0.0  # requested cpu of latency-sensitive sandboxes (never overcommitted)
     backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
+    disk_free_mb: int = 0  # free space in the data dir; 0: not reported (older hosts), a full disk reports 1
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):

@@ -44,6 +44,7 @@ from bus.messages import (
     SandboxSpec,
 )
 
+from . import _storage as storage
 from ._agent import AgentClient, AgentError, AgentInfo, AgentUnavailable, DirEntry, ensure_agent_binary
 from ._execio import result_of
 from ._backend import Handle, OnOutput, Usage
@@ -843,6 +844,7 @@ class ContainerBackend:
         try:
             match op:
                 case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
+                    storage.ensure_room(self.data_dir, len(d), "file upload")  # the sandbox's disk is a sparse file here
                     await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
                     return FileWritten(path=p, size=off + len(d))
                 case FileRead(path=p, offset=off, length=n):

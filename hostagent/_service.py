@@ -17,6 +17,7 @@ from bus.messages import HostStatus
 from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all
 
+from . import _storage as storage
 from ._backend import Backend, Handle
 from ._execio import ExecIO
 from ._ports import PortRelay
@@ -191,6 +192,7 @@ class HostAgent(Service):
             cpu_overcommit=self.cpu_overcommit,
             mem_overcommit=self.mem_overcommit,
             cpu_alloc_ls=reg.alloc.cpu_ls,
+            disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
         )
 
     def _cached_layers(self) -> list[str]:

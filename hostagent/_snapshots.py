@@ -181,6 +181,7 @@ class Snapshots:
         stage = os.path.join(sdir, snap.STAGE_NAME)
         assert agent.js is not None
         budget = await storage.budget_for(agent.js, ls.spec)  # quota_exceeded before anything is packed
+        storage.ensure_room(agent.data_dir, 0, "snapshot")  # no_space before anything is staged
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = fz.frozen(cgroup)  # a frozen pause stays frozen
@@ -191,11 +192,17 @@ class Snapshots:
             prev = await asyncio.to_thread(snap.load_index, sdir)
             diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
             if diff.entries:
-                budget.charge(await asyncio.to_thread(storage.staged_bytes, stage))
+                staged = await asyncio.to_thread(storage.staged_bytes, stage)
+                budget.charge(staged)
+                storage.ensure_room(agent.data_dir, staged, "snapshot")
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
             memory = await self._dump_memory(handle, snap_id, budget) if req.memory else None  # still frozen: files and memory of one moment
+        except OSError as exc:
+            if storage.is_no_space(exc):
+                raise storage.no_space(exc, "snapshot") from None
+            raise
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:

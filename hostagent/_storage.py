@@ -13,8 +13,11 @@ plus a block per other entry. Limits: ``--snapshot-max-bytes-per-sandbox`` /
 ``--snapshot-max-bytes-per-tenant`` (env ``DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX`` /
 ``DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT``; 0 means no limit), read at each check.
 
-Free space: ``disk_free_mb`` (the heartbeat's figure) and ``--min-free-mb`` (env
-``DSEC_MIN_FREE_MB``): under it, placement sends this host no creates.
+A full disk: writes this host makes for a sandbox (a snapshot's staging and pack, a file upload)
+first check for room (``ensure_room``: the bytes plus ``--write-reserve-mb``, env
+``DSEC_WRITE_RESERVE_MB``) and fail with ``no_space`` before writing anything; an ENOSPC met on the
+way is ``no_space`` too. The heartbeat carries the free space (``heartbeat_free_mb``), and placement
+sends no creates to a host under its floor (placement's ``Policy.min_disk_free_mb``).
 """
 
 from __future__ import annotations
@@ -38,10 +41,10 @@ from bus.streams import ensure_kv
 GiB = 1 << 30
 ENV_SANDBOX = "DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX"
 ENV_TENANT = "DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT"
-ENV_MIN_FREE = "DSEC_MIN_FREE_MB"
 DEFAULT_PER_SANDBOX = 16 * GiB
 DEFAULT_PER_TENANT = 256 * GiB
-DEFAULT_MIN_FREE_MB = 1024
+ENV_RESERVE = "DSEC_WRITE_RESERVE_MB"
+WRITE_RESERVE_MB = 64
 ENTRY_BYTES = 4096  # what a directory, link or device may cost a layer (an upper bound)
 
 
@@ -56,11 +59,10 @@ def _env_int(name: str, default: int) -> int:
 class Limits:
     per_sandbox: int = DEFAULT_PER_SANDBOX  # 0: none
     per_tenant: int = DEFAULT_PER_TENANT
-    min_free_mb: int = DEFAULT_MIN_FREE_MB
 
     @classmethod
     def from_env(cls) -> "Limits":
-        return cls(_env_int(ENV_SANDBOX, DEFAULT_PER_SANDBOX), _env_int(ENV_TENANT, DEFAULT_PER_TENANT), _env_int(ENV_MIN_FREE, DEFAULT_MIN_FREE_MB))
+        return cls(_env_int(ENV_SANDBOX, DEFAULT_PER_SANDBOX), _env_int(ENV_TENANT, DEFAULT_PER_TENANT))
 
 
 def add_cli_flags(ap: argparse.ArgumentParser) -> None:
@@ -68,13 +70,13 @@ def add_cli_flags(ap: argparse.ArgumentParser) -> None:
                     help=f"bytes one sandbox's snapshots may put in the blob store (default ${ENV_SANDBOX} or {DEFAULT_PER_SANDBOX}; 0: no limit)")
     ap.add_argument("--snapshot-max-bytes-per-tenant", type=int, default=None,
                     help=f"the same for all sandboxes of one client (default ${ENV_TENANT} or {DEFAULT_PER_TENANT}; 0: no limit)")
-    ap.add_argument("--min-free-mb", type=int, default=None,
-                    help=f"free MiB in the data dir under which placement sends no creates here (default ${ENV_MIN_FREE} or {DEFAULT_MIN_FREE_MB})")
+    ap.add_argument("--write-reserve-mb", type=int, default=None,
+                    help=f"MiB kept free in the data dir: writes that would use them fail with no_space (default ${ENV_RESERVE} or {WRITE_RESERVE_MB})")
 
 
 def apply_cli_flags(args: argparse.Namespace) -> None:
     """The flags win over the environment (the checks read the environment)."""
-    for flag, env in (("snapshot_max_bytes_per_sandbox", ENV_SANDBOX), ("snapshot_max_bytes_per_tenant", ENV_TENANT), ("min_free_mb", ENV_MIN_FREE)):
+    for flag, env in (("snapshot_max_bytes_per_sandbox", ENV_SANDBOX), ("snapshot_max_bytes_per_tenant", ENV_TENANT), ("write_reserve_mb", ENV_RESERVE)):
         v = getattr(args, flag, None)
         if v is not None:
             os.environ[env] = str(v)
@@ -160,13 +162,30 @@ async def budget_for(js: Any, spec: SandboxSpec) -> Budget:
 
 
 # --- free space ------------------------------------------------------------------------------------
-def disk_free_mb(path: str) -> int:
-    """MiB free for root in ``path``'s file system (0 when it cannot be read)."""
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes free for root in ``path``'s file system (None when it cannot be read)."""
     try:
         st = os.statvfs(path)
     except OSError:
-        return 0
-    return st.f_bfree * st.f_frsize >> 20
+        return None
+    return st.f_bfree * st.f_frsize
+
+
+def heartbeat_free_mb(path: str | os.PathLike[str]) -> int:
+    """The heartbeat's ``disk_free_mb``: 0 when unknown (as older hosts), so a full disk says 1."""
+    free = free_bytes(path)
+    return 0 if free is None else max(1, free >> 20)
+
+
+def ensure_room(path: str | os.PathLike[str], nbytes: int, what: str) -> None:
+    """Raise ``no_space`` unless ``nbytes`` plus a reserve (``DSEC_WRITE_RESERVE_MB``, default
+    ``WRITE_RESERVE_MB``) fit in ``path``'s file system: the write is refused before it starts, so
+    nothing is left half-written, and the last blocks stay for the records and the journal."""
+    free = free_bytes(path)
+    need = nbytes + (_env_int(ENV_RESERVE, WRITE_RESERVE_MB) << 20)
+    if free is not None and free < need:
+        raise NoSpace(f"{what}: the host's disk is full ({free >> 20} MiB free in {os.fspath(path)}, {need >> 20} MiB needed)",
+                      free_bytes=str(free), needed_bytes=str(need))
 
 
 def is_no_space(exc: BaseException) -> bool:
@@ -179,6 +198,6 @@ def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
 
 
 __all__ = [
-    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "disk_free_mb", "is_no_space", "no_space",
+    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb", "is_no_space", "no_space",
     "snapshot_records", "staged_bytes", "tenant_of",
 ]

@@ -31,9 +31,11 @@ import sys
 import time
 from typing import Any
 
+from nats.js.errors import APIError
+
 from bus import subjects as S
 from bus.codec import PACK_REQ
-from bus.errors import InvalidArgument
+from bus.errors import InvalidArgument, NoSpace
 from bus.messages import PackedLayer
 from bus.metrics import add_cli_flag as add_metrics_flag
 from bus.runtime import Endpoint, Exposition, connect
@@ -50,6 +52,7 @@ from ._util import host_id as _host_id
 from ._util import is_hex_digest
 
 log = logging.getLogger("dsec.imaged.lazy")
+JS_FULL = (10023, 10047)  # JetStream API errors: insufficient resources, insufficient storage
 
 
 def layer_inode(hexd: str) -> int:
@@ -221,7 +224,16 @@ class Packer:
         if os.path.commonpath([path, self.data_dir]) != self.data_dir or not os.path.isdir(path):
             raise InvalidArgument(f"not a directory under {self.data_dir}: {req.path!r}")
         async with self._sem:
-            built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+            try:
+                built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # pack_dir left nothing behind: retry when there is room
+                    raise NoSpace(f"packing {req.path}: no space left in {self.data_dir}: {exc.strerror}") from None
+                raise
+            except APIError as exc:
+                if exc.err_code in JS_FULL:  # JetStream's file store is full
+                    raise NoSpace(f"packing {req.path}: the blob store is full: {exc.description}") from None
+                raise
         reply = PackedLayer(ref=built.ref, uploaded_bytes=built.uploaded_bytes, seconds=time.monotonic() - t0)
         log.info("packed %s: %s (%d bytes, %d uploaded) in %.3fs", path, built.ref.digest, built.ref.size, built.uploaded_bytes, reply.seconds)
         return reply

@@ -5,7 +5,10 @@ gc reclaims what nothing references, even racing a snapshot that reuses a chunk.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -160,3 +163,141 @@ async def _records(stack: Stack) -> list[Any]:
 
 def _operator_usage(recs: list[Any]) -> int:
     return sum(r.bytes_added for r in recs if (r.spec.client if r.spec else "") == "")
+
+
+class SmallDisk:
+    """A real small file system (ext4 on a loop device, no reserved blocks) for a host's data dir;
+    ``fill`` fills it to the last block from an outside process."""
+
+    def __init__(self, root: Path, mb: int) -> None:
+        self.image, self.mnt, self.fill_path = root / "disk.img", root / "data", root / "data" / "fill"
+        self.mnt.mkdir(parents=True)
+        with open(self.image, "wb") as f:
+            f.truncate(mb << 20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(self.image)], check=True, capture_output=True)
+        self.loop = subprocess.run(["losetup", "--find", "--show", str(self.image)], check=True, capture_output=True, text=True).stdout.strip()
+        subprocess.run(["mount", self.loop, str(self.mnt)], check=True, capture_output=True)
+
+    def fill(self) -> None:
+        for bs in ("1M", "4K"):  # big writes, then the last blocks one by one
+            p = subprocess.run(["dd", "if=/dev/zero", f"of={self.fill_path}", f"bs={bs}", "oflag=append", "conv=notrunc"], capture_output=True)
+            assert p.returncode != 0 and b"No space left" in p.stderr, p.stderr
+        subprocess.run(["sync", "-f", str(self.mnt)], check=True)
+
+    def free(self) -> None:
+        self.fill_path.unlink()
+        subprocess.run(["sync", "-f", str(self.mnt)], check=True)
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.mnt)
+        return st.f_bfree * st.f_frsize
+
+    def close(self) -> None:
+        for _ in range(50):  # a mount the lazy loader's holder or a sandbox's loop had is let go lazily
+            if subprocess.run(["umount", str(self.mnt)], capture_output=True).returncode == 0 or not os.path.ismount(self.mnt):
+                break
+            time.sleep(0.1)  # poll interval, not synchronisation
+        subprocess.run(["losetup", "-d", self.loop], capture_output=True)
+
+
+async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bus.errors import NoSpace
+    from hostagent import HostAgent
+    from hostagent._container import ContainerBackend
+    from tests.conftest import eventually
+    from tests.netclaim import claim_net
+
+    import dataclasses
+
+    for p in stack.placements:  # the floor for this small disk (the default is 1 GiB)
+        monkeypatch.setattr(p.table, "policy", dataclasses.replace(p.table.policy, min_disk_free_mb=64))
+    disk = SmallDisk(tmp_path, 384)
+    d = disk.mnt
+    host_id, pool = f"full-{stack.uid}", f"full-{stack.uid}"
+    net = await asyncio.to_thread(claim_net)
+    backend = ContainerBackend(str(d), scratch_size_gb=8, warm_pool=0, network=net.config())
+    host = HostAgent(backend, nats_url=stack.url, host_id=host_id, data_dir=str(d), pool=pool, concurrency=4, heartbeat_s=0.5,
+                     destroy_on_shutdown=True, grace_s=10.0)
+    lazy_d = LazyDaemon(data_dir=d, mount=d / "lazy", nats_url=stack.url, host_id=host_id)
+    hosts_kv = await ensure_kv(stack.js, S.KV_HOSTS)
+    try:
+        await host.start()
+        lazy_d.start()
+        placement = stack.placements[0]
+        await eventually(lambda: host_id in placement.table.hosts, timeout=15, what="placement to see the host")
+        assert placement.table.why_not(placement.table.hosts[host_id], sb_spec(pool)) == ""
+        sb = await AsyncSandbox.create(pool=pool, nats_url=stack.url, disk_mb=128, create_timeout=30)
+        async with own(host, [sb]):
+            await sb.commands.run("head -c 1000000 /dev/urandom > /root/before && md5sum /root/before > /root/sum")
+            layers = await _layer_keys(stack)
+            await asyncio.to_thread(disk.fill)
+            assert disk.free_bytes() < 8 << 20  # what ext4 holds back for its own metadata
+
+            # The heartbeat says so, and placement sends the host no creates.
+            async def full_seen() -> bool:
+                st = codec.HOST_STATUS.decode((await hosts_kv.get(host_id)).value)
+                e = placement.table.hosts.get(host_id)
+                return 0 < st.disk_free_mb < 8 and e is not None and placement.table.why_not(e, sb_spec(pool)) == "disk-full"
+
+            await eventually(full_seen, timeout=15, what="the heartbeat to report the full disk")
+            with pytest.raises(NoSpace, match="disk is full") as ei:
+                await sb.create_snapshot("full")
+            assert ei.value.code == "no_space"
+            with pytest.raises(NoSpace):
+                await sb.files.write("/root/upload", b"x" * 100_000)
+            # Nothing half-written is visible: no record, no layer, no staging or pack leftovers.
+            assert await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id) == []
+            assert await _layer_keys(stack) == layers
+            assert list((d / "images" / "tmp").iterdir()) == [] and not list((d / "images" / "blobs").iterdir())
+            assert not await sb.files.exists("/root/upload")
+            # The sandbox runs on and its files are intact.
+            assert (await sb.commands.run("md5sum -c /root/sum")).exit_code == 0
+
+            # Space comes back: everything works again, no restart.
+            await asyncio.to_thread(disk.free)
+            await eventually(full_seen_not(hosts_kv, host_id), timeout=15, what="the heartbeat to report room")
+            s = await sb.create_snapshot("after")
+            await sb.files.write("/root/upload", b"x" * 100_000)
+            assert (await sb.files.read("/root/upload")) == "x" * 100_000
+            back = await AsyncSandbox.create(snapshot=s.snapshot_id, pool=pool, nats_url=stack.url, disk_mb=128)
+            async with own(host, [back]):
+                assert (await back.commands.run("md5sum -c /root/sum")).exit_code == 0
+            from imaged._snapshots import remove_snapshot
+            from imaged._store import open_blob_store
+
+            await remove_snapshot(stack.js, open_blob_store(stack.js), s.snapshot_id, data_dir=d)
+    finally:
+        try:
+            await host.shutdown()
+            lazy_d.release()
+            with contextlib.suppress(Exception):
+                await hosts_kv.delete(host_id)
+            await net.purge()
+            net.release()
+        finally:
+            disk.close()
+
+
+@contextlib.asynccontextmanager
+async def own(host: Any, sbs: list[AsyncSandbox]) -> Any:
+    """Kill ``sbs`` (of a host agent of the test's own) at the end, and wait until the host let them go."""
+    from tests.conftest import eventually
+
+    try:
+        yield sbs
+    finally:
+        await asyncio.gather(*(sb.kill() for sb in sbs), return_exceptions=True)
+        await eventually(lambda: not any(sb.sandbox_id in host.live for sb in sbs), timeout=20, what="the sandboxes to go")
+
+
+def sb_spec(pool: str) -> Any:
+    from bus.messages import SandboxSpec
+
+    return SandboxSpec(sandbox_id="probe", template="base", pool=pool, disk_mb=128)
+
+
+def full_seen_not(kv: Any, host_id: str) -> Any:
+    async def check() -> bool:
+        return codec.HOST_STATUS.decode((await kv.get(host_id)).value).disk_free_mb > 64
+
+    return check
