@@ -30,6 +30,7 @@ KV_QUARANTINE = "dsec_quarantine"  # guard: sandbox id -> the GuardViolation tha
 KV_ROLLOUTS = "dsec_rollouts"
 KV_LEASES = "dsec_leases"
 KV_SNAPSHOTS = "dsec_snapshots"  # snapshot id -> SnapshotRecord (its layers, parent, provenance)
+KV_GC = "dsec_gc"  # pin.<layer hex>.<id> (keys a writer reuses), tomb.<key> (keys a collection deletes); see imaged._gc
 OBJ_CHUNKS = "dsec_chunks"
 
 # --- headers -------------------------------------------------------------------

@@ -219,6 +219,7 @@ class Snapshots:
             await (await self.kv()).create(snap_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
             raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
+        await storage.release_pins(agent.js, [p.ref.digest for p in (packed, memory) if p is not None])
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
         await asyncio.to_thread(snap.save_index, sdir, index)
         ls.extra[LAST] = snap_id

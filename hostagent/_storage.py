@@ -29,6 +29,8 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from nats.js.errors import KeyNotFoundError
 
 from bus import codec
@@ -38,6 +40,7 @@ from bus.messages import SandboxSpec, SnapshotRecord
 from bus.runtime import kv_keys
 from bus.streams import ensure_kv
 
+log = structlog.get_logger("dsec.hostagent.storage")
 GiB = 1 << 30
 ENV_SANDBOX = "DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX"
 ENV_TENANT = "DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT"
@@ -161,6 +164,19 @@ async def budget_for(js: Any, spec: SandboxSpec) -> Budget:
     return Budget(spec.sandbox_id, spec.client, mine, tenant, Limits.from_env())
 
 
+async def release_pins(js: Any, digests: list[str]) -> None:
+    """The snapshot record references these layers now: drop the pins their pack took against a
+    collection running meanwhile (imaged._gc; pins left behind lapse after an hour)."""
+    prefixes = tuple(f"pin.{d.removeprefix('sha256:')}." for d in digests)
+    try:
+        kv = await js.key_value(S.KV_GC)
+        for k in await kv_keys(js, S.KV_GC):
+            if k.startswith(prefixes):
+                await kv.purge(k)
+    except Exception as exc:  # noqa: BLE001 - no bucket (no pins), NATS away: the pins lapse, the snapshot stands
+        log.debug("pins_not_released", error=str(exc))
+
+
 # --- free space ------------------------------------------------------------------------------------
 def free_bytes(path: str | os.PathLike[str]) -> int | None:
     """Bytes free for root in ``path``'s file system (None when it cannot be read)."""
@@ -198,6 +214,6 @@ def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
 
 
 __all__ = [
-    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb", "is_no_space", "no_space",
-    "snapshot_records", "staged_bytes", "tenant_of",
+    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb", "is_no_space",
+    "no_space", "release_pins", "snapshot_records", "staged_bytes", "tenant_of",
 ]

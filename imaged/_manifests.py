@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -43,7 +44,8 @@ async def get_manifest(js: JetStreamContext, name: str) -> TemplateManifest | No
     if not entry.value:
         return None
     try:
-        return codec.TEMPLATE.decode(entry.value)
+        m: TemplateManifest = codec.TEMPLATE.decode(entry.value)
+        return m
     except BadRequest:
         return None
 
@@ -112,7 +114,7 @@ async def publish_event(js: JetStreamContext | None, name: str, kind: str, **det
     await best_effort_event(js, S.evt_image(name, kind), ev)
 
 
-def layer_summary(layer: LayerRef) -> dict:
+def layer_summary(layer: LayerRef) -> dict[str, Any]:
     return {"role": layer.role, "digest": layer.digest, "size": layer.size}
 
 
