@@ -139,3 +139,27 @@ def test_collect_local_takes_old_leftovers_only(tmp_path: Path) -> None:
     assert n == 3 and freed >= 3 * 5000
     assert not (d / "images/tmp/pack-dead").exists() and not (d / "criu/snap-dead").exists() and not (d / "images/blobs" / ("a" * 64)).exists()
     assert (d / "images/tmp/pack-live").exists() and (d / "criu/snap-live").exists() and (d / "images/blobs" / ("b" * 64)).exists()
+
+
+async def test_dsec_gc_command(js: Any, nats_server: Any, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import REPO
+
+    builder = ImageBuilder(js, tmp_path / "data", chunk_size=CHUNK)
+    ref = (await builder.pack_dir(_tree(tmp_path, "src"))).ref
+    await release(js, ref.digest)  # a snapshot's layer whose record was removed
+    dead = tmp_path / "data" / "criu" / "snap-died" / "img"
+    dead.mkdir(parents=True)
+    (dead / "pages-1.img").write_bytes(b"p" * 10000)
+    os.utime(dead.parent, (time.time() - 7200, time.time() - 7200))
+    p = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "imaged.cli", "--nats-url", nats_server.url, "gc", "--json", "--data-dir", str(tmp_path / "data")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["layers"] >= 1 and out["chunks"] >= len(ref.chunks) and out["local_files"] >= 1
+    assert not any(await _present(builder, ref)) and not dead.parent.exists()
