@@ -9,6 +9,8 @@ from typing import Any
 from bus.messages import SandboxSpec
 from bus.metrics import machine_collector
 
+from . import _storage as storage
+
 MB = 1024 * 1024
 
 
@@ -24,6 +26,7 @@ class HostMetrics:
         cpu = reg.gauge("dsec_host_cpu", "CPUs of this host: total, allocated to sandboxes, busy", ["kind"])
         mem = reg.gauge("dsec_host_memory_bytes", "Memory of this host: total, allocated to sandboxes, resident in sandboxes", ["kind"])
         machine_collector(reg)
+        storage.register_metrics(reg, agent.data_dir)
 
         def fill() -> None:
             sandboxes.clear()

@@ -193,6 +193,21 @@ def heartbeat_free_mb(path: str | os.PathLike[str]) -> int:
     return 0 if free is None else max(1, free >> 20)
 
 
+def register_metrics(reg: Any, data_dir: str | os.PathLike[str]) -> None:
+    """``dsec_host_disk_bytes{kind="free"|"total"}``: the data dir's file system, at each scrape."""
+    disk = reg.gauge("dsec_host_disk_bytes", "The data dir's file system: bytes free (for root) and in all", ["kind"])
+
+    def fill() -> None:
+        try:
+            st = os.statvfs(data_dir)
+        except OSError:
+            return
+        disk.set(st.f_bfree * st.f_frsize, kind="free")
+        disk.set(st.f_blocks * st.f_frsize, kind="total")
+
+    reg.collector(fill)
+
+
 def ensure_room(path: str | os.PathLike[str], nbytes: int, what: str) -> None:
     """Raise ``no_space`` unless ``nbytes`` plus a reserve (``DSEC_WRITE_RESERVE_MB``, default
     ``WRITE_RESERVE_MB``) fit in ``path``'s file system: the write is refused before it starts, so
@@ -215,5 +230,5 @@ def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
 
 __all__ = [
     "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb", "is_no_space",
-    "no_space", "release_pins", "snapshot_records", "staged_bytes", "tenant_of",
+    "no_space", "register_metrics", "release_pins", "snapshot_records", "staged_bytes", "tenant_of",
 ]

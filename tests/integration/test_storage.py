@@ -240,6 +240,13 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
                 return 0 < st.disk_free_mb < 8 and e is not None and placement.table.why_not(e, sb_spec(pool)) == "disk-full"
 
             await eventually(full_seen, timeout=15, what="the heartbeat to report the full disk")
+            from bus.metrics import parse
+            from bus.runtime import scrape_one
+
+            from .test_metrics import _value
+
+            scraped = parse((await scrape_one(stack.nc, "hostagent", host_id)).text)
+            assert _value(scraped, "dsec_host_disk_bytes", kind="free") < 8 << 20 < _value(scraped, "dsec_host_disk_bytes", kind="total")
             with pytest.raises(NoSpace, match="disk is full") as ei:
                 await sb.create_snapshot("full")
             assert ei.value.code == "no_space"
