@@ -179,9 +179,7 @@ class Snapshots:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
         stage = os.path.join(sdir, snap.STAGE_NAME)
-        assert agent.js is not None
-        budget = await storage.budget_for(agent.js, ls.spec)  # quota_exceeded before anything is packed
-        storage.ensure_room(agent.data_dir, 0, "snapshot")  # no_space before anything is staged
+        budget = await storage.snapshot_budget(agent.js, ls.spec, agent.data_dir)  # quota_exceeded / no_space before anything is staged
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = fz.frozen(cgroup)  # a frozen pause stays frozen
@@ -191,10 +189,7 @@ class Snapshots:
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
             diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
-            if diff.entries:
-                staged = await asyncio.to_thread(storage.staged_bytes, stage)
-                budget.charge(staged)
-                storage.ensure_room(agent.data_dir, staged, "snapshot")
+            await storage.admit(budget, agent.data_dir, stage if diff.entries else None, cgroup if req.memory else None)  # ... nor packed
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
@@ -240,7 +235,7 @@ class Snapshots:
             os.makedirs(work)
             await self.agent.backend.checkpoint(handle, img, work)  # type: ignore[attr-defined]
             if budget is not None:
-                budget.charge(await asyncio.to_thread(storage.staged_bytes, img), "memory dump")
+                budget.charge_dump(await asyncio.to_thread(storage.staged_bytes, img))
             return await self._pack(img, role="memory")
         finally:
             await asyncio.to_thread(shutil.rmtree, root, True)

@@ -23,10 +23,12 @@ sends no creates to a host under its floor (placement's ``Policy.min_disk_free_m
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import os
 import stat
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -117,6 +119,11 @@ class Budget:
     tenant_used: int
     limits: Limits
     charged: int = 0
+    memory_estimate: int = 0  # charged ahead for a CRIU dump (its anonymous memory), before anything is packed
+
+    def charge_dump(self, nbytes: int) -> None:
+        """The dump's real size, beyond what was charged ahead for it."""
+        self.charge(max(0, nbytes - self.memory_estimate), "memory dump")
 
     def charge(self, nbytes: int, what: str = "snapshot") -> None:
         lim = self.limits
@@ -156,6 +163,21 @@ def tenant_of(rec: SnapshotRecord) -> str:
     return rec.spec.client if rec.spec is not None else ""
 
 
+async def snapshot_budget(js: Any, spec: SandboxSpec, data_dir: str | os.PathLike[str]) -> Budget:
+    """Before a snapshot stages anything: its budget, and ``no_space`` when the data dir is full."""
+    ensure_room(data_dir, 0, "snapshot")
+    return await budget_for(js, spec)
+
+
+async def admit(budget: Budget, data_dir: str | os.PathLike[str], stage: str | None, cgroup: str | None) -> None:
+    """Charge what packing ``stage`` (and a CRIU dump of ``cgroup``, estimated) will add, and check the
+    data dir has room for it: ``quota_exceeded`` / ``no_space`` before anything is packed."""
+    staged = await asyncio.to_thread(staged_bytes, stage) if stage else 0
+    budget.memory_estimate = memory_estimate(cgroup) if cgroup else 0
+    budget.charge(staged + budget.memory_estimate)
+    ensure_room(data_dir, staged + budget.memory_estimate, "snapshot")
+
+
 async def budget_for(js: Any, spec: SandboxSpec) -> Budget:
     """What the sandbox's and its tenant's snapshots hold now, against the limits in force."""
     recs = await snapshot_records(js)
@@ -175,6 +197,19 @@ async def release_pins(js: Any, digests: list[str]) -> None:
                 await kv.purge(k)
     except Exception as exc:  # noqa: BLE001 - no bucket (no pins), NATS away: the pins lapse, the snapshot stands
         log.debug("pins_not_released", error=str(exc))
+
+
+def memory_estimate(cgroup: str) -> int:
+    """What a CRIU dump of the cgroup will hold, about: its anonymous memory (cgroups v1 memory.stat)."""
+    try:
+        stat_text = Path("/sys/fs/cgroup/memory", cgroup.lstrip("/"), "memory.stat").read_text()
+    except OSError:
+        return 0
+    for line in stat_text.splitlines():
+        k, _, v = line.partition(" ")
+        if k == "total_rss":
+            return int(v)
+    return 0
 
 
 # --- free space ------------------------------------------------------------------------------------
@@ -229,6 +264,7 @@ def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
 
 
 __all__ = [
-    "Budget", "Limits", "add_cli_flags", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb", "is_no_space",
-    "no_space", "register_metrics", "release_pins", "snapshot_records", "staged_bytes", "tenant_of",
+    "Budget", "Limits", "add_cli_flags", "admit", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb",
+    "is_no_space", "memory_estimate", "no_space", "register_metrics", "release_pins", "snapshot_budget", "snapshot_records", "staged_bytes",
+    "tenant_of",
 ]

@@ -308,3 +308,59 @@ def full_seen_not(kv: Any, host_id: str) -> Any:
         return codec.HOST_STATUS.decode((await kv.get(host_id)).value).disk_free_mb > 64
 
     return check
+
+
+async def test_memory_dump_counts_against_the_quota(stack: Stack, lazy: LazyDaemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """A CRIU dump is charged before anything is packed (its anonymous memory, ahead; its real size once
+    dumped): refused with no record, no layer and no dump left when the files fit and the dump does
+    not; the same snapshot fits a limit above the dump's size."""
+    import shutil
+
+    from bus.errors import QuotaExceeded
+
+    if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
+        pytest.skip("needs CRIU")
+    prof = await _nolandlock_profile(stack)
+    try:
+        async with stack.sandbox(profile=prof) as sb:
+            await sb.commands.run("echo small > /root/f && setsid sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &")
+            monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(64 * 1024))  # the files' diff fits, no dump does
+            layers = await _layer_keys(stack)
+            await sb.create_snapshot()  # positive control: the files alone fit
+            await sb.commands.run("echo more > /root/g")
+            with pytest.raises(QuotaExceeded, match=r"per-sandbox snapshot limit of 65536 bytes"):
+                await sb.create_snapshot(memory=True)
+            assert len(await _layer_keys(stack) - layers) == 1  # the files-only snapshot's: the refused one packed nothing
+            assert len(await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id)) == 1
+            criu = stack.data_dir / "criu"
+            assert not criu.exists() or not list(criu.iterdir())
+            assert (await sb.commands.run("echo alive")).stdout == "alive\n"
+            monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(256 << 20))
+            s = await sb.create_snapshot(memory=True)
+            assert s.memory and s.bytes_added > 64 * 1024
+    finally:
+        await (await ensure_kv(stack.js, S.KV_PROFILES)).delete(prof)
+
+
+async def _nolandlock_profile(stack: Stack) -> str:
+    import msgspec
+
+    from bus.profiles import default_profile
+    from tests.conftest import eventually
+
+    name = f"nolandlock-st-{stack.uid}"
+    p = default_profile()
+    prof = msgspec.structs.replace(p, name=name, fs=msgspec.structs.replace(p.fs, landlock=False, required=False))
+    await (await ensure_kv(stack.js, S.KV_PROFILES)).put(name, codec.encode(prof))
+    await eventually(lambda: name in stack.host.profiles.profiles, timeout=10, what="the host agent to see the profile")
+    return name
+
+
+async def test_random_data_near_the_disk_quota_snapshots_and_restores(stack: Stack, lazy: LazyDaemon) -> None:  # noqa: F811
+    async with stack.sandbox(disk_mb=256) as sb:
+        r = await sb.commands.run("head -c 200000000 /dev/urandom > /root/r && md5sum /root/r | cut -c1-32 && df -m / | tail -1")
+        want = r.stdout.split("\n")[0]
+        s = await sb.create_snapshot("random")
+        assert s.bytes_added >= 200_000_000
+        async with many(stack, [await AsyncSandbox.create(snapshot=s.snapshot_id, disk_mb=256, **stack.kw())]) as (back,):
+            assert (await back.commands.run("md5sum /root/r | cut -c1-32")).stdout.strip() == want
