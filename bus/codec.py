@@ -133,7 +133,7 @@ SBX_REQUEST_DECODERS = {
     "ack": SBX_ACK,
 }
 
-_reply_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
+_reply_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
 def decode_reply(buf: bytes, result_type: type[T] | Any) -> T:
@@ -147,7 +147,8 @@ def decode_reply(buf: bytes, result_type: type[T] | Any) -> T:
         raise BadRequest(f"malformed reply: {exc}") from None
     if isinstance(msg, ErrorReply):
         raise from_reply(msg)
-    return msg
+    result: T = msg
+    return result
 
 
 REPLY_TYPES = {

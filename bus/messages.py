@@ -6,13 +6,46 @@ Each subject has one typed decoder for the union it accepts (see ``bus.codec``).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, get_args
 
-from msgspec import Struct, field
+from msgspec import Meta, Struct, field
 
+# --- the wire's vocabulary: every enumeration is a Literal, so msgspec checks it on decode and the
+# JSON Schema / AsyncAPI output (bus.schema, ``dsec schema``) lists its values. A new value is a
+# schema change: a reader that does not know it refuses the message, so add values before emitters use them.
 Priority = Literal["best-effort", "latency-sensitive"]
 BackendName = Literal["container", "fncall", "microvm", "vm", "sim"]
 Backend = BackendName  # the older name of the same vocabulary
+SandboxLiveState = Literal["placed", "creating", "running", "paused", "stopping"]  # placed: records of older hosts
+SandboxEndedState = Literal["gone", "lost", "failed", "killed"]  # no sandbox behind the record any more; killed: older hosts
+SandboxState = Literal[SandboxLiveState, SandboxEndedState]
+# "requested" and "placed" are kept for replays of older streams; placement no longer writes them
+# (a ready event's detail carries placed_by and placed_ms).
+SandboxEventKind = Literal[
+    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered", "lost", "paused", "resumed",
+]
+HostState = Literal["ready", "draining", "down"]
+HostEventKind = Literal["up", "down", "recovered"]
+SnapshotEventKind = Literal["created", "restored", "forked", "removed"]
+ImageEventKind = Literal["built", "removed", "fetch_failed", "chunk_corrupt"]
+ViolationAction = Literal["record", "kill", "quarantine"]
+HandoffState = Literal["done", "working", "refused"]
+
+BACKENDS: tuple[BackendName, ...] = get_args(BackendName)
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)
+SANDBOX_STATES: tuple[SandboxState, ...] = get_args(SandboxState)
+SANDBOX_ENDED: tuple[SandboxEndedState, ...] = get_args(SandboxEndedState)
+
+
+def _enum(values: tuple[str, ...]) -> Meta:
+    return Meta(extra_json_schema={"enum": list(values)})
+
+
+# A client's spec keeps these two as plain strings on the wire (checked by bus.rules.validate_spec
+# against the Literals): a spec with an unknown backend must still decode, so placement can answer its
+# creator with a typed ``failed`` event instead of dead-lettering the request. The schema lists the values.
+BackendField = Annotated[str, _enum(BACKENDS)]
+PriorityField = Annotated[str, _enum(PRIORITIES)]
 
 
 # --- sandbox spec ----------------------------------------------------------------
@@ -25,14 +58,14 @@ class NetworkSpec(Struct, kw_only=True, tag=True):
 class SandboxSpec(Struct, kw_only=True, tag=True):
     sandbox_id: str
     template: str = "base"
-    backend: str = "container"
+    backend: BackendField = "container"
     cpu: float = 1.0
     memory_mb: int = 512
     disk_mb: int = 1024
     timeout_s: float = 300.0
     envs: dict[str, str] = {}
     metadata: dict[str, str] = {}
-    priority: str = "best-effort"
+    priority: PriorityField = "best-effort"
     pool: str = "default"
     profile: str = "default"
     network: NetworkSpec | None = None
@@ -93,22 +126,15 @@ class HandoffReply(Struct, kw_only=True, tag=True):
     work led to is durable (records, events, work handed on), ``working`` while it goes on, ``refused``
     (``code``, ``description``) when it was not done: placement then lets the request be placed again."""
 
-    state: Literal["done", "working", "refused"] = "done"
+    state: HandoffState = "done"
     code: str = ""
     description: str = ""
 
 
 # --- events on DSEC_EVT ----------------------------------------------------------------
-# "requested" and "placed" are kept for replays of older streams; placement no longer writes them
-# (a ready event's detail carries placed_by and placed_ms).
-SandboxEventKind = Literal[
-    "requested", "pending", "placed", "rejected", "ready", "failed", "exec", "killed", "timeout", "recovered", "lost"
-]
-
-
 class SandboxEvent(Struct, kw_only=True, tag=True):
     sandbox_id: str
-    kind: str
+    kind: SandboxEventKind
     at: float
     host_id: str = ""
     attempt: int = 0
@@ -132,7 +158,7 @@ CreateReply = SandboxEvent | ReadyMany  # what a create's reply_to inbox receive
 
 class HostEvent(Struct, kw_only=True, tag=True):
     host_id: str
-    kind: str  # up, down, recovered
+    kind: HostEventKind
     at: float
     detail: dict[str, str] = {}
 
@@ -142,23 +168,23 @@ class GuardViolation(Struct, kw_only=True, tag=True):
     at: float
     kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, ...
     what: str
-    action: str = "record"  # record, kill, quarantine
+    action: ViolationAction = "record"
     host_id: str = ""
     detail: dict[str, str] = {}
 
 
 class ImageEvent(Struct, kw_only=True, tag=True):
     name: str
-    kind: str  # built, removed, fetch_failed, chunk_corrupt
+    kind: ImageEventKind
     at: float
     detail: dict[str, str] = {}
 
 
 class SnapshotEvent(Struct, kw_only=True, tag=True):
-    """Provenance of a snapshot on ``dsec.evt.snapshot.<id>.<kind>``: created, restored, forked, removed."""
+    """Provenance of a snapshot on ``dsec.evt.snapshot.<id>.<kind>``."""
 
     snapshot_id: str
-    kind: str
+    kind: SnapshotEventKind
     at: float
     sandbox_id: str = ""  # created: the source; restored: the new sandbox
     parent_id: str = ""
@@ -185,9 +211,9 @@ class HostStatus(Struct, kw_only=True, tag=True):
     """A host's heartbeat, kept in KV ``dsec_hosts`` under its id."""
 
     host_id: str
-    backend: str
+    backend: BackendName
     at: float
-    state: str = "ready"  # ready, draining, down
+    state: HostState = "ready"
     pool: str = "default"
     cpu_total: float = 0.0  # real cores
     mem_total_mb: int = 0
@@ -220,7 +246,7 @@ class SandboxRecord(Struct, kw_only=True, tag=True):
     """
 
     spec: SandboxSpec
-    state: str  # one of SANDBOX_STATES
+    state: SandboxState
     host_id: str = ""
     created_at: float = 0.0
     ready_at: float = 0.0
@@ -229,9 +255,6 @@ class SandboxRecord(Struct, kw_only=True, tag=True):
     end_reason: str = ""
     snapshot_id: str = ""  # state paused with persist: the snapshot a resume starts it from, on any host
 
-
-SANDBOX_STATES = ("placed", "creating", "running", "paused", "stopping", "gone", "lost", "failed", "killed")
-SANDBOX_ENDED = ("gone", "lost", "failed", "killed")  # no sandbox behind the record any more
 
 
 class LayerRef(Struct, kw_only=True, tag=True):
@@ -619,7 +642,7 @@ class InfoRequest(Struct, kw_only=True, tag=True):
 
 class SandboxInfo(Struct, kw_only=True, tag=True):
     sandbox_id: str
-    state: str
+    state: SandboxState
     host_id: str
     template: str
     started_at: float
@@ -843,7 +866,21 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "ProcOp",
     "Priority",
     "Backend",
+    "BackendName",
+    "BackendField",
+    "PriorityField",
+    "SandboxState",
+    "SandboxLiveState",
+    "SandboxEndedState",
     "SandboxEventKind",
+    "HostState",
+    "HostEventKind",
+    "SnapshotEventKind",
+    "ImageEventKind",
+    "ViolationAction",
+    "HandoffState",
+    "BACKENDS",
+    "PRIORITIES",
     "HandoffReply",
     "ReadyMany",
     "CreateReply",

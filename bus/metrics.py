@@ -17,7 +17,7 @@ import re
 import resource
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from . import log as _log
 
@@ -102,6 +102,9 @@ class _Value:
 
     def __init__(self) -> None:
         self.value = 0.0
+
+
+_M = TypeVar("_M", bound=_Metric)
 
 
 class Counter(_Metric):
@@ -199,10 +202,10 @@ class Registry:
         self._metrics: dict[str, _Metric] = {}
         self._collectors: list[Collector] = []
 
-    def _add(self, m: _Metric) -> Any:
+    def _add(self, m: _M) -> _M:
         have = self._metrics.get(m.name)
         if have is not None:
-            if type(have) is not type(m) or have.label_names != m.label_names:
+            if type(have) is not type(m) or not isinstance(have, type(m)) or have.label_names != m.label_names:
                 raise ValueError(f"metric {m.name} already registered differently")
             return have  # the same metric asked for twice (two objects of one service): shared
         self._metrics[m.name] = m

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 
 class NatsServerError(RuntimeError):
@@ -33,7 +34,8 @@ def nats_server_binary() -> str:
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class NatsServer:
@@ -145,9 +147,10 @@ class NatsServer:
                 raise NatsServerError(f"nats-server did not reload its config within {timeout}s; see {self.log_file}")
             time.sleep(0.02)  # polling interval of a reload probe
 
-    def _varz(self) -> dict:
+    def _varz(self) -> dict[str, Any]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/varz", timeout=2) as resp:
-            return json.loads(resp.read())
+            varz: dict[str, Any] = json.loads(resp.read())
+            return varz
 
     def stop(self, grace: float = 10.0) -> None:
         proc, self.proc = self.proc, None

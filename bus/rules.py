@@ -11,16 +11,13 @@ decodes but is out of bounds must reach placement, which answers its creator wit
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
 from . import subjects as S
 from .errors import InvalidArgument
-from .messages import HostStatus, SandboxSpec
-
-BACKENDS = ("container", "fncall", "microvm", "vm", "sim")
-PRIORITIES = ("best-effort", "latency-sensitive")
+from .messages import BACKENDS, PRIORITIES, BackendName, HostStatus, Priority, SandboxSpec
 
 # name -> (low, high), both inclusive. cpu 0.01: the smallest share a cgroup CPU quota expresses well
 # (the 50x-overcommit regime runs at 0.02); timeout 1 s: a sandbox must live long enough to be used.
@@ -35,21 +32,21 @@ CREATE_TIMEOUT_S = (0.1, 86400.0)  # the client's wait for ready (its create_dea
 LEASE_MIN_S = 1.0  # a lease, when there is one
 
 
-def _b(name: str, t: Any) -> Any:
+def _b(name: str) -> msgspec.Meta:
     lo, hi = LIMITS[name]
-    return Annotated[t, msgspec.Meta(ge=lo, le=hi)]
+    return msgspec.Meta(ge=lo, le=hi)
 
 
 class SpecBounds(msgspec.Struct):
     """The bounds of a ``SandboxSpec``'s numbers and names, as msgspec constraints."""
 
-    cpu: _b("cpu", float)  # type: ignore[valid-type]
-    memory_mb: _b("memory_mb", int)  # type: ignore[valid-type]
-    disk_mb: _b("disk_mb", int)  # type: ignore[valid-type]
-    timeout_s: _b("timeout_s", float)  # type: ignore[valid-type]
-    lease_s: _b("lease_s", float)  # type: ignore[valid-type]
-    backend: Literal["container", "fncall", "microvm", "vm", "sim"]
-    priority: Literal["best-effort", "latency-sensitive"]
+    cpu: Annotated[float, _b("cpu")]
+    memory_mb: Annotated[int, _b("memory_mb")]
+    disk_mb: Annotated[int, _b("disk_mb")]
+    timeout_s: Annotated[float, _b("timeout_s")]
+    lease_s: Annotated[float, _b("lease_s")]
+    backend: BackendName
+    priority: Priority
     template: Annotated[str, msgspec.Meta(min_length=1)]
     envs: dict[str, str]
     metadata: dict[str, str]

@@ -9,7 +9,7 @@ see the README's "Wire format" section for the version rules.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
@@ -34,6 +34,7 @@ from .messages import (
     GuardViolation,
     HandoffReply,
     HostEvent,
+    HostEventKind,
     HostImageStats,
     HostImageStatsRequest,
     HostMessage,
@@ -51,6 +52,7 @@ from .messages import (
     PortOp,
     RemoveImage,
     SandboxEvent,
+    SandboxEventKind,
     SandboxRecord,
     SecurityProfile,
     SetTimeout,
@@ -91,8 +93,9 @@ CHANNELS: list[Channel] = [
     Channel(f"{S.PREFIX}.host.{{host}}.create", HostMessage, HandoffReply,
             doc="Placement's work for one host (signed; services only): a core hand-off the host answers when it is durable."),
     Channel(f"{S.PREFIX}.evt.sandbox.{{id}}.{{kind}}", SandboxEvent, stream=S.STREAM_EVT,
-            doc="Lifecycle of a sandbox; kind is one of pending, rejected, ready, failed, exec, killed, timeout, recovered, lost."),
-    Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT, doc="A host came up, went down or recovered."),
+            doc=f"Lifecycle of a sandbox; kind is one of {', '.join(get_args(SandboxEventKind))}."),
+    Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT,
+            doc=f"A host came up, went down or recovered; kind is one of {', '.join(get_args(HostEventKind))}."),
     Channel(S.EVT_GUARD_VIOLATION, GuardViolation, stream=S.STREAM_EVT, doc="A sandbox tripped a security rule."),
     Channel(f"{S.PREFIX}.evt.image.{{name}}.{{kind}}", ImageEvent, stream=S.STREAM_EVT, doc="A template was built or removed."),
     Channel(_sbx("exec"), ExecRequest, codec.REPLY_TYPES["exec"] | ProcessStarted,

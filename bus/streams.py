@@ -63,7 +63,7 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
     ]
 
 
-KV_BUCKETS: dict[str, dict] = {
+KV_BUCKETS: dict[str, dict[str, int]] = {
     S.KV_HOSTS: {"history": 1},
     S.KV_SANDBOXES: {"history": 1},
     S.KV_IMAGES: {"history": 5},
@@ -75,6 +75,7 @@ KV_BUCKETS: dict[str, dict] = {
 
 
 async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    assert cfg.name, "a stream config names its stream"
     try:
         await js.stream_info(cfg.name)
     except NotFoundError:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh Debian machine (as root):
 #   bash compose/dev.sh up     install what is missing, then run `dsec up` in the foreground
-#   bash compose/dev.sh test   install what is missing, lint (ruff), then run the test suite
+#   bash compose/dev.sh test   install what is missing, lint (ruff), type-check (mypy), then run the test suite
 #   bash compose/dev.sh clean [DATA_DIR]   remove what a killed `dsec up` left (containers, containerd,
 #                              shims, mounts, network); only while no `dsec up` runs on DATA_DIR
 # Extra arguments go to `dsec up` or to pytest.
@@ -62,6 +62,7 @@ case "$cmd" in
   test)
     need_root; install_debs; install_criu; install_python
     "$venv/bin/ruff" check .  # lint first: CI runs exactly this command
+    "$venv/bin/mypy"  # the packages and strictness are pyproject.toml's [tool.mypy]
     exec "$venv/bin/python" -m pytest tests "$@"
     ;;
   install)

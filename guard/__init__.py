@@ -6,6 +6,7 @@ Host agents enforce the profiles (``hostagent._profiles``); the two never import
 Run it with ``python -m guard``.
 """
 
+from ._config import GuardConfig
 from ._kernel import AUDIT_LOGINUID, READONLY_KEY, Denial, KernelAudit, ReadonlyRules, SandboxMap, parse_record
 from ._nflog import NflogError, NflogReader
 from bus.profiles import DEFAULT_VERSION, DENY_IOCTLS, builtin_profiles, default_profile, strict_profile
@@ -17,6 +18,7 @@ __all__ = [
     "DENY_IOCTLS",
     "Denial",
     "Guard",
+    "GuardConfig",
     "KernelAudit",
     "NflogError",
     "NflogReader",

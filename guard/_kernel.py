@@ -284,7 +284,7 @@ def readonly_rules(machine: str | None = None, key: str = READONLY_KEY) -> list[
     machine = machine or os.uname().machine
     arch = NATIVE_ARCH.get(machine)
     table = readonly_syscalls(machine) if arch is not None else {}
-    if not table:
+    if arch is None or not table:
         return []
     exdev = [table[n] for n in EXDEV_SYSCALLS if n in table]
     return [audit_rule(arch, sorted(table.values()), errno.EROFS, key), audit_rule(arch, sorted(exdev), errno.EXDEV, key)]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any, get_args
 
 import msgspec
 import structlog
@@ -28,10 +30,11 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile, ViolationAction
 from bus.runtime import KV, Service, Watch
-from bus.streams import StreamOptions, ensure_all
+from bus.streams import ensure_all
 
+from ._config import GuardConfig
 from ._kernel import Denial, KernelAudit
 from ._nflog import NflogError, NflogReader
 from bus.profiles import builtin_profiles
@@ -41,7 +44,7 @@ log = structlog.get_logger("dsec.guard")
 _PROFILE_DEC = msgspec.msgpack.Decoder(SecurityProfile)
 AGENT_EXE = "/.dsec/bin/dsec-agent"  # the sandbox's own agent: acts for the host API, never killed for it
 SOURCE = "guard.kernel"
-ACTIONS = ("record", "kill", "quarantine")
+ACTIONS: tuple[ViolationAction, ...] = get_args(ViolationAction)
 
 
 def _same(a: SecurityProfile, b: SecurityProfile) -> bool:
@@ -87,36 +90,25 @@ async def publish_profiles(kv: KeyValue, profiles: Iterable[SecurityProfile]) ->
 class Guard(Service):
     name = "guard"
 
-    def __init__(
-        self,
-        nats_url: str | None = None,
-        *,
-        host_id: str | None = None,
-        kernel_audit: bool = True,
-        enable_audit: bool = True,
-        cgroup_parent: str = "/dsec",
-        profiles: dict[str, SecurityProfile] | None = None,
-        report_interval_s: float = 1.0,
-        stream_options: StreamOptions = StreamOptions(),
-        grace_s: float = 5.0,
-        nflog_group: int | None = S.NFLOG_GROUP,
-        net_report_rate_per_s: float = 5.0,
-        net_report_burst: int = 20,
-        readonly_audit: bool = True,
-    ) -> None:
-        super().__init__(nats_url, grace_s=grace_s)
-        self.host_id = host_id or socket.gethostname().split(".")[0]
-        self.kernel_audit = kernel_audit
-        self.enable_audit = enable_audit
-        self.cgroup_parent = cgroup_parent
-        self.builtin = profiles if profiles is not None else builtin_profiles()
-        self.report_interval_s = report_interval_s
-        self.stream_options = stream_options
+    def __init__(self, nats_url: str | None = None, *, config: GuardConfig | None = None, **settings: Any) -> None:
+        """``config`` as ``python -m guard`` builds it from its flags; ``settings`` replace single fields of it."""
+        cfg = replace(config or GuardConfig(), **settings)
+        if nats_url is not None:
+            cfg = replace(cfg, nats_url=nats_url)
+        super().__init__(cfg.nats_url, grace_s=cfg.grace_s)
+        self.config = cfg
+        self.host_id = cfg.host_id or socket.gethostname().split(".")[0]
+        self.kernel_audit = cfg.kernel_audit
+        self.enable_audit = cfg.enable_audit
+        self.cgroup_parent = cfg.cgroup_parent
+        self.builtin = cfg.profiles if cfg.profiles is not None else builtin_profiles()
+        self.report_interval_s = cfg.report_interval_s
+        self.stream_options = cfg.stream_options
         self.kernel: KernelAudit | None = None
-        self.readonly_audit = readonly_audit  # audit rules for calls refused by read-only mounts (see ReadonlyRules)
-        self.nflog_group = nflog_group  # None: don't read dropped packets (run one per sandbox host)
-        self.net_report_rate_per_s = net_report_rate_per_s
-        self.net_report_burst = net_report_burst
+        self.readonly_audit = cfg.readonly_audit  # audit rules for calls refused by read-only mounts (see ReadonlyRules)
+        self.nflog_group = cfg.nflog()  # None: don't read dropped packets (run one per sandbox host)
+        self.net_report_rate_per_s = cfg.net_report_rate_per_s
+        self.net_report_burst = cfg.net_report_burst
         self.nflog: NflogReader | None = None
         self.profiles: dict[str, SecurityProfile] = {}
         self.published: dict[str, str] = {}
@@ -190,12 +182,13 @@ class Guard(Service):
         return p.audit if p is not None else AuditPolicy()
 
     @staticmethod
-    def _action(policy: AuditPolicy, kind: str) -> str:
+    def _action(policy: AuditPolicy, kind: str) -> ViolationAction:
         # "fs": the read-only mounts and Landlock enforce one filesystem policy (the system paths
         # are in both, and the mount refuses first), so one action for both.
         kind = "landlock" if kind == "fs" else kind
         a = getattr(policy, kind, None) if kind in ("seccomp", "landlock") else policy.other
-        return a if a in ACTIONS else "record"
+        # A profile is data (KV): an action this guard does not know is recorded, never guessed at.
+        return next((x for x in ACTIONS if x == a), "record")
 
     # --- kernel denials ---------------------------------------------------------------------------
     def _on_denial(self, d: Denial) -> None:
@@ -295,8 +288,8 @@ class Guard(Service):
         if self.nflog is not None:
             self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest
-            for k in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
-                del self._gone[k]
+            for old in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
+                del self._gone[old]
 
 
 __all__ = ["Guard", "publish_profiles"]

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import cast
 
 import msgspec
 
@@ -178,7 +179,8 @@ def ensure_agent_binary(data_dir: str) -> str:
 def peer_pid(sock: socket.socket) -> int:
     """Pid (in our pid namespace) of the process that created the listening end of ``sock``."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[0]
+    pid: int = struct.unpack("3i", creds)[0]
+    return pid
 
 
 def _s(value: str | bytes) -> bytes:
@@ -186,7 +188,7 @@ def _s(value: str | bytes) -> bytes:
     return _U32.pack(len(raw)) + raw
 
 
-def _frame(kind: bytes, *parts: bytes) -> bytes:
+def _frame(kind: bytes, *parts: bytes | memoryview) -> bytes:
     body_len = 1 + sum(len(p) for p in parts)
     return b"".join((_U32.pack(body_len), kind, *parts))
 
@@ -205,7 +207,7 @@ class _Conn(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a unix stream connection
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf
@@ -414,7 +416,7 @@ class AgentClient:
                 await loop.sock_connect(sock, addr)
         except (OSError, TimeoutError) as e:
             sock.close()
-            code = getattr(e, "errno", None) or _errno.ETIMEDOUT
+            code = e.errno or _errno.ETIMEDOUT  # TimeoutError has none
             raise AgentUnavailable(code, f"cannot reach agent at {self.socket_path}: {e or 'timed out'}") from e
         finally:
             if dir_fd >= 0:
@@ -707,7 +709,7 @@ class AgentClient:
             kind, body = await self._call(_frame(b"W", head, chunk))
             if kind != ord("Z"):
                 raise _unexpected(kind)
-            size = _U64.unpack_from(body)[0]
+            size = int(_U64.unpack_from(body)[0])
             pos += len(chunk)
             if pos >= len(view):
                 return size

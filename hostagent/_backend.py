@@ -1,33 +1,22 @@
-"""What a host agent needs from a sandbox backend; the simulated backend for scale benchmarks."""
+"""The seam between the host agent and a sandbox backend: the ``Backend`` protocol every backend
+implements as the host agent calls it, and the optional abilities (small protocols of their own) the
+host agent discovers once, when it starts (``Capabilities.of``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from bus.errors import FileNotFound, SandboxNotFound
-from bus.messages import (
-    Done,
-    EntryInfo,
-    ExecRequest,
-    ExecResult,
-    Exists,
-    FileData,
-    FileList,
-    FileListing,
-    FileOp,
-    FileRead,
-    FileRemove,
-    FileWrite,
-    FileWritten,
-    FileExists,
-    LayerRef,
-    SandboxSpec,
-)
+from bus.errors import NotSupported, SnapshotUnsupported
+from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, SandboxMetrics, SandboxSpec
+
+if TYPE_CHECKING:
+    from ._agent import AgentClient
+    from ._profiles import Enforcement
 
 OnOutput = Callable[[int, bytes], Awaitable[None] | None]
+OnStart = Callable[[int], None]
 
 
 @dataclass
@@ -46,21 +35,35 @@ class Usage:
     per_sandbox_mem_mb: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HostCapacity:
+    """What this host offers through one backend."""
+
+    cpu_total: float
+    mem_total_mb: int
+    disk_total_mb: int
+
+
 class Backend(Protocol):
-    name: str
+    """Every backend, as the host agent calls it."""
+
+    name: BackendName
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
-    async def create(self, spec: SandboxSpec, layers: list[LayerRef]) -> Handle: ...
+    async def create(
+        self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
+    ) -> Handle:
+        """Start the sandbox over ``layers`` (top last). ``security``: the compiled guard profile it is
+        confined by (None: the backend's built-in default; a backend that does not enforce profiles,
+        see ``EnforcesProfiles``, is never given one). ``memory``: a snapshot's memory dump, packed as a
+        layer, its processes are restored from (only given to a ``Checkpointing`` backend)."""
+        ...
 
     async def destroy(self, sandbox_id: str) -> None:
         """Remove everything the sandbox has on this host; idempotent."""
-
-    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None) -> ExecResult: ...
-
-    async def files(self, handle: Handle, op: FileOp) -> Any: ...
 
     async def leftovers(self, sandbox_id: str) -> list[str]:
         """What of the sandbox still exists on this host after ``destroy`` (empty: all gone)."""
@@ -75,98 +78,132 @@ class Backend(Protocol):
 
     async def usage(self) -> Usage: ...
 
-    def capacity(self) -> dict[str, float]:
-        """cpu_total, mem_total_mb, disk_total_mb of this host for this backend."""
+    def capacity(self) -> HostCapacity: ...
 
+    def advertise(self) -> HostBackend:
+        """This backend as the heartbeat names it: its limits per sandbox, and what its probe found."""
+        ...
 
-class SimBackend:
-    """Creates nothing: runs the real host-agent code paths for control-plane scale runs only.
-
-    It reports resident memory as ``resident_fraction`` of what its sandboxes requested, so placement's
-    resident-memory admission has something real-looking to work with.
-    """
-
-    name = "sim"
-
-    def __init__(
-        self,
-        cpu_total: float = 64.0,
-        mem_total_mb: int = 256 * 1024,
-        disk_total_mb: int = 4 * 1024 * 1024,
-        *,
-        resident_fraction: float = 0.25,
-        busy_per_sandbox: float = 0.01,
-    ) -> None:
-        self._cap = {"cpu_total": cpu_total, "mem_total_mb": mem_total_mb, "disk_total_mb": disk_total_mb}
-        self._files: dict[str, dict[str, bytes]] = {}
-        self._mem: dict[str, int] = {}
-        self._resident_mb = 0
-        self.resident_fraction = resident_fraction
-        self.busy_per_sandbox = busy_per_sandbox
-
-    async def start(self) -> None:
-        return None
-
-    async def stop(self) -> None:
-        self._files.clear()
-        self._mem.clear()
-        self._resident_mb = 0
-
-    async def create(self, spec: SandboxSpec, layers: list[LayerRef]) -> Handle:
-        if spec.sandbox_id not in self._mem:
-            mb = int(spec.memory_mb * self.resident_fraction)
-            self._mem[spec.sandbox_id] = mb
-            self._resident_mb += mb
-        return Handle(spec.sandbox_id)
-
-    async def destroy(self, sandbox_id: str) -> None:
-        self._files.pop(sandbox_id, None)
-        self._resident_mb -= self._mem.pop(sandbox_id, 0)
-
-    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None) -> ExecResult:
-        return ExecResult(exit_code=0)
+    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
+        """Run ``req`` through the sandbox's agent channel; ``on_start`` hears a background process's pid."""
+        ...
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
-        if handle.sandbox_id not in self._mem:
-            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is gone")
-        fs = self._files.setdefault(handle.sandbox_id, {})
-        match op:
-            case FileWrite(path=p, data=d, offset=off, truncate=tr):
-                old = b"" if tr and off == 0 else fs.get(p, b"")
-                fs[p] = old[:off].ljust(off, b"\0") + d + old[off + len(d):]
-                return FileWritten(path=p, size=len(fs[p]))
-            case FileRead(path=p, offset=off, length=n):
-                if p not in fs:
-                    raise FileNotFound(f"{p}: no such file")
-                data = fs[p][off:] if n < 0 else fs[p][off:off + n]
-                return FileData(data=data, size=len(fs[p]), offset=off)
-            case FileList(path=p):
-                pre = p.rstrip("/") + "/"
-                return FileListing(entries=[
-                    EntryInfo(name=k[len(pre):], path=k, type="file", size=len(v), mtime=time.time())
-                    for k, v in fs.items() if k.startswith(pre) and "/" not in k[len(pre):]
-                ])
-            case FileRemove(path=p):
-                fs.pop(p, None)
-                return Done()
-            case FileExists(path=p):
-                return Exists(exists=p in fs)
-        raise AssertionError(op)
+        """A file operation through the sandbox's agent channel; returns its reply struct."""
 
-    async def leftovers(self, sandbox_id: str) -> list[str]:
-        return []
 
-    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
-        orphans = [sid for sid in self._mem if not holds(sid)]
-        for sid in orphans:
-            await self.destroy(sid)
-        return {sid for sid in running if sid not in self._mem}, orphans
+# --- optional abilities -------------------------------------------------------------------------
+@runtime_checkable
+class EnforcesProfiles(Protocol):
+    """Confines sandboxes by guard's security profiles: ``create`` takes ``security``."""
 
-    async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
-        return {}
+    enforces_profiles: Literal[True]
 
-    async def usage(self) -> Usage:
-        return Usage(mem_resident_mb=self._resident_mb, cpu_busy=min(self._cap["cpu_total"], len(self._mem) * self.busy_per_sandbox))
 
-    def capacity(self) -> dict[str, float]:
-        return dict(self._cap)
+@runtime_checkable
+class Freezing(Protocol):
+    """Stops every task of a sandbox at once (pause, and the one moment a snapshot is cut at)."""
+
+    async def before_freeze(self, handle: Handle) -> None:
+        """Let go of what a frozen sandbox could not (its agent's idle connections)."""
+
+    async def freeze(self, handle: Handle) -> None: ...
+
+    async def thaw(self, handle: Handle) -> None: ...
+
+    def frozen(self, handle: Handle) -> bool: ...
+
+    def scratch_dir(self, handle: Handle) -> str:
+        """The host dir of the sandbox's writable state (``_rootfs.RootfsLayout``), which snapshots diff."""
+        ...
+
+
+@runtime_checkable
+class Checkpointing(Protocol):
+    """Dumps a sandbox's processes (memory snapshots); ``create`` restores them from ``memory``."""
+
+    async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None: ...
+
+
+@runtime_checkable
+class Metering(Protocol):
+    """Per-sandbox CPU, memory and disk figures (the ``metrics`` op)."""
+
+    async def metrics(self, handle: Handle) -> SandboxMetrics: ...
+
+
+@runtime_checkable
+class AgentChannel(Protocol):
+    """The sandbox's in-sandbox agent, for the ops that drive it directly (background processes, watches)."""
+
+    def agent_client(self, handle: Handle) -> AgentClient: ...
+
+
+@runtime_checkable
+class WarmPooling(Protocol):
+    """Keeps started sandboxes ready to hand out."""
+
+    def warm_ready(self) -> int:
+        """Sandboxes waiting in the pool now."""
+        ...
+
+
+@runtime_checkable
+class CachesLayers(Protocol):
+    """Holds image layers locally (placement prefers hosts that hold a template's layers)."""
+
+    def cached_layers(self) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one backend can do beyond ``Backend``, looked up once (``of``) when the host agent starts.
+    The ``need_*`` accessors raise the typed error of a missing ability."""
+
+    name: str
+    enforces_profiles: bool = False
+    freezer: Freezing | None = None
+    checkpointer: Checkpointing | None = None
+    meter: Metering | None = None
+    agents: AgentChannel | None = None
+    warm_pool: WarmPooling | None = None
+    layer_cache: CachesLayers | None = None
+
+    @classmethod
+    def of(cls, backend: Backend) -> Capabilities:
+        return cls(
+            name=backend.name,
+            enforces_profiles=isinstance(backend, EnforcesProfiles) and backend.enforces_profiles is True,
+            freezer=backend if isinstance(backend, Freezing) else None,
+            checkpointer=backend if isinstance(backend, Checkpointing) else None,
+            meter=backend if isinstance(backend, Metering) else None,
+            agents=backend if isinstance(backend, AgentChannel) else None,
+            warm_pool=backend if isinstance(backend, WarmPooling) else None,
+            layer_cache=backend if isinstance(backend, CachesLayers) else None,
+        )
+
+    def need_freezer(self) -> Freezing:
+        if self.freezer is None:
+            raise NotSupported(f"snapshots, forks and pauses need a backend that can freeze a sandbox; this host runs {self.name!r}")
+        return self.freezer
+
+    def need_checkpointer(self) -> Checkpointing:
+        if self.checkpointer is None:
+            raise SnapshotUnsupported(f"the {self.name} backend cannot checkpoint a sandbox's memory: snapshots of files only")
+        return self.checkpointer
+
+    def need_meter(self) -> Metering:
+        if self.meter is None:
+            raise NotSupported(f"the {self.name} backend reports no sandbox metrics")
+        return self.meter
+
+    def need_agents(self) -> AgentChannel:
+        if self.agents is None:
+            raise NotSupported(f"the {self.name} backend runs no in-sandbox agent (background processes, watches)")
+        return self.agents
+
+
+__all__ = [
+    "AgentChannel", "Backend", "CachesLayers", "Capabilities", "Checkpointing", "EnforcesProfiles", "Freezing", "Handle",
+    "HostCapacity", "Metering", "OnOutput", "OnStart", "Usage", "WarmPooling",
+]

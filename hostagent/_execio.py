@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno as _errno
 import os
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +30,10 @@ from bus import subjects as S
 from bus.errors import (
     BadRequest,
     DsecError,
-    FileError,
     FileNotFound,
     InvalidArgument,
-    NotSupported,
     ProcessNotFound,
     ReplyTooLarge,
-    SandboxNotFound,
 )
 from bus.messages import (
     Done,
@@ -56,6 +52,7 @@ from bus.messages import (
     ProcList,
     ProcSignal,
     SandboxEvent,
+    SandboxMetrics,
     StreamAck,
     WatchStarted,
 )
@@ -73,10 +70,10 @@ from ._agent import (
     IN_Q_OVERFLOW,
     AgentClient,
     AgentError,
-    AgentUnavailable,
     ExecOutcome,
 )
-from ._backend import Handle
+from ._agent_errors import agent_errors
+from ._backend import Backend, Capabilities, Handle
 
 log = structlog.get_logger("dsec.hostagent.execio")
 
@@ -214,27 +211,6 @@ def _check_inbox(subject: str, what: str = "stream_to") -> None:
         raise BadRequest(f"{what} must be an _INBOX subject, got {subject!r}")
 
 
-@contextlib.contextmanager
-def agent_errors(sid: str, pid: int = 0, path: str = "") -> Iterator[None]:
-    """The agent's errnos as the typed errors clients see."""
-    try:
-        yield
-    except AgentUnavailable as exc:
-        raise SandboxNotFound(f"sandbox {sid} does not answer: {exc.message}") from None
-    except AgentError as exc:
-        if pid and exc.errno == _errno.ESRCH:
-            raise ProcessNotFound(f"no process {pid} in sandbox {sid} (it ended, or was never started by dsec)", pid=pid) from None
-        if exc.errno == _errno.EPIPE:
-            raise InvalidArgument(f"process {pid} has no open stdin (start it with stdin=True; closed stays closed)", pid=pid) from None
-        if exc.errno == _errno.EAGAIN:
-            raise InvalidArgument(f"process {pid} is not reading its stdin: {exc.message}", pid=pid) from None
-        if exc.errno == _errno.ENOENT:
-            raise FileNotFound(f"{path}: no such file or directory") from None
-        if exc.errno == _errno.ENOTDIR:
-            raise InvalidArgument(f"{path}: not a directory") from None
-        raise FileError(f"{path or 'sandbox'}: {exc.message}") from None
-
-
 # ---------------------------------------------------------------------------------- processes
 @dataclass
 class BgProc:
@@ -340,8 +316,11 @@ def _fs_kinds(mask: int) -> list[str]:
 class ExecIO:
     """Exec, background processes and watches of every sandbox on this host."""
 
-    def __init__(self, backend: Any, nc: Callable[[], NATS | None], host_id: str, *, output_cap: int | None = None) -> None:
+    def __init__(
+        self, backend: Backend, caps: Capabilities, nc: Callable[[], NATS | None], host_id: str, *, output_cap: int | None = None,
+    ) -> None:
         self.backend = backend
+        self.caps = caps
         self._nc = nc
         self.host_id = host_id
         self.output_cap = output_cap_from_env() if output_cap is None else output_cap
@@ -357,13 +336,10 @@ class ExecIO:
         return nc
 
     def _agent(self, handle: Handle) -> AgentClient:
-        get = getattr(self.backend, "agent_client", None)
-        if get is None:
-            raise NotSupported(f"the {getattr(self.backend, 'name', '?')} backend runs no in-sandbox agent (background processes, watches)")
-        return get(handle)
+        return self.caps.need_agents().agent_client(handle)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        t = asyncio.ensure_future(coro)
+        t: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
         return t
@@ -502,7 +478,8 @@ class ExecIO:
         if tag:
             hits = [p for p in table.values() if p.info.tag == tag]
             running = [p for p in hits if p.result is None]
-            return (running or hits or [None])[-1]
+            found = running or hits
+            return found[-1] if found else None
         raise InvalidArgument("name the process by pid or tag")
 
     async def _adopt(self, handle: Handle, pid: int) -> BgProc | None:
@@ -620,11 +597,8 @@ class ExecIO:
         return WatchStarted(watch_id=w.wid)
 
     # --- metrics ---------------------------------------------------------------------------
-    async def metrics(self, handle: Handle) -> Any:
-        get = getattr(self.backend, "metrics", None)
-        if get is None:
-            raise NotSupported(f"the {getattr(self.backend, 'name', '?')} backend reports no sandbox metrics")
-        return await get(handle)
+    async def metrics(self, handle: Handle) -> SandboxMetrics:
+        return await self.caps.need_meter().metrics(handle)
 
 
 __all__ = ["ExecIO", "ClientStream", "encode_reply", "fit_output", "result_of", "agent_errors", "DEFAULT_OUTPUT_CAP"]

@@ -6,24 +6,37 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
-
 import structlog
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, CreateFailed, DsecError, HostRejected, InternalError, PermissionDenied, SandboxTimeout, UnknownTemplate
+from bus.errors import (
+    BadRequest,
+    CreateFailed,
+    DsecError,
+    HostRejected,
+    InternalError,
+    PermissionDenied,
+    SandboxTimeout,
+    UnknownTemplate,
+    UnsupportedBackend,
+)
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
 from bus.messages import TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
 from bus.runtime import KV
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
-from ._registry import LocalSandbox
-
-if TYPE_CHECKING:
-    from ._service import HostAgent
+from ._backend import Backend, Capabilities
+from ._config import HostAgentConfig
+from ._metrics import HostMetrics
+from ._ops import OpsEndpoint
+from ._profiles import ProfileCache
+from ._reaper import Reaper
+from ._records import Records
+from ._registry import LocalSandbox, Registry
+from ._snapshots import Snapshots
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -31,9 +44,25 @@ LAYERS_TTL_S = 10.0
 
 
 class Intake:
-    def __init__(self, host: "HostAgent") -> None:
-        self.host = host
-        self.creating: dict[str, asyncio.Future[None]] = {}
+    def __init__(
+        self, config: HostAgentConfig, backend: Backend, caps: Capabilities, profiles: ProfileCache | None, registry: Registry, records: Records,
+        reaper: Reaper, ops: OpsEndpoint, snapshots: Snapshots, m: HostMetrics, creating: dict[str, asyncio.Future[None]],
+        dedup_window_s: float,
+    ) -> None:
+        self.config = config
+        self.host_id = config.host_id
+        self.backend = backend
+        self.caps = caps
+        self.backends = frozenset([backend.name])  # what this host runs; a hand-off for another is refused
+        self.profiles = profiles
+        self.registry = registry
+        self.records = records
+        self.reaper = reaper
+        self.ops = ops
+        self.snapshots = snapshots
+        self.m = m
+        self.dedup_window_s = dedup_window_s
+        self.creating = creating
         self.created = 0
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
@@ -46,19 +75,19 @@ class Intake:
     # --- the consumer's handler --------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
         """One hand-off; returning means whatever it led to is durable (the inbox then answers done)."""
-        host = self.host
-        if not verify(host.control_key, msg.subject, msg.data, msg.headers):
+        if not verify(self.config.control_key, msg.subject, msg.data, msg.headers):
             # Kept in the dead-letter stream as evidence; refused to whoever asked.
             log.warning("unsigned_work_refused", subject=msg.subject, code=ERR_BAD_SIGNATURE)
-            await host.records.dead_letter(msg, ERR_BAD_SIGNATURE, "host work without a valid placement signature")
+            await self.records.dead_letter(msg, ERR_BAD_SIGNATURE, "host work without a valid placement signature")
             raise PermissionDenied("host work without a valid placement signature")
         try:
             work = codec.HOST.decode(msg.data)
         except BadRequest as exc:
-            await host.records.dead_letter(msg, exc.code, exc.description)
+            await self.records.dead_letter(msg, exc.code, exc.description)
             raise
         match work:
             case PlaceSandbox():
+                self._runs(work.spec)
                 # First hand-off of a first attempt: no claim before creating; the record, written with a
                 # KV create once the sandbox exists, is the claim (a copy of the id handed to another host
                 # after a placement replica died loses that race and is removed). Redeliveries and
@@ -67,22 +96,32 @@ class Intake:
                 first = work.attempt == 0 and not work.claim and self._fresh(work.placed_at)
                 await self.create_one(work.spec, work.attempt, work.exclude_hosts, claim=not first, placed=(work.placed_by, work.placed_at))
             case PlaceBatch():
+                for s in work.specs:
+                    self._runs(s)
                 await self.create_batch(work)
 
+    def _runs(self, spec: SandboxSpec) -> None:
+        """Refuse (typed) a hand-off for a backend this host does not run: placement routes it elsewhere."""
+        if spec.backend not in self.backends:
+            raise UnsupportedBackend(
+                f"host {self.host_id} runs no {spec.backend!r} backend (it runs {', '.join(sorted(self.backends))})",
+                backend=spec.backend, host_id=self.host_id, available=",".join(sorted(self.backends)),
+            )
+
     def _fresh(self, placed_at: float) -> bool:
-        return abs(time.time() - placed_at) < self.host.stream_options.dedup_window_s / 2
+        return abs(time.time() - placed_at) < self.dedup_window_s / 2
 
     # --- admission ---------------------------------------------------------------------------------
     def admits(self, spec: SandboxSpec) -> str:
         """Empty when the sandbox fits on this host now, else why not (the one rule: bus.rules)."""
-        host = self.host
-        cap = host.backend.capacity()
+        cfg = self.config
+        cap = self.backend.capacity()
         return refusal(
             Capacity(
-                cap["cpu_total"], cap["mem_total_mb"], cap["disk_total_mb"],
-                cpu_overcommit=host.cpu_overcommit, mem_overcommit=host.mem_overcommit, max_sandboxes=host.max_sandboxes,
+                cap.cpu_total, cap.mem_total_mb, cap.disk_total_mb,
+                cpu_overcommit=cfg.cpu_overcommit, mem_overcommit=cfg.mem_overcommit, max_sandboxes=cfg.max_sandboxes,
             ),
-            host.registry.alloc.plus(self.pending),
+            self.registry.alloc.plus(self.pending),
             spec,
         )
 
@@ -124,19 +163,18 @@ class Intake:
     ) -> None:
         # (no structlog context binding here: it costs more than the rest of a simulated create;
         # the log lines of this path name the sandbox themselves)
-        host = self.host
         sid = spec.sandbox_id
-        ls = host.registry.get(sid)
+        ls = self.registry.get(sid)
         if ls is not None:
             if ls.state != "running":
                 log.info("create_of_stopping_sandbox_dropped", sandbox_id=sid)
-            elif await host.records.claim(spec, host.records.record_of(ls, "running")):
+            elif await self.records.claim(spec, self.records.record_of(ls, "running")):
                 # Redelivery: say it again, its record first. The delivery that created it may have failed
                 # to store the record (the server went away between create and record): the sandbox is held
                 # here, but nothing else knows it exists.
-                await host.records.event(spec, "ready", attempt=attempt)
+                await self.records.event(spec, "ready", attempt=attempt)
             else:  # that earlier delivery never claimed the id, and another host has it now
-                host.reaper.begin(sid, "duplicate")
+                self.reaper.begin(sid, "duplicate")
                 await self._dropped(spec, attempt)
             return
         if sid in self.creating:
@@ -145,22 +183,22 @@ class Intake:
         if spec.create_deadline and time.time() > spec.create_deadline:
             # The client gave up (and its kill found nothing): a late or replayed hand-off starts nothing.
             if held:
-                await host.records.release(sid)
+                await self.records.release(sid)
             log.info("create_expired", sandbox_id=sid)
-            await host.records.event(spec, "failed", attempt=attempt, err=SandboxTimeout(f"create request for {sid} expired before the host started it"))
+            await self.records.event(spec, "failed", attempt=attempt, err=SandboxTimeout(f"create request for {sid} expired before the host started it"))
             return
         why = self.admits(spec)
         if why:
             if held:  # give back the batch's claim so another host can take it
-                await host.records.release(sid)
+                await self.records.release(sid)
             await self._reject(spec, attempt, excluded, why)
             return
         if claim:
-            if not await host.records.claim(spec):
+            if not await self.records.claim(spec):
                 await self._dropped(spec, attempt)
                 return
             other = self.creating.get(sid)
-            if other is not None or sid in host.registry:
+            if other is not None or sid in self.registry:
                 # Another hand-off of this id (a grouped one, and the re-placed copy of its redelivered
                 # request) began creating it here while the claim was out: that one makes it.
                 if other is not None:
@@ -180,11 +218,11 @@ class Intake:
         if not (work.claim or work.attempt) and self._fresh(work.placed_at):
             await self._create_fresh(work)
             return
-        reg = self.host.registry
+        reg = self.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
         claimed: set[str] = set()
         if todo:
-            oks = await asyncio.gather(*(self.host.records.claim(s) for s in todo), return_exceptions=True)
+            oks = await asyncio.gather(*(self.records.claim(s) for s in todo), return_exceptions=True)
             for s, ok in zip(todo, oks, strict=True):
                 if ok is True:
                     claimed.add(s.sandbox_id)
@@ -197,7 +235,7 @@ class Intake:
             )
             for s in work.specs
         ))
-        await self.host.records.ready_many(done, work.attempt)
+        await self.records.ready_many(done, work.attempt)
 
     async def _create_fresh(self, work: PlaceBatch) -> None:
         """First hand-off of a first-time batch, as one piece of work: create first, then claim with the
@@ -207,7 +245,7 @@ class Intake:
         events and one reply per creating client. A member with anything unusual about it (here or
         being made already, a duplicate in the batch, a restore, expired, not admitted) takes the
         one-by-one path alongside."""
-        host, reg = self.host, self.host.registry
+        reg = self.registry
         placed = (work.placed_by, work.placed_at)
         now = time.time()
         group: list[SandboxSpec] = []
@@ -236,7 +274,7 @@ class Intake:
                     held.discard(s.sandbox_id)
                     self._hold(s, -1)
             self._settle(mine)
-        await host.records.ready_many(ready, work.attempt)
+        await self.records.ready_many(ready, work.attempt)
         for o in outcomes:
             if isinstance(o, BaseException):
                 raise o  # not done: the hand-off is redelivered, and each member claimed then
@@ -246,26 +284,25 @@ class Intake:
         placed: tuple[str, float], ready: list[SandboxSpec],
     ) -> None:
         """``_create_fresh``'s admitted members (counted in ``pending`` while ``held``, and in ``creating``)."""
-        host = self.host
         t0 = time.perf_counter()
         failed: BaseException | None = None
         try:
             made = await asyncio.gather(*(self._make(s, attempt, held=held) for s in group))
             live = [ls for ls in made if ls is not None]
             for ls in live:
-                await host.ops.serve(ls.spec.sandbox_id)
-            got = await host.records.claim_running([host.records.record_of(ls, "running") for ls in live])
+                await self.ops.serve(ls.spec.sandbox_id)
+            got = await self.records.claim_running([self.records.record_of(ls, "running") for ls in live])
             announced: list[SandboxSpec] = []
             for ls, g in zip(live, got, strict=True):
                 if g is True:
                     await self._announce(ls, attempt, t0, placed, ready, counted=True)
                     announced.append(ls.spec)
                 elif g is False:
-                    host.reaper.begin(ls.spec.sandbox_id, "duplicate")
+                    self.reaper.begin(ls.spec.sandbox_id, "duplicate")
                     await self._dropped(ls.spec, attempt)
                 elif failed is None:  # the sandbox is held here without its record: a redelivery stores it
                     failed = g if isinstance(g, DsecError) else InternalError(f"record of {ls.spec.sandbox_id} not stored: {g}")
-            host.m.ready_many(announced, time.perf_counter() - t0)
+            self.m.ready_many(announced, time.perf_counter() - t0)
         finally:
             self._settle(mine)  # a copy of a member waiting on it (the one-by-one path) goes on now
         if failed is not None:
@@ -284,23 +321,21 @@ class Intake:
         sandbox runs, its ``ready`` is said again from the record, for that host (acked; the stream drops
         it as a duplicate when the first one got through): the host that made it may have stored the
         record and then died before its own ready event left, and its hand-off was placed again here."""
-        host = self.host
         log.info("duplicate_create_dropped", sandbox_id=spec.sandbox_id)
-        assert host.records.kv is not None
-        rec = await host.records.kv.get(spec.sandbox_id)
-        if rec is None or rec.host_id == host.host_id or rec.state not in ("running", "paused"):
+        assert self.records.kv is not None
+        rec = await self.records.kv.get(spec.sandbox_id)
+        if rec is None or rec.host_id == self.host_id or rec.state not in ("running", "paused"):
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
-        await host.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": host.host_id})
+        await self.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": self.host_id})
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
-        host = self.host
-        err = HostRejected(f"host {host.host_id} is full: {why}", host_id=host.host_id)
-        again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, host.host_id], last_error=err.description)
-        await host.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{S.incarnation(spec.sandbox_id, spec.generation)}:{attempt + 1}")
-        await host.records.event(spec, "rejected", attempt=attempt, err=err)
-        host.m.creates.inc(result="rejected")
+        err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)
+        again = CreateSandbox(spec=spec, attempt=attempt + 1, exclude_hosts=[*excluded, self.host_id], last_error=err.description)
+        await self.records.hand_on(S.REQ_CREATE, codec.encode(again), f"{S.incarnation(spec.sandbox_id, spec.generation)}:{attempt + 1}")
+        await self.records.event(spec, "rejected", attempt=attempt, err=err)
+        self.m.creates.inc(result="rejected")
         log.info("rejected", sandbox_id=spec.sandbox_id, reason=why)
 
     async def _do_create(
@@ -314,16 +349,15 @@ class Intake:
         record is there first, this copy is removed silently and the other host's stands.
         ``ready``: the caller tells the creating client (``Records.ready_many``); the sandbox joins it.
         """
-        host = self.host
         t0 = time.perf_counter()
         ls = await self._make(spec, attempt)
         if ls is None:
             return
-        await host.ops.serve(spec.sandbox_id)
+        await self.ops.serve(spec.sandbox_id)
         if claimed:
-            await host.records.record(ls, "running")
-        elif not await host.records.claim(spec, host.records.record_of(ls, "running")):
-            host.reaper.begin(spec.sandbox_id, "duplicate")
+            await self.records.record(ls, "running")
+        elif not await self.records.claim(spec, self.records.record_of(ls, "running")):
+            self.reaper.begin(spec.sandbox_id, "duplicate")
             await self._dropped(spec, attempt)
             return
         await self._announce(ls, attempt, t0, placed, ready)
@@ -332,8 +366,7 @@ class Intake:
         """The sandbox, made by the backend and held in the registry; None when it could not be made
         (reported as failed, and cleaned up). An id in ``held`` is counted in ``pending`` already (by
         the caller, who learns here that it is this one's to give back now)."""
-        host = self.host
-        backend = host.backend
+        backend = self.backend
         if held is not None and spec.sandbox_id in held:
             held.discard(spec.sandbox_id)
         else:
@@ -344,13 +377,11 @@ class Intake:
                 layers = await self.layers(spec.template)
             memory = None
             if spec.snapshot:  # a restore: the snapshot's layers over the template's (and its CRIU dump)
-                layers, memory = await host.snapshots.restore_plan(spec, layers)
+                layers, memory = await self.snapshots.restore_plan(spec, layers)
             if memory is not None:
-                handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile) if host.profiles else None, memory=memory)  # type: ignore[call-arg]
-            elif host.profiles is not None:
-                handle = await backend.create(spec, layers, security=host.profiles.enforcement(spec.profile))  # type: ignore[call-arg]
-            else:
-                handle = await backend.create(spec, layers)
+                self.caps.need_checkpointer()  # a memory snapshot restores only where processes can be
+            security = self.profiles.enforcement(spec.profile) if self.profiles is not None else None
+            handle = await backend.create(spec, layers, security=security, memory=memory)
         except DsecError as exc:
             self._hold(spec, -1)
             await backend.destroy(spec.sandbox_id)
@@ -369,8 +400,8 @@ class Intake:
         self._hold(spec, -1)
         now = time.time()
         ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
-        host.registry.add(ls, handle)
-        host.registry.save(ls)
+        self.registry.add(ls, handle)
+        self.registry.save(ls)
         return ls
 
     async def _announce(
@@ -380,26 +411,26 @@ class Intake:
         """Its record is stored: say ``ready`` (not acked: the record is the durable fact, and a client
         that misses this reads it). It also says who placed the sandbox and when: placement writes no
         event of its own."""
-        host, spec = self.host, ls.spec
+        spec = ls.spec
         if spec.snapshot:
-            await host.snapshots.restored(ls)
+            await self.snapshots.restored(ls)
         detail = {"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
         if placed[0]:
             detail["placed_by"] = placed[0]
             detail["placed_ms"] = f"{max(0.0, placed[1] - spec.requested_at) * 1000:.1f}"
-        await host.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False, reply=ready is None)
+        await self.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False, reply=ready is None)
         if ready is not None:
             ready.append(spec)
         self.created += 1
         if not counted:  # else the caller counts its batch at once
-            host.m.ready(spec, time.perf_counter() - t0)
+            self.m.ready(spec, time.perf_counter() - t0)
         log.info("sandbox_ready", sandbox_id=spec.sandbox_id, ms=round((time.perf_counter() - t0) * 1000, 1), template=spec.template)
 
     async def _fail(self, spec: SandboxSpec, attempt: int, err: DsecError) -> None:
         log.warning("create_failed", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
-        self.host.m.creates.inc(result="failed")
-        await self.host.records.event(spec, "failed", attempt=attempt, err=err)
-        await self.host.records.failed(spec, err)
+        self.m.creates.inc(result="failed")
+        await self.records.event(spec, "failed", attempt=attempt, err=err)
+        await self.records.failed(spec, err)
 
 
 __all__ = ["Intake", "LAYERS_TTL_S"]

@@ -4,19 +4,22 @@ sandboxes, memory and CPU, read from the agent's own tables on each scrape."""
 from __future__ import annotations
 
 import time
-from typing import Any
+import asyncio
+from collections.abc import Callable
 
-from bus.messages import SandboxSpec
+from bus.messages import HostStatus, SandboxSpec
+from bus.metrics import Registry as MetricsRegistry
 from bus.metrics import machine_collector
 
-from . import _storage as storage
+from ._registry import Registry
 
 MB = 1024 * 1024
 
 
 class HostMetrics:
-    def __init__(self, agent: Any) -> None:
-        reg = agent.metrics
+    def __init__(
+        self, reg: MetricsRegistry, creating: dict[str, asyncio.Future[None]], registry: Registry, status: Callable[[], HostStatus],
+    ) -> None:
         self.creates = reg.counter("dsec_host_creates_total", "Creates this host finished, by result", ["result"])
         self.create_s = reg.histogram("dsec_host_create_seconds", "Time this host took to start a sandbox (layers, rootfs, container)")
         self.ready_s = reg.histogram("dsec_create_seconds", "From the client's create request to the sandbox running (queueing and placement included)")
@@ -26,16 +29,15 @@ class HostMetrics:
         cpu = reg.gauge("dsec_host_cpu", "CPUs of this host: total, allocated to sandboxes, busy", ["kind"])
         mem = reg.gauge("dsec_host_memory_bytes", "Memory of this host: total, allocated to sandboxes, resident in sandboxes", ["kind"])
         machine_collector(reg)
-        storage.register_metrics(reg, agent.data_dir)
 
         def fill() -> None:
             sandboxes.clear()
             for state in ("creating", "running"):
                 sandboxes.set(0, state=state)
-            sandboxes.set(len(agent.intake.creating), state="creating")
-            for ls in list(agent.live.values()):
+            sandboxes.set(len(creating), state="creating")
+            for ls in list(registry.live.values()):
                 sandboxes.inc(1, state=ls.state)
-            st = agent._status()
+            st = status()
             cpu.set(st.cpu_total, kind="total")
             cpu.set(st.cpu_alloc, kind="allocated")
             cpu.set(st.cpu_busy, kind="busy")

@@ -4,7 +4,7 @@ for every sandbox this host holds, one subscription per sandbox, each request an
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -41,12 +41,13 @@ from bus.messages import (
 )
 from bus.runtime import Endpoint
 
-from ._backend import Handle
-from ._execio import encode_reply
-from ._registry import LocalSandbox
-
-if TYPE_CHECKING:
-    from ._service import HostAgent
+from ._backend import Backend, Handle
+from ._execio import ExecIO, encode_reply
+from ._metrics import HostMetrics
+from ._ports import PortRelay
+from ._reaper import Reaper
+from ._registry import LocalSandbox, Registry
+from ._snapshots import Snapshots
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -56,10 +57,21 @@ class OpsEndpoint:
     sandbox's ``dsec.sbx.<id>.*``; ops of one sandbox run concurrently (a long exec does not hold up
     a file read)."""
 
-    def __init__(self, host: "HostAgent") -> None:
-        self.host = host
+    def __init__(self, host_id: str, registry: Registry, backend: Backend, execio: ExecIO, ports: PortRelay, m: HostMetrics) -> None:
+        self.host_id = host_id
+        self.registry = registry
+        self.backend = backend
+        self.execio = execio
+        self.ports = ports
+        self.m = m
+        self.reaper: Reaper | None = None
+        self.snapshots: Snapshots | None = None
         self.endpoint: Endpoint | None = None
         self.inflight = 0  # requests being answered now
+
+    def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
+        """The parts that kill and snapshot sandboxes (made after this endpoint: they unserve through it)."""
+        self.reaper, self.snapshots = reaper, snapshots
 
     def start(self, nc: NATS) -> None:
         # Replies within the payload limit: command output cut to fit, anything else a typed error (execio).
@@ -94,12 +106,12 @@ class OpsEndpoint:
             raise
         finally:
             self.inflight -= 1
-            self.host.m.op(parts[3] if parts[3] in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
+            self.m.op(parts[3] if parts[3] in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
 
     async def _dispatch(self, sid: str, req: Any) -> Any:
-        host = self.host
-        handle = host.registry.handles.get(sid)
-        ls = host.registry.get(sid)
+        assert self.reaper is not None
+        handle = self.registry.handles.get(sid)
+        ls = self.registry.get(sid)
         if handle is None or ls is None:
             raise SandboxNotFound(f"sandbox {sid} is not running on this host")
         if ls.state == "stopping":
@@ -112,41 +124,43 @@ class OpsEndpoint:
             case SnapshotRequest() | PauseRequest() | ResumeRequest():
                 return await self._snapshot_op(ls, handle, req)
             case StreamAck():
-                host.execio.ack(sid, req)
+                self.execio.ack(sid, req)
                 return Done()
             case ProcList() | ProcSignal() | ProcInput() | ProcConnect() | ProcDisconnect():
-                return await host.execio.proc(handle, req)
+                return await self.execio.proc(handle, req)
             case FileWatch() | FileUnwatch():
-                return await host.execio.watch(handle, req)
+                return await self.execio.watch(handle, req)
             case MetricsRequest():
-                return await host.execio.metrics(handle)
+                return await self.execio.metrics(handle)
             case KillRequest(reason=reason):
-                done = await host.reaper.kill(sid, reason or "user")
+                done = await self.reaper.kill(sid, reason or "user")
                 return Done(detail=KILL_DONE if done else KILL_PENDING)
             case SetTimeout(timeout_s=t):
                 if t <= 0:
                     raise BadRequest("timeout must be > 0 seconds")
-                await host.reaper.set_timeout(ls, t)
+                await self.reaper.set_timeout(ls, t)
                 return Done()
             case PortOpen() | PortSend():
-                return await host.ports.handle(handle, req)
+                return await self.ports.handle(handle, req)
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:
-                return await host.backend.files(handle, req)
+                return await self.backend.files(handle, req)
 
     async def _while_stopping(self, sid: str, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
         """A sandbox being stopped answers only a (repeated) kill and info."""
         match req:
             case KillRequest():
-                done = await self.host.reaper.kill(sid, ls.end_reason or "user")
+                assert self.reaper is not None
+                done = await self.reaper.kill(sid, ls.end_reason or "user")
                 return Done(detail=KILL_DONE if done else KILL_PENDING)
             case InfoRequest():
                 return self._info(sid, ls, handle)
         raise SandboxNotFound(f"sandbox {sid} is being stopped ({ls.end_reason})")
 
     async def _snapshot_op(self, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
-        snapshots = self.host.snapshots
+        snapshots = self.snapshots
+        assert snapshots is not None
         match req:
             case SnapshotRequest():
                 return await snapshots.snapshot(ls, handle, req)
@@ -157,12 +171,12 @@ class OpsEndpoint:
 
     def _info(self, sid: str, ls: LocalSandbox, handle: Handle) -> SandboxInfo:
         return SandboxInfo(
-            sandbox_id=sid, state=ls.state, host_id=self.host.host_id, template=ls.spec.template,
+            sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,
             started_at=ls.started_at, expires_at=ls.expires_at, metadata=ls.spec.metadata, pid=handle.pid,
         )
 
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
-        return await self.host.execio.exec(handle, ls.spec.envs, req)
+        return await self.execio.exec(handle, ls.spec.envs, req)
 
 
 def _bind(msg: Msg) -> dict[str, str]:

@@ -110,7 +110,7 @@ def _arg_checks(args: list[SyscallArg], fail: int) -> list[tuple[int, int, int, 
     """Instructions that fall through when every comparison holds and jump ``fail`` instructions
     past their own end otherwise (the caller puts the refusal right after them). None for an
     operator this compiler doesn't handle (the runtime's filter still enforces the rule)."""
-    out: list[tuple[int, int, int, int]] = []
+    out: list[tuple[str, int]] = []  # ("ld" | "and" | "jne", operand) until the jumps are resolved
     for a in args:
         if not 0 <= a.index < 6:
             return None

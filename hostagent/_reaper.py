@@ -11,12 +11,14 @@ A round of retries that runs out leaves the intent in place: the reconcile loop 
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import random
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import structlog
+from nats.js import JetStreamContext
 
 from bus import codec
 from bus import subjects as S
@@ -24,10 +26,11 @@ from bus.errors import InternalError
 from bus.messages import Lease
 from bus.runtime import KV
 
-from ._registry import LocalSandbox
-
-if TYPE_CHECKING:
-    from ._service import HostAgent
+from ._backend import Backend
+from ._execio import ExecIO
+from ._ports import PortRelay
+from ._records import Records
+from ._registry import LocalSandbox, Registry
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -37,9 +40,18 @@ QUIET = ("duplicate", "paused")  # end reasons that publish nothing: another hos
 
 class Reaper:
     def __init__(
-        self, host: "HostAgent", *, kill_wait_s: float = 10.0, retry_base_s: float = 0.2, retry_max_s: float = 5.0, attempts: int = 8,
+        self, registry: Registry, records: Records, backend: Backend, creating: dict[str, asyncio.Future[None]], execio: ExecIO,
+        ports: PortRelay, unserve: Callable[[str], Awaitable[None]], js: Callable[[], JetStreamContext | None], *,
+        kill_wait_s: float = 10.0, retry_base_s: float = 0.2, retry_max_s: float = 5.0, attempts: int = 8,
     ) -> None:
-        self.host = host
+        self.registry = registry
+        self.records = records
+        self.backend = backend
+        self.creating = creating  # sandboxes being made (the intake's): not timed out or reaped meanwhile
+        self.execio = execio
+        self.ports = ports
+        self._unserve = unserve
+        self._js = js
         self.kill_wait_s = kill_wait_s  # how long a kill request waits for its teardown before answering "stopping"
         self.retry_base_s = retry_base_s
         self.retry_max_s = retry_max_s
@@ -75,16 +87,16 @@ class Reaper:
     async def set_timeout(self, ls: LocalSandbox, timeout_s: float) -> None:
         ls.expires_at = time.time() + timeout_s
         heapq.heappush(self._deadlines, (ls.expires_at, ls.spec.sandbox_id))
-        self.host.registry.save(ls)
-        await self.host.records.record(ls, "running")
+        self.registry.save(ls)
+        await self.records.record(ls, "running")
 
     # --- timeouts and leases ------------------------------------------------------------------------
     async def tick(self, now: float) -> None:
-        creating = self.host.intake.creating
+        creating = self.creating
         dl = self._deadlines
         while dl and dl[0][0] <= now:
             at, sid = heapq.heappop(dl)
-            ls = self.host.registry.get(sid)
+            ls = self.registry.get(sid)
             if ls is None or ls.expires_at != at or sid in creating or ls.state != "running":
                 continue  # gone, stopping, or its timeout was changed (a newer entry is in the heap)
             log.info("sandbox_timeout", sandbox_id=sid)
@@ -105,8 +117,9 @@ class Reaper:
             return
         self._lease_checked = now
         if self._kv_leases is None:
-            assert self.host.js is not None
-            self._kv_leases = await KV.open(self.host.js, S.KV_LEASES, codec.LEASE)
+            js = self._js()
+            assert js is not None
+            self._kv_leases = await KV.open(js, S.KV_LEASES, codec.LEASE)
         for key, ids in list(self._leased.items()):
             e = await self._kv_leases.entry(key)
             rev = e.revision if e is not None else 0
@@ -114,8 +127,8 @@ class Reaper:
             if seen is None or seen[0] != rev:
                 seen = self._lease_seen[key] = (rev, now)
             for sid in list(ids):
-                ls = self.host.registry.get(sid)
-                if ls is None or sid in self.host.intake.creating or ls.state != "running":
+                ls = self.registry.get(sid)
+                if ls is None or sid in self.creating or ls.state != "running":
                     continue
                 if now - max(seen[1], ls.started_at) > ls.spec.lease_s:
                     log.info("lease_expired", sandbox_id=sid, lease_key=key)
@@ -133,17 +146,17 @@ class Reaper:
 
     def begin(self, sid: str, reason: str) -> "asyncio.Task[bool] | None":
         """Record the intent (local state file, at once) and start a round of teardown unless one runs."""
-        ls = self.host.registry.get(sid)
+        ls = self.registry.get(sid)
         if ls is None:
             return None
         if ls.state != "stopping":
             ls.state = "stopping"
             ls.end_reason = reason
-            self.host.registry.save(ls)
+            self.registry.save(ls)
         t = self.teardowns.get(sid)
         if t is None or t.done():
             t = self.teardowns[sid] = asyncio.ensure_future(self._teardown(ls))
-            t.add_done_callback(lambda _t, sid=sid: self._ended(sid, _t))
+            t.add_done_callback(functools.partial(self._ended, sid))
         return t
 
     def _ended(self, sid: str, t: "asyncio.Task[bool]") -> None:
@@ -154,7 +167,7 @@ class Reaper:
         """Start a round for every stopping sandbox that has none running (after a restart, or a
         round that ran out); returns how many."""
         n = 0
-        for sid, ls in list(self.host.registry.live.items()):
+        for sid, ls in list(self.registry.live.items()):
             if ls.state == "stopping" and sid not in self.teardowns:
                 self.begin(sid, ls.end_reason)
                 n += 1
@@ -162,7 +175,7 @@ class Reaper:
 
     def lose(self, sid: str, why: str) -> None:
         """The sandbox is gone behind our back: remove what is left of it, then record it ``lost``."""
-        ls = self.host.registry.get(sid)
+        ls = self.registry.get(sid)
         if ls is None or ls.state == "stopping":
             return
         log.warning("sandbox_lost", sandbox_id=sid, why=why)
@@ -170,20 +183,19 @@ class Reaper:
         self.begin(sid, LOST)
 
     async def _teardown(self, ls: LocalSandbox) -> bool:
-        host = self.host
         sid = ls.spec.sandbox_id
         if ls.end_reason not in QUIET:
             try:  # readers see it stopping at once; the local state file is the durable intent
-                await host.records.record(ls, "stopping", end_reason=ls.end_reason)
+                await self.records.record(ls, "stopping", end_reason=ls.end_reason)
             except Exception as exc:  # noqa: BLE001 - the final record is the one that must be stored
                 log.warning("stopping_record_failed", sandbox_id=sid, error=str(exc))
-        await host.ports.drop(sid)  # relayed connections end with the kill, not with the teardown
+        await self.ports.drop(sid)  # relayed connections end with the kill, not with the teardown
         delay = self.retry_base_s
         why = ""
         for attempt in range(1, self.attempts + 1):
             try:
-                await host.backend.destroy(sid)
-                left = await host.backend.leftovers(sid)
+                await self.backend.destroy(sid)
+                left = await self.backend.leftovers(sid)
                 if not left:
                     await self._finish(ls)
                     return True
@@ -201,22 +213,21 @@ class Reaper:
 
     async def _finish(self, ls: LocalSandbox) -> None:
         """Everything is gone: the record says so, then the event, then the local intent is dropped."""
-        host = self.host
         sid = ls.spec.sandbox_id
         reason = ls.end_reason or "user"
         if reason not in QUIET:
             if reason == LOST:
-                await host.records.record(ls, "lost", end_reason=ls.extra.get("lost", LOST))
-                await host.records.event(ls.spec, "lost", err=InternalError(ls.extra.get("lost", "the sandbox was lost")))
+                await self.records.record(ls, "lost", end_reason=ls.extra.get("lost", LOST))
+                await self.records.event(ls.spec, "lost", err=InternalError(ls.extra.get("lost", "the sandbox was lost")))
             else:
-                await host.records.record(ls, "gone", end_reason=reason)
+                await self.records.record(ls, "gone", end_reason=reason)
                 if reason == "timeout":
-                    await host.records.event(ls.spec, "timeout")
-                await host.records.event(ls.spec, "killed", detail={"reason": reason})
-        host.registry.remove(sid)
-        host.registry.forget(sid)
-        host.execio.forget(sid)
-        await host.ops.unserve(sid)
+                    await self.records.event(ls.spec, "timeout")
+                await self.records.event(ls.spec, "killed", detail={"reason": reason})
+        self.registry.remove(sid)
+        self.registry.forget(sid)
+        self.execio.forget(sid)
+        await self._unserve(sid)
 
     async def stop(self) -> None:
         """Host shutdown: rounds in progress stop; their intents stay in the local state files."""

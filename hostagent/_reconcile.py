@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
+from nats.js import JetStreamContext
 
 from bus.errors import InternalError
 
-from ._backend import Handle
-
-if TYPE_CHECKING:
-    from ._service import HostAgent
+from ._backend import Backend, Handle
+from ._ops import OpsEndpoint
+from ._reaper import Reaper
+from ._records import Records
+from ._registry import Registry
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -29,8 +32,20 @@ _SWEEP_CONCURRENCY = 64
 
 
 class Reconciler:
-    def __init__(self, host: "HostAgent", *, period_s: float = 10.0, kv_sweep_every: int = 6) -> None:
-        self.host = host
+    def __init__(
+        self, host_id: str, registry: Registry, records: Records, backend: Backend, reaper: Reaper, ops: OpsEndpoint,
+        creating: dict[str, asyncio.Future[None]], js: Callable[[], JetStreamContext | None], pause: Callable[[float], Awaitable[bool]],
+        *, period_s: float = 10.0, kv_sweep_every: int = 6,
+    ) -> None:
+        self.host_id = host_id
+        self.registry = registry
+        self.records = records
+        self.backend = backend
+        self.reaper = reaper
+        self.ops = ops
+        self.creating = creating  # sandboxes being made (the intake's)
+        self._js = js
+        self._pause = pause  # the service's stop-aware sleep
         self.period_s = period_s
         self.kv_sweep_every = kv_sweep_every  # passes between sweeps of the KV records (0: only at start)
         self.passes = 0
@@ -39,50 +54,48 @@ class Reconciler:
     # --- at start ------------------------------------------------------------------------------------
     async def recover(self) -> None:
         """Rebuild the live table from the local state files and what the backend still runs."""
-        host = self.host
-        known = host.registry.load()
+        known = self.registry.load()
         if known:
-            alive = await host.backend.recover({sid: Handle(sid, ls.pid, dict(ls.extra)) for sid, ls in known.items()})
+            alive = await self.backend.recover({sid: Handle(sid, ls.pid, dict(ls.extra)) for sid, ls in known.items()})
         else:
-            alive = await host.backend.recover({}) if host.registry.persist else {}
+            alive = await self.backend.recover({}) if self.registry.persist else {}
         for sid, ls in known.items():
             h = alive.get(sid)
             if h is not None:
                 ls.pid = h.pid
-            host.registry.add(ls, h or Handle(sid, ls.pid, dict(ls.extra)))
-            await host.ops.serve(sid)
+            self.registry.add(ls, h or Handle(sid, ls.pid, dict(ls.extra)))
+            await self.ops.serve(sid)
             if ls.state == "stopping":
                 log.info("kill_resumed", sandbox_id=sid, reason=ls.end_reason)
             elif h is not None:
-                await host.records.event(ls.spec, "recovered")
+                await self.records.event(ls.spec, "recovered")
                 log.info("recovered", sandbox_id=sid, pid=h.pid)
             else:
-                host.reaper.lose(sid, "the sandbox was lost while the host agent was down")
-        host.reaper.resume()
-        if host.registry.persist:
+                self.reaper.lose(sid, "the sandbox was lost while the host agent was down")
+        self.reaper.resume()
+        if self.registry.persist:
             await self.sweep_records()
 
     # --- periodically ------------------------------------------------------------------------------------
     async def loop(self) -> None:
-        while not await self.host.pause(self.period_s):
+        while not await self._pause(self.period_s):
             try:
                 await self.run_pass()
             except Exception as exc:  # noqa: BLE001 - containerd or NATS unavailable: next period
                 log.warning("reconcile_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def run_pass(self) -> dict[str, Any]:
-        host = self.host
         t0, c0 = time.perf_counter(), time.process_time()
-        live, creating = host.registry.live, host.intake.creating
+        live, creating = self.registry.live, self.creating
         running = {sid: ls.pid for sid, ls in live.items() if ls.state != "stopping" and sid not in creating}
-        lost, removed = await host.backend.reconcile(lambda sid: sid in live or sid in creating, running)
+        lost, removed = await self.backend.reconcile(lambda sid: sid in live or sid in creating, running)
         for sid in lost:
-            if sid in host.registry.live and sid not in host.intake.creating:  # still held, and not being created again
-                host.reaper.lose(sid, "its container is gone")
-        resumed = host.reaper.resume()
+            if sid in self.registry.live and sid not in self.creating:  # still held, and not being created again
+                self.reaper.lose(sid, "its container is gone")
+        resumed = self.reaper.resume()
         self.passes += 1
         swept = 0
-        if host.registry.persist and self.kv_sweep_every and self.passes % self.kv_sweep_every == 0:
+        if self.registry.persist and self.kv_sweep_every and self.passes % self.kv_sweep_every == 0:
             swept = await self.sweep_records()
         self.last = {
             "sandboxes": len(live), "lost": len(lost), "orphans_removed": len(removed), "resumed": resumed, "records_lost": swept,
@@ -94,14 +107,13 @@ class Reconciler:
 
     async def sweep_records(self) -> int:
         """Records naming this host as the owner of a live sandbox it does not hold become ``lost``."""
-        host = self.host
-        assert host.js is not None and host.records.kv is not None
-        kv = host.records.kv
+        assert self._js() is not None and self.records.kv is not None
+        kv = self.records.kv
         sem = asyncio.Semaphore(_SWEEP_CONCURRENCY)
         marked = 0
 
         def held(sid: str) -> bool:
-            return sid in host.registry.live or sid in host.intake.creating
+            return sid in self.registry.live or sid in self.creating
 
         async def one(sid: str) -> None:
             nonlocal marked
@@ -109,13 +121,13 @@ class Reconciler:
                 return
             async with sem:
                 e = await kv.entry(sid)
-                if e is None or e.value.host_id != host.host_id or e.value.state not in _LIVE_RECORD_STATES or held(sid):
+                if e is None or e.value.host_id != self.host_id or e.value.state not in _LIVE_RECORD_STATES or held(sid):
                     return
                 rec = e.value
                 rec.state, rec.ended_at, rec.end_reason = "lost", time.time(), "no such sandbox on its host"
                 if not await kv.update(sid, rec, last=e.revision):  # a record rewritten meanwhile (a finishing kill) wins
                     return
-                await host.records.event(rec.spec, "lost", err=InternalError("the sandbox's host holds no such sandbox"))
+                await self.records.event(rec.spec, "lost", err=InternalError("the sandbox's host holds no such sandbox"))
                 log.warning("record_lost", sandbox_id=sid)
                 marked += 1
 

@@ -15,18 +15,22 @@ from nats.js import JetStreamContext
 from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError, InternalError
-from bus.messages import SANDBOX_ENDED, SandboxRecord, SandboxSpec
+from bus.messages import SANDBOX_ENDED, HostEventKind, SandboxEventKind, SandboxRecord, SandboxSpec, SandboxState
 from bus.runtime import KV, Claim, Events, Publisher, StoreError, dead_letter, publisher_for
 
-from ._snapshots import resumes
 from ._registry import LocalSandbox
 
 log = structlog.get_logger("dsec.hostagent")
 
 # Record states (bus.messages.SandboxRecord). A claim is a record in CLAIM_STATE; this host takes an id
 # back whose record it wrote itself in one of OURS (an earlier delivery of the same work).
-CLAIM_STATE = "creating"
+CLAIM_STATE: SandboxState = "creating"
 OURS = ("placed", "creating", "running")
+
+
+def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
+    """True when ``spec`` is the resume of the persisted pause ``cur`` records (so it may take the id)."""
+    return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
 
 
 class Records:
@@ -44,14 +48,14 @@ class Records:
         self.kv = await KV.open(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
 
     # --- records ---------------------------------------------------------------------------------
-    def record_of(self, ls: LocalSandbox, state: str, *, end_reason: str = "") -> SandboxRecord:
+    def record_of(self, ls: LocalSandbox, state: SandboxState, *, end_reason: str = "") -> SandboxRecord:
         return SandboxRecord(
             spec=ls.spec, state=state, host_id=self.host_id, created_at=ls.spec.requested_at,
             ready_at=ls.started_at, expires_at=ls.expires_at,
             ended_at=time.time() if state in SANDBOX_ENDED else 0.0, end_reason=end_reason,
         )
 
-    async def record(self, ls: LocalSandbox, state: str, *, end_reason: str = "") -> None:
+    async def record(self, ls: LocalSandbox, state: SandboxState, *, end_reason: str = "") -> None:
         """Store the sandbox's record (acked: raises InternalError when not stored)."""
         await self.put(self.record_of(ls, state, end_reason=end_reason))
 
@@ -107,7 +111,7 @@ class Records:
 
     # --- events ------------------------------------------------------------------------------------
     async def event(
-        self, spec: SandboxSpec, kind: str, *, attempt: int = 0, err: DsecError | None = None,
+        self, spec: SandboxSpec, kind: SandboxEventKind, *, attempt: int = 0, err: DsecError | None = None,
         detail: dict[str, str] | None = None, acked: bool = True, reply: bool = True, host_id: str | None = None,
     ) -> None:
         """An acked sandbox event (de-duplicated per attempt; ready/failed also reach the creating
@@ -124,7 +128,7 @@ class Records:
         assert self.events is not None
         await self.events.ready_many(specs, attempt)
 
-    async def host_event(self, kind: str) -> None:
+    async def host_event(self, kind: HostEventKind) -> None:
         assert self.events is not None
         await self.events.host(self.host_id, kind)
 
@@ -140,4 +144,4 @@ class Records:
         await self.publisher.store(subject, data, {S.HDR_MSG_ID: msg_id})
 
 
-__all__ = ["Records", "CLAIM_STATE", "OURS"]
+__all__ = ["Records", "CLAIM_STATE", "OURS", "resumes"]

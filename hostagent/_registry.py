@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import structlog
@@ -18,14 +18,16 @@ from ._backend import Handle
 
 log = structlog.get_logger("dsec.hostagent")
 
+LocalState = Literal["running", "paused", "stopping"]
+
 _state_json = msgspec.json.Encoder()
 
 
 class LocalSandbox(msgspec.Struct, kw_only=True):
     """What this host keeps on disk about one sandbox, to recover after a crash.
 
-    ``state`` is ``running`` or ``stopping``: a stopping sandbox is a durable kill intent (its
-    ``end_reason`` says why) that the reaper retries until every resource is gone.
+    ``state``: ``running``; ``paused`` (frozen in place, resumed by the ``resume`` op); or ``stopping``,
+    a durable kill intent (its ``end_reason`` says why) that the reaper retries until every resource is gone.
     """
 
     spec: SandboxSpec
@@ -33,7 +35,7 @@ class LocalSandbox(msgspec.Struct, kw_only=True):
     extra: dict[str, Any] = {}
     started_at: float = 0.0
     expires_at: float = 0.0
-    state: str = "running"
+    state: LocalState = "running"
     end_reason: str = ""
 
 
@@ -122,4 +124,4 @@ class Registry:
         return known
 
 
-__all__ = ["LocalSandbox", "Registry"]
+__all__ = ["LocalSandbox", "LocalState", "Registry"]

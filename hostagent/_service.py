@@ -1,35 +1,37 @@
 """The host agent: wiring of its parts (registry, records, intake, reaper, reconcile, ops endpoint) into
-one service, with heartbeats."""
+one service, with heartbeats. Each part is given what it uses, never the agent itself."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import HostStatus
+from bus.messages import HostBackend, HostStatus
 from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all
 
 from . import _storage as storage
-from ._backend import Backend, Handle
+from ._backend import Backend, Capabilities, Handle
+from ._config import HostAgentConfig
 from ._execio import ExecIO
-from ._ports import PortRelay
 from ._intake import Intake
 from ._metrics import HostMetrics
 from ._ops import OpsEndpoint
+from ._ports import PortRelay
 from ._profiles import ProfileCache
 from ._reaper import Reaper
 from ._reconcile import Reconciler
 from ._records import Records
-from ._snapshots import Snapshots
 from ._registry import LocalSandbox, Registry
+from ._snapshots import Snapshots
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -40,59 +42,57 @@ class HostAgent(Service):
     name = "hostagent"
 
     def __init__(
-        self,
-        backend: Backend,
-        *,
-        nats_url: str | None = None,
-        host_id: str | None = None,
-        data_dir: str = "/var/lib/dsec",
-        concurrency: int = 8,
-        heartbeat_s: float = 2.0,
-        pool: str = "default",
-        cpu_overcommit: float = 50.0,
-        mem_overcommit: float = 1.0,
-        max_sandboxes: int = 0,
-        persist_state: bool = True,
-        destroy_on_shutdown: bool = False,
+        self, backend: Backend, config: HostAgentConfig | None = None, *, connection: Any = None,
         stream_options: StreamOptions = StreamOptions(),
-        connection: Any = None,
-        grace_s: float = 10.0,
-        control_key: bytes | None = None,
-        reconcile_s: float = 10.0,
-        kill_wait_s: float = 10.0,
     ) -> None:
-        super().__init__(nats_url, grace_s=grace_s)
+        config = config or HostAgentConfig()
+        super().__init__(config.nats_url, grace_s=config.grace_s)
+        self.config = config
         self.backend = backend
-        self.control_key = control_key  # with a key, only work placement signed runs (bus.sign)
-        self.host_id = host_id or socket.gethostname().split(".")[0].replace("_", "-")
+        self.caps = Capabilities.of(backend)  # its optional abilities, looked up once
+        self.host_id = config.host_id
         if not S.valid_token(self.host_id):
             raise ValueError(f"host id {self.host_id!r} must be 1-128 of [A-Za-z0-9_-]")
-        self.data_dir = Path(data_dir)
-        self.concurrency = concurrency
-        self.heartbeat_s = heartbeat_s
-        self.pool = pool
-        self.cpu_overcommit = cpu_overcommit
-        self.mem_overcommit = mem_overcommit
-        self.max_sandboxes = max_sandboxes
-        self.persist_state = persist_state
-        self.destroy_on_shutdown = destroy_on_shutdown
+        self.data_dir = Path(config.data_dir)
         self.stream_options = stream_options
+        self.metrics_port = config.metrics_port
         self._shared_nc = connection
-        self.profiles: ProfileCache | None = None  # guard's security profiles (backends that enforce them)
-        self.registry = Registry(self.data_dir / "hosts" / self.host_id / "sandboxes", persist=persist_state)
+        # guard's security profiles, watched in KV (backends that enforce them)
+        self.profiles: ProfileCache | None = ProfileCache() if self.caps.enforces_profiles else None
+        self.registry = Registry(self.data_dir / "hosts" / self.host_id / "sandboxes", persist=config.persist_state)
         self.records = Records(self.host_id)
-        self.intake = Intake(self)
-        self.reaper = Reaper(self, kill_wait_s=kill_wait_s)
-        self.reconciler = Reconciler(self, period_s=reconcile_s)
-        self.ops = OpsEndpoint(self)
-        self.m = HostMetrics(self)  # Prometheus metrics: creates, their latency, ops, sandboxes, memory and CPU
-        self.execio = ExecIO(backend, lambda: self.nc, self.host_id)  # exec streaming, background processes, watches
-        self.snapshots = Snapshots(self)  # snapshot, fork, pause/resume; restores from snapshots
-        self.ports = PortRelay(lambda: self.nc)  # sandbox ports relayed over NATS (the gateway's get_host)
+        self.ports = PortRelay(self._connection)  # sandbox ports relayed over NATS (the gateway's get_host)
+        self.execio = ExecIO(backend, self.caps, self._connection, self.host_id)  # exec streaming, background processes, watches
+        creating: dict[str, asyncio.Future[None]] = {}  # sandboxes being made now (the intake's)
+        self.m = HostMetrics(self.metrics, creating, self.registry, self._status)  # Prometheus metrics
+        storage.register_metrics(self.metrics, self.data_dir)  # the data dir's free space
+        self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m)
+        self.reaper = Reaper(
+            self.registry, self.records, backend, creating, self.execio, self.ports, self.ops.unserve, self._jetstream,
+            kill_wait_s=config.kill_wait_s,
+        )
+        self.snapshots = Snapshots(  # snapshot, fork, pause/resume; restores from snapshots
+            self.host_id, self.data_dir, self.caps, self.registry, self.records, self.reaper.kill, self.profiles, self._connection, self._jetstream,
+        )
+        self.ops.bind(self.reaper, self.snapshots)  # (they unserve through it: bound once both exist)
+        self.intake = Intake(
+            config, backend, self.caps, self.profiles, self.registry, self.records, self.reaper, self.ops, self.snapshots, self.m, creating,
+            stream_options.dedup_window_s,
+        )
+        self.reconciler = Reconciler(
+            self.host_id, self.registry, self.records, backend, self.reaper, self.ops, creating, self._jetstream, self.pause,
+            period_s=config.reconcile_s,
+        )
         self.registry.observers.append(self.reaper.observe)
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0
+
+    def _connection(self) -> NATS | None:
+        return self.nc
+
+    def _jetstream(self) -> JetStreamContext | None:
+        return self.js
 
     # The live table, as tests, benchmarks and the simulated hosts read it.
     @property
@@ -125,16 +125,14 @@ class HostAgent(Service):
         self.ops.start(self.nc)
         self._kv_hosts = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self.intake.kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
-        if getattr(self.backend, "enforces_profiles", False):
-            # guard's profiles, watched in KV; built-in copies until guard has written them
-            self.profiles = ProfileCache()
+        if self.profiles is not None:  # built-in copies until guard has written them
             await self.profiles.start(self.js)
         self.registry.ensure_dir()
         await self.backend.start()
         await self.reconciler.recover()
         # Before the first heartbeat: placement hands work to a host as soon as it sees one. What waits
         # for a slot waits here (placement holds each request until this host answers, bus.runtime.handoff).
-        await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.concurrency, name=f"host-{self.host_id}")
+        await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.config.concurrency, name=f"host-{self.host_id}")
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), name="heartbeat")
         self.spawn(self._tick_loop(), name="reaper")
@@ -142,7 +140,7 @@ class HostAgent(Service):
         await self.records.host_event("up")
 
     async def teardown(self) -> None:
-        if self.destroy_on_shutdown and self.registry.live:
+        if self.config.destroy_on_shutdown and self.registry.live:
             for sid in list(self.registry.live):
                 self.reaper.begin(sid, "host-shutdown")
             if self.reaper.teardowns:
@@ -172,32 +170,37 @@ class HostAgent(Service):
     def _status(self) -> HostStatus:
         cap = self.backend.capacity()
         reg = self.registry
+        cfg = self.config
         return HostStatus(
             host_id=self.host_id,
             backend=self.backend.name,
             at=time.time(),
-            pool=self.pool,
-            cpu_total=float(cap["cpu_total"]),
-            mem_total_mb=int(cap["mem_total_mb"]),
-            disk_total_mb=int(cap["disk_total_mb"]),
+            pool=cfg.pool,
+            cpu_total=float(cap.cpu_total),
+            mem_total_mb=int(cap.mem_total_mb),
+            disk_total_mb=int(cap.disk_total_mb),
             cpu_alloc=reg.alloc.cpu,
             mem_alloc_mb=int(reg.alloc.mem_mb),
             mem_resident_mb=self._resident_mb,
             disk_alloc_mb=int(reg.alloc.disk_mb),
             cpu_busy=self._cpu_busy,
             sandboxes=len(reg),
-            max_sandboxes=self.max_sandboxes,
-            concurrency=self.concurrency,
-            layers=self._cached_layers(),
-            cpu_overcommit=self.cpu_overcommit,
-            mem_overcommit=self.mem_overcommit,
+            max_sandboxes=cfg.max_sandboxes,
+            concurrency=cfg.concurrency,
+            layers=self.caps.layer_cache.cached_layers() if self.caps.layer_cache is not None else [],
+            cpu_overcommit=cfg.cpu_overcommit,
+            mem_overcommit=cfg.mem_overcommit,
             cpu_alloc_ls=reg.alloc.cpu_ls,
+            backends=self._backends(),
             disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
         )
 
-    def _cached_layers(self) -> list[str]:
-        cached = getattr(self.backend, "cached_layers", None)
-        return list(cached()) if cached else []
+    def _backends(self) -> list[HostBackend]:
+        """What the heartbeat advertises: each backend this host runs, its limits and probe details."""
+        b = self.backend.advertise()
+        if self.caps.warm_pool is not None:
+            b.detail = {**b.detail, "warm": str(self.caps.warm_pool.warm_ready())}
+        return [b]
 
     async def _heartbeat(self) -> None:
         if self._kv_hosts is None:
@@ -210,7 +213,7 @@ class HostAgent(Service):
         await self._kv_hosts.put(self.host_id, self._status())
 
     async def _heartbeat_loop(self) -> None:
-        while not await self.pause(self.heartbeat_s):
+        while not await self.pause(self.config.heartbeat_s):
             try:
                 await self._heartbeat()
             except Exception as exc:  # noqa: BLE001

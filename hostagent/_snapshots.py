@@ -15,11 +15,14 @@ import os
 import shutil
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import nats.errors
 import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -27,13 +30,13 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import (
     InvalidArgument,
-    NotSupported,
     SandboxNotRunning,
     SnapshotUnsupported,
     Unavailable,
     UnknownSnapshot,
 )
 from bus.messages import (
+    SnapshotEventKind,
     MAX_FORK_COUNT,
     Done,
     LayerRef,
@@ -48,15 +51,13 @@ from bus.messages import (
 )
 from bus.streams import ensure_kv
 
-from . import _freezer as fz
 from . import _storage as storage
 from . import _upperdiff as snap
-from ._containerd import CGROUP_PARENT
+from ._backend import Capabilities, Handle
+from ._profiles import ProfileCache
+from ._records import Records, resumes
+from ._registry import LocalSandbox, Registry
 from ._rootfs import RootfsLayout
-
-if TYPE_CHECKING:
-    from ._backend import Handle
-    from ._service import HostAgent, LocalSandbox
 
 log = structlog.get_logger("dsec.hostagent.snapshots")
 
@@ -69,21 +70,29 @@ def new_snapshot_id() -> str:
     return f"snap-{uuid.uuid4().hex[:20]}"
 
 
-def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
-    """True when ``spec`` is the resume of the persisted pause ``cur`` records (so it may take the id)."""
-    return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
-
-
 class Snapshots:
-    def __init__(self, agent: "HostAgent") -> None:
-        self.agent = agent
+    def __init__(
+        self, host_id: str, data_dir: str | os.PathLike[str], caps: Capabilities, registry: Registry, records: Records,
+        kill: Callable[[str, str], Awaitable[bool]], profiles: ProfileCache | None, nc: Callable[[], NATS | None],
+        js: Callable[[], JetStreamContext | None],
+    ) -> None:
+        self.host_id = host_id
+        self.data_dir = data_dir
+        self.caps = caps  # the backend's abilities: freezing, checkpoints
+        self.registry = registry
+        self.records = records
+        self._kill = kill  # the reaper's kill (a persisted pause ends the sandbox here)
+        self.profiles = profiles
+        self._nc = nc
+        self._js = js
         self._kv: KeyValue | None = None
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def kv(self) -> KeyValue:
         if self._kv is None:
-            assert self.agent.js is not None
-            self._kv = await ensure_kv(self.agent.js, S.KV_SNAPSHOTS)
+            js = self._js()
+            assert js is not None
+            self._kv = await ensure_kv(js, S.KV_SNAPSHOTS)
         return self._kv
 
     async def get(self, snapshot_id: str) -> SnapshotRecord:
@@ -95,7 +104,8 @@ class Snapshots:
             raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r}", snapshot_id=snapshot_id) from None
         if not entry.value:
             raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r} (removed)", snapshot_id=snapshot_id)
-        return codec.SNAPSHOT.decode(entry.value)
+        rec: SnapshotRecord = codec.SNAPSHOT.decode(entry.value)
+        return rec
 
     # --- restore -----------------------------------------------------------------------------------
     async def restore_plan(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> tuple[list[LayerRef], LayerRef | None]:
@@ -107,7 +117,7 @@ class Snapshots:
         # A layer's path is where the host that packed it keeps the blob. It is used only under this
         # host's own data dir, where a blobs/<digest> file can only be that very blob; anywhere else
         # the layer comes through the lazy loader, fetched as it is read.
-        mine = os.path.join(os.path.realpath(self.agent.data_dir), "")
+        mine = os.path.join(os.path.realpath(self.data_dir), "")
         own = [lay if lay.path and os.path.realpath(lay.path).startswith(mine) else msgspec.structs.replace(lay, path="") for lay in rec.layers]
         return [*template_layers, *own], rec.memory_layer
 
@@ -115,18 +125,18 @@ class Snapshots:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
         spec = ls.spec
         ls.extra[LAST] = spec.snapshot
-        self.agent.registry.save(ls)
+        self.registry.save(ls)
         await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
 
     # --- ops --------------------------------------------------------------------------------------
-    def _container(self, handle: "Handle") -> tuple[str, str]:
-        if self.agent.backend.name != "container":
-            raise NotSupported(f"snapshots need the container backend, this host runs {self.agent.backend.name!r}")
-        return f"{CGROUP_PARENT}/{handle.extra.get('cid') or handle.sandbox_id}", handle.extra["dir"]
+    def _container(self, handle: "Handle") -> tuple["Handle", str]:
+        """What is frozen (the sandbox, through the backend's freezer) and its scratch dir."""
+        return handle, self.caps.need_freezer().scratch_dir(handle)
 
-    async def _freeze(self, handle: "Handle", cgroup: str) -> None:
-        await self.agent.backend.before_freeze(handle)  # type: ignore[attr-defined]  # its idle agent connections closed first
-        await fz.freeze(cgroup)
+    async def _freeze(self, handle: "Handle", cgroup: "Handle") -> None:
+        freezer = self.caps.need_freezer()
+        await freezer.before_freeze(handle)  # its idle agent connections closed first
+        await freezer.freeze(cgroup)
 
     async def snapshot(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
         if ls.state != "running":
@@ -145,9 +155,10 @@ class Snapshots:
 
     def _memory_supported(self, ls: "LocalSandbox") -> None:
         """Raise ``snapshot_unsupported`` for what CRIU cannot checkpoint and restore faithfully here."""
+        self.caps.need_checkpointer()  # before anything is frozen: a backend that dumps no processes
         if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
             raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
-        prof = self.agent.profiles.get(ls.spec.profile or "default") if self.agent.profiles is not None else None
+        prof = self.profiles.get(ls.spec.profile or "default") if self.profiles is not None else None
         if prof is not None and prof.fs.landlock:
             # CRIU knows nothing of Landlock: a restored process would run unconfined, and its parasite
             # cannot even reach CRIU from inside a domain that scopes abstract unix sockets (EPERM).
@@ -159,7 +170,6 @@ class Snapshots:
             raise SnapshotUnsupported("memory snapshots of a sandbox with network egress (a host-made veth) are not supported")
 
     async def _take(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
-        agent = self.agent
         sid = ls.spec.sandbox_id
         snap_id = req.snapshot_id or new_snapshot_id()
         if not S.valid_token(snap_id):
@@ -179,17 +189,17 @@ class Snapshots:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
         stage = os.path.join(sdir, snap.STAGE_NAME)
-        budget = await storage.snapshot_budget(agent.js, ls.spec, agent.data_dir)  # quota_exceeded / no_space before anything is staged
+        budget = await storage.snapshot_budget(self._js(), ls.spec, self.data_dir)  # quota_exceeded / no_space before anything is staged
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
-        already = fz.frozen(cgroup)  # a frozen pause stays frozen
+        already = self.caps.need_freezer().frozen(cgroup)  # a frozen pause stays frozen
         if not already:
             await self._freeze(handle, cgroup)
         t_frozen = time.perf_counter()
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
             diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
-            await storage.admit(budget, agent.data_dir, stage if diff.entries else None, cgroup if req.memory else None)  # ... nor packed
+            await storage.admit(budget, self.data_dir, stage if diff.entries else None, handle if req.memory else None)  # ... nor packed
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
@@ -201,24 +211,24 @@ class Snapshots:
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:
-                await fz.thaw(cgroup)
+                await self.caps.need_freezer().thaw(cgroup)
         frozen_ms = (time.perf_counter() - t_frozen) * 1000
         layers = [*chain, packed.ref] if packed is not None else list(chain)
         added = (packed.uploaded_bytes if packed else 0) + (memory.uploaded_bytes if memory else 0)
         rec = SnapshotRecord(
             snapshot_id=snap_id, sandbox_id=sid, template=ls.spec.template, created_at=time.time(), parent_id=parent_id,
-            name=req.name, host_id=agent.host_id, layers=layers, bytes_added=added,
+            name=req.name, host_id=self.host_id, layers=layers, bytes_added=added,
             memory=memory is not None, memory_layer=memory.ref if memory else None, metadata=dict(req.metadata), spec=ls.spec,
         )
         try:
             await (await self.kv()).create(snap_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
             raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
-        await storage.release_pins(agent.js, [p.ref.digest for p in (packed, memory) if p is not None])
+        await storage.release_pins(self._js(), [p.ref.digest for p in (packed, memory) if p is not None])
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
         await asyncio.to_thread(snap.save_index, sdir, index)
         ls.extra[LAST] = snap_id
-        agent.registry.save(ls)
+        self.registry.save(ls)
         await self._event(snap_id, "created", sandbox_id=sid, parent_id=parent_id, metadata=rec.metadata, detail={
             "bytes_added": str(rec.bytes_added), "layer": packed.ref.digest if packed else "", "entries": str(diff.entries),
             "whiteouts": str(diff.whiteouts), "frozen_ms": f"{frozen_ms:.1f}", "ms": f"{(time.perf_counter() - t0) * 1000:.1f}",
@@ -228,12 +238,13 @@ class Snapshots:
 
     async def _dump_memory(self, handle: "Handle", snap_id: str, budget: storage.Budget | None = None) -> PackedLayer:
         """CRIU's dump of the (frozen) sandbox, packed as a layer like the files."""
-        root = os.path.join(self.agent.data_dir, "criu", snap_id)
+        checkpointer = self.caps.need_checkpointer()
+        root = os.path.join(self.data_dir, "criu", snap_id)
         img, work = os.path.join(root, "img"), os.path.join(root, "work")
         try:
             os.makedirs(img)
             os.makedirs(work)
-            await self.agent.backend.checkpoint(handle, img, work)  # type: ignore[attr-defined]
+            await checkpointer.checkpoint(handle, img, work)
             if budget is not None:
                 budget.charge_dump(await asyncio.to_thread(storage.staged_bytes, img))
             return await self._pack(img, role="memory")
@@ -241,14 +252,14 @@ class Snapshots:
             await asyncio.to_thread(shutil.rmtree, root, True)
 
     async def _pack(self, stage: str, role: str = "snapshot") -> PackedLayer:
-        nc = self.agent.nc
+        nc = self._nc()
         assert nc is not None
         try:
-            msg = await nc.request(S.host_pack(self.agent.host_id), codec.encode(PackDirectory(path=stage, role=role)), timeout=PACK_TIMEOUT_S)
+            msg = await nc.request(S.host_pack(self.host_id), codec.encode(PackDirectory(path=stage, role=role)), timeout=PACK_TIMEOUT_S)
         except nats.errors.NoRespondersError:
-            raise Unavailable(f"no lazy loader answers on host {self.agent.host_id}: snapshots need it to pack layers") from None
+            raise Unavailable(f"no lazy loader answers on host {self.host_id}: snapshots need it to pack layers") from None
         except nats.errors.TimeoutError:
-            raise Unavailable(f"the lazy loader on host {self.agent.host_id} did not pack the snapshot within {PACK_TIMEOUT_S:g}s") from None
+            raise Unavailable(f"the lazy loader on host {self.host_id} did not pack the snapshot within {PACK_TIMEOUT_S:g}s") from None
         return codec.decode_reply(msg.data, PackedLayer)
 
     async def pause(self, ls: "LocalSandbox", handle: "Handle", req: PauseRequest) -> Any:
@@ -270,15 +281,15 @@ class Snapshots:
                 except BaseException:
                     ls.state = was
                     raise
-            if not await self.agent.reaper.kill(sid, "paused"):
+            if not await self._kill(sid, "paused"):
                 raise SnapshotUnsupported(f"sandbox {sid} was snapshotted ({rec.snapshot_id}) but its teardown is still pending", snapshot_id=rec.snapshot_id)
             self._locks.pop(sid, None)
             paused = SandboxRecord(
                 spec=ls.spec, state="paused", host_id="", created_at=ls.spec.requested_at, ready_at=ls.started_at,
                 expires_at=0.0, snapshot_id=rec.snapshot_id,
             )
-            await self.agent.records.put(paused)
-            await self.agent.records.event(ls.spec, "paused", detail={"snapshot_id": rec.snapshot_id, "persist": "true"})
+            await self.records.put(paused)
+            await self.records.event(ls.spec, "paused", detail={"snapshot_id": rec.snapshot_id, "persist": "true"})
             return rec
         if ls.state == "paused":
             return Done(detail="paused")
@@ -287,9 +298,9 @@ class Snapshots:
         await self._freeze(handle, cgroup)
         ls.state = "paused"
         ls.extra["paused"] = handle.extra["paused"] = True  # a restarted host agent keeps it frozen
-        self.agent.registry.save(ls)
-        await self.agent.records.record(ls, "paused")
-        await self.agent.records.event(ls.spec, "paused", detail={"persist": "false"})
+        self.registry.save(ls)
+        await self.records.record(ls, "paused")
+        await self.records.event(ls.spec, "paused", detail={"persist": "false"})
         return Done(detail="paused")
 
     async def resume(self, ls: "LocalSandbox", handle: "Handle") -> Done:
@@ -298,24 +309,23 @@ class Snapshots:
         if ls.state != "paused":
             raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}", state=ls.state)
         cgroup, _ = self._container(handle)
-        await fz.thaw(cgroup)
+        await self.caps.need_freezer().thaw(cgroup)
         ls.state = "running"
         ls.extra.pop("paused", None)
         handle.extra.pop("paused", None)
-        self.agent.registry.save(ls)
-        await self.agent.records.record(ls, "running")
-        await self.agent.records.event(ls.spec, "resumed")
+        self.registry.save(ls)
+        await self.records.record(ls, "running")
+        await self.records.event(ls.spec, "resumed")
         return Done(detail="running")
 
     # --- events -------------------------------------------------------------------------------------
-    async def _event(self, snapshot_id: str, kind: str, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
+    async def _event(self, snapshot_id: str, kind: SnapshotEventKind, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
                      detail: dict[str, str] | None = None) -> None:
-        assert self.agent.js is not None
         ev = SnapshotEvent(snapshot_id=snapshot_id, kind=kind, at=time.time(), sandbox_id=sandbox_id, parent_id=parent_id,
-                           host_id=self.agent.host_id, metadata=metadata or {}, detail=detail or {})
+                           host_id=self.host_id, metadata=metadata or {}, detail=detail or {})
         try:
-            assert self.agent.records.publisher is not None
-            await self.agent.records.publisher.store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
+            assert self.records.publisher is not None
+            await self.records.publisher.store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
         except Exception as exc:  # noqa: BLE001 - StoreError, timeout  # the snapshot stands; its provenance event is what is missing
             log.warning("snapshot_event_not_stored", snapshot_id=snapshot_id, kind=kind, error=str(exc))
 

@@ -169,11 +169,12 @@ async def snapshot_budget(js: Any, spec: SandboxSpec, data_dir: str | os.PathLik
     return await budget_for(js, spec)
 
 
-async def admit(budget: Budget, data_dir: str | os.PathLike[str], stage: str | None, cgroup: str | None) -> None:
-    """Charge what packing ``stage`` (and a CRIU dump of ``cgroup``, estimated) will add, and check the
-    data dir has room for it: ``quota_exceeded`` / ``no_space`` before anything is packed."""
+async def admit(budget: Budget, data_dir: str | os.PathLike[str], stage: str | None, dumped: Any = None) -> None:
+    """Charge what packing ``stage`` (and a CRIU dump of the sandbox ``dumped``, a Handle, estimated)
+    will add, and check the data dir has room for it: ``quota_exceeded`` / ``no_space`` before
+    anything is packed."""
     staged = await asyncio.to_thread(staged_bytes, stage) if stage else 0
-    budget.memory_estimate = memory_estimate(cgroup) if cgroup else 0
+    budget.memory_estimate = memory_estimate(dumped) if dumped is not None else 0
     budget.charge(staged + budget.memory_estimate)
     ensure_room(data_dir, staged + budget.memory_estimate, "snapshot")
 
@@ -199,8 +200,12 @@ async def release_pins(js: Any, digests: list[str]) -> None:
         log.debug("pins_not_released", error=str(exc))
 
 
-def memory_estimate(cgroup: str) -> int:
-    """What a CRIU dump of the cgroup will hold, about: its anonymous memory (cgroups v1 memory.stat)."""
+def memory_estimate(handle: Any) -> int:
+    """What a CRIU dump of a container sandbox will hold, about: its anonymous memory (cgroups v1
+    memory.stat); 0 for a sandbox without such a cgroup."""
+    from .backends.container.cgroups import cgroup_path
+
+    cgroup = cgroup_path(handle.extra.get("cid") or handle.sandbox_id)
     try:
         stat_text = Path("/sys/fs/cgroup/memory", cgroup.lstrip("/"), "memory.stat").read_text()
     except OSError:

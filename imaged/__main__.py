@@ -6,6 +6,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass, field
+
+from bus.config import METRICS_PORT, NATS_URL, add_flags, from_args, setting
+
+
+@dataclass(frozen=True)
+class ImagedConfig:
+    """``python -m imaged serve``'s settings."""
+
+    nats_url: str | None = field(default=None, metadata=NATS_URL)
+    data_dir: str | None = field(default=None, metadata=setting("where templates are built and kept", default_text="$DSEC_DATA_DIR, else /var/lib/dsec"))
+    base: bool = field(default=True, metadata=setting("build the busybox base template at start when it is missing"))
+    metrics_port: int | None = field(default=None, metadata=METRICS_PORT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,20 +33,14 @@ def main(argv: list[str] | None = None) -> int:
         return cli_main(argv)
     ap = argparse.ArgumentParser(prog="python -m imaged")
     sub = ap.add_subparsers(dest="cmd")
-    s = sub.add_parser("serve", help="run the image service")
-    s.add_argument("--data-dir", default=None)
-    s.add_argument("--nats-url", default=None)
-    s.add_argument("--no-base", action="store_true", help="do not build the busybox base template at start")
-    from bus.metrics import add_cli_flag
-
-    add_cli_flag(s)
+    add_flags(sub.add_parser("serve", help="run the image service"), ImagedConfig)
     sub.add_parser("lazy", help="run the host-side lazy loader (see python -m imaged.lazy --help)")
     sub.add_parser("image", help="dsec image ... commands")
-    args = ap.parse_args(argv or ["serve"])
+    cfg = from_args(ImagedConfig, ap.parse_args(argv or ["serve"]))
     from ._service import ImagedService
 
-    svc = ImagedService(args.nats_url, data_dir=args.data_dir, ensure_base=not args.no_base)
-    svc.metrics_port = args.metrics_port
+    svc = ImagedService(cfg.nats_url, data_dir=cfg.data_dir, ensure_base=cfg.base)
+    svc.metrics_port = cfg.metrics_port
     asyncio.run(svc.run())
     return 0
 

@@ -13,7 +13,7 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
-from bus.messages import ImageEvent, LayerRef, TemplateManifest
+from bus.messages import ImageEvent, ImageEventKind, LayerRef, TemplateManifest
 from bus.runtime import best_effort_event, kv_keys
 from bus.streams import ensure_kv
 
@@ -106,7 +106,7 @@ async def find_layer(js: JetStreamContext | None, store: BlobStore | None, diges
     return found, users
 
 
-async def publish_event(js: JetStreamContext | None, name: str, kind: str, **detail: str) -> None:
+async def publish_event(js: JetStreamContext | None, name: str, kind: ImageEventKind, **detail: str) -> None:
     """Publish an ImageEvent on dsec.evt.image.<name>.<kind> (best effort: events never fail the work)."""
     if js is None:
         return

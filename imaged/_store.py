@@ -25,10 +25,10 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError, ObjectNotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
 
 from bus import subjects as S
-from bus.errors import ImageError
+from bus.errors import ImageError, NoSpace
 from bus.messages import LayerRef
 from bus.runtime import nc_of
 
@@ -141,7 +141,15 @@ class NatsBlobStore(BlobStore):
         obs = await self._store()
         size = min(max(len(data), 1), self._max_msg())
         meta = ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=max(size, 128 * 1024)))
-        await obs.put(key, bytes(data), meta=meta)
+        try:
+            await obs.put(key, bytes(data), meta=meta)
+        except APIError as exc:
+            # JetStream refuses a full bucket (its max_bytes) or a server out of storage: a typed
+            # no_space for the caller, not an unexplained internal error
+            why = exc.description or ""
+            if "maximum bytes" in why or "insufficient resources" in why:
+                raise NoSpace(f"object store {self.bucket} is full: {why}", bucket=self.bucket) from None
+            raise
 
     async def get(self, key: str) -> bytes:
         """The object's bytes. Single-message objects take two direct gets (meta, data) instead of an

@@ -9,6 +9,7 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -16,19 +17,18 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate
-from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec, TemplateManifest
+from bus.errors import BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate, UnsupportedBackend
+from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
-from bus.streams import StreamOptions, ensure_all
+from bus.streams import ensure_all
 
+from ._config import PlacementConfig
 from ._metrics import PlacementMetrics
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
-
-MAX_ATTEMPTS = 5
 
 
 class Placement(Service):
@@ -45,31 +45,23 @@ class Placement(Service):
 
     name = "placement"
 
-    def __init__(
-        self,
-        nats_url: str | None = None,
-        *,
-        replica_id: str | None = None,
-        capacity: int = 512,
-        policy: Policy = Policy(),
-        pending_delay_s: float = 0.5,
-        max_attempts: int = MAX_ATTEMPTS,
-        stream_options: StreamOptions = StreamOptions(),
-        ack_wait_s: float = 10.0,
-        handoff_timeout_s: float = 10.0,
-        grace_s: float = 10.0,
-        control_key: bytes | None = None,
-    ) -> None:
-        super().__init__(nats_url, grace_s=grace_s)
-        self.control_key = control_key  # signs every hand-off to a host (bus.sign); None: unsigned (dev)
-        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.capacity = capacity
-        self.table = HostTable(policy)
-        self.pending_delay_s = pending_delay_s
-        self.max_attempts = max_attempts
-        self.stream_options = stream_options
-        self.ack_wait_s = ack_wait_s
-        self.handoff_timeout_s = handoff_timeout_s
+    def __init__(self, nats_url: str | None = None, *, config: PlacementConfig | None = None, **settings: Any) -> None:
+        """``config`` as ``python -m placement`` builds it from its flags; ``settings`` replace single
+        fields of it (``Placement(url, pending_delay_s=0.1)``: tests and tools)."""
+        cfg = replace(config or PlacementConfig(), **settings)
+        if nats_url is not None:
+            cfg = replace(cfg, nats_url=nats_url)
+        super().__init__(cfg.nats_url, grace_s=cfg.grace_s)
+        self.config = cfg
+        self.control_key = cfg.control_key
+        self.replica_id = cfg.replica_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.capacity = cfg.capacity
+        self.table = HostTable(cfg.placement_policy())
+        self.pending_delay_s = cfg.pending_delay_s
+        self.max_attempts = cfg.max_attempts
+        self.stream_options = cfg.streams()
+        self.ack_wait_s = cfg.ack_wait_s
+        self.handoff_timeout_s = cfg.handoff_timeout_s
         self.templates: dict[str, TemplateManifest] = {}
         self._template_layers: dict[str, frozenset[str]] = {}
         self.placed = 0
@@ -78,6 +70,7 @@ class Placement(Service):
         self.handoffs: Handoffs | None = None
         self.events: Events | None = None
         self._watches: list[Watch[Any]] = []
+        self._hosts_watch: Watch[HostStatus] | None = None
         self._kv_images: KV[TemplateManifest] | None = None
         self._kv_sbx: KV[SandboxRecord] | None = None
         self.m = PlacementMetrics(self)
@@ -91,10 +84,8 @@ class Placement(Service):
         kv_hosts: KV[HostStatus] = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
-        self._watches = [
-            await kv_hosts.watch(self._on_host, self.table.remove),
-            await self._kv_images.watch(self._on_template, self._on_template_gone),
-        ]
+        self._hosts_watch = await kv_hosts.watch(self._on_host, self.table.remove)
+        self._watches = [self._hosts_watch, await self._kv_images.watch(self._on_template, self._on_template_gone)]
         try:  # start taking work once the host table holds what KV holds (else every early request waits)
             await asyncio.wait_for(asyncio.gather(*(w.synced.wait() for w in self._watches)), 10.0)
         except asyncio.TimeoutError:
@@ -141,9 +132,11 @@ class Placement(Service):
         """A ``failed`` event that must not be lost: its ack is awaited with the batch's hand-offs."""
         assert self.events is not None
         self.m.event(spec, "failed")
-        return await self.events.sandbox(spec, "failed", attempt=attempt, err=err, wait=False)  # type: ignore[return-value]
+        fut = await self.events.sandbox(spec, "failed", attempt=attempt, err=err, wait=False)
+        assert isinstance(fut, asyncio.Future)  # acked, not waited for: the ack's future
+        return fut
 
-    async def _note(self, spec: SandboxSpec, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
+    async def _note(self, spec: SandboxSpec, kind: SandboxEventKind, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None) -> None:
         """An informational event (pending): no ack round trip. Requested and placed are not events of their
         own: the request is in DSEC_REQ and the hand-off names its placer and time, which the host's
         ``ready`` event carries (``placed_by``, ``placed_ms``); two stream writes fewer per create."""
@@ -168,7 +161,7 @@ class Placement(Service):
         batches: list[asyncio.Task[None]] = []  # each held until its hosts answer, beside the singles
         for msg in msgs:
             req = await self._decode(msg)
-            if type(req) is CreateBatch:
+            if isinstance(req, CreateBatch):
                 batches.append(asyncio.ensure_future(self.place_batch(msg, req)))
             elif req is not None:
                 await self._place_one(msg, req, now, runs, groups, outs)
@@ -188,11 +181,11 @@ class Placement(Service):
     async def _decode(self, msg: Msg) -> CreateSandbox | CreateBatch | None:
         """The request, or None when it was dead-lettered (malformed, or an id no subject can name)."""
         try:
-            req = codec.REQ.decode(msg.data)
+            req: CreateSandbox | CreateBatch = codec.REQ.decode(msg.data)
         except BadRequest as exc:
             await self.dead_letter(msg, exc)
             return None
-        bad = next((s.sandbox_id for s in (req.specs if type(req) is CreateBatch else [req.spec]) if not S.valid_token(s.sandbox_id)), None)
+        bad = next((s.sandbox_id for s in (req.specs if isinstance(req, CreateBatch) else [req.spec]) if not S.valid_token(s.sandbox_id)), None)
         if bad is not None:
             # No event subject can name it (a dot or wildcard would reach other sandboxes' subjects).
             await self.dead_letter(msg, InvalidArgument(f"sandbox_id {bad!r} must be 1-128 of [A-Za-z0-9_-]"))
@@ -255,11 +248,11 @@ class Placement(Service):
 
     async def _settle(self, outs: "list[_Out]") -> None:
         """Ack (or nak) each request as its hand-off is answered (or its failed event stored)."""
-        by_fut: dict[asyncio.Future, list[_Out]] = {}
+        by_fut: dict[asyncio.Future[Any], list[_Out]] = {}
         for o in outs:
             by_fut.setdefault(o[1], []).append(o)
 
-        async def settle(fut: asyncio.Future) -> None:
+        async def settle(fut: asyncio.Future[Any]) -> None:
             for msg, _, host, spec in by_fut.pop(fut):
                 err = fut.exception()
                 if err is not None:
@@ -275,7 +268,7 @@ class Placement(Service):
         await self._hold(list(by_fut), lambda: [o[0] for os in by_fut.values() for o in os], settle)
 
     async def _hold(
-        self, futs: list[asyncio.Future], msgs: Callable[[], Iterable[Msg]], on_done: Callable[[asyncio.Future], Awaitable[None]] | None = None,
+        self, futs: list[asyncio.Future[Any]], msgs: Callable[[], Iterable[Msg]], on_done: Callable[[asyncio.Future[Any]], Awaitable[None]] | None = None,
     ) -> None:
         """Wait until every future is done (each has a deadline of its own: the hand-off's silence, the
         publish's timeout), handing each to ``on_done`` as it is; while hosts work, the requests still
@@ -304,7 +297,7 @@ class Placement(Service):
             self.table.remove(host)
         log.warning("handoff_failed", host_id=host, error=repr(err))
 
-    async def _handoff(self, host: str, data: bytes) -> asyncio.Future:
+    async def _handoff(self, host: str, data: bytes) -> asyncio.Future[Any]:
         assert self.handoffs is not None
         subject = S.host_create(host)
         return await self.handoffs.send(subject, data, sign_headers(self.control_key, subject, data))
@@ -327,10 +320,28 @@ class Placement(Service):
             return exc, frozenset()
         if spec.create_deadline and (now or time.time()) > spec.create_deadline:
             return SandboxTimeout(f"create request for {spec.sandbox_id} expired before a host was found"), frozenset()
+        unsupported = self._unsupported(spec, now)
+        if unsupported is not None:
+            return unsupported, frozenset()
         layers = await self._layers_of(spec.template)
         if layers is None:
             return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), frozenset()
         return None, layers
+
+    def _unsupported(self, spec: SandboxSpec, now: float | None) -> UnsupportedBackend | None:
+        """The refusal of a backend no live host runs: waiting would not help (pending until the deadline).
+
+        Only once this replica's table holds what KV holds (a replica that just started has not seen every
+        heartbeat yet) and some host is live: with none at all, the cluster itself is away and the request
+        waits for it as any other does."""
+        if self.table.runs(spec.backend, now):
+            return None
+        if self._hosts_watch is None or not self._hosts_watch.synced.is_set() or not self.table.any_live(now):
+            return None
+        available = self.table.available_backends(now)
+        return UnsupportedBackend(
+            f"no host runs backend {spec.backend!r}; available: {', '.join(available)}", backend=spec.backend, available=",".join(available),
+        )
 
     def _fresh(self, spec: SandboxSpec, now: float) -> bool:
         """True while JetStream's de-duplication of the request still covers it (asked for within half
@@ -376,8 +387,8 @@ class Placement(Service):
             specs = [s for s in specs if s.sandbox_id not in done]
         by_host: dict[str, list[SandboxSpec]] = {}
         leftovers: list[SandboxSpec] = []
-        handed: dict[str, asyncio.Future] = {}
-        futs: list[asyncio.Future] = []
+        handed: dict[str, asyncio.Future[Any]] = {}
+        futs: list[asyncio.Future[Any]] = []
         runs = _Runs(self.table, len(specs))
         if delivered == 1 and req.attempt == 0:
             self.m.events_of(specs, "requested")
@@ -409,7 +420,7 @@ class Placement(Service):
         await self._settle_batch(msg, req, by_host, handed, futs)
 
     async def _settle_batch(
-        self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], handed: dict[str, asyncio.Future], futs: list[asyncio.Future],
+        self, msg: Msg, req: CreateBatch, by_host: dict[str, list[SandboxSpec]], handed: dict[str, asyncio.Future[Any]], futs: list[asyncio.Future[Any]],
     ) -> None:
         """All answered and stored: ack the batch and say placed; anything unanswered or refused: undo
         and redeliver (placed again as a redelivery: members a host already claimed are skipped)."""
@@ -421,8 +432,9 @@ class Placement(Service):
                     for s in hspecs:
                         self.table.release(host, s.sandbox_id)
                 for host, f in handed.items():
-                    if f.exception() is not None:
-                        self._handoff_failed(host, None, f.exception())  # type: ignore[arg-type]
+                    exc = f.exception()
+                    if exc is not None:
+                        self._handoff_failed(host, None, exc)
                 log.warning("batch_handoff_failed", batch_id=req.batch_id)
                 await msg.nak()
                 self._settled()
@@ -435,7 +447,7 @@ class Placement(Service):
 
 
 # (request, its hand-off's or failed event's ack, host or "", spec or None for a failed event)
-_Out = tuple[Msg, asyncio.Future, str, SandboxSpec | None]
+_Out = tuple[Msg, asyncio.Future[Any], str, SandboxSpec | None]
 
 
 class _Runs:
@@ -456,7 +468,7 @@ class _Runs:
         if cur is None or self.n >= self.per_host:
             return None
         e = self.table.hosts.get(cur)
-        if e is None or e.status.backend != spec.backend or e.status.pool != spec.pool or self.table.why_not(e, spec):
+        if e is None or e.status.pool != spec.pool or self.table.why_not(e, spec):
             return None
         self.n += 1
         return cur

@@ -9,8 +9,9 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
-from bus.messages import HostStatus, SandboxSpec
+from bus.messages import HostBackend, HostStatus, SandboxSpec
 from bus.rules import Allocation, Capacity, admits, capacity_of
 
 STALE_AFTER_S = 10.0
@@ -28,11 +29,17 @@ class Reservation:
     ls: bool = False  # latency-sensitive
 
 
+def backends_of(st: HostStatus) -> dict[str, HostBackend]:
+    """The backends a heartbeat advertises, by name; an older host's empty list: its one ``backend``."""
+    return {b.name: b for b in st.backends} if st.backends else {st.backend: HostBackend(name=st.backend)}
+
+
 @dataclass(slots=True)
 class HostEntry:
     status: HostStatus
     seen_at: float
     cap: Capacity
+    backends: dict[str, HostBackend]
     reservations: dict[str, Reservation] = field(default_factory=dict)
     # running sums of ``reservations``
     r_cpu: float = 0.0
@@ -99,7 +106,7 @@ class Policy:
     """
 
     sample_k: int = 8  # candidates scored per decision: cost does not grow with host count
-    strategy: str = "spread"  # spread or pack
+    strategy: Literal["spread", "pack"] = "spread"
     ls_cpu_headroom: float = 0.5  # latency-sensitive needs this many really idle cores left
     mem_resident_limit: float = 0.95  # resident memory + newcomers must stay under this share of RAM
     locality_weight: float = 0.5
@@ -122,7 +129,8 @@ class HostTable:
         self._pos: dict[str, int] = {}
         self._rng = random.Random()
         self._version = 0  # bumped on every change that can free room
-        self._full: dict[tuple, int] = {}  # request shape -> version at which a full scan found no host
+        self._full: dict[tuple[str, str, str, float, int, int], int] = {}  # request shape -> version at which a full scan found no host
+        self._by_backend: dict[str, set[str]] = {}  # backend -> hosts advertising it (live or not)
 
     def __len__(self) -> int:
         return len(self.hosts)
@@ -131,22 +139,39 @@ class HostTable:
         now = time.time() if now is None else now
         self._version += 1
         e = self.hosts.get(st.host_id)
+        backends = backends_of(st)
         if e is None:
-            e = self.hosts[st.host_id] = HostEntry(st, now, capacity(st, self.policy))
+            e = self.hosts[st.host_id] = HostEntry(st, now, capacity(st, self.policy), backends)
             e.sync()
             self._pos[st.host_id] = len(self._ids)
             self._ids.append(st.host_id)
+            self._index(st.host_id, {}, backends)
             return
+        if e.backends.keys() != backends.keys():
+            self._index(st.host_id, e.backends, backends)
         e.status = st
         e.seen_at = now
         e.cap = capacity(st, self.policy)
+        e.backends = backends
         # The heartbeat now counts what the host admitted before it was sent.
         e.expire(max(st.at - HEARTBEAT_SLACK_S, now - RESERVATION_TTL_S))
         e.sync()
 
+    def _index(self, host_id: str, old: dict[str, HostBackend], new: dict[str, HostBackend]) -> None:
+        for name in old.keys() - new.keys():
+            hosts = self._by_backend.get(name)
+            if hosts is not None:
+                hosts.discard(host_id)
+                if not hosts:
+                    del self._by_backend[name]
+        for name in new.keys() - old.keys():
+            self._by_backend.setdefault(name, set()).add(host_id)
+
     def remove(self, host_id: str) -> None:
-        if self.hosts.pop(host_id, None) is None:
+        e = self.hosts.pop(host_id, None)
+        if e is None:
             return
+        self._index(host_id, e.backends, {})
         self._version += 1
         i = self._pos.pop(host_id)
         last = self._ids.pop()
@@ -158,6 +183,33 @@ class HostTable:
         now = time.time()
         return [h for h, e in self.hosts.items() if e.status.state == "ready" and now - e.seen_at < STALE_AFTER_S]
 
+    @staticmethod
+    def _live(e: HostEntry, now: float) -> bool:
+        """Heartbeating and not shut down (a draining host still runs its backends: work for them waits)."""
+        return e.status.state != "down" and now - e.seen_at <= STALE_AFTER_S
+
+    def runs(self, backend: str, now: float | None = None) -> bool:
+        """Some live host runs ``backend`` (typically O(1): the first host advertising it is live)."""
+        ids = self._by_backend.get(backend)
+        if not ids:
+            return False
+        now = time.time() if now is None else now
+        hosts = self.hosts
+        for h in ids:  # on every request: a plain loop, no generator
+            e = hosts.get(h)
+            if e is not None and self._live(e, now):
+                return True
+        return False
+
+    def any_live(self, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        return any(self._live(e, now) for e in self.hosts.values())
+
+    def available_backends(self, now: float | None = None) -> list[str]:
+        """Every backend some live host runs, sorted."""
+        now = time.time() if now is None else now
+        return sorted(b for b in self._by_backend if self.runs(b, now))
+
     def why_not(self, e: HostEntry, spec: SandboxSpec) -> str:
         """Empty when ``spec`` fits on the host as this replica sees it, else the reason.
 
@@ -166,6 +218,16 @@ class HostTable:
         why = admits(e.cap, e.alloc, spec)
         if why:
             return why
+        b = e.backends.get(spec.backend)
+        if b is None:
+            return "backend"
+        # The backend's own ceiling for one sandbox (a VM backend may take less than the whole host).
+        if b.max_cpu and spec.cpu > b.max_cpu:
+            return "backend-cpu"
+        if b.max_memory_mb and spec.memory_mb > b.max_memory_mb:
+            return "backend-memory"
+        if b.max_disk_mb and spec.disk_mb > b.max_disk_mb:
+            return "backend-disk"
         st = e.status
         if 0 < st.disk_free_mb < self.policy.min_disk_free_mb:
             return "disk-full"
@@ -190,11 +252,11 @@ class HostTable:
             s += 0.5 * (st.cpu_total - st.cpu_busy - e.r_ls_cpu) / max(st.cpu_total, 1e-9)
         return s
 
-    def _eligible(self, hid: str, e: HostEntry | None, spec: SandboxSpec, exclude: set[str] | frozenset[str], now: float) -> bool:
-        if e is None or hid in exclude:
+    def _eligible(self, hid: str, e: HostEntry, spec: SandboxSpec, exclude: set[str] | frozenset[str], now: float) -> bool:
+        if hid in exclude:
             return False
         st = e.status
-        return st.state == "ready" and now - e.seen_at <= STALE_AFTER_S and st.backend == spec.backend and st.pool == spec.pool
+        return st.state == "ready" and now - e.seen_at <= STALE_AFTER_S and spec.backend in e.backends and st.pool == spec.pool
 
     def choose(
         self, spec: SandboxSpec, exclude: set[str] | frozenset[str] = frozenset(), layers: frozenset[str] | set[str] = frozenset(), now: float | None = None
@@ -217,9 +279,9 @@ class HostTable:
             candidates = [ids[int(rnd() * n)] for _ in range(4 * k)]
         for hid in candidates:
             e = hosts.get(hid)
-            if not self._eligible(hid, e, spec, exclude, now) or self.why_not(e, spec):  # type: ignore[arg-type]
+            if e is None or not self._eligible(hid, e, spec, exclude, now) or self.why_not(e, spec):
                 continue
-            sc = self.score(e, spec, layers)  # type: ignore[arg-type]
+            sc = self.score(e, spec, layers)
             if best is None or sc > best_score:
                 best_score, best = sc, hid
             tried += 1
@@ -235,7 +297,7 @@ class HostTable:
             for i in range(n):
                 hid = ids[(start + i) % n]
                 e = hosts.get(hid)
-                if self._eligible(hid, e, spec, exclude, now) and not self.why_not(e, spec):  # type: ignore[arg-type]
+                if e is not None and self._eligible(hid, e, spec, exclude, now) and not self.why_not(e, spec):
                     return hid
             if not exclude:
                 if len(self._full) > 1024:

@@ -196,7 +196,7 @@ async def _start_clients(
         procs.append(c)
     loop = asyncio.get_running_loop()
     for c in clients:
-        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]
+        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]  # clients start with stdout=PIPE
         if line.strip() != b"ready":
             raise RuntimeError(f"{c.name} did not get ready ({line!r}); see {c.log_path}")
     return clients
@@ -204,7 +204,8 @@ async def _start_clients(
 
 def _monitor(port: int, path: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/{path}", timeout=5) as resp:
-        return json.loads(resp.read())
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
 
 
 def server_counters(port: int) -> dict[str, int]:
@@ -253,7 +254,7 @@ async def _run(
     async def placement_ready() -> bool:
         try:
             ci = await js.consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
-            return (ci.num_waiting or 0) >= args.replicas
+            return bool((ci.num_waiting or 0) >= args.replicas)
         except Exception:  # noqa: BLE001
             return False
 
@@ -266,7 +267,7 @@ async def _run(
         # a host heartbeats once it takes hand-offs
         try:
             hinfo = await js.stream_info(f"KV_{S.KV_HOSTS}")
-            return hinfo.state.messages >= args.sim_hosts
+            return bool(hinfo.state.messages >= args.sim_hosts)
         except Exception:  # noqa: BLE001
             return False
 
@@ -293,7 +294,7 @@ async def _run(
     cpu1: dict[str, float] = {}
     counters1: dict[str, int] = {}
     for i, c in enumerate(clients):
-        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]
+        line = await loop.run_in_executor(None, c.proc.stdout.readline)  # type: ignore[union-attr]  # clients start with stdout=PIPE
         if line.strip() != b"done":
             raise RuntimeError(f"{c.name} did not finish ({line!r}); see {c.log_path}")
         if i == 0:

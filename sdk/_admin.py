@@ -104,7 +104,8 @@ async def replay_events(
         if info.state.messages == 0:
             return
         if start:
-            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())
+            # the server reads RFC 3339 text, which nats-py passes on as given (it annotates a datetime)
+            cfg = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start.isoformat())  # type: ignore[arg-type]  # see above
         else:
             cfg = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if sandbox_id:

@@ -485,7 +485,7 @@ class AsyncSandbox:
         _check_positive("count", count, lo=1, hi=100_000, integer=True)
         if sandbox_ids is not None and (len(sandbox_ids) != count or len(set(sandbox_ids)) != count):
             raise InvalidArgument(f"sandbox_ids must be {count} distinct ids")
-        ids = sandbox_ids or [None] * count
+        ids: list[str | None] = [None] * count if not sandbox_ids else [*sandbox_ids]
         if kwargs.get("snapshot"):
             template = await _snapshot_template(nats_url, kwargs["snapshot"])
         specs = [build_spec(template, create_timeout=create_timeout, sandbox_id=ids[i], **kwargs) for i in range(count)]

@@ -13,13 +13,14 @@ import json
 import sys
 import time
 import uuid
+from typing import Any
 
 from bus.runtime import connect
 from sdk import AsyncSandbox, DsecError  # the benchmark measures the real client path
 from sdk._async import close_connections
 
 
-async def main(p: dict) -> None:
+async def main(p: dict[str, Any]) -> None:
     url = p["nats_url"]
     kw = dict(
         backend="sim", cpu=p["cpu"], memory_mb=p["memory_mb"], disk_mb=p["disk_mb"], timeout=p["sandbox_timeout"],

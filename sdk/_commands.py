@@ -263,16 +263,16 @@ class AsyncCommands:
             cmd=cmd, envs=dict(envs or {}), cwd=cwd or "", timeout_s=timeout, user=user or "", stdin=bool(stdin), tag=tag,
             output_cap=-1 if output_cap is None else output_cap, background=background, acks=True,
         )
+        out: _Output | None = None
         if background:
-            out = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP if output_cap is None else output_cap).start()
-            req.stream_to = out.inbox
+            stream = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP if output_cap is None else output_cap).start()
+            req.stream_to = stream.inbox
             try:
                 started = await self._sb._request("exec", req, ProcessStarted)
             except BaseException:
-                await out.close()
+                await stream.close()
                 raise
-            return AsyncCommandHandle(self._sb, started.pid, out, tag=tag, timeout=timeout)
-        out = None
+            return AsyncCommandHandle(self._sb, started.pid, stream, tag=tag, timeout=timeout)
         if on_stdout or on_stderr:
             out = await _Output(self._sb, on_stdout, on_stderr, 0).start()
             req.stream_to = out.inbox

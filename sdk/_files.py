@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from bus import codec
 from bus import subjects as S
@@ -151,6 +151,13 @@ class AsyncFilesystem:
                 break
         return WriteInfo(path=path, size=size)
 
+    @overload
+    async def read(self, path: str, *, format: Literal["text"] = "text", offset: int = 0, length: int | None = None) -> str: ...
+    @overload
+    async def read(self, path: str, *, format: Literal["bytes"], offset: int = 0, length: int | None = None) -> bytes: ...
+    @overload
+    async def read(self, path: str, *, format: Literal["text", "bytes"], offset: int = 0, length: int | None = None) -> str | bytes: ...
+
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text", offset: int = 0, length: int | None = None) -> str | bytes:
         """The file (or ``length`` bytes from ``offset``), read in chunks under the payload limit."""
         path = self._path(path)
@@ -184,14 +191,16 @@ class AsyncFilesystem:
         await self._sb._request("files", FileRemove(path=self._path(path)), Done)
 
     async def exists(self, path: str) -> bool:
-        return (await self._sb._request("files", FileExists(path=self._path(path)), Exists)).exists
+        res: Exists = await self._sb._request("files", FileExists(path=self._path(path)), Exists)
+        return res.exists
 
     async def get_info(self, path: str) -> EntryInfo:
         return _entry((await self._sb._request("files", FileStat(path=self._path(path)), FileInfo)).entry)
 
     async def make_dir(self, path: str, *, mode: int = 0o755) -> bool:
         """Create the directory and its parents; False when it already existed."""
-        return (await self._sb._request("files", FileMakeDir(path=self._path(path), mode=mode), DirMade)).created
+        res: DirMade = await self._sb._request("files", FileMakeDir(path=self._path(path), mode=mode), DirMade)
+        return res.created
 
     async def rename(self, old_path: str, new_path: str) -> EntryInfo:
         """Move a file or directory; returns what is now at ``new_path``."""

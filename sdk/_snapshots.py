@@ -65,7 +65,8 @@ async def get_record(nc: Any, snapshot_id: str) -> SnapshotRecord:
         raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r}", snapshot_id=snapshot_id) from None
     if not entry.value:
         raise UnknownSnapshot(f"unknown snapshot {snapshot_id!r} (removed)", snapshot_id=snapshot_id)
-    return codec.SNAPSHOT.decode(entry.value)
+    rec: SnapshotRecord = codec.SNAPSHOT.decode(entry.value)
+    return rec
 
 
 async def list_records(nc: Any) -> list[SnapshotRecord]:
@@ -152,6 +153,8 @@ async def sandbox_record(nc: Any, sandbox_id: str) -> Any:
     try:
         entry = await kv.get(sandbox_id)
     except KeyNotFoundError:
+        return None
+    if not entry.value:
         return None
     try:
         return codec.SANDBOX_RECORD.decode(entry.value)

@@ -6,6 +6,7 @@ Calls run on one private event loop in a daemon thread, shared by every sync obj
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
 from collections.abc import Coroutine
 from typing import Any, Literal, TypeVar
@@ -183,7 +184,7 @@ class Sandbox:
     def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> SnapshotInfo:
         return _run(self._a.create_snapshot(name, memory=memory, metadata=metadata))
 
-    def fork(self, count: int, **create_kwargs: Any) -> list["Sandbox"]:
+    def fork(self, count: int, **create_kwargs: Any) -> builtins.list["Sandbox"]:
         return [Sandbox(a) for a in _run(self._a.fork(count, **create_kwargs))]
 
     def pause(self, persist: bool = False, *, memory: bool = False) -> SnapshotInfo | None:
@@ -194,7 +195,7 @@ class Sandbox:
         return self
 
     @classmethod
-    def list_snapshots(cls, **kwargs: Any) -> list[SnapshotInfo]:
+    def list_snapshots(cls, **kwargs: Any) -> builtins.list[SnapshotInfo]:
         return _run(AsyncSandbox.list_snapshots(**kwargs))
 
     @classmethod

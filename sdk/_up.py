@@ -131,7 +131,7 @@ class Supervised(abc.ABC):
         self.failures = 1 if time.monotonic() - self.started_mono > STABLE_S else self.failures + 1
         # Full jitter on a capped exponential: a crash loop costs little, and restarts of several
         # services that fell together (NATS away) spread out.
-        delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (self.failures - 1))
+        delay = random.uniform(0.5, 1.0) * min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2.0 ** (self.failures - 1))
         self.state, self.up_since, self.next_start = "backoff", None, time.monotonic() + delay
         return delay
 
@@ -311,10 +311,10 @@ class Supervisor:
             _say(f"the final clean-up did not finish (exit {rc}); see {log_path}")
 
 
-async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict:
+async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict[str, Any]:
     from ._admin import cluster_status
 
-    last: dict = {}
+    last: dict[str, Any] = {}
     while time.monotonic() < deadline and not sup.stopping.is_set():
         try:
             last = await cluster_status(url, timeout=2)

@@ -50,7 +50,8 @@ def _services(args: argparse.Namespace) -> list[dict[str, Any]] | None:
         os.kill(int(view["supervisor_pid"]), 0)
     except (OSError, ValueError, KeyError, TypeError):
         return None  # no view, or its supervisor is gone: nothing current to say
-    return view.get("services")
+    services: list[dict[str, Any]] | None = view.get("services")
+    return services
 
 
 def _print_services(services: list[dict[str, Any]]) -> None:
@@ -136,7 +137,8 @@ def _sandbox(args: argparse.Namespace) -> int:
                 r = exc.result
             finally:
                 sys.stdout.flush()
-            return r.exit_code
+            code: int = r.exit_code
+            return code
         elif args.sbx_cmd == "ls":
             items = Sandbox.list(**kw)
             if args.json:

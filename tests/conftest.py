@@ -1,4 +1,11 @@
-"""Shared fixtures: a real nats-server with JetStream for the whole session, polled until ready."""
+"""Shared fixtures: a real nats-server with JetStream for the whole session, polled until ready.
+
+Tests that need something a machine may lack (root, cgroups v1, containerd, a tool) are marked
+``needs(reason)`` (``reason`` None when it is there) or call ``cannot_run(reason)``. Such a test
+FAILS with the reason: a suite that did not run must not pass. ``DSEC_ALLOW_SKIP=1`` (a dev machine
+without root, say) makes them skips instead. Minutes-long tests (``slow``) are the one opt-in:
+they skip unless ``DSEC_SLOW=1``.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,37 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from typing import NoReturn
+
 import pytest
 
 from bus.natsd import NatsServer
+
+ALLOW_SKIP = os.environ.get("DSEC_ALLOW_SKIP") == "1"
+
+
+def cannot_run(reason: str) -> NoReturn:
+    """This machine lacks what the test needs: fail with the reason (skip with DSEC_ALLOW_SKIP=1)."""
+    if ALLOW_SKIP:
+        pytest.skip(reason)
+    pytest.fail(f"cannot run on this machine: {reason} (DSEC_ALLOW_SKIP=1 skips instead)", pytrace=False)
+
+
+def needs(reason: str | None) -> pytest.MarkDecorator:
+    """Mark a test (or module, as ``pytestmark``) that needs what ``reason`` says is missing (None:
+    nothing is): see ``cannot_run``."""
+    return pytest.mark.needs(reason=reason)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs(reason): fails with the reason unless it is None (DSEC_ALLOW_SKIP=1: skips)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        if mark.kwargs.get("reason"):
+            cannot_run(mark.kwargs["reason"])
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +85,7 @@ def is_root() -> bool:
     return os.geteuid() == 0
 
 
-needs_root = pytest.mark.skipif(not is_root(), reason="needs root (mounts, cgroups, namespaces)")
+needs_root = needs(None if is_root() else "needs root (mounts, cgroups, namespaces)")
 
 
 def proc_mounts_under(path: str | Path) -> list[str]:

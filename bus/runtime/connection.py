@@ -63,7 +63,7 @@ async def connect(
                     connect_timeout=2,
                     allow_reconnect=True,
                     max_reconnect_attempts=max_reconnect_attempts,
-                    reconnect_time_wait=0.5,
+                    reconnect_time_wait=0.5,  # type: ignore[arg-type]  # nats-py annotates int; it sleeps for it, a float works
                     user_credentials=user_credentials,
                     **kwargs,
                 ),

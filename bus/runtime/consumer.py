@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from .. import log as _log
@@ -101,7 +102,7 @@ class PullInbox:
         self._tokens = itertools.count()
         self._by_token: dict[str, PullConsumer] = {}
         self._by_route: dict[tuple[str, str], PullConsumer] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._watchdog: asyncio.Task[None] | None = None
 
     async def start(self) -> "PullInbox":

@@ -27,13 +27,13 @@ from .. import log as _log
 from .. import subjects as S
 from ..codec import encode
 from ..errors import DsecError
-from ..messages import HostEvent, ReadyMany, SandboxEvent, SandboxSpec
+from ..messages import HostEvent, HostEventKind, ReadyMany, SandboxEvent, SandboxEventKind, SandboxSpec
 from .publisher import PubAck, Publisher, nc_of
 
 logger = _log.get_logger("dsec.bus.events")
 
-REPLY_KINDS = frozenset({"ready", "failed", "pending"})
-ONCE_PER_ATTEMPT = frozenset({"ready", "failed", "killed", "rejected", "timeout"})
+REPLY_KINDS: frozenset[SandboxEventKind] = frozenset({"ready", "failed", "pending"})
+ONCE_PER_ATTEMPT: frozenset[SandboxEventKind] = frozenset({"ready", "failed", "killed", "rejected", "timeout"})
 
 
 def event_msg_id(sandbox_id: str, kind: str, attempt: int = 0) -> str:
@@ -41,7 +41,7 @@ def event_msg_id(sandbox_id: str, kind: str, attempt: int = 0) -> str:
 
 
 def sandbox_event(
-    sandbox_id: str, kind: str, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, detail: dict[str, str] | None = None
+    sandbox_id: str, kind: SandboxEventKind, *, attempt: int = 0, host_id: str = "", err: DsecError | None = None, detail: dict[str, str] | None = None
 ) -> SandboxEvent:
     return SandboxEvent(
         sandbox_id=sandbox_id, kind=kind, at=time.time(), host_id=host_id, attempt=attempt,
@@ -60,7 +60,7 @@ class Events:
     async def sandbox(
         self,
         spec: SandboxSpec,
-        kind: str,
+        kind: SandboxEventKind,
         *,
         attempt: int = 0,
         host_id: str | None = None,
@@ -99,7 +99,7 @@ class Events:
             if S.valid_inbox(inbox):
                 await self.nc.publish(inbox, encode(ReadyMany(sandbox_ids=ids, host_id=self.host_id, at=now, attempt=attempt)))
 
-    async def host(self, host_id: str, kind: str, detail: dict[str, str] | None = None) -> PubAck:
+    async def host(self, host_id: str, kind: HostEventKind, detail: dict[str, str] | None = None) -> PubAck:
         return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))
 
 

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from .. import log as _log
 from ..codec import HANDOFF_REPLY, encode
@@ -60,7 +61,7 @@ class Handoffs:
         self.prefix = ""
         self._n = itertools.count()
         self._pending: dict[str, _Pending] = {}
-        self._sub = None
+        self._sub: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.sent = 0
         self.failed = 0
@@ -156,7 +157,7 @@ class HandoffInbox:
         self._slots = asyncio.Semaphore(self.capacity)
         self._taken: dict[int, tuple[Msg, float]] = {}  # waiting for a slot or running: told "working"
         self._tasks: set[asyncio.Task[None]] = set()
-        self._sub = None
+        self._sub: Subscription | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._stopping = False
         self.taken = 0

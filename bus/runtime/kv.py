@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import random
 from typing import Any, Callable, Generic, TypeVar
 
@@ -38,6 +39,10 @@ HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 CLAIM_ROUNDS = 4  # a claim re-reads at most this often while others keep writing the same key
 WATCH_POLL_S = 1.0  # a watch looks at its stop flag this often while nothing changes
 WATCH_BACKOFF_S = (0.5, 5.0)  # a broken watch is re-made after this (doubling, jittered, capped)
+
+
+def _mine_of(mine: Callable[[T, T], bool], value: T, current: T) -> bool:
+    return mine(current, value)
 
 
 class Claim(enum.IntEnum):
@@ -171,7 +176,8 @@ class KV(Generic[T]):
 
     def _decode(self, key: str, data: bytes) -> T | None:
         try:
-            return self.decoder.decode(data)
+            value: T = self.decoder.decode(data)
+            return value
         except BadRequest as exc:
             self.corrupt += 1
             logger.warning("kv_corrupt_record", bucket=self.bucket, key=key, error=str(exc))
@@ -254,7 +260,7 @@ class KV(Generic[T]):
                     out.append(exc)
                     continue
                 try:
-                    out.append(await self.claim(key, value, mine=None if mine is None else lambda cur, v=value: mine(cur, v)))
+                    out.append(await self.claim(key, value, mine=None if mine is None else functools.partial(_mine_of, mine, value)))
                 except (StoreError, asyncio.TimeoutError) as again:
                     out.append(again)
             except asyncio.TimeoutError as exc:

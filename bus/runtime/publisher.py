@@ -116,7 +116,7 @@ async def subscribe_sync(nc: NATS, subject: str, fn: Callable[[Msg], None], *, q
     if nc.is_draining:
         raise nats.errors.ConnectionDrainingError
     nc._sid += 1
-    sub = Subscription(nc, nc._sid, subject, queue=queue, future=_Sink(fn))  # type: ignore[arg-type]
+    sub = Subscription(nc, nc._sid, subject, queue=queue, future=_Sink(fn))  # type: ignore[arg-type]  # a Future stand-in: nats-py hands it each message (set_result)
     nc._subs[nc._sid] = sub
     await nc._send_command(sub_cmd(subject, queue, nc._sid))
     if nc._flush_queue is not None and nc._flush_queue.empty():
@@ -275,7 +275,8 @@ async def release_publisher(nc: NATS) -> None:
 
 def nc_of(js: Any) -> NATS:
     """The connection under a JetStream context (nats-py keeps it private)."""
-    return js._nc
+    nc: NATS = js._nc
+    return nc
 
 
 __all__ = ["PubAck", "Publisher", "StoreError", "decode_puback", "nc_of", "publisher_for", "release_publisher", "subscribe_sync", "ERR_WRONG_LAST_SEQUENCE"]

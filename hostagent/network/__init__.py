@@ -67,16 +67,20 @@ set elements, pre-made networks) is removed. Slots are re-learned from the host 
 Nothing in the kernel is touched until a sandbox asks for a network (or there is state to recover).
 
 Modules: ``config`` (NetworkConfig, the fixed deny ranges), ``allowlist`` (parse + compile
-``allow_out``, ``/etc/hosts``), ``resolver`` (DNS for allowlisted names), ``nftables``
-(libnftables and the ruleset text), ``rtnetlink`` (the raw hot-path requests), ``netns`` (named
-namespaces: unshare/setns/bind mounts) and ``manager`` (NetworkManager: pool, warm networks,
-setup, teardown, recovery).
+``allow_out``, ``/etc/hosts``), ``resolver`` (DNS for allowlisted names, dnspython; its typed
+errors), ``nftables`` (libnftables and the ruleset text), ``rtnetlink`` (the raw hot-path
+requests), ``netns`` (named namespaces: unshare/setns/bind mounts), and the parts the manager
+composes: ``attachment`` (a sandbox's network and its kernel names), ``slots`` (the /30 address
+pool), ``plumbing`` (veth/netns making and look-ups), ``rules`` (the base ruleset and per-sandbox
+set elements), ``warm`` (pre-made networks), ``forwarding`` (ip_forward and its saved state),
+``reconcile`` (recovery and purge), ``worker`` (the kernel thread) and ``manager``
+(NetworkManager: setup, teardown, start/stop, recover, purge).
 """
 
 from .allowlist import AllowPlan, compile_allowlist, parse_allow_out, write_hosts_file
 from .config import COUNTERS, DEFAULT_DENY, WARM_TAG, NetworkConfig
 from .manager import Attachment, NetworkManager
-from .resolver import Resolver
+from .resolver import DnsQueryError, Resolver, ResolveFailed
 
 __all__ = [
     "NetworkConfig",
@@ -86,6 +90,8 @@ __all__ = [
     "parse_allow_out",
     "compile_allowlist",
     "Resolver",
+    "ResolveFailed",
+    "DnsQueryError",
     "write_hosts_file",
     "DEFAULT_DENY",
     "COUNTERS",

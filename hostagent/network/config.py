@@ -80,7 +80,10 @@ class NetworkConfig:
         """DSEC_NET_POOL, DSEC_NET_DENY (comma-separated CIDRs), DSEC_NET_NAMESERVERS, DSEC_NFLOG_GROUP; the servers of
         DSEC_NATS_URL are added to the control plane (so they are never reachable from a sandbox)."""
         e = os.environ if env is None else env
-        split = lambda k: tuple(x.strip() for x in e.get(k, "").split(",") if x.strip())  # noqa: E731
+
+        def split(k: str) -> tuple[str, ...]:
+            return tuple(x.strip() for x in e.get(k, "").split(",") if x.strip())
+
         kw: dict[str, Any] = {"deny_out": split("DSEC_NET_DENY"), "nameservers": split("DSEC_NET_NAMESERVERS"), "control_plane": split("DSEC_NATS_URL")}
         if e.get("DSEC_NET_POOL"):
             kw["pool"] = e["DSEC_NET_POOL"]

@@ -43,7 +43,7 @@ class Nft:
         self._jctx = self._new(self._OUTPUT_JSON)
 
     def _new(self, flags: int) -> int:
-        ctx = self._lib.nft_ctx_new(0)
+        ctx: int = self._lib.nft_ctx_new(0)
         if not ctx:
             raise OSError("nft_ctx_new failed")
         self._lib.nft_ctx_buffer_output(ctx)

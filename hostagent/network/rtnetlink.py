@@ -106,7 +106,8 @@ class Rtnl:
                     code = -struct.unpack("=i", payload[:4])[0]
                     raise OSError(code, f"rtnetlink: no link {name!r}: {os.strerror(code)}")
                 if mtype == self._NEWLINK:
-                    return struct.unpack("=BxHiII", payload[:16])[2]
+                    index: int = struct.unpack("=BxHiII", payload[:16])[2]
+                    return index
 
     def _recv(self) -> list[tuple[int, int, bytes]]:
         data = self.sock.recv(65536)

@@ -2,37 +2,33 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 
 import structlog
 from aiohttp import web
 
+from bus.config import from_args, parser
 from bus.log import configure as configure_logging
-from bus.runtime import nats_url
 
 from .._async import close_connections
-from ._app import GatewayConfig, make_app
+from ._app import make_app
+from ._config import GatewayConfig
 
 log = structlog.get_logger("dsec.gateway")
 
 
-async def serve(args: argparse.Namespace) -> None:
-    cfg = GatewayConfig(
-        nats_url=nats_url(args.nats_url), domain=args.domain or f"localhost:{args.http_port}", pool=args.pool,
-        max_upload=args.max_upload_mb * 1024 * 1024,
-    )
+async def serve(cfg: GatewayConfig) -> None:
     runner = web.AppRunner(make_app(cfg), handle_signals=False, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.http_port)
+    site = web.TCPSite(runner, cfg.host, cfg.http_port)
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for s in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(s, stop.set)
-    log.info("gateway_listening", url=f"http://{args.host}:{args.http_port}", domain=cfg.domain)
-    print(f"gateway listening on http://{args.host}:{args.http_port}", flush=True)
+    log.info("gateway_listening", url=f"http://{cfg.host}:{cfg.http_port}", domain=cfg.sandbox_domain)
+    print(f"gateway listening on http://{cfg.host}:{cfg.http_port}", flush=True)
     try:
         await stop.wait()
     finally:
@@ -41,16 +37,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m sdk.gateway", description=__doc__)
-    ap.add_argument("--http-port", type=int, default=3000)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--nats-url", default=None, help="default: $DSEC_NATS_URL (no credentials: each API key is its own NATS user)")
-    ap.add_argument("--domain", default=None, help="sandbox host names are <port>-<id>.<domain> (default localhost:<http-port>)")
-    ap.add_argument("--pool", default="default", help="the placement pool sandboxes are created in")
-    ap.add_argument("--max-upload-mb", type=int, default=1024)
-    args = ap.parse_args(argv)
+    cfg = from_args(GatewayConfig, parser("python -m sdk.gateway", __doc__, GatewayConfig).parse_args(argv))
     configure_logging()
-    asyncio.run(serve(args))
+    asyncio.run(serve(cfg))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -21,8 +20,10 @@ from aiohttp import web
 
 from bus.auth import ENV_MONITOR_URL
 from bus.errors import DsecError, InvalidArgument, SandboxNotFound
+from bus.runtime import nats_url
 
 from . import _dashboard, _metrics
+from ._config import GatewayConfig
 from ._connect import ConnectError, ServerStream, read_request, unary_error
 from ._e2b import E2BApi, e2b_error, http_status
 from ._filesystem import Filesystem, PayloadTooLarge
@@ -39,24 +40,16 @@ HDR_SANDBOX_ID = "E2b-Sandbox-Id"
 HDR_SANDBOX_PORT = "E2b-Sandbox-Port"
 STREAMING = ("Start", "Connect", "WatchDir")  # server-streaming envd methods
 KEY_HEADERS = ("X-API-Key", "X-Access-Token", "e2b-traffic-access-token")
-GATEWAY_KEY = web.AppKey("gateway", object)
 _HOST = re.compile(r"^(\d{1,5})-([A-Za-z0-9_-]{1,128})\.")
-
-
-@dataclass
-class GatewayConfig:
-    nats_url: str
-    domain: str = "localhost:3000"
-    pool: str = "default"
-    max_upload: int = 1024 * 1024 * 1024
 
 
 class Gateway:
     def __init__(self, cfg: GatewayConfig) -> None:
         self.cfg = cfg
-        self.domain = cfg.domain
+        self.nats_url = nats_url(cfg.nats_url)
+        self.domain = cfg.sandbox_domain
         self.pool = cfg.pool
-        self.tenants = Tenants(cfg.nats_url)
+        self.tenants = Tenants(self.nats_url)
         self.users = Users()
         self.processes = Processes(self.users)
         self.files = Filesystem(self.users, cfg.max_upload)
@@ -178,6 +171,9 @@ def sandbox_gone(sid: str) -> web.Response:
     return web.json_response({"code": 502, "message": f"The sandbox {sid} was not found", "sandboxId": sid}, status=502)
 
 
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+
+
 def _error(request: web.Request, status: int, code: str, message: str) -> web.Response:
     """dsec's REST API says its stable code; the E2B API its HTTP status (as E2B does)."""
     if request.path.startswith("/v1/"):
@@ -188,7 +184,7 @@ def _error(request: web.Request, status: int, code: str, message: str) -> web.Re
 def _monitor(app: web.Application) -> None:
     """/metrics and /dashboard: the operator's read-only view, on a NATS identity of its own (``dsec up``
     hands the monitor's URL; without one, the gateway's)."""
-    client = os.environ.get(ENV_MONITOR_URL) or app[GATEWAY_KEY].cfg.nats_url  # type: ignore[attr-defined]
+    client = os.environ.get(ENV_MONITOR_URL) or app[GATEWAY_KEY].nats_url
     _metrics.add_routes(app, client)
     _dashboard.add_routes(app, client)
 
@@ -198,6 +194,10 @@ def _monitor(app: web.Application) -> None:
 EXTENSIONS: list[Callable[[web.Application], Any]] = [_monitor]
 
 
+async def _health(_request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
 def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application], Any]] | None = None) -> web.Application:
     """The gateway app; each extension (default: EXTENSIONS) is a function that adds its routes to the app."""
     gw = Gateway(cfg)
@@ -205,7 +205,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     app[GATEWAY_KEY] = gw
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
-    app.router.add_get("/health", lambda _r: web.json_response({"ok": True}))
+    app.router.add_get("/health", _health)
     for ext in EXTENSIONS if extensions is None else extensions:
         ext(app)
     return app

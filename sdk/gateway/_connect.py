@@ -28,12 +28,11 @@ HTTP_STATUS = {
     "data_loss": 500, "unauthenticated": 401,
 }
 
-# dsec error code -> Connect code (the e2b SDK branches on NOT_FOUND, ALREADY_EXISTS, ...).
-_FROM_DSEC = {
-    "file_not_found": "not_found", "process_not_found": "not_found", "unknown_user": "invalid_argument", "invalid_argument": "invalid_argument",
-    "bad_request": "invalid_argument", "timeout": "deadline_exceeded", "permission_denied": "permission_denied",
-    "not_supported": "unimplemented", "unavailable": "unavailable", "already_exists": "already_exists",
-    "unauthenticated": "unauthenticated", "payload_too_large": "resource_exhausted",
+# An error's HTTP status (declared by its class, bus.errors) -> the Connect code that means the same
+# (the e2b SDK branches on NOT_FOUND, ALREADY_EXISTS, ...); any other status: "unknown".
+_CODE_OF_STATUS = {
+    400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found", 409: "failed_precondition",
+    413: "resource_exhausted", 429: "resource_exhausted", 501: "unimplemented", 503: "unavailable", 504: "deadline_exceeded",
 }
 
 
@@ -52,7 +51,7 @@ class ConnectError(Exception):
         if isinstance(exc, DsecError):
             if exc.code == "sandbox_not_found":  # gone mid-stream: what the e2b SDK reads as SandboxNotRunning
                 return cls("unavailable", f"The sandbox was not found: {exc.description}")
-            return cls(_FROM_DSEC.get(exc.code, "internal" if exc.code == "internal" else "unknown"), exc.description)
+            return cls("internal" if exc.code == "internal" else _CODE_OF_STATUS.get(exc.http_status, "unknown"), exc.description)
         return cls("internal", f"{type(exc).__name__}: {exc}")
 
     def body(self) -> dict[str, str]:

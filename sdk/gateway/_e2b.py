@@ -30,17 +30,9 @@ CREATE_TIMEOUT_S = 60.0
 PAGE_MAX = 1000
 SNAPSHOT_PREFIX = "snap-"  # dsec's snapshot ids: a create whose templateID is one restores it
 
-STATUS = {
-    "sandbox_not_found": 404, "file_not_found": 404, "unknown_template": 404, "not_found": 404,
-    "invalid_argument": 400, "bad_request": 400, "unauthenticated": 401, "permission_denied": 403,
-    "payload_too_large": 413, "no_capacity": 503, "unavailable": 503, "timeout": 504, "not_supported": 501,
-    "create_failed": 500, "host_rejected": 500, "not_running": 409, "unknown_snapshot": 404, "snapshot_in_use": 409,
-    "snapshot_unsupported": 400,
-}
-
-
 def http_status(exc: DsecError) -> int:
-    return STATUS.get(exc.code, 500)
+    """Each error class declares its status (bus.errors; the gateway's own Unauthenticated too)."""
+    return exc.http_status
 
 
 def e2b_error(status: int, message: str) -> web.Response:

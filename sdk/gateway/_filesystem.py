@@ -21,7 +21,6 @@ from aiohttp import BodyPartReader, web
 
 from bus.errors import FileNotFound, InvalidArgument
 from bus.messages import (
-    EntryInfo,
     ExecRequest,
     ExecResult,
     FileWrite,
@@ -29,6 +28,7 @@ from bus.messages import (
 )
 
 from .._async import AsyncSandbox
+from .._models import EntryInfo
 from ._connect import ConnectError, ServerStream
 from ._users import Account, Users, resolve, user_of
 
@@ -95,7 +95,8 @@ class Filesystem:
 
     @staticmethod
     async def _sh(sb: AsyncSandbox, line: str) -> ExecResult:
-        return await sb._request("exec", ExecRequest(cmd=line, timeout_s=30), ExecResult, timeout=40)
+        res: ExecResult = await sb._request("exec", ExecRequest(cmd=line, timeout_s=30), ExecResult, timeout=40)
+        return res
 
     async def _chown(self, sb: AsyncSandbox, acct: Account, path: str) -> None:
         if acct.uid != 0:  # the agent writes as root; the user must own what it asked for
@@ -124,7 +125,8 @@ class Filesystem:
         fn = getattr(self, f"_rpc_{method}", None) if method.isalpha() else None
         if fn is None:
             raise ConnectError("unimplemented", f"filesystem.Filesystem/{method} is not implemented by dsec's gateway")
-        return await fn(request, sb, body)
+        out: dict[str, Any] = await fn(request, sb, body)
+        return out
 
     async def _path(self, request: web.Request, sb: AsyncSandbox, body: dict[str, Any], name: str = "path") -> tuple[Account, str]:
         acct = await self._acct(request, sb)

@@ -146,7 +146,7 @@ class Processes:
             ]}
         pid, tag = _selector(body)
         if method == "SendSignal":
-            sig = SIGNALS.get(body.get("signal"))  # type: ignore[arg-type]
+            sig = SIGNALS.get(str(body.get("signal")))
             if sig is None:
                 raise ConnectError("invalid_argument", f"signal {body.get('signal')!r}: one of {', '.join(SIGNALS)}")
             await sb._request("proc", ProcSignal(pid=pid, tag=tag, signal=sig), Done)
@@ -154,6 +154,8 @@ class Processes:
         if method == "SendInput":
             inp = body.get("input") or {}
             raw = inp.get("stdin", inp.get("pty", "")) if isinstance(inp, dict) else ""
+            if not isinstance(raw, str):
+                raise ConnectError("invalid_argument", "input.stdin must be base64")
             try:
                 data = base64.b64decode(raw, validate=True)
             except (binascii.Error, TypeError):

@@ -159,12 +159,16 @@ def _fields(doc: dict[str, Any], allowed: set[str]) -> None:
         raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
 
 
+async def _openapi(_request: web.Request) -> web.Response:
+    return web.json_response(OPENAPI)
+
+
 class RestApi:
     def __init__(self, gw: Any) -> None:
         self.gw = gw
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_get("/openapi.json", lambda _r: web.json_response(OPENAPI))
+        app.router.add_get("/openapi.json", _openapi)
         app.router.add_post("/v1/sandboxes", self.create)
         app.router.add_get("/v1/sandboxes", self.list)
         app.router.add_get("/v1/sandboxes/{id}", self.get)

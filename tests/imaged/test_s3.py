@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("boto3", reason="the S3 blob store needs boto3")
 
 from imaged import ImageBuilder, S3BlobStore, open_blob_store
 from imaged._store import BlobNotFound, chunk_key

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 import pytest_asyncio
 
-from tests.conftest import eventually
+from tests.conftest import cannot_run, eventually, needs
 from tests.netclaim import claim_net
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +50,7 @@ def stack_skip_reason() -> str | None:
 
 
 SKIP_REASON = stack_skip_reason()
-needs_stack = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+needs_stack = needs(SKIP_REASON)
 
 
 # ----------------------------------------------------------------------------------------------- probes
@@ -168,8 +167,8 @@ async def force_cleanup(data_dir: str | Path) -> list[str]:
     Everything is stopped by pid (verified by its command line naming the data dir), never by name.
     Returns what it had to clean up.
     """
-    from hostagent._containerd import ContainerRuntime
-    from hostagent._containerd_daemon import probe_version
+    from hostagent.backends.container.containerd import ContainerRuntime
+    from hostagent.backends.container.daemon import probe_version
     from hostagent._quota import ScratchFS
 
     data_dir = Path(data_dir)
@@ -232,7 +231,7 @@ class Stack:
     host_id: str
     pool: str
     host: Any  # hostagent.HostAgent
-    backend: Any  # hostagent._container.ContainerBackend
+    backend: Any  # hostagent.backends.container.ContainerBackend
     placements: list[Any]  # placement.Placement
     nc: Any  # the tests' own NATS connection
     extra: dict[str, Any] = field(default_factory=dict)
@@ -307,12 +306,12 @@ async def register_base_template(js: Any, rootfs: str) -> bytes | None:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     from bus import connect, ensure_all
     from bus import subjects as S
     from bus.streams import ensure_kv
-    from hostagent import HostAgent
-    from hostagent._container import ContainerBackend
+    from hostagent import HostAgent, HostAgentConfig
+    from hostagent.backends.container import ContainerBackend
     from imaged._busybox import build_busybox_rootfs
     from placement import Placement
     import sdk._async
@@ -331,10 +330,10 @@ async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     placements = [Placement(url, replica_id=f"p{i}-{uid}") for i in (1, 2)]
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
     backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=2, network=net.config())
-    host = HostAgent(
-        backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), pool=f"it-{uid}",
+    host = HostAgent(backend, HostAgentConfig(
+        nats_url=url, host_id=host_id, data_dir=str(data_dir), pool=f"it-{uid}",
         concurrency=16, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
-    )
+    ))
     problems: list[str] = []
     try:
         for p in placements:

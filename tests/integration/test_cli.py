@@ -17,7 +17,7 @@ import pytest
 
 from bus.metrics import parse
 from bus.natsd import free_port
-from tests.conftest import eventually
+from tests.conftest import eventually, needs
 from tests.netclaim import claim_net
 
 from .conftest import PY, REPO, Child, Stack, data_dir_leftovers, force_cleanup, needs_stack, run_process, subprocess_env
@@ -140,7 +140,7 @@ def _up_missing() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_up_missing() is not None, reason=_up_missing() or "")
+@needs(_up_missing())
 async def test_dsec_up_end_to_end() -> None:
     """``dsec up`` in the foreground: ready, a sandbox through the SDK, SIGINT, and nothing left behind."""
     from sdk import AsyncSandbox

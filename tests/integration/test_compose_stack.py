@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import needs
+
 from bus.metrics import parse
 from bus.natsd import free_port
 
@@ -31,8 +33,7 @@ from .conftest import REPO, cgroups_of, loop_devices_backed_by, needs_stack
 pytestmark = [
     pytest.mark.containerd,
     needs_stack,
-    pytest.mark.skipif(shutil.which("dockerd") is None or shutil.which("docker-compose") is None,
-                       reason="docker.io / docker-compose not installed (bash compose/dev.sh install)"),
+    needs(None if shutil.which("dockerd") and shutil.which("docker-compose") else "docker.io / docker-compose not installed (bash compose/dev.sh install)"),
 ]
 
 DOCKER = "/usr/bin/docker" if os.path.exists("/usr/bin/docker") else "docker"

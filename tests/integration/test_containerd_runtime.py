@@ -20,14 +20,15 @@ from typing import Awaitable, Callable
 import pytest
 import pytest_asyncio
 
-from hostagent._containerd import (
+from hostagent.backends.container.containerd import (
     ContainerdError,
     ContainerdUnavailable,
     ContainerExists,
     ContainerNotFound,
     ContainerRuntime,
+    ContainerSpec,
 )
-from hostagent._containerd_daemon import ContainerdDaemon
+from hostagent.backends.container.daemon import ContainerdDaemon
 from hostagent._quota import ScratchFS
 from hostagent._rootfs import RootfsLayout, overlay_mount
 from imaged._busybox import build_busybox_rootfs
@@ -115,7 +116,7 @@ class Env:
     ) -> tuple[int, RootfsLayout]:
         sdir = await self.scratch.allocate_async(sid, disk_mb)
         layout = RootfsLayout(sdir).create()
-        pid = await self.rt.create_and_start(
+        pid = await self.rt.create_and_start(ContainerSpec(
             sid,
             rootfs_mounts=[overlay_mount([self.lower], layout.upper, layout.work)],
             args=["/bin/sh", "-c", script],
@@ -127,7 +128,7 @@ class Env:
             hostname=kw.pop("hostname", "sb"),
             labels=kw.pop("labels", {"dsec.test": "1"}),
             **kw,
-        )
+        ))
         return pid, layout
 
     async def destroy(self, sid: str) -> None:
@@ -423,10 +424,10 @@ async def test_errors(env: Env) -> None:
     pid, _ = await env.run(sid, "exec sleep 1000")
     try:
         with pytest.raises(ContainerExists):
-            await env.rt.create_and_start(
+            await env.rt.create_and_start(ContainerSpec(
                 sid, rootfs_mounts=[], args=["/bin/true"], env={}, cpu=1, memory_mb=64,
                 pids_max=10, bind_mounts=[], hostname="x", labels={},
-            )
+            ))
         assert pid_alive(pid) and await env.rt.task_pid(sid) == pid  # the original is untouched
         with pytest.raises(ContainerNotFound):
             await env.rt.kill("no-such-sandbox", 9)
@@ -450,12 +451,12 @@ async def test_failed_start_leaves_nothing(env: Env) -> None:
     layout = RootfsLayout(sdir).create()
     try:
         with pytest.raises(ContainerdError):
-            await env.rt.create_and_start(
+            await env.rt.create_and_start(ContainerSpec(
                 sid,
                 rootfs_mounts=[overlay_mount([env.lower], layout.upper, layout.work)],
                 args=["/no/such/binary"], env={}, cpu=1, memory_mb=64, pids_max=10,
                 bind_mounts=[], hostname="x", labels={},
-            )
+            ))
         assert sid not in {i.id for i in await env.rt.list()}
         assert layout.upper not in mountinfo()
         assert not os.path.exists(cg("memory", sid))

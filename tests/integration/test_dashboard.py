@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from bus.metrics import parse
-from tests.conftest import eventually
+from tests.conftest import eventually, needs
 
 from .conftest import Stack, needs_stack
 
@@ -63,7 +63,7 @@ async def test_gateway_metrics_are_every_service_merged(stack: Stack) -> None:
         assert only == {"hostagent", "gateway"}
 
 
-@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="chromium not installed (bash compose/dev.sh install)")
+@needs(None if os.path.exists(CHROMIUM) else "chromium not installed (bash compose/dev.sh install)")
 async def test_dashboard_shows_a_new_sandbox_and_live_events_in_chromium(stack: Stack) -> None:
     from playwright.async_api import async_playwright
 

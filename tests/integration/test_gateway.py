@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import e2b
 import pytest
 
 from bus.natsd import free_port
@@ -43,7 +44,6 @@ from .conftest import (
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
-e2b = pytest.importorskip("e2b")
 DSEC = [PY, "-m", "sdk.cli"]
 
 

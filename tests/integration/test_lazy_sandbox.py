@@ -75,6 +75,6 @@ async def test_sandbox_on_lazy_layers_survives_a_loader_restart(stack: Stack, na
         # The template's layer mounts would outlive the connection: take them down with the loader.
         for lay in layers:
             hexd = lay.digest.split(":", 1)[1]
-            if stack.backend._layer_mounts.pop(hexd, None):
+            if stack.backend.layers.forget(hexd):
                 subprocess.run(["umount", str(stack.data_dir / "layers" / hexd)], check=False)
         d.release()

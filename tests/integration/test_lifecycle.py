@@ -49,7 +49,7 @@ def proc_id(pid: int) -> tuple[int, int] | None:
 @dataclass
 class Host:
     agent: Any  # hostagent.HostAgent
-    backend: Any  # hostagent._container.ContainerBackend
+    backend: Any  # hostagent.backends.container.ContainerBackend
     data: Path
     pool: str
     stack: Stack
@@ -88,17 +88,17 @@ class Host:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def host(stack: Stack) -> AsyncIterator[Host]:
-    from hostagent import HostAgent
-    from hostagent._container import ContainerBackend
+    from hostagent import HostAgent, HostAgentConfig
+    from hostagent.backends.container import ContainerBackend
 
     uid = f"lc-{uuid.uuid4().hex[:8]}"
     data = Path(tempfile.mkdtemp(prefix="dsec-lc-", dir="/tmp"))
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
     backend = ContainerBackend(str(data), scratch_size_gb=None, warm_pool=0, network=net.config())
-    agent = HostAgent(
-        backend, nats_url=stack.url, host_id=uid, data_dir=str(data), pool=uid, concurrency=16, heartbeat_s=1.0,
+    agent = HostAgent(backend, HostAgentConfig(
+        nats_url=stack.url, host_id=uid, data_dir=str(data), pool=uid, concurrency=16, heartbeat_s=1.0,
         destroy_on_shutdown=True, grace_s=30.0, reconcile_s=1.0, kill_wait_s=3.0,
-    )
+    ))
     try:
         await agent.start()
         await eventually(lambda: all(uid in p.table.hosts for p in stack.placements), timeout=15, what="placement to see the host")
@@ -175,7 +175,7 @@ async def test_1000_sandboxes_killed_at_once_leave_nothing(host: Host) -> None:
 
 # ------------------------------------------------------------------------------------- drift
 async def test_container_removed_behind_the_agents_back_becomes_lost(host: Host) -> None:
-    from hostagent._containerd import ContainerRuntime
+    from hostagent.backends.container.containerd import ContainerRuntime
 
     ev = await Events().start(host.stack.nc)
     rt = ContainerRuntime(host.backend.rt.address, runc_root=str(host.data / "containerd" / "state" / "runc"))
@@ -203,7 +203,7 @@ async def test_container_removed_behind_the_agents_back_becomes_lost(host: Host)
 
 
 async def test_container_without_record_is_removed(host: Host) -> None:
-    from hostagent._containerd import ContainerRuntime
+    from hostagent.backends.container.containerd import ContainerRuntime, ContainerSpec
 
     @dataclass
     class Bind:
@@ -214,10 +214,10 @@ async def test_container_without_record_is_removed(host: Host) -> None:
     rt = ContainerRuntime(host.backend.rt.address, runc_root=str(host.data / "containerd" / "state" / "runc"))
     cid = f"orphan-{uuid.uuid4().hex[:8]}"
     try:
-        pid = await rt.create_and_start(
+        pid = await rt.create_and_start(ContainerSpec(
             cid, rootfs_mounts=[Bind("bind", str(host.stack.rootfs), ["rbind", "ro"])], args=["/bin/sleep", "1000"], env={},
             cpu=0.1, memory_mb=32, pids_max=16, labels={"dsec.sandbox": f"sb-{cid}"},
-        )
+        ))
         proc = proc_id(pid)
         assert proc is not None and cgroups_of(cid)
         period = host.agent.reconciler.period_s

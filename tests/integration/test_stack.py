@@ -291,7 +291,7 @@ async def test_a_small_cpu_share_is_in_force_once_created(stack: Stack) -> None:
     """A container starts with the start-up share (its runc init and agent are not throttled by a
     tiny share) and runs under its own share from the moment its create is answered: cold, and
     claimed from the warm pool."""
-    from hostagent._container import START_CPU
+    from hostagent.backends.container import START_CPU
 
     cg = "/sys/fs/cgroup/cpu/dsec"
     disk = 40  # a disk size no other test asks for: the first create of it finds no warm container
@@ -300,7 +300,7 @@ async def test_a_small_cpu_share_is_in_force_once_created(stack: Stack) -> None:
         return int(_read(f"{cg}/{cid}/cpu.cfs_quota_us")), int(_read(f"{cg}/{cid}/cpu.shares"))
 
     def waiting() -> list[str]:
-        return [cid for key, entries in stack.backend._pool.items() if key[1] == disk for cid, _, _ in entries]
+        return [w.cid for key, entries in stack.backend.pool.entries().items() if key.disk_mb == disk for w in entries]
 
     async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as cold:
         assert stack.cid(cold.sandbox_id) == cold.sandbox_id  # started for this sandbox

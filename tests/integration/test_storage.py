@@ -202,8 +202,8 @@ class SmallDisk:
 
 async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bus.errors import NoSpace
-    from hostagent import HostAgent
-    from hostagent._container import ContainerBackend
+    from hostagent import HostAgent, HostAgentConfig
+    from hostagent.backends.container import ContainerBackend
     from tests.conftest import eventually
     from tests.netclaim import claim_net
 
@@ -216,8 +216,8 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
     host_id, pool = f"full-{stack.uid}", f"full-{stack.uid}"
     net = await asyncio.to_thread(claim_net)
     backend = ContainerBackend(str(d), scratch_size_gb=8, warm_pool=0, network=net.config())
-    host = HostAgent(backend, nats_url=stack.url, host_id=host_id, data_dir=str(d), pool=pool, concurrency=4, heartbeat_s=0.5,
-                     destroy_on_shutdown=True, grace_s=10.0)
+    host = HostAgent(backend, HostAgentConfig(nats_url=stack.url, host_id=host_id, data_dir=str(d), pool=pool, concurrency=4, heartbeat_s=0.5,
+                                              destroy_on_shutdown=True, grace_s=10.0))
     lazy_d = LazyDaemon(data_dir=d, mount=d / "lazy", nats_url=stack.url, host_id=host_id)
     hosts_kv = await ensure_kv(stack.js, S.KV_HOSTS)
     try:

@@ -417,7 +417,7 @@ async def test_ready_never_heard_nor_in_the_stream_is_read_from_the_record(nats_
         await eventually(lambda: late in h.live, what="the sandbox made")
         await stored_events(js, [late])
         await js.purge_stream(S.STREAM_EVT, subject=S.evt_sandbox(late, "ready"))
-        with pytest.raises(Exception):  # noqa: B017 - nats' NotFoundError: nothing left in the stream
+        with pytest.raises(nats.js.errors.NotFoundError):  # nothing left in the stream
             await js.get_last_msg(S.STREAM_EVT, S.evt_sandbox(late, "ready"))
         answers.clear()
         sb2 = await AsyncSandbox.create("base", backend="sim", nats_url=url, sandbox_id=late, create_timeout=10)

@@ -13,11 +13,13 @@ import pytest
 
 from bus import codec
 from bus import subjects as S
+from bus.errors import NoCapacity, UnknownTemplate
 from bus.messages import CreateSandbox, HostStatus, PlaceBatch
 from bus.streams import ensure_kv
-from hostagent import HostAgent, SimBackend
+from hostagent import HostAgent, HostAgentConfig, SimBackend
 from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
+from sdk.errors import UnsupportedBackend
 
 from .conftest import LAYER, eventually, hosts_up, ready_counts, spawn, stop_process, stored_events
 
@@ -27,7 +29,8 @@ def agent(url: str, hid: str, **kw) -> HostAgent:
     backend = kw.pop("backend", None) or SimBackend()
     kw.setdefault("heartbeat_s", 0.2)
     # persist_state=False: nothing is written under data_dir
-    return HostAgent(backend, nats_url=url, host_id=hid, data_dir=os.path.join(tempfile.gettempdir(), "dsec-pl-unused"), persist_state=False, grace_s=2, **kw)
+    cfg = HostAgentConfig(nats_url=url, host_id=hid, data_dir=os.path.join(tempfile.gettempdir(), "dsec-pl-unused"), persist_state=False, grace_s=2, **kw)
+    return HostAgent(backend, cfg)
 
 
 async def test_host_rejects_and_request_is_replaced_elsewhere(nats_srv, nc) -> None:
@@ -157,9 +160,9 @@ class _SlowSim(SimBackend):
     """The simulated backend, taking a moment to start each sandbox as a real backend does: the
     members of a batch are all being made at once before any of them is in the registry."""
 
-    async def create(self, spec, layers):
+    async def create(self, spec, layers, **kw):
         await asyncio.sleep(0.05)
-        return await super().create(spec, layers)
+        return await super().create(spec, layers, **kw)
 
 
 async def test_fresh_batch_larger_than_the_host_is_admitted_in_turn(nats_srv, nc) -> None:
@@ -297,9 +300,9 @@ async def test_lost_outcome_reply_is_found_in_the_stream(nats_srv, nc, monkeypat
     try:
         sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10)
         assert sb.host_id == "quiet"
-        with pytest.raises(Exception) as ei:
+        with pytest.raises(UnknownTemplate) as ei:
             await AsyncSandbox.create("nope", backend="sim", nats_url=url, create_timeout=10)
-        assert getattr(ei.value, "code", "") == "unknown_template"
+        assert ei.value.code == "unknown_template" and "nope" in ei.value.description
     finally:
         await pl.shutdown()
         await h.shutdown()
@@ -317,9 +320,9 @@ async def test_every_host_rejecting_ends_in_a_clear_failure_after_bounded_attemp
     await pl.start()
     try:
         await eventually(lambda: "liar2" in pl.table.hosts and pl.table.hosts["liar2"].status.cpu_total == 64, what="fake heartbeat seen")
-        with pytest.raises(Exception) as ei:
+        with pytest.raises(NoCapacity) as ei:
             await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=10, sandbox_id="never")
-        assert getattr(ei.value, "code", "") == "no_capacity" and "after 3 attempts" in str(ei.value)
+        assert ei.value.code == "no_capacity" and "after 3 attempts" in str(ei.value)
         async def settled() -> bool:
             evs = await ready_counts(js, ("rejected", "failed", "ready"))
             return len(evs.get("never", [])) >= 4
@@ -331,3 +334,47 @@ async def test_every_host_rejecting_ends_in_a_clear_failure_after_bounded_attemp
     finally:
         await pl.shutdown()
         await liar.shutdown()
+
+
+async def test_a_backend_no_live_host_runs_is_refused_at_once_naming_those_run(nats_srv, nc) -> None:
+    url = nats_srv.url
+    h = agent(url, "simonly")  # its heartbeat may not list backends yet: it runs just "sim"
+    pl = Placement(url, pending_delay_s=0.1, grace_s=2)
+    await h.start()
+    await pl.start()
+    try:
+        await eventually(lambda: "simonly" in pl.table.hosts, what="the host's heartbeat")
+        t0 = time.monotonic()
+        with pytest.raises(UnsupportedBackend) as ei:
+            await AsyncSandbox.create("base", backend="microvm", nats_url=url, create_timeout=60, sandbox_id="wantvm")
+        assert time.monotonic() - t0 < 10  # refused, not pending until the 60 s deadline
+        assert ei.value.code == "unsupported_backend"
+        assert "'microvm'" in ei.value.description and "available: sim" in ei.value.description
+        ev = (await stored_events(nc.jetstream(), ["wantvm"], ("failed",)))["wantvm"][0]
+        assert ev.code == "unsupported_backend" and ev.attempt == 0
+        # positive control: the backend the host runs is placed on it
+        sb = await AsyncSandbox.create("base", backend="sim", nats_url=url, create_timeout=20)
+        assert sb.host_id == "simonly"
+
+        async def settled() -> bool:  # neither request waits in the stream
+            info = await nc.jetstream().consumer_info(S.STREAM_REQ, S.PLACEMENT_DURABLE)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        await eventually(settled, what="requests acked")
+    finally:
+        await pl.shutdown()
+        await h.shutdown()
+
+
+async def test_with_no_live_host_at_all_a_create_waits_pending(nats_srv, nc) -> None:
+    """No host heartbeats (the cluster is away, or this replica has not heard it yet): nothing is refused."""
+    url = nats_srv.url
+    pl = Placement(url, pending_delay_s=0.1, grace_s=2)
+    await pl.start()
+    try:
+        pending: list[str] = []
+        with pytest.raises(SandboxTimeout) as ei:
+            await AsyncSandbox.create("base", backend="microvm", nats_url=url, create_timeout=1.5, on_pending=pending.append)
+        assert "pending" in str(ei.value) and len(pending) == 1
+    finally:
+        await pl.shutdown()

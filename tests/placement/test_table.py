@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from bus.messages import HostStatus, SandboxSpec
+from bus.messages import HostBackend, HostStatus, SandboxSpec
 from placement import HostTable, Policy
 from placement import _table
 
@@ -157,3 +157,40 @@ def test_remove_keeps_sampling_consistent() -> None:
     assert all(t._ids[t._pos[h]] == h for h in t._ids)
     for j in range(100):
         assert int(t.choose(spec(f"s{j}"))[1:]) % 2 == 1
+
+
+def test_routes_on_the_backends_a_host_advertises_and_their_limits() -> None:
+    t = HostTable()
+    t.update(host("old"))  # an older host: no list, only its one backend
+    t.update(host("vm", backend="container", backends=[
+        HostBackend(name="container"), HostBackend(name="microvm", max_cpu=2, max_memory_mb=1024, max_disk_mb=2048),
+    ]))
+    assert t.choose(spec(backend="sim")) == "old"
+    assert t.choose(spec(backend="microvm")) == "vm"
+    assert t.choose(spec(backend="container")) == "vm"
+    assert t.choose(spec(backend="vm")) is None
+    assert t.why_not(t.hosts["old"], spec(backend="microvm")) == "backend"
+    assert t.why_not(t.hosts["vm"], spec(backend="microvm", memory_mb=2048)) == "backend-memory"
+    assert t.why_not(t.hosts["vm"], spec(backend="microvm", cpu=4.0)) == "backend-cpu"
+    assert t.why_not(t.hosts["vm"], spec(backend="microvm", disk_mb=4096)) == "backend-disk"
+    assert t.why_not(t.hosts["vm"], spec(backend="container", memory_mb=2048)) == ""  # the limits are microvm's own
+    assert t.runs("microvm") and t.runs("sim") and not t.runs("vm")
+    assert t.available_backends() == ["container", "microvm", "sim"]
+
+
+def test_a_backend_counts_only_while_a_host_running_it_is_live() -> None:
+    t = HostTable()
+    now = time.time()
+    t.update(host("vm", backends=[HostBackend(name="microvm")]), now=now - 2 * _table.STALE_AFTER_S)  # silent since
+    t.update(host("s1"), now=now)
+    assert not t.runs("microvm", now) and t.available_backends(now) == ["sim"]
+    t.update(host("vm", backends=[HostBackend(name="microvm")]), now=now)
+    assert t.runs("microvm", now)
+    t.update(host("vm", backends=[HostBackend(name="microvm")], state="down"), now=now)
+    assert not t.runs("microvm", now)
+    t.update(host("vm", backends=[HostBackend(name="vm")]), now=now)  # it changed what it runs
+    assert not t.runs("microvm", now) and t.runs("vm", now)
+    t.remove("vm")
+    assert t.available_backends(now) == ["sim"] and t.any_live(now)
+    t.remove("s1")
+    assert not t.any_live(now) and t.available_backends(now) == []

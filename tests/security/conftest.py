@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from tests.conftest import eventually
+from tests.conftest import cannot_run, eventually
 from tests.netclaim import NetClaim, claim_net
 from tests.integration.conftest import data_dir_leftovers, force_cleanup, register_base_template, stack_skip_reason
 
@@ -108,12 +108,11 @@ class SecStack:
 
     async def new_hostagent(self) -> None:
         """Stop the host agent (sandboxes keep running) and start a fresh one on the same data dir."""
-        from hostagent._container import ContainerBackend
+        from hostagent.backends.container import ContainerBackend
 
-        self.host.destroy_on_shutdown = False
+        self.host.config = self.host.config.replace(destroy_on_shutdown=False)
         await self.host.shutdown()
-        self.host.destroy_on_shutdown = True
-        self.backend = ContainerBackend(str(self.data_dir), scratch_size_gb=16, network=self.net)
+        self.backend = ContainerBackend(str(self.data_dir), scratch_size_gb=16, network=self.net, warm_pool=0)
         self.host = _hostagent(self.backend, self.url_as("hostagent"), self.host_id, self.data_dir, self.stream_options, self.control_key)
         await self.host.start()
 
@@ -123,12 +122,13 @@ class SecStack:
 
 def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None, control_key: bytes | None = None) -> Any:
     from bus.streams import StreamOptions
-    from hostagent import HostAgent
+    from hostagent import HostAgent, HostAgentConfig
 
-    return HostAgent(
-        backend, nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
-        stream_options=stream_options or StreamOptions(), control_key=control_key,
+    cfg = HostAgentConfig(
+        nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
+        control_key=control_key,
     )
+    return HostAgent(backend, cfg, stream_options=stream_options or StreamOptions())
 
 
 def _mounted_under(path: Path) -> bool:
@@ -182,11 +182,11 @@ def _released(claim: NetClaim) -> Callable[[], Awaitable[None]]:
 @pytest_asyncio.fixture(loop_scope="session")
 async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     from bus import connect, ensure_all
     from bus.natsd import NatsServer
     from bus.streams import StreamOptions
-    from hostagent._container import ContainerBackend
+    from hostagent.backends.container import ContainerBackend
     from imaged._busybox import build_busybox_rootfs
     from placement import Placement
 

@@ -66,9 +66,10 @@ from bus.runtime import connect
 from bus.sign import sign_headers
 from sdk import AsyncSandbox, build_spec
 from tests.conftest import eventually
+from tests.conftest import needs
 from tests.security.conftest import SKIP_REASON, RedTeam, SecStack
 
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+pytestmark = needs(SKIP_REASON)
 
 DEDUP_S = 3.0  # the replay test's stream de-duplication window (production: 120 s)
 

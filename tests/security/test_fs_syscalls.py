@@ -29,9 +29,10 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import cannot_run, needs
 from tests.security.conftest import SKIP_REASON, until
 
-pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+pytestmark = needs(SKIP_REASON)
 
 PROGS = Path(__file__).with_name("progs")
 EPERM, EACCES, EXDEV, EROFS, ENOSPC = 1, 13, 18, 30, 28
@@ -439,8 +440,8 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
     st = await make_stack(warm_pool=1)
     backend = st.backend
 
-    def pooled(profile: str) -> list[tuple[Any, ...]]:
-        return [k for k, v in backend._pool.items() if k[2] == profile and v]
+    def pooled(profile: str) -> list[Any]:
+        return [k for k, v in backend.pool.entries().items() if k.profile == profile and v]
 
     cold = await st.create()
     await until(lambda: pooled("default"), timeout=60, what="a warm container for the default profile")
@@ -472,7 +473,7 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
     assert c.code == 0, f"without /etc among its read-only mounts the profile leaves /etc's metadata open: {c}"
     await until(lambda: pooled("edit"), timeout=60, what="a warm container for profile edit without /etc")
     stale_key = pooled("edit")[0]
-    stale_cids = [cid for cid, _, _ in backend._pool[stale_key]]
+    stale_cids = [w.cid for w in backend.pool.entries()[stale_key]]
     await kv.put("edit", codec.encode(full))
     await until(lambda: "/etc" in st.host.profiles.profiles["edit"].fs.readonly_paths, timeout=10, what="the edited profile")
     tight = await st.create(profile="edit")
@@ -487,7 +488,7 @@ async def test_warm_pool_serves_only_the_profile_it_was_started_with(make_stack:
 
     async def stale_gone() -> bool:
         live = {c.id for c in await backend.rt.list()}
-        return stale_key not in backend._pool and not live & set(stale_cids)
+        return stale_key not in backend.pool.entries() and not live & set(stale_cids)
 
     await until(stale_gone, timeout=30, what="the warm containers of the old content to be removed")
 
@@ -660,33 +661,44 @@ async def test_proc_sys_sysrq_and_cgroups_not_writable(stack: Any, progs: dict[s
     r = await sh(sb, "cat /proc/sys/kernel/ostype /sys/fs/cgroup/memory/memory.limit_in_bytes")
     assert r.code == 0 and r.out.split() == ["Linux", str(128 << 20)], r
     redteam.allowed("read /proc/sys and own cgroup")
-    blocked = {
+    r = await sh(sb, "echo 1 > /tmp/w && cat /tmp/w")
+    assert r.code == 0 and r.out == "1", r
+    redteam.allowed("the same shell redirection writes where writing is allowed")
+    ro, eacces = "Read-only file system", "Permission denied"
+    blocked = {  # what -> (command, the one error that proves the block)
         # written with the value already there: harmless even if it got through
-        "/proc/sys/kernel/core_pattern": "cat /proc/sys/kernel/core_pattern > /proc/sys/kernel/core_pattern",
-        "/proc/sys/vm/overcommit_memory": "cat /proc/sys/vm/overcommit_memory > /proc/sys/vm/overcommit_memory",
-        "/proc/sys/fs/file-max": "cat /proc/sys/fs/file-max > /proc/sys/fs/file-max",
-        "/proc/sys/kernel/modprobe": "echo /tmp/x > /proc/sys/kernel/modprobe",
-        "/proc/self/oom_score_adj (lower)": "echo -1000 > /proc/self/oom_score_adj",
-        "/proc/1/mem (the agent's memory)": "echo x > /proc/1/mem",
-        "/proc/1/attr/current": "echo x > /proc/1/attr/current",
-        "/sys/kernel/mm/transparent_hugepage/enabled": "echo never > /sys/kernel/mm/transparent_hugepage/enabled",
-        "cgroup release_agent": "echo /tmp/x > /sys/fs/cgroup/memory/release_agent",
-        "cgroup notify_on_release": "echo 1 > /sys/fs/cgroup/memory/notify_on_release",
-        "cgroup memory.limit_in_bytes (raise)": "echo -1 > /sys/fs/cgroup/memory/memory.limit_in_bytes",
-        "cgroup pids.max (raise)": "echo max > /sys/fs/cgroup/pids/pids.max",
-        "cgroup.procs (move)": "echo $$ > /sys/fs/cgroup/pids/cgroup.procs",
-        "mkdir child cgroup": "mkdir /sys/fs/cgroup/memory/escape",
+        "/proc/sys/kernel/core_pattern": ("cat /proc/sys/kernel/core_pattern > /proc/sys/kernel/core_pattern", ro),
+        "/proc/sys/vm/overcommit_memory": ("cat /proc/sys/vm/overcommit_memory > /proc/sys/vm/overcommit_memory", ro),
+        "/proc/sys/fs/file-max": ("cat /proc/sys/fs/file-max > /proc/sys/fs/file-max", ro),
+        "/proc/sys/kernel/modprobe": ("echo /tmp/x > /proc/sys/kernel/modprobe", ro),
+        "/proc/self/oom_score_adj (lower)": ("echo -1000 > /proc/self/oom_score_adj", eacces),
+        "/proc/1/mem (the agent's memory)": ("echo x > /proc/1/mem", eacces),
+        "/proc/1/attr/current": ("echo x > /proc/1/attr/current", eacces),
+        "/sys/kernel/mm/transparent_hugepage/enabled": ("echo never > /sys/kernel/mm/transparent_hugepage/enabled", ro),
+        # the sandbox's view holds no release_agent (only a hierarchy's root has one; asserted
+        # below): creating one is refused by the read-only mount, not missed for lack of a file
+        "cgroup release_agent": ("echo /tmp/x > /sys/fs/cgroup/memory/release_agent", ro),
+        "cgroup notify_on_release": ("echo 1 > /sys/fs/cgroup/memory/notify_on_release", ro),
+        "cgroup memory.limit_in_bytes (raise)": ("echo -1 > /sys/fs/cgroup/memory/memory.limit_in_bytes", ro),
+        "cgroup pids.max (raise)": ("echo max > /sys/fs/cgroup/pids/pids.max", ro),
+        "cgroup.procs (move)": ("echo $$ > /sys/fs/cgroup/pids/cgroup.procs", ro),
+        "mkdir child cgroup": ("mkdir /sys/fs/cgroup/memory/escape", ro),
     }
     if os.path.exists("/proc/sysrq-trigger"):  # not in every kernel (CONFIG_MAGIC_SYSRQ)
-        blocked["/proc/sysrq-trigger"] = "echo h > /proc/sysrq-trigger"  # h: print help, the harmless one
-    for what, cmd in blocked.items():
+        blocked["/proc/sysrq-trigger"] = ("echo h > /proc/sysrq-trigger", ro)  # h: print help, the harmless one; a read-only path
+    for what, (cmd, error) in blocked.items():
         target = cmd.rsplit(">", 1)[-1].strip() if ">" in cmd else ""
         if target.startswith(("/proc/sys/", "/sys/kernel/")) and not os.path.exists(target):
             continue  # this kernel lacks the knob: nothing to attack
         r = await sh(sb, cmd)
-        assert r.code != 0, f"{what}: {r}"
-        assert any(s in r.out for s in ("Read-only file system", "Permission denied", "Operation not permitted", "No such file")), (what, r)
-        redteam.blocked(f"write {what}")
+        assert r.code != 0 and error in r.out, (what, error, r)
+        redteam.blocked(f"write {what} [{error}]")
+    # release_agent: the host's memory hierarchy has one (the knob an escape wants), the sandbox's
+    # cgroup view does not show it, and the file the write above would have created is not there.
+    assert os.path.exists("/sys/fs/cgroup/memory/release_agent")
+    r = await sh(sb, "ls /sys/fs/cgroup/memory/")
+    assert r.code == 0 and "notify_on_release" in r.out.split() and "release_agent" not in r.out.split(), r
+    redteam.blocked("cgroup release_agent is not in the sandbox's view of its cgroup")
     # A fresh cgroup (or any) mount for a release_agent escape: refused before it starts.
     await sh(sb, "mkdir -p /tmp/cg")
     r = await sysx(sb, nr("mount"), "s:cgroup", "s:/tmp/cg", "s:cgroup", 0, "s:memory")
@@ -841,7 +853,7 @@ async def test_denials_are_reported_as_guard_violations(make_stack: Any, progs: 
 
     st = await make_stack(guard=True)
     if st.guard.kernel is None:
-        pytest.skip("kernel audit not readable here")
+        cannot_run("kernel audit not readable here")
     got: list[GuardViolation] = []
 
     async def on(msg: Any) -> None:
@@ -892,7 +904,7 @@ async def test_writes_to_read_only_system_paths_are_reported(make_stack: Any, pr
     st = await make_stack(guard=True)
     k = st.guard.kernel
     if k is None or not k.rules.held:
-        pytest.skip("kernel audit rules not available here")
+        cannot_run("kernel audit rules not available here")
     assert ReadonlyRules.listed() == k.rules.rules  # installed once, whoever else runs a guard here
     got: list[GuardViolation] = []
 
@@ -956,7 +968,7 @@ async def test_writes_to_read_only_system_paths_are_reported(make_stack: Any, pr
 async def test_strict_profile_kills_for_writing_a_system_file(make_stack: Any, redteam: Any) -> None:
     st = await make_stack(guard=True)
     if st.guard.kernel is None or not st.guard.kernel.rules.held:
-        pytest.skip("kernel audit rules not available here")
+        cannot_run("kernel audit rules not available here")
     strict = await st.create(profile="strict")
     relaxed = await st.create()
     assert (await sh(strict, "echo fine > /tmp/f && cat /tmp/f")).out == "fine"  # positive control
@@ -982,7 +994,7 @@ async def test_strict_profile_kills_for_writing_a_system_file(make_stack: Any, r
 async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
     st = await make_stack(guard=True)
     if st.guard.kernel is None:
-        pytest.skip("kernel audit not readable here")
+        cannot_run("kernel audit not readable here")
     strict = await st.create(profile="strict")
     relaxed = await st.create()  # default profile: record only
     await push(strict, progs, "sysx")

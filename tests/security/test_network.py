@@ -40,15 +40,15 @@ import pytest
 import pytest_asyncio
 
 from hostagent.network import NetworkManager, compile_allowlist, parse_allow_out
-from hostagent.network.resolver import _dns_answers
 from bus.errors import InvalidArgument
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
 from tests.netclaim import claim_net, lock_route
+from tests.conftest import cannot_run, needs
 from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, network_leftovers, until
 
 pytestmark = [pytest.mark.containerd]
-needs_stack = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+needs_stack = needs(SKIP_REASON)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET = 0x40000000
@@ -224,14 +224,14 @@ PROBE = "/tmp/netprobe"  # where it lives inside a sandbox (a Landlock-writable 
 @pytest.fixture(scope="session")
 def netprobe_bin() -> bytes:
     if shutil.which("gcc") is None:
-        pytest.skip("gcc not installed (needed to build the static probe)")
+        cannot_run("gcc not installed (needed to build the static probe)")
     d = tempfile.mkdtemp(prefix="dsec-netprobe-")
     try:
         src = Path(d, "netprobe.c")
         src.write_text(NETPROBE_C)
         r = subprocess.run(["gcc", "-static", "-O1", "-w", "-o", str(Path(d, "netprobe")), str(src)], capture_output=True, text=True)
         if r.returncode != 0:
-            pytest.skip(f"cannot build a static probe: {r.stderr[-500:]}")
+            cannot_run(f"cannot build a static probe (static libc missing?): {r.stderr[-500:]}")
         return Path(d, "netprobe").read_bytes()
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -475,7 +475,7 @@ class TestHost:
 @pytest_asyncio.fixture(loop_scope="session")
 async def testhost() -> AsyncIterator[TestHost]:
     if SKIP_REASON is not None:
-        pytest.skip(SKIP_REASON)
+        cannot_run(SKIP_REASON)
     th = TestHost()
     try:
         th.start()
@@ -588,21 +588,15 @@ def _dns_reply(query: bytes, answers: dict[str, list[str]]) -> bytes:
     return qid + struct.pack("!HHHHH", 0x8180, 1, len(ips), 0, 0) + question + body
 
 
-def test_dns_answer_parsing() -> None:
-    from hostagent.network.resolver import _dns_query
-
-    q = _dns_query("svc.dsec.test", 0x1234)
-    assert _dns_answers(_dns_reply(q, {"svc.dsec.test": ["198.18.0.2", "198.18.0.3"]}), "svc.dsec.test") == ["198.18.0.2", "198.18.0.3"]
-    assert _dns_answers(_dns_reply(q, {}), "svc.dsec.test") == []
-
-
 class DnsServer:
-    """A tiny authoritative DNS server on the host's loopback: the resolver the host agent is given."""
+    """A tiny authoritative DNS server on the host's loopback: the resolver the host agent is given.
+    Names in ``garbage`` are answered with bytes that are no DNS reply (a broken server)."""
 
     __test__ = False
 
-    def __init__(self, answers: dict[str, list[str]]) -> None:
+    def __init__(self, answers: dict[str, list[str]], garbage: tuple[str, ...] = ()) -> None:
         self.answers = answers
+        self.garbage = garbage
         self.queries: list[str] = []
         self.port = 0
         self._t: Any = None
@@ -620,7 +614,7 @@ class DnsServer:
                     labels.append(data[off + 1 : off + 1 + data[off]].decode())
                     off += 1 + data[off]
                 srv.queries.append(".".join(labels))
-                self.t.sendto(_dns_reply(data, srv.answers), addr)
+                self.t.sendto(data[:2] + b"\x81\x80garbage" if srv.queries[-1] in srv.garbage else _dns_reply(data, srv.answers), addr)
 
         self._t, _ = await asyncio.get_running_loop().create_datagram_endpoint(P, local_addr=("127.0.0.1", 0))
         self.port = self._t.get_extra_info("sockname")[1]
@@ -993,7 +987,8 @@ async def test_root_of_the_netns_still_cannot_pass(
 async def test_domain_allowlist_resolves_through_the_host(make_stack: Any, testhost: TestHost, netprobe_bin: bytes, redteam: RedTeam) -> None:
     from sdk.errors import DsecError
 
-    dns = await DnsServer({"svc.dsec.test": [testhost.ip], "evil.dsec.test": ["127.0.0.1"], "meta.dsec.test": ["169.254.169.254"]}).start()
+    answers = {"svc.dsec.test": [testhost.ip], "evil.dsec.test": ["127.0.0.1"], "meta.dsec.test": ["169.254.169.254"]}
+    dns = await DnsServer(answers, garbage=("broken.dsec.test",)).start()
     try:
         st = await make_stack(network={"nameservers": (f"127.0.0.1:{dns.port}",)})
         lis = await testhost.listen()
@@ -1027,6 +1022,13 @@ async def test_domain_allowlist_resolves_through_the_host(make_stack: Any, testh
                 await st.create(network={"allow_out": [entry]})
             assert ei.value.code == "invalid_argument" and why in str(ei.value), ei.value
             redteam.blocked(f"allowlisted domain resolving to a forbidden or no address refused ({entry}) [invalid_argument]")
+        # a nameserver that answers garbage: the create fails typed (the host could not resolve), and the agent serves on
+        with pytest.raises(DsecError) as ei:
+            await st.create(network={"allow_out": ["broken.dsec.test"]})
+        assert ei.value.code == "create_failed" and "cannot resolve broken.dsec.test" in str(ei.value) and "malformed" in str(ei.value), ei.value
+        redteam.blocked("allowlisted domain whose nameserver answers garbage refused [create_failed]")
+        assert st.attachment(await st.create(network={"allow_out": [f"svc.dsec.test:{lis.port}"]})) is not None
+        redteam.allowed("the next create with a resolvable name works")
     finally:
         dns.close()
 

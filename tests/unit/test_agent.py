@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cannot_run, needs
+
 from hostagent import _agent
 from hostagent._agent import (
     AgentBuildError,
@@ -534,7 +536,7 @@ async def test_timeouts_of_many_commands_at_once(agent):
 SYSCALL_WRITE = {"x86_64": 1, "aarch64": 64}.get(platform.machine())
 
 
-@pytest.mark.skipif(SYSCALL_WRITE is None, reason="write(2) syscall number unknown on this arch")
+@needs(None if SYSCALL_WRITE is not None else "write(2) syscall number unknown on this arch")
 async def test_slow_client_throttles_command(own_agent):
     """A client that stops reading must stall the command, not grow the agent's memory."""
     a = await own_agent()
@@ -851,7 +853,7 @@ def _unshare_works() -> bool:
 
 async def test_as_pid1_reaps_orphans_and_stops_on_sigterm(agent_binary, tmp_path):
     if not _unshare_works():
-        pytest.skip("cannot create a pid namespace here")
+        cannot_run("cannot create a pid namespace here (unshare --pid)")
     sock = str(tmp_path / "agent.sock")
     proc = start_agent(agent_binary, sock, tmp_path, prefix=("unshare", "--pid", "--fork", "--mount-proc"))
     agent_pid = None

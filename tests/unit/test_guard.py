@@ -26,7 +26,7 @@ from bus.messages import GuardViolation, KillRequest, SandboxRecord, SandboxSpec
 from guard import DENY_IOCTLS, Denial, KernelAudit, SandboxMap, builtin_profiles, default_profile, parse_record, publish_profiles
 from bus import profiles as gp
 from hostagent import _profiles as hp
-from tests.conftest import eventually
+from tests.conftest import cannot_run, eventually, needs
 
 X86_64, I386 = 0xC000003E, 0x40000003
 ALLOW, KILL = hp.SECCOMP_RET_ALLOW, hp.SECCOMP_RET_KILL_PROCESS
@@ -146,7 +146,7 @@ def test_system_paths_become_read_only_mounts() -> None:
     """Landlock can't refuse metadata changes, so the system paths are read-only mounts as well;
     the spec hands them to runc, and a profile whose read-only mount would swallow one of its own
     writable paths is refused rather than quietly breaking that path."""
-    from hostagent._containerd import build_spec
+    from hostagent.backends.container.containerd import build_spec
 
     fs = default_profile().fs
     e = hp.compile_profile(default_profile())
@@ -332,7 +332,7 @@ def agent_bin(tmp_path_factory: Any) -> str:
     return ensure_agent_binary(str(tmp_path_factory.mktemp("agent")))
 
 
-@pytest.mark.skipif(_landlock_abi() < 1, reason="kernel without Landlock")
+@needs(None if _landlock_abi() >= 1 else "kernel without Landlock")
 async def test_agent_confines_itself_before_serving(tmp_path: Path, agent_bin: str) -> None:
     """The agent applies Landlock and its audited seccomp filter to itself; commands inherit both."""
     import os
@@ -598,7 +598,7 @@ def test_read_only_audit_rules_are_what_auditctl_would_send() -> None:
     assert readonly_rules("sparc64") == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (CAP_AUDIT_CONTROL)")
+@needs(None if os.geteuid() == 0 else "needs root (CAP_AUDIT_CONTROL)")
 def test_read_only_audit_rules_are_shared_by_guards() -> None:
     """Two guards: the first to stop keeps the rules for the other; the last one deletes them
     (unless a guard elsewhere on this machine still holds them)."""
@@ -609,7 +609,7 @@ def test_read_only_audit_rules_are_shared_by_guards() -> None:
     try:
         ReadonlyRules.listed()
     except OSError as exc:
-        pytest.skip(f"audit rules not readable here: {exc}")
+        cannot_run(f"audit rules not readable here: {exc}")
     a, b = ReadonlyRules(), ReadonlyRules()
     try:
         a.install()
@@ -628,7 +628,7 @@ def test_read_only_audit_rules_are_shared_by_guards() -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pytest.skip("another guard on this machine holds the rules")
+            cannot_run("another guard on this machine holds the rules (its last check needs them to itself)")
         assert ReadonlyRules.listed() == []
     finally:
         os.close(fd)

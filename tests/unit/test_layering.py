@@ -18,7 +18,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+
+from tests.conftest import needs
 
 REPO = Path(__file__).resolve().parents[2]
 SERVICES = ("placement", "hostagent", "imaged", "guard", "sdk")
@@ -253,7 +254,7 @@ def _lint_imports() -> list[str] | None:
     return None
 
 
-@pytest.mark.skipif(_lint_imports() is None, reason="import-linter is not installed (pip install import-linter)")
+@needs(None if _lint_imports() is not None else "import-linter is not installed (pip install import-linter)")
 def test_lint_imports(tmp_path: Path) -> None:
     cmd = _lint_imports()
     assert cmd is not None

@@ -9,8 +9,7 @@ import pytest
 from bus.errors import InvalidArgument
 from bus.messages import HostStatus, SandboxSpec
 from bus.rules import LIMITS, Allocation, Capacity, admits, validate_spec
-from hostagent import HostAgent
-from hostagent._backend import SimBackend
+from hostagent import HostAgent, HostAgentConfig, SimBackend
 from placement import HostTable
 from sdk import build_spec
 
@@ -37,10 +36,11 @@ def test_bounds_are_inclusive_and_the_sdk_accepts_them() -> None:
 
 
 def _host(mem_overcommit: float) -> tuple[HostAgent, HostStatus]:
-    agent = HostAgent(SimBackend(cpu_total=4.0, mem_total_mb=1000, disk_total_mb=10_000), host_id="h1", mem_overcommit=mem_overcommit, persist_state=False)
+    cfg = HostAgentConfig(host_id="h1", mem_overcommit=mem_overcommit, persist_state=False)
+    agent = HostAgent(SimBackend(cpu_total=4.0, mem_total_mb=1000, disk_total_mb=10_000), cfg)
     st = HostStatus(
         host_id="h1", backend="sim", at=time.time(), cpu_total=4.0, mem_total_mb=1000, disk_total_mb=10_000,
-        cpu_overcommit=agent.cpu_overcommit, mem_overcommit=mem_overcommit,
+        cpu_overcommit=agent.config.cpu_overcommit, mem_overcommit=mem_overcommit,
     )
     return agent, st
 

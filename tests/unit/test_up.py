@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,10 +90,27 @@ def test_client_context_pointer_override_and_redaction(tmp_path: Path, monkeypat
     assert not pointer.exists() and load_client_context() is None
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
-def test_unreadable_context_is_no_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    pointer = tmp_path / "ptr.json"
-    pointer.write_text("{}")
-    pointer.chmod(0)
-    monkeypatch.setenv("DSEC_CONTEXT", str(pointer))
-    assert load_client_context() is None
+def test_unreadable_context_is_no_context() -> None:
+    """A context file this user may not read is no context. Root reads any file, so as root the
+    reads run as nobody (effective uid/gid 65534, put back after)."""
+    d = Path(tempfile.mkdtemp(prefix="dsec-ctx-"))
+    d.chmod(0o755)  # not under tmp_path (0700): nobody must get as far as the file's own mode
+    try:
+        readable, unreadable = d / "ok.json", d / "secret.json"
+        for f in (readable, unreadable):
+            f.write_text(json.dumps({"nats_url": "nats://x:1"}))
+            f.chmod(0o644)
+        unreadable.chmod(0)
+        root = os.geteuid() == 0
+        if root:
+            os.setegid(65534)
+            os.seteuid(65534)
+        try:
+            assert load_client_context(readable) is not None  # positive control: the same reader, a readable file
+            assert load_client_context(unreadable) is None
+        finally:
+            if root:
+                os.seteuid(0)
+                os.setegid(0)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -12,7 +12,6 @@ same for real hosts): ``DSEC_SIM_CPU``, ``DSEC_SIM_MEM_MB``, ``DSEC_SIM_DISK_MB`
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import os
@@ -25,45 +24,29 @@ from nats.js.api import StorageType
 from bus.runtime import connect
 from bus.streams import StreamOptions, ensure_all
 
-from ._backend import SimBackend
-from ._service import HostAgent
+from ..._config import HostAgentConfig
+from ..._service import HostAgent
+from . import _env_float, from_config
 
 log = structlog.get_logger("dsec.hostagent.sim")
 
-def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    return float(v) if v else default
 
-
-def sim_backend_from_env() -> SimBackend:
-    return SimBackend(
-        cpu_total=_env_float("DSEC_SIM_CPU", 64.0),
-        mem_total_mb=int(_env_float("DSEC_SIM_MEM_MB", 1024 * 1024)),
-        disk_total_mb=int(_env_float("DSEC_SIM_DISK_MB", 16 * 1024 * 1024)),
-        resident_fraction=_env_float("DSEC_SIM_RESIDENT", 0.25),
-    )
-
-
-async def run_sim_hosts(args: argparse.Namespace) -> None:
+async def run_sim_hosts(config: HostAgentConfig, host_id_prefix: str = "") -> None:
     # Thousands of hosts holding hundreds of thousands of sandboxes make a large, long-lived heap: the
     # default cyclic-GC thresholds would rescan it ever more often as the burst goes on.
     gc.set_threshold(200_000, 50, 100)
-    nc = await connect(args.nats_url, name="dsec-sim-hosts", pending_size=64 * 1024 * 1024)
+    nc = await connect(config.nats_url, name="dsec-sim-hosts", pending_size=64 * 1024 * 1024)
     js = nc.jetstream()
     storage = StorageType.MEMORY if os.environ.get("DSEC_SIM_STORAGE", "file") == "memory" else StorageType.FILE
     mem = storage == StorageType.MEMORY  # memory streams share the server's memory store (1 GB embedded)
     await ensure_all(js, StreamOptions(storage=storage, events_max_bytes=512 * 1024**2 if mem else StreamOptions().events_max_bytes))  # once for all hosts here
-    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", max(2.0, args.sim_hosts / 320.0))
-    prefix = args.host_id or "sim"
+    heartbeat_s = _env_float("DSEC_SIM_HEARTBEAT_S", max(2.0, config.sim_hosts / 320.0))
+    prefix = host_id_prefix or "sim"
     first = int(os.environ.get("DSEC_SIM_FIRST", "0"))
+    each = config.replace(persist_state=False, heartbeat_s=heartbeat_s)
     agents = [
-        HostAgent(
-            sim_backend_from_env(), nats_url=args.nats_url, host_id=f"{prefix}-{first + i}", data_dir=args.data_dir,
-            concurrency=args.concurrency, pool=args.pool, cpu_overcommit=args.cpu_overcommit,
-            mem_overcommit=args.mem_overcommit, max_sandboxes=args.max_sandboxes, persist_state=False, connection=nc,
-            heartbeat_s=heartbeat_s,
-        )
-        for i in range(args.sim_hosts)
+        HostAgent(from_config(each), each.replace(host_id=f"{prefix}-{first + i}"), connection=nc)
+        for i in range(config.sim_hosts)
     ]
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

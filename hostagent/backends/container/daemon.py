@@ -76,7 +76,7 @@ async def probe_version(address: str, timeout: float = 1.0) -> str | None:
         ) as ch:
             stub = version_pb2_grpc.VersionStub(ch)
             resp = await stub.Version(empty_pb2.Empty(), timeout=timeout)
-            return resp.version
+            return str(resp.version)
     except (grpc.aio.AioRpcError, asyncio.TimeoutError):
         return None
 

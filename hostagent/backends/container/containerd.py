@@ -29,7 +29,7 @@ import json
 import os
 import resource
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 
@@ -49,6 +49,7 @@ __all__ = [
     "ContainerExists",
     "ContainerdUnavailable",
     "MountLike",
+    "ContainerSpec",
     "build_spec",
     "DEFAULT_CAPABILITIES",
     "GROUP_ANNOTATION",
@@ -142,9 +143,50 @@ def _map_error(e: grpc.aio.AioRpcError, what: str) -> ContainerdError:
 
 # ----------------------------------------------------------------------------- data
 class MountLike(Protocol):
-    type: str
-    source: str
-    options: Sequence[str]
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def source(self) -> str: ...
+
+    @property
+    def options(self) -> Sequence[str]: ...
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """One container to create and start (``ContainerRuntime.create_and_start``).
+
+    ``restore_from``: a CRIU dump (``checkpoint``) the task's processes are restored from, in this
+    container's fresh namespaces and root (which must hold the files they had open), with
+    ``restore_work`` as CRIU's scratch dir. ``stdout_path``: a host file receiving the init's
+    stdout+stderr (debugging); default null I/O.
+    """
+
+    sandbox_id: str
+    rootfs_mounts: Sequence[MountLike]
+    args: Sequence[str]
+    env: Mapping[str, str]
+    cpu: float
+    memory_mb: int
+    pids_max: int
+    bind_mounts: Sequence[tuple[str, str, bool]] = ()
+    hostname: str = "sandbox"
+    labels: Mapping[str, str] = field(default_factory=dict)
+    netns_path: str | None = None
+    group: str | None = None
+    cwd: str = "/"
+    stdout_path: str | None = None
+    annotations: dict[str, str] | None = None
+    oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ
+    seccomp: bool = True
+    seccomp_profile: dict[str, Any] | None = None
+    capabilities: Sequence[str] = DEFAULT_CAPABILITIES
+    masked_paths: Sequence[str] = MASKED_PATHS
+    readonly_paths: Sequence[str] = READONLY_PATHS
+    no_new_privileges: bool = True
+    restore_from: str = ""
+    restore_work: str = ""
 
 
 @dataclass(frozen=True)
@@ -222,7 +264,7 @@ def _seccomp() -> dict[str, Any]:
     """The built-in default profile's OCI seccomp object (callers without a guard profile)."""
     global _default_seccomp
     if _default_seccomp is None:
-        from ._profiles import compile_oci_seccomp
+        from ..._profiles import compile_oci_seccomp
         from bus.profiles import default_profile
 
         _default_seccomp = compile_oci_seccomp(default_profile().syscalls)
@@ -426,6 +468,7 @@ class ContainerRuntime:
         # where each would wait out its deadline. A call's deadline starts when it leaves the queue.
         self.max_calls = max_calls
         self._gate = asyncio.Semaphore(max_calls)
+        self._queued = 0  # calls waiting for a slot of the gate
         self._md = (("containerd-namespace", namespace),)
         self._runc_opts = _runc_options(runc_root, shim_cgroup)
         self._runc_root, self._shim_cgroup = runc_root, shim_cgroup
@@ -468,8 +511,7 @@ class ContainerRuntime:
     @property
     def queued(self) -> int:
         """Calls waiting for a slot right now."""
-        waiters = getattr(self._gate, "_waiters", None)
-        return len(waiters) if waiters else 0
+        return self._queued
 
     async def _call(self, method: Any, request: Any, what: str, timeout: float | None = None, *, watch: bool = False) -> Any:
         """One unary call, queued behind ``max_calls``; ``watch``: a call that only waits for an event
@@ -477,68 +519,44 @@ class ContainerRuntime:
         try:
             if watch:
                 return await method(request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout)
-            async with self._gate:
+            self._queued += 1
+            try:
+                await self._gate.acquire()
+            finally:
+                self._queued -= 1
+            try:
                 return await method(request, metadata=self._md, timeout=timeout if timeout is not None else self.call_timeout)
+            finally:
+                self._gate.release()
         except grpc.aio.AioRpcError as e:
             raise _map_error(e, what) from None
 
     # ------------------------------------------------------------------ lifecycle
-    async def create_and_start(
-        self,
-        sandbox_id: str,
-        *,
-        rootfs_mounts: Sequence[MountLike],
-        args: list[str],
-        env: dict[str, str],
-        cpu: float,
-        memory_mb: int,
-        pids_max: int,
-        bind_mounts: Iterable[tuple[str, str, bool]] = (),
-        hostname: str = "sandbox",
-        labels: dict[str, str] | None = None,
-        netns_path: str | None = None,
-        group: str | None = None,
-        cwd: str = "/",
-        stdout_path: str | None = None,
-        annotations: dict[str, str] | None = None,
-        oom_score_adj: int | None = DEFAULT_OOM_SCORE_ADJ,
-        seccomp: bool = True,
-        seccomp_profile: dict[str, Any] | None = None,
-        capabilities: Sequence[str] = DEFAULT_CAPABILITIES,
-        masked_paths: Sequence[str] = MASKED_PATHS,
-        readonly_paths: Sequence[str] = READONLY_PATHS,
-        no_new_privileges: bool = True,
-        restore_from: str = "",
-        restore_work: str = "",
-    ) -> int:
-        """Create the container and its task, start it; return the init's host pid.
-
-        `restore_from`: a CRIU dump (``checkpoint``) the task's processes are restored from, in this
-        container's fresh namespaces and root (which must hold the files they had open).
-
-        `stdout_path`: optional host file receiving the init's stdout+stderr (debugging);
-        default is null I/O. On any failure everything created so far is removed again.
-        """
+    async def create_and_start(self, c: ContainerSpec) -> int:
+        """Create the container and its task, start it; return the init's host pid. On any failure
+        everything created so far is removed again."""
+        sandbox_id, labels, rootfs_mounts, stdout_path = c.sandbox_id, c.labels, c.rootfs_mounts, c.stdout_path
+        restore_from, restore_work = c.restore_from, c.restore_work
         spec = build_spec(
             sandbox_id,
-            args=args,
-            env=env,
-            cpu=cpu,
-            memory_mb=memory_mb,
-            pids_max=pids_max,
-            bind_mounts=bind_mounts,
-            hostname=hostname,
-            netns_path=netns_path,
-            cwd=cwd,
-            group=group,
-            annotations=annotations,
-            oom_score_adj=oom_score_adj,
-            seccomp=seccomp,
-            seccomp_profile=seccomp_profile,
-            capabilities=capabilities,
-            masked_paths=masked_paths,
-            readonly_paths=readonly_paths,
-            no_new_privileges=no_new_privileges,
+            args=list(c.args),
+            env=dict(c.env),
+            cpu=c.cpu,
+            memory_mb=c.memory_mb,
+            pids_max=c.pids_max,
+            bind_mounts=c.bind_mounts,
+            hostname=c.hostname,
+            netns_path=c.netns_path,
+            cwd=c.cwd,
+            group=c.group,
+            annotations=c.annotations,
+            oom_score_adj=c.oom_score_adj,
+            seccomp=c.seccomp,
+            seccomp_profile=c.seccomp_profile,
+            capabilities=c.capabilities,
+            masked_paths=c.masked_paths,
+            readonly_paths=c.readonly_paths,
+            no_new_privileges=c.no_new_privileges,
         )
         containers, tasks = self._stubs()
         runtime = containers_pb2.Container.Runtime(name=RUNTIME)
@@ -551,7 +569,7 @@ class ContainerRuntime:
                 type_url=SPEC_TYPE_URL, value=json.dumps(spec, separators=(",", ":")).encode()
             ),
         )
-        _set_map(container.labels, labels or {})
+        _set_map(container.labels, dict(labels))
         await self._call(
             containers.Create,
             containers_pb2.CreateContainerRequest(container=container),

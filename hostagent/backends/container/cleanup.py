@@ -20,8 +20,8 @@ from typing import Any
 
 from bus import log as _log
 
-from ._containerd import CGROUP_PARENT
-from ._container import CGROUP_ROOT
+from .cgroups import CGROUP_ROOT, children
+from .containerd import CGROUP_PARENT
 
 log = _log.get_logger("dsec.hostagent.cleanup")
 
@@ -70,7 +70,7 @@ def mounts_under(data_dir: str) -> list[str]:
 
 
 async def _containers(data_dir: str, network: Any) -> None:
-    from ._container import ContainerBackend
+    from .backend import ContainerBackend
 
     backend = ContainerBackend(data_dir, warm_pool=0, network=network)
     await backend.start()  # adopts (or starts) the data dir's containerd: it knows the shims' tasks
@@ -79,14 +79,6 @@ async def _containers(data_dir: str, network: Any) -> None:
     finally:
         await backend.stop()  # nothing left running: containerd stops, layer mounts go
     await backend.net.purge()
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
 
 
 def _sandbox_cgroups(pid: int) -> set[Path]:
@@ -110,7 +102,7 @@ def _kill_all(procs: dict[int, str]) -> set[Path]:
     the shim, whose subreaper they are); returns the sandbox cgroups those inits were in."""
     cgroups: set[Path] = set()
     for pid in sorted(procs, key=lambda p: "containerd-shim" in procs[p]):
-        victims = _children(pid) if "containerd-shim" in procs[pid] else []
+        victims = children(pid) if "containerd-shim" in procs[pid] else []
         for v in [*victims, pid]:
             cgroups |= _sandbox_cgroups(v)
             log.warning("cleanup_kill", pid=v, cmdline=procs.get(v, f"child of shim {pid}")[:200])

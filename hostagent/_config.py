@@ -1,0 +1,95 @@
+"""``HostAgentConfig``: every setting of a host agent, built once (from flags and the environment in
+``python -m hostagent``, or directly by tests and benchmarks); each default is declared here only."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bus.messages import BackendName
+
+DEFAULT_WARM_POOL = 4  # started sandboxes kept ready per template, disk size and profile (container backend)
+
+
+def default_host_id() -> str:
+    return socket.gethostname().split(".")[0].replace("_", "-")
+
+
+@dataclass(frozen=True)
+class HostAgentConfig:
+    nats_url: str | None = None  # None: $DSEC_NATS_URL or nats://127.0.0.1:4222
+    host_id: str = ""  # empty: this machine's hostname
+    data_dir: str = "/var/lib/dsec"
+    backend: BackendName = "container"
+    concurrency: int = 8  # creates handled at once (the hand-off inbox's capacity)
+    heartbeat_s: float = 2.0
+    pool: str = "default"
+    cpu_overcommit: float = 50.0
+    mem_overcommit: float = 1.0
+    max_sandboxes: int = 0  # 0: no limit but resources
+    persist_state: bool = True  # local state files (sim hosts keep none)
+    destroy_on_shutdown: bool = False  # kill every sandbox when stopping (dev stacks); else kept for a restart
+    grace_s: float = 10.0  # how long a stopping agent lets work in progress finish
+    control_key: bytes | None = None  # with a key, only work placement signed runs (bus.sign)
+    reconcile_s: float = 10.0  # period of the reconcile loop (records vs the backend)
+    kill_wait_s: float = 10.0  # how long a kill request waits for its teardown before answering "stopping"
+    containerd_address: str | None = None  # None: a private containerd under the data dir
+    containerd_calls: int = 32  # containerd calls in flight at once (more queue)
+    warm_pool: int = DEFAULT_WARM_POOL
+    net_prefix: str = ""  # names this agent's kernel objects (nft table, veths, netns) apart from another stack's
+    sim_hosts: int = 1  # with the sim backend: simulated hosts this process runs
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.host_id:
+            object.__setattr__(self, "host_id", default_host_id())
+
+    def replace(self, **changes: Any) -> HostAgentConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_D = HostAgentConfig(host_id="-")  # the declared defaults, for the flags
+
+
+def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
+    """The command line of ``python -m hostagent``; every default comes from ``HostAgentConfig``."""
+    d = " (default: %(default)s)"
+    ap.add_argument("--nats-url", default=_D.nats_url, help="default: $DSEC_NATS_URL or nats://127.0.0.1:4222")
+    ap.add_argument("--host-id", default=None, help="default: this machine's hostname")
+    ap.add_argument("--data-dir", default=_D.data_dir, help="state, layers, scratch disks, the private containerd" + d)
+    ap.add_argument("--backend", default=_D.backend, choices=backends, help="the sandbox backend this host runs" + d)
+    ap.add_argument("--concurrency", type=int, default=_D.concurrency, help="creates handled at once" + d)
+    ap.add_argument("--pool", default=_D.pool, help="the host pool placement matches sandboxes to" + d)
+    ap.add_argument("--cpu-overcommit", type=float, default=_D.cpu_overcommit, help="CPU admitted per CPU of the host" + d)
+    ap.add_argument("--mem-overcommit", type=float, default=_D.mem_overcommit, help="memory admitted per MB of the host" + d)
+    ap.add_argument("--max-sandboxes", type=int, default=_D.max_sandboxes, help="0: no limit but resources" + d)
+    ap.add_argument("--containerd-address", default=_D.containerd_address, help="default: start a private containerd under the data dir")
+    ap.add_argument("--destroy-on-shutdown", action="store_true", default=_D.destroy_on_shutdown,
+                    help="kill every sandbox when stopping (dev stacks); default keeps them for a restart")
+    ap.add_argument("--reconcile-s", type=float, default=_D.reconcile_s, help="period of the reconcile loop (records vs containerd, mounts, cgroups)" + d)
+    ap.add_argument("--containerd-calls", type=int, default=_D.containerd_calls, help="containerd calls in flight at once (more queue)" + d)
+    ap.add_argument("--warm-pool", type=int, default=_D.warm_pool, help="started sandboxes kept ready per template, disk size and profile (0: off)" + d)
+    ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs" + d)
+    ap.add_argument("--control-key-file", default=None,
+                    help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
+
+
+def from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> HostAgentConfig:
+    from bus.sign import load_control_key
+
+    return HostAgentConfig(
+        nats_url=args.nats_url, host_id=args.host_id or "", data_dir=args.data_dir, backend=args.backend, concurrency=args.concurrency,
+        pool=args.pool, cpu_overcommit=args.cpu_overcommit, mem_overcommit=args.mem_overcommit, max_sandboxes=args.max_sandboxes,
+        destroy_on_shutdown=args.destroy_on_shutdown, control_key=load_control_key(args.control_key_file, env),
+        reconcile_s=args.reconcile_s, containerd_address=args.containerd_address, containerd_calls=args.containerd_calls,
+        warm_pool=args.warm_pool, net_prefix=env.get("DSEC_NET_PREFIX", ""), sim_hosts=args.sim_hosts,
+        metrics_port=args.metrics_port,
+    )
+
+
+__all__ = ["DEFAULT_WARM_POOL", "HostAgentConfig", "add_flags", "default_host_id", "from_args"]

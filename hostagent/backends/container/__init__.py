@@ -1,0 +1,42 @@
+"""The ``container`` backend (containerd + runc), one module per concern:
+
+- ``backend``: the ``ContainerBackend`` that composes the parts below
+- ``layers``: read-only image layers, mounted once per host
+- ``shims``: containers sharing containerd shims
+- ``warmpool``: started containers kept ready (``WarmKey``)
+- ``criu``: checkpoint and restore of a sandbox's processes
+- ``cgroups``: cgroup v1 limits, leftovers and metrics
+- ``reconcile``: leftovers, drift against containerd, recovery after a restart
+- ``containerd``, ``daemon``: containerd's gRPC API, and the private containerd
+- ``freezer``: the cgroup v1 freezer; ``cleanup``: ``python -m hostagent --cleanup``
+(the errno translation of the in-sandbox agent is shared by every agent-running backend: ``hostagent._agent_errors``)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..._backend import Backend
+from ..._config import HostAgentConfig
+from ...network import NetworkConfig
+from .backend import ContainerBackend
+from .cgroups import START_CPU
+from .layers import mount_erofs
+
+
+def network_config(prefix: str = "") -> NetworkConfig:
+    """The network config from the environment (NetworkConfig.from_env), with ``prefix`` naming this
+    agent's kernel objects (nft table ``dsec_<p>``, veths ``<p>*``, netns ``dsec-<p>-*``) so that two
+    stacks on one machine keep apart; without it, the default names."""
+    cfg = NetworkConfig.from_env()
+    return dataclasses.replace(cfg, table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-") if prefix else cfg
+
+
+def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
+    return ContainerBackend(
+        config.data_dir, containerd_address=config.containerd_address, warm_pool=config.warm_pool,
+        network=network_config(config.net_prefix), containerd_calls=config.containerd_calls,
+    )
+
+
+__all__ = ["START_CPU", "ContainerBackend", "from_config", "mount_erofs", "network_config"]

@@ -1,0 +1,470 @@
+"""The ``container`` backend: containerd + runc, overlay rootfs over read-only layers, agent as PID 1.
+The class composes its parts: layer mounts, shim groups, warm pool, CRIU, cgroups, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+
+from bus.errors import CreateFailed, ImageError, InvalidArgument, SandboxNotFound
+from bus.messages import (
+    BackendName,
+    DirMade,
+    Done,
+    EntryInfo,
+    ExecRequest,
+    ExecResult,
+    Exists,
+    FileData,
+    FileExists,
+    FileInfo,
+    FileList,
+    FileListing,
+    FileMakeDir,
+    FileOp,
+    FileRead,
+    FileRemove,
+    FileRename,
+    FileStat,
+    FileUnwatch,
+    FileWrite,
+    FileWritten,
+    HostBackend,
+    LayerRef,
+    SandboxMetrics,
+    SandboxSpec,
+)
+from bus.profiles import default_profile
+
+from ... import _storage as storage
+from ..._agent import AgentClient, AgentError, AgentInfo, DirEntry, ensure_agent_binary
+from ..._agent_errors import translate
+from ..._config import DEFAULT_WARM_POOL
+from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
+from ..._execio import result_of
+from ..._profiles import Enforcement, compile_profile
+from ..._quota import ScratchError, ScratchFS
+from ..._rootfs import RootfsLayout, overlay_mount
+from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
+from . import criu
+from .cgroups import START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
+from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
+from .daemon import ContainerdDaemon
+from .freezer import freeze, frozen, thaw
+from .layers import LayerMounts
+from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
+from .shims import ShimGroups, reap_idle_shims
+from .warmpool import Recipe, Warm, WarmKey, WarmPool
+
+log = structlog.get_logger("dsec.hostagent.container")
+
+AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
+RUN_DIR_IN_SANDBOX = "/.dsec/run"
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+READ_CHUNK = 4 * 1024 * 1024
+AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
+
+
+def _entry(e: DirEntry) -> EntryInfo:
+    return EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime)
+
+
+class ContainerBackend:
+    """Sandboxes as runc containers driven through containerd's gRPC API."""
+
+    name: BackendName = "container"
+    enforces_profiles: Literal[True] = True  # create() takes security=Enforcement (the sandbox's guard profile)
+
+    def __init__(
+        self,
+        data_dir: str,
+        *,
+        containerd_address: str | None = None,
+        scratch_size_gb: int | None = 256,
+        shim_group_size: int = 16,
+        lazy_mount: str | None = None,
+        pids_max: int = 1024,
+        network: NetworkConfig | None = None,
+        warm_pool: int = DEFAULT_WARM_POOL,
+        containerd_calls: int = 32,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.containerd_calls = containerd_calls  # containerd calls in flight at once; a burst queues
+        self.containerd_address = containerd_address
+        self.daemon: ContainerdDaemon | None = None
+        self._rt: ContainerRuntime | None = None
+        self.scratch = ScratchFS(str(self.data_dir), scratch_size_gb)
+        self.layers = LayerMounts(self.data_dir, lazy_mount or str(self.data_dir / "lazy"))
+        self.shims = ShimGroups(shim_group_size)
+        self.pids_max = pids_max
+        self.agent_bin = ""
+        self.t = Tables()
+        self.meter = Meter()
+        self._default_enf: Enforcement | None = None
+        self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
+        self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
+        self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
+
+    @property
+    def rt(self) -> ContainerRuntime:
+        assert self._rt is not None, "the container backend is not started"
+        return self._rt
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.layers.ensure_dir()
+        self.agent_bin = await asyncio.to_thread(ensure_agent_binary, str(self.data_dir))
+        await self.scratch.ensure_async()
+        if self.containerd_address is None:
+            self.daemon = ContainerdDaemon(str(self.data_dir))
+            await self.daemon.start()
+            address = self.daemon.address
+            runc_root = self.daemon.runc_root
+        else:
+            address, runc_root = self.containerd_address, None
+        self._rt = ContainerRuntime(address, runc_root=runc_root, max_calls=self.containerd_calls)
+        await self.net.start()
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        if self._rt is not None:
+            # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
+            for c in await self.rt.list():
+                if c.labels.get(LABEL_CONTAINER) and not c.labels.get(LABEL_SANDBOX):
+                    await self._remove(c.id, None)
+            alive = [c for c in await self.rt.list() if c.labels.get(LABEL_SANDBOX)]
+            await self.rt.close()
+        else:
+            alive = []
+        # Leave containerd up while sandboxes live: a restarted agent recovers them through it.
+        if self.daemon is not None and not alive:
+            await reap_idle_shims(self.daemon.address)
+            await self.daemon.stop()
+            await self.layers.unmount_all()
+        await self.net.stop()  # kernel state (netns, veths, nft) stays for the sandboxes that live on
+
+    # --- what the host agent advertises ------------------------------------------------------------
+    def cached_layers(self) -> list[str]:
+        return self.layers.cached()
+
+    def warm_ready(self) -> int:
+        return self.pool.ready()
+
+    def capacity(self) -> HostCapacity:
+        with open("/proc/meminfo") as f:
+            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+        st = os.statvfs(self.data_dir)
+        return HostCapacity(cpu_total=float(os.cpu_count() or 1), mem_total_mb=mem_kb // 1024, disk_total_mb=st.f_blocks * st.f_frsize // (1 << 20))
+
+    def advertise(self) -> HostBackend:
+        return HostBackend(name=self.name)  # a sandbox may ask for the whole host
+
+    # --- create / destroy -------------------------------------------------------------------
+    async def create(
+        self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
+    ) -> Handle:
+        """Start the sandbox confined by ``security`` (the built-in default profile when None); with
+        ``memory`` (a snapshot's CRIU dump, packed as a layer) its processes are restored instead."""
+        sid = spec.sandbox_id
+        if security is None:
+            security = self._default_security()
+        if not layers:
+            raise ImageError(f"template {spec.template!r} has no layers")
+        lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
+        if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
+            warm = await self.pool.claim(
+                WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
+                lambda w: self._configure_warm(w, spec),
+            )
+            if warm is not None:
+                self.t.cid[sid] = warm.cid
+                self.t.clients[sid] = self.t.clients.pop(warm.cid)
+                return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+        net = None
+        if self.net.wanted(spec.network):
+            assert spec.network is not None
+            net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
+        labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
+        if memory is None:
+            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels)
+        else:
+            async with criu.restore_work_dir(self.data_dir, sid) as work:
+                restore = (await self.layers.path(memory), work)
+                pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore)
+        self.t.cid[sid] = sid
+        return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
+
+    async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
+        await asyncio.to_thread(set_limits, w.cid, spec.cpu, spec.memory_mb)
+        await self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
+
+    async def _start_warm(self, cid: str, r: Recipe) -> Warm:
+        pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None)
+        return Warm(cid, pid, sdir, info)
+
+    @staticmethod
+    def _extra(cid: str, sdir: str, group: str, security: Enforcement, info: AgentInfo, net: Attachment | None) -> dict[str, Any]:
+        return {
+            "cid": cid, "dir": sdir, "group": group or "", "profile": security.profile, "profile_version": security.version,
+            "landlock_abi": info.landlock_abi, "seccomp_log": info.seccomp_log, "audit_session": info.audit_session,
+            **({"net": net.to_extra()} if net else {}),
+        }
+
+    async def _start(
+        self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
+        labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""),
+    ) -> tuple[int, str, str, AgentInfo]:
+        """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
+        self.t.starting.add(cid)
+        try:
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore)
+        finally:
+            self.t.starting.discard(cid)
+
+    async def _start_once(
+        self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
+        labels: dict[str, str] | None, restore: tuple[str, str],
+    ) -> tuple[int, str, str, AgentInfo]:
+        try:
+            sdir = await self.scratch.allocate_async(cid, disk_mb)
+        except ScratchError as exc:
+            raise CreateFailed(f"cannot allocate {disk_mb} MB of disk: {exc}") from None
+        layout = RootfsLayout(sdir).create()
+        if net is not None and net.hosts:
+            await asyncio.to_thread(write_hosts_file, layout.upper, lowers, net.hosts)
+        group = self.shims.pick(cid)
+        try:
+            pid = await self.rt.create_and_start(ContainerSpec(
+                cid,
+                rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
+                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
+                env=DEFAULT_ENV,
+                cpu=max(cpu, START_CPU),  # its own share once its agent answers (below)
+                memory_mb=memory_mb,
+                pids_max=self.pids_max,
+                bind_mounts=[(os.path.dirname(self.agent_bin), AGENT_DIR_IN_SANDBOX, True), (layout.run, RUN_DIR_IN_SANDBOX, False)],
+                hostname="sandbox",
+                labels={LABEL_CONTAINER: cid, **(labels or {})},
+                group=group,
+                netns_path=net.netns if net else None,
+                stdout_path=os.path.join(sdir, AGENT_LOG),
+                seccomp_profile=security.seccomp,
+                capabilities=security.capabilities,
+                masked_paths=security.masked_paths,
+                readonly_paths=security.readonly_paths,
+                no_new_privileges=security.no_new_privileges,
+                restore_from=restore[0],
+                restore_work=restore[1],
+            ))
+        except ContainerdError as exc:
+            self.shims.leave(cid)
+            if restore[0]:
+                log.warning("criu_restore_failed", sandbox_id=cid, error=str(exc), criu=criu.criu_log(restore[1], "restore.log"))
+                raise criu.restore_failed(exc, restore[1]) from None
+            raise CreateFailed(f"containerd could not start the sandbox: {exc}") from None
+        if group:
+            self.shims.started(group)
+        if restore[0]:
+            if frozen(cgroup_path(cid)):
+                await thaw(cgroup_path(cid))  # dumped while frozen: CRIU brings the cgroup back frozen
+            if net is None:
+                await asyncio.to_thread(criu.loopback_up, pid)
+        client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
+        info = await self._wait_agent(cid, sdir, client)
+        if cpu < START_CPU:
+            # Before the create is answered (and recorded): a host agent that dies in between
+            # leaves an unrecorded container, which recovery removes. Two small cgroupfs writes,
+            # inline: a hop to the default executor can queue behind a burst's disk work.
+            try:
+                set_cpu(cid, cpu)
+            except OSError as exc:
+                raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
+        if security.landlock_required and not info.landlock:
+            raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
+        self.t.clients[cid] = client
+        return pid, sdir, group or "", info
+
+    def _default_security(self) -> Enforcement:
+        if self._default_enf is None:
+            self._default_enf = compile_profile(default_profile())
+        return self._default_enf
+
+    async def _wait_agent(self, sid: str, sdir: str, client: AgentClient) -> AgentInfo:
+        """The agent's ping, or CreateFailed with its last words as soon as it exits (say, a
+        confinement it could not apply) instead of after the whole ready timeout."""
+        ready = asyncio.ensure_future(client.wait_ready(15.0, 0.002))
+        exited = asyncio.ensure_future(self.rt.wait(sid))
+        try:
+            await asyncio.wait({ready, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        if ready.done() and not ready.cancelled() and ready.exception() is None:
+            return ready.result()
+        if not ready.done() and exited.done() and not exited.cancelled() and exited.exception() is not None:
+            try:  # could not watch the task: just wait for the agent
+                return await ready
+            except AgentError as exc:
+                raise CreateFailed(f"sandbox agent did not start: {exc}") from None
+        ready.cancel()
+        try:
+            await ready
+        except (asyncio.CancelledError, AgentError):
+            pass
+        # The shim copies the agent's stderr to the log on its own schedule: give it a moment.
+        last = ""
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not last and asyncio.get_running_loop().time() < deadline:
+            try:
+                with open(os.path.join(sdir, AGENT_LOG), errors="replace") as f:
+                    last = f.read()[-2000:].strip()
+            except OSError:
+                pass
+            if not last:
+                await asyncio.sleep(0.05)  # poll interval while the shim flushes
+        err = ready.exception() if ready.done() and not ready.cancelled() else None
+        why = f"exited: {last}" if last else (str(err) if err else "exited")
+        raise CreateFailed(f"sandbox agent did not start: {why}")
+
+    async def destroy(self, sandbox_id: str) -> None:
+        # The container id is kept until leftovers() finds nothing: a retried kill of a sandbox
+        # from the warm pool removes the same container.
+        await self._remove(self.t.cid.get(sandbox_id, sandbox_id), sandbox_id)
+
+    async def leftovers(self, sandbox_id: str) -> list[str]:
+        return await self.recovery.leftovers(self.rt, sandbox_id)
+
+    async def _remove(self, cid: str, sandbox_id: str | None) -> None:
+        for key in (cid, sandbox_id):
+            client = self.t.clients.pop(key, None) if key is not None else None
+            if client is not None:
+                client.close_idle()
+        self.pool.discard(cid)
+        self.meter.forget(cid)
+        # Leave the shim group before the delete: a container started meanwhile must not join a shim
+        # whose last member is going away (that shim would exit under it).
+        self.shims.leave(cid)
+        # Nothing below while the task may still run (a delete that failed: containerd slow or down):
+        # a scratch fs unmounted under a live task would only be detached, its loop device kept.
+        await self.rt.delete(cid)
+        await asyncio.to_thread(remove_cgroups, cid)
+        if sandbox_id is not None:
+            await self.net.teardown(sandbox_id)  # after the task is gone: the kernel then frees the netns
+        await self.scratch.release_async(cid)
+
+    # --- recovery and usage ------------------------------------------------------------------
+    async def reconcile(self, holds: Callable[[str], bool], running: dict[str, int]) -> tuple[set[str], list[str]]:
+        return await self.recovery.reconcile(self.rt, holds, running)
+
+    async def recover(self, known: dict[str, Handle]) -> dict[str, Handle]:
+        return await self.recovery.recover(self.rt, known)
+
+    async def usage(self) -> Usage:
+        per: dict[str, int] = {}
+        total = 0
+        for sid, cid in list(self.t.cid.items()):
+            b = memory_bytes(cid)
+            if b is None:
+                continue
+            per[sid] = b // (1 << 20)
+            total += b
+        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self.meter.host_busy(), per_sandbox_mem_mb=per)
+
+    # --- the agent channel ---------------------------------------------------------------------------
+    def agent_client(self, handle: Handle) -> AgentClient:
+        """The sandbox's agent, for the ops that drive it directly (hostagent._execio)."""
+        c = self.t.clients.get(handle.sandbox_id)
+        if c is None:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
+        return c
+
+    async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
+        env = {**DEFAULT_ENV, **req.envs}
+        try:  # (no context manager on the exec path: nothing added to a round trip that succeeds)
+            out = await self.agent_client(handle).exec(
+                req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
+                cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
+                user=req.user, on_start=on_start,
+            )
+        except AgentError as exc:  # AgentUnavailable too
+            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True) from None
+        return result_of(out)
+
+    async def files(self, handle: Handle, op: FileOp) -> Any:
+        c = self.agent_client(handle)
+        try:
+            match op:
+                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
+                    storage.ensure_room(self.data_dir, len(d), "file upload")  # the sandbox's disk is a sparse file here
+                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
+                    return FileWritten(path=p, size=off + len(d))
+                case FileRead(path=p, offset=off, length=n):
+                    # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
+                    # tells the rest), so no request makes the host hold more than that in memory.
+                    data, size = await c.read_file(p, offset=off, length=min(n, READ_CHUNK) if n >= 0 else READ_CHUNK)
+                    return FileData(data=data, size=size, offset=off)
+                case FileList(path=p):
+                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p)])
+                case FileRemove(path=p):
+                    await c.remove(p)
+                    return Done()
+                case FileExists(path=p):
+                    return Exists(exists=await c.exists(p))
+                case FileMakeDir(path=p, mode=mode):
+                    return DirMade(path=p, created=await c.mkdir(p, mode))
+                case FileRename(path=p, new_path=dst):
+                    await c.rename(p, dst)
+                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False)))
+                case FileStat(path=p, follow_symlinks=follow):
+                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow)))
+        except AgentError as exc:  # AgentUnavailable too
+            raise translate(exc, handle.sandbox_id, path="" if isinstance(op, FileUnwatch) else op.path) from None
+        raise InvalidArgument(f"unsupported file operation {type(op).__name__}")
+
+    # --- optional abilities: metrics, freezing, checkpoints ----------------------------------------
+    def _container_of(self, handle: Handle) -> str:
+        cid = self.t.cid.get(handle.sandbox_id)
+        if cid is None:
+            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
+        return cid
+
+    async def metrics(self, handle: Handle) -> SandboxMetrics:
+        """CPU and memory from the sandbox's cgroups (v1), disk from its scratch filesystem."""
+        return await asyncio.to_thread(self.meter.sandbox, self._container_of(handle), handle.extra.get("dir", ""))
+
+    def _cgroup(self, handle: Handle) -> str:
+        return cgroup_path(handle.extra.get("cid") or handle.sandbox_id)
+
+    async def before_freeze(self, handle: Handle) -> None:
+        """Hang up the idle connections to the sandbox's agent (hostagent._snapshots, before it
+        freezes the sandbox): a frozen agent cannot close its ends, and CRIU cannot dump them."""
+        client = self.t.clients.get(handle.sandbox_id)
+        if client is not None:
+            await client.hang_up_idle()
+
+    async def freeze(self, handle: Handle) -> None:
+        await freeze(self._cgroup(handle))
+
+    async def thaw(self, handle: Handle) -> None:
+        await thaw(self._cgroup(handle))
+
+    def frozen(self, handle: Handle) -> bool:
+        return frozen(self._cgroup(handle))
+
+    def scratch_dir(self, handle: Handle) -> str:
+        return str(handle.extra["dir"])
+
+    async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
+        """CRIU-dump the sandbox's processes into ``image_dir``; the sandbox runs on (or stays frozen)."""
+        await criu.checkpoint(self.rt, self.t.cid.get(handle.sandbox_id, handle.sandbox_id), image_dir, work_dir)
+
+
+__all__ = ["AGENT_DIR_IN_SANDBOX", "ContainerBackend", "DEFAULT_ENV", "RUN_DIR_IN_SANDBOX"]

@@ -1,0 +1,190 @@
+"""The warm pool: started containers waiting per image, disk size and compiled profile, handed out on
+create with the requested limits applied, so a create skips runc's cold start. A pooled container's
+id differs from the sandbox id it comes to serve."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from bus.messages import LayerRef
+
+from ..._agent import AgentInfo
+from ..._profiles import Enforcement
+
+log = structlog.get_logger("dsec.hostagent.container")
+
+
+@dataclass(frozen=True)
+class WarmKey:
+    """Keyed by what the profile compiles to, not its name and version: a pooled container's seccomp
+    filter, capabilities, read-only mounts and Landlock rules were fixed when it started, so it may
+    only serve a sandbox whose profile compiles to the very same."""
+
+    layers: tuple[str, ...]
+    disk_mb: int
+    profile: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, layers: list[LayerRef], disk_mb: int, security: Enforcement) -> WarmKey:
+        return cls(tuple(layer.digest for layer in layers), disk_mb, security.profile, security.fingerprint)
+
+    def same_image(self, other: WarmKey) -> bool:
+        """Same image, disk and profile name (its compiled content may differ)."""
+        return (self.layers, self.disk_mb, self.profile) == (other.layers, other.disk_mb, other.profile)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a pool's containers are started."""
+
+    lowers: tuple[str, ...]
+    disk_mb: int
+    security: Enforcement
+
+
+@dataclass(frozen=True)
+class Warm:
+    """A started container waiting in the pool."""
+
+    cid: str
+    pid: int
+    sdir: str
+    info: AgentInfo
+
+
+StartFn = Callable[[str, Recipe], Awaitable[Warm]]
+RemoveFn = Callable[[str], Awaitable[None]]
+ClaimFn = Callable[[Warm], Awaitable[None]]
+
+
+class WarmPool:
+    def __init__(self, size: int, start: StartFn, remove: RemoveFn) -> None:
+        self.size = size  # containers kept ready per key (0: off)
+        self._start = start
+        self._remove = remove
+        self._entries: dict[WarmKey, list[Warm]] = {}
+        self._recipes: dict[WarmKey, Recipe] = {}
+        self._waiting: set[str] = set()  # container ids in some pool now
+        self._refilling: dict[WarmKey, asyncio.Task[None]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()  # removals of warm containers of a changed profile
+        self._stopping = False
+
+    def ready(self) -> int:
+        return len(self._waiting)
+
+    def entries(self) -> dict[WarmKey, list[Warm]]:
+        """The containers waiting, per key (to read, not to change)."""
+        return self._entries
+
+    def holds(self, cid: str) -> bool:
+        return cid in self._waiting
+
+    def discard(self, cid: str) -> None:
+        """The container is being removed."""
+        self._waiting.discard(cid)
+
+    async def claim(self, key: WarmKey, recipe: Recipe, configure: ClaimFn) -> Warm | None:
+        """A waiting container of ``key`` made the sandbox's by ``configure`` (limits, labels); None when
+        none waits. Starts refilling the pool either way."""
+        self._recipes[key] = recipe
+        self._retire_stale(key)
+        try:
+            return await self._claim(key, configure)
+        finally:
+            self._refill(key)
+
+    async def _claim(self, key: WarmKey, configure: ClaimFn) -> Warm | None:
+        entries = self._entries.get(key)
+        while entries:
+            w = entries.pop()  # still ``waiting`` until it serves the sandbox: reconcile leaves it alone
+            try:
+                await configure(w)
+            except Exception as exc:  # noqa: BLE001 - OSError, ContainerdError: a cold start instead
+                log.warning("warm_claim_failed", container=w.cid, error=str(exc))
+                await self._remove(w.cid)
+                continue
+            finally:
+                self._waiting.discard(w.cid)
+            return w
+        return None
+
+    def _retire_stale(self, key: WarmKey) -> None:
+        """Drop the pools started for an earlier content of the same profile (same image and disk):
+        they can never be claimed again, and would hold their containers until the agent stops."""
+        for old in [k for k in self._recipes if k != key and k.same_image(key)]:
+            tasks = []
+            t = self._refilling.pop(old, None)
+            if t is not None and not t.done():
+                t.cancel()  # a container it was starting is removed by the loop itself
+                tasks.append(t)
+            entries = self._entries.pop(old, [])
+            stale = list(entries)
+            entries.clear()  # a claim looping over this very list must find it empty now
+            del self._recipes[old]
+            for w in stale:
+                self._waiting.discard(w.cid)
+            if stale:
+                log.info("warm_pool_retired", profile=key.profile, containers=len(stale))
+                tasks.append(asyncio.ensure_future(self._remove_all([w.cid for w in stale])))
+            for t in tasks:  # stop() waits for them
+                self._retiring.add(t)
+                t.add_done_callback(self._retiring.discard)
+
+    async def _remove_all(self, cids: list[str]) -> None:
+        for cid in cids:
+            try:
+                await self._remove(cid)
+            except Exception as exc:  # noqa: BLE001 - stop() and recover() remove unclaimed ones too
+                log.warning("warm_pool_remove_failed", container=cid, error=str(exc))
+
+    def _refill(self, key: WarmKey) -> None:
+        if key not in self._recipes:
+            return  # retired while this create claimed from it
+        t = self._refilling.get(key)
+        if t is None or t.done():
+            self._refilling[key] = asyncio.ensure_future(self._refill_loop(key))
+
+    async def _refill_loop(self, key: WarmKey) -> None:
+        # One at a time: refilling competes with cold creates for the same CPU.
+        recipe = self._recipes[key]
+        entries = self._entries.setdefault(key, [])
+        while not self._stopping and len(entries) < self.size:
+            cid = f"wp-{os.urandom(8).hex()}"
+            try:
+                w = await self._start(cid, recipe)
+            except asyncio.CancelledError:
+                await asyncio.shield(self._remove(cid))  # stopped half-way: leave no scratch or task
+                raise
+            except Exception as exc:  # noqa: BLE001 - the pool is an optimisation: cold creates still work
+                log.warning("warm_pool_start_failed", error=str(exc))
+                await self._remove(cid)
+                return
+            self._waiting.add(w.cid)
+            entries.append(w)
+
+    async def stop(self) -> None:
+        """Refills stop; the waiting containers are left to the caller (which removes every unclaimed one)."""
+        self._stopping = True
+        for t in list(self._refilling.values()):
+            t.cancel()
+        for t in list(self._refilling.values()):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+        self._entries.clear()
+        self._waiting.clear()
+        for t in list(self._retiring):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the listing below removes what is left
+                pass
+
+
+__all__ = ["Recipe", "Warm", "WarmKey", "WarmPool"]
