@@ -218,6 +218,24 @@ async def collect(
     return out
 
 
+def _touched_since(p: Path, cutoff: float) -> bool:
+    """Anything at or under ``p`` modified after ``cutoff`` (gone counts as touched: leave it)."""
+    try:
+        if p.lstat().st_mtime > cutoff:
+            return True
+    except FileNotFoundError:
+        return True
+    if p.is_dir() and not p.is_symlink():
+        for dp, dns, fns in os.walk(p):
+            for name in (*dns, *fns):
+                try:
+                    if os.lstat(os.path.join(dp, name)).st_mtime > cutoff:
+                        return True
+                except FileNotFoundError:
+                    continue
+    return False
+
+
 def _size(p: Path) -> int:
     if p.is_dir() and not p.is_symlink():
         return sum(_size(c) for c in p.iterdir())
@@ -239,10 +257,7 @@ def collect_local(
 
     def drop(p: Path, grace: float = grace_s) -> None:
         nonlocal n, freed
-        try:
-            if p.lstat().st_mtime > now - grace:
-                return
-        except FileNotFoundError:
+        if _touched_since(p, now - grace):  # a long build or dump still writes deep inside its dir
             return
         freed += _size(p)
         n += 1

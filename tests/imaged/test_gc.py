@@ -135,7 +135,14 @@ def test_collect_local_takes_old_leftovers_only(tmp_path: Path) -> None:
         p.write_bytes(b"x" * 5000)
         for q in (p, p.parent, p.parent.parent) if "blobs" not in rel else (p,):
             os.utime(q, (t, t))
+    # An old dir with something new deep inside: a long build still writing.
+    deep = d / "images/tmp/build-long/rootfs/usr/lib/new.so"
+    deep.parent.mkdir(parents=True)
+    deep.write_bytes(b"y")
+    for q in (d / "images/tmp/build-long", d / "images/tmp/build-long/rootfs", d / "images/tmp/build-long/rootfs/usr"):
+        os.utime(q, (old, old))
     n, freed = collect_local(d, keep_layers={"b" * 64}, grace_s=3600)
+    assert deep.exists()
     assert n == 3 and freed >= 3 * 5000
     assert not (d / "images/tmp/pack-dead").exists() and not (d / "criu/snap-dead").exists() and not (d / "images/blobs" / ("a" * 64)).exists()
     assert (d / "images/tmp/pack-live").exists() and (d / "criu/snap-live").exists() and (d / "images/blobs" / ("b" * 64)).exists()
@@ -154,7 +161,8 @@ async def test_dsec_gc_command(js: Any, nats_server: Any, tmp_path: Path) -> Non
     dead = tmp_path / "data" / "criu" / "snap-died" / "img"
     dead.mkdir(parents=True)
     (dead / "pages-1.img").write_bytes(b"p" * 10000)
-    os.utime(dead.parent, (time.time() - 7200, time.time() - 7200))
+    for q in (dead / "pages-1.img", dead, dead.parent):
+        os.utime(q, (time.time() - 7200, time.time() - 7200))
     p = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "imaged.cli", "--nats-url", nats_server.url, "gc", "--json", "--data-dir", str(tmp_path / "data")],
         cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)},
