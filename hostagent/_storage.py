@@ -143,20 +143,23 @@ class Budget:
         self.charged = after
 
 
-async def snapshot_records(js: Any) -> list[SnapshotRecord]:
+async def snapshot_records(js: Any, concurrency: int = 64) -> list[SnapshotRecord]:
+    """Every snapshot record (read many at a time: this runs before each snapshot)."""
     kv = await ensure_kv(js, S.KV_SNAPSHOTS)
-    out: list[SnapshotRecord] = []
-    for key in await kv_keys(js, S.KV_SNAPSHOTS):
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            continue
-        if entry.value:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(key: str) -> SnapshotRecord | None:
+        async with sem:
             try:
-                out.append(codec.SNAPSHOT.decode(entry.value))
-            except BadRequest:
-                continue
-    return out
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                return None
+        try:
+            return codec.SNAPSHOT.decode(entry.value) if entry.value else None
+        except BadRequest:
+            return None
+
+    return [r for r in await asyncio.gather(*(one(k) for k in await kv_keys(js, S.KV_SNAPSHOTS))) if r is not None]
 
 
 def tenant_of(rec: SnapshotRecord) -> str:
