@@ -54,6 +54,8 @@ def _xattr_entry(name: str, value: bytes) -> bytes | None:
     for prefix, index in _XATTR_PREFIXES:
         if name.startswith(prefix):
             suffix = name[len(prefix):].encode()
+            if len(value) > 0xFFFF:
+                raise ImageError(f"xattr {name} is {len(value)} bytes: EROFS holds at most 65535")
             if index in (2, 3) and suffix:
                 continue
             ent = struct.pack("<BBH", len(suffix), index, len(value)) + suffix + value
@@ -349,7 +351,7 @@ class _Writer:
             i_u = node.blkaddr
         xcount = (len(node.xattrs) - XATTR_HDR) // 4 + 1 if node.xattrs else 0
         inode = struct.pack(
-            "<HHHHQIIIIQII16x",
+            "<HHHHQIIIIqII16x",  # i_mtime is signed: a time before 1970 stays one
             1 | (node.layout << 1), xcount, m & 0xFFFF, 0, size, i_u & 0xFFFFFFFF, ino & 0xFFFFFFFF,
             st.st_uid, st.st_gid, st.st_mtime_ns // 1_000_000_000, st.st_mtime_ns % 1_000_000_000, node.nlink,
         )

@@ -72,6 +72,8 @@ def test_tree_reads_back_exactly(tmp_path: Path) -> None:
         (src / "d" / "e" / f"a-rather-long-file-name-{i:04d}").write_text(str(i))
     (src / "-before-dot").write_text("sorts before '.'")
     os.utime(src / "d" / "e", ns=(0, 981173106_123456789))
+    (src / "old").write_text("before the epoch")
+    os.utime(src / "old", ns=(0, -315619200_000000001))  # 1959-12-31, one ns before a whole second
     os.utime(src / "d" / "sym", ns=(0, 981173106_987654321), follow_symlinks=False)
     write_erofs(src, tmp_path / "img")
     with mounted_erofs(tmp_path / "img", tmp_path / "mnt") as mnt:
