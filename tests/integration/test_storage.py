@@ -259,6 +259,13 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
             assert not await sb.files.exists("/root/upload")
             # The sandbox runs on and its files are intact.
             assert (await sb.commands.run("md5sum -c /root/sum")).exit_code == 0
+            # A create that reaches the host all the same (placement's floor off) fails typed too.
+            for p in stack.placements:
+                monkeypatch.setattr(p.table, "policy", dataclasses.replace(p.table.policy, min_disk_free_mb=0))
+            with pytest.raises(NoSpace, match="create: the host's disk is full"):
+                await AsyncSandbox.create(pool=pool, nats_url=stack.url, disk_mb=128, create_timeout=30)
+            for p in stack.placements:
+                monkeypatch.setattr(p.table, "policy", dataclasses.replace(p.table.policy, min_disk_free_mb=64))
 
             # Space comes back: everything works again, no restart.
             await asyncio.to_thread(disk.free)

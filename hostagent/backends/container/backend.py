@@ -234,6 +234,7 @@ class ContainerBackend:
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
         labels: dict[str, str] | None, restore: tuple[str, str],
     ) -> tuple[int, str, str, AgentInfo]:
+        storage.ensure_room(self.data_dir, 0, "create")  # no_space, typed, before the scratch image and its mkfs
         try:
             sdir = await self.scratch.allocate_async(cid, disk_mb)
         except ScratchError as exc:
