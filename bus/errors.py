@@ -132,6 +132,34 @@ class ImageError(DsecError):
     http_status = 500
 
 
+class ImageNotFound(ImageError):
+    """The registry answered that the image reference (repository, tag or digest) does not exist."""
+
+    code = "image_not_found"
+    http_status = 404
+
+
+class RegistryUnavailable(ImageError):
+    """The registry could not be reached, timed out or failed (5xx); trying again later may work."""
+
+    code = "registry_unavailable"
+    http_status = 502
+
+
+class BuildFailed(ImageError):
+    """A build step failed (a RUN exited non-zero); the context names the step, its exit code and output tail."""
+
+    code = "build_failed"
+    http_status = 422
+
+
+class TemplateTaken(DsecError):
+    """The template name is in use by a template the caller does not own (another client's, or the operator's)."""
+
+    code = "template_taken"
+    http_status = 409
+
+
 class UnknownSnapshot(DsecError):
     code = "unknown_snapshot"
     http_status = 404

@@ -267,13 +267,28 @@ class LayerRef(Struct, kw_only=True, tag=True):
     chunk_size: int = 0
 
 
+class ImageDefaults(Struct, kw_only=True, tag=True):
+    """What an OCI image's config (or a Dockerfile's ENV/WORKDIR/USER/ENTRYPOINT/CMD) says a process in
+    the template runs with, unless the create or exec says otherwise."""
+
+    env: dict[str, str] = {}
+    workdir: str = ""
+    user: str = ""
+    entrypoint: list[str] = []
+    cmd: list[str] = []
+    source: str = ""  # where they came from: the image reference with its manifest digest
+
+
 class TemplateManifest(Struct, kw_only=True, tag=True):
-    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name."""
+    """A template: base + workspace + toolkit layers, kept in KV ``dsec_images`` under its name.
+    A template pulled from a registry has one ``base`` layer per image layer (lowest first)."""
 
     name: str
     layers: list[LayerRef]
     created_at: float = 0.0
     description: str = ""
+    defaults: ImageDefaults | None = None
+    owner: str = ""  # the client that built it through the gateway's template API ("" = the operator's)
 
 
 class Lease(Struct, kw_only=True, tag=True):
@@ -409,6 +424,10 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     tag: str = ""  # a client-chosen name of a background process (ProcSelector.tag)
     output_cap: int = -1  # bytes of each stream kept in the ExecResult; -1: the host's default (8 MiB)
     acks: bool = False  # the client answers chunks marked ack (flow control, see above)
+    # A grader's run that what the sandbox's processes wrote cannot hijack: fresh private HOME,
+    # fixed PATH of system directories, only ``envs`` on a fixed minimal set (no sandbox envs), no
+    # user site-packages or startup files; refused (not_supported) where system dirs are writable.
+    trusted: bool = False
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):
@@ -516,6 +535,11 @@ class FileWrite(Struct, kw_only=True, tag=True):
     offset: int = 0
     truncate: bool = True
     mode: int = 0o644
+    # Set before the data is written (the first chunk of a file carries them): the owner (-1: as is)
+    # and the metadata (the file's user.e2b.<key> xattrs become exactly these; None: left alone).
+    uid: int = -1
+    gid: int = -1
+    metadata: dict[str, str] | None = None
 
 
 class FileRead(Struct, kw_only=True, tag=True):
@@ -526,6 +550,7 @@ class FileRead(Struct, kw_only=True, tag=True):
 
 class FileList(Struct, kw_only=True, tag=True):
     path: str
+    long: bool = False  # as FileStat.long
 
 
 class FileRemove(Struct, kw_only=True, tag=True):
@@ -553,6 +578,7 @@ class FileRename(Struct, kw_only=True, tag=True):
 class FileStat(Struct, kw_only=True, tag=True):
     path: str
     follow_symlinks: bool = True
+    long: bool = False  # with owner, symlink target and metadata (EntryInfo's uid ... metadata)
 
 
 class FileWatch(Struct, kw_only=True, tag=True):
@@ -582,6 +608,10 @@ class EntryInfo(Struct, kw_only=True):
     size: int = 0
     mode: int = 0
     mtime: float = 0.0
+    uid: int = -1  # -1: not reported (a listing or stat without ``long``)
+    gid: int = -1
+    symlink_target: str = ""  # what a symlink points to, as stored
+    metadata: dict[str, str] = {}  # the user.e2b.<key> xattrs (key without the prefix)
 
 
 class FileData(Struct, kw_only=True, tag=True):
@@ -597,6 +627,7 @@ class FileListing(Struct, kw_only=True, tag=True):
 class FileWritten(Struct, kw_only=True, tag=True):
     path: str
     size: int
+    attrs: bool = False  # the FileWrite's uid/gid/metadata were applied (an older host or agent ignores them)
 
 
 class Exists(Struct, kw_only=True, tag=True):
@@ -818,6 +849,14 @@ class BuildImage(Struct, kw_only=True, tag=True):
     workspace: str = ""
     toolkit: str = ""
     description: str = ""
+    from_ref: str = ""  # an image in a registry (``[host/]repo[:tag][@sha256:...]``), instead of ``base``
+    platform: str = ""  # of ``from_ref``: ``os/arch[/variant]``, default this machine's
+    # a template made of layers that exist already: a snapshot's (its template's layers, then the
+    # snapshot's chain; how a Dockerfile build ends) or another template's, with new defaults
+    from_snapshot: str = ""
+    from_template: str = ""
+    defaults: ImageDefaults | None = None
+    owner: str = ""  # written into the manifest (the gateway's template API: only the owner rebuilds or removes it)
 
 
 class ImageBuilt(Struct, kw_only=True, tag=True):

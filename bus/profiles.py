@@ -227,8 +227,18 @@ def strict_profile() -> SecurityProfile:
     )
 
 
+def build_profile() -> SecurityProfile:
+    """``default`` with the image's files writable everywhere: an image build's RUN installs into /usr and
+    /etc as ``docker build`` does (in the sandbox's own upper dir; seccomp and capabilities as default)."""
+    p = default_profile()
+    return msgspec.structs.replace(
+        p, name="build", description="default, but every path of the image writable (image builds: RUN installs into /usr, /etc).",
+        fs=msgspec.structs.replace(p.fs, landlock=False, required=False, readonly_paths=list(READONLY_PATHS)),
+    )
+
+
 def builtin_profiles() -> dict[str, SecurityProfile]:
-    return {p.name: p for p in (default_profile(), strict_profile())}
+    return {p.name: p for p in (default_profile(), strict_profile(), build_profile())}
 
 
-__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "SYSTEM_PATHS", "builtin_profiles", "default_profile", "strict_profile"]
+__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "SYSTEM_PATHS", "build_profile", "builtin_profiles", "default_profile", "strict_profile"]

@@ -28,7 +28,7 @@ from typing import cast
 import msgspec
 
 PROTOCOL_VERSION = 3
-PROTOCOLS = (2, 3)  # spoken with agents still running from before an upgrade; 3 keeps connections open
+PROTOCOLS = (2, 3, 4)  # spoken with agents still running from before an upgrade; 3 keeps connections open; 4 trusted runs
 
 AGENT_SOURCE = Path(__file__).with_name("agent") / "dsec-agent.c"
 
@@ -124,6 +124,30 @@ class DirEntry(msgspec.Struct):
     size: int
     mode: int  # permission bits only (0o7777)
     mtime: float
+    uid: int = -1  # -1: not asked (the short listing), or an agent from before the long one
+    gid: int = -1
+    symlink_target: str = ""
+    metadata: dict[str, str] = {}  # the user.e2b.<key> xattrs
+
+
+def _parse_extra(body: bytes, pos: int, e: DirEntry) -> int:
+    """The tail of a long entry ('l'/'s': owner, symlink target, metadata) into ``e``."""
+    e.uid, e.gid, tlen = struct.unpack_from(">III", body, pos)
+    pos += 12
+    e.symlink_target = os.fsdecode(body[pos:pos + tlen])
+    pos += tlen
+    (n,) = _U32.unpack_from(body, pos)
+    pos += 4
+    meta = {}
+    for _ in range(n):
+        kv = []
+        for _ in range(2):
+            (ln,) = _U32.unpack_from(body, pos)
+            kv.append(body[pos + 4:pos + 4 + ln].decode(errors="replace"))
+            pos += 4 + ln
+        meta[kv[0]] = kv[1]
+    e.metadata = meta
+    return pos
 
 
 # ---------------------------------------------------------------------------------- build
@@ -365,6 +389,7 @@ class AgentClient:
         self.connect_timeout_s = connect_timeout_s
         self.op_timeout_s = op_timeout_s
         self.keeps_connections = False  # learnt from the ping: the agent speaks protocol 3
+        self.long_entries = True  # the agent knows 'l'/'s'/'a' (until one answers EPROTO: older agent)
         self._idle: list[_Conn] = []
 
     # -- connection ------------------------------------------------------------------
@@ -506,6 +531,7 @@ class AgentClient:
         stdin: bool = False,
         user: str = "",
         on_start: Callable[[int], Awaitable[None] | None] | None = None,
+        trusted: bool = False,
     ) -> ExecOutcome:
         """Run ``cmd`` with ``/bin/sh -c`` in its own session; output streams to ``on_output``.
 
@@ -516,7 +542,9 @@ class AgentClient:
         first bytes; the totals are counted regardless). ``stdin`` gives it a pipe for
         ``send_stdin``; ``user`` runs it as that user of the sandbox. ``on_start`` hears the pid.
         A command that could not be started (missing cwd, no /bin/sh, unknown user: ESRCH)
-        raises AgentError.
+        raises AgentError. ``trusted``: the agent's trusted run ('T', see the agent's protocol
+        notes): ``env`` is then only what the caller adds to the agent's fixed set; ENOTSUP when the
+        sandbox's system directories are writable, EPROTO from an agent that predates it.
         """
         timeout_ms = 0 if not timeout_s or timeout_s <= 0 else min(math.ceil(timeout_s * 1000), 0xFFFFFFFF)
         env_parts = []
@@ -528,7 +556,7 @@ class AgentClient:
         buffered = on_output is None and on_start is None and not background
         flags = (1 if background else 0) | (2 if stdin else 0) | (4 if buffered else 0)
         frame = _frame(
-            b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
+            b"T" if trusted else b"X", _U32.pack(timeout_ms), _s(cmd), _s(cwd or ""), _U32.pack(len(env_parts)), *env_parts,
             bytes((flags,)), _s(user),
         )
         loop = asyncio.get_running_loop()
@@ -691,28 +719,57 @@ class AgentClient:
             conn.close()  # a watch ends with its connection
 
     async def write_file(
-        self, path: str, data: bytes, offset: int = 0, truncate: bool = True, mode: int = 0o644,
+        self, path: str, data: bytes, offset: int = 0, truncate: bool = True, mode: int = 0o644, *,
+        owner: tuple[int, int] | None = None, metadata: dict[str, str] | None = None,
     ) -> int:
         """Write ``data`` at ``offset`` (creating parent dirs); returns the file's size afterwards.
 
         ``mode`` applies only when the file is created. ``truncate`` empties an existing file first.
+        ``owner`` (uid, gid) and ``metadata`` (replacing the file's user.e2b.* xattrs) are set with the
+        first chunk, before its data. An agent from before them writes the data only: ``long_entries``
+        is False afterwards, which tells the caller they were not applied.
         """
         if offset < 0:
             raise ValueError("offset must be >= 0")
+        attrs = (owner is not None or metadata is not None) and self.long_entries
         view = memoryview(data).cast("B")
         pos = 0
         size = 0
         while True:
             chunk = view[pos:pos + _WRITE_CHUNK]
             flags = 1 if truncate and pos == 0 else 0
-            head = _U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _s(path)
-            kind, body = await self._call(_frame(b"W", head, chunk))
+            if attrs and pos == 0:
+                meta = metadata or {}
+                flags |= (2 if owner is not None else 0) | (4 if metadata is not None else 0)
+                uid, gid = owner or (0, 0)
+                pairs = b"".join(_s(k) + _s(v) for k, v in meta.items())
+                head = (_U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _U32.pack(uid) + _U32.pack(gid)
+                        + _U32.pack(len(meta)) + pairs + _s(path))
+                try:
+                    kind, body = await self._long_call(_frame(b"a", head, chunk))
+                except AgentError:
+                    if self.long_entries:
+                        raise
+                    attrs = False
+                    continue  # an older agent: this chunk again, plainly
+            else:
+                head = _U64.pack(offset + pos) + bytes((flags,)) + _U32.pack(mode & 0o7777) + _s(path)
+                kind, body = await self._call(_frame(b"W", head, chunk))
             if kind != ord("Z"):
                 raise _unexpected(kind)
             size = int(_U64.unpack_from(body)[0])
             pos += len(chunk)
             if pos >= len(view):
                 return size
+
+    async def _long_call(self, frame: bytes) -> tuple[int, bytes]:
+        """A call of an op newer than protocol 3 ('a', 'l', 's'); an older agent's EPROTO is remembered."""
+        try:
+            return await self._call(frame)
+        except AgentError as e:
+            if e.errno == _errno.EPROTO and "unknown request type" in e.message:
+                self.long_entries = False
+            raise
 
     async def read_file(self, path: str, offset: int = 0, length: int = -1) -> tuple[bytes, int]:
         """``length`` bytes (all to EOF if -1) from ``offset``; returns (data, file size)."""
@@ -736,10 +793,17 @@ class AgentClient:
             if len(data) < want or remaining == 0:
                 return b"".join(chunks), total
 
-    async def list_dir(self, path: str) -> list[DirEntry]:
-        """Entries of directory ``path`` sorted by name; symlinks are reported, not followed."""
-        kind, body = await self._call(_frame(b"L", _s(path)))
-        if kind != ord("T"):
+    async def list_dir(self, path: str, *, long: bool = False) -> list[DirEntry]:
+        """Entries of directory ``path`` sorted by name; symlinks are reported, not followed.
+        ``long``: with owner, symlink target and metadata (when the agent knows how)."""
+        long = long and self.long_entries
+        try:
+            kind, body = await (self._long_call(_frame(b"l", _s(path))) if long else self._call(_frame(b"L", _s(path))))
+        except AgentError:
+            if long and not self.long_entries:
+                return await self.list_dir(path)
+            raise
+        if kind != (ord("t") if long else ord("T")):
             raise _unexpected(kind)
         (count,) = _U32.unpack_from(body)
         pos = 4
@@ -747,16 +811,29 @@ class AgentClient:
         for _ in range(count):
             raw, etype, size, mode, mtime, pos = _parse_entry(body, pos)
             name = os.fsdecode(raw)
-            entries.append(DirEntry(name, posixpath.join(path, name), etype, size, mode, mtime))
+            e = DirEntry(name, posixpath.join(path, name), etype, size, mode, mtime)
+            if long:
+                pos = _parse_extra(body, pos, e)
+            entries.append(e)
         entries.sort(key=lambda e: e.name)
         return entries
 
-    async def stat(self, path: str, follow_symlinks: bool = True) -> DirEntry:
-        kind, body = await self._call(_frame(b"S", bytes((int(follow_symlinks),)), _s(path)))
-        if kind != ord("N"):
+    async def stat(self, path: str, follow_symlinks: bool = True, *, long: bool = False) -> DirEntry:
+        long = long and self.long_entries
+        frame = _frame(b"s" if long else b"S", bytes((int(follow_symlinks),)), _s(path))
+        try:
+            kind, body = await (self._long_call(frame) if long else self._call(frame))
+        except AgentError:
+            if long and not self.long_entries:
+                return await self.stat(path, follow_symlinks)
+            raise
+        if kind != (ord("n") if long else ord("N")):
             raise _unexpected(kind)
-        _, etype, size, mode, mtime, _ = _parse_entry(body, 0)
-        return DirEntry(posixpath.basename(path.rstrip("/")) or "/", path, etype, size, mode, mtime)
+        _, etype, size, mode, mtime, pos = _parse_entry(body, 0)
+        e = DirEntry(posixpath.basename(path.rstrip("/")) or "/", path, etype, size, mode, mtime)
+        if long:
+            _parse_extra(body, pos, e)
+        return e
 
     async def exists(self, path: str) -> bool:
         """True if ``path`` names anything, including a dangling symlink."""

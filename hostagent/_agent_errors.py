@@ -7,13 +7,14 @@ import contextlib
 import errno as _errno
 from collections.abc import Iterator
 
-from bus.errors import DsecError, FileError, FileNotFound, InvalidArgument, ProcessNotFound, SandboxNotFound, UnknownUser
+from bus.errors import DsecError, FileError, FileNotFound, InvalidArgument, NotSupported, ProcessNotFound, SandboxNotFound, UnknownUser
 
 from ._agent import AgentError, AgentUnavailable
 
 
 def translate(
     exc: AgentError | AgentUnavailable, sid: str, *, path: str = "", pid: int = 0, user: str = "", cwd: str = "", exec_: bool = False,
+    trusted: bool = False,
 ) -> DsecError:
     """``exc`` as a typed error. What the request named decides between readings of one errno:
     ``pid`` (a process op), ``user``/``cwd`` (an exec), ``path`` (a file op or watch)."""
@@ -26,6 +27,9 @@ def translate(
         return UnknownUser(f"user {user!r} is not in the sandbox's /etc/passwd", user=user)
     if e == _errno.ENOENT and cwd:
         return InvalidArgument(f"cwd {cwd!r} does not exist in the sandbox")
+    if trusted and e in (_errno.ENOTSUP, _errno.EPROTO):
+        why = exc.message if e == _errno.ENOTSUP else "its agent predates trusted runs (recreate the sandbox)"
+        return NotSupported(f"no trusted run in sandbox {sid}: {why}")
     if exec_:
         return FileError(f"exec failed: {exc.message}")
     if e == _errno.EPIPE:

@@ -387,7 +387,7 @@ class ExecIO:
             _check_inbox(req.stream_to)
         if req.output_cap < 0:
             req.output_cap = self.output_cap
-        if base_envs:
+        if base_envs and not req.trusted:  # a trusted run inherits none of the sandbox's variables
             req.envs = {**base_envs, **req.envs}
         if req.background:
             return await self._start_background(handle, req)

@@ -23,7 +23,7 @@ from bus.errors import (
     UnsupportedBackend,
 )
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
-from bus.messages import TemplateManifest
+from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
 from bus.runtime import KV
 from bus.sign import ERR_BAD_SIGNATURE, verify
@@ -66,6 +66,7 @@ class Intake:
         self.created = 0
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
+        self._defaults: dict[str, ImageDefaults] = {}  # a template's image defaults (OCI config, Dockerfile ENV/WORKDIR/USER)
         self._layers_at: dict[str, float] = {}
         self._layers_reads: dict[str, asyncio.Task[list[LayerRef]]] = {}
         # Admitted, being made by the backend, not in the registry yet: counted by admission too, or
@@ -152,6 +153,10 @@ class Intake:
         if manifest is None:
             raise UnknownTemplate(f"unknown template {template!r}", template=template)
         layers = manifest.layers
+        if manifest.defaults is not None:
+            self._defaults[template] = manifest.defaults
+        else:
+            self._defaults.pop(template, None)
         self._layers_cache[template] = layers  # a create reads KV at most once per LAYERS_TTL_S per template
         self._layers_at[template] = time.monotonic()
         return layers
@@ -381,6 +386,9 @@ class Intake:
             if memory is not None:
                 self.caps.need_checkpointer()  # a memory snapshot restores only where processes can be
             security = self.profiles.enforcement(spec.profile) if self.profiles is not None else None
+            defaults = self._defaults.get(spec.template)
+            if defaults is not None and defaults.env:  # the image's ENV, under what the create asked for
+                spec.envs = {**defaults.env, **spec.envs}
             handle = await backend.create(spec, layers, security=security, memory=memory)
         except DsecError as exc:
             self._hold(spec, -1)
@@ -400,6 +408,9 @@ class Intake:
         self._hold(spec, -1)
         now = time.time()
         ls = LocalSandbox(spec=spec, pid=handle.pid, extra=handle.extra, started_at=now, expires_at=now + spec.timeout_s)
+        defaults = self._defaults.get(spec.template)
+        if defaults is not None and (defaults.workdir or defaults.user):  # an exec that names neither runs with these
+            ls.extra = {**ls.extra, "image_workdir": defaults.workdir, "image_user": defaults.user}
         self.registry.add(ls, handle)
         self.registry.save(ls)
         return ls

@@ -176,6 +176,10 @@ class OpsEndpoint:
         )
 
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
+        if not req.cwd and ls.extra.get("image_workdir"):  # the template image's WORKDIR / USER
+            req.cwd = ls.extra["image_workdir"]
+        if not req.user and ls.extra.get("image_user") and not req.trusted:
+            req.user = ls.extra["image_user"]
         return await self.execio.exec(handle, ls.spec.envs, req)
 
 

@@ -11,12 +11,15 @@ from nats.aio.msg import Msg
 
 from bus.codec import SNAP_REMOVE_REQ
 from bus import subjects as S
+from bus.errors import InvalidArgument
 from bus.messages import Done
 from bus.runtime import Endpoint, Service
 from bus.streams import ensure_all
 
 from ._build import ImageBuilder, ensure_base_template, remove_template
+from ._compose import compose_template
 from ._gc import collect
+from ._oci import build_from_image
 from ._manifests import list_manifests, require_manifest
 from ._messages import (
     IMG_BUILD_REQ,
@@ -100,11 +103,22 @@ class ImagedService(Service):
         return ImageList(templates=await list_manifests(self.js))
 
     async def _on_build(self, msg: Msg, req: Any) -> Any:
+        assert self.js is not None
         async with self._build_lock:
             builder = ImageBuilder(self.js, self.data_dir, store=self.store)
-            res = await builder.build_template(
-                req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description
-            )
+            if req.from_snapshot or req.from_template:
+                if req.base or req.workspace or req.toolkit or req.from_ref:
+                    raise InvalidArgument("from_snapshot/from_template name every layer: leave the sources empty")
+                res = await compose_template(self.js, req.name, snapshot=req.from_snapshot, template=req.from_template,
+                                             defaults=req.defaults, description=req.description, owner=req.owner)
+            elif req.from_ref:
+                if req.base or req.workspace or req.toolkit:
+                    raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")
+                res, _ = await build_from_image(builder, req.name, req.from_ref, platform=req.platform, description=req.description)
+            else:
+                res = await builder.build_template(
+                    req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description
+                )
         return ImageBuilt(manifest=res.manifest, uploaded_bytes=res.uploaded_bytes, seconds=res.seconds)
 
     async def _on_remove(self, msg: Msg, req: Any) -> Any:

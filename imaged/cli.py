@@ -1,6 +1,8 @@
 """``dsec image ...``: registered into the ``dsec`` command through the ``dsec.cli`` entry-point group.
 
     dsec image build NAME --base SRC [--workspace SRC] [--toolkit SRC] [--json]
+    dsec image build NAME --from REF [--platform OS/ARCH] [--json]   (an image in a registry; mirrors: $DSEC_REGISTRY_MIRRORS)
+    dsec image build NAME --dockerfile PATH [--context DIR] [--build-arg K=V] [--no-cache] [--allow-out HOST]
     dsec image build-python [NAME] [--json]      (debian bookworm + python3, pip, git; default name "python")
     dsec image ensure-base [--json]              (the busybox "base" template, idempotent)
     dsec image ls [--json]
@@ -24,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from bus.errors import DsecError
+from bus.errors import DsecError, InvalidArgument
 from bus.runtime import connect
 
 from ._util import DEFAULT_CHUNK_SIZE
@@ -54,9 +56,18 @@ def register(subparsers: Any) -> None:
     img = subparsers.add_parser("image", help="build, list, inspect and remove image templates")
     isub = img.add_subparsers(dest="image_cmd", required=True)
 
-    b = isub.add_parser("build", help="build a template from base [+ workspace] [+ toolkit] sources")
+    b = isub.add_parser("build", help="build a template from base [+ workspace] [+ toolkit] sources, or from an image in a registry")
     b.add_argument("name")
-    b.add_argument("--base", required=True, metavar="SRC")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--base", metavar="SRC")
+    src.add_argument("--from", dest="from_ref", metavar="REF", help="an image in a registry: [host/]repo[:tag][@sha256:...]")
+    # A Dockerfile build is a client of the stack (build sandboxes, snapshots): the `dsec` command runs it (sdk._builder).
+    src.add_argument("--dockerfile", default=None, metavar="PATH", help="build from a Dockerfile (RUN steps run in a build sandbox)")
+    b.add_argument("--context", default=None, metavar="DIR", help="of --dockerfile: where COPY/ADD read (default: the Dockerfile's directory)")
+    b.add_argument("--build-arg", action="append", default=[], metavar="K=V")
+    b.add_argument("--no-cache", action="store_true", help="of --dockerfile: run every step again")
+    b.add_argument("--allow-out", action="append", default=[], metavar="HOST", help="of --dockerfile: egress RUN may use (package mirrors)")
+    b.add_argument("--platform", default="", help="of --from: os/arch[/variant] (default: this machine's)")
     b.add_argument("--workspace", default=None, metavar="SRC")
     b.add_argument("--toolkit", default=None, metavar="SRC")
     b.add_argument("--description", default="")
@@ -148,7 +159,16 @@ async def _build(args: argparse.Namespace) -> int:
         builder = ImageBuilder(
             js, args.data_dir, store=store, chunk_size=args.chunk_size, compress=args.compress, progress=progress
         )
-        result = await builder.build_template(args.name, args.base, args.workspace, args.toolkit, description=args.description)
+        if args.dockerfile:
+            raise InvalidArgument("--dockerfile builds run in the `dsec` command (they are a client of the stack)")
+        if args.from_ref:
+            from ._oci import build_from_image
+
+            if args.workspace or args.toolkit:
+                raise InvalidArgument("--from builds the whole template: no --workspace/--toolkit with it")
+            result, _ = await build_from_image(builder, args.name, args.from_ref, platform=args.platform, description=args.description)
+        else:
+            result = await builder.build_template(args.name, args.base, args.workspace, args.toolkit, description=args.description)
     finally:
         progress.close()
         await store.close()

@@ -1,6 +1,7 @@
 """The dsec Python SDK: ``Sandbox`` (sync) and ``AsyncSandbox``, E2B-shaped."""
 
 from ._async import AsyncSandbox, build_spec
+from ._builder import BuildReport, TemplateBuilder, build_dockerfile, build_from_image
 from ._commands import AsyncCommandHandle
 from ._files import AsyncWatchHandle
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
@@ -27,6 +28,10 @@ __all__ = [
     "Sandbox",
     "AsyncSandbox",
     "build_spec",
+    "BuildReport",
+    "TemplateBuilder",
+    "build_dockerfile",
+    "build_from_image",
     "CommandResult",
     "EntryInfo",
     "SandboxInfo",

@@ -241,6 +241,7 @@ class AsyncCommands:
         stdin: bool = False,
         tag: str = "",
         output_cap: int | None = None,
+        trusted: bool = False,
     ) -> Any:
         """Run ``cmd`` with ``/bin/sh -c``.
 
@@ -249,6 +250,12 @@ class AsyncCommands:
         ``*_bytes`` totals say what there was), while ``on_stdout``/``on_stderr`` see every byte.
         ``background``: return an ``AsyncCommandHandle`` at once. ``timeout`` 0: no limit.
         ``user``: a user of the sandbox's /etc/passwd (its home is the default cwd).
+        ``trusted``: for reward and test commands, a run that what the sandbox's own processes wrote
+        cannot hijack: a fresh private HOME (created empty, 0700, removed after; the default cwd), a
+        fixed PATH of system directories, only ``envs`` on top of a fixed minimal set (none of the
+        sandbox's variables, no PYTHONPATH, LD_PRELOAD, BASH_ENV, ... unless given here), no Python
+        user site-packages, git global config or shell startup files; the sandbox's files are left as
+        they are. NotSupported where the sandbox's profile leaves system directories writable.
         """
         if not isinstance(cmd, str) or not cmd:
             raise InvalidArgument(f"cmd must be a non-empty string, got {cmd!r}")
@@ -259,32 +266,34 @@ class AsyncCommands:
             raise InvalidArgument(f"user must be a user name or uid, got {user!r}")
         if output_cap is not None and (isinstance(output_cap, bool) or not isinstance(output_cap, int) or output_cap < 0):
             raise InvalidArgument(f"output_cap must be a byte count >= 0, got {output_cap!r}")
+        if not isinstance(trusted, bool):
+            raise InvalidArgument(f"trusted must be True or False, got {trusted!r}")
         req = ExecRequest(
             cmd=cmd, envs=dict(envs or {}), cwd=cwd or "", timeout_s=timeout, user=user or "", stdin=bool(stdin), tag=tag,
-            output_cap=-1 if output_cap is None else output_cap, background=background, acks=True,
+            output_cap=-1 if output_cap is None else output_cap, background=background, acks=True, trusted=trusted,
         )
-        out: _Output | None = None
+        stream: _Output | None = None
         if background:
-            stream = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP if output_cap is None else output_cap).start()
-            req.stream_to = stream.inbox
+            bg = await _Output(self._sb, on_stdout, on_stderr, DEFAULT_OUTPUT_CAP if output_cap is None else output_cap).start()
+            req.stream_to = bg.inbox
             try:
                 started = await self._sb._request("exec", req, ProcessStarted)
             except BaseException:
-                await stream.close()
+                await bg.close()
                 raise
-            return AsyncCommandHandle(self._sb, started.pid, stream, tag=tag, timeout=timeout)
+            return AsyncCommandHandle(self._sb, started.pid, bg, tag=tag, timeout=timeout)
         if on_stdout or on_stderr:
-            out = await _Output(self._sb, on_stdout, on_stderr, 0).start()
-            req.stream_to = out.inbox
+            stream = await _Output(self._sb, on_stdout, on_stderr, 0).start()
+            req.stream_to = stream.inbox
         try:
             res: ExecResult = await self._sb._request("exec", req, ExecResult, timeout=(timeout or 86400) + 10)
-            if out is not None:
-                await out.drain(res.chunks)
+            if stream is not None:
+                await stream.drain(res.chunks)
         finally:
-            if out is not None:
-                await out.close()
-        if out is not None and out.error is not None:
-            raise out.error
+            if stream is not None:
+                await stream.close()
+        if stream is not None and stream.error is not None:
+            raise stream.error
         return _raise_for(_result(res, res.stdout, res.stderr), res.timed_out, timeout)
 
     async def list(self) -> list[ProcessInfo]:

@@ -363,6 +363,10 @@ def main(argv: list[str] | None = None) -> None:
     import nats.js.errors
 
     args = build_parser().parse_args(argv)
+    if getattr(args, "dockerfile", None):  # `image build --dockerfile`: imaged's CLI declares it, the build is client-side
+        from ._builder import cli_build
+
+        args.func = cli_build
     ctx = _context_in_use(args)
     if ctx is not None and ctx.data_dir:
         # Local state of client-side work (image build caches) goes where that stack keeps its own.

@@ -58,6 +58,21 @@
  *              until a client attaches, and an ended one keeps its exit status (the last 64)
  *              for an attach. 'E' follows the shell's exit, not EOF on its pipes: output already
  *              buffered is sent, but background children that keep the pipes open don't delay it.
+ *   'T' trusted exec: as 'X' (same fields, same answers; protocol 4), for a grader's command that
+ *              what the sandbox's own processes wrote must not hijack. The command gets a fresh
+ *              private HOME (created 0700 and empty under /tmp, removed when the shell exits, and
+ *              /tmp's mtime put back unless something else changed it meanwhile; the default
+ *              cwd), PATH of the existing system directories, and only the given variables
+ *              on top of a fixed set (HOME, USER, LOGNAME, PATH, LANG, PYTHONNOUSERSITE,
+ *              PYTHONDONTWRITEBYTECODE, GIT_CONFIG_GLOBAL=/dev/null, GIT_CONFIG_NOSYSTEM): no
+ *              PYTHONPATH, PYTHONSTARTUP, BASH_ENV, ENV, LD_PRELOAD, ... unless the caller names
+ *              them. /bin/sh -c reads no startup file without ENV. Refused (ENOTSUP) without a
+ *              writable /tmp for the HOME, and unless every
+ *              system directory (/usr /bin /sbin /lib* /etc) is on a read-only mount: with a
+ *              writable /etc (ld.so.preload, ld.so.cache, python's sitecustomize, profile.d) or
+ *              /usr no environment makes a run trustworthy, and we cannot mount over them.
+ *              Agents before protocol 4 answer 'T' with EPROTO (unknown request), never run it
+ *              as an ordinary command.
  *   'A' attach u32 pid   -> as 'X' from 'i' on (EBUSY: another client is attached; ESRCH)
  *   'I' stdin  u32 pid | u8 flags (1 = close after) | data (rest)   -> 'K'   (queued; EPIPE when
  *              stdin is closed or was never a pipe, EAGAIN beyond 8 MiB unread)
@@ -76,9 +91,19 @@
  *   'V' rename str from | str to                       -> 'K'          (missing parents of `to` made)
  *   'Y' watch  u8 recursive | str dir  -> 'w', then any number of 'F' u32 inotify mask | str name
  *              (relative to dir) until the client closes the connection
+ *   'a' write with attributes: u64 offset | u8 flags (1 truncate, 2 chown, 4 replace metadata)
+ *              | u32 mode | u32 uid | u32 gid | u32 n | n * (str key | str value) | str path | data
+ *              -> 'Z' as 'W'. Owner and metadata (the user.e2b.<key> xattrs, all others of that
+ *                 namespace removed) are set before the data is written, so a watcher sees create,
+ *                 attrib, modify (the kernel merges the consecutive attrib events).
+ *   'l' list   str path                                -> 't' u32 n | n * xentry   (lstat)
+ *   's' stat   u8 follow_symlinks | str path           -> 'n' xentry   (entry name is "")
+ *   ('a', 'l' and 's' came after protocol 3; an older agent answers them EPROTO)
  *
  *   entry := str name | u8 kind (0 other, 1 file, 2 dir, 3 symlink) | u64 size
  *            | u32 mode (permission bits, 07777) | i64 mtime_ns
+ *   xentry := entry | u32 uid | u32 gid | str symlink target ("" unless a symlink)
+ *            | u32 n | n * (str key | str value)   (the user.e2b.<key> xattrs, prefix removed)
  *
  * Any request may instead be answered by  'R' u32 errno | str message,  after which the agent
  * closes.  A malformed frame gets 'R' EPROTO (EMSGSIZE if too long); the agent never exits on
@@ -108,13 +133,15 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
-#define PROTO_VERSION 3
+#define PROTO_VERSION 4
 #define MAX_REQ (8u << 20)
 #define READ_CAP (4u << 20)
 #define LIST_MAX (64u << 20)
@@ -158,6 +185,10 @@ struct proc {
     size_t in_len, in_off;
     int in_close;
     char *cmd, *cwd, *user;
+    char *home; /* a trusted run's private HOME, removed when its shell exits */
+    /* /tmp's mtime before the HOME was made and right after: put back once it is gone, unless
+     * something else changed /tmp meanwhile (a trusted run leaves the sandbox's files as they were) */
+    struct timespec tmp_mtime, tmp_mtime_made;
     struct watch w_out, w_err, w_in;
     struct proc *next, *prev, *next_dead;
 };
@@ -405,8 +436,11 @@ static void close_watched(int *fd)
     }
 }
 
+static void home_remove(struct proc *p);
+
 static void proc_free(struct proc *p)
 {
+    home_remove(p);
     close_watched(&p->pout);
     close_watched(&p->perr);
     close_watched(&p->pin);
@@ -618,6 +652,7 @@ static void proc_exited(struct proc *p, int status)
 {
     p->pid = 0;
     p->status = status;
+    home_remove(p);
     for (int stream = 1; stream <= 2; stream++) {
         size_t got = 0;
         while (got < EXIT_DRAIN_MAX && pipe_read(p, stream) == 1)
@@ -870,6 +905,138 @@ static char **user_env(char **envp, uint32_t nenv, const struct user *u, char *s
     return out;
 }
 
+/* ------------------------------------------------------------------ trusted runs ('T') */
+
+static const char *const trusted_path_dirs[] = {"/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"};
+/* What a trusted run's programs, loader and interpreters are read from: each must be immutable for
+ * the sandbox's processes. A read-only mount is what root in the sandbox can't undo (no
+ * CAP_SYS_ADMIN, mount refused by seccomp); Landlock alone would not show in statvfs. */
+static const char *const system_dirs[] = {"/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"};
+static const char *const trusted_fixed[] = {
+    "LANG=C.UTF-8",
+    "PYTHONNOUSERSITE=1",        /* no ~/.local site-packages, so no usercustomize or .pth there */
+    "PYTHONDONTWRITEBYTECODE=1", /* the grader leaves no __pycache__ in the workspace */
+    "GIT_CONFIG_GLOBAL=/dev/null", /* not $HOME/.gitconfig nor $XDG_CONFIG_HOME/git/config */
+    "GIT_CONFIG_NOSYSTEM=1",
+};
+
+/* The first system directory not on a read-only mount, or NULL. A missing one is fine: creating
+ * it needs a writable "/", which the profile's Landlock rules refuse. */
+static const char *writable_system_dir(void)
+{
+    for (size_t i = 0; i < sizeof system_dirs / sizeof *system_dirs; i++) {
+        struct statvfs sv;
+        if (statvfs(system_dirs[i], &sv) < 0) {
+            if (errno == ENOENT)
+                continue;
+            return system_dirs[i];
+        }
+        if (!(sv.f_flag & ST_RDONLY))
+            return system_dirs[i];
+    }
+    return NULL;
+}
+
+static int env_given(char **envp, uint32_t n, const char *kv)
+{
+    size_t klen = (size_t)(strchr(kv, '=') - kv) + 1;
+    for (uint32_t i = 0; i < n; i++)
+        if (!strncmp(envp[i], kv, klen))
+            return 1;
+    return 0;
+}
+
+static void env_free(char **env)
+{
+    for (size_t i = 0; env && env[i]; i++)
+        free(env[i]);
+    free(env);
+}
+
+/* A trusted run's whole environment (owned, NULL-terminated): the fixed set, each unless the
+ * caller gave that variable, then the caller's. Nothing of ours or the sandbox's is inherited. */
+static char **trusted_env(char **given, uint32_t ngiven, const char *home, const char *name)
+{
+    size_t nfixed = sizeof trusted_fixed / sizeof *trusted_fixed, k = 0;
+    char **out = calloc((size_t)ngiven + nfixed + 5, sizeof *out);
+    char path[512] = "PATH=", *mine[4] = {NULL, NULL, NULL, NULL};
+    if (!out)
+        return NULL;
+    for (size_t i = 0; i < sizeof trusted_path_dirs / sizeof *trusted_path_dirs; i++) {
+        struct stat st;
+        if (stat(trusted_path_dirs[i], &st) == 0 && S_ISDIR(st.st_mode)) {
+            if (path[5])
+                strcat(path, ":");
+            strcat(path, trusted_path_dirs[i]);
+        }
+    }
+    if (asprintf(&mine[0], "HOME=%s", home) < 0 || asprintf(&mine[1], "USER=%s", name) < 0 ||
+        asprintf(&mine[2], "LOGNAME=%s", name) < 0 || !(mine[3] = strdup(path)))
+        goto fail;
+    for (size_t i = 0; i < 4; i++) {
+        if (env_given(given, ngiven, mine[i]))
+            free(mine[i]);
+        else
+            out[k++] = mine[i];
+        mine[i] = NULL;
+    }
+    for (size_t i = 0; i < nfixed; i++)
+        if (!env_given(given, ngiven, trusted_fixed[i]) && !(out[k++] = strdup(trusted_fixed[i])))
+            goto fail;
+    for (uint32_t i = 0; i < ngiven; i++)
+        if (!(out[k++] = strdup(given[i])))
+            goto fail;
+    return out;
+fail:
+    for (size_t i = 0; i < 4; i++)
+        free(mine[i]);
+    env_free(out);
+    return NULL;
+}
+
+static void rm_tree(const char *path);
+
+/* The fresh private HOME of a trusted run, owned by the user it runs as; NULL and errno set.
+ * times[0], times[1]: /tmp's mtime before and after. */
+static char *home_create(const struct user *u, struct timespec times[2])
+{
+    char tmpl[] = "/tmp/.dsec-trusted-XXXXXX";
+    struct stat st;
+    times[0] = times[1] = (struct timespec){0, 0};
+    if (stat("/tmp", &st) == 0)
+        times[0] = st.st_mtim;
+    if (!mkdtemp(tmpl)) /* 0700, whatever the umask */
+        return NULL;
+    if (stat("/tmp", &st) == 0)
+        times[1] = st.st_mtim;
+    char *home = strdup(tmpl);
+    if (!home || (u && chown(tmpl, u->uid, u->gid) < 0)) {
+        int e = home ? errno : ENOMEM;
+        rmdir(tmpl);
+        free(home);
+        errno = e;
+        return NULL;
+    }
+    return home;
+}
+
+static void home_remove(struct proc *p)
+{
+    if (!p->home)
+        return;
+    struct stat st;
+    int untouched = p->tmp_mtime.tv_sec && stat("/tmp", &st) == 0 && st.st_mtim.tv_sec == p->tmp_mtime_made.tv_sec &&
+                    st.st_mtim.tv_nsec == p->tmp_mtime_made.tv_nsec;
+    rm_tree(p->home);
+    if (untouched) {
+        struct timespec ts[2] = {{0, UTIME_OMIT}, p->tmp_mtime};
+        utimensat(AT_FDCWD, "/tmp", ts, 0);
+    }
+    free(p->home);
+    p->home = NULL;
+}
+
+
 /* ``now``: send the 'i' frame at once (a background start waits for its pid); a buffered one goes
  * out with the output, a heartbeat or the exit, one wake-up of the host fewer per command. */
 static void proc_attach(struct proc *p, struct conn *c, int now)
@@ -893,9 +1060,11 @@ static void proc_attach(struct proc *p, struct conn *c, int now)
 #define X_BUFFERED 4u
 #define WATCH_DELAY_NS (2 * 1000000LL)
 
-static void op_exec(struct conn *c, struct rd *r)
+static void op_exec(struct conn *c, struct rd *r, int trusted)
 {
     char *cmd = NULL, *cwd = NULL, *user = NULL, **envp = NULL, **uenv = NULL, *slots[3] = {NULL, NULL, NULL};
+    char *home = NULL, **tenv = NULL;
+    struct timespec tmp_times[2] = {{0, 0}, {0, 0}};
     uint32_t nenv = 0, i;
     int po[2] = {-1, -1}, pe[2] = {-1, -1}, pi[2] = {-1, -1};
     struct user u;
@@ -924,6 +1093,27 @@ static void op_exec(struct conn *c, struct rd *r)
             reply_err(c, ESRCH, "unknown user %s: not in the sandbox's /etc/passwd", user);
             goto out;
         }
+    }
+    if (trusted) {
+        const char *w = writable_system_dir();
+        if (w) {
+            reply_err(c, ENOTSUP, "trusted run refused: %s is writable in this sandbox (its profile leaves system "
+                      "directories writable, and no environment keeps a run from what was written there)", w);
+            goto out;
+        }
+        if (!(home = home_create(*user ? &u : NULL, tmp_times))) {
+            reply_err(c, ENOTSUP, "trusted run refused: cannot create a private HOME under /tmp: %s", strerror(errno));
+            goto out;
+        }
+        if (!*cwd) {
+            free(cwd);
+            cwd = strdup(home);
+        }
+        if (!(tenv = trusted_env(envp, nenv, home, *user ? u.name : "root")) || !cwd) {
+            reply_err(c, ENOMEM, "out of memory");
+            goto out;
+        }
+    } else if (*user) {
         if (!*cwd) {
             struct stat st;
             if (stat(u.home, &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -961,7 +1151,7 @@ static void op_exec(struct conn *c, struct rd *r)
         fcntl(pi[1], F_SETFL, O_NONBLOCK);
 
     int err = 0;
-    pid_t pid = spawn_shell(cmd, cwd, uenv ? uenv : nenv ? envp : default_env, pi[0] >= 0 ? pi[0] : devnull,
+    pid_t pid = spawn_shell(cmd, cwd, tenv ? tenv : uenv ? uenv : nenv ? envp : default_env, pi[0] >= 0 ? pi[0] : devnull,
                             po[1], pe[1], *user ? &u : NULL, &err);
     close(po[1]);
     close(pe[1]);
@@ -987,7 +1177,10 @@ static void op_exec(struct conn *c, struct rd *r)
     p->cmd = cmd;
     p->cwd = cwd;
     p->user = user;
-    cmd = cwd = user = NULL;
+    p->home = home;
+    p->tmp_mtime = tmp_times[0];
+    p->tmp_mtime_made = tmp_times[1];
+    cmd = cwd = user = home = NULL;
     po[0] = pe[0] = pi[1] = -1;
     p->w_out = (struct watch){W_OUT, NULL, p};
     p->w_err = (struct watch){W_ERR, NULL, p};
@@ -1014,6 +1207,11 @@ out:
         free(envp[i]);
     free(envp);
     free(uenv);
+    env_free(tenv);
+    if (home) {
+        rm_tree(home);
+        free(home);
+    }
     for (i = 0; i < 3; i++)
         free(slots[i]);
     free(cmd);
@@ -1179,14 +1377,66 @@ static int mkdir_parents(const char *path)
     return 0;
 }
 
-static void op_write(struct conn *c, struct rd *r)
+#define META_PREFIX "user.e2b."
+#define META_MAX 64 /* metadata pairs of one write */
+#define XATTR_LIST_MAX_LEN 65536
+
+/* Remove every user.e2b.* xattr of the open file, then set the given ones (keys without prefix). */
+static int meta_replace(int fd, char **kv, uint32_t n)
+{
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = flistxattr(fd, names, sizeof names);
+    if (len < 0 && errno != ENOTSUP)
+        return -1;
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1)
+        if (!strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1) && fremovexattr(fd, names + i) < 0 && errno != ENODATA)
+            return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        char name[XATTR_NAME_MAX + 1];
+        if ((size_t)snprintf(name, sizeof name, "%s%s", META_PREFIX, kv[2 * i]) >= sizeof name) {
+            errno = ERANGE;
+            return -1;
+        }
+        if (fsetxattr(fd, name, kv[2 * i + 1], strlen(kv[2 * i + 1]), 0) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs);
+
+static void op_write(struct conn *c, struct rd *r) { write_file(c, r, 0); }
+static void op_write_attrs(struct conn *c, struct rd *r) { write_file(c, r, 1); }
+
+static void write_file(struct conn *c, struct rd *r, int with_attrs)
 {
     uint64_t off = rd_u64(r);
     uint8_t flags = rd_u8(r);
     uint32_t mode = rd_u32(r) & 07777;
-    char *path = rd_cstr(r);
+    uint32_t uid = 0, gid = 0, nmeta = 0;
+    char **kv = NULL;
+    char *path = NULL;
+    if (with_attrs) {
+        uid = rd_u32(r);
+        gid = rd_u32(r);
+        nmeta = rd_u32(r);
+        if (nmeta > META_MAX)
+            r->bad = 1;
+        else if (nmeta && !(kv = calloc(2 * (size_t)nmeta, sizeof *kv)))
+            r->bad = 1;
+        for (uint32_t i = 0; i < 2 * nmeta && !r->bad; i++)
+            kv[i] = rd_cstr(r);
+    } else {
+        flags &= 1;
+    }
+    path = rd_cstr(r);
     if (!rd_done(c, r, 1))
         goto out;
+    for (uint32_t i = 0; i < nmeta; i++) /* refused before anything is created */
+        if (sizeof META_PREFIX - 1 + strlen(kv[2 * i]) > XATTR_NAME_MAX || !*kv[2 * i] || strlen(kv[2 * i + 1]) > XATTR_SIZE_MAX) {
+            reply_err(c, ERANGE, "metadata key or value of %s too long (or an empty key)", path);
+            goto out;
+        }
     if (!*path || off > (uint64_t)INT64_MAX) {
         reply_err(c, EINVAL, "invalid path or offset");
         goto out;
@@ -1212,7 +1462,17 @@ static void op_write(struct conn *c, struct rd *r)
     }
     if (created)
         fchmod(fd, mode);
-    else if ((flags & 1) && ftruncate(fd, 0) < 0) {
+    if ((flags & 2) && fchown(fd, (uid_t)uid, (gid_t)gid) < 0) {
+        reply_err(c, errno, "chown %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if ((flags & 4) && meta_replace(fd, kv, nmeta) < 0) {
+        reply_err(c, errno, "set metadata of %s: %s", path, strerror(errno));
+        close(fd);
+        goto out;
+    }
+    if (!created && (flags & 1) && ftruncate(fd, 0) < 0) {
         reply_err(c, errno, "truncate %s: %s", path, strerror(errno));
         close(fd);
         goto out;
@@ -1238,6 +1498,113 @@ static void op_write(struct conn *c, struct rd *r)
     }
     size_t f = frame_begin(c, 'Z');
     put_u64(c, (uint64_t)st.st_size);
+    frame_end(c, f);
+out:
+    for (uint32_t i = 0; kv && i < 2 * nmeta; i++)
+        free(kv[i]);
+    free(kv);
+    free(path);
+}
+
+/* The tail of an xentry: owner, symlink target, user.e2b.* xattrs of `path` (not followed). */
+static void put_entry_extra(struct conn *c, const char *path, const struct stat *st)
+{
+    put_u32(c, (uint32_t)st->st_uid);
+    put_u32(c, (uint32_t)st->st_gid);
+    char target[PATH_MAX];
+    ssize_t tn = S_ISLNK(st->st_mode) ? readlink(path, target, sizeof target) : -1;
+    put_str(c, target, tn > 0 ? (size_t)tn : 0);
+    char names[XATTR_LIST_MAX_LEN];
+    ssize_t len = S_ISLNK(st->st_mode) ? -1 : llistxattr(path, names, sizeof names); /* user.* is never on a symlink */
+    size_t count_at = c->out_len;
+    uint32_t count = 0;
+    put_u32(c, 0);
+    for (ssize_t i = 0; i < len; i += (ssize_t)strlen(names + i) + 1) {
+        if (strncmp(names + i, META_PREFIX, sizeof META_PREFIX - 1))
+            continue;
+        char value[4096];
+        ssize_t vn = lgetxattr(path, names + i, value, sizeof value);
+        if (vn < 0)
+            continue; /* removed meanwhile, or too long to be ours */
+        const char *key = names + i + sizeof META_PREFIX - 1;
+        put_str(c, key, strlen(key));
+        put_str(c, value, (size_t)vn);
+        count++;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+}
+
+static void op_list_long(struct conn *c, struct rd *r)
+{
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
+    if (!d) {
+        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
+        if (dfd >= 0)
+            close(dfd);
+        goto out;
+    }
+    size_t f = frame_begin(c, 't');
+    size_t count_at = c->out_len;
+    put_u32(c, 0);
+    uint32_t count = 0;
+    struct dirent *de;
+    char full[PATH_MAX];
+    for (;;) {
+        errno = 0;
+        de = readdir(d);
+        if (!de)
+            break;
+        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue; /* removed while we were listing */
+        if ((size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
+            continue;
+        put_entry(c, de->d_name, strlen(de->d_name), &st);
+        put_entry_extra(c, full, &st);
+        count++;
+        if (c->out_len - f > LIST_MAX) {
+            errno = EFBIG;
+            break;
+        }
+    }
+    int e = errno;
+    closedir(d);
+    if (e) {
+        c->out_len = f;
+        reply_err(c, e, "readdir %s: %s", path, strerror(e));
+        goto out;
+    }
+    if (!c->oom)
+        be32(c->out + count_at, count);
+    frame_end(c, f);
+out:
+    free(path);
+}
+
+static void op_stat_long(struct conn *c, struct rd *r)
+{
+    uint8_t follow = rd_u8(r);
+    char *path = rd_cstr(r);
+    if (!rd_done(c, r, 0))
+        goto out;
+    struct stat st;
+    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
+        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
+        goto out;
+    }
+    char real[PATH_MAX];
+    /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
+    const char *at = follow && realpath(path, real) ? real : path;
+    size_t f = frame_begin(c, 'n');
+    put_entry(c, "", 0, &st);
+    put_entry_extra(c, at, &st);
     frame_end(c, f);
 out:
     free(path);
@@ -1359,6 +1726,12 @@ static int rm_one(const char *p, const struct stat *st, int type, struct FTW *ft
         return 1;
     }
     return 0;
+}
+
+/* Best effort (a trusted run's HOME): symlinks are removed, never followed; other mounts untouched. */
+static void rm_tree(const char *path)
+{
+    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
 }
 
 static void op_remove(struct conn *c, struct rd *r)
@@ -1633,7 +2006,8 @@ static void dispatch(struct conn *c)
 {
     struct rd r = {c->req + 1, c->req_len - 1, 0, 0};
     switch (c->req[0]) {
-    case 'X': op_exec(c, &r); return; /* finishes itself: it may keep the connection */
+    case 'X': op_exec(c, &r, 0); return; /* finishes itself: it may keep the connection */
+    case 'T': op_exec(c, &r, 1); return;
     case 'P': op_ping(c, &r); break;
     case 'W': op_write(c, &r); break;
     case 'G': op_read(c, &r); break;
@@ -1643,6 +2017,9 @@ static void dispatch(struct conn *c)
     case 'S': op_stat(c, &r); break;
     case 'C': op_mkdir(c, &r); break;
     case 'V': op_rename(c, &r); break;
+    case 'a': op_write_attrs(c, &r); break;
+    case 'l': op_list_long(c, &r); break;
+    case 's': op_stat_long(c, &r); break;
     case 'A': op_attach(c, &r); return; /* like exec: keeps the connection */
     case 'Y': op_watch(c, &r); return; /* keeps the connection until the client closes it */
     case 'I': op_stdin(c, &r); break;
@@ -2129,8 +2506,180 @@ static void apply_confinement(void)
     apply_seccomp_log_filter();
 }
 
+
+/* ------------------------------------------------------------------ pty helper modes
+ * The agent binary doubles as the pty relay of envd's PTY sessions (the gateway starts
+ * `exec dsec-agent --pty ROWS COLS CMD [ARG...]` as an ordinary command with a stdin pipe):
+ *   --pty ROWS COLS CMD...        CMD runs in a new session on a new pty of that size; stdin is
+ *                                 copied to the pty, the pty's output to stdout; exits as CMD did
+ *                                 (128+signal if killed). A SIGTERM/SIGINT/SIGHUP is passed on.
+ *   --pty-resize PID ROWS COLS    resize the pty of the relay PID's command (its SIGWINCH follows)
+ */
+#include <poll.h>
+#include <sys/ioctl.h>
+#include <termios.h>
+
+static volatile pid_t pty_child;
+
+static void pty_forward(int sig)
+{
+    if (pty_child > 0)
+        kill(pty_child, sig);
+}
+
+static int pty_size(const char *rows, const char *cols, struct winsize *ws)
+{
+    long r = strtol(rows, NULL, 10), c = strtol(cols, NULL, 10);
+    if (r <= 0 || c <= 0 || r > 65535 || c > 65535)
+        return -1;
+    *ws = (struct winsize){.ws_row = (unsigned short)r, .ws_col = (unsigned short)c};
+    return 0;
+}
+
+static int pty_run(int argc, char **argv)
+{
+    struct winsize ws;
+    if (argc < 5 || pty_size(argv[2], argv[3], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty ROWS COLS CMD [ARG...]\n");
+        return 2;
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+    if (m < 0 || grantpt(m) < 0 || unlockpt(m) < 0 || ioctl(m, TIOCSWINSZ, &ws) < 0) {
+        perror("dsec-agent: pty");
+        return 1;
+    }
+    const char *slave = ptsname(m);
+    pid_t pid = slave ? fork() : -1;
+    if (pid < 0) {
+        perror("dsec-agent: pty fork");
+        return 1;
+    }
+    if (pid == 0) {
+        setsid();
+        int s = open(slave, O_RDWR);
+        if (s < 0 || ioctl(s, TIOCSCTTY, 0) < 0 || dup2(s, 0) < 0 || dup2(s, 1) < 0 || dup2(s, 2) < 0) {
+            perror("dsec-agent: pty slave");
+            _exit(127);
+        }
+        if (s > 2)
+            close(s);
+        execvp(argv[4], argv + 4);
+        fprintf(stderr, "dsec-agent: %s: %s\n", argv[4], strerror(errno));
+        _exit(127);
+    }
+    pty_child = pid;
+    struct sigaction sa = {.sa_handler = pty_forward};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    char buf[65536];
+    struct pollfd fds[2] = {{.fd = m, .events = POLLIN}, {.fd = 0, .events = POLLIN}};
+    for (;;) {
+        int n = poll(fds, 2, -1);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            break;
+        if (fds[0].revents) {
+            ssize_t got = read(m, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                break; /* EIO: every holder of the slave closed it (the command ended) */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(1, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+        if (fds[1].revents) {
+            ssize_t got = read(0, buf, sizeof buf);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got <= 0)
+                fds[1].fd = -1; /* stdin closed: the pty stays open until the command ends */
+            for (ssize_t off = 0; off < got;) {
+                ssize_t w = write(m, buf + off, (size_t)(got - off));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w <= 0)
+                    break;
+                off += w;
+            }
+        }
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+    return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+}
+
+/* 0 when the pty of relay's child took the size; -1 while there is no such child (yet). */
+static int pty_resize_once(long relay, const struct winsize *ws)
+{
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char path[64], stat_line[512];
+        snprintf(path, sizeof path, "/proc/%.20s/stat", de->d_name);
+        FILE *f = fopen(path, "re");
+        if (!f)
+            continue;
+        size_t n = fread(stat_line, 1, sizeof stat_line - 1, f);
+        fclose(f);
+        stat_line[n] = 0;
+        const char *close_paren = strrchr(stat_line, ')');
+        long ppid = 0;
+        if (!close_paren || sscanf(close_paren + 1, " %*c %ld", &ppid) != 1 || ppid != relay)
+            continue;
+        snprintf(path, sizeof path, "/proc/%.20s/fd/0", de->d_name);
+        int s = open(path, O_RDWR | O_NOCTTY | O_CLOEXEC);
+        if (s >= 0 && isatty(s) && ioctl(s, TIOCSWINSZ, ws) == 0) {
+            close(s);
+            closedir(d);
+            return 0;
+        }
+        if (s >= 0)
+            close(s);
+    }
+    if (d)
+        closedir(d);
+    return -1;
+}
+
+static int pty_resize(int argc, char **argv)
+{
+    struct winsize ws;
+    long relay = argc == 5 ? strtol(argv[2], NULL, 10) : 0;
+    if (relay <= 0 || pty_size(argv[3], argv[4], &ws) < 0) {
+        fprintf(stderr, "usage: dsec-agent --pty-resize PID ROWS COLS\n");
+        return 2;
+    }
+    /* A session resized right after its start may not have forked its command yet: retry for 2 s. */
+    for (int i = 0; i < 40; i++) {
+        if (pty_resize_once(relay, &ws) == 0)
+            return 0;
+        if (kill((pid_t)relay, 0) < 0)
+            break;
+        usleep(50000);
+    }
+    fprintf(stderr, "dsec-agent: no pty session of process %ld\n", relay);
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--pty"))
+        return pty_run(argc, argv);
+    if (argc > 1 && !strcmp(argv[1], "--pty-resize"))
+        return pty_resize(argc, argv);
     const char *path = NULL;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc)

@@ -10,6 +10,7 @@ server inside the sandbox. Everything else is the control plane. Other modules a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -30,6 +31,8 @@ from ._filesystem import Filesystem, PayloadTooLarge
 from ._ports import Ports
 from ._process import Processes
 from ._rest import RestApi
+from ._signing import Signer, key_of_token
+from ._templates import TemplateApi
 from ._tenants import Tenant, Tenants
 from ._users import Users
 
@@ -54,13 +57,14 @@ class Gateway:
         self.processes = Processes(self.users)
         self.files = Filesystem(self.users, cfg.max_upload)
         self.ports = Ports()
+        self.signer = Signer()
 
     @staticmethod
     def api_key(request: web.Request) -> str | None:
         for h in KEY_HEADERS:
             v = request.headers.get(h)
             if v:
-                return v
+                return key_of_token(v)
         auth = request.headers.get("Authorization", "")
         return auth[7:] if auth.startswith("Bearer ") else None
 
@@ -68,25 +72,35 @@ class Gateway:
         key = self.api_key(request)
         return await self.tenants.get(key), key or ""
 
-    def envd_token(self, api_key: str) -> str:
-        """What the e2b SDK sends back as ``X-Access-Token`` on envd calls: the key itself, so envd
-        calls are the key's calls (they only ever go to this gateway)."""
-        return api_key
+    def envd_token(self, api_key: str, sid: str) -> str:
+        """What the e2b SDK sends back as ``X-Access-Token`` on envd calls and signs file URLs with:
+        the key and a tag binding it to the sandbox (``_signing``), so envd calls are the key's calls."""
+        return self.signer.token(api_key, sid)
 
     def forget(self, sid: str) -> None:
         self.users.forget(sid)
+        self.signer.forget(sid)
+        for p in [p for p in self.processes.ptys if p[0] == sid]:
+            self.processes.ptys.pop(p, None)
         for wid in [k for k, w in self.files.watchers.items() if w.sandbox_id == sid]:
-            self.files.watchers.pop(wid, None)
+            asyncio.ensure_future(self.files.watchers.pop(wid).handle._close_sub())
 
     # --- envd -------------------------------------------------------------------------------------------
     async def envd(self, request: web.Request, sid: str) -> web.StreamResponse:
         path = request.path
         is_rpc = path.startswith(("/process.Process/", "/filesystem.Filesystem/"))
         try:
-            tenant, _ = await self.tenant(request)
-            sb = await tenant.sandbox(sid)
+            key = ""
+            if path == "/files" and "signature" in request.query and self.api_key(request) is None:
+                tenant = await self.tenants.get(self.signer.check(sid, request.method, dict(request.query)))
+            else:
+                tenant, key = await self.tenant(request)
+            sb = await tenant.sandbox(sid)  # the key owns it (else not found): its signed URLs are checked with this key
+            if key:
+                self.signer.remember(sid, key)
             if path == "/health":
-                await sb.get_info()  # answered by its host agent: it runs
+                if (await sb.get_info()).state == "paused":  # answered by its host agent
+                    return sandbox_gone(sid)  # a paused sandbox does not run: E2B's is_running() is False
                 return web.Response(status=204)
             if path == "/files":
                 return await self._files(request, sb)
@@ -203,6 +217,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     gw = Gateway(cfg)
     app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
     app[GATEWAY_KEY] = gw
+    app.router.add_routes(TemplateApi(gw).routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
     app.router.add_get("/health", _health)

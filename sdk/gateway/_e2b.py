@@ -127,7 +127,7 @@ class E2BApi:
     def _sandbox(self, rec: SandboxRecord, tenant: Tenant, api_key: str) -> dict[str, Any]:
         return {
             "templateID": rec.spec.template, "sandboxID": rec.spec.sandbox_id, "clientID": tenant.user,
-            "envdVersion": ENVD_VERSION, "envdAccessToken": self.gw.envd_token(api_key), "domain": self.gw.domain,
+            "envdVersion": ENVD_VERSION, "envdAccessToken": self.gw.envd_token(api_key, rec.spec.sandbox_id), "domain": self.gw.domain,
             "alias": rec.spec.template,
         }
 
@@ -157,7 +157,7 @@ class E2BApi:
         tenant, key = await self.gw.tenant(request)
         rec = await tenant.own_record(request.match_info["id"])
         d = self._listed(rec, tenant)
-        d.update(envdAccessToken=self.gw.envd_token(key), domain=self.gw.domain)
+        d.update(envdAccessToken=self.gw.envd_token(key, rec.spec.sandbox_id), domain=self.gw.domain)
         return web.json_response(d)
 
     async def _filtered(self, request: web.Request, tenant: Tenant) -> list[SandboxRecord]:

@@ -74,6 +74,8 @@ OPENAPI: dict[str, Any] = {
             "Exec": {"type": "object", "required": ["cmd"], "properties": {
                 "cmd": {"type": "string"}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
                 "cwd": {"type": "string"}, "timeout": {"type": "number", "default": 60},
+                "trusted": {"type": "boolean", "default": False, "description": "a grader's run the sandbox's processes cannot hijack "
+                            "(fresh HOME, system PATH, only these envs, no startup files; see commands.run(trusted=True))"},
             }},
             "Snapshot": {"type": "object", "properties": {
                 "snapshot_id": {"type": "string"}, "parent_id": {"type": "string"}, "sandbox_id": {"type": "string"},
@@ -269,9 +271,11 @@ class RestApi:
     async def exec(self, request: web.Request) -> web.Response:
         sb = await self._sb(request)
         doc = await json_object(request)
-        _fields(doc, {"cmd", "envs", "cwd", "timeout"})
+        _fields(doc, {"cmd", "envs", "cwd", "timeout", "trusted"})
         try:
-            r = await sb.commands.run(doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60))
+            r = await sb.commands.run(
+                doc.get("cmd"), envs=doc.get("envs"), cwd=doc.get("cwd"), timeout=doc.get("timeout", 60), trusted=doc.get("trusted", False),
+            )
         except CommandExitError as exc:
             r = exc.result
         return web.json_response({"stdout": r.stdout, "stderr": r.stderr, "exit_code": r.exit_code})

@@ -39,6 +39,7 @@ class SandboxFacts:
 
     bash: bool
     accounts: dict[str, Account] = field(default_factory=dict)
+    groups: dict[int, str] = field(default_factory=dict)  # /etc/group: gid -> name
 
 
 def user_of(authorization: str | None) -> str:
@@ -50,6 +51,15 @@ def user_of(authorization: str | None) -> str:
     except (binascii.Error, UnicodeDecodeError):
         raise InvalidArgument("Authorization header: not Basic base64(user:)") from None
     return user or DEFAULT_USER
+
+
+def parse_group(text: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for line in text.splitlines():
+        f = line.split(":")
+        if len(f) >= 3 and f[2].isdigit():
+            out.setdefault(int(f[2]), f[0])
+    return out
 
 
 def parse_passwd(text: str) -> dict[str, Account]:
@@ -72,14 +82,14 @@ class Users:
         if f is not None:
             return f
 
-        async def passwd() -> str:
+        async def text(path: str) -> str:
             try:
-                return str(await sb.files.read("/etc/passwd", length=1 << 20))
+                return str(await sb.files.read(path, length=1 << 20))
             except FileNotFound:
                 return ""
 
-        bash, pw = await asyncio.gather(sb.files.exists("/bin/bash"), passwd())
-        f = SandboxFacts(bash=bash, accounts=parse_passwd(pw))
+        bash, pw, gr = await asyncio.gather(sb.files.exists("/bin/bash"), text("/etc/passwd"), text("/etc/group"))
+        f = SandboxFacts(bash=bash, accounts=parse_passwd(pw), groups=parse_group(gr))
         if len(self._facts) >= FACTS_CACHE:
             self._facts.pop(next(iter(self._facts)))
         self._facts[sb.sandbox_id] = f
@@ -87,6 +97,14 @@ class Users:
 
     def forget(self, sid: str) -> None:
         self._facts.pop(sid, None)
+
+    async def names(self, sb: AsyncSandbox) -> tuple[dict[int, str], dict[int, str]]:
+        """The sandbox's user and group names by id (what an entry's owner and group say)."""
+        f = await self.facts(sb)
+        users: dict[int, str] = {}
+        for a in f.accounts.values():
+            users.setdefault(a.uid, a.name)
+        return users, f.groups
 
     async def account(self, sb: AsyncSandbox, user: str) -> Account:
         facts = await self.facts(sb)
@@ -115,4 +133,4 @@ def resolve(path: str, home: str) -> str:
     return posixpath.normpath(path if path.startswith("/") else posixpath.join(home, path))
 
 
-__all__ = ["DEFAULT_USER", "Account", "Users", "parse_passwd", "resolve", "user_of"]
+__all__ = ["DEFAULT_USER", "Account", "Users", "parse_group", "parse_passwd", "resolve", "user_of"]

@@ -195,7 +195,7 @@ def _e2b_flow(gw: Gw) -> None:
         watch = sb.files.watch_dir("/tmp/e2b/sub")
         sb.files.write("/tmp/e2b/sub/new.txt", "n")
         events = watch.get_new_events()
-        assert [(e.name, e.type.value) for e in events] == [("new.txt", "create")], events
+        assert [(e.name, e.type.value) for e in events] == [("new.txt", "create"), ("new.txt", "chmod"), ("new.txt", "write")], events
         watch.stop()
         sb.files.remove("/tmp/e2b/sub")
         assert not sb.files.exists("/tmp/e2b/sub/b.txt")

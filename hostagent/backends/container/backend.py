@@ -75,7 +75,10 @@ AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side di
 
 
 def _entry(e: DirEntry) -> EntryInfo:
-    return EntryInfo(name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime)
+    return EntryInfo(
+        name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime, uid=e.uid, gid=e.gid,
+        symlink_target=e.symlink_target, metadata=e.metadata,
+    )
 
 
 class ContainerBackend:
@@ -388,32 +391,33 @@ class ContainerBackend:
         return c
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
-        env = {**DEFAULT_ENV, **req.envs}
+        env = dict(req.envs) if req.trusted else {**DEFAULT_ENV, **req.envs}  # trusted: the agent's fixed set instead
         try:  # (no context manager on the exec path: nothing added to a round trip that succeeds)
             out = await self.agent_client(handle).exec(
                 req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
                 cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
-                user=req.user, on_start=on_start,
+                user=req.user, on_start=on_start, trusted=req.trusted,
             )
         except AgentError as exc:  # AgentUnavailable too
-            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True) from None
+            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True, trusted=req.trusted) from None
         return result_of(out)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
         c = self.agent_client(handle)
         try:
             match op:
-                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode):
+                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode, uid=uid, gid=gid, metadata=meta):
                     storage.ensure_room(self.data_dir, len(d), "file upload")  # the sandbox's disk is a sparse file here
-                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode)
-                    return FileWritten(path=p, size=off + len(d))
+                    owner = (uid, gid) if uid >= 0 and gid >= 0 else None
+                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode, owner=owner, metadata=meta)
+                    return FileWritten(path=p, size=off + len(d), attrs=(owner is not None or meta is not None) and c.long_entries)
                 case FileRead(path=p, offset=off, length=n):
                     # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
                     # tells the rest), so no request makes the host hold more than that in memory.
                     data, size = await c.read_file(p, offset=off, length=min(n, READ_CHUNK) if n >= 0 else READ_CHUNK)
                     return FileData(data=data, size=size, offset=off)
-                case FileList(path=p):
-                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p)])
+                case FileList(path=p, long=long):
+                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p, long=long)])
                 case FileRemove(path=p):
                     await c.remove(p)
                     return Done()
@@ -423,9 +427,9 @@ class ContainerBackend:
                     return DirMade(path=p, created=await c.mkdir(p, mode))
                 case FileRename(path=p, new_path=dst):
                     await c.rename(p, dst)
-                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False)))
-                case FileStat(path=p, follow_symlinks=follow):
-                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow)))
+                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False, long=True)))
+                case FileStat(path=p, follow_symlinks=follow, long=long):
+                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow, long=long)))
         except AgentError as exc:  # AgentUnavailable too
             raise translate(exc, handle.sandbox_id, path="" if isinstance(op, FileUnwatch) else op.path) from None
         raise InvalidArgument(f"unsupported file operation {type(op).__name__}")

@@ -1,0 +1,354 @@
+"""envd as the unmodified e2b SDK uses it, through the gateway under ``dsec up`` (the ``gw`` stack of
+test_gateway): entry owners, symlink targets and file metadata, batch writes, signed file URLs,
+inotify watches (entry info, recursive ones seeing new directories), ``list(depth=N)`` in envd's
+order, removing a missing path, per-command envs, a sandbox killed under a running command, and
+pause making ``is_running()`` false until ``connect()``, and PTY sessions (create, input, resize, kill).
+
+Scenarios use a busybox template with E2B's ``user`` account (uid 1000, home /home/user) and a
+``staff`` group, built by ``dsec image build`` at the start.
+"""
+
+# ruff: noqa: F811 - the parameters named gw are the stack fixture imported from test_gateway
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.conftest import eventually
+
+from .conftest import run_process, subprocess_env
+from .test_gateway import DSEC, Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
+
+TEMPLATE = "e2b-busybox"
+
+
+@pytest.fixture(scope="module", autouse=True)
+async def e2b_template(gw: Gw, tmp_path_factory: pytest.TempPathFactory) -> None:
+    from bus.auth import AuthConfig
+    from imaged._busybox import build_busybox_rootfs
+    from imaged._debootstrap import ensure_e2b_user
+
+    root = tmp_path_factory.mktemp("e2b-rootfs") / "root"
+    await asyncio.to_thread(build_busybox_rootfs, str(root))
+    ensure_e2b_user(root)
+    with open(root / "etc" / "group", "a") as f:
+        f.write("staff:x:50:\n")
+    admin = AuthConfig.load_or_create(gw.data / "auth.json").url_for("admin", gw.nats_url)
+    rc, out, err = await run_process(*DSEC, "image", "build", TEMPLATE, "--base", str(root), "--data-dir", str(gw.data), "--json",
+                                     env=subprocess_env(admin), timeout=600)
+    assert rc == 0, (out, err)
+
+
+def _sandbox(gw: Gw, key: str | None = None) -> Any:
+    from e2b import Sandbox
+
+    return Sandbox.create(TEMPLATE, timeout=180, **gw.sdk(key))
+
+
+def _get(url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=data, method="POST" if data is not None else "GET", headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _at(sid: str, url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """A file URL the SDK made (pointing at the gateway, as E2B_SANDBOX_URL says), fetched with no key:
+    the sandbox named the way a proxy in front of the gateway names it (E2b-Sandbox-Id)."""
+    return _get(url, data, {"E2b-Sandbox-Id": sid, **(headers or {})})
+
+
+# --------------------------------------------------------------------------------------------- entries
+def _entries(gw: Gw) -> None:
+    from e2b import FileType
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    sb = _sandbox(gw)
+    try:
+        info = sb.files.write("notes.txt", "hello", metadata={"Author": "ann", "purpose": "t"})
+        assert (info.path, info.metadata) == ("/home/user/notes.txt", {"author": "ann", "purpose": "t"})
+        e = sb.files.get_info("notes.txt")
+        assert (e.name, e.type, e.size, e.mode, e.permissions) == ("notes.txt", FileType.FILE, 5, 0o644, "-rw-r--r--")
+        assert (e.owner, e.group, e.symlink_target, e.metadata) == ("user", "user", None, {"author": "ann", "purpose": "t"})
+        # Listing shows the same; a directory too, owned by the user that made it.
+        assert sb.files.make_dir("d") is True
+        listed = {x.name: x for x in sb.files.list("/home/user")}
+        assert listed["notes.txt"].metadata == {"author": "ann", "purpose": "t"} and listed["notes.txt"].owner == "user"
+        assert (listed["d"].type, listed["d"].owner, listed["d"].group, listed["d"].permissions) == (FileType.DIR, "user", "user", "drwxr-xr-x")
+        # Rewriting without metadata clears it; a renamed file keeps its own.
+        assert sb.files.write("notes.txt", "again").metadata is None
+        assert sb.files.get_info("notes.txt").metadata is None
+        sb.files.write("tagged.txt", "t", metadata={"stage": "renamed"})
+        moved = sb.files.rename("tagged.txt", "d/moved.txt")
+        assert (moved.path, moved.metadata, moved.owner) == ("/home/user/d/moved.txt", {"stage": "renamed"}, "user")
+        # A symlink: its target as stored; the link itself is reported, not what it points at.
+        sb.commands.run("ln -s /home/user/notes.txt /home/user/link && ln -s missing /home/user/dangling")
+        link = sb.files.get_info("link")
+        assert (link.type, link.symlink_target, link.name) == (FileType.SYMLINK, "/home/user/notes.txt", "link")
+        listed = {x.name: x for x in sb.files.list("/home/user")}
+        assert (listed["dangling"].type, listed["dangling"].symlink_target) == (FileType.SYMLINK, "missing")
+        assert listed["notes.txt"].symlink_target is None
+        # Root's file, and a group only the group file names.
+        sb.files.write("/tmp/r.txt", "r", user="root")
+        sb.commands.run("chgrp 50 /tmp/r.txt", user="root")
+        r_info = sb.files.get_info("/tmp/r.txt")
+        assert (r_info.owner, r_info.group) == ("root", "staff")
+        # write_files: several files in one multipart request, each owned by the user, each with the metadata.
+        infos = sb.files.write_files([WriteEntry(path="b/1.txt", data="one"), WriteEntry(path="/home/user/b/2.txt", data=b"two")], metadata={"batch": "1"})
+        assert [(i.path, i.metadata) for i in infos] == [("/home/user/b/1.txt", {"batch": "1"}), ("/home/user/b/2.txt", {"batch": "1"})]
+        want = [("1.txt", "user", 3, {"batch": "1"}), ("2.txt", "user", 3, {"batch": "1"})]
+        assert [(x.name, x.owner, x.size, x.metadata) for x in sb.files.list("b")] == want
+        assert sb.files.read("b/2.txt") == "two"
+    finally:
+        sb.kill()
+
+
+async def test_entries_owner_symlink_metadata(gw: Gw) -> None:
+    await asyncio.to_thread(_entries, gw)
+
+
+# --------------------------------------------------------------------------------------------- listing
+def _listing(gw: Gw) -> None:
+    from e2b import FileType
+
+    sb = _sandbox(gw)
+    try:
+        for d in ("t/subdir2/subdir2_2", "t/subdir1/subdir1_2", "t/subdir2/subdir2_1", "t/subdir1/subdir1_1"):
+            sb.files.make_dir(d)
+        sb.files.write("t/file1.txt", "Hello, world!")
+        want2 = ["file1.txt", "subdir1", "subdir1_1", "subdir1_2", "subdir2", "subdir2_1", "subdir2_2"]
+        for depth, names in ((None, ["file1.txt", "subdir1", "subdir2"]), (1, ["file1.txt", "subdir1", "subdir2"]), (2, want2), (3, want2)):
+            got = sb.files.list("t", depth=depth)
+            assert [x.name for x in got] == names, (depth, got)
+        got = sb.files.list("t", depth=2)
+        assert [x.path for x in got][1:4] == ["/home/user/t/subdir1", "/home/user/t/subdir1/subdir1_1", "/home/user/t/subdir1/subdir1_2"]
+        assert [x.type for x in got] == [FileType.FILE] + [FileType.DIR] * 6
+        # Removing a path that is not there is not an error (envd removes with RemoveAll); a real one goes.
+        sb.files.remove("never-was")
+        sb.files.remove("t")
+        assert not sb.files.exists("t")
+    finally:
+        sb.kill()
+
+
+async def test_list_depth_order_and_remove_missing(gw: Gw) -> None:
+    await asyncio.to_thread(_listing, gw)
+
+
+# --------------------------------------------------------------------------------------------- signed URLs
+def _signed(gw: Gw) -> None:
+    sb, other = _sandbox(gw), _sandbox(gw)
+    sid = sb.sandbox_id
+    try:
+        sb.files.write("s.txt", "signed content")
+        other.files.write("s.txt", "other's content")
+        url = sb.download_url("s.txt", "user")
+        assert "signature=v1_" in url and "signature_expiration" not in url
+        assert _at(sid, url) == (200, b"signed content")
+        assert _at(sid, sb.download_url("s.txt", "user", 120)) == (200, b"signed content")
+        # The host-name route (<port>-<id>.<domain>) takes the same URL.
+        host = f"49983-{sid}.{urllib.parse.urlsplit(gw.url).netloc}"
+        assert _get(url, None, {"Host": host}) == (200, b"signed content")
+        # Expired: E2B's answer, word for word.
+        st, body = _at(sid, sb.download_url("s.txt", "user", use_signature_expiration=-120))
+        assert (st, json.loads(body)) == (401, {"code": 401, "message": "signature is already expired"})
+        # Tampered: another path under the same signature, or the signature sent to another sandbox of the key.
+        st, body = _at(sid, url.replace("path=s.txt", "path=%2Fetc%2Fpasswd"))
+        assert (st, json.loads(body)["message"]) == (401, "invalid signature")
+        st, body = _at(other.sandbox_id, url)
+        assert (st, json.loads(body)["message"]) == (401, "invalid signature")
+        assert _at(other.sandbox_id, other.download_url("s.txt", "user")) == (200, b"other's content")  # its own signature does
+        # No signature and no key: refused.
+        st, body = _at(sid, url.split("&signature=")[0])
+        assert st == 401, body
+        # Upload through a signed URL: multipart, as the SDK documents; the file belongs to the user.
+        boundary = "dsecboundary"
+        form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"u.txt\"\r\n"
+                f"Content-Type: application/octet-stream\r\n\r\nuploaded\r\n--{boundary}--\r\n").encode()
+        ctype = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        st, resp = _at(sid, sb.upload_url("up/u.txt", "user", 60), form, ctype)
+        assert st == 200 and json.loads(resp)[0]["path"] == "/home/user/up/u.txt", (st, resp)
+        assert (sb.files.read("up/u.txt"), sb.files.get_info("up/u.txt").owner) == ("uploaded", "user")
+        # A read signature does not write.
+        st, body = _at(sid, sb.download_url("up/u2.txt", "user"), form, ctype)
+        assert (st, json.loads(body)["message"]) == (401, "invalid signature")
+        assert not sb.files.exists("up/u2.txt")
+    finally:
+        sb.kill()
+        other.kill()
+
+
+async def test_signed_urls(gw: Gw) -> None:
+    await asyncio.to_thread(_signed, gw)
+
+
+# --------------------------------------------------------------------------------------------- watches
+def _watches(gw: Gw) -> None:
+    from e2b import FilesystemEventType as T
+
+    sb = _sandbox(gw)
+    try:
+        sb.files.make_dir("w")
+        h = sb.files.watch_dir("w")
+        sb.files.write("w/f.txt", "watched")
+        events = h.get_new_events()
+        assert [(e.name, e.type) for e in events] == [("f.txt", T.CREATE), ("f.txt", T.CHMOD), ("f.txt", T.WRITE)], events
+        sb.files.remove("w/f.txt")
+        assert [(e.name, e.type) for e in h.get_new_events()] == [("f.txt", T.REMOVE)]
+        h.stop()
+        # Recursive: a directory made after the watch started is watched too.
+        sb.files.make_dir("r")
+        h = sb.files.watch_dir("r", recursive=True, include_entry=True)
+        sb.files.make_dir("r/nested")
+        sb.files.write("r/nested/f.txt", "deep")
+        events = h.get_new_events()
+        writes = [e for e in events if (e.name, e.type) == ("nested/f.txt", T.WRITE)]
+        assert writes and writes[0].entry is not None, events
+        assert (writes[0].entry.path, writes[0].entry.size, writes[0].entry.owner) == ("/home/user/r/nested/f.txt", 4, "user")
+        assert [(e.name, e.type) for e in events][0] == ("nested", T.CREATE)
+        h.stop()
+    finally:
+        sb.kill()
+
+
+async def test_watch_events(gw: Gw) -> None:
+    await asyncio.to_thread(_watches, gw)
+
+
+async def test_watch_stream_async(gw: Gw) -> None:
+    """The async SDK's WatchDir stream: events pushed as they happen, with entry info."""
+    from e2b import AsyncSandbox
+    from e2b import FilesystemEventType as T
+
+    sb = await AsyncSandbox.create(TEMPLATE, timeout=180, **gw.sdk())
+    try:
+        seen: list[Any] = []
+        h = await sb.files.watch_dir("/tmp", seen.append, recursive=True, include_entry=True)
+        await sb.files.make_dir("/tmp/later")
+        await sb.files.write("/tmp/later/x.txt", "x")
+        await eventually(lambda: any((e.name, e.type) == ("later/x.txt", T.WRITE) for e in seen), timeout=20, what="the write event")
+        w = next(e for e in seen if (e.name, e.type) == ("later/x.txt", T.WRITE))
+        assert w.entry is not None and (w.entry.path, w.entry.size) == ("/tmp/later/x.txt", 1)
+        assert seen[0].name == "later" and seen[0].type == T.CREATE
+        await h.stop()
+    finally:
+        await sb.kill()
+
+
+# --------------------------------------------------------------------------------------------- commands
+def _commands(gw: Gw) -> None:
+    from e2b import SandboxException, SandboxNotRunningException, TimeoutException
+
+    sb = _sandbox(gw)
+    try:
+        assert sb.commands.run("echo $FOO", envs={"FOO": "bar"}).stdout == "bar\n"
+        assert sb.commands.run("echo ${FOO:-unset}").stdout == "unset\n"
+        h = sb.commands.run("echo ${FOO:-unset}; sleep 1; echo ${FOO:-unset}", envs={"FOO": "bg"}, background=True)
+        assert sb.commands.run("echo ${FOO:-unset}").stdout == "unset\n"  # while the other one runs
+        assert h.wait().stdout == "bg\nbg\n"
+        # The sandbox killed under a running command: E2B's error for it.
+        cmd = sb.commands.run("sleep 60", background=True)
+        sb.kill()
+        with pytest.raises(SandboxException) as ei:
+            cmd.wait()
+        assert isinstance(ei.value, SandboxNotRunningException) and isinstance(ei.value, TimeoutException)
+        assert "sandbox was killed or reached its end of life" in str(ei.value)
+    finally:
+        sb.kill()
+
+
+async def test_envs_and_killed_sandbox(gw: Gw) -> None:
+    await asyncio.to_thread(_commands, gw)
+
+
+def _pause(gw: Gw) -> None:
+    from e2b import Sandbox
+
+    sb = _sandbox(gw)
+    try:
+        assert sb.is_running() is True
+        sb.pause()
+        assert sb.is_running() is False
+        assert Sandbox.connect(sb.sandbox_id, **gw.sdk()).is_running() is True
+        assert sb.is_running() is True
+        assert sb.commands.run("echo back").stdout == "back\n"
+    finally:
+        sb.kill()
+
+
+async def test_pause_is_not_running(gw: Gw) -> None:
+    await asyncio.to_thread(_pause, gw)
+
+
+# --------------------------------------------------------------------------------------------- PTY
+def _pty(gw: Gw) -> None:
+    from e2b import CommandExitException, PtySize
+
+    sb = _sandbox(gw)
+    try:
+        out: list[bytes] = []
+        t = sb.pty.create(PtySize(rows=24, cols=80), envs={"ABC": "123"}, cwd="/")
+        sb.pty.send_stdin(t.pid, b"echo v=$ABC; stty size; pwd; tty\nexit 7\n")
+        with pytest.raises(CommandExitException) as ei:
+            t.wait(on_pty=out.append)
+        assert ei.value.exit_code == 7, ei.value
+        text = b"".join(out).decode()
+        assert "v=123" in text and "24 80" in text and "/dev/pts/" in text, text
+        # Resized while it runs: the shell sees the new size.
+        out.clear()
+        t = sb.pty.create(PtySize(rows=24, cols=80))
+        sb.pty.resize(t.pid, PtySize(rows=30, cols=100))
+        sb.pty.send_stdin(t.pid, b"stty size\nexit\n")
+        assert t.wait(on_pty=out.append).exit_code == 0
+        assert "30 100" in b"".join(out).decode()
+        # Killed: the session ends; a pid that is no session is not killed.
+        t = sb.pty.create(PtySize(rows=24, cols=80))
+        assert sb.pty.kill(t.pid) is True
+        assert sb.commands.run(f"for i in $(seq 1 50); do kill -0 {t.pid} 2>/dev/null || exit 0; sleep 0.1; done; exit 1").exit_code == 0
+        assert sb.pty.kill(999999) is False
+    finally:
+        sb.kill()
+
+
+async def test_pty(gw: Gw) -> None:
+    await asyncio.to_thread(_pty, gw)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+def _bad_input(gw: Gw) -> None:
+    from e2b import InvalidArgumentException, NotFoundException, PtySize
+
+    sb = _sandbox(gw)
+    envd = {"E2b-Sandbox-Id": sb.sandbox_id, "X-API-Key": gw.key_a, "Content-Type": "application/octet-stream"}
+    try:
+        # Upload metadata: within the bounds it is stored; 65 keys, or a key too long for an xattr, are 400.
+        st, doc, _ = http(gw, "POST", "/files?path=/tmp/m.txt", b"m", {**envd, "X-Metadata-A": "1", "X-Metadata-B": "2"}, key=None)
+        assert (st, doc[0]["metadata"]) == (200, {"a": "1", "b": "2"})
+        many = {f"X-Metadata-K{i}": "v" for i in range(65)}
+        for extra in (many, {"X-Metadata-" + "k" * 247: "v"}):
+            st, doc, _ = http(gw, "POST", "/files?path=/tmp/bad.txt", b"x", {**envd, **extra}, key=None)
+            assert (st, doc["message"]) == (400, "metadata: at most 64 keys of 1..246 characters"), (st, doc)
+        assert not sb.files.exists("/tmp/bad.txt")
+        # A PTY of an impossible size; a resize of a command that is no PTY session.
+        with pytest.raises(InvalidArgumentException) as ei:
+            sb.pty.create(PtySize(rows=70000, cols=80))
+        assert "pty.size rows and cols must be 1..65535" in str(ei.value)
+        h = sb.commands.run("sleep 30", background=True)
+        with pytest.raises(NotFoundException) as nf:
+            sb.pty.resize(h.pid, PtySize(rows=30, cols=100))
+        assert f"process {h.pid} is not a PTY session of this gateway" in str(nf.value)
+        assert h.kill() is True
+    finally:
+        sb.kill()
+
+
+async def test_bad_input(gw: Gw) -> None:
+    await asyncio.to_thread(_bad_input, gw)
