@@ -13,7 +13,8 @@ venv="${DSEC_VENV:-$here/.venv}"
 debs=(containerd runc erofs-utils fuse3 busybox-static iproute2 nftables
       e2fsprogs util-linux gcc libc6-dev python3 python3-venv python3-dev debootstrap kmod
       docker.io docker-compose chromium  # the compose stack's engine, and the dashboard's browser tests
-      docker-registry skopeo)  # a real registry for the image-pull tests, and pushing to it
+      docker-registry skopeo  # a real registry for the image-pull tests, and pushing to it
+      qemu-system-x86 qemu-utils)  # the microvm backend (its guest kernel is fetched with apt-get download, not installed)
 
 need_root() {
   if [ "$(id -u)" != 0 ]; then echo "dsec: run as root (containers need mounts, cgroups and namespaces)" >&2; exit 2; fi

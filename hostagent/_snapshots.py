@@ -156,6 +156,8 @@ class Snapshots:
     def _memory_supported(self, ls: "LocalSandbox") -> None:
         """Raise ``snapshot_unsupported`` for what CRIU cannot checkpoint and restore faithfully here."""
         self.caps.need_checkpointer()  # before anything is frozen: a backend that dumps no processes
+        if not self.caps.enforces_profiles:
+            return  # not CRIU: a VM's hypervisor saves its memory, and no profile's Landlock confines that
         if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
             raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
         prof = self.profiles.get(ls.spec.profile or "default") if self.profiles is not None else None

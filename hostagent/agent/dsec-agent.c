@@ -2674,6 +2674,335 @@ static int pty_resize(int argc, char **argv)
     return 1;
 }
 
+/* ------------------------------------------------------------------ microVM: init and serial mux
+ *
+ * In a microVM (the microvm backend) this binary is the initramfs's /init. vm_boot() mounts the
+ * root (the template's read-only EROFS layers, each a virtio disk with serial "layer<i>", bottom
+ * first, under an overlay whose upper dir is on the ext4 disk with serial "upper"), moves into it,
+ * and forks vm_mux(); main then serves the usual protocol on a unix socket inside the guest.
+ *
+ * The guest has no vsock: the host reaches the agent through one virtio-serial port (named
+ * "dsec.agent"), a single byte stream the mux splits into the host's connections:
+ *
+ *   mux frame := u32 channel | u32 n | n bytes        big-endian
+ *
+ * A channel's first frame from the host opens a connection to the agent's socket; n = 0 closes
+ * it (either way). Channel 0xffffffff is the link's own: the host sends a reset carrying a nonce
+ * when it (re)connects; the mux closes every connection and answers "DSECMUX1" + the nonce, so the
+ * host can skip whatever an earlier host process left half-read in the stream. */
+#include <poll.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+
+#define VM_LINK 0xffffffffu
+#define VM_MAXCH 128
+#define VM_CHUNK 65536
+#define VM_SOCK "/run/dsec/agent.sock"
+
+static void vm_die(const char *what)
+{
+    fprintf(stderr, "dsec-agent (vm): %s: %s\n", what, strerror(errno));
+    sync();
+    reboot(RB_AUTOBOOT); /* -no-reboot: QEMU exits, and the host sees the boot fail */
+    _exit(1);
+}
+
+static uint32_t vm_get32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3]; }
+
+static int vm_read_small(const char *path, char *buf, size_t n)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t r = read(fd, buf, n - 1);
+    close(fd);
+    if (r < 0)
+        return -1;
+    while (r > 0 && (buf[r - 1] == '\n' || buf[r - 1] == ' '))
+        r--;
+    buf[r] = 0;
+    return 0;
+}
+
+/* Modules the initramfs carries (/lib/dsec/modules, one path a line, dependencies first). */
+static void vm_load_modules(void)
+{
+    FILE *f = fopen("/lib/dsec/modules", "re");
+    if (!f)
+        return;
+    char line[512];
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        if (!*line)
+            continue;
+        int fd = open(line, O_RDONLY | O_CLOEXEC);
+        if (fd < 0)
+            vm_die(line);
+        if (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST)
+            vm_die(line);
+        close(fd);
+    }
+    fclose(f);
+}
+
+/* /dev/<name> of the entry under `cls` whose `attr` file reads `want`; waits for it a while
+ * (drivers probe as their modules load, devtmpfs makes the node). */
+static void vm_find(const char *cls, const char *attr, const char *want, char *out, size_t n)
+{
+    for (int tries = 0; tries < 1000; tries++) {
+        DIR *d = opendir(cls);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            char p[600], v[128];
+            if (e->d_name[0] == '.')
+                continue;
+            snprintf(p, sizeof p, "%s/%s/%s", cls, e->d_name, attr);
+            if (vm_read_small(p, v, sizeof v) == 0 && !strcmp(v, want)) {
+                snprintf(out, n, "/dev/%s", e->d_name);
+                closedir(d);
+                if (access(out, F_OK) == 0)
+                    return;
+                d = NULL;
+                break;
+            }
+        }
+        if (d)
+            closedir(d);
+        usleep(10000);
+    }
+    errno = ENODEV;
+    vm_die(want);
+}
+
+static void vm_mount(const char *src, const char *dst, const char *type, unsigned long flags, const char *data)
+{
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, data) < 0)
+        vm_die(dst);
+}
+
+static void vm_loopback_up(void)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (s >= 0 && ioctl(s, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP;
+        ioctl(s, SIOCSIFFLAGS, &ifr);
+    }
+    if (s >= 0)
+        close(s);
+}
+
+static int vm_write_all(int fd, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    while (n) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int vm_send(int port, uint32_t ch, const void *data, uint32_t n)
+{
+    uint8_t h[8];
+    be32(h, ch);
+    be32(h + 4, n);
+    return vm_write_all(port, h, 8) < 0 || (n && vm_write_all(port, data, n) < 0) ? -1 : 0;
+}
+
+static int vm_connect_agent(void)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    strcpy(sa.sun_path, VM_SOCK);
+    for (int tries = 0; tries < 500; tries++) { /* the agent binds its socket just after the fork */
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -1;
+        if (connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+            return fd;
+        close(fd);
+        if (errno != ENOENT && errno != ECONNREFUSED)
+            return -1;
+        usleep(10000);
+    }
+    return -1;
+}
+
+static void vm_mux(const char *port_path)
+{
+    int port = open(port_path, O_RDWR | O_CLOEXEC);
+    if (port < 0)
+        vm_die(port_path);
+    uint32_t ids[VM_MAXCH];
+    int fds[VM_MAXCH], nch = 0;
+    static uint8_t in[4 * VM_CHUNK], tmp[VM_CHUNK];
+    size_t have = 0;
+    for (;;) {
+        struct pollfd pf[1 + VM_MAXCH];
+        pf[0] = (struct pollfd){port, POLLIN, 0};
+        for (int i = 0; i < nch; i++)
+            pf[1 + i] = (struct pollfd){fds[i], POLLIN, 0};
+        if (poll(pf, 1 + nch, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            vm_die("poll");
+        }
+        ssize_t r = 0;
+        if (pf[0].revents & POLLIN && !(pf[0].revents & POLLHUP))
+            r = read(port, in + have, sizeof in - have);
+        if (pf[0].revents & POLLHUP || (pf[0].revents & POLLIN && r <= 0 && !(r < 0 && errno == EINTR))) {
+            /* No host on the other end (a host agent restarting): drop its connections, wait. */
+            for (int i = 0; i < nch; i++)
+                close(fds[i]);
+            nch = 0;
+            have = 0;
+            usleep(20000);
+            continue;
+        }
+        if (r > 0)
+            have += (size_t)r;
+        size_t off = 0;
+        while (have - off >= 8) {
+            uint32_t ch = vm_get32(in + off), n = vm_get32(in + off + 4);
+            if (n > VM_CHUNK * 3) { /* not a frame of ours: wait for the host's reset */
+                have = off = 0;
+                break;
+            }
+            if (have - off < 8 + n)
+                break;
+            const uint8_t *data = in + off + 8;
+            off += 8 + n;
+            int i = 0;
+            while (i < nch && ids[i] != ch)
+                i++;
+            if (ch == VM_LINK) {
+                for (int j = 0; j < nch; j++)
+                    close(fds[j]);
+                nch = 0;
+                uint8_t m[16] = "DSECMUX1";
+                memcpy(m + 8, data, n < 8 ? n : 8);
+                vm_send(port, VM_LINK, m, 16);
+                continue;
+            }
+            if (n == 0) {
+                if (i < nch) {
+                    close(fds[i]);
+                    fds[i] = fds[nch - 1];
+                    ids[i] = ids[nch - 1];
+                    nch--;
+                }
+                continue;
+            }
+            if (i == nch) {
+                int fd = nch < VM_MAXCH ? vm_connect_agent() : -1;
+                if (fd < 0) {
+                    vm_send(port, ch, NULL, 0);
+                    continue;
+                }
+                ids[nch] = ch;
+                fds[nch++] = fd;
+            }
+            if (vm_write_all(fds[i], data, n) < 0) {
+                close(fds[i]);
+                fds[i] = fds[nch - 1];
+                ids[i] = ids[nch - 1];
+                nch--;
+                vm_send(port, ch, NULL, 0);
+            }
+        }
+        memmove(in, in + off, have - off);
+        have -= off;
+        for (int i = nch - 1; i >= 0; i--) {
+            if (!pf[1 + i].revents || i >= nch)
+                continue;
+            ssize_t got = read(fds[i], tmp, sizeof tmp);
+            if (got < 0 && errno == EINTR)
+                continue;
+            if (got > 0) {
+                vm_send(port, ids[i], tmp, (uint32_t)got);
+                continue;
+            }
+            vm_send(port, ids[i], NULL, 0);
+            close(fds[i]);
+            fds[i] = fds[nch - 1];
+            ids[i] = ids[nch - 1];
+            nch--;
+        }
+    }
+}
+
+/* PID 1 of a microVM: the root, then the mux; returns the agent's socket path. */
+static const char *vm_boot(void)
+{
+    vm_mount("devtmpfs", "/dev", "devtmpfs", 0, NULL);
+    vm_mount("proc", "/proc", "proc", 0, NULL);
+    vm_mount("sysfs", "/sys", "sysfs", 0, NULL);
+    int con = open("/dev/console", O_RDWR | O_CLOEXEC);
+    if (con >= 0) {
+        dup2(con, 1);
+        dup2(con, 2);
+        close(con);
+    }
+    vm_load_modules();
+    if (getenv("dsec_probe")) { /* the host's timed boot that tells whether its accelerator works */
+        printf("dsec-probe-ok\n");
+        fflush(stdout);
+        reboot(RB_AUTOBOOT);
+        _exit(0);
+    }
+    char dev[300], dst[64];
+    vm_find("/sys/block", "serial", "upper", dev, sizeof dev);
+    vm_mount(dev, "/mnt/rw", "ext4", MS_NOATIME, NULL);
+    mkdir("/mnt/rw/upper", 0755);
+    mkdir("/mnt/rw/work", 0755);
+    int layers = getenv("dsec_layers") ? atoi(getenv("dsec_layers")) : 0;
+    for (int i = 0; i < layers; i++) {
+        char want[32];
+        snprintf(want, sizeof want, "layer%d", i);
+        vm_find("/sys/block", "serial", want, dev, sizeof dev);
+        snprintf(dst, sizeof dst, "/mnt/l%d", i);
+        vm_mount(dev, dst, "erofs", MS_RDONLY, NULL);
+    }
+    char opts[4200] = "lowerdir=";
+    for (int i = layers - 1; i >= 0; i--) /* overlay wants the top layer first */
+        snprintf(opts + strlen(opts), sizeof opts - strlen(opts), "/mnt/l%d%s", i, i ? ":" : "");
+    snprintf(opts + strlen(opts), sizeof opts - strlen(opts), ",upperdir=/mnt/rw/upper,workdir=/mnt/rw/work");
+    vm_mount("overlay", "/mnt/root", "overlay", 0, layers ? opts : NULL);
+    const char *moved[] = {"/dev", "/proc", "/sys"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(dst, sizeof dst, "/mnt/root%s", moved[i]);
+        vm_mount(moved[i], dst, NULL, MS_MOVE, NULL);
+    }
+    if (chdir("/mnt/root") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        vm_die("switch root");
+    vm_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666");
+    vm_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, NULL);
+    vm_mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+    mkdir("/run/dsec", 0700);
+    mkdir("/tmp", 01777);
+    sethostname("sandbox", 7);
+    vm_loopback_up();
+    vm_find("/sys/class/virtio-ports", "name", "dsec.agent", dev, sizeof dev);
+    pid_t pid = fork();
+    if (pid < 0)
+        vm_die("fork");
+    if (pid == 0) {
+        vm_mux(dev);
+        _exit(1);
+    }
+    return VM_SOCK;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--pty"))
@@ -2681,6 +3010,10 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--pty-resize"))
         return pty_resize(argc, argv);
     const char *path = NULL;
+    if (getpid() == 1 && !strcmp(argv[0], "/init")) { /* a microVM's init: no flags (the kernel's leftovers) */
+        path = vm_boot();
+        argc = 1;
+    }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--socket") && i + 1 < argc)
             path = argv[++i];

@@ -18,6 +18,8 @@ Factory = Callable[[HostAgentConfig], Backend]
 REGISTRY: dict[str, str] = {
     "container": "hostagent.backends.container",
     "sim": "hostagent.backends.sim",
+    "microvm": "hostagent.backends.microvm",
+    "vm": "hostagent.backends.vm",
 }
 
 

@@ -11,29 +11,13 @@ from typing import Any, Literal
 
 import structlog
 
-from bus.errors import CreateFailed, ImageError, InvalidArgument, SandboxNotFound
+from bus.errors import CreateFailed, ImageError, SandboxNotFound
 from bus.messages import (
     BackendName,
-    DirMade,
-    Done,
-    EntryInfo,
     ExecRequest,
     ExecResult,
-    Exists,
-    FileData,
-    FileExists,
-    FileInfo,
-    FileList,
-    FileListing,
-    FileMakeDir,
     FileOp,
-    FileRead,
-    FileRemove,
-    FileRename,
-    FileStat,
-    FileUnwatch,
     FileWrite,
-    FileWritten,
     HostBackend,
     LayerRef,
     SandboxMetrics,
@@ -42,11 +26,10 @@ from bus.messages import (
 from bus.profiles import default_profile
 
 from ... import _storage as storage
-from ..._agent import AgentClient, AgentError, AgentInfo, DirEntry, ensure_agent_binary
-from ..._agent_errors import translate
+from ..._agent import AgentClient, AgentError, AgentInfo, ensure_agent_binary
+from ..._agentops import DEFAULT_ENV, agent_exec, agent_files
 from ..._config import DEFAULT_WARM_POOL
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
-from ..._execio import result_of
 from ..._profiles import Enforcement, compile_profile
 from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
@@ -65,20 +48,7 @@ log = structlog.get_logger("dsec.hostagent.container")
 
 AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
 RUN_DIR_IN_SANDBOX = "/.dsec/run"
-DEFAULT_ENV = {
-    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
-    "LANG": "C.UTF-8",
-}
-READ_CHUNK = 4 * 1024 * 1024
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
-
-
-def _entry(e: DirEntry) -> EntryInfo:
-    return EntryInfo(
-        name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime, uid=e.uid, gid=e.gid,
-        symlink_target=e.symlink_target, metadata=e.metadata,
-    )
 
 
 class ContainerBackend:
@@ -391,48 +361,12 @@ class ContainerBackend:
         return c
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
-        env = dict(req.envs) if req.trusted else {**DEFAULT_ENV, **req.envs}  # trusted: the agent's fixed set instead
-        try:  # (no context manager on the exec path: nothing added to a round trip that succeeds)
-            out = await self.agent_client(handle).exec(
-                req.cmd, env=env, cwd=req.cwd or None, timeout_s=req.timeout_s or None, on_output=on_output,
-                cap=req.output_cap if req.output_cap >= 0 else None, background=req.background, stdin=req.stdin,
-                user=req.user, on_start=on_start, trusted=req.trusted,
-            )
-        except AgentError as exc:  # AgentUnavailable too
-            raise translate(exc, handle.sandbox_id, user=req.user, cwd=req.cwd, exec_=True, trusted=req.trusted) from None
-        return result_of(out)
+        return await agent_exec(self.agent_client(handle), handle.sandbox_id, req, on_output, on_start)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
-        c = self.agent_client(handle)
-        try:
-            match op:
-                case FileWrite(path=p, data=d, offset=off, truncate=tr, mode=mode, uid=uid, gid=gid, metadata=meta):
-                    storage.ensure_room(self.data_dir, len(d), "file upload")  # the sandbox's disk is a sparse file here
-                    owner = (uid, gid) if uid >= 0 and gid >= 0 else None
-                    await c.write_file(p, d, offset=off, truncate=tr, mode=mode, owner=owner, metadata=meta)
-                    return FileWritten(path=p, size=off + len(d), attrs=(owner is not None or meta is not None) and c.long_entries)
-                case FileRead(path=p, offset=off, length=n):
-                    # One reply carries at most READ_CHUNK: a longer read comes back short (FileData.size
-                    # tells the rest), so no request makes the host hold more than that in memory.
-                    data, size = await c.read_file(p, offset=off, length=min(n, READ_CHUNK) if n >= 0 else READ_CHUNK)
-                    return FileData(data=data, size=size, offset=off)
-                case FileList(path=p, long=long):
-                    return FileListing(entries=[_entry(e) for e in await c.list_dir(p, long=long)])
-                case FileRemove(path=p):
-                    await c.remove(p)
-                    return Done()
-                case FileExists(path=p):
-                    return Exists(exists=await c.exists(p))
-                case FileMakeDir(path=p, mode=mode):
-                    return DirMade(path=p, created=await c.mkdir(p, mode))
-                case FileRename(path=p, new_path=dst):
-                    await c.rename(p, dst)
-                    return FileInfo(entry=_entry(await c.stat(dst, follow_symlinks=False, long=True)))
-                case FileStat(path=p, follow_symlinks=follow, long=long):
-                    return FileInfo(entry=_entry(await c.stat(p, follow_symlinks=follow, long=long)))
-        except AgentError as exc:  # AgentUnavailable too
-            raise translate(exc, handle.sandbox_id, path="" if isinstance(op, FileUnwatch) else op.path) from None
-        raise InvalidArgument(f"unsupported file operation {type(op).__name__}")
+        if isinstance(op, FileWrite):
+            storage.ensure_room(self.data_dir, len(op.data), "file upload")  # the sandbox's disk is a sparse file here
+        return await agent_files(self.agent_client(handle), handle.sandbox_id, op)
 
     # --- optional abilities: metrics, freezing, checkpoints ----------------------------------------
     def _container_of(self, handle: Handle) -> str:

@@ -1,0 +1,28 @@
+"""The ``microvm`` backend (``MicroVMBackend``), one module per concern:
+
+- ``backend``: sandboxes as QEMU microVMs, their disks, recovery and reconcile
+- ``qemu``: the command line, the KVM-or-TCG probe, QMP
+- ``kernel``: Debian's cloud kernel, fetched and extracted; the initramfs with the agent as /init
+- ``serialmux``: the host end of the agent's virtio-serial link
+
+Settings from the environment: ``DSEC_MICROVM_ACCEL`` (kvm | tcg: skip the probe),
+``DSEC_MICROVM_KERNEL_CACHE`` (where the extracted kernel is kept; default under the data dir).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..._backend import Backend
+from ..._config import HostAgentConfig
+from .backend import MicroVMBackend
+
+
+def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
+    return MicroVMBackend(
+        config.data_dir, kernel_cache=os.environ.get("DSEC_MICROVM_KERNEL_CACHE") or None,
+        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None,
+    )
+
+
+__all__ = ["MicroVMBackend", "from_config"]

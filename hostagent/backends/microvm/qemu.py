@@ -1,0 +1,199 @@
+"""QEMU for the microvm backend: the command line of one microVM, the timed probe that picks KVM or
+TCG, a minimal QMP client, and how a VM's QEMU process is found again by its pid file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Accel = Literal["kvm", "tcg"]
+Machine = Literal["microvm", "q35"]
+QEMU = "qemu-system-x86_64"
+PROBE_TIMEOUT_S = 8.0  # KVM boots the probe in well under a second; a PVM host's /dev/kvm hangs it
+
+
+def qemu_binary() -> str | None:
+    return shutil.which(QEMU)
+
+
+def tsc_khz() -> int:
+    """The host's TSC rate: under TCG the guest's TSC is the host's, and the guest cannot measure
+    it on this machine type (no PIT or HPET to calibrate against; it would hang)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            mhz = next(float(ln.split(":")[1]) for ln in f if ln.startswith("cpu MHz"))
+        return int(mhz * 1000)
+    except (OSError, StopIteration, ValueError):
+        return 2_000_000
+
+
+def kernel_cmdline(layers: int, extra: str = "") -> str:
+    khz = tsc_khz()
+    return (f"console=ttyS0 quiet panic=-1 tsc_early_khz={khz} lpj={khz * 4} "  # lpj: khz*1000/HZ (250)
+            f"dsec_layers={layers} {extra}").strip()
+
+
+@dataclass
+class VMSpec:
+    """One microVM: files in ``dir`` (QMP and serial sockets, pid file, console log, upper disk)."""
+
+    dir: str
+    kernel: str
+    initrd: str
+    accel: Accel
+    vcpus: int = 1
+    memory_mb: int = 256
+    layers: list[str] = field(default_factory=list)  # EROFS blobs, bottom first
+    upper: str = ""  # the raw ext4 disk of the overlay's upper dir
+    name: str = ""
+    incoming: str = ""  # a memory snapshot's dir: QEMU waits for its stream (snapshot.incoming)
+    cmdline_extra: str = ""
+    machine: Machine = "microvm"  # q35: the full-VM backend's PC with a display (PCI devices)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def argv(self, daemonize: bool = True) -> list[str]:
+        cpu = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+        bus = "device" if self.machine == "microvm" else "pci"  # virtio-mmio or virtio-pci devices
+        # microvm: ACPI stays on, it is how this kernel finds the virtio-mmio devices (no cmdline devices)
+        machine = ["-M", "microvm,acpi=on,rtc=on"] if self.machine == "microvm" else ["-M", "q35", "-vga", "std"]
+        extra = self.cmdline_extra if self.machine == "microvm" else f"console=tty0 {self.cmdline_extra}"
+        a = [
+            QEMU, "-name", self.name or "dsec-microvm",
+            *machine, *cpu, "-m", str(self.memory_mb), "-smp", str(self.vcpus),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            "-kernel", self.kernel, "-initrd", self.initrd, "-append", kernel_cmdline(len(self.layers), extra),
+            "-serial", f"file:{self.path('console.log')}",
+            "-qmp", f"unix:{self.path('qmp.sock')},server=on,wait=off",
+            "-pidfile", self.path("qemu.pid"),
+        ]
+        if self.upper:
+            a += ["-device", f"virtio-serial-{bus}",
+                  "-chardev", f"socket,id=agent,path={self.path('serial.sock')},server=on,wait=off",
+                  "-device", "virtserialport,chardev=agent,name=dsec.agent",
+                  "-drive", f"id=upper,file={self.upper},format=raw,if=none,cache=unsafe,discard=unmap",
+                  "-device", f"virtio-blk-{bus},drive=upper,serial=upper"]
+        for i, blob in enumerate(self.layers):
+            a += ["-drive", f"id=l{i},file={blob},format=raw,if=none,readonly=on",
+                  "-device", f"virtio-blk-{bus},drive=l{i},serial=layer{i}"]
+        if self.machine == "q35":
+            a += ["-device", "qemu-xhci", "-device", "usb-tablet"]  # absolute pointer events (clicks)
+        if self.incoming:
+            a += ["-incoming", "defer"]
+        if daemonize:
+            a.append("-daemonize")
+        return a
+
+
+async def launch(spec: VMSpec) -> int:
+    """Start QEMU detached from us (it outlives a restarting host agent); its pid."""
+    proc = await asyncio.create_subprocess_exec(
+        *spec.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0:
+        raise RuntimeError(f"qemu exited {proc.returncode}: {(err or out).decode(errors='replace').strip()[-800:]}")
+    pid = read_pid(spec.dir)
+    if pid is None:
+        raise RuntimeError("qemu wrote no pid file")
+    return pid
+
+
+def read_pid(vm_dir: str) -> int | None:
+    """The VM's QEMU pid, if that process still runs and is the QEMU of this dir."""
+    try:
+        pid = int(Path(vm_dir, "qemu.pid").read_text().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, ValueError):
+        return None
+    return pid if state != "Z" and os.path.join(vm_dir, "qmp.sock").encode() in cmd else None
+
+
+def kill(vm_dir: str) -> int | None:
+    """SIGKILL the dir's QEMU (checked by its command line first); the pid it had."""
+    pid = read_pid(vm_dir)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pid
+
+
+def rss_mb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) // 1024
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+class QMPError(RuntimeError):
+    pass
+
+
+async def qmp(sock: str, *commands: tuple[str, dict[str, Any]], timeout: float = 30.0) -> list[Any]:
+    """Run ``commands`` over one short QMP session; their returns."""
+
+    async def run() -> list[Any]:
+        r, w = await asyncio.open_unix_connection(sock)
+        try:
+            await r.readline()  # greeting
+
+            async def call(name: str, args: dict[str, Any]) -> Any:
+                w.write(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
+                await w.drain()
+                while True:
+                    line = await r.readline()
+                    if not line:
+                        raise QMPError(f"QMP closed during {name}")
+                    msg = json.loads(line)
+                    if "return" in msg:
+                        return msg["return"]
+                    if "error" in msg:
+                        raise QMPError(f"{name}: {msg['error'].get('desc', msg['error'])}")
+
+            await call("qmp_capabilities", {})
+            return [await call(n, a) for n, a in commands]
+        finally:
+            w.close()
+
+    return await asyncio.wait_for(run(), timeout)
+
+
+async def probe_accel(kernel: str, initrd: str, timeout_s: float = PROBE_TIMEOUT_S) -> Accel:
+    """KVM when it boots the probe guest (which prints ``dsec-probe-ok`` and reboots) in time, else TCG."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "tcg"
+    d = tempfile.mkdtemp(prefix="dsec-kvmprobe-")
+    spec = VMSpec(d, kernel, initrd, "kvm", memory_mb=128, cmdline_extra="dsec_probe=1")
+    proc = await asyncio.create_subprocess_exec(
+        *spec.argv(daemonize=False), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await asyncio.wait_for(proc.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+    try:
+        ok = "dsec-probe-ok" in Path(spec.path("console.log")).read_text(errors="replace")
+    except OSError:
+        ok = False
+    shutil.rmtree(d, ignore_errors=True)
+    return "kvm" if ok else "tcg"
+
+
+__all__ = ["Accel", "Machine", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]

@@ -1,0 +1,22 @@
+"""The ``vm`` backend (``VMBackend``): a full PC (QEMU q35) with a display, for GUI tasks, on the
+microvm backend's parts (kernel, initramfs with the agent as /init, layers, serial mux, snapshots);
+``display`` adds screenshots and input. The SDK and gateway calls (``sb.screenshot()``,
+``sb.input.*``) are not wired to it yet: the host agent has no op for them."""
+
+from __future__ import annotations
+
+import os
+
+from ..._backend import Backend
+from ..._config import HostAgentConfig
+from .backend import VMBackend
+
+
+def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
+    return VMBackend(
+        config.data_dir, kernel_cache=os.environ.get("DSEC_MICROVM_KERNEL_CACHE") or None,
+        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None,
+    )
+
+
+__all__ = ["VMBackend", "from_config"]

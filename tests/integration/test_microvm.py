@@ -1,0 +1,334 @@
+"""The microvm backend on real parts: a host agent process (``python -m hostagent --backend microvm``)
+on the session stack's NATS and placement, QEMU microVMs booted from Debian's cloud kernel (TCG on
+this machine: its /dev/kvm is a PVM host), the ``base`` template's layer attached as an EROFS disk.
+
+TCG boots take seconds on shared cores: one module-scoped VM serves the exec, files, isolation and
+restart tests; only the test that kills QEMU from outside boots a second one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from nats.js.errors import KeyNotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.messages import HostStatus
+from bus.streams import ensure_kv
+from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotFound, SandboxNotFound
+from tests.conftest import eventually, needs
+from tests.imaged.conftest import LazyDaemon, needs_fuse
+from tests.integration.conftest import PY, REPO, Child, Stack, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
+
+NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
+pytestmark = [pytest.mark.containerd, needs_stack, needs(NO_QEMU)]
+
+KERNEL_CACHE = "/tmp/dsec-microvm-kernel"  # the extracted cloud kernel, kept across runs (26 MB download)
+BOOT_S = 240  # a TCG boot on two cores shared with other test runs
+
+
+@dataclass
+class MicroHost:
+    stack: Stack
+    host_id: str
+    pool: str
+    data: Path
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    agent: Child
+
+    def vm_dir(self, sid: str) -> Path:
+        return self.data / "mvm" / "vms" / sid
+
+    async def status(self) -> HostStatus | None:
+        kv = await ensure_kv(self.stack.js, S.KV_HOSTS)
+        try:
+            raw = (await kv.get(self.host_id)).value
+        except KeyNotFoundError:
+            return None
+        return codec.HOST_STATUS.decode(raw) if raw else None
+
+    async def ready_since(self, t: float) -> bool:
+        st = await self.status()
+        return st is not None and st.state == "ready" and st.at >= t
+
+    async def record_state(self, sid: str) -> str:
+        kv = await ensure_kv(self.stack.js, S.KV_SANDBOXES)
+        raw = (await kv.get(sid)).value
+        assert raw is not None
+        return codec.SANDBOX_RECORD.decode(raw).state
+
+    def create(self, sid: str) -> "asyncio.Future[AsyncSandbox]":
+        return asyncio.ensure_future(AsyncSandbox.create(**self.stack.kw(
+            pool=self.pool, sandbox_id=sid, backend="microvm", memory_mb=256, disk_mb=512, create_timeout=BOOT_S,
+        )))
+
+    def leftovers(self, sid: str) -> list[str]:
+        """What of a microVM is still on this host: its QEMU, its dir (disk, sockets, pid file)."""
+        d = self.vm_dir(sid)
+        left = [f"process {pid}: {cmd[:120]}" for pid, cmd in processes_mentioning(str(d)).items()]
+        return left + ([f"dir {d}: {sorted(os.listdir(d))}"] if d.exists() else [])
+
+
+@pytest_asyncio.fixture(scope="module")
+async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
+    uid = stack.new_id("mvm")
+    data = Path(tempfile.mkdtemp(prefix="dsec-mvm-", dir="/tmp"))
+    argv = [PY, "-m", "hostagent", "--backend", "microvm", "--data-dir", str(data), "--host-id", uid, "--pool", uid,
+            "--concurrency", "4", "--reconcile-s", "1"]
+    env = subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE)  # the accelerator is probed, not forced
+    log = data.parent / f"{data.name}.log"
+    h = MicroHost(stack, uid, uid, data, argv, env, log, Child(argv, env, log).start())
+    try:
+        t0 = time.time()
+        await eventually(lambda: h.ready_since(t0), timeout=240, interval=0.2, what="the microvm host agent")
+        yield h
+    finally:
+        if h.agent.alive():
+            await h.agent.stop(timeout=60)
+        for pid in processes_mentioning(str(data)):  # only what names this test's data dir
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(data, ignore_errors=True)
+        log.unlink(missing_ok=True)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def lazy(mhost: MicroHost) -> AsyncIterator[LazyDaemon]:
+    """The microVM host's lazy loader: it packs snapshot layers (the disk's diff, the memory)."""
+    d = LazyDaemon(data_dir=mhost.data, mount=mhost.data / "lazy", nats_url=mhost.stack.url, host_id=mhost.host_id)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.release()
+
+
+@pytest_asyncio.fixture(scope="module")
+async def vm(mhost: MicroHost) -> AsyncIterator[AsyncSandbox]:
+    sid = f"{mhost.host_id}-vm"
+    sb = await mhost.create(sid)
+    try:
+        yield sb
+    finally:
+        await sb.kill()
+        await eventually(lambda: not mhost.leftovers(sid), timeout=30, what=f"the VM to be gone: {mhost.leftovers(sid)}")
+
+
+async def test_heartbeat_names_the_accelerator_the_probe_found(mhost: MicroHost) -> None:
+    st = await mhost.status()
+    assert st is not None
+    (b,) = [b for b in st.backends if b.name == "microvm"]
+    assert b.detail["accel"] in ("kvm", "tcg") and b.detail["kernel"].endswith("-cloud-amd64"), b
+    if not os.access("/dev/kvm", os.W_OK):
+        assert b.detail["accel"] == "tcg"
+    # The probe's answer is kept: a restarted agent does not boot the probe again.
+    assert (mhost.data / "mvm" / f"accel-{b.detail['kernel']}").read_text() == b.detail["accel"]
+    # `dsec status` shows it (its exit code also judges other hosts on this NATS: not asserted)
+    _, out, err = await run_process(PY, "-m", "sdk.cli", "status", env=subprocess_env(mhost.stack.url), cwd=str(REPO))
+    assert f"microvm: accel={b.detail['accel']} kernel={b.detail['kernel']}" in out, (out, err)
+
+
+async def test_exec_streams_output_and_reports_exit_codes(vm: AsyncSandbox) -> None:
+    got: list[str] = []
+    r = await vm.commands.run("for i in 1 2 3; do echo line$i; done; echo oops >&2", on_stdout=got.append)
+    assert r.exit_code == 0 and r.stdout == "line1\nline2\nline3\n" and r.stderr == "oops\n"
+    assert "".join(got) == r.stdout
+    with pytest.raises(CommandExitError) as e:
+        await vm.commands.run("exit 7")
+    assert e.value.exit_code == 7
+    r = await vm.commands.run("pwd; echo $FOO", cwd="/tmp", envs={"FOO": "bar"})
+    assert r.stdout == "/tmp\nbar\n"
+
+
+async def test_files_round_trip(vm: AsyncSandbox) -> None:
+    data = os.urandom(3 << 20)  # more than one mux frame, in both directions
+    w = await vm.files.write("/workspace/blob.bin", data)
+    assert w.size == len(data)
+    assert await vm.files.read("/workspace/blob.bin", format="bytes") == data
+    assert (await vm.commands.run("wc -c < /workspace/blob.bin")).stdout.strip() == str(len(data))
+    await vm.files.write("/workspace/a.txt", "hello")
+    assert {e.name for e in await vm.files.list("/workspace")} == {"blob.bin", "a.txt"}
+    assert await vm.files.exists("/workspace/a.txt")
+    await vm.files.remove("/workspace/a.txt")
+    assert not await vm.files.exists("/workspace/a.txt")
+
+
+async def test_timeout_background_and_kill(vm: AsyncSandbox) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(CommandTimeoutError):
+        await vm.commands.run("sleep 60", timeout=2)
+    assert time.monotonic() - t0 < 30
+    h = await vm.commands.run("sleep 300", background=True, timeout=0)
+    assert h.pid in {p.pid for p in await vm.commands.list()}
+    await vm.commands.kill(h.pid, signal=signal.SIGTERM)
+    with pytest.raises(CommandExitError) as e:
+        await h.wait(timeout=20)
+    assert e.value.result.signal == signal.SIGTERM
+    with pytest.raises(ProcessNotFound):
+        await vm.commands.kill(h.pid)
+    assert (await vm.commands.run("echo alive")).stdout == "alive\n"  # positive control
+
+
+async def test_the_guest_is_its_own_kernel_without_host_paths_or_network(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    r = await vm.commands.run("uname -r; hostname; tr -d '\\0' < /proc/1/cmdline; echo; ls /sys/class/net")
+    release, hostname, init, *nets = r.stdout.split()
+    assert release.endswith("-cloud-amd64") and release != os.uname().release  # not the host's kernel
+    assert hostname == "sandbox" and init == "/init"
+    assert nets == ["lo"]  # no NIC: network is off
+    # Nothing of the host's filesystem: its data dir and this repo are not there (positive control: /bin is).
+    r = await vm.commands.run(f"test -e {mhost.data}; echo $?; test -e {Path(__file__).parent}; echo $?; test -e /bin/sh; echo $?")
+    assert r.stdout.split() == ["1", "1", "0"]
+    r = await vm.commands.run("cat /proc/meminfo | head -1; nproc")
+    mem_kb, ncpu = int(r.stdout.split()[1]), int(r.stdout.split()[3])
+    assert mem_kb < 300 * 1024 and ncpu == 1  # memory_mb=256 of guest RAM, cpu=1 vCPU
+
+
+@needs_fuse
+async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox, mhost: MicroHost, lazy: LazyDaemon) -> None:
+    await vm.files.write("/root/snap.txt", "at-snapshot")
+    await vm.commands.run("(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done) >/dev/null 2>&1 &")
+
+    async def count(sb: AsyncSandbox) -> int:  # (0 until the loop first wrote it, or mid-write)
+        r = await sb.commands.run("cat /tmp/count 2>/dev/null || true")
+        return int(r.stdout.strip() or 0)
+
+    def past(sb: AsyncSandbox, n: int) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            return await count(sb) > n
+        return check
+
+    await eventually(past(vm, 1), timeout=30, what="the counter to run")
+    forks = await vm.fork(2, memory=True, **mhost.stack.kw(pool=mhost.pool, backend="microvm", create_timeout=BOOT_S))
+    try:
+        assert len({f.sandbox_id for f in forks}) == 2
+        for i, f in enumerate(forks):
+            assert await f.files.read("/root/snap.txt") == "at-snapshot"
+            # The counter is the source's process, restored from memory: it carries on from its value.
+            before = await count(f)
+            assert before >= 2
+            await eventually(past(f, before), timeout=30, what="the restored counter to advance")
+            r = await f.commands.run("ps -o args | grep -c '^/bin/sh -c (i=0'")
+            assert r.stdout.strip() == "1"  # one loop, not restarted
+            await f.files.write("/root/mine.txt", str(i))
+        # Each fork has its own disk: its writes reach neither the other fork nor the source.
+        assert not await vm.files.exists("/root/mine.txt")
+        assert await forks[0].files.read("/root/mine.txt") == "0" and await forks[1].files.read("/root/mine.txt") == "1"
+        # The source runs on (thawed after the snapshot).
+        before = await count(vm)
+        await eventually(past(vm, before), timeout=30, what="the source's counter")
+    finally:
+        await asyncio.gather(*(f.kill() for f in forks))
+    gone = [f.sandbox_id for f in forks]
+    await eventually(lambda: not any(mhost.leftovers(sid) for sid in gone), timeout=30, what="the forks to be gone")
+    mem = mhost.data / "mvm" / "mem"
+    assert not mem.exists() or not os.listdir(mem)  # the memory layer was mounted only while restoring
+
+
+async def test_pause_stops_the_vm_and_resume_continues_it(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    from hostagent.backends.microvm import qemu
+
+    qmp = str(mhost.vm_dir(vm.sandbox_id) / "qmp.sock")
+    await vm.pause()
+    assert (await vm.get_info()).state == "paused"
+    (st,) = await qemu.qmp(qmp, ("query-status", {}))
+    assert st["status"] == "paused"  # QEMU runs no vCPU: the guest is stopped, not just its agent
+    await vm.resume()
+    (st,) = await qemu.qmp(qmp, ("query-status", {}))
+    assert st["status"] == "running"
+    assert (await vm.commands.run("echo resumed")).stdout == "resumed\n"
+    assert not (mhost.vm_dir(vm.sandbox_id) / "disk").is_mount()  # the disk mounted while frozen is let go
+
+
+async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    await vm.files.write("/workspace/state.txt", "before")
+    await vm.commands.run("sleep 1000 >/dev/null 2>&1 &")
+    qemu_pid = int((mhost.vm_dir(vm.sandbox_id) / "qemu.pid").read_text())
+    mhost.agent.signal(signal.SIGKILL)
+    assert await mhost.agent.wait(30) == -signal.SIGKILL
+    assert pid_alive(qemu_pid)  # the VM runs on without its host agent
+    with pytest.raises(SandboxNotFound):
+        await vm.commands.run("true")
+    t1 = time.time()
+    mhost.agent = Child(mhost.argv, mhost.env, mhost.log).start()
+    await eventually(lambda: mhost.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
+
+    async def answers() -> bool:
+        try:
+            await vm.commands.run("true")
+            return True
+        except SandboxNotFound:
+            return False
+
+    await eventually(answers, timeout=60, interval=0.2, what="the VM to answer again")
+    assert await vm.files.read("/workspace/state.txt") == "before"
+    assert (await vm.commands.run("ps -o args | grep -c '^sleep 1000'")).stdout.strip() == "1"  # its processes too
+    assert int((mhost.vm_dir(vm.sandbox_id) / "qemu.pid").read_text()) == qemu_pid and pid_alive(qemu_pid)  # the same QEMU
+
+
+async def test_qemu_killed_from_outside_is_lost_and_leaves_nothing(mhost: MicroHost) -> None:
+    sid = f"{mhost.host_id}-doomed"
+    sb = await mhost.create(sid)
+    assert (await sb.commands.run("echo up")).stdout == "up\n"
+    qemu_pid = int((mhost.vm_dir(sid) / "qemu.pid").read_text())
+    assert pid_alive(qemu_pid) and mhost.leftovers(sid)  # positive control: the probe sees a live VM
+    os.kill(qemu_pid, signal.SIGKILL)
+
+    async def lost() -> bool:
+        return await mhost.record_state(sid) == "lost"
+
+    await eventually(lost, timeout=30, what="the sandbox to be recorded lost")
+    await eventually(lambda: not mhost.leftovers(sid), timeout=30, what=f"nothing left: {mhost.leftovers(sid)}")
+    assert not pid_alive(qemu_pid)
+
+
+async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
+    """The full-VM backend, driven directly (its screenshot and input calls have no SDK op yet): a
+    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame."""
+    from bus.errors import InvalidArgument
+    from bus.messages import ExecRequest, LayerRef, SandboxSpec
+    from hostagent.backends.vm import VMBackend
+
+    st = await mhost.status()
+    assert st is not None
+    accel = next(b.detail["accel"] for b in st.backends if b.name == "microvm")  # the probe's answer on this host
+    data = Path(tempfile.mkdtemp(prefix="dsec-vm-", dir="/tmp"))
+    b = VMBackend(str(data), kernel_cache=KERNEL_CACHE, accel=accel)
+    sid = "gui"
+    try:
+        await b.start()
+        base = LayerRef(role="base", digest="sha256:" + "0" * 64, kind="dir", path=str(mhost.stack.rootfs))
+        h = await b.create(SandboxSpec(sandbox_id=sid, template="base", backend="vm", cpu=1, memory_mb=256, disk_mb=256), [base])
+        first = await b.screenshot(h)
+        assert first.startswith(b"\x89PNG\r\n\x1a\n")
+        await b.input_type(h, "echo typed-Text > /tmp/typed")
+        await b.input_key(h, "enter")
+
+        async def typed() -> bool:
+            r = await b.exec(h, ExecRequest(cmd="cat /tmp/typed 2>/dev/null || true"), None)
+            return r.stdout == b"typed-Text\n"
+
+        await eventually(typed, timeout=60, what="the typed command to run in the screen's shell")
+        after = await b.screenshot(h)
+        assert after.startswith(b"\x89PNG") and after != first  # the frame shows it
+        await b.input_click(h, 10, 10)  # positive control for the refusals below
+        with pytest.raises(InvalidArgument):
+            await b.input_click(h, 5000, 10)
+        with pytest.raises(InvalidArgument):
+            await b.input_key(h, "hyper+q")
+    finally:
+        await b.destroy(sid)
+        assert await b.leftovers(sid) == []
+        await b.stop()
+        assert not processes_mentioning(str(data))
+        shutil.rmtree(data, ignore_errors=True)
