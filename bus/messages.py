@@ -887,6 +887,7 @@ class FnCallRequest(Struct, kw_only=True, tag=True):
     fetch_files: list[str] = []  # paths (relative to the working directory) whose contents come back
     output_cap: int = FN_OUTPUT_CAP
     queue_s: float = 10.0
+    trusted: bool = False  # run as a trusted (grader) run: ExecRequest.trusted, where the host has it
 
 
 class FnCallResult(Struct, kw_only=True, tag=True):

@@ -28,13 +28,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import DsecError, InvalidArgument, NoCapacity, UnknownTemplate
+from bus.errors import DsecError, InvalidArgument, NoCapacity, NotSupported, UnknownTemplate
 from bus.fncall import FN_WORKDIR, check_call, check_path
 from bus.messages import (
     ExecRequest,
@@ -55,8 +56,9 @@ from ._backend import Backend, Handle
 
 log = structlog.get_logger("dsec.hostagent.fncall")
 
-STDIN_PATH = "/.dsec/run/fn-stdin"  # outside the working directory: a call's code does not see it as one of its files
+STDIN_PATH = "/tmp/.dsec-fn-stdin"  # outside the working directory: not one of the call's files (the member is fresh, so nothing else sees it)
 MAINTAIN_S = 1.0  # pools are trimmed and refilled (after a failed start) this often
+TRUSTED_RUNS = "trusted" in ExecRequest.__struct_fields__  # grader runs (issue 19 item 5), once the wire has them
 FAIL_BACKOFF_S = 2.0  # a pool whose member failed to start waits this long before trying again
 
 
@@ -238,6 +240,9 @@ class FnCalls:
         self.pools = {
             t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._retire, self._starts) for t, n in pools.items()
         }
+        # The reset's cost, paid off the hot path: the last starts and destroys of members (benchmarks).
+        self.start_ms: deque[float] = deque(maxlen=1000)
+        self.destroy_ms: deque[float] = deque(maxlen=1000)
         self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
         self._retiring: set[asyncio.Task[None]] = set()
         self._maintain: asyncio.Task[None] | None = None
@@ -289,6 +294,7 @@ class FnCalls:
     async def _make(self, template: str) -> Member:
         sid = f"fn-{template[:40]}-{os.urandom(6).hex()}"
         self._sids.add(sid)
+        t0 = time.perf_counter()
         try:
             layers = await self.layers(template)
             spec = SandboxSpec(sandbox_id=sid, template=template, memory_mb=self.memory_mb, timeout_s=0.0)
@@ -297,6 +303,7 @@ class FnCalls:
         except BaseException:
             self._retire(Member(sid, Handle(sid)))
             raise
+        self.start_ms.append((time.perf_counter() - t0) * 1000)
         return Member(sid, handle)
 
     def _retire(self, m: Member) -> None:
@@ -305,11 +312,13 @@ class FnCalls:
         t.add_done_callback(self._retiring.discard)
 
     async def _destroy(self, sid: str) -> None:
+        t0 = time.perf_counter()
         try:
             await self.backend.destroy(sid)
         except Exception as exc:  # noqa: BLE001 - reconcile removes what is left once it is no longer held
             log.warning("fn_member_destroy_failed", sandbox_id=sid, error=str(exc))
         self._sids.discard(sid)
+        self.destroy_ms.append((time.perf_counter() - t0) * 1000)
 
     # --- a call -------------------------------------------------------------------------------------
     async def handle(self, msg: Msg, req: FnCallRequest) -> FnCallResult:
@@ -360,6 +369,10 @@ class FnCalls:
 
     async def _exec(self, h: Handle, cmd: str, req: FnCallRequest, timeout_s: float) -> ExecResult:
         er = ExecRequest(cmd=cmd, envs=req.envs, cwd=FN_WORKDIR, timeout_s=timeout_s, output_cap=req.output_cap)
+        if req.trusted:
+            if not TRUSTED_RUNS:
+                raise NotSupported("this host runs no trusted commands (ExecRequest.trusted)")
+            er = msgspec.structs.replace(er, trusted=True)
         return await self.backend.exec(h, er, None)
 
     def _oom(self, h: Handle) -> bool:
