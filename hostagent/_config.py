@@ -47,6 +47,8 @@ class HostAgentConfig:
     fn_pools: str = ""  # FnCall warm pools, ``<template>=<members>,...`` (e.g. base=8,python=8); "": none
     fn_pool_max: int = 0  # members of one fn pool at most, idle, busy and starting (0: 4x its size)
     fn_memory_mb: int = 512  # an fn pool member's memory limit (a call may set its own)
+    fn_disk_mb: int = 256  # an fn pool member's disk (its scratch filesystem)
+    fn_starts: int = 4  # fn pool members being started at once, every pool together (a start is mostly waiting)
 
     def __post_init__(self) -> None:
         if not self.host_id:
@@ -80,6 +82,8 @@ def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
     ap.add_argument("--fn-pool", default=_D.fn_pools, help="FnCall warm pools, <template>=<members>,... e.g. base=8,python=8 (default: none)")
     ap.add_argument("--fn-pool-max", type=int, default=_D.fn_pool_max, help="members of one fn pool at most (0: 4x its size)" + d)
     ap.add_argument("--fn-memory-mb", type=int, default=_D.fn_memory_mb, help="an fn pool member's memory limit" + d)
+    ap.add_argument("--fn-disk-mb", type=int, default=_D.fn_disk_mb, help="an fn pool member's disk" + d)
+    ap.add_argument("--fn-starts", type=int, default=_D.fn_starts, help="fn pool members started at once" + d)
     ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs" + d)
     ap.add_argument("--control-key-file", default=None,
                     help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
@@ -95,6 +99,7 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> 
         reconcile_s=args.reconcile_s, containerd_address=args.containerd_address, containerd_calls=args.containerd_calls,
         warm_pool=args.warm_pool, net_prefix=env.get("DSEC_NET_PREFIX", ""), sim_hosts=args.sim_hosts,
         metrics_port=args.metrics_port, fn_pools=args.fn_pool, fn_pool_max=args.fn_pool_max, fn_memory_mb=args.fn_memory_mb,
+        fn_starts=args.fn_starts, fn_disk_mb=args.fn_disk_mb,
     )
 
 

@@ -98,24 +98,27 @@ class FnPool:
     max_members: int  # idle + busy + starting, at most
     queue_max: int  # calls waiting for a member, at most
     make: Callable[[str], Awaitable[Member]]
-    retire: Callable[[Member], None]
+    destroy: Callable[[Member], Awaitable[None]]
     starts: asyncio.Semaphore  # member starts in flight on this host, every pool together
     idle: deque[Member] = field(default_factory=deque)
     waiters: deque[asyncio.Future[Member]] = field(default_factory=deque)
     busy: int = 0
     starting: int = 0
+    retiring: int = 0  # used members being destroyed: they still hold a container, so they count
     want: int = 0  # idle target now: ``size``, raised by demand, back to ``size`` when idle
     last_wait: float = 0.0
     failed_at: float = 0.0
     last_error: DsecError | None = None
     served: int = 0
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _retiring: set[asyncio.Task[None]] = field(default_factory=set)
+    stopping: bool = False
 
     def __post_init__(self) -> None:
         self.want = self.size
 
     def members(self) -> int:
-        return len(self.idle) + self.busy + self.starting
+        return len(self.idle) + self.busy + self.starting + self.retiring
 
     async def acquire(self, wait_s: float) -> Member:
         """A member for one call; ``no_capacity`` when none frees up within ``wait_s`` (or the queue is full)."""
@@ -147,6 +150,20 @@ class FnPool:
         m = fut.result()  # (raises a failed start's error)
         return m
 
+    def retire(self, m: Member) -> None:
+        """Destroy ``m`` in the background; its container counts until it is gone."""
+        self.retiring += 1
+        t = asyncio.ensure_future(self._retire(m))
+        self._retiring.add(t)
+        t.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, m: Member) -> None:
+        try:
+            await self.destroy(m)
+        finally:
+            self.retiring -= 1
+            self.fill()
+
     def release(self, m: Member) -> None:
         """The call is over: the member goes (it is never used twice) and a fresh one is started."""
         self.busy -= 1
@@ -156,7 +173,7 @@ class FnPool:
 
     def fill(self) -> None:
         """Start members until the idle target plus the waiting calls are covered (within the maximum)."""
-        if time.monotonic() - self.failed_at < FAIL_BACKOFF_S:
+        if self.stopping or time.monotonic() - self.failed_at < FAIL_BACKOFF_S:
             return
         need = self.want + len(self.waiters) - len(self.idle) - self.starting
         room = self.max_members - self.members()
@@ -205,7 +222,9 @@ class FnPool:
             self.retire(self.idle.popleft())
         self.fill()
 
-    async def stop(self) -> list[Member]:
+    async def stop(self) -> None:
+        """No more starts; every member (idle, or one whose start is cancelled here) destroyed."""
+        self.stopping = True
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
@@ -216,9 +235,10 @@ class FnPool:
         for w in self.waiters:
             if not w.done():
                 w.cancel()
-        out = list(self.idle)
-        self.idle.clear()
-        return out
+        while self.idle:
+            self.retire(self.idle.popleft())
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
 
 
 class FnCalls:
@@ -226,8 +246,8 @@ class FnCalls:
 
     def __init__(
         self, host_id: str, backend: Backend, pools: dict[str, int], *, layers: Callable[[str], Awaitable[list[LayerRef]]],
-        security: Callable[[], Any], max_members: int = 0, memory_mb: int = 512, queue_max: int = 4096, idle_s: float = 30.0,
-        starts: int = 4,
+        security: Callable[[], Any], max_members: int = 0, memory_mb: int = 512, disk_mb: int = 256, queue_max: int = 4096,
+        idle_s: float = 30.0, starts: int = 4,
     ) -> None:
         self.host_id = host_id
         self.backend = backend
@@ -235,16 +255,16 @@ class FnCalls:
         self.layers = layers
         self.security = security
         self.memory_mb = memory_mb
+        self.disk_mb = disk_mb
         self.idle_s = idle_s
         self._starts = asyncio.Semaphore(starts)
         self.pools = {
-            t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._retire, self._starts) for t, n in pools.items()
+            t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._destroy, self._starts) for t, n in pools.items()
         }
         # The reset's cost, paid off the hot path: the last starts and destroys of members (benchmarks).
         self.start_ms: deque[float] = deque(maxlen=1000)
         self.destroy_ms: deque[float] = deque(maxlen=1000)
         self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
-        self._retiring: set[asyncio.Task[None]] = set()
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
 
@@ -268,11 +288,7 @@ class FnCalls:
             await self.endpoint.stop(grace_s)
         if self._maintain is not None:
             self._maintain.cancel()
-        for p in self.pools.values():
-            for m in await p.stop():
-                self._retire(m)
-        while self._retiring:
-            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+        await asyncio.gather(*(p.stop() for p in self.pools.values()))
 
     async def _maintain_loop(self) -> None:
         while True:
@@ -297,21 +313,17 @@ class FnCalls:
         t0 = time.perf_counter()
         try:
             layers = await self.layers(template)
-            spec = SandboxSpec(sandbox_id=sid, template=template, memory_mb=self.memory_mb, timeout_s=0.0)
+            spec = SandboxSpec(sandbox_id=sid, template=template, memory_mb=self.memory_mb, disk_mb=self.disk_mb, timeout_s=0.0)
             handle = await self.backend.create(spec, layers, security=self.security())
             await self.backend.files(handle, FileMakeDir(path=FN_WORKDIR))
         except BaseException:
-            self._retire(Member(sid, Handle(sid)))
+            await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
             raise
         self.start_ms.append((time.perf_counter() - t0) * 1000)
         return Member(sid, handle)
 
-    def _retire(self, m: Member) -> None:
-        t = asyncio.ensure_future(self._destroy(m.sid))
-        self._retiring.add(t)
-        t.add_done_callback(self._retiring.discard)
-
-    async def _destroy(self, sid: str) -> None:
+    async def _destroy(self, m: Member) -> None:
+        sid = m.sid
         t0 = time.perf_counter()
         try:
             await self.backend.destroy(sid)

@@ -86,7 +86,8 @@ class HostAgent(Service):
         self.fncalls = FnCalls(  # FnCall's warm pools (none unless configured)
             self.host_id, backend, parse_pools(config.fn_pools), layers=self.intake.layers,
             security=lambda: self.profiles.enforcement("default") if self.profiles is not None else None,
-            max_members=config.fn_pool_max, memory_mb=config.fn_memory_mb,
+            max_members=config.fn_pool_max, memory_mb=config.fn_memory_mb, disk_mb=config.fn_disk_mb,
+            starts=config.fn_starts,
         )
         self.reconciler.also_holds = self.fncalls.holds
         self._kv_hosts: KV[HostStatus] | None = None

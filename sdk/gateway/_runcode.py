@@ -23,7 +23,6 @@ import json
 import math
 from typing import Any
 
-import structlog
 from aiohttp import BasicAuth, web
 
 from bus.errors import DsecError, InvalidArgument
@@ -31,7 +30,9 @@ from bus.messages import ExecRequest, ExecResult, FnCallResult
 
 from .._fncall import AsyncFnCall
 
-log = structlog.get_logger("dsec.gateway.runcode")
+class PayloadTooLarge(InvalidArgument):
+    code = "payload_too_large"
+    http_status = 413
 
 QUEUE_S = 30.0  # how long a call may wait for a free pool member before SandboxError (no_capacity)
 TRUSTED_RUNS = "trusted" in ExecRequest.__struct_fields__  # ExecRequest.trusted (issue 19 item 5), once merged
@@ -130,7 +131,11 @@ class RunCode:
     async def _run(self, request: web.Request) -> dict[str, Any]:
         tenant = await self.gw.tenants.get(_key(request) or self.gw.api_key(request))
         try:
-            body = json.loads(await request.read())
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise PayloadTooLarge(f"the request is over the gateway's {exc.max_size} bytes") from None
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise InvalidArgument("the body is not JSON") from None
         if not isinstance(body, dict):
@@ -159,4 +164,4 @@ class RunCode:
         return answer(out, max(0, memory))
 
 
-__all__ = ["RunCode", "answer"]
+__all__ = ["PayloadTooLarge", "RunCode", "answer"]

@@ -58,6 +58,7 @@ class Fn:
     def client(self, **kw: Any) -> Any:
         from sdk import AsyncFnCall
 
+        kw.setdefault("queue_timeout", 240)  # calls wait for member starts: seconds each on a loaded machine
         return AsyncFnCall(nats_url=self.url, **kw)
 
     def needs_debian(self) -> None:
@@ -230,19 +231,22 @@ async def test_memory_limit_reports_oom(fn: Fn) -> None:
 
 
 async def test_fork_bomb_and_endless_output_do_not_slow_the_others(fn: Fn) -> None:
-    c = fn.client(queue_timeout=60)
-    bomb = c.run("b() { b | b & }; b", timeout=4)
-    flood = c.run("yes flood", timeout=4)
-    started = time.monotonic()
+    c = fn.client()
+    bomb = asyncio.ensure_future(c.run("b() { b | b & }; b; sleep 30", timeout=6))
+    flood = asyncio.ensure_future(c.run("yes flood", timeout=6))
 
     async def echo(i: int) -> float:
-        r = await c.run(f"echo {i}")
+        r = await c.run(f"echo {i}; sleep 0.2")
         assert r.stdout == f"{i}\n" and r.exit_code == 0
-        return time.monotonic() - started
+        return r.duration_ms
 
-    got = await asyncio.gather(bomb, flood, *(echo(i) for i in range(12)))
-    assert got[1].stdout_truncated and got[1].stdout_bytes > len(got[1].stdout.encode()) - 1
-    assert max(got[2:]) < 20, got[2:]  # the echoes finished well within the time the bomb and the flood ran on
+    await eventually(lambda: any(p.busy >= 2 for p in fn.host.fncalls.pools.values()), timeout=60, what="the bomb and the flood to run")
+    took = await asyncio.gather(*(echo(i) for i in range(8)))
+    b, f = await bomb, await flood
+    assert b.error is not None and "timed out" in b.error, b
+    assert f.stdout_truncated and f.stdout_bytes > len(f.stdout.encode()), f
+    # each echo's run (queueing for a member aside) took its own 0.2 s, not the bomb's CPU or the flood's pipe
+    assert max(took) < 2000, took
 
 
 async def test_busy_pool_queues_then_answers_no_capacity(fn: Fn) -> None:
@@ -310,16 +314,139 @@ async def test_run_code_python_bash_cpp(fn: Fn) -> None:
 
 
 # ------------------------------------------------------------------------------------------ load
-async def test_256_concurrent_callers(fn: Fn) -> None:
-    """RL-shaped burst: 256 callers at once, each call's own answer, no error and no timeout."""
-    c = fn.client(queue_timeout=240)
+@pytest.mark.parametrize("callers", [
+    48,
+    # every call is a container start (off the hot path, but the rate calls are served at): minutes on a loaded 2-core box
+    pytest.param(256, marks=[pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="256 callers: minutes here; set DSEC_SLOW=1")]),
+])
+async def test_concurrent_callers(fn: Fn, callers: int) -> None:
+    """RL-shaped burst: many callers at once, each call's own answer, no error and no timeout."""
+    c = fn.client(queue_timeout=290)
 
     async def one(i: int) -> None:
         r = await c.run(f"echo {i}")
         assert (r.stdout, r.exit_code, r.error) == (f"{i}\n", 0, None), r
 
     t0 = time.monotonic()
-    await asyncio.gather(*(one(i) for i in range(256)))
-    print(f"256 concurrent calls in {time.monotonic() - t0:.1f}s")
+    await asyncio.gather(*(one(i) for i in range(callers)))
+    print(f"{callers} concurrent calls in {time.monotonic() - t0:.1f}s")
+    assert max(p.members() for p in fn.host.fncalls.pools.values()) <= 16  # bounded, retiring members included
     # no member leaked: every pool is back to idle members only
     await eventually(lambda: all(p.busy == 0 and not p.waiters for p in fn.host.fncalls.pools.values()), timeout=30, what="pools idle")
+
+
+# ------------------------------------------------------------------------------------------ POST /run_code
+SF_PYTHON = os.environ.get("DSEC_SANDBOX_FUSION_PYTHON", "/work/fc-venv/bin/python")  # a Python with `sandbox-fusion` installed
+KEY = "dsec_fntest.secret"  # (the tests' NATS runs without authentication: any well-formed key connects)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def gateway(fn: Fn) -> AsyncIterator[str]:
+    from aiohttp import web
+
+    from bus.natsd import free_port
+    from sdk.gateway._app import make_app
+    from sdk.gateway._config import GatewayConfig
+
+    port = free_port()
+    runner = web.AppRunner(make_app(GatewayConfig(nats_url=fn.url, http_port=port), extensions=[]))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        data = body if isinstance(body, bytes) else None
+        async with s.post(url, json=None if data is not None else body, data=data, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def test_run_code_over_http(fn: Fn, gateway: str) -> None:
+    import base64
+
+    url = f"{gateway}/k/{KEY}/run_code"
+    st, out = await _post(url, {"code": "cat in.txt; echo made > out.txt; exit 4", "language": "sh", "files": {"in.txt": base64.b64encode(b"IN\n").decode()},
+                                "fetch_files": ["out.txt", "missing.txt"]})
+    assert st == 200, out
+    assert out["status"] == "Failed" and out["run_result"]["status"] == "Finished" and out["run_result"]["return_code"] == 4, out
+    assert out["run_result"]["stdout"] == "IN\n" and base64.b64decode(out["files"]["out.txt"]) == b"made\n" and "missing.txt" not in out["files"]
+    st, out = await _post(url, {"code": "sleep 20", "language": "sh", "run_timeout": 1})
+    assert st == 200 and out["run_result"]["status"] == "TimeLimitExceeded" and out["run_result"]["execution_time"] < 5, out
+    st, out = await _post(url, {"code": "x=$(head -c 200000000 /dev/zero | tr '\\0' a)", "language": "sh", "memory_limit_MB": 48})
+    assert st == 200 and out["run_result"]["status"] == "Error" and "out of memory" in out["message"], out
+    # the key as basic auth (user-info in the endpoint URL), and a wrong one
+    hdr = {"Authorization": "Basic " + base64.b64encode(f"dsec:{KEY}".encode()).decode()}
+    st, out = await _post(f"{gateway}/run_code", {"code": "echo basic", "language": "sh"}, hdr)
+    assert st == 200 and out["status"] == "Success" and out["run_result"]["stdout"] == "basic\n", out
+    st, out = await _post(f"{gateway}/k/not-a-key/run_code", {"code": "echo", "language": "sh"})
+    assert st == 401 and out["status"] == "SandboxError", out
+
+
+async def test_run_code_bad_input_is_a_sandbox_error(fn: Fn, gateway: str) -> None:
+    url = f"{gateway}/k/{KEY}/run_code"
+    bad: list[Any] = [
+        {"code": "print(1)", "language": "cobol"},
+        {"code": "x" * (7 * 1024 * 1024), "language": "sh"},
+        {"code": "true", "language": "sh", "run_timeout": -1},
+        {"code": "true", "language": "sh", "run_timeout": 1e12},
+        {"code": "true", "language": "sh", "compile_timeout": "soon"},
+        {"code": "true", "language": "sh", "files": {"a.txt": "***not base64***"}},
+        {"code": "true", "language": "sh", "files": {"../../etc/cron.d/x": "eA=="}},
+        {"code": "true", "language": "sh", "fetch_files": ["/etc/shadow"]},
+        {"code": "true", "language": "sh", "memory_limit_MB": 10**9},
+        {"language": "sh"},
+        b"{not json",
+    ]
+    for body in bad:
+        st, out = await _post(url, body)
+        assert st in (400, 413) and out["status"] == "SandboxError" and out["message"], (body if isinstance(body, bytes) else str(body)[:200], st, out)
+    st, out = await _post(url, {"code": "echo fine", "language": "sh"})  # still serving
+    assert st == 200 and out["status"] == "Success", out
+
+
+def _sandbox_fusion_python() -> str:
+    if not os.path.exists(SF_PYTHON):
+        cannot_run(f"needs a Python with the sandbox-fusion client at {SF_PYTHON} (python3 -m venv V && V/bin/pip install sandbox-fusion)")
+    return SF_PYTHON
+
+
+async def test_unmodified_sandbox_fusion_client(fn: Fn, gateway: str) -> None:
+    """The PyPI ``sandbox-fusion`` client, in its own interpreter, given ``<gateway>/k/<key>`` as its endpoint."""
+    fn.needs_debian()
+    from .conftest import run_process
+
+    script = f"""
+import json, sandbox_fusion as sf
+sf.set_sandbox_endpoint({gateway + '/k/' + KEY!r})
+out = {{}}
+out["py"] = sf.run_code(sf.RunCodeRequest(code="import sys; print(int(sys.stdin.read()) * 2)", language="python", stdin="21")).dict()
+out["bash"] = sf.run_code(sf.RunCodeRequest(code="echo $((6*7))", language="bash")).dict()
+out["cpp"] = sf.run_code(sf.RunCodeRequest(code="#include <cstdio>\\nint main(){{printf(\\"%d\\\\n\\", 6*7);}}", language="cpp", compile_timeout=60)).dict()
+out["cpp_bad"] = sf.run_code(sf.RunCodeRequest(code="int main( {{", language="cpp", compile_timeout=60)).dict()
+out["tle"] = sf.run_code(sf.RunCodeRequest(code="import time; time.sleep(30)", language="python", run_timeout=1)).dict()
+try:
+    sf.run_code(sf.RunCodeRequest(code="x", language="go"), max_attempts=1)
+except Exception as exc:
+    out["go"] = str(exc)
+print("RESULT " + json.dumps(out, default=str))
+"""
+    rc, stdout, stderr = await run_process(_sandbox_fusion_python(), "-c", script, env={"PATH": os.environ["PATH"]}, timeout=600)
+    assert rc == 0, stderr[-3000:]
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (stdout[-3000:], stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["py"]["status"].endswith("Success") and out["py"]["run_result"]["stdout"] == "42\n", out["py"]
+    assert out["bash"]["run_result"]["stdout"] == "42\n", out["bash"]
+    assert out["cpp"]["run_result"]["stdout"] == "42\n" and out["cpp"]["compile_result"]["return_code"] == 0, out["cpp"]
+    assert out["cpp_bad"]["status"].endswith("Failed") and out["cpp_bad"]["run_result"] is None, out["cpp_bad"]
+    assert out["cpp_bad"]["compile_result"]["return_code"] != 0, out["cpp_bad"]
+    assert out["tle"]["run_result"]["status"].endswith("TimeLimitExceeded"), out["tle"]
+    assert "unknown language" in out["go"], out["go"]
