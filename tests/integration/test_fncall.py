@@ -450,3 +450,38 @@ print("RESULT " + json.dumps(out, default=str))
     assert out["cpp_bad"]["compile_result"]["return_code"] != 0, out["cpp_bad"]
     assert out["tle"]["run_result"]["status"].endswith("TimeLimitExceeded"), out["tle"]
     assert "unknown language" in out["go"], out["go"]
+
+
+async def test_verl_sandbox_fusion_reward_client(fn: Fn, gateway: str) -> None:
+    """verl's SandboxFusion reward path (``verl.utils.reward_score.sandbox_fusion.utils.check_correctness``),
+    loaded from its file: the module needs only ``requests``, while importing the ``verl`` package
+    pulls in torch (so ``pip install --no-deps verl`` next to sandbox-fusion is enough)."""
+    fn.needs_debian()
+    from .conftest import run_process
+
+    script = f"""
+import importlib.util, json, os, sysconfig
+path = os.path.join(sysconfig.get_paths()["purelib"], "verl/utils/reward_score/sandbox_fusion/utils.py")
+if not os.path.exists(path):
+    print("NOVERL " + path); raise SystemExit(0)
+spec = importlib.util.spec_from_file_location("verl_sf_utils", path)
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+url = {gateway + '/k/' + KEY + '/run_code'!r}
+cases = {{"inputs": ["1 2\\n", "3 4\\n"], "outputs": ["3\\n", "7\\n"]}}
+good = m.check_correctness(url, cases, "a, b = map(int, input().split())\\nprint(a + b)", timeout=10, language="python")
+bad = m.check_correctness(url, cases, "a, b = map(int, input().split())\\nprint(a * b)", timeout=10, language="python")
+cpp = m.check_correctness(url, cases, "#include <iostream>\\nint main(){{long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}}", timeout=30, language="cpp")
+print("RESULT " + json.dumps({{"good": good[0], "bad": bad[0], "cpp": cpp[0]}}, default=str))
+"""
+    rc, stdout, stderr = await run_process(_sandbox_fusion_python(), "-c", script, env={"PATH": os.environ["PATH"]}, timeout=600)
+    assert rc == 0, stderr[-3000:]
+    if stdout.startswith("NOVERL"):
+        cannot_run(f"needs verl's sandbox_fusion module ({stdout.split()[1]}): pip install --no-deps verl into the sandbox-fusion venv")
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (stdout[-3000:], stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["good"] == [True, True], out
+    assert out["bad"][0] is False and out["bad"][1] is False, out
+    assert out["cpp"] == [True, True], out
