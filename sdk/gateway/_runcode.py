@@ -133,7 +133,7 @@ class RunCode:
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLarge(f"the request is over the gateway's {exc.max_size} bytes") from None
+            raise PayloadTooLarge(f"the request is too large: {exc.text}") from None
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
