@@ -58,7 +58,7 @@ def _client_js_api() -> list[str]:
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
 _CLIENT_PUBLISH = [
-    S.REQ_CREATE, S.REQ_CREATE_BATCH, S.SBX_WILDCARD, S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>",
+    S.REQ_CREATE, S.REQ_CREATE_BATCH, S.SBX_WILDCARD, S.FN_CALL_WILDCARD, S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>",
     f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_client_js_api(),
 ]
 

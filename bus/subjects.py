@@ -113,6 +113,19 @@ def sbx_all(sandbox_id: str) -> str:
 SBX_WILDCARD = f"{PREFIX}.sbx.*.*"
 
 
+# --- FnCall (core request/reply, queue group per template) -----------------------------
+FN_QUEUE = "fn"  # the queue group of every host serving a template's calls
+
+
+def fn_call(template: str) -> str:
+    """Stateless calls of ``template``: every host with a warm pool of it subscribes in queue group
+    ``FN_QUEUE``, so NATS hands each call to one of them (no placement round trip)."""
+    return f"{PREFIX}.fn.{_tok(template)}.call"
+
+
+FN_CALL_WILDCARD = f"{PREFIX}.fn.*.call"
+
+
 # --- events (JetStream, DSEC_EVT) ----------------------------------------------
 def evt_sandbox(sandbox_id: str, kind: str) -> str:
     return f"{PREFIX}.evt.sandbox.{_tok(sandbox_id)}.{kind}"

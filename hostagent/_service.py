@@ -22,6 +22,7 @@ from . import _storage as storage
 from ._backend import Backend, Capabilities, Handle
 from ._config import HostAgentConfig
 from ._execio import ExecIO
+from ._fncall import FnCalls, parse_pools
 from ._intake import Intake
 from ._metrics import HostMetrics
 from ._ops import OpsEndpoint
@@ -84,6 +85,13 @@ class HostAgent(Service):
             period_s=config.reconcile_s,
         )
         self.registry.observers.append(self.reaper.observe)
+        self.fncalls = FnCalls(  # FnCall's warm pools (none unless configured)
+            self.host_id, backend, parse_pools(config.fn_pools), layers=self.intake.layers,
+            security=lambda: self.profiles.enforcement("default") if self.profiles is not None else None,
+            max_members=config.fn_pool_max, memory_mb=config.fn_memory_mb, disk_mb=config.fn_disk_mb,
+            starts=config.fn_starts,
+        )
+        self.reconciler.also_holds = self.fncalls.holds
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0
@@ -133,6 +141,7 @@ class HostAgent(Service):
         # Before the first heartbeat: placement hands work to a host as soon as it sees one. What waits
         # for a slot waits here (placement holds each request until this host answers, bus.runtime.handoff).
         await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.config.concurrency, name=f"host-{self.host_id}")
+        await self.fncalls.start(self.nc)
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), name="heartbeat")
         self.spawn(self._tick_loop(), name="reaper")
@@ -148,6 +157,7 @@ class HostAgent(Service):
         await self.reaper.stop()
         await self.ops.stop()
         await self.execio.stop()
+        await self.fncalls.stop(self.grace_s)
         try:
             if self._kv_hosts is not None:
                 st = self._status()
@@ -200,7 +210,7 @@ class HostAgent(Service):
         b = self.backend.advertise()
         if self.caps.warm_pool is not None:
             b.detail = {**b.detail, "warm": str(self.caps.warm_pool.warm_ready())}
-        return [b]
+        return [b, self.fncalls.advertise()] if self.fncalls.pools else [b]
 
     async def _heartbeat(self) -> None:
         if self._kv_hosts is None:

@@ -35,7 +35,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
+from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .freezer import freeze, frozen, thaw
@@ -394,6 +394,29 @@ class ContainerBackend:
 
     async def thaw(self, handle: Handle) -> None:
         await thaw(self._cgroup(handle))
+
+    def set_memory_limit(self, handle: Handle, memory_mb: int) -> None:
+        """Change a running sandbox's memory limit (an fn call's own); memory+swap follows it."""
+        mem = MEM_CGROUP / cgroup_path(self._container_of(handle)).lstrip("/")
+        limit = str(memory_mb * 1024 * 1024)
+        mem_file, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
+        # memory+swap must stay >= memory: raise it first when growing, lower memory first when shrinking.
+        growing = memory_mb * 1024 * 1024 >= int(mem_file.read_text())
+        for f in ([memsw, mem_file] if growing else [mem_file, memsw]):
+            if f.exists():
+                f.write_text(limit)
+
+    def oom_kills(self, handle: Handle) -> int:
+        """Processes of the sandbox the kernel killed for its memory limit (cgroup v1 ``oom_kill``)."""
+        path = MEM_CGROUP / cgroup_path(self._container_of(handle)).lstrip("/") / "memory.oom_control"
+        try:
+            for line in path.read_text().splitlines():
+                key, _, n = line.partition(" ")
+                if key == "oom_kill":
+                    return int(n)
+        except OSError:
+            pass
+        return 0
 
     def frozen(self, handle: Handle) -> bool:
         return frozen(self._cgroup(handle))
