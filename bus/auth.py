@@ -82,7 +82,7 @@ def _tenant_js_api(tenant: str) -> list[str]:
 _CLIENT_COMMON_PUBLISH = [
     # The image service's requests (the gateway's template API builds as the key): the image service
     # checks a template's owner and a snapshot's removal itself (not the publisher's tenant yet).
-    S.STATUS, S.IMG_LIST, S.IMG_STATS, S.IMG_BUILD, S.IMG_REMOVE, S.SNAP_REMOVE,
+    S.FN_CALL_WILDCARD, S.STATUS, S.IMG_LIST, S.IMG_STATS, S.IMG_BUILD, S.IMG_REMOVE, S.SNAP_REMOVE,
     f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
 ]
 

@@ -232,6 +232,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     version: int = 1
     cpu_alloc_ls: float = 0.0  # requested cpu of latency-sensitive sandboxes (never overcommitted)
     backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
+    disk_free_mb: int = 0  # free space in the data dir; 0: not reported (older hosts), a full disk reports 1
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
@@ -894,6 +895,48 @@ class ScrapeReply(Struct, kw_only=True, tag=True):
     text: str  # Prometheus text exposition 0.0.4, every sample labelled with service and instance
     at: float = 0.0
 
+
+
+# --- FnCall: stateless calls served from per-template warm pools (core request/reply) -------------
+FN_OUTPUT_CAP = 1 << 20  # bytes of each stream a call's result keeps by default
+
+
+class FnFile(Struct, kw_only=True):
+    """A file a call writes into its working directory before it runs (a nested value)."""
+
+    path: str  # relative to the call's working directory, never climbing out of it
+    data: bytes
+    mode: int = 0o644
+
+
+class FnCallRequest(Struct, kw_only=True, tag=True):
+    """One stateless call on ``dsec.fn.<template>.call`` (a queue group every host with a warm pool
+    of ``template`` subscribes to): a pool member that never served a call runs ``compile_cmd`` (when
+    set, and only on its success) then ``cmd`` in ``bus.fncall.FN_WORKDIR`` with ``files`` written there first,
+    and is then replaced. A call that finds no free member waits up to ``queue_s`` for one, then
+    ``no_capacity``."""
+
+    cmd: str
+    files: list[FnFile] = []
+    envs: dict[str, str] = {}
+    timeout_s: float = 30.0
+    compile_cmd: str = ""
+    compile_timeout_s: float = 10.0
+    memory_mb: int = 0  # 0: the pool's own limit
+    stdin: bytes = b""  # fed to ``cmd`` (not to the compile step)
+    fetch_files: list[str] = []  # paths (relative to the working directory) whose contents come back
+    output_cap: int = FN_OUTPUT_CAP
+    queue_s: float = 10.0
+    trusted: bool = False  # run as a trusted (grader) run: ExecRequest.trusted, where the host has it
+
+
+class FnCallResult(Struct, kw_only=True, tag=True):
+    run: ExecResult | None = None  # None: the compile step failed (or timed out), so nothing ran
+    compile: ExecResult | None = None
+    oom: bool = False  # the call's memory limit was hit (the kernel killed a process of it)
+    files: dict[str, bytes] = {}  # fetched files that existed
+    host_id: str = ""
+    queued_ms: float = 0.0  # waited for a free pool member
 
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
     "ReqMessage",

@@ -30,6 +30,7 @@ KV_QUARANTINE = "dsec_quarantine"  # guard: sandbox id -> the GuardViolation tha
 KV_ROLLOUTS = "dsec_rollouts"
 KV_LEASES = "dsec_leases"
 KV_SNAPSHOTS = "dsec_snapshots"  # snapshot id -> SnapshotRecord (its layers, parent, provenance)
+KV_GC = "dsec_gc"  # pin.<layer hex>.<id> (keys a writer reuses), tomb.<key> (keys a collection deletes); see imaged._gc
 OBJ_CHUNKS = "dsec_chunks"
 
 # --- headers -------------------------------------------------------------------
@@ -154,6 +155,19 @@ def parse_sbx(subject: str) -> tuple[str, str, str] | None:
 
 
 SBX_WILDCARD = f"{PREFIX}.sbx.*.*.*"
+
+
+# --- FnCall (core request/reply, queue group per template) -----------------------------
+FN_QUEUE = "fn"  # the queue group of every host serving a template's calls
+
+
+def fn_call(template: str) -> str:
+    """Stateless calls of ``template``: every host with a warm pool of it subscribes in queue group
+    ``FN_QUEUE``, so NATS hands each call to one of them (no placement round trip)."""
+    return f"{PREFIX}.fn.{_tok(template)}.call"
+
+
+FN_CALL_WILDCARD = f"{PREFIX}.fn.*.call"
 
 
 # --- events (JetStream, DSEC_EVT) ----------------------------------------------

@@ -44,6 +44,11 @@ class HostAgentConfig:
     net_prefix: str = ""  # names this agent's kernel objects (nft table, veths, netns) apart from another stack's
     sim_hosts: int = 1  # with the sim backend: simulated hosts this process runs
     metrics_port: int | None = None
+    fn_pools: str = ""  # FnCall warm pools, ``<template>=<members>,...`` (e.g. base=8,python=8); "": none
+    fn_pool_max: int = 0  # members of one fn pool at most, idle, busy and starting (0: 4x its size)
+    fn_memory_mb: int = 512  # an fn pool member's memory limit (a call may set its own)
+    fn_disk_mb: int = 256  # an fn pool member's disk (its scratch filesystem)
+    fn_starts: int = 4  # fn pool members being started at once, every pool together (a start is mostly waiting)
 
     def __post_init__(self) -> None:
         if not self.host_id:
@@ -74,6 +79,11 @@ def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
     ap.add_argument("--reconcile-s", type=float, default=_D.reconcile_s, help="period of the reconcile loop (records vs containerd, mounts, cgroups)" + d)
     ap.add_argument("--containerd-calls", type=int, default=_D.containerd_calls, help="containerd calls in flight at once (more queue)" + d)
     ap.add_argument("--warm-pool", type=int, default=_D.warm_pool, help="started sandboxes kept ready per template, disk size and profile (0: off)" + d)
+    ap.add_argument("--fn-pool", default=_D.fn_pools, help="FnCall warm pools, <template>=<members>,... e.g. base=8,python=8 (default: none)")
+    ap.add_argument("--fn-pool-max", type=int, default=_D.fn_pool_max, help="members of one fn pool at most (0: 4x its size)" + d)
+    ap.add_argument("--fn-memory-mb", type=int, default=_D.fn_memory_mb, help="an fn pool member's memory limit" + d)
+    ap.add_argument("--fn-disk-mb", type=int, default=_D.fn_disk_mb, help="an fn pool member's disk" + d)
+    ap.add_argument("--fn-starts", type=int, default=_D.fn_starts, help="fn pool members started at once" + d)
     ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs" + d)
     ap.add_argument("--control-key-file", default=None,
                     help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
@@ -88,7 +98,8 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> 
         destroy_on_shutdown=args.destroy_on_shutdown, control_key=load_control_key(args.control_key_file, env),
         reconcile_s=args.reconcile_s, containerd_address=args.containerd_address, containerd_calls=args.containerd_calls,
         warm_pool=args.warm_pool, net_prefix=env.get("DSEC_NET_PREFIX", ""), sim_hosts=args.sim_hosts,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, fn_pools=args.fn_pool, fn_pool_max=args.fn_pool_max, fn_memory_mb=args.fn_memory_mb,
+        fn_starts=args.fn_starts, fn_disk_mb=args.fn_disk_mb,
     )
 
 

@@ -50,6 +50,7 @@ class Reconciler:
         self.kv_sweep_every = kv_sweep_every  # passes between sweeps of the KV records (0: only at start)
         self.passes = 0
         self.last: dict[str, Any] = {}  # what the last pass did and cost (benchmarks, dsec status)
+        self.also_holds: Callable[[str], bool] = lambda sid: False  # sandboxes held outside the registry (fn pools)
 
     # --- at start ------------------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -88,7 +89,8 @@ class Reconciler:
         t0, c0 = time.perf_counter(), time.process_time()
         live, creating = self.registry.live, self.creating
         running = {sid: ls.pid for sid, ls in live.items() if ls.state != "stopping" and sid not in creating}
-        lost, removed = await self.backend.reconcile(lambda sid: sid in live or sid in creating, running)
+        also = self.also_holds
+        lost, removed = await self.backend.reconcile(lambda sid: sid in live or sid in creating or also(sid), running)
         for sid in lost:
             if sid in self.registry.live and sid not in self.creating:  # still held, and not being created again
                 self.reaper.lose(sid, "its container is gone")

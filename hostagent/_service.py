@@ -18,9 +18,11 @@ from bus.messages import HostBackend, HostStatus
 from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all
 
+from . import _storage as storage
 from ._backend import Backend, Capabilities, Handle
 from ._config import HostAgentConfig
 from ._execio import ExecIO
+from ._fncall import FnCalls, parse_pools
 from ._intake import Intake
 from ._metrics import HostMetrics
 from ._ops import OpsEndpoint
@@ -64,6 +66,7 @@ class HostAgent(Service):
         self.execio = ExecIO(backend, self.caps, self._connection, self.host_id)  # exec streaming, background processes, watches
         creating: dict[str, asyncio.Future[None]] = {}  # sandboxes being made now (the intake's)
         self.m = HostMetrics(self.metrics, creating, self.registry, self._status)  # Prometheus metrics
+        storage.register_metrics(self.metrics, self.data_dir)  # the data dir's free space
         self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m)
         self.reaper = Reaper(
             self.registry, self.records, backend, creating, self.execio, self.ports, self.ops.unserve, self._jetstream,
@@ -82,6 +85,13 @@ class HostAgent(Service):
             period_s=config.reconcile_s,
         )
         self.registry.observers.append(self.reaper.observe)
+        self.fncalls = FnCalls(  # FnCall's warm pools (none unless configured)
+            self.host_id, backend, parse_pools(config.fn_pools), layers=self.intake.layers,
+            security=lambda: self.profiles.enforcement("default") if self.profiles is not None else None,
+            max_members=config.fn_pool_max, memory_mb=config.fn_memory_mb, disk_mb=config.fn_disk_mb,
+            starts=config.fn_starts,
+        )
+        self.reconciler.also_holds = self.fncalls.holds
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0
@@ -131,6 +141,7 @@ class HostAgent(Service):
         # Before the first heartbeat: placement hands work to a host as soon as it sees one. What waits
         # for a slot waits here (placement holds each request until this host answers, bus.runtime.handoff).
         await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.config.concurrency, name=f"host-{self.host_id}")
+        await self.fncalls.start(self.nc)
         await self._heartbeat()
         self.spawn(self._heartbeat_loop(), name="heartbeat")
         self.spawn(self._tick_loop(), name="reaper")
@@ -146,6 +157,7 @@ class HostAgent(Service):
         await self.reaper.stop()
         await self.ops.stop()
         await self.execio.stop()
+        await self.fncalls.stop(self.grace_s)
         try:
             if self._kv_hosts is not None:
                 st = self._status()
@@ -190,6 +202,7 @@ class HostAgent(Service):
             mem_overcommit=cfg.mem_overcommit,
             cpu_alloc_ls=reg.alloc.cpu_ls,
             backends=self._backends(),
+            disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
         )
 
     def _backends(self) -> list[HostBackend]:
@@ -197,7 +210,7 @@ class HostAgent(Service):
         b = self.backend.advertise()
         if self.caps.warm_pool is not None:
             b.detail = {**b.detail, "warm": str(self.caps.warm_pool.warm_ready())}
-        return [b]
+        return [b, self.fncalls.advertise()] if self.fncalls.pools else [b]
 
     async def _heartbeat(self) -> None:
         if self._kv_hosts is None:

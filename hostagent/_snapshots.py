@@ -51,6 +51,7 @@ from bus.messages import (
 )
 from bus.streams import ensure_kv
 
+from . import _storage as storage
 from . import _upperdiff as snap
 from ._backend import Capabilities, Handle
 from ._profiles import ProfileCache
@@ -192,6 +193,7 @@ class Snapshots:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
         stage = os.path.join(sdir, snap.STAGE_NAME)
+        budget = await storage.snapshot_budget(self._js(), ls.spec, self.data_dir)  # quota_exceeded / no_space before anything is staged
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = self.caps.need_freezer().frozen(cgroup)  # a frozen pause stays frozen
@@ -201,10 +203,15 @@ class Snapshots:
         try:
             prev = await asyncio.to_thread(snap.load_index, sdir)
             diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
+            await storage.admit(budget, self.data_dir, stage if diff.entries else None, handle if req.memory else None)  # ... nor packed
             packed = await self._pack(stage) if diff.entries else None
             await asyncio.to_thread(snap.remove_stage, stage)
             index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
-            memory = await self._dump_memory(handle, snap_id) if req.memory else None  # still frozen: files and memory of one moment
+            memory = await self._dump_memory(handle, snap_id, budget) if req.memory else None  # still frozen: files and memory of one moment
+        except OSError as exc:
+            if storage.is_no_space(exc):
+                raise storage.no_space(exc, "snapshot") from None
+            raise
         finally:
             await asyncio.to_thread(snap.remove_stage, stage)
             if not already:
@@ -221,6 +228,7 @@ class Snapshots:
             await (await self.kv()).create(snap_id, codec.encode(rec))
         except KeyWrongLastSequenceError:
             raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
+        await storage.release_pins(self._js(), [p.ref.digest for p in (packed, memory) if p is not None])
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
         await asyncio.to_thread(snap.save_index, sdir, index)
         ls.extra[LAST] = snap_id
@@ -232,7 +240,7 @@ class Snapshots:
         log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))
         return rec
 
-    async def _dump_memory(self, handle: "Handle", snap_id: str) -> PackedLayer:
+    async def _dump_memory(self, handle: "Handle", snap_id: str, budget: storage.Budget | None = None) -> PackedLayer:
         """CRIU's dump of the (frozen) sandbox, packed as a layer like the files."""
         checkpointer = self.caps.need_checkpointer()
         root = os.path.join(self.data_dir, "criu", snap_id)
@@ -241,6 +249,8 @@ class Snapshots:
             os.makedirs(img)
             os.makedirs(work)
             await checkpointer.checkpoint(handle, img, work)
+            if budget is not None:
+                budget.charge_dump(await asyncio.to_thread(storage.staged_bytes, img))
             return await self._pack(img, role="memory")
         finally:
             await asyncio.to_thread(shutil.rmtree, root, True)

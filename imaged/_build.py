@@ -21,6 +21,7 @@ from bus.errors import ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import LayerRef, TemplateManifest
 
 from ._erofs import EROFS_UUID, mkfs_erofs, mkfs_version
+from ._erofs_write import write_erofs
 from ._manifests import (
     ROLES,
     check_name,
@@ -33,9 +34,9 @@ from ._manifests import (
     require_manifest,
 )
 from ._progress import ProgressFn, null_progress
-from ._snapshots import referenced
 from ._sources import Source, parse_source, source_fingerprint, stage_source
-from ._store import BlobNotFound, BlobStore, chunk_key, open_blob_store
+from ._gc import collect, guard_reuse, release
+from ._store import BlobNotFound, BlobStore, chunk_key, layer_key, open_blob_store
 from ._util import (
     DEFAULT_CHUNK_SIZE,
     atomic_write_json,
@@ -201,7 +202,8 @@ class ImageBuilder:
     def _load_chunks(self, hexd: str) -> list[str] | None:
         rec = read_json(self._chunks_path(hexd))
         if isinstance(rec, dict) and rec.get("chunk_size") == self.chunk_size and isinstance(rec.get("chunks"), list):
-            return rec["chunks"]
+            chunks: list[str] = rec["chunks"]
+            return chunks
         return None
 
     async def _mkfs(self, src: Source) -> tuple[str, list[str]]:
@@ -226,11 +228,14 @@ class ImageBuilder:
         """Pack directory ``path`` as it is into a layer (no staging copy, no source cache): whiteouts
         (0/0 character devices), opaque dirs (``trusted.overlay.opaque``), xattrs, owners, modes, hard
         links and per-file times are kept, so an overlay upper dir packed here stacks as a lower layer
-        with the very same view. The blob stays in ``blobs/`` for this host to mount directly."""
+        with the very same view. The blob stays in ``blobs/`` for this host to mount directly.
+
+        Packed by ``write_erofs``, not mkfs.erofs: holes stay holes and repeated chunks are stored
+        once, so a sparse file costs what its data costs (mkfs.erofs 1.5 writes every hole out)."""
         work = Path(tempfile.mkdtemp(prefix="pack-", dir=self.tmp_dir))
         try:
             out = work / "layer.erofs"
-            await mkfs_erofs(path, out, compress=self.compress, exact_times=True)
+            await asyncio.to_thread(write_erofs, path, out)
             hexd, chunks = await asyncio.to_thread(chunk_digests, out, self.chunk_size)
             dest = self.blob_path(hexd)
             if dest.exists():
@@ -248,7 +253,10 @@ class ImageBuilder:
         return LayerBuild(ref=ref, uploaded_bytes=up_bytes, uploaded_chunks=up_chunks, built=True, source=str(path))
 
     async def upload_layer(self, ref: LayerRef, blob: str | os.PathLike[str]) -> tuple[int, int]:
-        """Upload the chunks the store lacks, then the layer record. Returns (bytes, chunks) uploaded."""
+        """Upload the chunks the store lacks, then the layer record. Returns (bytes, chunks) uploaded.
+        The keys are pinned first, so a collection running meanwhile cannot take one this reuses."""
+        if self.js is not None:
+            await guard_reuse(self.js, ref.digest, [layer_key(ref.digest), *(chunk_key(c) for c in ref.chunks)])
         existing = await self.store.get_layer(ref.digest)
         if existing is not None and existing.chunks == ref.chunks and existing.chunk_size == ref.chunk_size:
             return 0, 0
@@ -331,6 +339,8 @@ class ImageBuilder:
             name=name, layers=[b.ref for b in builds], created_at=time.time(), description=description
         )
         await put_manifest(self.js, manifest)
+        for b in builds:
+            await release(self.js, b.ref.digest)  # the manifest references them now
         result = BuildResult(manifest=manifest, layers=builds, seconds=time.monotonic() - t0)
         await publish_event(
             self.js,
@@ -432,9 +442,9 @@ async def ensure_base_template(
         rootfs.mkdir()
         fn = _busybox.build_busybox_rootfs
         if inspect.iscoroutinefunction(fn):
-            await fn(rootfs)
+            await fn(str(rootfs))
         else:
-            await _maybe_await(await asyncio.to_thread(fn, rootfs))
+            await _maybe_await(await asyncio.to_thread(fn, str(rootfs)))
         result = await builder.build_template(name, base=str(rootfs), description="busybox base")
         return result.manifest
     finally:
@@ -469,26 +479,8 @@ async def remove_template(
 async def prune_unreferenced(
     js: JetStreamContext, *, store: BlobStore | None = None, data_dir: str | os.PathLike[str] | None = None
 ) -> dict[str, int]:
-    """Garbage-collect layer records, chunks and local blobs that no manifest or snapshot references.
-
-    Not safe against a build running at the same moment (its chunks are unreferenced until its
-    manifest is written): run it when no build is in flight."""
+    """Garbage-collect layer records, chunks and local blobs that no manifest or snapshot references
+    (``_gc.collect``: safe against builds and packs running meanwhile, which pin what they reuse)."""
     store = store if store is not None else open_blob_store(js)
-    keep_layers, keep_chunks = await referenced(js)  # templates' and snapshots' layers
-    removed = {"layers": 0, "chunks": 0, "blobs": 0}
-    for key in await store.keys("layers/"):
-        if key.split("/", 1)[1] not in keep_layers:
-            await store.delete(key)
-            removed["layers"] += 1
-    for key in await store.keys("chunks/"):
-        if key.split("/", 1)[1] not in keep_chunks:
-            await store.delete(key)
-            removed["chunks"] += 1
-    blobs = _data_dir(data_dir) / "images" / "blobs"
-    if blobs.is_dir():
-        for p in blobs.iterdir():
-            hexd = p.name.split(".", 1)[0]
-            if len(hexd) == 64 and hexd not in keep_layers:
-                p.unlink(missing_ok=True)
-                removed["blobs"] += p.name == hexd
-    return removed
+    out = await collect(js, store, data_dir=_data_dir(data_dir), blob_grace_s=0.0)
+    return {"layers": out["layers"], "chunks": out["chunks"], "blobs": out["local_files"]}

@@ -133,6 +133,7 @@ class ChunkCache:
         self._dirty = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self.extra_daemon_info: dict[str, Any] = {}
+        self.extra_tasks: list[asyncio.Task[Any]] = []  # background work of the daemon (its local gc), cancelled at close
         trace = os.environ.get("DSEC_IMAGED_TRACE_READS")
         self.trace = open(trace, "a", buffering=1) if trace else None  # noqa: SIM115 - open for the cache's life; debugging: one line per FUSE read
 

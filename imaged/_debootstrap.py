@@ -89,8 +89,8 @@ async def python_rootfs(
                     p.unlink()
     for rel in ("var/cache/debconf/templates.dat-old", "var/cache/debconf/config.dat-old"):
         (root / rel).unlink(missing_ok=True)
-    for d in ("workspace", ".dsec", ".dsec/bin", ".dsec/run"):
-        (root / d).mkdir(exist_ok=True)
+    for sub in ("workspace", ".dsec", ".dsec/bin", ".dsec/run"):
+        (root / sub).mkdir(exist_ok=True)
     ensure_e2b_user(root)
     (root.parent / f"{root.name}{_DONE}").write_text("ok\n")
     return root

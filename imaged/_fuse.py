@@ -413,7 +413,7 @@ class FuseMount:
                     got = _c().syscall(_SYS_PIDFD_GETFD, pidfd, fdno, 0)
                     if got < 0:
                         raise OSError(ctypes.get_errno(), "pidfd_getfd")
-                    fd = got
+                    fd = int(got)
                 finally:
                     os.close(pidfd)
             except OSError as exc:

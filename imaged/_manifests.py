@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
@@ -12,7 +13,7 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
-from bus.messages import ImageEvent, LayerRef, TemplateManifest
+from bus.messages import ImageEvent, ImageEventKind, LayerRef, TemplateManifest
 from bus.runtime import best_effort_event, kv_keys
 from bus.streams import ensure_kv
 
@@ -43,7 +44,8 @@ async def get_manifest(js: JetStreamContext, name: str) -> TemplateManifest | No
     if not entry.value:
         return None
     try:
-        return codec.TEMPLATE.decode(entry.value)
+        m: TemplateManifest = codec.TEMPLATE.decode(entry.value)
+        return m
     except BadRequest:
         return None
 
@@ -104,7 +106,7 @@ async def find_layer(js: JetStreamContext | None, store: BlobStore | None, diges
     return found, users
 
 
-async def publish_event(js: JetStreamContext | None, name: str, kind: str, **detail: str) -> None:
+async def publish_event(js: JetStreamContext | None, name: str, kind: ImageEventKind, **detail: str) -> None:
     """Publish an ImageEvent on dsec.evt.image.<name>.<kind> (best effort: events never fail the work)."""
     if js is None:
         return
@@ -112,7 +114,7 @@ async def publish_event(js: JetStreamContext | None, name: str, kind: str, **det
     await best_effort_event(js, S.evt_image(name, kind), ev)
 
 
-def layer_summary(layer: LayerRef) -> dict:
+def layer_summary(layer: LayerRef) -> dict[str, Any]:
     return {"role": layer.role, "digest": layer.digest, "size": layer.size}
 
 

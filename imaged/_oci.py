@@ -25,9 +25,11 @@ from bus.errors import ImageError
 from bus.messages import ImageDefaults, LayerRef, TemplateManifest
 
 from ._build import BuildResult, ImageBuilder, LayerBuild
+from ._gc import guard_reuse
 from ._manifests import check_name, publish_event, put_manifest
 from ._registry import ImageRef, Manifest, Registry, parse_ref
 from ._sources import apply_tar
+from ._store import chunk_key, layer_key
 
 _SUPPORTED = ("tar", "tar+gzip", "tar.gzip")  # zstd is not read by the extractor
 
@@ -83,6 +85,13 @@ async def _known_layer(builder: ImageBuilder, oci_digest: str) -> LayerRef | Non
     ref = await builder.store.get_layer(erofs)
     if ref is None or ref.digest != erofs:
         return None
+    if builder.js is not None:
+        # Reused without an upload: pinned against a collection first, then checked whole (a collection
+        # that ran before the pin may have taken a chunk: then the layer is converted again).
+        keys = [layer_key(erofs), *(chunk_key(c) for c in ref.chunks)]
+        await guard_reuse(builder.js, erofs, keys)
+        if not all([await builder.store.exists(k) for k in keys]):
+            return None
     return ref
 
 

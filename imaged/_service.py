@@ -18,6 +18,7 @@ from bus.streams import ensure_all
 
 from ._build import ImageBuilder, ensure_base_template, remove_template
 from ._compose import compose_template
+from ._gc import collect
 from ._oci import build_from_image
 from ._manifests import list_manifests, require_manifest
 from ._messages import (
@@ -33,13 +34,19 @@ from ._store import BlobStore, open_blob_store
 from ._util import data_dir as _data_dir
 
 QUEUE = "imaged"
+GC_INTERVAL_S = 3600.0
 
 
 class ImagedService(Service):
     name = "imaged"
 
-    def __init__(self, nats_url: str | None = None, *, data_dir: str | os.PathLike[str] | None = None, ensure_base: bool = True, **kw: Any) -> None:
+    def __init__(
+        self, nats_url: str | None = None, *, data_dir: str | os.PathLike[str] | None = None, ensure_base: bool = True, gc_interval_s: float | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(nats_url, **kw)
+        # periodic collection of the blob store and this data dir ($DSEC_GC_INTERVAL_S; 0: only `dsec gc`)
+        self.gc_interval_s = float(os.environ.get("DSEC_GC_INTERVAL_S", GC_INTERVAL_S)) if gc_interval_s is None else gc_interval_s
         self.data_dir = _data_dir(data_dir)
         self.ensure_base = ensure_base
         self.store: BlobStore | None = None
@@ -65,9 +72,21 @@ class ImagedService(Service):
             self.spawn(self._ensure_base())
         else:
             self.base_ready.set()
+        if self.gc_interval_s > 0:
+            self.spawn(self._gc_loop())
+
+    async def _gc_loop(self) -> None:
+        assert self.js is not None and self.store is not None
+        while not await self.pause(self.gc_interval_s):
+            try:
+                out = await collect(self.js, self.store, data_dir=self.data_dir)
+                self.log.info("gc_done", **out)
+            except Exception as exc:  # noqa: BLE001 - the next period tries again; nothing referenced is ever at risk
+                self.log.warning("gc_failed", error=str(exc))
 
     async def _ensure_base(self) -> None:
         delay = 0.5
+        assert self.js is not None
         for attempt in range(8):
             try:
                 m = await ensure_base_template(self.js, self.data_dir, store=self.store)

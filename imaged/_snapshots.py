@@ -17,6 +17,7 @@ from bus.messages import LayerRef, SnapshotEvent, SnapshotRecord
 from bus.runtime import kv_keys
 from bus.streams import ensure_kv
 
+from ._gc import sweep
 from ._manifests import list_manifests
 from ._store import BlobStore, chunk_key, layer_key
 from ._util import digest_hex
@@ -60,7 +61,7 @@ async def remove_snapshot(js: JetStreamContext, store: BlobStore, snapshot_id: s
     chunks only it referenced. A chunk another layer shares stays."""
     kv = await ensure_kv(js, S.KV_SNAPSHOTS)
     try:
-        rec = codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value)
+        rec = codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value or b"")
     except (KeyNotFoundError, BadRequest):
         raise UnknownSnapshot(f"no snapshot {snapshot_id!r}", snapshot_id=snapshot_id) from None
     children = sorted(r.snapshot_id for r in await list_snapshots(js) if r.parent_id == snapshot_id)
@@ -72,29 +73,29 @@ async def remove_snapshot(js: JetStreamContext, store: BlobStore, snapshot_id: s
     kv_sbx = await ensure_kv(js, S.KV_SANDBOXES)
     for key in await kv_keys(js, S.KV_SANDBOXES):
         try:
-            sr = codec.SANDBOX_RECORD.decode((await kv_sbx.get(key)).value)
+            sr = codec.SANDBOX_RECORD.decode((await kv_sbx.get(key)).value or b"")
         except (KeyNotFoundError, BadRequest):
             continue
         if sr.state == "paused" and sr.snapshot_id == snapshot_id:
             raise SnapshotInUse(f"paused sandbox {key} resumes from snapshot {snapshot_id}", snapshot_id=snapshot_id)
     await kv.delete(snapshot_id)
     keep_layers, keep_chunks = await referenced(js, skip_snapshot=snapshot_id)
-    removed = {"layers": 0, "chunks": 0, "bytes": 0}
+    sizes: dict[str, int] = {}  # candidate key -> bytes
     for lay in _layers_of(rec):
         hexd = digest_hex(lay.digest)
         if hexd in keep_layers:
             continue
+        sizes[layer_key(hexd)] = 0
         for idx, c in enumerate(lay.chunks):
-            ch = digest_hex(c)
-            if ch in keep_chunks:
-                continue
-            keep_chunks.add(ch)  # once per chunk, even when a layer repeats it
-            await store.delete(chunk_key(ch))
-            removed["chunks"] += 1
-            removed["bytes"] += min(lay.chunk_size, lay.size - idx * lay.chunk_size)
-        await store.delete(layer_key(hexd))
-        removed["layers"] += 1
-        if data_dir is not None:
+            if digest_hex(c) not in keep_chunks:
+                sizes[chunk_key(c)] = min(lay.chunk_size, lay.size - idx * lay.chunk_size)
+    # Through the collector's protocol: a pack reusing one of these chunks right now keeps it.
+    gone = await sweep(js, store, sizes)
+    removed = {"layers": 0, "chunks": 0, "bytes": sum(sizes[k] for k in gone)}
+    for k in gone:
+        kind, _, hexd = k.partition("/")
+        removed[kind] += 1
+        if kind == "layers" and data_dir is not None:
             (Path(data_dir) / "images" / "blobs" / hexd).unlink(missing_ok=True)
     ev = SnapshotEvent(snapshot_id=snapshot_id, kind="removed", at=time.time(), sandbox_id=rec.sandbox_id, parent_id=rec.parent_id,
                        detail={k: str(v) for k, v in removed.items()})

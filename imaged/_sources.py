@@ -19,6 +19,7 @@ import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bus.errors import ImageError, InvalidArgument
 
@@ -134,7 +135,7 @@ def _blob_path(layout: Path, digest: str) -> Path:
     return p
 
 
-def _pick(descs: list[dict], ref: str) -> dict:
+def _pick(descs: list[dict[str, Any]], ref: str) -> dict[str, Any]:
     if not descs:
         raise ImageError("OCI index lists no manifests")
     if ref:
@@ -151,7 +152,7 @@ def _pick(descs: list[dict], ref: str) -> dict:
     return descs[0]
 
 
-def _oci_manifest(layout: Path, ref: str = "") -> tuple[str, dict]:
+def _oci_manifest(layout: Path, ref: str = "") -> tuple[str, dict[str, Any]]:
     """(manifest digest, manifest json) of the image the layout's index.json points at."""
     index = json.loads((layout / "index.json").read_text())
     desc = _pick(index.get("manifests") or [], ref)

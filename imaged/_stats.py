@@ -63,7 +63,7 @@ async def template_stats(
                 per[digest_hex(k)] = int(v.get("fetched_bytes", 0))
             except (ValueError, AttributeError):
                 continue
-    layers = []
+    layers: list[dict[str, Any]] = []
     for lay in m.layers:
         layers.append(
             {

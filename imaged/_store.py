@@ -281,10 +281,12 @@ class S3BlobStore(BlobStore):
 
         def _get() -> bytes:
             resp = self._client.get_object(Bucket=self.bucket, Key=self.prefix + key)
-            return resp["Body"].read()
+            body: bytes = resp["Body"].read()
+            return body
 
         try:
-            return await self._run(_get)
+            data: bytes = await self._run(_get)
+            return data
         except Exception as exc:  # noqa: BLE001
             if self._is_missing(exc):
                 raise BlobNotFound(f"not in {self.url}: {key}", key=key) from None
@@ -305,7 +307,8 @@ class S3BlobStore(BlobStore):
                     out.append(o["Key"][len(self.prefix) :])
             return sorted(out)
 
-        return await self._run(_list)
+        keys: list[str] = await self._run(_list)
+        return keys
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

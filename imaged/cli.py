@@ -9,6 +9,7 @@
     dsec image show NAME                         (the manifest, as JSON)
     dsec image rm NAME... [--prune]
     dsec image stats NAME [--json] [--host-id H]
+    dsec gc [--data-dir D] [--grace S] [--json]  (layers, chunks and local leftovers nothing references)
 
 SRC is a directory, a tarball, an OCI image layout directory (``DIR`` or ``DIR:ref``), ``layer:<digest>``
 or ``template:<name>``. Also runnable alone: ``python -m imaged.cli image ls``.
@@ -115,11 +116,18 @@ def register(subparsers: Any) -> None:
     _add_common(st)
     st.set_defaults(func=_sync(_stats))
 
+    gc = subparsers.add_parser("gc", help="collect the blob store's unreferenced layers and chunks, and this host's data-dir leftovers")
+    gc.add_argument("--grace", type=float, default=None, help="seconds a data-dir leftover must be old to go (default 3600)")
+    gc.add_argument("--json", action="store_true")
+    _add_common(gc)
+    gc.set_defaults(func=_sync(_gc))
+
 
 def _sync(fn: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
-            return asyncio.run(fn(args))
+            rc: int = asyncio.run(fn(args))
+            return rc
         except DsecError as exc:
             print(f"dsec: {exc}", file=sys.stderr)
             return 1
@@ -290,6 +298,25 @@ async def _rm(args: argparse.Namespace) -> int:
         if pruned:
             print(f"pruned {pruned['layers']} layer(s), {pruned['chunks']} chunk(s), {pruned['blobs']} local blob(s)")
     return rc
+
+
+async def _gc(args: argparse.Namespace) -> int:
+    from ._gc import LOCAL_GRACE_S, collect
+    from ._util import data_dir
+
+    nc, js = await _js(args)
+    store = _store(js, args)
+    try:
+        out = await collect(js, store, data_dir=data_dir(args.data_dir), local_grace_s=LOCAL_GRACE_S if args.grace is None else args.grace)
+    finally:
+        await store.close()
+        await nc.close()
+    if args.json:
+        _print_json(out)
+    else:
+        print(f"collected {out['layers']} layer(s), {out['chunks']} chunk(s), {out['local_files']} local leftover(s) "
+              f"({_human(out['local_bytes'])}) in {out['ms']} ms")
+    return 0
 
 
 async def _stats(args: argparse.Namespace) -> int:

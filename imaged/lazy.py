@@ -31,9 +31,11 @@ import sys
 import time
 from typing import Any
 
+from nats.js.errors import APIError
+
 from bus import subjects as S
 from bus.codec import PACK_REQ
-from bus.errors import InvalidArgument
+from bus.errors import InvalidArgument, NoSpace
 from bus.messages import PackedLayer
 from bus.metrics import add_cli_flag as add_metrics_flag
 from bus.runtime import Endpoint, Exposition, connect
@@ -42,6 +44,8 @@ from ._build import ImageBuilder
 
 from ._cache import ChunkCache, FetchFailed
 from ._cache_metrics import cache_registry
+from ._gc import collect_local, pinned
+from ._snapshots import referenced
 from ._fuse import ROOT_INODE, Attr, FuseError, FuseMount, Session, lock_exclusive
 from ._messages import HOST_STATS_REQUEST
 from ._store import open_blob_store
@@ -50,6 +54,8 @@ from ._util import host_id as _host_id
 from ._util import is_hex_digest
 
 log = logging.getLogger("dsec.imaged.lazy")
+LOCAL_GC_INTERVAL_S = 3600.0
+JS_FULL = (10023, 10047)  # JetStream API errors: insufficient resources, insufficient storage
 
 
 def layer_inode(hexd: str) -> int:
@@ -198,6 +204,9 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
     await Endpoint(nc, "host-image-stats", on_stats).serve(S.host_img_stats(host))
     packer = Packer(js, store, os.path.dirname(os.path.abspath(cache_root)))
     await Endpoint(nc, "pack", packer.on_pack, decoder=PACK_REQ).serve(S.host_pack(host))
+    interval = float(os.environ.get("DSEC_GC_INTERVAL_S", LOCAL_GC_INTERVAL_S))
+    if interval > 0:
+        cache.extra_tasks.append(asyncio.get_running_loop().create_task(packer.collect_loop(interval)))
     reg = cache_registry(cache)
     reg.const_labels = {"service": "lazy-loader", "instance": host}
     metrics = Exposition(reg, "lazy-loader", host)
@@ -211,9 +220,24 @@ class Packer:
     under this host's data dir are packed."""
 
     def __init__(self, js: Any, store: Any, data_dir: str, concurrency: int = 2) -> None:
+        self.js = js
         self.data_dir = os.path.realpath(data_dir)
         self.builder = ImageBuilder(js, data_dir, store=store, upload_concurrency=16)
         self._sem = asyncio.Semaphore(concurrency)  # mkfs and uploads compete with the sandboxes for disk and CPU
+
+    async def collect_loop(self, interval_s: float) -> None:
+        """This host's data-dir leftovers (local blobs nothing references, dead pack and build dirs,
+        dumps of CRIU runs that died), every ``interval_s``."""
+        while True:
+            await asyncio.sleep(interval_s)  # the period, not synchronisation
+            try:
+                keep, _ = await referenced(self.js)
+                keep |= {k.split("/", 1)[1] for k in await pinned(self.js) if k.startswith("layers/")}
+                n, freed = await asyncio.to_thread(collect_local, self.data_dir, keep)
+                if n:
+                    log.info("collected %d leftover(s) (%d bytes) under %s", n, freed, self.data_dir)
+            except Exception as exc:  # noqa: BLE001 - next period
+                log.warning("local gc failed: %s", exc)
 
     async def on_pack(self, msg: Any, req: Any) -> PackedLayer:
         t0 = time.monotonic()
@@ -221,13 +245,24 @@ class Packer:
         if os.path.commonpath([path, self.data_dir]) != self.data_dir or not os.path.isdir(path):
             raise InvalidArgument(f"not a directory under {self.data_dir}: {req.path!r}")
         async with self._sem:
-            built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+            try:
+                built = await self.builder.pack_dir(path, role=req.role or "snapshot")
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # pack_dir left nothing behind: retry when there is room
+                    raise NoSpace(f"packing {req.path}: no space left in {self.data_dir}: {exc.strerror}") from None
+                raise
+            except APIError as exc:
+                if exc.err_code in JS_FULL:  # JetStream's file store is full
+                    raise NoSpace(f"packing {req.path}: the blob store is full: {exc.description}") from None
+                raise
         reply = PackedLayer(ref=built.ref, uploaded_bytes=built.uploaded_bytes, seconds=time.monotonic() - t0)
         log.info("packed %s: %s (%d bytes, %d uploaded) in %.3fs", path, built.ref.digest, built.ref.size, built.uploaded_bytes, reply.seconds)
         return reply
 
 
 async def _teardown(nc: Any, cache: ChunkCache, metrics: Exposition) -> None:
+    for t in cache.extra_tasks:
+        t.cancel()
     await metrics.stop()
     await cache.close()
     try:

@@ -112,6 +112,7 @@ class Policy:
     locality_weight: float = 0.5
     batch_hosts: int = 32  # a batch spreads over at most about this many hosts (fewer, bigger hand-offs)
     pool_cpu_overcommit: dict[str, float] = field(default_factory=dict)
+    min_disk_free_mb: int = 1024  # a host whose data dir has less free gets no creates (snapshots, layers and scratch need room)
 
 
 def capacity(st: HostStatus, policy: Policy) -> Capacity:
@@ -228,6 +229,8 @@ class HostTable:
         if b.max_disk_mb and spec.disk_mb > b.max_disk_mb:
             return "backend-disk"
         st = e.status
+        if 0 < st.disk_free_mb < self.policy.min_disk_free_mb:
+            return "disk-full"
         # The newcomers' expected resident share keeps the host's real memory under the physical limit.
         mem_over = max(st.mem_overcommit, 1.0)
         if st.mem_resident_mb + (e.r_mem + spec.memory_mb) / mem_over > st.mem_total_mb * self.policy.mem_resident_limit:

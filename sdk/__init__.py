@@ -4,6 +4,7 @@ from ._async import AsyncSandbox, build_spec
 from ._builder import BuildReport, TemplateBuilder, build_dockerfile, build_from_image
 from ._commands import AsyncCommandHandle
 from ._files import AsyncWatchHandle
+from ._fncall import AsyncFnCall, FnCall
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
 from ._sync import CommandHandle, Sandbox, WatchHandle
@@ -27,6 +28,8 @@ from .errors import (
 __all__ = [
     "Sandbox",
     "AsyncSandbox",
+    "FnCall",
+    "AsyncFnCall",
     "build_spec",
     "BuildReport",
     "TemplateBuilder",

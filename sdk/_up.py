@@ -62,7 +62,8 @@ SERVICES: tuple[Service, ...] = (
     Service("guard", "guard", ("guard",)),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
-                                       "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
+                                       "--concurrency", "{concurrency}", "--destroy-on-shutdown", "--fn-pool", "{fn_pool}"),
+            grace_s=60, control_key=True),
 )
 
 BACKOFF_BASE_S = 0.5

@@ -266,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
     up.add_argument("--http-port", type=int, default=3000, help="the HTTP gateway's port (E2B API, envd, REST)")
+    up.add_argument("--fn-pool", default="", help="FnCall warm pools on the host, <template>=<members>,... e.g. base=8,python=8 (default: none)")
     up.add_argument("--context", default=None, help="where to point clients at this stack (default: $DSEC_CONTEXT, else /run/dsec/context.json as root)")
     up.set_defaults(func=_up)
 

@@ -31,6 +31,7 @@ from ._filesystem import Filesystem, PayloadTooLarge
 from ._ports import Ports
 from ._process import Processes
 from ._rest import RestApi
+from ._runcode import RunCode
 from ._signing import Signer, key_of_token
 from ._templates import TemplateApi
 from ._tenants import Tenant, Tenants
@@ -220,6 +221,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     app.router.add_routes(TemplateApi(gw).routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
     app.router.add_routes(E2BApi(gw).routes())
     RestApi(gw).add_routes(app)
+    RunCode(gw).add_routes(app)  # SandboxFusion's POST /run_code over FnCall
     app.router.add_get("/health", _health)
     for ext in EXTENSIONS if extensions is None else extensions:
         ext(app)

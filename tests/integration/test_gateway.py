@@ -73,7 +73,7 @@ async def gw() -> Any:
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
     env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), **net.env())
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
-                "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240"], env, data.parent / f"{data.name}.log").start()
+                "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240", "--fn-pool", "base=2"], env, data.parent / f"{data.name}.log").start()
     try:
         await eventually(lambda: "dsec up: ready" in up.log() or not up.alive(), timeout=240, interval=0.2, what="dsec up to print ready")
         assert up.alive(), up.log()
@@ -820,3 +820,21 @@ def _persisted_pause_and_rest(gw: Gw) -> None:
 
 async def test_persisted_pause_and_rest_snapshots(gw: Gw) -> None:
     await asyncio.to_thread(_persisted_pause_and_rest, gw)
+
+
+async def test_run_code_with_the_key_in_the_url(gw: Gw) -> None:
+    """SandboxFusion's /run_code on `dsec up --fn-pool base=2` with authentication on: the key in the
+    path, the key as basic auth, and a wrong key (tests/integration/test_fncall.py has the rest)."""
+
+    def scenario() -> None:
+        body = json.dumps({"code": "echo fused", "language": "sh"}).encode()
+        json_ct = {"Content-Type": "application/json"}
+        st, out, _ = http(gw, "POST", f"/k/{gw.key_a}/run_code", body, json_ct, key=None)
+        assert st == 200 and out["status"] == "Success" and out["run_result"]["stdout"] == "fused\n", out
+        basic = {**json_ct, "Authorization": "Basic " + base64.b64encode(f"dsec:{gw.key_b}".encode()).decode()}
+        st, out, _ = http(gw, "POST", "/run_code", body, basic, key=None)
+        assert st == 200 and out["status"] == "Success", out
+        st, out, _ = http(gw, "POST", f"/k/{gw.key_a}x/run_code", body, json_ct, key=None)
+        assert st == 401 and out["status"] == "SandboxError", out
+
+    await asyncio.to_thread(scenario)

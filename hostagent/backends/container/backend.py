@@ -17,6 +17,7 @@ from bus.messages import (
     ExecRequest,
     ExecResult,
     FileOp,
+    FileWrite,
     HostBackend,
     LayerRef,
     SandboxMetrics,
@@ -24,6 +25,7 @@ from bus.messages import (
 )
 from bus.profiles import default_profile
 
+from ... import _storage as storage
 from ..._agent import AgentClient, AgentError, AgentInfo, ensure_agent_binary
 from ..._agentops import DEFAULT_ENV, agent_exec, agent_files
 from ..._config import DEFAULT_WARM_POOL
@@ -33,7 +35,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
+from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .freezer import freeze, frozen, thaw
@@ -205,6 +207,7 @@ class ContainerBackend:
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
         labels: dict[str, str] | None, restore: tuple[str, str],
     ) -> tuple[int, str, str, AgentInfo]:
+        storage.ensure_room(self.data_dir, 0, "create")  # no_space, typed, before the scratch image and its mkfs
         try:
             sdir = await self.scratch.allocate_async(cid, disk_mb)
         except ScratchError as exc:
@@ -361,6 +364,8 @@ class ContainerBackend:
         return await agent_exec(self.agent_client(handle), handle.sandbox_id, req, on_output, on_start)
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
+        if isinstance(op, FileWrite):
+            storage.ensure_room(self.data_dir, len(op.data), "file upload")  # the sandbox's disk is a sparse file here
         return await agent_files(self.agent_client(handle), handle.sandbox_id, op)
 
     # --- optional abilities: metrics, freezing, checkpoints ----------------------------------------
@@ -389,6 +394,29 @@ class ContainerBackend:
 
     async def thaw(self, handle: Handle) -> None:
         await thaw(self._cgroup(handle))
+
+    def set_memory_limit(self, handle: Handle, memory_mb: int) -> None:
+        """Change a running sandbox's memory limit (an fn call's own); memory+swap follows it."""
+        mem = MEM_CGROUP / cgroup_path(self._container_of(handle)).lstrip("/")
+        limit = str(memory_mb * 1024 * 1024)
+        mem_file, memsw = mem / "memory.limit_in_bytes", mem / "memory.memsw.limit_in_bytes"
+        # memory+swap must stay >= memory: raise it first when growing, lower memory first when shrinking.
+        growing = memory_mb * 1024 * 1024 >= int(mem_file.read_text())
+        for f in ([memsw, mem_file] if growing else [mem_file, memsw]):
+            if f.exists():
+                f.write_text(limit)
+
+    def oom_kills(self, handle: Handle) -> int:
+        """Processes of the sandbox the kernel killed for its memory limit (cgroup v1 ``oom_kill``)."""
+        path = MEM_CGROUP / cgroup_path(self._container_of(handle)).lstrip("/") / "memory.oom_control"
+        try:
+            for line in path.read_text().splitlines():
+                key, _, n = line.partition(" ")
+                if key == "oom_kill":
+                    return int(n)
+        except OSError:
+            pass
+        return 0
 
     def frozen(self, handle: Handle) -> bool:
         return frozen(self._cgroup(handle))

@@ -1,0 +1,392 @@
+"""FnCall on a host: per-template pools of started sandboxes that each serve exactly one stateless
+call, answered on ``dsec.fn.<template>.call``.
+
+Why a queue group and not placement: a call is a core request every host with a pool of the template
+takes in queue group ``fn``, so NATS spreads calls over those hosts with no placement round trip and
+no host table read on the hot path, and a host that dies leaves the group with its connection. A
+host that cannot find a free member queues the call (bounded) and answers ``no_capacity`` at its
+deadline: never a hang.
+
+Why a member serves one call: every call must start from the template's state (upper dir, processes,
+``/tmp``, ``/dev/shm``, SysV IPC, environment, cgroup counters). A fresh container gives all of that
+by construction, where an in-place reset would have to find and undo each kind of state (and an
+overlay's upper dir cannot be emptied under a live mount). The cost, a container start, is paid off
+the hot path: a used member is destroyed in the background while the pool starts its replacement.
+
+Pools grow on demand (each call that had to wait raises the pool's idle target, up to its maximum)
+and shrink when idle (a target above the configured size falls back one member per idle period,
+and surplus idle members are destroyed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import DsecError, InvalidArgument, NoCapacity, UnknownTemplate
+from bus.fncall import FN_WORKDIR, check_call, check_path
+from bus.messages import (
+    ExecRequest,
+    ExecResult,
+    FileData,
+    FileMakeDir,
+    FileRead,
+    FileWrite,
+    FnCallRequest,
+    FnCallResult,
+    HostBackend,
+    LayerRef,
+    SandboxSpec,
+)
+from bus.runtime import Endpoint
+
+from ._backend import Backend, Handle
+
+log = structlog.get_logger("dsec.hostagent.fncall")
+
+STDIN_PATH = "/tmp/.dsec-fn-stdin"  # outside the working directory: not one of the call's files (the member is fresh, so nothing else sees it)
+MAINTAIN_S = 1.0  # pools are trimmed and refilled (after a failed start) this often
+FAIL_BACKOFF_S = 2.0  # a pool whose member failed to start waits this long before trying again
+
+
+def parse_pools(text: str) -> dict[str, int]:
+    """``base=8,python=8`` -> {"base": 8, "python": 8}; ValueError naming what is wrong."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, n = part.partition("=")
+        if not sep or not S.valid_token(name) or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"fn pool {part!r}: expected <template>=<members>, e.g. base=8")
+        out[name] = int(n)
+    return out
+
+
+@runtime_checkable
+class CallLimits(Protocol):
+    """A backend that can change one sandbox's memory limit and count its OOM kills (container)."""
+
+    def set_memory_limit(self, handle: Handle, memory_mb: int) -> None: ...
+
+    def oom_kills(self, handle: Handle) -> int: ...
+
+
+@dataclass
+class Member:
+    sid: str
+    handle: Handle
+    idle_since: float = 0.0
+
+
+@dataclass
+class FnPool:
+    """The members of one template on this host."""
+
+    template: str
+    size: int  # idle members kept ready at rest
+    max_members: int  # idle + busy + starting, at most
+    queue_max: int  # calls waiting for a member, at most
+    make: Callable[[str], Awaitable[Member]]
+    destroy: Callable[[Member], Awaitable[None]]
+    starts: asyncio.Semaphore  # member starts in flight on this host, every pool together
+    idle: deque[Member] = field(default_factory=deque)
+    waiters: deque[asyncio.Future[Member]] = field(default_factory=deque)
+    busy: int = 0
+    starting: int = 0
+    retiring: int = 0  # used members being destroyed: they still hold a container, so they count
+    want: int = 0  # idle target now: ``size``, raised by demand, back to ``size`` when idle
+    last_wait: float = 0.0
+    failed_at: float = 0.0
+    last_error: DsecError | None = None
+    served: int = 0
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _retiring: set[asyncio.Task[None]] = field(default_factory=set)
+    stopping: bool = False
+
+    def __post_init__(self) -> None:
+        self.want = self.size
+
+    def members(self) -> int:
+        return len(self.idle) + self.busy + self.starting + self.retiring
+
+    async def acquire(self, wait_s: float) -> Member:
+        """A member for one call; ``no_capacity`` when none frees up within ``wait_s`` (or the queue is full)."""
+        if self.idle:
+            m = self.idle.popleft()  # the oldest: every member is as fresh as the next
+            self.busy += 1
+            self.fill()
+            return m
+        if len(self.waiters) >= self.queue_max:
+            raise NoCapacity(f"{len(self.waiters)} calls of {self.template!r} are waiting on this host already", template=self.template)
+        self.last_wait = time.monotonic()
+        self.want = min(self.want + 1, self.max_members)  # demand: keep more ready from now on
+        fut: asyncio.Future[Member] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        self.fill()
+        try:
+            await asyncio.wait({fut}, timeout=wait_s)
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())  # handed over just as the call went away
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+                self.waiters.remove(fut)
+        if fut.cancelled():
+            why = f" (the last start failed: {self.last_error.description})" if self.last_error else ""
+            raise NoCapacity(f"no {self.template!r} pool member came free within {wait_s:g}s{why}", template=self.template)
+        m = fut.result()  # (raises a failed start's error)
+        return m
+
+    def retire(self, m: Member) -> None:
+        """Destroy ``m`` in the background; its container counts until it is gone."""
+        self.retiring += 1
+        t = asyncio.ensure_future(self._retire(m))
+        self._retiring.add(t)
+        t.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, m: Member) -> None:
+        try:
+            await self.destroy(m)
+        finally:
+            self.retiring -= 1
+            self.fill()
+
+    def release(self, m: Member) -> None:
+        """The call is over: the member goes (it is never used twice) and a fresh one is started."""
+        self.busy -= 1
+        self.served += 1
+        self.retire(m)
+        self.fill()
+
+    def fill(self) -> None:
+        """Start members until the idle target plus the waiting calls are covered (within the maximum)."""
+        if self.stopping or time.monotonic() - self.failed_at < FAIL_BACKOFF_S:
+            return
+        need = self.want + len(self.waiters) - len(self.idle) - self.starting
+        room = self.max_members - self.members()
+        for _ in range(max(0, min(need, room))):
+            self.starting += 1
+            t = asyncio.ensure_future(self._start_one())
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _start_one(self) -> None:
+        try:
+            async with self.starts:
+                m = await self.make(self.template)
+        except asyncio.CancelledError:
+            self.starting -= 1
+            raise
+        except Exception as exc:  # noqa: BLE001 - the waiting call hears why; the pool tries again later
+            self.starting -= 1
+            err = exc if isinstance(exc, DsecError) else DsecError(f"{type(exc).__name__}: {exc}")
+            self.last_error, self.failed_at = err, time.monotonic()
+            log.warning("fn_member_start_failed", template=self.template, error=str(exc))
+            while self.waiters:  # a template that cannot start fails its calls now, not at their deadline
+                w = self.waiters.popleft()
+                if not w.done():
+                    w.set_exception(err)
+                    break
+            return
+        self.starting -= 1
+        self.last_error = None
+        while self.waiters:
+            w = self.waiters.popleft()
+            if not w.done():
+                self.busy += 1
+                w.set_result(m)
+                return
+        m.idle_since = time.monotonic()
+        self.idle.append(m)
+
+    def maintain(self, idle_s: float) -> None:
+        """Shrink a pool grown by demand once calls stop waiting; retry after failed starts."""
+        now = time.monotonic()
+        if self.want > self.size and now - self.last_wait > idle_s:
+            self.want -= 1
+            self.last_wait = now  # one member per idle period
+        while len(self.idle) > self.want and now - self.idle[0].idle_since > idle_s:
+            self.retire(self.idle.popleft())
+        self.fill()
+
+    async def stop(self) -> None:
+        """No more starts; every member (idle, or one whose start is cancelled here) destroyed."""
+        self.stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        for t in list(self._tasks):
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - stopping anyway
+                pass
+        for w in self.waiters:
+            if not w.done():
+                w.cancel()
+        while self.idle:
+            self.retire(self.idle.popleft())
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+
+class FnCalls:
+    """Every fn pool of this host, and the endpoint that serves their calls."""
+
+    def __init__(
+        self, host_id: str, backend: Backend, pools: dict[str, int], *, layers: Callable[[str], Awaitable[list[LayerRef]]],
+        security: Callable[[], Any], max_members: int = 0, memory_mb: int = 512, disk_mb: int = 256, queue_max: int = 4096,
+        idle_s: float = 30.0, starts: int = 4,
+    ) -> None:
+        self.host_id = host_id
+        self.backend = backend
+        self.limits = backend if isinstance(backend, CallLimits) else None
+        self.layers = layers
+        self.security = security
+        self.memory_mb = memory_mb
+        self.disk_mb = disk_mb
+        self.idle_s = idle_s
+        self._starts = asyncio.Semaphore(starts)
+        self.pools = {
+            t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._destroy, self._starts) for t, n in pools.items()
+        }
+        # The reset's cost, paid off the hot path: the last starts and destroys of members (benchmarks).
+        self.start_ms: deque[float] = deque(maxlen=1000)
+        self.destroy_ms: deque[float] = deque(maxlen=1000)
+        self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
+        self._maintain: asyncio.Task[None] | None = None
+        self.endpoint: Endpoint | None = None
+
+    def holds(self, sid: str) -> bool:
+        """A sandbox of a pool (reconcile leaves it alone)."""
+        return sid in self._sids
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self, nc: NATS) -> None:
+        if not self.pools:
+            return
+        for p in self.pools.values():
+            p.fill()
+        self.endpoint = Endpoint(nc, "fn", self.handle, decoder=codec.FN_CALL, bind=_bind)
+        for t in self.pools:
+            await self.endpoint.serve(S.fn_call(t), queue=S.FN_QUEUE)
+        self._maintain = asyncio.ensure_future(self._maintain_loop())
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        if self.endpoint is not None:
+            await self.endpoint.stop(grace_s)
+        if self._maintain is not None:
+            self._maintain.cancel()
+        await asyncio.gather(*(p.stop() for p in self.pools.values()))
+
+    async def _maintain_loop(self) -> None:
+        while True:
+            await asyncio.sleep(MAINTAIN_S)  # a timer of its own: trims and retries are not urgent
+            for p in self.pools.values():
+                p.maintain(self.idle_s)
+
+    def advertise(self) -> HostBackend:
+        """What the heartbeat says of the pools (``HostStatus.backends``)."""
+        ps = self.pools.values()
+        return HostBackend(name="fncall", detail={
+            "pools": ",".join(f"{p.template}={p.size}" for p in ps),
+            "idle": ",".join(f"{p.template}={len(p.idle)}" for p in ps),
+            "busy": ",".join(f"{p.template}={p.busy}" for p in ps),
+            "waiting": ",".join(f"{p.template}={len(p.waiters)}" for p in ps),
+        })
+
+    # --- members ----------------------------------------------------------------------------------
+    async def _make(self, template: str) -> Member:
+        sid = f"fn-{template[:40]}-{os.urandom(6).hex()}"
+        self._sids.add(sid)
+        t0 = time.perf_counter()
+        try:
+            layers = await self.layers(template)
+            spec = SandboxSpec(sandbox_id=sid, template=template, memory_mb=self.memory_mb, disk_mb=self.disk_mb, timeout_s=0.0)
+            handle = await self.backend.create(spec, layers, security=self.security())
+            await self.backend.files(handle, FileMakeDir(path=FN_WORKDIR))
+        except BaseException:
+            await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
+            raise
+        self.start_ms.append((time.perf_counter() - t0) * 1000)
+        return Member(sid, handle)
+
+    async def _destroy(self, m: Member) -> None:
+        sid = m.sid
+        t0 = time.perf_counter()
+        try:
+            await self.backend.destroy(sid)
+        except Exception as exc:  # noqa: BLE001 - reconcile removes what is left once it is no longer held
+            log.warning("fn_member_destroy_failed", sandbox_id=sid, error=str(exc))
+        self._sids.discard(sid)
+        self.destroy_ms.append((time.perf_counter() - t0) * 1000)
+
+    # --- a call -------------------------------------------------------------------------------------
+    async def handle(self, msg: Msg, req: FnCallRequest) -> FnCallResult:
+        template = msg.subject.split(".")[2]
+        pool = self.pools.get(template)
+        if pool is None:
+            raise UnknownTemplate(f"this host keeps no fn pool of {template!r}", template=template)
+        check_call(req)
+        t0 = time.perf_counter()
+        m = await pool.acquire(req.queue_s)
+        queued_ms = (time.perf_counter() - t0) * 1000
+        try:
+            out = await self._run(m.handle, req)
+        finally:
+            pool.release(m)
+        out.host_id, out.queued_ms = self.host_id, queued_ms
+        return out
+
+    async def _run(self, h: Handle, req: FnCallRequest) -> FnCallResult:
+        b = self.backend
+        # Files one at a time: the agent's channel serialises them anyway, and a call has few.
+        for f in req.files:
+            await b.files(h, FileWrite(path=f"{FN_WORKDIR}/{check_path(f.path)}", data=f.data, mode=f.mode & 0o7777))
+        if req.memory_mb:
+            if self.limits is None:
+                raise InvalidArgument(f"the {b.name} backend cannot set a call's memory limit")
+            await asyncio.to_thread(self.limits.set_memory_limit, h, req.memory_mb)
+        out = FnCallResult()
+        if req.compile_cmd:
+            out.compile = await self._exec(h, req.compile_cmd, req, req.compile_timeout_s)
+            if out.compile.exit_code != 0 or out.compile.timed_out:
+                out.oom = self._oom(h)
+                return out
+        cmd = req.cmd
+        if req.stdin:
+            await b.files(h, FileWrite(path=STDIN_PATH, data=req.stdin))
+            cmd = f"exec < {STDIN_PATH}\n{cmd}"
+        out.run = await self._exec(h, cmd, req, req.timeout_s)
+        out.oom = self._oom(h)
+        for p in req.fetch_files:
+            try:
+                got = await b.files(h, FileRead(path=f"{FN_WORKDIR}/{check_path(p)}"))
+            except DsecError:
+                continue  # not there (or not a file): SandboxFusion leaves it out of ``files``
+            if isinstance(got, FileData):
+                out.files[p] = got.data
+        return out
+
+    async def _exec(self, h: Handle, cmd: str, req: FnCallRequest, timeout_s: float) -> ExecResult:
+        er = ExecRequest(cmd=cmd, envs=req.envs, cwd=FN_WORKDIR, timeout_s=timeout_s, output_cap=req.output_cap, trusted=req.trusted)
+        return await self.backend.exec(h, er, None)
+
+    def _oom(self, h: Handle) -> bool:
+        return self.limits is not None and self.limits.oom_kills(h) > 0
+
+
+def _bind(msg: Msg) -> dict[str, str]:
+    return {"subject": msg.subject}
+
+
+__all__ = ["CallLimits", "FnCalls", "FnPool", "Member", "parse_pools"]

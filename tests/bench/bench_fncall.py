@@ -1,0 +1,180 @@
+"""Benchmark of FnCall (a script, not a test):
+
+    python tests/bench/bench_fncall.py [-n 50] [--per-caller 2] [--pool 8] [--long 60]
+
+Starts, in this process, nats-server, a host agent (container backend) with fn pools ``base`` and,
+when the Debian rootfs with python3 and g++ is cached (tests/integration/test_fncall.py builds it),
+``python``, and the HTTP gateway; then measures:
+
+* ``FnCall.run("true")`` and ``run_code("print(1)")``: p50 / p99 of the hot path (a member is ready:
+  the call is the NATS round trip, the file writes and the exec), sequential;
+* calls/s with 16, 64 and 256 concurrent callers (``--per-caller`` calls each), through the SDK and
+  through ``POST /run_code``: every call uses up a member, so this is bounded by how fast the host
+  starts replacements;
+* the reset between calls: a member's start and its destroy (both off the hot path);
+* ``--long S``: 256 callers for S seconds through ``/run_code``, counting errors and timeouts.
+
+Everything it starts is stopped and its data dir removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bus.natsd import NatsServer, free_port  # noqa: E402 - after the repo is on sys.path
+from tests.netclaim import claim_net  # noqa: E402
+
+KEY = "dsec_bench.secret"  # the bench's NATS runs without authentication: any well-formed key connects
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))] if s else float("nan")
+
+
+def line(label: str, xs: list[float]) -> str:
+    return f"{label:<44} p50 {pct(xs, 50):8.1f} ms   p99 {pct(xs, 99):8.1f} ms   (n={len(xs)})"
+
+
+async def wait_idle(pool: Any, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pool.idle:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no idle member of {pool.template} within {timeout}s")
+        await asyncio.sleep(0.005)  # poll interval: the measurement starts once a member is ready
+
+
+async def hot_path(label: str, pool: Any, call: Any, n: int) -> None:
+    xs = []
+    for _ in range(n):
+        await wait_idle(pool)
+        t0 = time.perf_counter()
+        await call()
+        xs.append((time.perf_counter() - t0) * 1000)
+    print(line(label, xs))
+
+
+async def throughput(label: str, call: Any, callers: int, per_caller: int) -> None:
+    errors: list[str] = []
+
+    async def one() -> None:
+        for _ in range(per_caller):
+            try:
+                await call()
+            except Exception as exc:  # noqa: BLE001 - counted and shown
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(callers)))
+    dt = time.perf_counter() - t0
+    n = callers * per_caller
+    print(f"{label:<44} {n / dt:8.1f} calls/s   ({n} calls in {dt:.1f}s, errors {len(errors)}{': ' + errors[0] if errors else ''})")
+
+
+async def main(args: argparse.Namespace) -> None:
+    import aiohttp
+    from aiohttp import web
+
+    import sdk._async
+    from bus import connect, ensure_all
+    from hostagent import HostAgent, HostAgentConfig
+    from hostagent.backends.container import ContainerBackend
+    from imaged._busybox import build_busybox_rootfs
+    from sdk import AsyncFnCall
+    from sdk.gateway._app import make_app
+    from sdk.gateway._config import GatewayConfig
+    from tests.integration.test_fncall import _register, debian_rootfs
+
+    uid = uuid.uuid4().hex[:8]
+    data = Path(tempfile.mkdtemp(prefix=f"dsec-fnbench-{uid}-", dir="/tmp"))
+    nats = NatsServer(str(data / "nats"), port=free_port())
+    nats.start()
+    net = claim_net()
+    host = None
+    runner = None
+    try:
+        nc = await connect(nats.url, name="bench")
+        await ensure_all(nc.jetstream())
+        await asyncio.to_thread(build_busybox_rootfs, str(data / "rootfs"))
+        await _register(nc.jetstream(), "base", str(data / "rootfs"))
+        debian = await debian_rootfs()
+        pools = f"base={args.pool}"
+        if debian is not None:
+            await _register(nc.jetstream(), "python", str(debian))
+            pools += f",python={args.pool}"
+        await nc.close()
+        backend = ContainerBackend(str(data), scratch_size_gb=64, warm_pool=0, network=net.config())
+        host = HostAgent(backend, HostAgentConfig(nats_url=nats.url, host_id=f"bench-{uid}", data_dir=str(data), pool=f"bench-{uid}",
+                                                  destroy_on_shutdown=True, fn_pools=pools))
+        await host.start()
+        fc = host.fncalls
+        for p in fc.pools.values():
+            await wait_idle(p)
+        port = free_port()
+        runner = web.AppRunner(make_app(GatewayConfig(nats_url=nats.url, http_port=port), extensions=[]))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}/k/{KEY}/run_code"
+        c = AsyncFnCall(nats_url=nats.url, queue_timeout=290)
+        print(f"pools: {pools}   (python: {'yes' if debian else 'no: the Debian rootfs is not cached'})")
+
+        await hot_path("FnCall.run('true')", fc.pools["base"], lambda: c.run("true"), args.n)
+        if debian is not None:
+            await hot_path("FnCall.run_code('print(1)')", fc.pools["python"], lambda: c.run_code("print(1)"), args.n)
+
+        async with aiohttp.ClientSession() as http:
+            async def post(code: str, language: str) -> None:
+                async with http.post(url, json={"code": code, "language": language}, timeout=aiohttp.ClientTimeout(total=600)) as r:
+                    body = await r.json()
+                    if r.status != 200 or body["status"] != "Success":
+                        raise RuntimeError(f"{r.status} {body.get('message')}")
+
+            await hot_path("POST /run_code sh 'true'", fc.pools["base"], lambda: post("true", "sh"), args.n)
+            if debian is not None:
+                await hot_path("POST /run_code python print(1)", fc.pools["python"], lambda: post("print(1)", "python"), args.n)
+            for callers in (16, 64, 256):
+                await throughput(f"FnCall.run('true') x{callers} callers", lambda: c.run("true"), callers, args.per_caller)
+                await throughput(f"POST /run_code sh x{callers} callers", lambda: post("true", "sh"), callers, args.per_caller)
+            if args.long:
+                deadline = time.monotonic() + args.long
+
+                async def until() -> None:
+                    if time.monotonic() < deadline:
+                        await post("true", "sh")
+                await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
+        starts, destroys = list(fc.start_ms), list(fc.destroy_ms)
+        print(line("reset: member start (off the hot path)", starts))
+        print(line("reset: member destroy (off the hot path)", destroys))
+        if starts:
+            print(f"{'reset: mean start + destroy':<44} {statistics.mean(starts) + statistics.mean(destroys or [0]):8.1f} ms per call")
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await sdk._async.close_connections()
+        if host is not None:
+            await host.shutdown()
+        nats.stop()
+        await net.purge()
+        net.release()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=50, help="sequential calls per hot-path figure")
+    ap.add_argument("--per-caller", type=int, default=2, help="calls per caller in the throughput runs")
+    ap.add_argument("--pool", type=int, default=8, help="members per fn pool")
+    ap.add_argument("--long", type=float, default=0.0, help="seconds of 256 callers through /run_code (0: skip)")
+    asyncio.run(main(ap.parse_args()))

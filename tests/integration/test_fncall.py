@@ -1,0 +1,494 @@
+"""FnCall on real parts: a host agent (container backend, private containerd) keeping fn pools of
+``base`` (busybox) and, when the Debian rootfs is at hand, ``python`` and ``cpp`` (python3, bash, g++),
+served on ``dsec.fn.<template>.call``; the SDK's ``FnCall`` / ``AsyncFnCall`` against it.
+
+The Debian rootfs is debootstrapped once into ``DEBIAN_CACHE`` (minutes: only with DSEC_SLOW=1, or
+when it is there already); without it the python/cpp tests skip with that reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from tests.conftest import cannot_run, eventually
+from tests.netclaim import claim_net
+
+from .conftest import SKIP_REASON, data_dir_leftovers, force_cleanup, needs_stack
+
+pytestmark = [pytest.mark.containerd, needs_stack]
+
+DEBIAN_CACHE = os.environ.get("DSEC_FNCALL_CACHE", "/var/cache/dsec-fncall")
+SLOW = os.environ.get("DSEC_SLOW") == "1"
+
+
+async def debian_rootfs() -> Path | None:
+    """The cached Debian rootfs with python3, bash and g++; built here only with DSEC_SLOW=1."""
+    from imaged._debootstrap import _DONE, DEFAULT_MIRROR, DEFAULT_PACKAGES, DEFAULT_SUITE, python_rootfs
+
+    packages = (*DEFAULT_PACKAGES, "g++")
+    key = hashlib.sha256(f"{DEFAULT_SUITE}\0{DEFAULT_MIRROR}\0{','.join(sorted(packages))}".encode()).hexdigest()[:12]
+    done = Path(DEBIAN_CACHE) / "images" / "rootfs" / f"debian-{DEFAULT_SUITE}-{key}{_DONE}"
+    if not done.exists() and not SLOW:
+        return None
+    return await python_rootfs(DEBIAN_CACHE, packages=packages)
+
+
+@dataclass
+class Fn:
+    url: str
+    host: Any
+    backend: Any
+    data_dir: Path
+    debian: Path | None
+
+    def client(self, **kw: Any) -> Any:
+        from sdk import AsyncFnCall
+
+        kw.setdefault("queue_timeout", 240)  # calls wait for member starts: seconds each on a loaded machine
+        return AsyncFnCall(nats_url=self.url, **kw)
+
+    def needs_debian(self) -> None:
+        if self.debian is None:
+            pytest.skip(f"needs the Debian rootfs with python3 and g++ in {DEBIAN_CACHE} (DSEC_SLOW=1 builds it: minutes)")
+
+
+async def _register(js: Any, name: str, path: str) -> None:
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import LayerRef, TemplateManifest
+    from bus.streams import ensure_kv
+
+    kv = await ensure_kv(js, S.KV_IMAGES)
+    digest = "sha256:" + (uuid.uuid5(uuid.NAMESPACE_URL, path).hex * 2)
+    manifest = TemplateManifest(name=name, created_at=time.time(), description=f"{name} (fncall tests)",
+                                layers=[LayerRef(role="base", digest=digest, kind="dir", path=path)])
+    await kv.put(name, codec.encode(manifest))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fn(nats_server: Any) -> AsyncIterator[Fn]:
+    if SKIP_REASON is not None:
+        cannot_run(SKIP_REASON)
+    import sdk._async
+    from bus import connect, ensure_all
+    from hostagent import HostAgent, HostAgentConfig
+    from hostagent.backends.container import ContainerBackend
+    from imaged._busybox import build_busybox_rootfs
+
+    uid = uuid.uuid4().hex[:8]
+    data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-fn-{uid}-", dir="/tmp"))
+    rootfs = data_dir / "rootfs"
+    nc = await connect(nats_server.url, name="dsec-tests-fn")
+    js = nc.jetstream()
+    await ensure_all(js)
+    await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
+    await _register(js, "base", str(rootfs))
+    await _register(js, "tiny", str(rootfs))  # a pool of one member (no_capacity)
+    debian = await debian_rootfs()
+    pools = "base=4,tiny=1"
+    if debian is not None:
+        await _register(js, "python", str(debian))
+        await _register(js, "cpp", str(debian))
+        pools += ",python=2,cpp=1"
+    net = await asyncio.to_thread(claim_net)
+    backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=0, network=net.config())
+    host = HostAgent(backend, HostAgentConfig(
+        nats_url=nats_server.url, host_id=f"fn-{uid}", data_dir=str(data_dir), pool=f"fn-{uid}", heartbeat_s=1.0,
+        destroy_on_shutdown=True, grace_s=20.0, fn_pools=pools, fn_pool_max=0,
+    ))
+    try:
+        await host.start()
+        await eventually(lambda: all(len(p.idle) >= min(p.size, 2) for p in host.fncalls.pools.values()), timeout=120, what="the fn pools to fill")
+        yield Fn(nats_server.url, host, backend, data_dir, debian)
+    finally:
+        with contextlib.suppress(Exception):
+            await sdk._async.close_connections()
+        await host.shutdown()
+        await nc.close()
+        left = data_dir_leftovers(data_dir)
+        if left:
+            await force_cleanup(data_dir)
+        await net.purge()
+        net.release()
+        if not data_dir_leftovers(data_dir):
+            shutil.rmtree(data_dir, ignore_errors=True)
+        assert not left, f"left under {data_dir} after shutdown: {left}"
+
+
+# ------------------------------------------------------------------------------------------ basics
+async def test_run_and_the_heartbeat_advertises_the_pools(fn: Fn) -> None:
+    from bus import codec
+    from bus import subjects as S
+    from bus.runtime import KV
+
+    r = await fn.client().run("echo hi; echo oops >&2; exit 3", files={"a.txt": "x"})
+    assert (r.stdout, r.stderr, r.exit_code, r.error) == ("hi\n", "oops\n", 3, None)
+    r = await fn.client().run("cat a.txt in/b.txt; pwd", files={"a.txt": "A", "in/b.txt": b"B\n"}, envs={"X": "1"})
+    assert r.stdout == "AB\n/workspace\n" and r.exit_code == 0
+    r = await fn.client().run("cat", stdin="from stdin")
+    assert r.stdout == "from stdin"
+
+    import nats
+
+    nc = await nats.connect(fn.url)
+    try:
+        kv = await KV.bind(nc.jetstream(), S.KV_HOSTS, codec.HOST_STATUS)
+        st = await kv.get(fn.host.host_id)
+        assert st is not None
+        fc = [b for b in st.backends if b.name == "fncall"]
+        assert fc and "base=4" in fc[0].detail["pools"], st.backends
+    finally:
+        await nc.close()
+
+
+async def test_sync_fncall(fn: Fn) -> None:
+    from sdk import FnCall
+
+    # (in a thread: the host agent runs on this test's event loop)
+    r = await asyncio.to_thread(FnCall(nats_url=fn.url).run, "echo sync")
+    assert r.stdout == "sync\n" and r.exit_code == 0
+
+
+async def test_every_call_starts_from_the_template(fn: Fn) -> None:
+    """One call plants files (workdir, /tmp, /dev/shm, /etc), a background process, SysV shared memory
+    (where the template has python) and an environment; later calls see none of it."""
+    c = fn.client(queue_timeout=60)
+    plant = (
+        "echo planted > /workspace/p; echo planted > /tmp/p; echo planted > /dev/shm/p; echo 'export PLANT=1' >> /etc/profile;"
+        "(setsid sleep 1000 > /dev/null 2>&1 &); echo $PLANT_ENV"
+    )
+    r = await c.run(plant, envs={"PLANT_ENV": "yes"})
+    assert r.stdout == "yes\n" and r.exit_code == 0
+    check = (
+        "ls /workspace /tmp /dev/shm; grep -c PLANT /etc/profile; echo env=${PLANT_ENV:-none};"
+        "for p in /proc/[0-9]*; do cat $p/cmdline 2>/dev/null | tr '\\0' ' '; echo; done | grep -c '^sleep 1000'"
+    )
+    results = await asyncio.gather(*(c.run(check) for _ in range(12)))
+    for r in results:
+        assert r.stdout.split("\n")[-3:] == ["env=none", "0", ""], r.stdout  # no /etc/profile line, no env, no sleeper
+        assert "p" not in r.stdout.split("\n")[:-4], r.stdout  # nothing in /workspace, /tmp, /dev/shm
+    # positive control: within one call the same checks do see what it planted
+    r = await c.run(f"{plant}; sleep 0.2; {check}", envs={"PLANT_ENV": "yes"})
+    assert "env=yes" in r.stdout and r.stdout.split("\n")[-2] == "1" and r.stdout.count("\np\n") >= 1, r.stdout
+
+
+async def test_sysv_ipc_and_cgroup_counters_start_fresh(fn: Fn) -> None:
+    fn.needs_debian()
+    c = fn.client()
+    plant = (
+        "import ctypes, os\n"
+        "libc = ctypes.CDLL(None)\n"
+        "shm = libc.shmget(0x1234, 4096, 0o1666)\n"
+        "assert shm >= 0\n"
+        "blob = bytearray(200 * 1024 * 1024)\n"  # raises the cgroup's memory high-water mark
+        "print(open('/proc/sysvipc/shm').read().count('\\n') - 1)\n"
+    )
+    r = await c.run_code(plant)
+    assert r.exit_code == 0 and r.stdout.strip() == "1", (r.stdout, r.stderr)
+    check = "import os; print(open('/proc/sysvipc/shm').read().count('\\n') - 1)"
+    for r in await asyncio.gather(*(c.run_code(check) for _ in range(6))):
+        assert r.stdout.strip() == "0", (r.stdout, r.stderr)
+    # cgroup counters: each call's member is a container that never served a call before
+    ids = {(await c.run("cat /proc/self/cgroup | grep memory")).stdout for _ in range(4)}
+    assert len(ids) == 4, ids
+
+
+# ------------------------------------------------------------------------------------------ limits
+async def test_timeout_answers_on_time_and_the_next_call_runs(fn: Fn) -> None:
+    c = fn.client()
+    t0 = time.monotonic()
+    r = await c.run("echo started; sleep 30", timeout=1)
+    took = time.monotonic() - t0
+    assert r.error is not None and "timed out" in r.error and r.stdout == "started\n", r
+    assert took < 4, took
+    r = await c.run("echo after")
+    assert r.stdout == "after\n"
+
+
+async def test_memory_limit_reports_oom(fn: Fn) -> None:
+    c = fn.client()
+    r = await c.run("x=$(head -c 200000000 /dev/zero | tr '\\0' a); echo survived", memory_mb=48, timeout=30)
+    assert r.error is not None and "out of memory" in r.error, r
+    assert "survived" not in r.stdout
+    r = await c.run("x=$(head -c 2000000 /dev/zero | tr '\\0' a); echo survived", memory_mb=48)  # positive control
+    assert r.error is None and r.stdout == "survived\n"
+
+
+async def test_fork_bomb_and_endless_output_do_not_slow_the_others(fn: Fn) -> None:
+    c = fn.client()
+    bomb = asyncio.ensure_future(c.run("b() { b | b & }; b; sleep 30", timeout=6))
+    flood = asyncio.ensure_future(c.run("yes flood", timeout=6))
+
+    async def echo(i: int) -> float:
+        r = await c.run(f"echo {i}; sleep 0.2")
+        assert r.stdout == f"{i}\n" and r.exit_code == 0
+        return r.duration_ms
+
+    await eventually(lambda: any(p.busy >= 2 for p in fn.host.fncalls.pools.values()), timeout=60, what="the bomb and the flood to run")
+    took = await asyncio.gather(*(echo(i) for i in range(8)))
+    b, f = await bomb, await flood
+    assert b.error is not None and "timed out" in b.error, b
+    assert f.stdout_truncated and f.stdout_bytes > len(f.stdout.encode()), f
+    # each echo's run (queueing for a member aside) took its own 0.2 s, not the bomb's CPU or the flood's pipe
+    assert max(took) < 2000, took
+
+
+async def test_busy_pool_queues_then_answers_no_capacity(fn: Fn) -> None:
+    from sdk import NoCapacity
+
+    c = fn.client(queue_timeout=0.3)
+    t0 = time.monotonic()
+    res = await asyncio.gather(*(c.run("sleep 2", template="tiny") for _ in range(12)), return_exceptions=True)
+    took = time.monotonic() - t0
+    refused = [r for r in res if isinstance(r, NoCapacity)]
+    ran = [r for r in res if not isinstance(r, BaseException) and r.exit_code == 0]
+    assert len(refused) + len(ran) == 12, res
+    assert refused and ran, res
+    assert took < 15, took
+    assert (await fn.client(queue_timeout=60).run("echo ok", template="tiny")).stdout == "ok\n"  # the pool refills
+
+
+async def test_bad_input_is_refused_and_the_service_keeps_serving(fn: Fn) -> None:
+    from bus.fncall import FN_MAX_BYTES
+    from sdk import InvalidArgument, UnknownTemplate
+
+    c = fn.client()
+    for call in (
+        c.run_code("x", language="cobol"),
+        c.run("true", timeout=-1),
+        c.run("true", timeout=10**9),
+        c.run("true", timeout=float("nan")),
+        c.run("true", files={"../../etc/passwd": "x"}),
+        c.run("true", files={"/etc/passwd": "x"}),
+        c.run("true", fetch_files=["a/../../x"]),
+        c.run("x" * (FN_MAX_BYTES + 1)),
+        c.run(""),
+    ):
+        with pytest.raises(InvalidArgument):
+            await call
+    with pytest.raises(UnknownTemplate):
+        await c.run("true", template="nosuchpool")
+    # the host checks again (defence in depth): a request that skipped the client's check
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import FnCallRequest, FnCallResult, FnFile
+    from sdk._requests import requests_for
+    from sdk._async import _nc
+
+    nc = await _nc(fn.url)
+    bad = FnCallRequest(cmd="true", files=[FnFile(path="../x", data=b"")])
+    msg = await (await requests_for(nc)).request(S.fn_call("base"), codec.encode(bad), 10)
+    with pytest.raises(InvalidArgument):
+        codec.decode_reply(msg.data, FnCallResult)
+    assert (await c.run("echo still")).stdout == "still\n"
+
+
+# ------------------------------------------------------------------------------------------ languages
+async def test_run_code_python_bash_cpp(fn: Fn) -> None:
+    fn.needs_debian()
+    c = fn.client()
+    r = await c.run_code("import sys; print(1); print(sys.stdin.read())", stdin="in")
+    assert r.stdout == "1\nin\n" and r.exit_code == 0, r
+    r = await c.run_code("echo ${BASH_VERSION:+bash}", language="bash")
+    assert r.stdout == "bash\n", r
+    r = await c.run_code('#include <iostream>\nint main(){std::cout<<"cpp "<<6*7<<"\\n";}', language="cpp", timeout=20, compile_timeout=60)
+    assert r.stdout == "cpp 42\n", r
+    r = await c.run_code("int main( {", language="cpp", compile_timeout=60)
+    assert r.exit_code != 0 and "error" in r.stderr, r
+
+
+# ------------------------------------------------------------------------------------------ load
+@pytest.mark.parametrize("callers", [
+    48,
+    # every call is a container start (off the hot path, but the rate calls are served at): minutes on a loaded 2-core box
+    pytest.param(256, marks=[pytest.mark.slow, pytest.mark.skipif(not SLOW, reason="256 callers: minutes here; set DSEC_SLOW=1")]),
+])
+async def test_concurrent_callers(fn: Fn, callers: int) -> None:
+    """RL-shaped burst: many callers at once, each call's own answer, no error and no timeout."""
+    c = fn.client(queue_timeout=290)
+
+    async def one(i: int) -> None:
+        r = await c.run(f"echo {i}")
+        assert (r.stdout, r.exit_code, r.error) == (f"{i}\n", 0, None), r
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(callers)))
+    print(f"{callers} concurrent calls in {time.monotonic() - t0:.1f}s")
+    assert max(p.members() for p in fn.host.fncalls.pools.values()) <= 16  # bounded, retiring members included
+    # no member leaked: every pool is back to idle members only
+    await eventually(lambda: all(p.busy == 0 and not p.waiters for p in fn.host.fncalls.pools.values()), timeout=30, what="pools idle")
+
+
+# ------------------------------------------------------------------------------------------ POST /run_code
+# A Python with the `sandbox-fusion` client (a dev dependency; else $DSEC_SANDBOX_FUSION_PYTHON, a venv of its own)
+SF_PYTHON = os.environ.get("DSEC_SANDBOX_FUSION_PYTHON") or (
+    sys.executable if importlib.util.find_spec("sandbox_fusion") is not None else "/work/fc-venv/bin/python"
+)
+VERL_PYTHON = os.environ.get("DSEC_VERL_PYTHON", "/work/fc-venv/bin/python")
+KEY = "dsec_fntest.secret"  # (the tests' NATS runs without authentication: any well-formed key connects)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def gateway(fn: Fn) -> AsyncIterator[str]:
+    from aiohttp import web
+
+    from bus.natsd import free_port
+    from sdk.gateway._app import make_app
+    from sdk.gateway._config import GatewayConfig
+
+    port = free_port()
+    runner = web.AppRunner(make_app(GatewayConfig(nats_url=fn.url, http_port=port), extensions=[]))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        data = body if isinstance(body, bytes) else None
+        async with s.post(url, json=None if data is not None else body, data=data, headers=headers) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def test_run_code_over_http(fn: Fn, gateway: str) -> None:
+    import base64
+
+    url = f"{gateway}/k/{KEY}/run_code"
+    st, out = await _post(url, {"code": "cat in.txt; echo made > out.txt; exit 4", "language": "sh", "files": {"in.txt": base64.b64encode(b"IN\n").decode()},
+                                "fetch_files": ["out.txt", "missing.txt"]})
+    assert st == 200, out
+    assert out["status"] == "Failed" and out["run_result"]["status"] == "Finished" and out["run_result"]["return_code"] == 4, out
+    assert out["run_result"]["stdout"] == "IN\n" and base64.b64decode(out["files"]["out.txt"]) == b"made\n" and "missing.txt" not in out["files"]
+    st, out = await _post(url, {"code": "sleep 20", "language": "sh", "run_timeout": 1})
+    assert st == 200 and out["run_result"]["status"] == "TimeLimitExceeded" and out["run_result"]["execution_time"] < 5, out
+    st, out = await _post(url, {"code": "x=$(head -c 200000000 /dev/zero | tr '\\0' a)", "language": "sh", "memory_limit_MB": 48})
+    assert st == 200 and out["run_result"]["status"] == "Error" and "out of memory" in out["message"], out
+    # the key as basic auth (user-info in the endpoint URL), and a wrong one
+    hdr = {"Authorization": "Basic " + base64.b64encode(f"dsec:{KEY}".encode()).decode()}
+    st, out = await _post(f"{gateway}/run_code", {"code": "echo basic", "language": "sh"}, hdr)
+    assert st == 200 and out["status"] == "Success" and out["run_result"]["stdout"] == "basic\n", out
+    st, out = await _post(f"{gateway}/k/not-a-key/run_code", {"code": "echo", "language": "sh"})
+    assert st == 401 and out["status"] == "SandboxError", out
+
+
+async def test_run_code_bad_input_is_a_sandbox_error(fn: Fn, gateway: str) -> None:
+    url = f"{gateway}/k/{KEY}/run_code"
+    bad: list[Any] = [
+        {"code": "print(1)", "language": "cobol"},
+        {"code": "x" * (7 * 1024 * 1024), "language": "sh"},
+        {"code": "true", "language": "sh", "run_timeout": -1},
+        {"code": "true", "language": "sh", "run_timeout": 1e12},
+        {"code": "true", "language": "sh", "compile_timeout": "soon"},
+        {"code": "true", "language": "sh", "files": {"a.txt": "***not base64***"}},
+        {"code": "true", "language": "sh", "files": {"../../etc/cron.d/x": "eA=="}},
+        {"code": "true", "language": "sh", "fetch_files": ["/etc/shadow"]},
+        {"code": "true", "language": "sh", "memory_limit_MB": 10**9},
+        {"language": "sh"},
+        b"{not json",
+    ]
+    for body in bad:
+        st, out = await _post(url, body)
+        assert st in (400, 413) and out["status"] == "SandboxError" and out["message"], (body if isinstance(body, bytes) else str(body)[:200], st, out)
+    st, out = await _post(url, {"code": "echo fine", "language": "sh"})  # still serving
+    assert st == 200 and out["status"] == "Success", out
+
+
+def _sandbox_fusion_python() -> str:
+    if not os.path.exists(SF_PYTHON):
+        cannot_run(f"needs a Python with the sandbox-fusion client at {SF_PYTHON} (python3 -m venv V && V/bin/pip install sandbox-fusion)")
+    return SF_PYTHON
+
+
+async def test_unmodified_sandbox_fusion_client(fn: Fn, gateway: str) -> None:
+    """The PyPI ``sandbox-fusion`` client, in its own interpreter, given ``<gateway>/k/<key>`` as its endpoint."""
+    fn.needs_debian()
+    from .conftest import run_process
+
+    script = f"""
+import json, sandbox_fusion as sf
+sf.set_sandbox_endpoint({gateway + '/k/' + KEY!r})
+out = {{}}
+out["py"] = sf.run_code(sf.RunCodeRequest(code="import sys; print(int(sys.stdin.read()) * 2)", language="python", stdin="21")).dict()
+out["bash"] = sf.run_code(sf.RunCodeRequest(code="echo $((6*7))", language="bash")).dict()
+out["cpp"] = sf.run_code(sf.RunCodeRequest(code="#include <cstdio>\\nint main(){{printf(\\"%d\\\\n\\", 6*7);}}", language="cpp", compile_timeout=60)).dict()
+out["cpp_bad"] = sf.run_code(sf.RunCodeRequest(code="int main( {{", language="cpp", compile_timeout=60)).dict()
+out["tle"] = sf.run_code(sf.RunCodeRequest(code="import time; time.sleep(30)", language="python", run_timeout=1)).dict()
+try:
+    sf.run_code(sf.RunCodeRequest(code="x", language="go"), max_attempts=1)
+except Exception as exc:
+    out["go"] = str(exc)
+print("RESULT " + json.dumps(out, default=str))
+"""
+    rc, stdout, stderr = await run_process(_sandbox_fusion_python(), "-c", script, env={"PATH": os.environ["PATH"]}, timeout=600)
+    assert rc == 0, stderr[-3000:]
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (stdout[-3000:], stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["py"]["status"].endswith("Success") and out["py"]["run_result"]["stdout"] == "42\n", out["py"]
+    assert out["bash"]["run_result"]["stdout"] == "42\n", out["bash"]
+    assert out["cpp"]["run_result"]["stdout"] == "42\n" and out["cpp"]["compile_result"]["return_code"] == 0, out["cpp"]
+    assert out["cpp_bad"]["status"].endswith("Failed") and out["cpp_bad"]["run_result"] is None, out["cpp_bad"]
+    assert out["cpp_bad"]["compile_result"]["return_code"] != 0, out["cpp_bad"]
+    assert out["tle"]["run_result"]["status"].endswith("TimeLimitExceeded"), out["tle"]
+    assert "unknown language" in out["go"], out["go"]
+
+
+async def test_verl_sandbox_fusion_reward_client(fn: Fn, gateway: str) -> None:
+    """verl's SandboxFusion reward path (``verl.utils.reward_score.sandbox_fusion.utils.check_correctness``),
+    loaded from its file: the module needs only ``requests``, while importing the ``verl`` package
+    pulls in torch (so ``pip install --no-deps verl`` next to sandbox-fusion is enough)."""
+    fn.needs_debian()
+    from .conftest import run_process
+
+    if not os.path.exists(VERL_PYTHON):
+        pytest.skip(f"needs a Python with verl's sandbox_fusion module: DSEC_VERL_PYTHON (default {VERL_PYTHON})")
+    script = f"""
+import importlib.util, json, os, sysconfig
+path = os.path.join(sysconfig.get_paths()["purelib"], "verl/utils/reward_score/sandbox_fusion/utils.py")
+if not os.path.exists(path):
+    print("NOVERL " + path); raise SystemExit(0)
+spec = importlib.util.spec_from_file_location("verl_sf_utils", path)
+m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)
+url = {gateway + '/k/' + KEY + '/run_code'!r}
+cases = {{"inputs": ["1 2\\n", "3 4\\n"], "outputs": ["3\\n", "7\\n"]}}
+good = m.check_correctness(url, cases, "a, b = map(int, input().split())\\nprint(a + b)", timeout=10, language="python")
+bad = m.check_correctness(url, cases, "a, b = map(int, input().split())\\nprint(a * b)", timeout=10, language="python")
+cpp = m.check_correctness(url, cases, "#include <iostream>\\nint main(){{long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}}", timeout=30, language="cpp")
+print("RESULT " + json.dumps({{"good": good[0], "bad": bad[0], "cpp": cpp[0]}}, default=str))
+"""
+    rc, stdout, stderr = await run_process(VERL_PYTHON, "-c", script, env={"PATH": os.environ["PATH"]}, timeout=600)
+    assert rc == 0, stderr[-3000:]
+    if stdout.startswith("NOVERL"):
+        # verl is no dev dependency (it pulls in torch): a venv with `pip install --no-deps verl` runs this
+        pytest.skip(f"needs verl's sandbox_fusion module ({stdout.split()[1]}): set DSEC_VERL_PYTHON to a Python with `pip install --no-deps verl`")
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (stdout[-3000:], stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["good"] == [True, True], out
+    assert out["bad"][0] is False and out["bad"][1] is False, out
+    assert out["cpp"] == [True, True], out

@@ -1,0 +1,108 @@
+"""FnCall's rules without a host: the call limits both sides check, the pool flag, languages, and the
+pool's queue (a member factory that sleeps stands in for container starts: the queueing, growth and
+``no_capacity`` logic is what is under test; tests/integration/test_fncall.py runs it on containers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus.errors import InvalidArgument, NoCapacity
+from bus.fncall import FN_MAX_BYTES, check_call, check_path
+from bus.messages import FnCallRequest, FnFile
+from hostagent._backend import Handle
+from hostagent._fncall import FnPool, Member, parse_pools
+from sdk._fncall import language
+
+
+@pytest.mark.parametrize("path,norm", [("a.txt", "a.txt"), ("d/../b", "b"), ("/workspace/x/y", "x/y"), ("./c", "c")])
+def test_paths_inside_the_workdir(path: str, norm: str) -> None:
+    assert check_path(path) == norm
+
+
+@pytest.mark.parametrize("path", ["", "..", "../x", "a/../../x", "/etc/passwd", "/workspace", ".", "a\0b"])
+def test_paths_outside_are_refused(path: str) -> None:
+    with pytest.raises(InvalidArgument):
+        check_path(path)
+
+
+@pytest.mark.parametrize("req", [
+    FnCallRequest(cmd=""),
+    FnCallRequest(cmd="true", timeout_s=-1),
+    FnCallRequest(cmd="true", timeout_s=float("nan")),
+    FnCallRequest(cmd="true", timeout_s=10**9),
+    FnCallRequest(cmd="true", compile_cmd="cc", compile_timeout_s=0),
+    FnCallRequest(cmd="true", queue_s=-1),
+    FnCallRequest(cmd="true", memory_mb=1),
+    FnCallRequest(cmd="true", files=[FnFile(path="x", data=b"0" * (FN_MAX_BYTES + 1))]),
+    FnCallRequest(cmd="true", fetch_files=["../x"]),
+])
+def test_calls_outside_the_limits_are_refused(req: FnCallRequest) -> None:
+    with pytest.raises(InvalidArgument):
+        check_call(req)
+
+
+def test_a_call_within_the_limits_passes() -> None:
+    check_call(FnCallRequest(cmd="true", files=[FnFile(path="a/b.py", data=b"x")], memory_mb=256, fetch_files=["out.txt"]))
+
+
+def test_pool_flag() -> None:
+    assert parse_pools("base=8, python=2") == {"base": 8, "python": 2}
+    assert parse_pools("") == {}
+    for bad in ("base", "base=0", "a.b=1", "base=x"):
+        with pytest.raises(ValueError):
+            parse_pools(bad)
+
+
+def test_languages() -> None:
+    assert language("python3").template == "python" and language("c++").compile
+    assert language("cpp", {"cpp": "gcc"}).template == "gcc"
+    with pytest.raises(InvalidArgument):
+        language("cobol")
+
+
+async def test_pool_queues_grows_and_answers_no_capacity() -> None:
+    made: list[str] = []
+    destroyed: list[str] = []
+
+    async def make(template: str) -> Member:
+        await asyncio.sleep(0.05)  # a start takes a while
+        made.append(f"m{len(made)}")
+        return Member(made[-1], Handle(made[-1]))
+
+    async def destroy(m: Member) -> None:
+        destroyed.append(m.sid)
+
+    pool = FnPool("t", size=1, max_members=2, queue_max=3, make=make, destroy=destroy, starts=asyncio.Semaphore(4))
+    pool.fill()
+    first = await pool.acquire(5.0)  # waits for the first start
+    second = await pool.acquire(5.0)  # the pool grows past its size on demand
+    assert pool.want == 2 and {first.sid, second.sid} == {"m0", "m1"}
+    # both busy, the maximum reached: waiters queue, a full queue and a deadline are no_capacity
+    waiting = [asyncio.ensure_future(pool.acquire(5.0)) for _ in range(3)]
+    await asyncio.sleep(0)
+    with pytest.raises(NoCapacity):
+        await pool.acquire(5.0)  # queue full
+    with pytest.raises(NoCapacity):
+        await _deadline(pool)
+    pool.release(first)  # its replacement goes to the first waiter
+    got = await waiting[0]
+    assert got.sid not in ("m0", "m1") and first.sid in destroyed
+    for w in waiting[1:]:
+        w.cancel()
+    await asyncio.gather(*waiting[1:], return_exceptions=True)
+    pool.release(second)
+    pool.release(got)
+    await pool.stop()
+    assert pool.busy == 0 and not pool.idle and pool.members() == 0
+    assert sorted(destroyed) == sorted(made)  # every member started was destroyed
+
+
+async def _deadline(pool: FnPool) -> None:
+    """A waiter past its deadline (the queue has room once one waiter is taken out)."""
+    pool.queue_max += 1
+    try:
+        await pool.acquire(0.05)
+    finally:
+        pool.queue_max -= 1
