@@ -28,7 +28,7 @@ from .sign import new_control_key, parse_key
 
 # JetStream API calls a read-only client needs: stream/KV info, direct gets, and ephemeral ordered
 # consumers on the event stream and the KV buckets it may read (never on the work queues).
-_CLIENT_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}"]
+_CLIENT_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", S.STREAM_TRAJ]
 
 
 NAMED_INBOXES = "_INBOX.u"

@@ -412,6 +412,9 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     # fixed PATH of system directories, only ``envs`` on a fixed minimal set (no sandbox envs), no
     # user site-packages or startup files; refused (not_supported) where system dirs are writable.
     trusted: bool = False
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):
@@ -524,6 +527,9 @@ class FileWrite(Struct, kw_only=True, tag=True):
     uid: int = -1
     gid: int = -1
     metadata: dict[str, str] | None = None
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileRead(Struct, kw_only=True, tag=True):
@@ -539,6 +545,9 @@ class FileList(Struct, kw_only=True, tag=True):
 
 class FileRemove(Struct, kw_only=True, tag=True):
     path: str
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileExists(Struct, kw_only=True, tag=True):
@@ -550,6 +559,9 @@ class FileMakeDir(Struct, kw_only=True, tag=True):
 
     path: str
     mode: int = 0o755
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileRename(Struct, kw_only=True, tag=True):
@@ -557,6 +569,9 @@ class FileRename(Struct, kw_only=True, tag=True):
 
     path: str
     new_path: str
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileStat(Struct, kw_only=True, tag=True):
@@ -678,6 +693,9 @@ class SnapshotRequest(Struct, kw_only=True, tag=True):
     memory: bool = False
     metadata: dict[str, str] = {}
     fork_ids: list[str] = []
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class PauseRequest(Struct, kw_only=True, tag=True):
@@ -870,6 +888,33 @@ class ScrapeReply(Struct, kw_only=True, tag=True):
     instance: str
     text: str  # Prometheus text exposition 0.0.4, every sample labelled with service and instance
     at: float = 0.0
+
+
+# --- trajectories (JetStream, DSEC_TRAJ on dsec.traj.<sandbox>) -------------------------------
+class TrajStep(Struct, kw_only=True, tag=True):
+    """One logged operation on a sandbox, stored by its host before the reply is sent.
+
+    ``request`` is the request as the client sent it without what differs between two runs of the
+    same step (inboxes, step, client; bus.trajectory.normalize), ``digest`` its sha256. ``result``
+    the encoded reply (or ``error_code``/``error``); command output and written data beyond the log's
+    cap keep only their head, with the whole one's sha256 in ``digests`` (``stdout``, ``stderr``, ``data``).
+    """
+
+    sandbox_id: str
+    client_id: str
+    step: int
+    op: str  # the subject's op: exec, files, snapshot
+    kind: str  # the request's type: ExecRequest, FileWrite, ...
+    digest: str
+    request: bytes = b""
+    result: bytes = b""
+    error_code: str = ""
+    error: str = ""
+    digests: dict[str, str] = {}
+    started_at: float = 0.0
+    duration_ms: float = 0.0
+    host_id: str = ""
+    parent: str = ""  # a fork's parent sandbox: this step was logged there (inherited up to the fork point)
 
 
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [

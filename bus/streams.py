@@ -60,6 +60,25 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
             max_age=7 * DAY,
             num_replicas=opts.replicas,
         ),
+        StreamConfig(
+            name=S.STREAM_TRAJ,
+            subjects=S.TRAJ_SUBJECTS,
+            retention=RetentionPolicy.LIMITS,
+            storage=opts.storage,
+            max_age=opts.events_max_age_s,
+            max_bytes=opts.events_max_bytes,
+            discard=DiscardPolicy.OLD,
+            duplicate_window=opts.dedup_window_s,
+            num_replicas=opts.replicas,
+        ),
+        StreamConfig(
+            name=S.STREAM_ROLLOUTS,
+            subjects=S.ROLLOUT_SUBJECTS,
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=opts.storage,
+            duplicate_window=opts.dedup_window_s,
+            num_replicas=opts.replicas,
+        ),
     ]
 
 

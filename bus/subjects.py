@@ -178,3 +178,25 @@ def host_pack(host_id: str) -> str:
     blob store. Outside ``dsec.img.>`` on purpose: clients may publish there, and a client-chosen path
     on the host must never be packed."""
     return f"{PREFIX}.imaged.{_tok(host_id)}.pack"
+
+
+# --- trajectories (JetStream, DSEC_TRAJ) ------------------------------------------------
+# Every logged operation on a sandbox, in the order its host answered them (bus.messages.TrajStep).
+STREAM_TRAJ = "DSEC_TRAJ"
+TRAJ_SUBJECTS = [f"{PREFIX}.traj.>"]
+
+
+def traj(sandbox_id: str) -> str:
+    return f"{PREFIX}.traj.{_tok(sandbox_id)}"
+
+
+def traj_msg_id(sandbox_id: str, client_id: str, step: int) -> str:
+    """De-duplication id of one logged step: a host logging a step again (a retried publish) stores it once."""
+    return f"{sandbox_id}:{client_id}:{step}"
+
+
+# --- rollouts (JetStream work queue, DSEC_ROLLOUTS; job state in KV dsec_rollouts) ------------------
+STREAM_ROLLOUTS = "DSEC_ROLLOUTS"
+ROLLOUT_SUBJECTS = [f"{PREFIX}.rollout.>"]
+ROLLOUT_SUBMIT = f"{PREFIX}.rollout.submit"
+ROLLOUT_DURABLE = "rollout-workers"

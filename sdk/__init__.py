@@ -6,6 +6,7 @@ from ._files import AsyncWatchHandle
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
 from ._sync import CommandHandle, Sandbox, WatchHandle
+from ._trajectory import TrajectoryStep
 from .errors import (
     CommandExitError,
     CommandTimeoutError,
@@ -31,6 +32,7 @@ __all__ = [
     "EntryInfo",
     "SandboxInfo",
     "SnapshotInfo",
+    "TrajectoryStep",
     "WriteInfo",
     "DsecError",
     "CommandExitError",

@@ -15,10 +15,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from bus import subjects as S
 from bus.errors import DsecError, Unavailable
 
 # Subcommands that talk to a running stack: told within seconds when it is not there (status says it its own way).
-_STACK_COMMANDS = {"sandbox", "audit", "image"}
+_STACK_COMMANDS = {"sandbox", "audit", "image", "trajectory"}
 
 
 def _print_json(obj: Any) -> None:
@@ -187,6 +188,34 @@ async def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- trajectory --------------------------------------------------------------------------------
+async def _trajectory(args: argparse.Namespace) -> int:
+    from . import _trajectory as _traj
+    from ._async import _js, _nc, close_connections
+
+    if not S.valid_token(args.sandbox_id):
+        print(f"dsec: not a sandbox id: {args.sandbox_id!r}", file=sys.stderr)
+        return 2
+    try:
+        steps = await _traj.steps(_js(await _nc(args.nats_url)), args.sandbox_id)
+    finally:
+        await close_connections()
+    if args.json:
+        _print_json([s.to_dict() for s in steps])
+        return 0
+    for s in steps:
+        what = getattr(s.request, "cmd", None) or getattr(s.request, "path", "") or ""
+        if s.error_code:
+            out = f"error {s.error_code}"
+        elif s.result is not None and hasattr(s.result, "exit_code"):
+            out = f"exit {s.result.exit_code}"
+        else:
+            out = "ok"
+        print(f"{s.seq:>8} {s.client_id:<24} {s.step:>5} {s.kind:<14} {s.duration_ms:>9.1f}ms {out:<22} {what!s:.80}")
+    print(f"({len(steps)} steps)", file=sys.stderr)
+    return 0
+
+
 # --- api keys and schema ----------------------------------------------------------------------
 async def _api_key(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -293,6 +322,13 @@ def build_parser() -> argparse.ArgumentParser:
     akc.add_argument("--name", default="key", help="a label, part of the key's NATS user name")
     akc.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (its auth.json; default: the client context's, else /var/lib/dsec)")
     akc.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+
+    tr = sub.add_parser("trajectory", help="the trajectory log of a sandbox (every logged operation, in order)")
+    trs = tr.add_subparsers(dest="traj_cmd", required=True)
+    trs_show = trs.add_parser("show", help="print the logged steps")
+    trs_show.add_argument("sandbox_id")
+    trs_show.add_argument("--json", action="store_true")
+    trs_show.set_defaults(func=lambda a: asyncio.run(_trajectory(a)))
 
     sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
     sc.add_argument("--subject", default=None, help="only this subject (a name from `dsec schema`, e.g. dsec.req.create)")

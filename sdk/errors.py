@@ -36,6 +36,7 @@ from bus.errors import (
     UnknownUser,
     UnsupportedBackend,
 )
+from bus.errors import PolicyError, PolicyTimeout, TrajectoryConflict, TrajectoryTrimmed, UnknownJob
 
 if TYPE_CHECKING:
     from ._models import CommandResult
@@ -95,6 +96,11 @@ __all__ = [
     "UnknownTemplate",
     "UnknownUser",
     "UnsupportedBackend",
+    "TrajectoryConflict",
+    "TrajectoryTrimmed",
+    "UnknownJob",
+    "PolicyError",
+    "PolicyTimeout",
     "CommandExitError",
     "CommandTimeoutError",
 ]

@@ -1,0 +1,166 @@
+"""The client's side of the trajectory log (DSEC_TRAJ): numbering steps, reading the log, fast-forward.
+
+Each sandbox object is one client: its changing requests (bus.trajectory.LOGGED) carry its id and
+the next step number, and the host logs each before answering. ``AsyncSandbox.connect(id,
+replay=True)`` starts a client at step 0 under the id of the log's last client (or ``client_id=``):
+a step the log holds is answered from it, without running again, when the request is the same
+(its digest), and is a ``trajectory_conflict`` otherwise; past the log, steps run live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.js.api import ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
+from bus.messages import ExecResult, TrajStep
+from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
+
+READ_IDLE_S = 5.0  # a log read that hears nothing this long (the server went away) stops
+_ANY_REPLY = msgspec.msgpack.Decoder(Any)
+
+
+@dataclass
+class TrajectoryStep:
+    """One logged operation: the request as sent (without inboxes), its outcome, and where and when."""
+
+    step: int
+    client_id: str
+    op: str
+    kind: str
+    digest: str
+    request: Any
+    result: Any  # the reply (ExecResult, FileWritten, ...); None for an error
+    error_code: str = ""
+    error: str = ""
+    digests: dict[str, str] = field(default_factory=dict)  # sha256 of outputs the log keeps only the head of
+    started_at: float = 0.0
+    duration_ms: float = 0.0
+    host_id: str = ""
+    seq: int = 0  # the stream sequence (global order of the sandbox's log)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k not in ("request", "result")}
+        out["request"] = _plain(self.request)
+        out["result"] = _plain(self.result)
+        return out
+
+
+def _plain(v: Any) -> Any:
+    if v is None:
+        return None
+    d = msgspec.to_builtins(v, builtin_types=(bytes,), enc_hook=repr)
+    if isinstance(d, dict):
+        d = {k: (x if not isinstance(x, (bytes, bytearray)) else bytes(x).decode("utf-8", "replace")) for k, x in d.items()}
+        d.setdefault("type", type(v).__name__)
+    return d
+
+
+async def read_log(js: Any, sandbox_id: str) -> list[tuple[int, TrajStep]]:
+    """Every step logged for ``sandbox_id``, in the log's order, with its stream sequence."""
+    subject = S.traj(sandbox_id)
+    try:
+        last = await js.get_last_msg(S.STREAM_TRAJ, subject)
+    except NotFoundError:
+        return []
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    sub = await js.subscribe(subject, stream=S.STREAM_TRAJ, ordered_consumer=True, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL), cb=queue.put)
+    out: list[tuple[int, TrajStep]] = []
+    try:
+        while True:
+            msg = await asyncio.wait_for(queue.get(), READ_IDLE_S)
+            seq = msg.metadata.sequence.stream
+            try:
+                out.append((seq, STEP_DECODER.decode(msg.data)))
+            except msgspec.DecodeError:
+                pass  # not a step (nothing else publishes there); skipped
+            if seq >= last.seq or msg.metadata.num_pending == 0:
+                return out
+    finally:
+        await sub.unsubscribe()
+
+
+def view(seq: int, s: TrajStep) -> TrajectoryStep:
+    try:
+        request = decode_request(s)
+    except msgspec.DecodeError:
+        request = None
+    result = None if s.error_code or not s.result else _decode_result(s.op, s.result)
+    return TrajectoryStep(
+        step=s.step, client_id=s.client_id, op=s.op, kind=s.kind, digest=s.digest, request=request, result=result, error_code=s.error_code,
+        error=s.error, digests=dict(s.digests), started_at=s.started_at, duration_ms=s.duration_ms, host_id=s.host_id, seq=seq,
+    )
+
+
+def _decode_result(op: str, data: bytes) -> Any:
+    try:
+        return codec.decode_reply(data, codec.REPLY_TYPES[op])
+    except Exception:  # noqa: BLE001 - a reply type this client does not know: shown as plain data
+        return _ANY_REPLY.decode(data)
+
+
+class TrajClient:
+    """A sandbox object's step counter and, when replaying, the steps still to be answered from the log."""
+
+    def __init__(self, client_id: str | None = None) -> None:
+        self.client_id = client_id or f"c-{uuid.uuid4().hex[:20]}"
+        self.next = 0
+        self.logged: dict[int, TrajStep] = {}
+        self.replayed = 0  # steps answered from the log
+
+    def start_replay(self, log: list[tuple[int, TrajStep]], client_id: str | None) -> None:
+        if client_id is None and log:
+            client_id = log[-1][1].client_id
+        if client_id is not None:
+            if not S.valid_token(client_id):
+                raise InvalidArgument(f"client_id must be letters, digits, - and _, got {client_id!r}")
+            self.client_id = client_id
+        self.next = 0
+        self.logged = {s.step: s for _, s in log if s.client_id == self.client_id}
+        if self.logged and min(self.logged) > 0:
+            raise TrajectoryTrimmed(
+                f"the log of client {self.client_id} starts at step {min(self.logged)}: earlier steps were trimmed", step=min(self.logged),
+            )
+
+    def stamp(self, req: Any) -> TrajStep | None:
+        """Number ``req``; the logged step when the log answers it."""
+        if not is_logged(req):
+            return None
+        req.step, req.client_id = self.next, self.client_id
+        self.next += 1
+        hit = self.logged.pop(req.step, None)
+        if hit is None:
+            return None
+        if hit.digest != digest(req):
+            self.next -= 1
+            self.logged[req.step] = hit
+            raise TrajectoryConflict(
+                f"step {req.step} was logged as a different {hit.kind} request than this {type(req).__name__}", step=req.step, client_id=self.client_id,
+            )
+        self.replayed += 1
+        return hit
+
+
+def replayed(hit: TrajStep, result_type: Any) -> Any:
+    """The logged outcome of a step, as its reply would have been (an error raised again)."""
+    if hit.error_code:
+        raise from_reply(msgspec.msgpack.decode(hit.result, type=ErrorReply) if hit.result else ErrorReply(code=hit.error_code, description=hit.error))
+    res = codec.decode_reply(hit.result, result_type)
+    if isinstance(res, ExecResult):
+        res.chunks = 0  # nothing is streamed again: the output is in the result
+    return res
+
+
+async def steps(js: Any, sandbox_id: str) -> list[TrajectoryStep]:
+    return [view(seq, s) for seq, s in await read_log(js, sandbox_id)]
+
+
+__all__ = ["TrajectoryStep", "TrajClient", "read_log", "steps", "replayed", "view"]
