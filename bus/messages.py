@@ -6,7 +6,7 @@ Each subject has one typed decoder for the union it accepts (see ``bus.codec``).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from msgspec import Meta, Struct, field
 
@@ -917,6 +917,54 @@ class TrajStep(Struct, kw_only=True, tag=True):
     parent: str = ""  # a fork's parent sandbox: this step was logged there (inherited up to the fork point)
 
 
+# --- rollouts (work queue DSEC_ROLLOUTS on dsec.rollout.<queue>; state in KV dsec_rollouts) -----------
+RolloutState = Literal["queued", "running", "waiting_policy", "done", "failed"]
+ROLLOUT_TOOLS = ("exec", "read_file", "write_file")
+
+
+class RolloutJob(Struct, kw_only=True, tag=True):
+    """An agent loop to run: ask the policy (an OpenAI-compatible chat-completions endpoint) for the
+    next action, run its tool calls in a sandbox of ``template``, until it answers without a tool
+    call or ``max_steps`` answers were acted on."""
+
+    job_id: str
+    task: str
+    policy_url: str  # the endpoint's base (``.../v1``) or its ``/chat/completions`` URL
+    template: str = "base"
+    max_steps: int = 20
+    tools: list[str] = field(default_factory=lambda: list(ROLLOUT_TOOLS))
+    metadata: dict[str, str] = {}
+    model: str = ""
+    system_prompt: str = ""
+    pool: str = "default"
+    sandbox_timeout_s: float = 3600.0
+    policy_timeout_s: float = 60.0  # one request; three in a row time out: policy_timeout
+    policy_wait_s: float = 600.0  # how long an unreachable policy is waited for (with back-off)
+    submitted_at: float = 0.0
+
+
+class RolloutRecord(Struct, kw_only=True, tag=True):
+    """A job's state (KV ``dsec_rollouts``, key: the job id), stored before each sandbox step runs
+    and after it answered: ``messages`` is the conversation so far (OpenAI chat format),
+    ``sandbox_steps`` the sandbox client's step count when it was stored (steps past it are in the
+    trajectory log: a worker taking over fast-forwards through them)."""
+
+    job: RolloutJob
+    state: RolloutState = "queued"
+    sandbox_id: str = ""
+    messages: list[dict[str, Any]] = []
+    sandbox_steps: int = 0
+    turns: int = 0  # policy answers acted on
+    finish_reason: str = ""  # stop (an answer without tool calls) or max_steps
+    error_code: str = ""
+    error: str = ""
+    worker: str = ""
+    deliveries: int = 0  # workers that took the job up
+    policy_retries: int = 0
+    updated_at: float = 0.0
+    finished_at: float = 0.0
+
+
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
     "ReqMessage",
     "HostMessage",
@@ -937,6 +985,8 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostEventKind",
     "SnapshotEventKind",
     "ImageEventKind",
+    "RolloutState",
+    "ROLLOUT_TOOLS",
     "ViolationAction",
     "HandoffState",
     "BACKENDS",

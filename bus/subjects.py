@@ -198,5 +198,12 @@ def traj_msg_id(sandbox_id: str, client_id: str, step: int) -> str:
 # --- rollouts (JetStream work queue, DSEC_ROLLOUTS; job state in KV dsec_rollouts) ------------------
 STREAM_ROLLOUTS = "DSEC_ROLLOUTS"
 ROLLOUT_SUBJECTS = [f"{PREFIX}.rollout.>"]
-ROLLOUT_SUBMIT = f"{PREFIX}.rollout.submit"
-ROLLOUT_DURABLE = "rollout-workers"
+ROLLOUT_QUEUE = "default"  # a queue is one subject and one durable consumer its workers share
+
+
+def rollout_queue(queue: str) -> str:
+    return f"{PREFIX}.rollout.{_tok(queue)}"
+
+
+def rollout_durable(queue: str) -> str:
+    return f"rollouts-{_tok(queue)}"

@@ -1,0 +1,234 @@
+"""The rollout worker: takes jobs from a queue of DSEC_ROLLOUTS (one durable consumer, any number
+of workers) and runs each agent loop in a sandbox of its own, built on the client (AsyncSandbox).
+
+The job's state (KV ``dsec_rollouts``) is stored when the policy answered, before its tool calls
+run, and after each of them; each tool call is a step of the sandbox's trajectory log under the
+job id as client. A worker that dies mid-rollout leaves its job un-acked; JetStream hands it to
+another, which reconnects to the sandbox at the stored step count with ``replay``: a step that ran
+after the last stored state is answered from the log (or, still running, awaited by its host), so
+no step runs twice. The message is acked once the job is done or failed, its error recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus import subjects as S
+from bus.errors import DsecError, InternalError, SandboxNotFound, SandboxNotRunning, SandboxTimeout
+from bus.messages import RolloutJob, RolloutRecord
+from bus.runtime import KV, Service, dead_letter
+from bus.streams import ensure_kv, ensure_stream, stream_configs
+
+from .._async import AsyncSandbox
+from .._trajectory import TrajClient
+from ..errors import CommandExitError, CommandTimeoutError
+from . import _policy
+from ._policy import Stopping
+
+_JOB = codec.Decoder(RolloutJob)
+OUTPUT_KEEP = 16 << 10  # characters of a tool's output the conversation keeps (head and tail)
+_SANDBOX_GONE = (SandboxNotFound, SandboxNotRunning, SandboxTimeout)
+
+
+def _cut(text: str) -> str:
+    if len(text) <= OUTPUT_KEEP:
+        return text
+    half = OUTPUT_KEEP // 2
+    return f"{text[:half]}\n[... {len(text) - OUTPUT_KEEP} characters cut ...]\n{text[-half:]}"
+
+
+def sandbox_id_of(job_id: str) -> str:
+    return f"ro-{job_id}"
+
+
+class RolloutWorker(Service):
+    name = "rollouts"
+
+    def __init__(
+        self, nats_url: str | None = None, *, queue: str = S.ROLLOUT_QUEUE, capacity: int = 16, ack_wait_s: float = 30.0,
+        worker_id: str | None = None, grace_s: float = 10.0,
+    ) -> None:
+        super().__init__(nats_url, grace_s=grace_s)
+        self.queue = queue
+        self.capacity = capacity
+        self.ack_wait_s = ack_wait_s
+        self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.kv: KV[RolloutRecord] | None = None
+        self.session: aiohttp.ClientSession | None = None
+
+    async def setup(self) -> None:
+        assert self.js is not None
+        for cfg in stream_configs():
+            if cfg.name == S.STREAM_ROLLOUTS:
+                await ensure_stream(self.js, cfg)
+        await ensure_kv(self.js, S.KV_ROLLOUTS)
+        self.kv = await KV.bind(self.js, S.KV_ROLLOUTS, RolloutRecord)
+        self.session = aiohttp.ClientSession()
+        await self.add_worker(
+            stream=S.STREAM_ROLLOUTS, durable=S.rollout_durable(self.queue), filter_subject=S.rollout_queue(self.queue) + ".>",
+            capacity=self.capacity, handler=self._on_job, ack_wait_s=self.ack_wait_s,
+        )
+
+    async def teardown(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # --- one job ------------------------------------------------------------------------------
+    async def _on_job(self, msg: Msg) -> None:
+        try:
+            job = _JOB.decode(msg.data)
+        except Exception as exc:  # noqa: BLE001 - malformed work is kept aside, not retried forever
+            assert self.publisher is not None
+            await dead_letter(self.publisher, msg, "bad_request", f"not a rollout job: {exc}")
+            return
+        beat = asyncio.ensure_future(self._heartbeat(msg))
+        try:
+            await self._run(job)
+        except Stopping:
+            return  # left un-acked: another worker takes it up
+        finally:
+            beat.cancel()
+        await msg.ack()
+
+    async def _heartbeat(self, msg: Msg) -> None:
+        """Keep a long rollout's message ours (JetStream redelivers one silent for ack_wait)."""
+        while not await self.pause(self.ack_wait_s / 3):
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+    async def _put(self, rec: RolloutRecord) -> None:
+        assert self.kv is not None
+        rec.updated_at = time.time()
+        await self.kv.put(rec.job.job_id, rec)
+
+    async def _run(self, job: RolloutJob) -> None:
+        assert self.kv is not None
+        rec = await self.kv.get(job.job_id) or RolloutRecord(job=job)
+        if rec.state in ("done", "failed"):
+            return
+        rec.deliveries += 1
+        rec.worker = self.worker_id
+        sb: AsyncSandbox | None = None
+        try:
+            sb = await self._sandbox(rec)
+            await self._loop(rec, sb)
+        except Stopping:
+            raise
+        except DsecError as exc:
+            rec.state, rec.error_code, rec.error = "failed", exc.code, exc.description
+        except Exception as exc:  # noqa: BLE001 - recorded in the job: a worker never gets stuck on one
+            err = InternalError(f"{type(exc).__name__}: {exc}")
+            rec.state, rec.error_code, rec.error = "failed", err.code, err.description
+        rec.finished_at = time.time()
+        await self._put(rec)
+        if sb is not None:
+            with contextlib.suppress(Exception):
+                await sb.kill()
+
+    async def _sandbox(self, rec: RolloutRecord) -> AsyncSandbox:
+        job = rec.job
+        if not rec.sandbox_id:
+            rec.sandbox_id = sandbox_id_of(job.job_id)
+            rec.state = "running"
+            if not rec.messages:
+                rec.messages = ([{"role": "system", "content": job.system_prompt}] if job.system_prompt else []) + [{"role": "user", "content": job.task}]
+            await self._put(rec)
+            return await self._create(rec)
+        try:
+            sb = await AsyncSandbox.connect(rec.sandbox_id, nats_url=self.nats_url, replay=True, client_id=job.job_id)
+        except SandboxNotFound:
+            if rec.turns == 0 and rec.sandbox_steps == 0:
+                return await self._create(rec)  # the worker before died before its sandbox was up
+            raise SandboxNotFound(f"the rollout's sandbox {rec.sandbox_id} ended mid-rollout (after {rec.turns} policy turns)") from None
+        sb._traj.next = rec.sandbox_steps  # steps past it are answered from the log
+        return sb
+
+    async def _create(self, rec: RolloutRecord) -> AsyncSandbox:
+        job = rec.job
+        sb = await AsyncSandbox.create(
+            job.template, sandbox_id=rec.sandbox_id, pool=job.pool, timeout=job.sandbox_timeout_s,
+            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url,
+        )
+        sb._traj = TrajClient(job.job_id)
+        return sb
+
+    async def _loop(self, rec: RolloutRecord, sb: AsyncSandbox) -> None:
+        job = rec.job
+        assert self.session is not None
+        if rec.state == "queued":
+            rec.state = "running"
+        while True:
+            pending = _pending_calls(rec.messages)
+            if pending:
+                for call in pending:
+                    content = await self._tool(sb, call)
+                    rec.messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+                    rec.sandbox_steps = sb._traj.next
+                    await self._put(rec)
+                continue
+            if rec.messages[-1]["role"] == "assistant":
+                rec.state, rec.finish_reason = "done", "stop"
+                return
+            if rec.turns >= job.max_steps:
+                rec.state, rec.finish_reason = "done", "max_steps"
+                return
+
+            async def waiting(why: str) -> None:
+                rec.state, rec.error = "waiting_policy", why
+                rec.policy_retries += 1
+                await self._put(rec)
+
+            reply = await _policy.ask(
+                self.session, policy_url=job.policy_url, model=job.model, messages=rec.messages, tools=job.tools,
+                timeout_s=job.policy_timeout_s, wait_s=job.policy_wait_s, on_wait=waiting, pause=self._pause_or_stop,
+            )
+            rec.state, rec.error = "running", ""
+            rec.messages.append(reply)
+            rec.turns += 1
+            await self._put(rec)
+
+    async def _pause_or_stop(self, seconds: float) -> bool:
+        return await self.pause(seconds)
+
+    async def _tool(self, sb: AsyncSandbox, call: dict[str, Any]) -> str:
+        """What the policy sees of one tool call; a failed call is an observation, a gone sandbox fails the job."""
+        name = call["function"]["name"]
+        args = json.loads(call["function"]["arguments"])
+        try:
+            if name == "exec":
+                try:
+                    r = await sb.commands.run(args["cmd"], timeout=float(args.get("timeout", 60)))
+                except (CommandExitError, CommandTimeoutError) as exc:
+                    r = exc.result
+                return json.dumps({"exit_code": r.exit_code, "stdout": _cut(r.stdout), "stderr": _cut(r.stderr)})
+            if name == "read_file":
+                return _cut(await sb.files.read(args["path"]))
+            await sb.files.write(args["path"], args["content"])
+            return "ok"
+        except _SANDBOX_GONE:
+            raise
+        except DsecError as exc:
+            return f"error: {exc}"
+
+
+def _pending_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tool calls of the last assistant message that have no answer yet (answers follow in order)."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["role"] == "assistant":
+            calls: list[dict[str, Any]] = messages[i].get("tool_calls") or []
+            return calls[len(messages) - 1 - i:]
+    return []
+
+
+__all__ = ["RolloutWorker", "sandbox_id_of"]
