@@ -22,6 +22,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
 from bus.messages import ExecResult, TrajStep
+from bus.runtime import KV
 from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
 
 READ_IDLE_S = 5.0  # a log read that hears nothing this long (the server went away) stops
@@ -46,6 +47,7 @@ class TrajectoryStep:
     duration_ms: float = 0.0
     host_id: str = ""
     seq: int = 0  # the stream sequence (global order of the sandbox's log)
+    sandbox_id: str = ""  # where it was logged: a fork's parent for the steps it inherited
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("request", "result")}
@@ -97,6 +99,7 @@ def view(seq: int, s: TrajStep) -> TrajectoryStep:
     return TrajectoryStep(
         step=s.step, client_id=s.client_id, op=s.op, kind=s.kind, digest=s.digest, request=request, result=result, error_code=s.error_code,
         error=s.error, digests=dict(s.digests), started_at=s.started_at, duration_ms=s.duration_ms, host_id=s.host_id, seq=seq,
+        sandbox_id=s.sandbox_id,
     )
 
 
@@ -159,8 +162,35 @@ def replayed(hit: TrajStep, result_type: Any) -> Any:
     return res
 
 
-async def steps(js: Any, sandbox_id: str) -> list[TrajectoryStep]:
-    return [view(seq, s) for seq, s in await read_log(js, sandbox_id)]
+MAX_FORK_DEPTH = 32
+
+
+async def steps(js: Any, sandbox_id: str, *, inherit: bool = True, _depth: int = 0) -> list[TrajectoryStep]:
+    """The sandbox's steps; a fork's (a sandbox started from another's snapshot) begin with its
+    parent's up to the fork point: the snapshot step that made it (else: the parent's steps until
+    the snapshot was taken)."""
+    own = [view(seq, s) for seq, s in await read_log(js, sandbox_id)]
+    fork = await _fork_point(js, sandbox_id) if inherit and _depth < MAX_FORK_DEPTH else None
+    if fork is None:
+        return own
+    parent_id, snapshot_id, taken_at = fork
+    parent = await steps(js, parent_id, _depth=_depth + 1)
+    cut = next((i for i, p in enumerate(parent) if p.kind == "SnapshotRequest" and getattr(p.result, "snapshot_id", None) == snapshot_id), None)
+    return (parent[:cut + 1] if cut is not None else [p for p in parent if p.started_at <= taken_at]) + own
+
+
+async def _fork_point(js: Any, sandbox_id: str) -> tuple[str, str, float] | None:
+    """(parent sandbox, snapshot, when it was taken) of a sandbox started from another's snapshot."""
+    try:
+        rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)
+        if rec is None or not rec.spec.snapshot:
+            return None
+        snap = await (await KV.bind(js, S.KV_SNAPSHOTS, codec.SNAPSHOT)).get(rec.spec.snapshot)
+    except NotFoundError:  # a bucket not there (yet)
+        return None
+    if snap is None or snap.sandbox_id == sandbox_id:  # a persisted pause resumed: its own log goes on
+        return None
+    return snap.sandbox_id, snap.snapshot_id, snap.created_at
 
 
 __all__ = ["TrajectoryStep", "TrajClient", "read_log", "steps", "replayed", "view"]

@@ -245,3 +245,25 @@ async def test_a_worker_killed_mid_rollout_is_taken_over_without_running_a_step_
 async def _running(sb: AsyncSandbox, word: str) -> bool:
     return any(word in p.cmd for p in await sb.commands.list())
 
+
+
+async def test_dsec_up_runs_a_rollout_worker_an_anonymous_client_submits_to(tmp_path: Any) -> None:
+    """The whole stack with its NATS users: the worker's own role, the anonymous client's rights to
+    submit, read jobs and the trajectory log (and not to take jobs off the queue)."""
+    from tests.integration.test_up import running_up
+
+    policy = await Policy().start()
+    try:
+        async with running_up("ro") as up:
+            svc = up.services()["rollouts"]
+            assert svc["state"] == "running" and svc["restarts"] == 0, svc
+            ro = AsyncRollouts(nats_url=up.url)  # no credentials: the anonymous client
+            url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), answer("bye")])
+            job = await ro.submit(task="say it", policy_url=url)
+            res = await ro.wait(job, timeout=180)
+            assert (res.state, res.finish_reason) == ("done", "stop"), res
+            assert json.loads(res.messages[2]["content"])["stdout"] == "via-up\n"
+            assert [s.kind for s in res.steps] == ["ExecRequest"]
+            assert up.services()["rollouts"]["restarts"] == 0
+    finally:
+        await policy.stop()

@@ -18,6 +18,8 @@ from sdk import AsyncSandbox, CommandExitError
 from sdk._trajectory import TrajClient
 from sdk.errors import FileNotFound, TrajectoryConflict, TrajectoryTrimmed
 from tests.conftest import eventually
+from tests.imaged.conftest import needs_fuse
+from tests.integration.test_snapshots import lazy  # noqa: F401 - the fixture: the host's lazy loader packs snapshots
 from tests.integration.conftest import PY, REPO, Stack, needs_stack, run_process, subprocess_env
 
 COUNT = "echo x >> /tmp/count; wc -l < /tmp/count"  # not idempotent: says how often it ran
@@ -157,3 +159,27 @@ async def test_cli_trajectory_show(stack: Stack) -> None:
         assert rc == 0 and "echo cli" in out and "(2 steps)" in err
         rc, out, err = await run_process(*dsec, "bad.id", env=env, cwd=str(REPO))
         assert rc == 2 and "not a sandbox id" in err
+
+
+@pytest.mark.containerd
+@needs_stack
+@needs_fuse
+@pytest.mark.usefixtures("lazy")
+async def test_a_fork_inherits_its_parents_log_up_to_the_fork_point(stack: Stack) -> None:
+    async with stack.sandbox() as sb:
+        await sb.commands.run("echo before")
+        await sb.files.write("/tmp/p", "1")
+        (child,) = await sb.fork(1, **stack.kw())
+        try:
+            await sb.commands.run("echo parent-after")  # not the child's history
+            assert (await child.commands.run("cat /tmp/p")).stdout == "1"
+            steps = await child.trajectory()
+            assert [(s.sandbox_id, s.step, s.kind) for s in steps] == [
+                (sb.sandbox_id, 0, "ExecRequest"), (sb.sandbox_id, 1, "FileWrite"), (sb.sandbox_id, 2, "SnapshotRequest"),
+                (child.sandbox_id, 0, "ExecRequest"),
+            ]
+            assert steps[-1].request.cmd == "cat /tmp/p"
+            # The parent's own log is its own: the fork point and what came after, no child step.
+            assert [s.kind for s in await sb.trajectory()] == ["ExecRequest", "FileWrite", "SnapshotRequest", "ExecRequest"]
+        finally:
+            await child.kill()
