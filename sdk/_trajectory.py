@@ -10,6 +10,7 @@ a step the log holds is answered from it, without running again, when the reques
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ class TrajectoryStep:
     host_id: str = ""
     seq: int = 0  # the stream sequence (global order of the sandbox's log)
     sandbox_id: str = ""  # where it was logged: a fork's parent for the steps it inherited
+    policy_version: str = ""  # a policy's turn (op "model"): the version its endpoint reported
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("request", "result")}
@@ -91,16 +93,26 @@ async def read_log(js: Any, sandbox_id: str) -> list[tuple[int, TrajStep]]:
 
 
 def view(seq: int, s: TrajStep) -> TrajectoryStep:
-    try:
-        request = decode_request(s)
-    except msgspec.DecodeError:
-        request = None
-    result = None if s.error_code or not s.result else _decode_result(s.op, s.result)
+    if s.op == "model":  # a policy's turn: its request and response bodies (JSON)
+        request, result = _json(s.request), _json(s.result)
+    else:
+        try:
+            request = decode_request(s)
+        except msgspec.DecodeError:
+            request = None
+        result = None if s.error_code or not s.result else _decode_result(s.op, s.result)
     return TrajectoryStep(
         step=s.step, client_id=s.client_id, op=s.op, kind=s.kind, digest=s.digest, request=request, result=result, error_code=s.error_code,
         error=s.error, digests=dict(s.digests), started_at=s.started_at, duration_ms=s.duration_ms, host_id=s.host_id, seq=seq,
-        sandbox_id=s.sandbox_id,
+        sandbox_id=s.sandbox_id, policy_version=s.policy_version,
     )
+
+
+def _json(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data.decode("utf-8", "replace")
 
 
 def _decode_result(op: str, data: bytes) -> Any:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,21 @@ TOOLS: dict[str, tuple[str, dict[str, tuple[str, tuple[type, ...], bool]]]] = {
     "read_file": ("Read a text file of the sandbox.", {"path": ("string", (str,), True)}),
     "write_file": ("Write a text file in the sandbox.", {"path": ("string", (str,), True), "content": ("string", (str,), True)}),
 }
+
+
+POLICY_VERSION_HEADERS = ("X-Policy-Version", "X-Model-Version")  # what an endpoint may say of its weights
+
+
+@dataclass
+class Completion:
+    """One answered policy request: the assistant message acted on and what went over the wire."""
+
+    message: dict[str, Any]
+    request: dict[str, Any]
+    response: str  # the body as received (token ids and logprobs in it when the backend returns them)
+    policy_version: str
+    started_at: float
+    duration_ms: float
 
 
 class Stopping(Exception):
@@ -107,14 +123,15 @@ def _parse_call(n: int, c: Any, tools: list[str]) -> dict[str, Any]:
 async def ask(
     session: aiohttp.ClientSession, *, policy_url: str, model: str, messages: list[dict[str, Any]], tools: list[str],
     timeout_s: float, wait_s: float, on_wait: Callable[[str], Awaitable[None]], pause: Callable[[float], Awaitable[bool]],
-) -> dict[str, Any]:
+) -> Completion:
     """The policy's next assistant message. ``on_wait(why)`` runs before each back-off; ``pause(s)``
     sleeps (True: the worker is stopping, and the job is left for another one)."""
-    body = {"model": model or "policy", "messages": messages, "tools": tool_schemas(tools)}
+    body = {"model": model or "policy", "messages": list(messages), "tools": tool_schemas(tools)}  # as sent (the job goes on appending)
     deadline = time.monotonic() + wait_s
     delay, timeouts = BACKOFF_START_S, 0
     url = chat_url(policy_url)
     while True:
+        started, t0 = time.time(), time.perf_counter()
         try:
             async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 text = await r.text()
@@ -123,7 +140,8 @@ async def ask(
                 elif r.status >= 400:
                     raise PolicyError(f"the policy refused the request: HTTP {r.status} {text[:200]!r}", status=r.status)
                 else:
-                    return parse_reply(text, tools)
+                    version = next((r.headers[h] for h in POLICY_VERSION_HEADERS if h in r.headers), "")
+                    return Completion(parse_reply(text, tools), body, text, version, started, (time.perf_counter() - t0) * 1000)
             timeouts = 0
         except asyncio.TimeoutError:
             timeouts += 1
@@ -140,4 +158,4 @@ async def ask(
         delay = min(delay * 2, BACKOFF_CAP_S)
 
 
-__all__ = ["Stopping", "TOOLS", "tool_schemas", "chat_url", "parse_reply", "ask"]
+__all__ = ["Completion", "Stopping", "TOOLS", "tool_schemas", "chat_url", "parse_reply", "ask"]

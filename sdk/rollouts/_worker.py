@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import socket
@@ -26,7 +27,7 @@ from nats.aio.msg import Msg
 from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError, InternalError, SandboxNotFound, SandboxNotRunning, SandboxTimeout
-from bus.messages import RolloutJob, RolloutRecord
+from bus.messages import RolloutJob, RolloutRecord, TrajStep
 from bus.runtime import KV, Service, dead_letter
 from bus.streams import ensure_kv, ensure_stream, stream_configs
 
@@ -46,6 +47,11 @@ def _cut(text: str) -> str:
         return text
     half = OUTPUT_KEEP // 2
     return f"{text[:half]}\n[... {len(text) - OUTPUT_KEEP} characters cut ...]\n{text[-half:]}"
+
+
+def model_client(job_id: str) -> str:
+    """The trajectory log's client id of a job's policy turns."""
+    return f"{job_id}-model"
 
 
 def sandbox_id_of(job_id: str) -> str:
@@ -189,14 +195,30 @@ class RolloutWorker(Service):
                 rec.policy_retries += 1
                 await self._put(rec)
 
-            reply = await _policy.ask(
+            done = await _policy.ask(
                 self.session, policy_url=job.policy_url, model=job.model, messages=rec.messages, tools=job.tools,
                 timeout_s=job.policy_timeout_s, wait_s=job.policy_wait_s, on_wait=waiting, pause=self._pause_or_stop,
             )
             rec.state, rec.error = "running", ""
-            rec.messages.append(reply)
+            rec.messages.append(done.message)
             rec.turns += 1
             await self._put(rec)
+            await self._log_model_turn(rec, done)
+
+    async def _log_model_turn(self, rec: RolloutRecord, c: _policy.Completion) -> None:
+        """The policy's turn in the sandbox's trajectory log, beside its steps (client ``<job>-model``,
+        step = the turn). Stored after the job's state: a turn asked again after a crash is the one
+        logged; a repeated store of it is dropped by its message id."""
+        assert self.publisher is not None
+        client = model_client(rec.job.job_id)
+        step = TrajStep(
+            sandbox_id=rec.sandbox_id, client_id=client, step=rec.turns - 1, op="model", kind="ChatCompletion",
+            digest=hashlib.sha256(json.dumps(c.request, sort_keys=True).encode()).hexdigest(), request=json.dumps(c.request).encode(),
+            result=c.response.encode(), started_at=c.started_at, duration_ms=c.duration_ms, policy_version=c.policy_version,
+        )
+        await self.publisher.store(
+            S.traj(rec.sandbox_id), codec.encode(step), {S.HDR_MSG_ID: S.traj_msg_id(rec.sandbox_id, client, step.step)},
+        )
 
     async def _pause_or_stop(self, seconds: float) -> bool:
         return await self.pause(seconds)
@@ -231,4 +253,4 @@ def _pending_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return []
 
 
-__all__ = ["RolloutWorker", "sandbox_id_of"]
+__all__ = ["RolloutWorker", "sandbox_id_of", "model_client"]

@@ -34,11 +34,17 @@ def call(name: str, n: int = 0, **args: Any) -> dict[str, Any]:
     return {"id": f"call-{name}-{n}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
 
-def answer(content: str | None, *calls: dict[str, Any]) -> dict[str, Any]:
+def answer(content: str | None, *calls: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A chat completion; ``extra`` goes into the choice (token_ids, logprobs as vLLM returns them)."""
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = list(calls)
-    return {"id": "cmpl", "object": "chat.completion", "choices": [{"index": 0, "message": msg, "finish_reason": "tool_calls" if calls else "stop"}]}
+    choice = {"index": 0, "message": msg, "finish_reason": "tool_calls" if calls else "stop", **extra}
+    return {"id": "cmpl", "object": "chat.completion", "choices": [choice], "prompt_token_ids": [7, 8, 9]}
+
+
+def sandbox_steps(res: Any) -> list[Any]:
+    return [s for s in res.steps if s.op != "model"]
 
 
 class Policy:
@@ -67,7 +73,9 @@ class Policy:
             await self.never.wait()
         if callable(step):
             step = await step()
-        return web.Response(text=step if isinstance(step, str) else json.dumps(step), content_type="application/json")
+        return web.Response(
+            text=step if isinstance(step, str) else json.dumps(step), content_type="application/json", headers={"X-Policy-Version": "v7"},
+        )
 
     async def start(self, port: int = 0) -> "Policy":
         app = web.Application()
@@ -112,7 +120,7 @@ async def _sandbox_gone(stack: Stack, job_id: str) -> None:
 async def test_a_rollout_runs_the_agent_loop_and_logs_every_sandbox_step(stack: Stack) -> None:
     async with setup(stack) as (ro, policy, _):
         url = policy.url("main", [
-            answer(None, call("exec", cmd="echo hello > /tmp/h; cat /tmp/h")),
+            answer(None, call("exec", cmd="echo hello > /tmp/h; cat /tmp/h"), token_ids=[11, 12], logprobs={"content": [{"logprob": -0.5}]}),
             answer("two at once", call("write_file", 1, path="/tmp/a", content="A"), call("read_file", 2, path="/tmp/a")),
             answer("done"),
         ])
@@ -125,7 +133,14 @@ async def test_a_rollout_runs_the_agent_loop_and_logs_every_sandbox_step(stack: 
         assert [m["content"] for m in res.messages[4:6]] == ["ok", "A"] and res.messages[-1]["content"] == "done"
         assert res.metadata == {"run": "t1"} and res.deliveries == 1
         # Every changing sandbox step is in the trajectory log, under the job as client (a read is not a step).
-        assert [(s.step, s.kind, s.client_id) for s in res.steps] == [(0, "ExecRequest", job), (1, "FileWrite", job)]
+        assert [(s.step, s.kind, s.client_id) for s in sandbox_steps(res)] == [(0, "ExecRequest", job), (1, "FileWrite", job)]
+        # ... in one ordered log with the policy's turns (each logged before its tool calls ran).
+        assert [(s.op, s.step) for s in res.steps] == [("model", 0), ("exec", 0), ("model", 1), ("files", 1), ("model", 2)]
+        turns = res.model_turns
+        assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["policy_version"] == "v7" for t in turns)
+        assert turns[0]["token_ids"] == [11, 12] and turns[0]["logprobs"] == {"content": [{"logprob": -0.5}]}
+        assert turns[0]["prompt_token_ids"] == [7, 8, 9] and turns[1]["token_ids"] is None
+        assert turns[0]["messages"] == [{"role": "user", "content": "do it"}] and turns[2]["message"]["content"] == "done"
         # What the policy was sent: the conversation so far and the job's tools.
         first = policy.requests["main"][0]
         assert first["messages"] == [{"role": "user", "content": "do it"}]
@@ -206,7 +221,7 @@ async def test_a_sandbox_that_died_mid_rollout_fails_the_job_with_its_error(stac
         job_box.append(await _submit(ro, stack, url))
         res = await ro.wait(job_box[0], timeout=120)
         assert res.state == "failed" and res.error_code in ("sandbox_not_found", "not_running"), res
-        assert [s.step for s in res.steps] == [0]  # the first step ran; the second never did
+        assert [s.step for s in sandbox_steps(res)] == [0]  # the first step ran; the second never did
 
 
 async def test_a_worker_killed_mid_rollout_is_taken_over_without_running_a_step_twice(stack: Stack, tmp_path: Any) -> None:
@@ -233,7 +248,8 @@ async def test_a_worker_killed_mid_rollout_is_taken_over_without_running_a_step_
         assert (res.state, res.finish_reason, res.deliveries) == ("done", "stop", 2), (res, b.log())
         outs = [json.loads(m["content"])["stdout"] for m in res.messages if m["role"] == "tool"]
         assert outs == ["1\n", "1\n"]  # each command ran once
-        assert [s.step for s in res.steps] == [0, 1]  # each step logged once
+        assert [s.step for s in sandbox_steps(res)] == [0, 1]  # each step logged once
+        assert [s.step for s in res.steps if s.op == "model"] == [0, 1, 2]
         assert len(policy.requests["kill"]) == 3  # no turn asked twice
     finally:
         for c in (a, b):
@@ -263,7 +279,7 @@ async def test_dsec_up_runs_a_rollout_worker_an_anonymous_client_submits_to(tmp_
             res = await ro.wait(job, timeout=180)
             assert (res.state, res.finish_reason) == ("done", "stop"), res
             assert json.loads(res.messages[2]["content"])["stdout"] == "via-up\n"
-            assert [s.kind for s in res.steps] == ["ExecRequest"]
+            assert [s.kind for s in res.steps] == ["ChatCompletion", "ExecRequest", "ChatCompletion"]
             assert up.services()["rollouts"]["restarts"] == 0
     finally:
         await policy.stop()
