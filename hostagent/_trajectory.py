@@ -22,11 +22,13 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InternalError, TrajectoryConflict, Unavailable
 from bus.runtime import StoreError, publisher_for
+from bus.messages import ExecResult
 from bus.trajectory import digest, is_logged, make_step
 
 log = structlog.get_logger("dsec.hostagent.trajectory")
 
 RECENT = 1024  # steps remembered (per host) for answering a repeated one without running it again
+RECENT_BYTES = 64 << 20  # ... and at most this much command output among them
 LOG_TIMEOUT_S = 10.0
 
 Outcome = tuple[Any, DsecError | None]
@@ -37,6 +39,8 @@ class Trajectory:
         self.nc = nc
         self.host_id = host_id
         self.recent: OrderedDict[tuple[str, str, int], tuple[str, asyncio.Future[Outcome]]] = OrderedDict()
+        self.sizes: dict[tuple[str, str, int], int] = {}
+        self.held = 0  # bytes of output the remembered outcomes hold
 
     async def run(self, sid: str, op: str, req: Any, fn: Callable[[], Awaitable[Any]]) -> Any:
         """``fn()``'s result for ``req``, logged first when ``req`` is a numbered step."""
@@ -52,8 +56,6 @@ class Trajectory:
             return _unwrap(await asyncio.shield(seen[1]))
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self.recent[key] = (d, fut)
-        while len(self.recent) > RECENT:
-            self.recent.popitem(last=False)
         started, t0 = time.time(), time.perf_counter()
         outcome: Outcome
         try:
@@ -63,10 +65,22 @@ class Trajectory:
         except Exception as exc:  # noqa: BLE001 - logged as the internal error the endpoint answers with
             outcome = (None, InternalError(f"{type(exc).__name__}: {exc}"))
         fut.set_result(outcome)
+        self._remember(key, outcome[0])
         result = outcome[1].to_reply() if outcome[1] is not None else outcome[0]
         step = make_step(sid, op, req, result, started_at=started, duration_ms=(time.perf_counter() - t0) * 1000, host_id=self.host_id, req_digest=d)
         await self._append(step.sandbox_id, step.client_id, step.step, codec.encode(step))
         return _unwrap(outcome)
+
+    def _remember(self, key: tuple[str, str, int], result: Any) -> None:
+        size = len(result.stdout) + len(result.stderr) if isinstance(result, ExecResult) else 0
+        self.sizes[key] = size
+        self.held += size
+        for old in list(self.recent):  # oldest first; a step still running is kept
+            if len(self.recent) <= RECENT and self.held <= RECENT_BYTES:
+                break
+            if self.recent[old][1].done():
+                del self.recent[old]
+                self.held -= self.sizes.pop(old, 0)
 
     async def _append(self, sid: str, client_id: str, step: int, data: bytes) -> None:
         try:
