@@ -10,6 +10,7 @@ a step the log holds is answered from it, without running again, when the reques
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
+from bus.errors import DsecError, ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
 from bus.messages import ExecResult, TrajStep
 from bus.runtime import KV
 from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
@@ -205,4 +206,69 @@ async def _fork_point(js: Any, sandbox_id: str) -> tuple[str, str, float] | None
     return snap.sandbox_id, snap.snapshot_id, snap.created_at
 
 
-__all__ = ["TrajectoryStep", "TrajClient", "read_log", "steps", "replayed", "view"]
+
+
+# --- replay in a fresh sandbox ------------------------------------------------------------------
+@dataclass
+class ReplayDiff:
+    """One logged step run again: ``same``, ``differs`` (``detail`` says how) or ``skipped`` (why)."""
+
+    index: int
+    client_id: str
+    step: int
+    kind: str
+    status: str
+    detail: str = ""
+
+
+def _compare(logged: TrajectoryStep, code: str, result: Any) -> str:
+    """How a step's new outcome differs from the logged one ("" when it does not)."""
+    if logged.error_code or code:
+        return "" if logged.error_code == code else f"outcome {logged.error_code or 'ok'} then, {code or 'ok'} now"
+    old = logged.result
+    if not isinstance(old, ExecResult) or not isinstance(result, ExecResult):
+        return ""  # a file op that succeeded both times: its times and inode numbers differ anyway
+    diffs = []
+    if old.exit_code != result.exit_code:
+        diffs.append(f"exit code {old.exit_code} then, {result.exit_code} now")
+    for name in ("stdout", "stderr"):
+        was, now = getattr(old, name), getattr(result, name)
+        full = logged.digests.get(name)
+        same = hashlib.sha256(now).hexdigest() == full if full else was == now
+        if not same:
+            diffs.append(f"{name} {was[:60]!r} then, {now[:60]!r} now")
+    return "; ".join(diffs)
+
+
+async def replay_in_fresh(sandbox_id: str, *, nats_url: str | None = None, template: str | None = None, **create: Any) -> list[ReplayDiff]:
+    """Run the sandbox's logged steps (a fork's inherited ones first) again, in order, in a new
+    sandbox of its template, and say where the outcomes differ. A write whose data the log keeps
+    only by digest, and snapshots, are skipped."""
+    from ._async import AsyncSandbox, _js, _nc
+
+    js = _js(await _nc(nats_url))
+    logged = [s for s in await steps(js, sandbox_id) if s.op != "model"]
+    if template is None:
+        rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)
+        if rec is None:
+            raise InvalidArgument(f"no record of sandbox {sandbox_id} says its template: name it (template=)")
+        template = rec.spec.template
+    out: list[ReplayDiff] = []
+    async with await AsyncSandbox.create(template, nats_url=nats_url, **create) as fresh:
+        for i, s in enumerate(logged):
+            diff = ReplayDiff(index=i, client_id=s.client_id, step=s.step, kind=s.kind, status="skipped")
+            out.append(diff)
+            if s.request is None or s.kind == "SnapshotRequest" or "data" in s.digests:
+                diff.detail = "a snapshot" if s.kind == "SnapshotRequest" else "the log keeps its request by digest only"
+                continue
+            code, result = "", None
+            try:
+                result = await fresh._request(s.op, s.request, codec.REPLY_TYPES[s.op], timeout=float(getattr(s.request, "timeout_s", 0) or 3600) + 10)
+            except DsecError as exc:
+                code = exc.code
+            diff.detail = _compare(s, code, result)
+            diff.status = "differs" if diff.detail else "same"
+    return out
+
+
+__all__ = ["ReplayDiff", "replay_in_fresh", "TrajectoryStep", "TrajClient", "read_log", "steps", "replayed", "view"]

@@ -196,6 +196,8 @@ async def _trajectory(args: argparse.Namespace) -> int:
     if not S.valid_token(args.sandbox_id):
         print(f"dsec: not a sandbox id: {args.sandbox_id!r}", file=sys.stderr)
         return 2
+    if args.traj_cmd == "replay":
+        return await _trajectory_replay(args)
     try:
         steps = await _traj.steps(_js(await _nc(args.nats_url)), args.sandbox_id)
     finally:
@@ -214,6 +216,25 @@ async def _trajectory(args: argparse.Namespace) -> int:
         print(f"{s.seq:>8} {s.client_id:<24} {s.step:>5} {s.kind:<14} {s.duration_ms:>9.1f}ms {out:<22} {what!s:.80}")
     print(f"({len(steps)} steps)", file=sys.stderr)
     return 0
+
+
+async def _trajectory_replay(args: argparse.Namespace) -> int:
+    from . import _trajectory as _traj
+    from ._async import close_connections
+
+    kw = {"pool": args.pool} if args.pool else {}
+    try:
+        diffs = await _traj.replay_in_fresh(args.sandbox_id, nats_url=args.nats_url, template=args.template, **kw)
+    finally:
+        await close_connections()
+    if args.json:
+        _print_json([d.__dict__ for d in diffs])
+    else:
+        for d in diffs:
+            print(f"{d.index:>5} {d.client_id:<24} {d.step:>5} {d.kind:<14} {d.status:<8} {d.detail}")
+    differ = sum(d.status == "differs" for d in diffs)
+    print(f"({len(diffs)} steps, {differ} differ, {sum(d.status == 'skipped' for d in diffs)} skipped)", file=sys.stderr)
+    return 1 if differ else 0
 
 
 # --- api keys and schema ----------------------------------------------------------------------
@@ -329,6 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     trs_show.add_argument("sandbox_id")
     trs_show.add_argument("--json", action="store_true")
     trs_show.set_defaults(func=lambda a: asyncio.run(_trajectory(a)))
+    trs_replay = trs.add_parser("replay", help="run the logged steps again in a fresh sandbox of the same template; exit 1 where results differ")
+    trs_replay.add_argument("sandbox_id")
+    trs_replay.add_argument("--template", default=None, help="default: the sandbox's own (from its record)")
+    trs_replay.add_argument("--pool", default=None)
+    trs_replay.add_argument("--json", action="store_true")
+    trs_replay.set_defaults(func=lambda a: asyncio.run(_trajectory(a)))
 
     sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
     sc.add_argument("--subject", default=None, help="only this subject (a name from `dsec schema`, e.g. dsec.req.create)")

@@ -183,3 +183,27 @@ async def test_a_fork_inherits_its_parents_log_up_to_the_fork_point(stack: Stack
             assert [s.kind for s in await sb.trajectory()] == ["ExecRequest", "FileWrite", "SnapshotRequest", "ExecRequest"]
         finally:
             await child.kill()
+
+
+@pytest.mark.containerd
+@needs_stack
+async def test_cli_trajectory_replay_reruns_the_log_in_a_fresh_sandbox_and_says_where_it_differs(stack: Stack) -> None:
+    async with stack.sandbox() as sb:
+        await sb.commands.run("echo stable")
+        await sb.commands.run("head -c 8 /dev/urandom | od -An -tx1")  # differs in any other run
+        await sb.files.write("/tmp/f", "kept")
+        await sb.commands.run("cat /tmp/f")  # the write ran first in the fresh sandbox too
+        with pytest.raises(FileNotFound):
+            await sb.files.remove("/tmp/none")
+        env = subprocess_env(stack.url)
+        rc, out, err = await run_process(
+            PY, "-m", "sdk.cli", "trajectory", "replay", sb.sandbox_id, "--pool", stack.pool, "--json", env=env, cwd=str(REPO), timeout=180,
+        )
+        assert rc == 1, err  # something differs
+        diffs = json.loads(out)
+        assert [(d["step"], d["kind"], d["status"]) for d in diffs] == [
+            (0, "ExecRequest", "same"), (1, "ExecRequest", "differs"), (2, "FileWrite", "same"), (3, "ExecRequest", "same"), (4, "FileRemove", "same"),
+        ]
+        assert "stdout" in diffs[1]["detail"] and "(5 steps, 1 differ, 0 skipped)" in err
+        # The fresh sandbox is gone afterwards: only this test's own sandbox is left on the host.
+        await eventually(lambda: [s for s in stack.host.live if s != sb.sandbox_id] == [], timeout=30, what="the replay's sandbox to go")
