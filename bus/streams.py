@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -32,6 +32,14 @@ class StreamOptions:
 
 
 def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
+    req, evt, dlq = _core_streams(opts)
+    # The trajectory log is kept as the events are; rollout jobs are a work queue as the requests are.
+    traj = replace(evt, name=S.STREAM_TRAJ, subjects=S.TRAJ_SUBJECTS)
+    rollouts = replace(req, name=S.STREAM_ROLLOUTS, subjects=S.ROLLOUT_SUBJECTS)
+    return [req, evt, dlq, traj, rollouts]
+
+
+def _core_streams(opts: StreamOptions) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=S.STREAM_REQ,
@@ -58,25 +66,6 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             max_age=7 * DAY,
-            num_replicas=opts.replicas,
-        ),
-        StreamConfig(
-            name=S.STREAM_TRAJ,
-            subjects=S.TRAJ_SUBJECTS,
-            retention=RetentionPolicy.LIMITS,
-            storage=opts.storage,
-            max_age=opts.events_max_age_s,
-            max_bytes=opts.events_max_bytes,
-            discard=DiscardPolicy.OLD,
-            duplicate_window=opts.dedup_window_s,
-            num_replicas=opts.replicas,
-        ),
-        StreamConfig(
-            name=S.STREAM_ROLLOUTS,
-            subjects=S.ROLLOUT_SUBJECTS,
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=opts.storage,
-            duplicate_window=opts.dedup_window_s,
             num_replicas=opts.replicas,
         ),
     ]
