@@ -207,6 +207,8 @@ async def _trajectory(args: argparse.Namespace) -> int:
         return 0
     for s in steps:
         what = getattr(s.request, "cmd", None) or getattr(s.request, "path", "") or ""
+        if s.op == "model" and isinstance(s.result, dict):  # a policy's turn: what it said
+            what = json.dumps(((s.result.get("choices") or [{}])[0] or {}).get("message"))
         if s.error_code:
             out = f"error {s.error_code}"
         elif s.result is not None and hasattr(s.result, "exit_code"):

@@ -164,6 +164,9 @@ async def test_bad_policy_replies_and_bad_input_are_typed_errors_and_the_worker_
             res = await ro.wait(job, timeout=120)
             assert (res.state, res.error_code) == ("failed", cases[name][1]), (name, res)
         assert "rm_rf" in (await ro.get(jobs["unknown"])).error
+        # A template that does not exist: the sandbox is never made, the job says why.
+        res = await ro.wait(await _submit(ro, stack, policy.url("nosb", [answer("unused")]), template="no-such-template"), timeout=120)
+        assert (res.state, res.error_code) == ("failed", "unknown_template") and policy.requests["nosb"] == []
         # Positive control: the same worker still runs a good job, to max_steps.
         loop = policy.url("loop", [answer(None, call("exec", n, cmd="true")) for n in range(5)])
         res = await ro.wait(await _submit(ro, stack, loop, max_steps=2), timeout=120)
