@@ -63,7 +63,7 @@ _CLIENT_PUBLISH = [
     S.REQ_CREATE, S.REQ_CREATE_BATCH, S.SBX_WILDCARD, S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>",
     f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_client_js_api(),
     # rollout jobs: submitted, and looked up while queued (direct gets only: no consumer on a work queue)
-    f"{S.PREFIX}.rollout.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
+    f"{S.PREFIX}.rollout.>", f"{S.PREFIX}.model.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack

@@ -967,6 +967,20 @@ class RolloutRecord(Struct, kw_only=True, tag=True):
     finished_at: float = 0.0
 
 
+class ModelCall(Struct, kw_only=True, tag=True):
+    """On ``dsec.model.<job>``: an OpenAI chat-completions request body for the job's policy (the
+    gateway's ``/rollouts/<job>/v1/chat/completions``); answered with a ``ModelAnswer``."""
+
+    job_id: str
+    body: bytes
+
+
+class ModelAnswer(Struct, kw_only=True, tag=True):
+    status: int  # the policy's HTTP status
+    body: bytes
+    policy_version: str = ""
+
+
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
     "ReqMessage",
     "HostMessage",

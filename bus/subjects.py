@@ -207,3 +207,13 @@ def rollout_queue(queue: str) -> str:
 
 def rollout_durable(queue: str) -> str:
     return f"rollouts-{_tok(queue)}"
+
+
+# --- the model gateway (core request/reply; rollout workers answer in queue group ROLLOUT_WORKERS) ---
+ROLLOUT_WORKERS = "rollout-workers"
+MODEL_WILDCARD = f"{PREFIX}.model.*"
+
+
+def model_call(job_id: str) -> str:
+    """A chat-completions request for a rollout's policy, forwarded and logged by a rollout worker."""
+    return f"{PREFIX}.model.{_tok(job_id)}"

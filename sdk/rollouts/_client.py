@@ -18,7 +18,7 @@ from bus.runtime import KV
 
 from .._async import _js, _nc, _store
 from .._trajectory import TrajectoryStep, steps as _steps
-from ._worker import model_client
+from ._worker import gateway_client, model_client
 
 ENDED = ("done", "failed")
 
@@ -49,14 +49,14 @@ class RolloutResult:
         """The policy's turns, training-ready: the messages it was sent, what it answered, and the token
         ids and logprobs when its backend returned them (vLLM/SGLang style), with its version."""
         out = []
-        for s in self.steps:
+        for s in self.steps:  # the worker's own turns and those the model gateway forwarded, in the log's order
             if s.op != "model":
                 continue
             resp = s.result if isinstance(s.result, dict) else {}
             choices = resp.get("choices") or [{}]
             choice = choices[0] if isinstance(choices[0], dict) else {}
             out.append({
-                "turn": s.step, "messages": (s.request or {}).get("messages", []), "message": choice.get("message"),
+                "turn": s.step, "via_gateway": s.client_id.endswith("-gw"), "messages": (s.request or {}).get("messages", []), "message": choice.get("message"),
                 "prompt_token_ids": resp.get("prompt_token_ids"), "token_ids": choice.get("token_ids"), "logprobs": choice.get("logprobs"),
                 "policy_version": s.policy_version, "duration_ms": s.duration_ms,
             })
@@ -133,7 +133,7 @@ class AsyncRollouts:
             return RolloutResult(job_id=job_id, state="queued")
         res = _result(rec)
         if with_steps and rec.sandbox_id:
-            mine = (job_id, model_client(job_id))
+            mine = (job_id, model_client(job_id), gateway_client(job_id))
             res.steps = [s for s in await _steps(_js(await _nc(self.nats_url)), rec.sandbox_id) if s.client_id in mine]
         return res
 

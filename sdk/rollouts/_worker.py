@@ -26,9 +26,9 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import DsecError, InternalError, SandboxNotFound, SandboxNotRunning, SandboxTimeout
-from bus.messages import RolloutJob, RolloutRecord, TrajStep
-from bus.runtime import KV, Service, dead_letter
+from bus.errors import BadRequest, DsecError, InternalError, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob
+from bus.messages import ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
+from bus.runtime import KV, Endpoint, Service, dead_letter
 from bus.streams import ensure_kv, ensure_stream, stream_configs
 
 from .._async import AsyncSandbox
@@ -54,6 +54,11 @@ def model_client(job_id: str) -> str:
     return f"{job_id}-model"
 
 
+def gateway_client(job_id: str) -> str:
+    """The trajectory log's client id of the turns the model gateway forwarded for a job."""
+    return f"{job_id}-gw"
+
+
 def sandbox_id_of(job_id: str) -> str:
     return f"ro-{job_id}"
 
@@ -72,21 +77,26 @@ class RolloutWorker(Service):
         self.worker_id = worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.kv: KV[RolloutRecord] | None = None
         self.session: aiohttp.ClientSession | None = None
+        self.model_ep: Endpoint | None = None
 
     async def setup(self) -> None:
-        assert self.js is not None
+        assert self.js is not None and self.nc is not None
         for cfg in stream_configs():
             if cfg.name == S.STREAM_ROLLOUTS:
                 await ensure_stream(self.js, cfg)
         await ensure_kv(self.js, S.KV_ROLLOUTS)
         self.kv = await KV.bind(self.js, S.KV_ROLLOUTS, RolloutRecord)
         self.session = aiohttp.ClientSession()
+        self.model_ep = Endpoint(self.nc, "model", self._on_model, decoder=codec.Decoder(ModelCall))
+        await self.model_ep.serve(S.MODEL_WILDCARD, queue=S.ROLLOUT_WORKERS)
         await self.add_worker(
             stream=S.STREAM_ROLLOUTS, durable=S.rollout_durable(self.queue), filter_subject=S.rollout_queue(self.queue) + ".>",
             capacity=self.capacity, handler=self._on_job, ack_wait_s=self.ack_wait_s,
         )
 
     async def teardown(self) -> None:
+        if self.model_ep is not None:
+            await self.model_ep.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -209,16 +219,52 @@ class RolloutWorker(Service):
         """The policy's turn in the sandbox's trajectory log, beside its steps (client ``<job>-model``,
         step = the turn). Stored after the job's state: a turn asked again after a crash is the one
         logged; a repeated store of it is dropped by its message id."""
+        await self._log_turn(rec, model_client(rec.job.job_id), rec.turns - 1, c)
+
+    async def _log_turn(self, rec: RolloutRecord, client: str, turn: int, c: _policy.Completion) -> None:
+        """A policy's turn in the sandbox's trajectory log; ``turn`` -1: numbered by its place in the
+        log (de-duplicated by its digest)."""
         assert self.publisher is not None
-        client = model_client(rec.job.job_id)
+        digest = hashlib.sha256(json.dumps(c.request, sort_keys=True).encode()).hexdigest()
         step = TrajStep(
-            sandbox_id=rec.sandbox_id, client_id=client, step=rec.turns - 1, op="model", kind="ChatCompletion",
-            digest=hashlib.sha256(json.dumps(c.request, sort_keys=True).encode()).hexdigest(), request=json.dumps(c.request).encode(),
-            result=c.response.encode(), started_at=c.started_at, duration_ms=c.duration_ms, policy_version=c.policy_version,
+            sandbox_id=rec.sandbox_id, client_id=client, step=turn, op="model", kind="ChatCompletion", digest=digest,
+            request=json.dumps(c.request).encode(), result=c.response.encode(), started_at=c.started_at, duration_ms=c.duration_ms,
+            policy_version=c.policy_version,
         )
-        await self.publisher.store(
-            S.traj(rec.sandbox_id), codec.encode(step), {S.HDR_MSG_ID: S.traj_msg_id(rec.sandbox_id, client, step.step)},
-        )
+        msg_id = S.traj_msg_id(rec.sandbox_id, client, turn) if turn >= 0 else f"{rec.sandbox_id}:{client}:{digest[:32]}"
+        await self.publisher.store(S.traj(rec.sandbox_id), codec.encode(step), {S.HDR_MSG_ID: msg_id})
+
+    # --- the model gateway -------------------------------------------------------------------------
+    async def _on_model(self, msg: Msg, call: ModelCall) -> ModelAnswer:
+        """Forward a chat-completions request to the job's policy and log the exchange in its
+        sandbox's trajectory (client ``<job>-gw``, in the log's order; a retried identical request,
+        same conversation, is stored once)."""
+        assert self.kv is not None and self.session is not None and self.publisher is not None
+        rec = await self.kv.get(call.job_id) if S.valid_token(call.job_id) else None
+        if rec is None:
+            raise UnknownJob(f"no rollout job {call.job_id}", job_id=call.job_id)
+        if not rec.sandbox_id or rec.state in ("done", "failed", "queued"):
+            raise SandboxNotRunning(f"rollout {call.job_id} is {rec.state}: its model gateway serves it while it runs", state=rec.state)
+        try:
+            request = json.loads(call.body)
+        except ValueError:
+            raise BadRequest("the request body is not JSON") from None
+        started, t0 = time.time(), time.perf_counter()
+        try:
+            async with self.session.post(
+                _policy.chat_url(rec.job.policy_url), data=call.body, headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=rec.job.policy_timeout_s),
+            ) as r:
+                text = await r.text()
+                version = next((r.headers[h] for h in _policy.POLICY_VERSION_HEADERS if h in r.headers), "")
+                status = r.status
+        except asyncio.TimeoutError:
+            raise PolicyTimeout(f"the policy did not answer within {rec.job.policy_timeout_s:g}s") from None
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"the policy is unreachable: {type(exc).__name__}: {exc}") from None
+        c = _policy.Completion({}, request, text, version, started, (time.perf_counter() - t0) * 1000)
+        await self._log_turn(rec, gateway_client(call.job_id), -1, c)
+        return ModelAnswer(status=status, body=text.encode(), policy_version=version)
 
     async def _pause_or_stop(self, seconds: float) -> bool:
         return await self.pause(seconds)
@@ -253,4 +299,4 @@ def _pending_calls(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return []
 
 
-__all__ = ["RolloutWorker", "sandbox_id_of", "model_client"]
+__all__ = ["RolloutWorker", "sandbox_id_of", "model_client", "gateway_client"]

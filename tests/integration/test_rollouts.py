@@ -22,7 +22,7 @@ from sdk.errors import InvalidArgument, UnknownJob
 from sdk.rollouts import AsyncRollouts, RolloutWorker
 from sdk.rollouts._worker import sandbox_id_of
 from tests.conftest import eventually
-from tests.integration.conftest import PY, Child, Stack, needs_stack, subprocess_env
+from tests.integration.conftest import PY, Child, Stack, needs_stack, run_process, subprocess_env
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
@@ -266,23 +266,52 @@ async def _running(sb: AsyncSandbox, word: str) -> bool:
 
 
 
-async def test_dsec_up_runs_a_rollout_worker_an_anonymous_client_submits_to(tmp_path: Any) -> None:
-    """The whole stack with its NATS users: the worker's own role, the anonymous client's rights to
-    submit, read jobs and the trajectory log (and not to take jobs off the queue)."""
+async def test_dsec_up_runs_rollout_workers_and_the_model_gateway(tmp_path: Any) -> None:
+    """The whole stack with its NATS users: the worker's own role; the anonymous client submits, reads
+    jobs and the trajectory log; an API key's OpenAI client talks to the rollout's policy through the
+    gateway, its turn logged in the same ordered log."""
+    import aiohttp
+
     from tests.integration.test_up import running_up
 
     policy = await Policy().start()
+    release = asyncio.Event()
+
+    async def second_turn() -> dict[str, Any]:
+        await release.wait()  # the job's own second turn waits until the gateway's call went through
+        return answer("bye")
+
     try:
         async with running_up("ro") as up:
             svc = up.services()["rollouts"]
             assert svc["state"] == "running" and svc["restarts"] == 0, svc
             ro = AsyncRollouts(nats_url=up.url)  # no credentials: the anonymous client
-            url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), answer("bye")])
+            url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), second_turn, answer("from the gateway", token_ids=[5, 6])])
             job = await ro.submit(task="say it", policy_url=url)
+            await eventually(lambda: len(policy.requests["up"]) == 2, timeout=180, what="the job's second turn")
+
+            rc, key, err = await run_process(PY, "-m", "sdk.cli", "api-key", "create", "--name", "trainer", "--data-dir", str(up.data), env=up.env())
+            assert rc == 0, err
+            argv = up.child.argv
+            gw = f"http://127.0.0.1:{argv[argv.index('--http-port') + 1]}"
+            convo = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
+            auth = {"Authorization": f"Bearer {key.strip()}"}
+            async with aiohttp.ClientSession(headers=auth) as http:
+                async with http.post(f"{gw}/rollouts/{job}/v1/chat/completions", json={"model": "m", "messages": convo}) as r:
+                    assert r.status == 200, await r.text()
+                    assert r.headers["X-Policy-Version"] == "v7"
+                    assert (await r.json())["choices"][0]["message"]["content"] == "from the gateway"
+                async with http.post(f"{gw}/rollouts/job-none/v1/chat/completions", json={"messages": convo}) as r:
+                    assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_job"
+            release.set()
+
             res = await ro.wait(job, timeout=180)
             assert (res.state, res.finish_reason) == ("done", "stop"), res
             assert json.loads(res.messages[2]["content"])["stdout"] == "via-up\n"
-            assert [s.kind for s in res.steps] == ["ChatCompletion", "ExecRequest", "ChatCompletion"]
+            assert [(s.op, s.client_id.removeprefix(job)) for s in res.steps] == [("model", "-model"), ("exec", ""), ("model", "-gw"), ("model", "-model")]
+            gw_turn = res.model_turns[1]
+            assert gw_turn["via_gateway"] and gw_turn["messages"] == convo and gw_turn["token_ids"] == [5, 6] and gw_turn["policy_version"] == "v7"
             assert up.services()["rollouts"]["restarts"] == 0
     finally:
+        release.set()
         await policy.stop()
