@@ -943,6 +943,7 @@ class RolloutJob(Struct, kw_only=True, tag=True):
     policy_timeout_s: float = 60.0  # one request; three in a row time out: policy_timeout
     policy_wait_s: float = 600.0  # how long an unreachable policy is waited for (with back-off)
     submitted_at: float = 0.0
+    pause_while_waiting: bool = False  # freeze the sandbox while the policy is unreachable (thawed when it answers)
 
 
 class RolloutRecord(Struct, kw_only=True, tag=True):

@@ -90,6 +90,7 @@ class AsyncRollouts:
         self, *, task: str, policy_url: str, template: str = "base", max_steps: int = 20, tools: list[str] | None = None,
         metadata: dict[str, str] | None = None, model: str = "", system_prompt: str = "", pool: str = "default",
         sandbox_timeout: float = 3600.0, policy_timeout: float = 60.0, policy_wait: float = 600.0, job_id: str | None = None,
+        pause_while_waiting: bool = False,
     ) -> str:
         if not isinstance(task, str) or not task:
             raise InvalidArgument("task must be a non-empty string")
@@ -110,6 +111,7 @@ class AsyncRollouts:
             job_id=job_id, task=task, policy_url=policy_url, template=template, max_steps=max_steps, tools=list(tools),
             metadata=dict(metadata or {}), model=model, system_prompt=system_prompt, pool=pool, sandbox_timeout_s=float(sandbox_timeout),
             policy_timeout_s=float(policy_timeout), policy_wait_s=float(policy_wait), submitted_at=time.time(),
+            pause_while_waiting=bool(pause_while_waiting),
         )
         nc = await _nc(self.nats_url)
         await _store(nc, self._subject(job_id), codec.encode(job), {S.HDR_MSG_ID: f"rollout:{job_id}"})

@@ -201,6 +201,8 @@ class RolloutWorker(Service):
                 return
 
             async def waiting(why: str) -> None:
+                if job.pause_while_waiting and rec.state != "waiting_policy":
+                    await sb.pause()
                 rec.state, rec.error = "waiting_policy", why
                 rec.policy_retries += 1
                 await self._put(rec)
@@ -209,6 +211,8 @@ class RolloutWorker(Service):
                 self.session, policy_url=job.policy_url, model=job.model, messages=rec.messages, tools=job.tools,
                 timeout_s=job.policy_timeout_s, wait_s=job.policy_wait_s, on_wait=waiting, pause=self._pause_or_stop,
             )
+            if rec.state == "waiting_policy" and job.pause_while_waiting:
+                await sb.resume()
             rec.state, rec.error = "running", ""
             rec.messages.append(done.message)
             rec.turns += 1

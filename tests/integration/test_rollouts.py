@@ -196,8 +196,10 @@ async def test_an_unreachable_policy_is_waited_for_and_the_job_resumes(stack: St
     async with setup(stack) as (ro, _, _):
         port = free_port()
         late = Policy()
-        job = await _submit(ro, stack, f"http://127.0.0.1:{port}/late/v1")
+        job = await _submit(ro, stack, f"http://127.0.0.1:{port}/late/v1", pause_while_waiting=True)
         await eventually(lambda: _state_is(ro, job, "waiting_policy"), timeout=60, what="the job to wait for its policy")
+        sid = sandbox_id_of(job)
+        await eventually(lambda: stack.host.registry.get(sid).state == "paused", timeout=30, what="the sandbox to be frozen meanwhile")
         late.url("late", [answer(None, call("exec", cmd=COUNT)), answer("finished")])
         await late.start(port)  # the GPU pool is back
         try:
