@@ -38,6 +38,7 @@ class RolloutResult:
     metadata: dict[str, str] = field(default_factory=dict)
     deliveries: int = 0
     policy_retries: int = 0
+    worker: str = ""  # the worker that last took it up
     steps: list[TrajectoryStep] = field(default_factory=list)
 
     @property
@@ -67,7 +68,7 @@ def _result(rec: RolloutRecord) -> RolloutResult:
     return RolloutResult(
         job_id=rec.job.job_id, state=rec.state, finish_reason=rec.finish_reason, messages=rec.messages, turns=rec.turns,
         sandbox_id=rec.sandbox_id, error_code=rec.error_code, error=rec.error, metadata=dict(rec.job.metadata),
-        deliveries=rec.deliveries, policy_retries=rec.policy_retries,
+        deliveries=rec.deliveries, policy_retries=rec.policy_retries, worker=rec.worker,
     )
 
 
