@@ -102,11 +102,14 @@ class RolloutWorker(Service):
 
     # --- one job ------------------------------------------------------------------------------
     async def _on_job(self, msg: Msg) -> None:
+        assert self.publisher is not None
         try:
             job = _JOB.decode(msg.data)
         except Exception as exc:  # noqa: BLE001 - malformed work is kept aside, not retried forever
-            assert self.publisher is not None
             await dead_letter(self.publisher, msg, "bad_request", f"not a rollout job: {exc}")
+            return
+        if len(job.job_id) > 100 or not S.valid_token(job.job_id):  # it names a KV key, a sandbox and log clients
+            await dead_letter(self.publisher, msg, "invalid_argument", f"not a job id: {job.job_id[:200]!r}")
             return
         beat = asyncio.ensure_future(self._heartbeat(msg))
         try:

@@ -14,6 +14,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from nats.js.errors import NotFoundError
+
+from bus import codec
+from bus import subjects as S
+from bus.messages import RolloutJob
 
 from bus.natsd import free_port
 from sdk import AsyncSandbox
@@ -119,6 +124,15 @@ async def test_bad_policy_replies_and_bad_input_are_typed_errors_and_the_worker_
                 await ro.submit(**{"task": "t", "policy_url": "http://127.0.0.1:1/v1", **bad})  # type: ignore[arg-type]
         with pytest.raises(InvalidArgument):
             await ro.get("bad.id")
+        # Malformed work on the queue is kept aside on DSEC_DLQ with its code, never retried forever.
+        bad_job = RolloutJob(job_id="bad id!", task="t", policy_url="http://127.0.0.1:1/v1")
+        for tail, data, code in (("garbage", b"\x00 not msgpack", "bad_request"), ("badid", codec.encode(bad_job), "invalid_argument")):
+            subject = f"{S.rollout_queue(queue)}.{tail}"
+            await stack.js.publish(subject, data)
+            await eventually(lambda subject=subject: _dead_letter(stack, subject), timeout=30, what=f"{tail} dead-lettered")
+            assert (await _dead_letter(stack, subject)).headers[S.HDR_ERROR_CODE] == code
+        res = await ro.wait(await _submit(ro, stack, loop, max_steps=1), timeout=120)  # and the worker goes on
+        assert (res.state, res.finish_reason) == ("done", "max_steps")
         for job in jobs.values():
             await _sandbox_gone(stack, job)
 
@@ -148,6 +162,13 @@ async def test_an_unreachable_policy_is_waited_for_and_the_job_resumes(stack: St
             await late.stop()
         assert (res.state, res.finish_reason) == ("done", "stop") and res.policy_retries >= 1
         assert json.loads(res.messages[2]["content"])["stdout"] == "1\n"
+
+
+async def _dead_letter(stack: Stack, subject: str) -> Any:
+    try:
+        return await stack.js.get_last_msg(S.STREAM_DLQ, S.dlq(subject))
+    except NotFoundError:
+        return None
 
 
 async def _state_is(ro: AsyncRollouts, job: str, state: str) -> bool:
