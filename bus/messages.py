@@ -914,7 +914,6 @@ class TrajStep(Struct, kw_only=True, tag=True):
     started_at: float = 0.0
     duration_ms: float = 0.0
     host_id: str = ""
-    parent: str = ""  # a fork's parent sandbox: this step was logged there (inherited up to the fork point)
     # op "model": a policy's turn (request and response bodies as JSON, client "<job>-model", step = turn)
     policy_version: str = ""
 
