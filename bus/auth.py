@@ -28,7 +28,9 @@ from .sign import new_control_key, parse_key
 
 # JetStream API calls a read-only client needs: stream/KV info, direct gets, and ephemeral ordered
 # consumers on the event stream and the KV buckets it may read (never on the work queues).
-_CLIENT_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}"]
+_CLIENT_READ_STREAMS = [
+    S.STREAM_EVT, f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", S.STREAM_TRAJ, f"KV_{S.KV_ROLLOUTS}",
+]
 
 
 NAMED_INBOXES = "_INBOX.u"
@@ -60,6 +62,8 @@ def _client_js_api() -> list[str]:
 _CLIENT_PUBLISH = [
     S.REQ_CREATE, S.REQ_CREATE_BATCH, S.SBX_WILDCARD, S.FN_CALL_WILDCARD, S.STATUS, "dsec.img.>", f"$KV.{S.KV_LEASES}.>",
     f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_client_js_api(),
+    # rollout jobs: submitted, and looked up while queued (direct gets only: no consumer on a work queue)
+    f"{S.PREFIX}.rollout.>", f"{S.PREFIX}.model.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
@@ -76,6 +80,8 @@ ROLE_PERMISSIONS: dict[str, dict] = {
         "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
         "allow_responses": True,
     },
+    # Rollout workers: a client of sandboxes that also takes jobs from the rollout queues and keeps their state.
+    "rollouts": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}},
     "guard": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
     # Read-only: asks for metrics (the services answer its inbox), reads KV and the event stream, hears events.
@@ -91,7 +97,7 @@ ROLE_PERMISSIONS: dict[str, dict] = {
     },
 }
 
-SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE)
+SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE, "rollouts")
 SANDBOX_USER_PREFIX = "sbx-"
 CLIENT_USER_PREFIX = "cli-"
 

@@ -48,6 +48,7 @@ from ._ports import PortRelay
 from ._reaper import Reaper
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
+from ._trajectory import Trajectory
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -67,6 +68,7 @@ class OpsEndpoint:
         self.reaper: Reaper | None = None
         self.snapshots: Snapshots | None = None
         self.endpoint: Endpoint | None = None
+        self.trajectory: Trajectory | None = None
         self.inflight = 0  # requests being answered now
 
     def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
@@ -74,6 +76,7 @@ class OpsEndpoint:
         self.reaper, self.snapshots = reaper, snapshots
 
     def start(self, nc: NATS) -> None:
+        self.trajectory = Trajectory(nc, self.host_id)
         # Replies within the payload limit: command output cut to fit, anything else a typed error (execio).
         self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind, encoder=encode_reply)
 
@@ -97,7 +100,8 @@ class OpsEndpoint:
         t0 = time.perf_counter()
         code = "ok"
         try:
-            return await self._dispatch(parts[2], req)
+            assert self.trajectory is not None
+            return await self.trajectory.run(parts[2], parts[3], req, lambda: self._dispatch(parts[2], req))
         except DsecError as exc:
             code = exc.code
             raise
