@@ -39,7 +39,8 @@ from .sign import new_control_key, parse_key
 # Streams every reader may read whole: hosts and templates (the monitor also reads the event stream
 # and the sandbox and snapshot records; clients read their own events only, and no records: a
 # record's spec holds its sandbox's envs).
-_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}"]
+# (Trajectories and rollouts are every client's to read for now: not yet kept per tenant.)
+_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", S.STREAM_TRAJ, f"KV_{S.KV_ROLLOUTS}"]
 _MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", *_SHARED_READ_STREAMS]
 
 
@@ -84,6 +85,8 @@ _CLIENT_COMMON_PUBLISH = [
     # checks a template's owner and a snapshot's removal itself (not the publisher's tenant yet).
     S.FN_CALL_WILDCARD, S.STATUS, S.IMG_LIST, S.IMG_STATS, S.IMG_BUILD, S.IMG_REMOVE, S.SNAP_REMOVE,
     f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
+    # rollout jobs: submitted, and looked up while queued (direct gets only: no consumer on a work queue)
+    f"{S.PREFIX}.rollout.>", f"{S.PREFIX}.model.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
 ]
 
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
@@ -100,6 +103,8 @@ ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
         "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
         "allow_responses": True,
     },
+    # Rollout workers: a client of sandboxes that also takes jobs from the rollout queues and keeps their state.
+    "rollouts": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}},
     "guard": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
     # Read-only: asks for metrics (the services answer its inbox), reads KV and the event stream, hears events.
@@ -109,7 +114,7 @@ ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
     },
 }
 
-SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE)
+SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE, "rollouts")
 SANDBOX_USER_PREFIX = "sbx-"
 CLIENT_USER_PREFIX = "cli-"
 

@@ -240,6 +240,41 @@ class NoSpace(DsecError):
     http_status = 507
 
 
+
+class TrajectoryConflict(DsecError):
+    """A replayed step differs from the one the trajectory log holds for it (context: ``step``)."""
+
+    code = "trajectory_conflict"
+    http_status = 409
+
+
+class TrajectoryTrimmed(DsecError):
+    """A replay reaches back past what the trajectory log still holds (its age or size limit trimmed it)."""
+
+    code = "trajectory_trimmed"
+    http_status = 410
+
+
+class UnknownJob(DsecError):
+    """No rollout job has this id."""
+
+    code = "unknown_job"
+    http_status = 404
+
+
+class PolicyError(DsecError):
+    """The policy endpoint's reply could not be acted on (not JSON, an unknown tool, arguments of the wrong type)."""
+
+    code = "policy_error"
+    http_status = 502
+
+
+class PolicyTimeout(DsecError):
+    """The policy endpoint did not answer in time."""
+
+    code = "policy_timeout"
+    http_status = 504
+
 # Every condition of this module, by its stable code (a class added here is on the wire at once).
 _BY_CODE: dict[str, type[DsecError]] = {
     cls.code: cls for cls in list(globals().values()) if isinstance(cls, type) and issubclass(cls, DsecError) and cls is not DsecError

@@ -6,7 +6,7 @@ Each subject has one typed decoder for the union it accepts (see ``bus.codec``).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from msgspec import Meta, Struct, field
 
@@ -428,6 +428,9 @@ class ExecRequest(Struct, kw_only=True, tag=True):
     # fixed PATH of system directories, only ``envs`` on a fixed minimal set (no sandbox envs), no
     # user site-packages or startup files; refused (not_supported) where system dirs are writable.
     trusted: bool = False
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class ExecChunk(Struct, kw_only=True, tag=True):
@@ -540,6 +543,9 @@ class FileWrite(Struct, kw_only=True, tag=True):
     uid: int = -1
     gid: int = -1
     metadata: dict[str, str] | None = None
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileRead(Struct, kw_only=True, tag=True):
@@ -555,6 +561,9 @@ class FileList(Struct, kw_only=True, tag=True):
 
 class FileRemove(Struct, kw_only=True, tag=True):
     path: str
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileExists(Struct, kw_only=True, tag=True):
@@ -566,6 +575,9 @@ class FileMakeDir(Struct, kw_only=True, tag=True):
 
     path: str
     mode: int = 0o755
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileRename(Struct, kw_only=True, tag=True):
@@ -573,6 +585,9 @@ class FileRename(Struct, kw_only=True, tag=True):
 
     path: str
     new_path: str
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class FileStat(Struct, kw_only=True, tag=True):
@@ -694,6 +709,9 @@ class SnapshotRequest(Struct, kw_only=True, tag=True):
     memory: bool = False
     metadata: dict[str, str] = {}
     fork_ids: list[str] = []
+    # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
+    step: int = -1
+    client_id: str = ""
 
 
 class PauseRequest(Struct, kw_only=True, tag=True):
@@ -938,6 +956,98 @@ class FnCallResult(Struct, kw_only=True, tag=True):
     host_id: str = ""
     queued_ms: float = 0.0  # waited for a free pool member
 
+
+# --- trajectories (JetStream, DSEC_TRAJ on dsec.traj.<sandbox>) -------------------------------
+class TrajStep(Struct, kw_only=True, tag=True):
+    """One logged operation on a sandbox, stored by its host before the reply is sent.
+
+    ``request`` is the request as the client sent it without what differs between two runs of the
+    same step (inboxes, step, client; bus.trajectory.normalize), ``digest`` its sha256. ``result``
+    the encoded reply (or ``error_code``/``error``); command output and written data beyond the log's
+    cap keep only their head, with the whole one's sha256 in ``digests`` (``stdout``, ``stderr``, ``data``).
+    """
+
+    sandbox_id: str
+    client_id: str
+    step: int
+    op: str  # the subject's op: exec, files, snapshot
+    kind: str  # the request's type: ExecRequest, FileWrite, ...
+    digest: str
+    request: bytes = b""
+    result: bytes = b""
+    error_code: str = ""
+    error: str = ""
+    digests: dict[str, str] = {}
+    started_at: float = 0.0
+    duration_ms: float = 0.0
+    host_id: str = ""
+    # op "model": a policy's turn (request and response bodies as JSON, client "<job>-model", step = turn)
+    policy_version: str = ""
+
+
+# --- rollouts (work queue DSEC_ROLLOUTS on dsec.rollout.<queue>; state in KV dsec_rollouts) -----------
+RolloutState = Literal["queued", "running", "waiting_policy", "done", "failed"]
+ROLLOUT_TOOLS = ("exec", "read_file", "write_file")
+
+
+class RolloutJob(Struct, kw_only=True, tag=True):
+    """An agent loop to run: ask the policy (an OpenAI-compatible chat-completions endpoint) for the
+    next action, run its tool calls in a sandbox of ``template``, until it answers without a tool
+    call or ``max_steps`` answers were acted on."""
+
+    job_id: str
+    task: str
+    policy_url: str  # the endpoint's base (``.../v1``) or its ``/chat/completions`` URL
+    template: str = "base"
+    max_steps: int = 20
+    tools: list[str] = field(default_factory=lambda: list(ROLLOUT_TOOLS))
+    metadata: dict[str, str] = {}
+    model: str = ""
+    system_prompt: str = ""
+    pool: str = "default"
+    sandbox_timeout_s: float = 3600.0
+    policy_timeout_s: float = 60.0  # one request; three in a row time out: policy_timeout
+    policy_wait_s: float = 600.0  # how long an unreachable policy is waited for (with back-off)
+    submitted_at: float = 0.0
+    pause_while_waiting: bool = False  # freeze the sandbox while the policy is unreachable (thawed when it answers)
+
+
+class RolloutRecord(Struct, kw_only=True, tag=True):
+    """A job's state (KV ``dsec_rollouts``, key: the job id), stored before each sandbox step runs
+    and after it answered: ``messages`` is the conversation so far (OpenAI chat format),
+    ``sandbox_steps`` the sandbox client's step count when it was stored (steps past it are in the
+    trajectory log: a worker taking over fast-forwards through them)."""
+
+    job: RolloutJob
+    state: RolloutState = "queued"
+    sandbox_id: str = ""
+    messages: list[dict[str, Any]] = []
+    sandbox_steps: int = 0
+    turns: int = 0  # policy answers acted on
+    finish_reason: str = ""  # stop (an answer without tool calls) or max_steps
+    error_code: str = ""
+    error: str = ""
+    worker: str = ""
+    deliveries: int = 0  # workers that took the job up
+    policy_retries: int = 0
+    updated_at: float = 0.0
+    finished_at: float = 0.0
+
+
+class ModelCall(Struct, kw_only=True, tag=True):
+    """On ``dsec.model.<job>``: an OpenAI chat-completions request body for the job's policy (the
+    gateway's ``/rollouts/<job>/v1/chat/completions``); answered with a ``ModelAnswer``."""
+
+    job_id: str
+    body: bytes
+
+
+class ModelAnswer(Struct, kw_only=True, tag=True):
+    status: int  # the policy's HTTP status
+    body: bytes
+    policy_version: str = ""
+
+
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [
     "ReqMessage",
     "HostMessage",
@@ -958,6 +1068,8 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostEventKind",
     "SnapshotEventKind",
     "ImageEventKind",
+    "RolloutState",
+    "ROLLOUT_TOOLS",
     "ViolationAction",
     "HandoffState",
     "BACKENDS",

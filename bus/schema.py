@@ -66,6 +66,7 @@ from .messages import (
     SnapshotRecord,
     SnapshotRequest,
 )
+from .messages import ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,10 @@ CHANNELS: list[Channel] = [
     Channel(S.IMG_REMOVE, RemoveImage, Done, doc="Remove a template."),
     Channel(S.IMG_STATS, ImageStatsRequest, ImageStats, doc="A template's size and layers."),
     Channel(f"{S.PREFIX}.img.host.{{host}}.stats", HostImageStatsRequest, HostImageStats, doc="A host's lazy loader cache."),
+    Channel(f"{S.PREFIX}.traj.{{id}}", TrajStep, stream=S.STREAM_TRAJ,
+            doc="The sandbox's trajectory log: each numbered operation, stored by its host before the reply; a policy's turns beside them."),
+    Channel(f"{S.PREFIX}.rollout.{{queue}}.{{id}}", RolloutJob, stream=S.STREAM_ROLLOUTS, doc="A rollout job on a work queue its workers share."),
+    Channel(f"{S.PREFIX}.model.{{id}}", ModelCall, ModelAnswer, doc="A chat-completions request for a rollout's policy (the gateway's model endpoint)."),
 ]
 
 # KV buckets a client may read (values are msgpack of these types, keyed as noted).
@@ -143,10 +148,12 @@ BUCKETS: dict[str, tuple[Any, str]] = {
     S.KV_LEASES: (Lease, "lease owner or sandbox id"),
     S.KV_PROFILES: (SecurityProfile, "profile name"),
     S.KV_SNAPSHOTS: (SnapshotRecord, "snapshot id"),
+    S.KV_ROLLOUTS: (RolloutRecord, "job id"),
 }
 
 STREAMS: dict[str, list[str]] = {
     S.STREAM_REQ: S.REQ_SUBJECTS, S.STREAM_EVT: S.EVT_SUBJECTS, S.STREAM_DLQ: S.DLQ_SUBJECTS,
+    S.STREAM_TRAJ: S.TRAJ_SUBJECTS, S.STREAM_ROLLOUTS: S.ROLLOUT_SUBJECTS,
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -32,6 +32,14 @@ class StreamOptions:
 
 
 def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
+    req, evt, dlq = _core_streams(opts)
+    # The trajectory log is kept as the events are; rollout jobs are a work queue as the requests are.
+    traj = replace(evt, name=S.STREAM_TRAJ, subjects=S.TRAJ_SUBJECTS)
+    rollouts = replace(req, name=S.STREAM_ROLLOUTS, subjects=S.ROLLOUT_SUBJECTS)
+    return [req, evt, dlq, traj, rollouts]
+
+
+def _core_streams(opts: StreamOptions) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=S.STREAM_REQ,

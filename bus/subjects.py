@@ -241,3 +241,42 @@ def host_pack(host_id: str) -> str:
     blob store. Outside ``dsec.img.>`` on purpose: clients may publish there, and a client-chosen path
     on the host must never be packed."""
     return f"{PREFIX}.imaged.{_tok(host_id)}.pack"
+
+
+# --- trajectories (JetStream, DSEC_TRAJ) ------------------------------------------------
+# Every logged operation on a sandbox, in the order its host answered them (bus.messages.TrajStep).
+STREAM_TRAJ = "DSEC_TRAJ"
+TRAJ_SUBJECTS = [f"{PREFIX}.traj.>"]
+
+
+def traj(sandbox_id: str) -> str:
+    return f"{PREFIX}.traj.{_tok(sandbox_id)}"
+
+
+def traj_msg_id(sandbox_id: str, client_id: str, step: int) -> str:
+    """De-duplication id of one logged step: a host logging a step again (a retried publish) stores it once."""
+    return f"{sandbox_id}:{client_id}:{step}"
+
+
+# --- rollouts (JetStream work queue, DSEC_ROLLOUTS; job state in KV dsec_rollouts) ------------------
+STREAM_ROLLOUTS = "DSEC_ROLLOUTS"
+ROLLOUT_SUBJECTS = [f"{PREFIX}.rollout.>"]
+ROLLOUT_QUEUE = "default"  # a queue is one subject and one durable consumer its workers share
+
+
+def rollout_queue(queue: str) -> str:
+    return f"{PREFIX}.rollout.{_tok(queue)}"
+
+
+def rollout_durable(queue: str) -> str:
+    return f"rollouts-{_tok(queue)}"
+
+
+# --- the model gateway (core request/reply; rollout workers answer in queue group ROLLOUT_WORKERS) ---
+ROLLOUT_WORKERS = "rollout-workers"
+MODEL_WILDCARD = f"{PREFIX}.model.*"
+
+
+def model_call(job_id: str) -> str:
+    """A chat-completions request for a rollout's policy, forwarded and logged by a rollout worker."""
+    return f"{PREFIX}.model.{_tok(job_id)}"

@@ -50,6 +50,9 @@ install_python() {
     echo "dsec: installing the dsec package and its extras into $venv"
     "$venv/bin/pip" install -q --upgrade pip >/dev/null
     "$venv/bin/pip" install -q -e ".[dev,images]"
+    # verl's SandboxFusion reward client, run unmodified by the FnCall tests: its module needs only
+    # requests, while the package's own dependencies would pull torch (hence --no-deps)
+    "$venv/bin/pip" install -q --no-deps verl
     echo "$want" > "$stamp"
   fi
 }

@@ -48,6 +48,7 @@ from ._ports import PortRelay
 from ._reaper import Reaper
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
+from ._trajectory import Trajectory
 from ._tenancy import check_tenant
 
 log = structlog.get_logger("dsec.hostagent")
@@ -68,6 +69,7 @@ class OpsEndpoint:
         self.reaper: Reaper | None = None
         self.snapshots: Snapshots | None = None
         self.endpoint: Endpoint | None = None
+        self.trajectory: Trajectory | None = None
         self.inflight = 0  # requests being answered now
 
     def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
@@ -75,6 +77,7 @@ class OpsEndpoint:
         self.reaper, self.snapshots = reaper, snapshots
 
     def start(self, nc: NATS) -> None:
+        self.trajectory = Trajectory(nc, self.host_id)
         # Replies within the payload limit: command output cut to fit, anything else a typed error (execio).
         self.endpoint = Endpoint(nc, "sbx", self._handle, decoder=codec.SBX_REQUEST_DECODERS, bind=_bind, encoder=encode_reply)
 
@@ -100,7 +103,8 @@ class OpsEndpoint:
         code = "ok"
         try:
             await check_tenant(self.endpoint.nc if self.endpoint else None, self.host_id, self.registry.get(sid), tenant, op)
-            return await self._dispatch(sid, req)
+            assert self.trajectory is not None
+            return await self.trajectory.run(sid, op, req, lambda: self._dispatch(sid, req))
         except DsecError as exc:
             code = exc.code
             raise

@@ -8,6 +8,7 @@ from ._fncall import AsyncFnCall, FnCall
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
 from ._sync import CommandHandle, Sandbox, WatchHandle
+from ._trajectory import TrajectoryStep
 from .errors import (
     CommandExitError,
     CommandTimeoutError,
@@ -39,6 +40,7 @@ __all__ = [
     "EntryInfo",
     "SandboxInfo",
     "SnapshotInfo",
+    "TrajectoryStep",
     "WriteInfo",
     "DsecError",
     "CommandExitError",

@@ -36,6 +36,7 @@ from bus.rules import CREATE_TIMEOUT_S, validate_spec
 from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync, tenant_of
 
 from . import _snapshots as _snap
+from . import _trajectory as _traj
 from ._commands import AsyncCommands
 from ._files import AsyncFilesystem
 from ._models import SandboxInfo, SandboxMetrics
@@ -449,6 +450,7 @@ class AsyncSandbox:
         self._nc = nc
         self.commands = AsyncCommands(self)
         self.files = AsyncFilesystem(self)
+        self._traj = _traj.TrajClient()
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
@@ -559,7 +561,23 @@ class AsyncSandbox:
         return out
 
     @classmethod
-    async def connect(cls, sandbox_id: str, *, nats_url: str | None = None) -> "AsyncSandbox":
+    async def connect(
+        cls, sandbox_id: str, *, nats_url: str | None = None, replay: bool = False, client_id: str | None = None,
+    ) -> "AsyncSandbox":
+        """Talk to a running sandbox. ``replay``: start at step 0 of the trajectory log's last client
+        (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory)."""
+        sb = await cls._connect(sandbox_id, nats_url)
+        if replay or client_id is not None:
+            log = await _traj.read_log(_js(sb._nc), sandbox_id) if replay else []
+            sb._traj.start_replay(log, client_id)
+        return sb
+
+    async def trajectory(self) -> list[_traj.TrajectoryStep]:
+        """Every logged step of this sandbox, in the order its host answered them."""
+        return await _traj.steps(_js(self._nc), self.sandbox_id)
+
+    @classmethod
+    async def _connect(cls, sandbox_id: str, nats_url: str | None) -> "AsyncSandbox":
         if not isinstance(sandbox_id, str) or not S.valid_token(sandbox_id):
             raise InvalidArgument(f"not a sandbox id: {sandbox_id!r}")
         nc = await _nc(nats_url)
@@ -629,6 +647,9 @@ class AsyncSandbox:
 
     # --- requests -------------------------------------------------------------------------------
     async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
+        logged = self._traj.stamp(req)
+        if logged is not None:
+            return _traj.replayed(logged, result_type)
         try:
             msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op, self.tenant), codec.encode(req), timeout)
         except nats.errors.NoRespondersError:

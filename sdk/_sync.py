@@ -16,6 +16,7 @@ from ._commands import AsyncCommandHandle
 from ._files import AsyncWatchHandle
 from ._models import CommandResult, EntryInfo, FilesystemEvent, ProcessInfo, SandboxInfo, SandboxMetrics, WriteInfo
 from ._snapshots import SnapshotInfo
+from ._trajectory import TrajectoryStep
 
 T = TypeVar("T")
 
@@ -180,6 +181,9 @@ class Sandbox:
     @classmethod
     def list(cls, **kwargs: Any) -> list[SandboxInfo]:
         return _run(AsyncSandbox.list(**kwargs))
+
+    def trajectory(self) -> builtins.list[TrajectoryStep]:
+        return _run(self._a.trajectory())
 
     def create_snapshot(self, name: str | None = None, *, memory: bool = False, metadata: dict[str, str] | None = None) -> SnapshotInfo:
         return _run(self._a.create_snapshot(name, memory=memory, metadata=metadata))

@@ -61,6 +61,7 @@ SERVICES: tuple[Service, ...] = (
     Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
+    Service("rollouts", "rollouts", ("sdk.rollouts",)),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown", "--fn-pool", "{fn_pool}"),
             grace_s=60, control_key=True),

@@ -15,10 +15,11 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from bus import subjects as S
 from bus.errors import DsecError, Unavailable
 
 # Subcommands that talk to a running stack: told within seconds when it is not there (status says it its own way).
-_STACK_COMMANDS = {"sandbox", "audit", "image"}
+_STACK_COMMANDS = {"sandbox", "audit", "image", "trajectory"}
 
 
 def _print_json(obj: Any) -> None:
@@ -190,6 +191,57 @@ async def _audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- trajectory --------------------------------------------------------------------------------
+async def _trajectory(args: argparse.Namespace) -> int:
+    from . import _trajectory as _traj
+    from ._async import _js, _nc, close_connections
+
+    if not S.valid_token(args.sandbox_id):
+        print(f"dsec: not a sandbox id: {args.sandbox_id!r}", file=sys.stderr)
+        return 2
+    if args.traj_cmd == "replay":
+        return await _trajectory_replay(args)
+    try:
+        steps = await _traj.steps(_js(await _nc(args.nats_url)), args.sandbox_id)
+    finally:
+        await close_connections()
+    if args.json:
+        _print_json([s.to_dict() for s in steps])
+        return 0
+    for s in steps:
+        what = getattr(s.request, "cmd", None) or getattr(s.request, "path", "") or ""
+        if s.op == "model" and isinstance(s.result, dict):  # a policy's turn: what it said
+            what = json.dumps(((s.result.get("choices") or [{}])[0] or {}).get("message"))
+        if s.error_code:
+            out = f"error {s.error_code}"
+        elif s.result is not None and hasattr(s.result, "exit_code"):
+            out = f"exit {s.result.exit_code}"
+        else:
+            out = "ok"
+        print(f"{s.seq:>8} {s.client_id:<24} {s.step:>5} {s.kind:<14} {s.duration_ms:>9.1f}ms {out:<22} {what!s:.80}")
+    print(f"({len(steps)} steps)", file=sys.stderr)
+    return 0
+
+
+async def _trajectory_replay(args: argparse.Namespace) -> int:
+    from . import _trajectory as _traj
+    from ._async import close_connections
+
+    kw = {"pool": args.pool} if args.pool else {}
+    try:
+        diffs = await _traj.replay_in_fresh(args.sandbox_id, nats_url=args.nats_url, template=args.template, **kw)
+    finally:
+        await close_connections()
+    if args.json:
+        _print_json([d.__dict__ for d in diffs])
+    else:
+        for d in diffs:
+            print(f"{d.index:>5} {d.client_id:<24} {d.step:>5} {d.kind:<14} {d.status:<8} {d.detail}")
+    differ = sum(d.status == "differs" for d in diffs)
+    print(f"({len(diffs)} steps, {differ} differ, {sum(d.status == 'skipped' for d in diffs)} skipped)", file=sys.stderr)
+    return 1 if differ else 0
+
+
 # --- api keys and schema ----------------------------------------------------------------------
 async def _api_key(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -323,6 +375,19 @@ def build_parser() -> argparse.ArgumentParser:
     akr.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
     akr.add_argument("--kill-sandboxes", action="store_true", help="also kill the key's live sandboxes (default: they keep running)")
     akr.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+
+    tr = sub.add_parser("trajectory", help="the trajectory log of a sandbox (every logged operation, in order)")
+    trs = tr.add_subparsers(dest="traj_cmd", required=True)
+    trs_show = trs.add_parser("show", help="print the logged steps")
+    trs_show.add_argument("sandbox_id")
+    trs_show.add_argument("--json", action="store_true")
+    trs_show.set_defaults(func=lambda a: asyncio.run(_trajectory(a)))
+    trs_replay = trs.add_parser("replay", help="run the logged steps again in a fresh sandbox of the same template; exit 1 where results differ")
+    trs_replay.add_argument("sandbox_id")
+    trs_replay.add_argument("--template", default=None, help="default: the sandbox's own (from its record)")
+    trs_replay.add_argument("--pool", default=None)
+    trs_replay.add_argument("--json", action="store_true")
+    trs_replay.set_defaults(func=lambda a: asyncio.run(_trajectory(a)))
 
     sc = sub.add_parser("schema", help="JSON Schema of every subject's messages, or an AsyncAPI document")
     sc.add_argument("--subject", default=None, help="only this subject (a name from `dsec schema`, e.g. dsec.req.create)")

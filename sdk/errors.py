@@ -40,6 +40,7 @@ from bus.errors import (
     UnknownUser,
     UnsupportedBackend,
 )
+from bus.errors import PolicyError, PolicyTimeout, TrajectoryConflict, TrajectoryTrimmed, UnknownJob
 
 if TYPE_CHECKING:
     from ._models import CommandResult
@@ -103,6 +104,11 @@ __all__ = [
     "UnknownTemplate",
     "UnknownUser",
     "UnsupportedBackend",
+    "TrajectoryConflict",
+    "TrajectoryTrimmed",
+    "UnknownJob",
+    "PolicyError",
+    "PolicyTimeout",
     "CommandExitError",
     "CommandTimeoutError",
 ]

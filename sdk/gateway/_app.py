@@ -23,7 +23,7 @@ from bus.auth import ENV_MONITOR_URL
 from bus.errors import DsecError, InvalidArgument, SandboxNotFound
 from bus.runtime import nats_url
 
-from . import _dashboard, _metrics
+from . import _dashboard, _metrics, _model
 from ._config import GatewayConfig
 from ._connect import ConnectError, ServerStream, read_request, unary_error
 from ._e2b import E2BApi, e2b_error, http_status
@@ -206,7 +206,7 @@ def _monitor(app: web.Application) -> None:
 
 # Modules that add routes (metrics, dashboard, ...): each a function taking the app; the Gateway
 # (tenants, config) is ``app[GATEWAY_KEY]``. ``python -m sdk.gateway`` serves these.
-EXTENSIONS: list[Callable[[web.Application], Any]] = [_monitor]
+EXTENSIONS: list[Callable[[web.Application], Any]] = [_monitor, _model.add_routes]
 
 
 async def _health(_request: web.Request) -> web.Response:

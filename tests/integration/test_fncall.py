@@ -340,7 +340,9 @@ async def test_concurrent_callers(fn: Fn, callers: int) -> None:
 SF_PYTHON = os.environ.get("DSEC_SANDBOX_FUSION_PYTHON") or (
     sys.executable if importlib.util.find_spec("sandbox_fusion") is not None else "/work/fc-venv/bin/python"
 )
-VERL_PYTHON = os.environ.get("DSEC_VERL_PYTHON", "/work/fc-venv/bin/python")
+VERL_PYTHON = os.environ.get("DSEC_VERL_PYTHON") or (
+    sys.executable if importlib.util.find_spec("verl") is not None else "/work/fc-venv/bin/python"  # compose/dev.sh installs it --no-deps
+)
 KEY = "dsec_fntest.secret"  # (the tests' NATS runs without authentication: any well-formed key connects)
 
 
@@ -464,7 +466,7 @@ async def test_verl_sandbox_fusion_reward_client(fn: Fn, gateway: str) -> None:
     from .conftest import run_process
 
     if not os.path.exists(VERL_PYTHON):
-        pytest.skip(f"needs a Python with verl's sandbox_fusion module: DSEC_VERL_PYTHON (default {VERL_PYTHON})")
+        cannot_run(f"needs a Python with verl's sandbox_fusion module: DSEC_VERL_PYTHON (default {VERL_PYTHON}; pip install --no-deps verl)")
     script = f"""
 import importlib.util, json, os, sysconfig
 path = os.path.join(sysconfig.get_paths()["purelib"], "verl/utils/reward_score/sandbox_fusion/utils.py")
@@ -483,7 +485,7 @@ print("RESULT " + json.dumps({{"good": good[0], "bad": bad[0], "cpp": cpp[0]}}, 
     assert rc == 0, stderr[-3000:]
     if stdout.startswith("NOVERL"):
         # verl is no dev dependency (it pulls in torch): a venv with `pip install --no-deps verl` runs this
-        pytest.skip(f"needs verl's sandbox_fusion module ({stdout.split()[1]}): set DSEC_VERL_PYTHON to a Python with `pip install --no-deps verl`")
+        cannot_run(f"needs verl's sandbox_fusion module ({stdout.split()[1]}): set DSEC_VERL_PYTHON to a Python with `pip install --no-deps verl`")
     import json
 
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
