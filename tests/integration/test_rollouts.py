@@ -248,7 +248,7 @@ async def test_dsec_up_runs_rollout_workers_and_the_model_gateway(tmp_path: Any)
         async with running_up("ro") as up:
             svc = up.services()["rollouts"]
             assert svc["state"] == "running" and svc["restarts"] == 0, svc
-            ro = AsyncRollouts(nats_url=up.url)  # no credentials: the anonymous client
+            ro = AsyncRollouts(nats_url=up.operator_url)  # the operator (nothing connects without credentials)
             url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), second_turn, answer("from the gateway", token_ids=[5, 6])])
             job = await ro.submit(task="say it", policy_url=url)
             await eventually(lambda: len(policy.requests["up"]) == 2, timeout=180, what="the job's second turn")
