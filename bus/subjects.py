@@ -178,3 +178,14 @@ def host_pack(host_id: str) -> str:
     blob store. Outside ``dsec.img.>`` on purpose: clients may publish there, and a client-chosen path
     on the host must never be packed."""
     return f"{PREFIX}.imaged.{_tok(host_id)}.pack"
+
+
+# --- memory reclaim (core publish, per host; hostagent.reclaim) --------------------------------
+def reclaim_targets(host_id: str) -> str:
+    """The host agent tells its host's reclaim service which sandboxes it runs (each heartbeat)."""
+    return f"{PREFIX}.reclaim.{_tok(host_id)}.targets"
+
+
+def reclaim_report(host_id: str) -> str:
+    """The reclaim service's figures per sandbox and for the host (each pass)."""
+    return f"{PREFIX}.reclaim.{_tok(host_id)}.report"

@@ -51,6 +51,7 @@ class Service:
     grace_s: float = 15.0
     control_key: bool = False  # placement signs host work with it; host agents run nothing else (bus.sign)
     replicas: str = ""
+    enabled_by: str = ""  # the on|off option that turns it off
 
 
 # Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
@@ -63,6 +64,8 @@ SERVICES: tuple[Service, ...] = (
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
+    # After the host agent (it learns the sandboxes from the host agent's heartbeats), stopped before it.
+    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim"),
 )
 
 BACKOFF_BASE_S = 0.5
@@ -338,6 +341,8 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
     settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
     out = []
     for svc in SERVICES:
+        if svc.enabled_by and getattr(args, svc.enabled_by, "on") == "off":
+            continue
         n = getattr(args, svc.replicas) if svc.replicas else 1
         for i in range(n):
             name = f"{svc.name}-{i}" if svc.replicas else svc.name

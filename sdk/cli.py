@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--backend", default="container", choices=["container", "sim"])
     up.add_argument("--concurrency", type=int, default=8)
     up.add_argument("--placement-replicas", type=int, default=1)
+    up.add_argument("--reclaim", default="on", choices=["on", "off"], help="run the memory reclaim service (hostagent.reclaim)")
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
     up.add_argument("--http-port", type=int, default=3000, help="the HTTP gateway's port (E2B API, envd, REST)")

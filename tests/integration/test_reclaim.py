@@ -73,3 +73,101 @@ async def test_best_effort_load_barely_slows_latency_sensitive(stack: Stack) -> 
               f"without {without * 1000:.0f} ms")
         assert with_classes < alone * 1.5, (alone, with_classes)
         assert without > with_classes * 1.2, (alone, with_classes, without)
+
+
+# ----------------------------------------------------------------------------------------------- reclaim
+MEM = Path("/sys/fs/cgroup/memory/dsec")
+HOLD_MB = 48
+# A shell holding HOLD_MB of anonymous memory (a string in a variable), then waiting: the busybox
+# template has no Python. Each sandbox's bytes differ (its seed), so KSM has nothing to merge here.
+# (The variable is used after the sleep: else the shell execs the sleep, and its memory is gone.)
+HOLD = 'x=$(head -c {n} /dev/urandom | od -An -tx1 | head -c {n}); echo held; sleep 100000; : "$x"'
+
+
+def mem_file(stack: Stack, sid: str, name: str) -> int:
+    return int((MEM / stack.cid(sid) / name).read_text().split()[0])
+
+
+def swap_devices() -> list[str]:
+    return [ln.split()[0] for ln in Path("/proc/swaps").read_text().splitlines()[1:] if ln.strip()]
+
+
+class Reports:
+    """The reclaim service's reports for this stack's host, as they arrive."""
+
+    def __init__(self) -> None:
+        self.last: object | None = None
+        self.count = 0
+
+    async def on(self, msg: object) -> None:
+        from bus import codec
+        from bus.messages import ReclaimReport
+
+        self.last = codec.Decoder(ReclaimReport).decode(msg.data)  # type: ignore[attr-defined]
+        self.count += 1
+
+    def sandbox(self, sid: str) -> object | None:
+        return next((s for s in getattr(self.last, "sandboxes", []) if s.sandbox_id == sid), None)
+
+
+def reclaim_child(stack: Stack, tmp: Path, *extra: str) -> object:
+    from tests.integration.conftest import PY, Child, subprocess_env
+
+    argv = [PY, "-m", "hostagent.reclaim", "--host-id", stack.host_id, "--data-dir", str(tmp), "--idle", "1", "--interval", "0.5",
+            "--swap-mb", "512", *extra]
+    return Child(argv, subprocess_env(stack.url), tmp / "reclaim.log").start()
+
+
+async def test_reclaim_idle_sandbox_and_wake(stack: Stack, tmp_path: Path) -> None:
+    """An idle sandbox's anonymous memory goes to the zram swap the service sets up and its page cache
+    is dropped; an exec afterwards finds every byte, nothing killed; its limit is as it was; info shows
+    the figures. Stopping the service takes its swap away again."""
+    from bus import subjects as S
+    from tests.conftest import eventually
+
+    assert not swap_devices(), "this test sets up its own swap: the host must have none"
+    reports = Reports()
+    sub = await stack.nc.subscribe(S.reclaim_report(stack.host_id), cb=reports.on)
+    svc = reclaim_child(stack, tmp_path)
+    try:
+        async with stack.sandbox(memory_mb=256) as sb, stack.sandbox(memory_mb=256) as busy:
+            hold = await sb.commands.run(HOLD.format(n=HOLD_MB << 20), background=True, timeout=0)
+            await sb.commands.run("dd if=/dev/urandom of=/tmp/f bs=1M count=16 2>/dev/null; md5sum /tmp/f > /tmp/f.md5")
+            spin = await busy.commands.run("while :; do :; done", background=True, timeout=0)
+            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > (HOLD_MB + 16) << 20, timeout=60,
+                             what="the shell to hold its memory")
+            await eventually(lambda: svc.alive() and swap_devices(), timeout=30, what="the service's zram swap")
+            dev = swap_devices()[0]
+            assert dev.startswith("/dev/zram")
+
+            def reclaimed() -> bool:
+                s = reports.sandbox(sb.sandbox_id)
+                return s is not None and s.reclaimed_bytes > (HOLD_MB << 20) and s.swapped_bytes > (HOLD_MB << 20) // 2
+
+            try:
+                await eventually(reclaimed, timeout=60, what="the idle sandbox's memory reclaimed")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {reports.sandbox(sb.sandbox_id)}; log: {svc.log()}") from None
+            after = mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes")
+            assert after < (HOLD_MB << 20) // 2, after
+            # A busy sandbox is left alone.
+            b = reports.sandbox(busy.sandbox_id)
+            assert b is not None and b.reclaimed_bytes == 0 and b.cpu_class == "best-effort"
+            # Its own limit is back (memory == memory+swap == what it asked) and the OOM killer on.
+            assert mem_file(stack, sb.sandbox_id, "memory.limit_in_bytes") == 256 << 20
+            assert mem_file(stack, sb.sandbox_id, "memory.memsw.limit_in_bytes") == 256 << 20
+            assert "oom_kill_disable 0" in (MEM / stack.cid(sb.sandbox_id) / "memory.oom_control").read_text()
+            # Wake: the files and the holding shell are intact.
+            assert (await sb.commands.run("md5sum -c /tmp/f.md5")).exit_code == 0
+            procs = await sb.commands.list()
+            assert any(p.pid == hold.pid for p in procs)
+            info = await sb.get_info()
+            assert info.cpu_class == "best-effort" and info.mem_reclaimed_bytes > (HOLD_MB << 20), info
+            await spin.kill()
+        code = await svc.stop()
+        assert code == 0, svc.log()
+        assert dev not in swap_devices(), "the service's zram swap outlived it"
+    finally:
+        await sub.unsubscribe()
+        if svc.alive():
+            await svc.stop()

@@ -446,6 +446,10 @@ class ContainerBackend:
     def _cgroup(self, handle: Handle) -> str:
         return cgroup_path(handle.extra.get("cid") or handle.sandbox_id)
 
+    def cgroup_of(self, handle: Handle) -> str:
+        """The sandbox's cgroup path under each v1 hierarchy (what the reclaim service is told)."""
+        return self._cgroup(handle)
+
     async def before_freeze(self, handle: Handle) -> None:
         """Hang up the idle connections to the sandbox's agent (hostagent._snapshots, before it
         freezes the sandbox): a frozen agent cannot close its ends, and CRIU cannot dump them."""
