@@ -171,3 +171,74 @@ async def test_reclaim_idle_sandbox_and_wake(stack: Stack, tmp_path: Path) -> No
         await sub.unsubscribe()
         if svc.alive():
             await svc.stop()
+
+
+async def test_reclaim_faults(stack: Stack, tmp_path: Path) -> None:
+    """A swap beyond the host is refused with a clear message; with swap in play a sandbox's own
+    limit still holds; a malformed or foreign target list changes nothing; the service killed
+    outright leaves its sandboxes working, and the next one adopts (then removes) its swap."""
+    import signal
+
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import ReclaimTarget, ReclaimTargets
+    from sdk.errors import CommandExitError
+    from tests.conftest import eventually
+    from tests.integration.conftest import PY, run_process, subprocess_env
+
+    assert not swap_devices(), "this test sets up its own swap: the host must have none"
+    code, _, err = await run_process(PY, "-m", "hostagent.reclaim", "--host-id", stack.host_id, "--data-dir", str(tmp_path),
+                                     "--swap-mb", str(1 << 30), env=subprocess_env(stack.url), timeout=60)
+    assert code == 2 and "refused: beyond the host's" in err, (code, err)
+    assert not swap_devices()
+
+    reports = Reports()
+    sub = await stack.nc.subscribe(S.reclaim_report(stack.host_id), cb=reports.on)
+    svc = reclaim_child(stack, tmp_path)
+    svc2 = None
+    try:
+        await eventually(lambda: reports.count > 0 and swap_devices(), timeout=30, what="the service's first report (swap set up)")
+        dev = swap_devices()[0]
+        async with stack.sandbox(memory_mb=64) as sb:
+            # The limit holds with swap in play: 100 MiB in one buffer is killed, 24 MiB is fine.
+            assert (await sb.commands.run("dd if=/dev/zero of=/dev/null bs=24M count=1")).exit_code == 0
+            with pytest.raises(CommandExitError) as killed:
+                await sb.commands.run("dd if=/dev/zero of=/dev/null bs=100M count=1", timeout=60)
+            assert killed.value.result.exit_code == 137  # SIGKILL: the cgroup's OOM killer
+            assert "oom_kill 1" in (MEM / stack.cid(sb.sandbox_id) / "memory.oom_control").read_text()
+            assert mem_file(stack, sb.sandbox_id, "memory.memsw.max_usage_in_bytes") <= 64 << 20
+
+            # Garbage and a target outside the sandbox cgroups: ignored, the service keeps reporting.
+            await stack.nc.publish(S.reclaim_targets(stack.host_id), b"\x93not msgpack")
+            evil = ReclaimTargets(host_id=stack.host_id, at=0.0, sandboxes=[
+                ReclaimTarget(sandbox_id="evil", cgroup="/dsec/../process_api", idle_s=1e6),
+                ReclaimTarget(sandbox_id="evil2", cgroup="/", idle_s=1e6),
+            ])
+            await stack.nc.publish(S.reclaim_targets(stack.host_id), codec.encode(evil))
+            seen = reports.count
+            await eventually(lambda: reports.count > seen + 2, timeout=30, what="reports after the bad input")
+            assert svc.alive()
+            assert reports.sandbox("evil") is None and reports.sandbox("evil2") is None
+
+            await sb.commands.run(HOLD.format(n=16 << 20), background=True, timeout=0)
+            await eventually(lambda: (s := reports.sandbox(sb.sandbox_id)) is not None and s.swapped_bytes > 8 << 20, timeout=60,
+                             what="the sandbox's memory swapped")
+            svc.signal(signal.SIGKILL)
+            await svc.wait(10)
+            # Nothing changes for the sandbox: it answers, its limit is its own, its pages still in swap.
+            assert (await sb.commands.run("echo up")).stdout == "up\n"
+            assert mem_file(stack, sb.sandbox_id, "memory.limit_in_bytes") == 64 << 20
+            assert dev in swap_devices()
+            svc2 = reclaim_child(stack, tmp_path)
+            seen = reports.count
+            await eventually(lambda: reports.count > seen, timeout=30, what="the restarted service's report")
+            assert getattr(reports.last, "swap_device", None) == dev
+            assert swap_devices() == [dev], "a restarted service set up a second swap"
+            assert (await svc2.stop()) == 0, svc2.log()
+            assert dev not in swap_devices()
+            assert (await sb.commands.run("echo still")).stdout == "still\n"
+    finally:
+        await sub.unsubscribe()
+        for s in (svc, svc2):
+            if s is not None and s.alive():
+                await s.stop()
