@@ -242,3 +242,30 @@ async def test_reclaim_faults(stack: Stack, tmp_path: Path) -> None:
         for s in (svc, svc2):
             if s is not None and s.alive():
                 await s.stop()
+
+
+async def test_ksm_merges_identical_pages_of_sandbox_commands(stack: Stack, tmp_path: Path) -> None:
+    """Commands are opted into KSM by the in-sandbox agent (PR_SET_MEMORY_MERGE); with ksmd run by the
+    service, identical pages are merged and reported per sandbox. The control: pages of random bytes
+    in another sandbox, none identical, are not merged."""
+    from bus import subjects as S
+    from tests.conftest import eventually
+
+    reports = Reports()
+    sub = await stack.nc.subscribe(S.reclaim_report(stack.host_id), cb=reports.on)
+    # No idle reclaim here (it would swap the pages before ksmd sees them): only ksmd.
+    svc = reclaim_child(stack, tmp_path, "--idle", "100000")
+    try:
+        async with stack.sandbox() as same, stack.sandbox() as rand:
+            await same.commands.run(f"x=$(head -c {16 << 20} /dev/zero | tr '\\0' a); echo held; sleep 100000; : \"$x\"", background=True, timeout=0)
+            await rand.commands.run(HOLD.format(n=16 << 20), background=True, timeout=0)
+            await eventually(lambda: (s := reports.sandbox(same.sandbox_id)) is not None and s.merged_bytes > 8 << 20, timeout=90,
+                             what="ksmd to merge the sandbox's identical pages")
+            r = reports.sandbox(rand.sandbox_id)
+            assert r is not None and r.merged_bytes < 1 << 20, r
+            assert getattr(reports.last, "merged_bytes", 0) > 8 << 20
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
+        await sub.unsubscribe()
+        if svc.alive():
+            await svc.stop()
