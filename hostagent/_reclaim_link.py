@@ -52,6 +52,11 @@ class ReclaimLink:
         if r.host_id == self.host_id:
             self.report, self.memory = r, {s.sandbox_id: s for s in r.sandboxes}
 
+    def swap_mb(self) -> int:
+        """Memory the reclaim service's compressed swap takes (its last report): sandboxes' pages
+        still, so part of what the heartbeat says they hold."""
+        return self.report.swap_stored_bytes >> 20 if self.report is not None else 0
+
     def targets(self) -> ReclaimTargets:
         now = time.monotonic()
         out = []

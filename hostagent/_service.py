@@ -207,7 +207,7 @@ class HostAgent(Service):
             return
         try:
             u = await self.backend.usage()
-            self._resident_mb, self._cpu_busy = u.mem_resident_mb, u.cpu_busy
+            self._resident_mb, self._cpu_busy = u.mem_resident_mb + self.reclaim.swap_mb(), u.cpu_busy
         except Exception as exc:  # noqa: BLE001 - a usage probe failure must not stop heartbeats
             log.warning("usage_failed", error=str(exc))
         await self._kv_hosts.put(self.host_id, self._status())
