@@ -21,6 +21,7 @@ from ._registry import Registry
 
 log = structlog.get_logger("dsec.hostagent")
 REPORT = codec.Decoder(ReclaimReport)
+STALE_S = 60.0  # a report this old is from a service that stopped (and took its swap away)
 
 
 class ReclaimLink:
@@ -55,7 +56,8 @@ class ReclaimLink:
     def swap_mb(self) -> int:
         """Memory the reclaim service's compressed swap takes (its last report): sandboxes' pages
         still, so part of what the heartbeat says they hold."""
-        return self.report.swap_stored_bytes >> 20 if self.report is not None else 0
+        r = self.report
+        return r.swap_stored_bytes >> 20 if r is not None and time.time() - r.at < STALE_S else 0
 
     def targets(self) -> ReclaimTargets:
         now = time.monotonic()

@@ -267,7 +267,7 @@ class ChunkCache:
                     parts.append(os.pread(fd, stop - start, start))
                     # EROFS caches what it reads from us: a copy of the chunk in this file's page
                     # cache would be a second one of the same bytes on the host.
-                    os.posix_fadvise(fd, start, stop - start, os.POSIX_FADV_DONTNEED)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the whole chunk: readahead too
                 finally:
                     os.close(fd)
             meta.last_access = time.time()

@@ -62,10 +62,10 @@ SERVICES: tuple[Service, ...] = (
     Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
+    # Stopped after the host agent: its swap is taken away once the sandboxes are gone (no pages to bring back).
+    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim"),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown"), grace_s=60, control_key=True),
-    # After the host agent (it learns the sandboxes from the host agent's heartbeats), stopped before it.
-    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim"),
 )
 
 BACKOFF_BASE_S = 0.5

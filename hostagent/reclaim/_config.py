@@ -17,7 +17,9 @@ class ReclaimConfig:
     idle_s: float = field(default=30.0, metadata=setting("a sandbox idle this long (no operation, no CPU use) is reclaimed", flag="--idle"))
     idle_cpu: float = field(default=0.01, metadata=setting("CPU (cores, averaged over a pass) under which a sandbox counts as idle"))
     step_mb: int = field(default=256, metadata=setting("memory taken from one idle sandbox per pass, at most"))
-    keep_mb: int = field(default=4, metadata=setting("memory left to an idle sandbox, at least"))
+    keep_mb: int = field(default=16, metadata=setting(
+        "memory left to an idle sandbox, at least: its most recently used pages (its agent, the binaries of its last "
+        "commands) stay, so that its next exec does not wait on swap"))
     swap_mb: int = field(default=-1, metadata=setting(
         "size of the zram swap the service sets up when the host has no swap (0: none, page cache only; "
         "-1: a quarter of the host's memory, at most 4096)"))

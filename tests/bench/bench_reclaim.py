@@ -7,8 +7,8 @@
 On a fresh stack in this process (bench_sandboxes.Stack: NATS, placement, a host agent with the
 container backend, the busybox ``base`` template):
 
-(a) ``--count`` sandboxes each hold ``--hold-mb`` of anonymous memory (a busybox shell with a string
-    of random hex in a variable: the template has no Python), then idle. Host memory they take with
+(a) ``--count`` sandboxes each hold ``--hold-mb`` of anonymous memory (a busybox shell with the text of
+    a long list of numbers in a variable: the template has no Python), then idle. Host memory they take with
     reclaim off (their cgroups' charge) and on (``python -m hostagent.reclaim`` started, run until it
     finds nothing more: their charge plus what the zram swap holds, compressed); the first exec of a
     typical command (``ls -l /bin``) in each, before and after reclaim.
@@ -44,7 +44,8 @@ from sdk import AsyncSandbox  # noqa: E402
 
 MiB = 1 << 20
 MEM = Path("/sys/fs/cgroup/memory/dsec")
-HOLD = 'x=$(head -c {n} /dev/urandom | od -An -tx1 | head -c {n}); echo held; sleep 100000; : "$x"'
+# Like a Python process holding a list of number strings (the issue's): the numbers as text, in a shell variable.
+HOLD = 'x=$(seq 1 100000000 | head -c {n}); echo held; sleep 100000; : "$x"'
 LOOP = "i=0; while [ $i -lt 60000 ]; do i=$((i+1)); done"
 TYPICAL = "ls -l /bin >/dev/null"
 

@@ -124,7 +124,7 @@ def reclaim_child(stack: Stack, tmp: Path, *extra: str) -> object:
     from tests.integration.conftest import PY, Child, subprocess_env
 
     argv = [PY, "-m", "hostagent.reclaim", "--host-id", stack.host_id, "--data-dir", str(tmp), "--idle", "1", "--interval", "0.5",
-            "--swap-mb", "512", *extra]
+            "--swap-mb", "512", "--keep-mb", "4", *extra]
     return Child(argv, subprocess_env(stack.url), tmp / "reclaim.log").start()
 
 
