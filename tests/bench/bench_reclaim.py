@@ -45,7 +45,9 @@ from sdk import AsyncSandbox  # noqa: E402
 MiB = 1 << 20
 MEM = Path("/sys/fs/cgroup/memory/dsec")
 # Like a Python process holding a list of number strings (the issue's): the numbers as text, in a shell variable.
-HOLD = 'x=$(seq 1 100000000 | head -c {n}); echo held; sleep 100000; : "$x"'
+# Each starts at its own number: no two hold the same pages (KSM would merge them, which says
+# nothing of reclaim).
+HOLD = 'x=$(seq {start} 1000000000 | head -c {n}); echo held; sleep 100000; : "$x"'
 LOOP = "i=0; while [ $i -lt 60000 ]; do i=$((i+1)); done"
 TYPICAL = "ls -l /bin >/dev/null"
 
@@ -109,8 +111,8 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
     print(f"(a) {args.count} idle sandboxes, each holding {args.hold_mb} MiB of anonymous memory")
     sbs = await create(stack, args.count)
     sids = [sb.sandbox_id for sb in sbs]
-    for sb in sbs:
-        await sb.commands.run(HOLD.format(n=args.hold_mb * MiB), background=True, timeout=0)
+    for i, sb in enumerate(sbs):
+        await sb.commands.run(HOLD.format(n=args.hold_mb * MiB, start=1 + i * 7919), background=True, timeout=0)
     deadline = time.monotonic() + 600
     while any(int((cg(stack, s) / "memory.usage_in_bytes").read_text()) < args.hold_mb * MiB for s in sids):
         if time.monotonic() > deadline:
@@ -130,10 +132,12 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
             now = charged(stack, sids)
             stable = stable + 1 if abs(now - last) < MiB * max(1, args.count // 10) else 0
             last = now
-        on = charged(stack, sids) + zram_bytes() - z0
+        kept, swapped = charged(stack, sids), sum(int(next(ln.split()[1] for ln in (cg(stack, s) / "memory.stat").read_text().splitlines()
+                                                                if ln.startswith("swap "))) for s in sids)
+        on = kept + zram_bytes() - z0
         after = [await timed(sb, TYPICAL) for sb in sbs]  # the first exec of each after reclaim
-        print(f"    reclaim on:  {on / MiB:.0f} MiB ({on / MiB / args.count:.1f} MiB each; zram holds {(zram_bytes() - z0) / MiB:.0f} MiB "
-              f"compressed) after {time.monotonic() - t0:.0f} s: {pct(off, on)}")
+        print(f"    reclaim on:  {on / MiB:.0f} MiB ({on / MiB / args.count:.1f} MiB each: {kept / MiB:.0f} MiB charged, {swapped / MiB:.0f} MiB "
+              f"swapped, which zram holds in {(zram_bytes() - z0) / MiB:.0f} MiB) after {time.monotonic() - t0:.0f} s: {pct(off, on)}")
         b50, a50 = statistics.median(before), statistics.median(after)
         print(f"    first exec of `{TYPICAL}` after idle: p50 {b50 * 1000:.1f} ms before reclaim, {a50 * 1000:.1f} ms after ({pct(b50, a50)}); "
               f"mean {statistics.mean(before) * 1000:.1f} -> {statistics.mean(after) * 1000:.1f} ms")
