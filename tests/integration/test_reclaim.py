@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bus.messages import ReclaimReport, SandboxMemory
 from tests.imaged.conftest import needs_fuse
-from tests.integration.conftest import Stack, needs_stack
+from tests.integration.conftest import Child, Stack, needs_stack
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), needs_stack]
 
@@ -106,22 +108,21 @@ class Reports:
     """The reclaim service's reports for this stack's host, as they arrive."""
 
     def __init__(self) -> None:
-        self.last: object | None = None
+        self.last: ReclaimReport | None = None
         self.count = 0
 
-    async def on(self, msg: object) -> None:
+    async def on(self, msg: Any) -> None:
         from bus import codec
-        from bus.messages import ReclaimReport
 
-        self.last = codec.Decoder(ReclaimReport).decode(msg.data)  # type: ignore[attr-defined]
+        self.last = codec.Decoder(ReclaimReport).decode(msg.data)
         self.count += 1
 
-    def sandbox(self, sid: str) -> object | None:
-        return next((s for s in getattr(self.last, "sandboxes", []) if s.sandbox_id == sid), None)
+    def sandbox(self, sid: str) -> SandboxMemory | None:
+        return next((s for s in (self.last.sandboxes if self.last else []) if s.sandbox_id == sid), None)
 
 
-def reclaim_child(stack: Stack, tmp: Path, *extra: str) -> object:
-    from tests.integration.conftest import PY, Child, subprocess_env
+def reclaim_child(stack: Stack, tmp: Path, *extra: str) -> Child:
+    from tests.integration.conftest import PY, subprocess_env
 
     argv = [PY, "-m", "hostagent.reclaim", "--host-id", stack.host_id, "--data-dir", str(tmp), "--idle", "1", "--interval", "0.5",
             "--swap-mb", "512", "--keep-mb", "4", *extra]
@@ -146,7 +147,7 @@ async def test_reclaim_idle_sandbox_and_wake(stack: Stack, tmp_path: Path) -> No
             spin = await busy.commands.run("while :; do :; done", background=True, timeout=0)
             await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > (HOLD_MB + 16) << 20, timeout=60,
                              what="the shell to hold its memory")
-            await eventually(lambda: svc.alive() and swap_devices(), timeout=30, what="the service's zram swap")
+            await eventually(lambda: svc.alive() and bool(swap_devices()), timeout=30, what="the service's zram swap")
             dev = swap_devices()[0]
             assert dev.startswith("/dev/zram")
 
@@ -207,7 +208,7 @@ async def test_reclaim_faults(stack: Stack, tmp_path: Path) -> None:
     svc = reclaim_child(stack, tmp_path)
     svc2 = None
     try:
-        await eventually(lambda: reports.count > 0 and swap_devices(), timeout=30, what="the service's first report (swap set up)")
+        await eventually(lambda: reports.count > 0 and bool(swap_devices()), timeout=30, what="the service's first report (swap set up)")
         dev = swap_devices()[0]
         async with stack.sandbox(memory_mb=64) as sb:
             # The limit holds with swap in play: 100 MiB in one buffer is killed, 24 MiB is fine.
@@ -305,8 +306,9 @@ async def test_lazy_layers_cached_once(stack: Stack, nats_server: object, tmp_pa
     from tests.imaged.conftest import LazyDaemon, make_tree
     mib = 1 << 20
     name = f"shared-{stack.uid}-{os.urandom(3).hex()}"
-    work = {f"work/f{i}.bin": os.urandom(4 * mib) for i in range(6)}
-    read = sum(len(v) for v in work.values())
+    data = {f"work/f{i}.bin": os.urandom(4 * mib) for i in range(6)}
+    work: dict[str, bytes | str] = dict(data)
+    read = sum(len(v) for v in data.values())
     builder = ImageBuilder(stack.nc.jetstream(), tmp_path / "builder", chunk_size=256 * 1024)
     res = await builder.build_template(name, str(stack.rootfs), str(make_tree(tmp_path / "ws", work)))
     layers = res.manifest.layers
@@ -314,7 +316,7 @@ async def test_lazy_layers_cached_once(stack: Stack, nats_server: object, tmp_pa
     d = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url)  # type: ignore[attr-defined]
     d.start()
     try:
-        want = "\n".join(f"{hashlib.sha256(v).hexdigest()}  /{k}" for k, v in sorted(work.items()))
+        want = "\n".join(f"{hashlib.sha256(v).hexdigest()}  /{k}" for k, v in sorted(data.items()))
         async with stack.sandbox(template=name) as a, stack.sandbox(template=name) as b, stack.sandbox(template=name) as c:
             for sb in (a, b, c):
                 r = await sb.commands.run("sha256sum " + " ".join(f"/{k}" for k in sorted(work)), timeout=120)
