@@ -11,6 +11,7 @@ service (``repair``)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -91,6 +92,8 @@ def repair(cgroup: str) -> bool:
         return False
     (d / "memory.limit_in_bytes").write_text(str(own))
     (d / "memory.oom_control").write_text("0")
+    with contextlib.suppress(OSError):  # what a new cgroup inherits
+        (d / "memory.swappiness").write_text((d.parent / "memory.swappiness").read_text().strip())
     return True
 
 
@@ -103,9 +106,14 @@ def reclaim_step(cgroup: str, want: int, keep: int) -> int:
     target = max(before - want, keep)
     if target >= before:
         return 0
-    oom = d / "memory.oom_control"
+    oom, swappiness = d / "memory.oom_control", d / "memory.swappiness"
+    was = swappiness.read_text().strip()
     oom.write_text("1")
     try:
+        # Anonymous memory first: the page cache a sandbox holds is mostly the binaries its next
+        # exec runs (shared with other sandboxes: dropped, it comes back from disk for all of them).
+        with contextlib.suppress(OSError):
+            swappiness.write_text("200")
         try:
             (d / "memory.limit_in_bytes").write_text(str(target))
         except OSError as exc:
@@ -113,6 +121,7 @@ def reclaim_step(cgroup: str, want: int, keep: int) -> int:
                 raise
     finally:
         (d / "memory.limit_in_bytes").write_text(str(own))
+        swappiness.write_text(was)
         oom.write_text("0")
     after = usage(cgroup)
     return max(0, before - after) if after is not None else 0
