@@ -222,7 +222,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     mem_alloc_mb: int = 0
     mem_resident_mb: int = 0  # what sandboxes really hold
     disk_alloc_mb: int = 0
-    cpu_busy: float = 0.0  # cores really busy (recent)
+    cpu_busy: float = 0.0  # cores really busy (recent), less what best-effort (SCHED_IDLE) sandboxes use: they give it up at once
     sandboxes: int = 0
     max_sandboxes: int = 0
     concurrency: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -336,3 +337,31 @@ async def test_lazy_layers_cached_once(stack: Stack, nats_server: object, tmp_pa
             if stack.backend.layers.forget(h):
                 subprocess.run(["umount", str(stack.data_dir / "layers" / h)], check=False)
         d.release()
+
+
+async def test_best_effort_load_leaves_cores_idle_for_admission(stack: Stack) -> None:
+    """The heartbeat's busy cores leave out what best-effort (SCHED_IDLE) sandboxes use: latency-
+    sensitive creates are admitted on cores only idle-class work keeps busy. Two meters read the
+    same window, one told the spinning sandbox is idle-class: they differ by what its cgroup used
+    (how much that is depends on what else this shared machine runs: idle-class work yields to it)."""
+    from hostagent.backends.container.cgroups import Meter
+
+    def used_ns(cid: str) -> int:
+        return int(Path("/sys/fs/cgroup/cpuacct/dsec", cid, "cpuacct.usage").read_text())
+
+    async with stack.sandbox(priority="best-effort", cpu=2.0) as be:
+        cid = stack.cid(be.sandbox_id)
+        spin = await be.commands.run("for n in 1 2; do (while :; do :; done) & done; wait", background=True, timeout=0)
+        try:
+            plain, classed = Meter(), Meter()
+            u0, t0 = used_ns(cid), time.monotonic()
+            plain.host_busy(), classed.host_busy([cid])
+            while time.monotonic() - t0 < 3.0:
+                await asyncio.sleep(0.2)  # a measuring window, not synchronisation
+            all_busy, ls_busy = plain.host_busy(), classed.host_busy([cid])
+            spun = (used_ns(cid) - u0) / 1e9 / (time.monotonic() - t0)
+        finally:
+            await spin.kill()
+        print(f"busy cores: {all_busy:.2f} counting best-effort work, {ls_busy:.2f} not; the spinners used {spun:.2f}")
+        assert spun > 0.05, spun
+        assert abs((all_busy - ls_busy) - spun) < 0.25 + 0.1 * spun, (all_busy, ls_busy, spun)

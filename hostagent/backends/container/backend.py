@@ -51,7 +51,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
+from .cgroups import START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .freezer import freeze, frozen, thaw
@@ -380,7 +380,8 @@ class ContainerBackend:
                 continue
             per[sid] = b // (1 << 20)
             total += b
-        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self.meter.host_busy(), per_sandbox_mem_mb=per)
+        idle_class = [cid for cid in self.t.cid.values() if cpu_class(cid) == "best-effort"]
+        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self.meter.host_busy(idle_class), per_sandbox_mem_mb=per)
 
     # --- the agent channel ---------------------------------------------------------------------------
     def agent_client(self, handle: Handle) -> AgentClient:

@@ -144,6 +144,7 @@ class Meter:
     def __init__(self) -> None:
         self._samples: dict[str, tuple[float, int]] = {}  # container -> (monotonic time, cpuacct.usage ns)
         self._host_prev: tuple[float, float] | None = None
+        self._idle_prev: dict[str, int] = {}  # best-effort container -> cpuacct.usage ns at the last host sample
 
     def forget(self, cid: str) -> None:
         self._samples.pop(cid, None)
@@ -181,15 +182,28 @@ class Meter:
             disk_used_bytes=disk_used, disk_total_bytes=disk_total,
         )
 
-    def host_busy(self) -> float:
-        """CPUs busy on this host since the last call."""
+    def host_busy(self, idle_class: list[str] | None = None) -> float:
+        """CPUs busy on this host since the last call, less what the ``idle_class`` containers
+        (best-effort: SCHED_IDLE) used: latency-sensitive work takes those cycles back at once."""
         with open("/proc/stat") as f:
             vals = [float(x) for x in f.readline().split()[1:]]
+        used: dict[str, int] = {}
+        for cid in idle_class or []:
+            try:
+                used[cid] = int((CGROUP_ROOT / "cpuacct" / _REL / cid / "cpuacct.usage").read_text())
+            except (OSError, ValueError):
+                pass
         idle, total = vals[3] + vals[4], sum(vals)
         prev, self._host_prev = self._host_prev, (idle, total)
+        before, self._idle_prev = self._idle_prev, used
         if prev is None or total <= prev[1]:
             return 0.0
-        return (1 - (idle - prev[0]) / (total - prev[1])) * (os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+        busy = (1 - (idle - prev[0]) / (total - prev[1])) * cpus
+        # /proc/stat counts USER_HZ ticks summed over CPUs: the window in seconds is total / cpus / HZ.
+        window_s = (total - prev[1]) / cpus / os.sysconf("SC_CLK_TCK")
+        given_up = sum(max(0, n - before[c]) for c, n in used.items() if c in before) / 1e9
+        return max(0.0, busy - given_up / window_s) if window_s > 0 else busy
 
 
 __all__ = [
