@@ -175,6 +175,14 @@ async def test_reclaim_idle_sandbox_and_wake(stack: Stack, tmp_path: Path) -> No
             assert any(p.pid == hold.pid for p in procs)
             info = await sb.get_info()
             assert info.cpu_class == "best-effort" and info.mem_reclaimed_bytes > (HOLD_MB << 20), info
+            # /metrics (the gateway scrapes every service on the bus) carries the same figures.
+            from bus.metrics import parse
+            from bus.runtime.metrics import scrape_one
+
+            text = (await scrape_one(stack.nc, "reclaim", stack.host_id)).text
+            got = {(n, lab.get("sandbox", lab.get("kind", ""))): v for n, lab, v in parse(text)}
+            assert got[("dsec_reclaim_sandbox_reclaimed_bytes", sb.sandbox_id)] > HOLD_MB << 20
+            assert got[("dsec_reclaim_host_bytes", "swap_used")] > 0
             await spin.kill()
         code = await svc.stop()
         assert code == 0, svc.log()
