@@ -222,7 +222,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     mem_alloc_mb: int = 0
     mem_resident_mb: int = 0  # what sandboxes really hold
     disk_alloc_mb: int = 0
-    cpu_busy: float = 0.0  # cores really busy (recent)
+    cpu_busy: float = 0.0  # cores really busy (recent), less what best-effort (SCHED_IDLE) sandboxes use: they give it up at once
     sandboxes: int = 0
     max_sandboxes: int = 0
     concurrency: int = 0
@@ -695,6 +695,10 @@ class SandboxInfo(Struct, kw_only=True, tag=True):
     expires_at: float
     metadata: dict[str, str] = {}
     pid: int = 0
+    cpu_class: str = ""  # the CPU class its cgroup is in: its priority
+    mem_resident_bytes: int = 0  # from the host's reclaim service's last report (0: none yet, or none running)
+    mem_reclaimed_bytes: int = 0
+    mem_merged_bytes: int = 0
 
 
 MAX_FORK_COUNT = 100  # sandboxes one fork may start
@@ -1046,6 +1050,51 @@ class ModelAnswer(Struct, kw_only=True, tag=True):
     status: int  # the policy's HTTP status
     body: bytes
     policy_version: str = ""
+
+
+# --- memory reclaim (core publish on bus.subjects.reclaim_targets / reclaim_report) ---------------
+class ReclaimTarget(Struct, kw_only=True):
+    """One live sandbox as its host agent describes it to the reclaim service (a nested value)."""
+
+    sandbox_id: str
+    cgroup: str  # its cgroup path under each v1 hierarchy (``/dsec/<container id>``); "" when it has none
+    priority: PriorityField = "best-effort"
+    memory_mb: int = 0  # its limit
+    idle_s: float = 0.0  # since its last operation (exec, files, ...) or its start
+    state: str = "running"  # running | paused | stopping: only running sandboxes are reclaimed
+
+
+class ReclaimTargets(Struct, kw_only=True, tag=True):
+    host_id: str
+    at: float
+    sandboxes: list[ReclaimTarget] = []
+
+
+class SandboxMemory(Struct, kw_only=True):
+    """One sandbox's memory as the reclaim service sees it (a nested value)."""
+
+    sandbox_id: str
+    resident_bytes: int = 0  # charged to its cgroup now (anonymous + page cache)
+    reclaimed_bytes: int = 0  # taken from it by the service so far (page cache dropped, anonymous to swap)
+    swapped_bytes: int = 0  # its pages in (compressed) swap now
+    merged_bytes: int = 0  # its pages KSM merged with identical ones
+    idle_s: float = 0.0
+    cpu_class: str = ""  # best-effort | latency-sensitive
+
+
+class ReclaimReport(Struct, kw_only=True, tag=True):
+    """A reclaim pass's figures (``enabled`` False: the service runs but reclaims nothing)."""
+
+    host_id: str
+    at: float
+    enabled: bool = True
+    sandboxes: list[SandboxMemory] = []
+    resident_bytes: int = 0
+    reclaimed_bytes: int = 0
+    swap_device: str = ""  # what the service swaps to ("" none: page cache only)
+    swap_used_bytes: int = 0  # pages held in swap (uncompressed)
+    swap_stored_bytes: int = 0  # what they take in memory compressed (zram), 0 when unknown
+    merged_bytes: int = 0  # memory KSM saves (pages_sharing)
 
 
 __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type) and issubclass(obj, Struct)] + [

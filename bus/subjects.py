@@ -280,3 +280,14 @@ MODEL_WILDCARD = f"{PREFIX}.model.*"
 def model_call(job_id: str) -> str:
     """A chat-completions request for a rollout's policy, forwarded and logged by a rollout worker."""
     return f"{PREFIX}.model.{_tok(job_id)}"
+
+
+# --- memory reclaim (core publish, per host; hostagent.reclaim) --------------------------------
+def reclaim_targets(host_id: str) -> str:
+    """The host agent tells its host's reclaim service which sandboxes it runs (each heartbeat)."""
+    return f"{PREFIX}.reclaim.{_tok(host_id)}.targets"
+
+
+def reclaim_report(host_id: str) -> str:
+    """The reclaim service's figures per sandbox and for the host (each pass)."""
+    return f"{PREFIX}.reclaim.{_tok(host_id)}.report"

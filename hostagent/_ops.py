@@ -45,6 +45,7 @@ from ._backend import Backend, Handle
 from ._execio import ExecIO, encode_reply
 from ._metrics import HostMetrics
 from ._ports import PortRelay
+from ._reclaim_link import ReclaimLink
 from ._reaper import Reaper
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
@@ -59,8 +60,11 @@ class OpsEndpoint:
     sandbox's ``dsec.sbx.<id>.*``; ops of one sandbox run concurrently (a long exec does not hold up
     a file read)."""
 
-    def __init__(self, host_id: str, registry: Registry, backend: Backend, execio: ExecIO, ports: PortRelay, m: HostMetrics) -> None:
+    def __init__(
+        self, host_id: str, registry: Registry, backend: Backend, execio: ExecIO, ports: PortRelay, m: HostMetrics, reclaim: ReclaimLink | None = None,
+    ) -> None:
         self.host_id = host_id
+        self.reclaim = reclaim  # told each operation (idleness), and what the reclaim service reports
         self.registry = registry
         self.backend = backend
         self.execio = execio
@@ -101,6 +105,8 @@ class OpsEndpoint:
         self.inflight += 1
         t0 = time.perf_counter()
         code = "ok"
+        if self.reclaim is not None and sid in self.registry:
+            self.reclaim.touch(sid)
         try:
             await check_tenant(self.endpoint.nc if self.endpoint else None, self.host_id, self.registry.get(sid), tenant, op)
             assert self.trajectory is not None
@@ -113,6 +119,8 @@ class OpsEndpoint:
             raise
         finally:
             self.inflight -= 1
+            if self.reclaim is not None and sid in self.reclaim.last_op:
+                self.reclaim.touch(sid)  # idle from the end of a long exec, not its start
             self.m.op(op if op in S.SBX_OPS else "unknown", code, time.perf_counter() - t0)
 
     async def _dispatch(self, sid: str, req: Any) -> Any:
@@ -180,7 +188,14 @@ class OpsEndpoint:
         return SandboxInfo(
             sandbox_id=sid, state=ls.state, host_id=self.host_id, template=ls.spec.template,
             started_at=ls.started_at, expires_at=ls.expires_at, metadata=ls.spec.metadata, pid=handle.pid,
+            cpu_class=ls.spec.priority, **self._memory(sid),
         )
+
+    def _memory(self, sid: str) -> dict[str, int]:
+        mem = self.reclaim.memory.get(sid) if self.reclaim is not None else None
+        if mem is None:
+            return {}
+        return {"mem_resident_bytes": mem.resident_bytes, "mem_reclaimed_bytes": mem.reclaimed_bytes, "mem_merged_bytes": mem.merged_bytes}
 
     async def _exec(self, handle: Handle, ls: LocalSandbox, req: ExecRequest) -> ExecResult | ProcessStarted:
         if not req.cwd and ls.extra.get("image_workdir"):  # the template image's WORKDIR / USER

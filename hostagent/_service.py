@@ -27,6 +27,7 @@ from ._intake import Intake
 from ._metrics import HostMetrics
 from ._ops import OpsEndpoint
 from ._ports import PortRelay
+from ._reclaim_link import ReclaimLink
 from ._profiles import ProfileCache
 from ._reaper import Reaper
 from ._reconcile import Reconciler
@@ -67,7 +68,8 @@ class HostAgent(Service):
         creating: dict[str, asyncio.Future[None]] = {}  # sandboxes being made now (the intake's)
         self.m = HostMetrics(self.metrics, creating, self.registry, self._status)  # Prometheus metrics
         storage.register_metrics(self.metrics, self.data_dir)  # the data dir's free space
-        self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m)
+        self.reclaim = ReclaimLink(self.host_id, self.registry, backend)
+        self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m, self.reclaim)
         self.reaper = Reaper(
             self.registry, self.records, backend, creating, self.execio, self.ports, self.ops.unserve, self._jetstream,
             kill_wait_s=config.kill_wait_s,
@@ -131,6 +133,7 @@ class HostAgent(Service):
             await ensure_all(self.js, self.stream_options)
         await self.records.start(self.nc, self.js)
         self.ops.start(self.nc)
+        await self.reclaim.start(self.nc)
         self._kv_hosts = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self.intake.kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         if self.profiles is not None:  # built-in copies until guard has written them
@@ -217,10 +220,11 @@ class HostAgent(Service):
             return
         try:
             u = await self.backend.usage()
-            self._resident_mb, self._cpu_busy = u.mem_resident_mb, u.cpu_busy
+            self._resident_mb, self._cpu_busy = u.mem_resident_mb + self.reclaim.swap_mb(), u.cpu_busy
         except Exception as exc:  # noqa: BLE001 - a usage probe failure must not stop heartbeats
             log.warning("usage_failed", error=str(exc))
         await self._kv_hosts.put(self.host_id, self._status())
+        await self.reclaim.publish()
 
     async def _heartbeat_loop(self) -> None:
         while not await self.pause(self.config.heartbeat_s):

@@ -266,6 +266,9 @@ class ChunkCache:
                 fd = os.open(self.chunks_dir / meta.chunks[i], os.O_RDONLY)
                 try:
                     parts.append(os.pread(fd, stop - start, start))
+                    # EROFS caches what it reads from us: a copy of the chunk in this file's page
+                    # cache would be a second one of the same bytes on the host.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the whole chunk: readahead too
                 finally:
                     os.close(fd)
             meta.last_access = time.time()
@@ -387,6 +390,11 @@ class ChunkCache:
         tmp = self.chunks_dir / f".{c}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(data)
+            f.flush()
+            # Written back now, and out of the page cache: EROFS keeps the pages of what is read
+            # through us; these would be a second copy (a dirty page cannot be dropped).
+            os.fdatasync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         os.replace(tmp, p)
 
     def _adopt_chunk(self, c: str, size: int) -> None:

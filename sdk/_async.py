@@ -642,6 +642,7 @@ class AsyncSandbox:
             out.append(SandboxInfo(
                 sandbox_id=rec.spec.sandbox_id, template=rec.spec.template, state=rec.state, host_id=rec.host_id,
                 started_at=rec.ready_at, expires_at=rec.expires_at, metadata=rec.spec.metadata, cpu=rec.spec.cpu, memory_mb=rec.spec.memory_mb,
+                cpu_class=rec.spec.priority,
             ))
         return out
 
@@ -696,7 +697,8 @@ class AsyncSandbox:
             return await self._info_from_record()
         return SandboxInfo(
             sandbox_id=i.sandbox_id, template=i.template, state=i.state, host_id=i.host_id,
-            started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata,
+            started_at=i.started_at, expires_at=i.expires_at, metadata=i.metadata, cpu_class=i.cpu_class,
+            mem_resident_bytes=i.mem_resident_bytes, mem_reclaimed_bytes=i.mem_reclaimed_bytes, mem_merged_bytes=i.mem_merged_bytes,
         )
 
     async def _info_from_record(self) -> SandboxInfo:

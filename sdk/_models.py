@@ -86,3 +86,7 @@ class SandboxInfo:
     metadata: dict[str, str] = field(default_factory=dict)
     cpu: float = 0.0
     memory_mb: int = 0
+    cpu_class: str = ""  # best-effort | latency-sensitive (the CPU class its cgroup is in)
+    mem_resident_bytes: int = 0  # what it holds now, as the host's reclaim service last reported (0: no report)
+    mem_reclaimed_bytes: int = 0  # taken from it while it was idle (page cache, anonymous memory to swap)
+    mem_merged_bytes: int = 0  # its pages merged with identical ones (KSM)

@@ -51,6 +51,7 @@ class Service:
     grace_s: float = 15.0
     control_key: bool = False  # placement signs host work with it; host agents run nothing else (bus.sign)
     replicas: str = ""
+    enabled_by: str = ""  # the on|off option that turns it off
 
 
 # Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
@@ -62,6 +63,8 @@ SERVICES: tuple[Service, ...] = (
     Service("guard", "guard", ("guard",)),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("rollouts", "rollouts", ("sdk.rollouts",)),
+    # Stopped after the host agent: its swap is taken away once the sandboxes are gone (no pages to bring back).
+    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim"),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown", "--fn-pool", "{fn_pool}"),
             grace_s=60, control_key=True),
@@ -340,6 +343,8 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
     settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
     out = []
     for svc in SERVICES:
+        if svc.enabled_by and getattr(args, svc.enabled_by, "on") == "off":
+            continue
         n = getattr(args, svc.replicas) if svc.replicas else 1
         for i in range(n):
             name = f"{svc.name}-{i}" if svc.replicas else svc.name

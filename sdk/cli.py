@@ -145,12 +145,16 @@ def _sandbox(args: argparse.Namespace) -> int:
             return code
         elif args.sbx_cmd == "ls":
             items = Sandbox.list(**kw)
+            if args.memory:
+                _run(_memory_of(items, args.nats_url))
             if args.json:
                 _print_json([i.__dict__ for i in items])
             else:
                 for i in items:
                     left = max(0, i.expires_at - time.time())
-                    print(f"{i.sandbox_id}  {i.template:<10} {i.host_id:<20} {i.state:<8} expires in {left:.0f}s")
+                    mem = (f"  mem {i.mem_resident_bytes >> 20}M reclaimed {i.mem_reclaimed_bytes >> 20}M merged {i.mem_merged_bytes >> 20}M"
+                           if args.memory else "")
+                    print(f"{i.sandbox_id}  {i.template:<10} {i.host_id:<20} {i.state:<8} {i.cpu_class:<17} expires in {left:.0f}s{mem}")
         elif args.sbx_cmd == "kill":
             for sid in args.sandbox_ids:
                 _run(_kill(sid, args.nats_url))
@@ -160,6 +164,22 @@ def _sandbox(args: argparse.Namespace) -> int:
         return 1
     finally:
         _run(close_connections())
+
+
+async def _memory_of(items: list[Any], url: str | None) -> None:
+    """Fill each listed sandbox's memory figures from its host (what the reclaim service reported)."""
+    from ._async import AsyncSandbox, _nc
+
+    nc = await _nc(url)
+
+    async def one(i: Any) -> None:
+        try:
+            info = await AsyncSandbox(i.sandbox_id, nc).get_info()
+        except DsecError:
+            return  # ended meanwhile: listed without figures
+        i.mem_resident_bytes, i.mem_reclaimed_bytes, i.mem_merged_bytes = info.mem_resident_bytes, info.mem_reclaimed_bytes, info.mem_merged_bytes
+
+    await asyncio.gather(*(one(i) for i in items))
 
 
 async def _kill(sid: str, url: str | None) -> None:
@@ -315,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--backend", default="container", choices=["container", "sim"])
     up.add_argument("--concurrency", type=int, default=8)
     up.add_argument("--placement-replicas", type=int, default=1)
+    up.add_argument("--reclaim", default="on", choices=["on", "off"], help="run the memory reclaim service (hostagent.reclaim)")
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
     up.add_argument("--http-port", type=int, default=3000, help="the HTTP gateway's port (E2B API, envd, REST)")
@@ -347,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cwd", default=None)
     ls = sbs.add_parser("ls")
     ls.add_argument("--json", action="store_true")
+    ls.add_argument("--memory", action="store_true", help="ask each sandbox's host for its memory (resident, reclaimed, merged)")
     k = sbs.add_parser("kill")
     k.add_argument("sandbox_ids", nargs="+")
     sb.set_defaults(func=_sandbox)

@@ -35,7 +35,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, memory_bytes, remove_cgroups, set_cpu, set_limits
+from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .freezer import freeze, frozen, thaw
@@ -168,16 +168,19 @@ class ContainerBackend:
             net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
         if memory is None:
-            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels)
+            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, priority=spec.priority)
         else:
             async with criu.restore_work_dir(self.data_dir, sid) as work:
                 restore = (await self.layers.path(memory), work)
-                pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore)
+                pid, sdir, group, info = await self._start(
+                    sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore, priority=spec.priority,
+                )
         self.t.cid[sid] = sid
         return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
         await asyncio.to_thread(set_limits, w.cid, spec.cpu, spec.memory_mb)
+        await asyncio.to_thread(set_class, w.cid, spec.cpu, spec.priority)
         await self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
 
     async def _start_warm(self, cid: str, r: Recipe) -> Warm:
@@ -194,18 +197,19 @@ class ContainerBackend:
 
     async def _start(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
-        labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""),
+        labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""), *, priority: str = "latency-sensitive",
     ) -> tuple[int, str, str, AgentInfo]:
-        """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready."""
+        """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready; its CPU class
+        once the agent answers (a warm container starts latency-sensitive: its claim sets the class)."""
         self.t.starting.add(cid)
         try:
-            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore)
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore, priority)
         finally:
             self.t.starting.discard(cid)
 
     async def _start_once(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
-        labels: dict[str, str] | None, restore: tuple[str, str],
+        labels: dict[str, str] | None, restore: tuple[str, str], priority: str,
     ) -> tuple[int, str, str, AgentInfo]:
         storage.ensure_room(self.data_dir, 0, "create")  # no_space, typed, before the scratch image and its mkfs
         try:
@@ -254,14 +258,15 @@ class ContainerBackend:
                 await asyncio.to_thread(criu.loopback_up, pid)
         client = AgentClient(os.path.join(layout.run, "agent.sock"), expected_pid=pid)
         info = await self._wait_agent(cid, sdir, client)
-        if cpu < START_CPU:
-            # Before the create is answered (and recorded): a host agent that dies in between
-            # leaves an unrecorded container, which recovery removes. Two small cgroupfs writes,
-            # inline: a hop to the default executor can queue behind a burst's disk work.
-            try:
+        # Before the create is answered (and recorded): a host agent that dies in between
+        # leaves an unrecorded container, which recovery removes. A few small cgroupfs writes,
+        # inline: a hop to the default executor can queue behind a burst's disk work.
+        try:
+            if cpu < START_CPU:
                 set_cpu(cid, cpu)
-            except OSError as exc:
-                raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
+            set_class(cid, cpu, priority)
+        except OSError as exc:
+            raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
         if security.landlock_required and not info.landlock:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self.t.clients[cid] = client
@@ -350,7 +355,8 @@ class ContainerBackend:
                 continue
             per[sid] = b // (1 << 20)
             total += b
-        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self.meter.host_busy(), per_sandbox_mem_mb=per)
+        idle_class = [cid for cid in self.t.cid.values() if cpu_class(cid) == "best-effort"]
+        return Usage(mem_resident_mb=total // (1 << 20), cpu_busy=self.meter.host_busy(idle_class), per_sandbox_mem_mb=per)
 
     # --- the agent channel ---------------------------------------------------------------------------
     def agent_client(self, handle: Handle) -> AgentClient:
@@ -381,6 +387,10 @@ class ContainerBackend:
 
     def _cgroup(self, handle: Handle) -> str:
         return cgroup_path(handle.extra.get("cid") or handle.sandbox_id)
+
+    def cgroup_of(self, handle: Handle) -> str:
+        """The sandbox's cgroup path under each v1 hierarchy (what the reclaim service is told)."""
+        return self._cgroup(handle)
 
     async def before_freeze(self, handle: Handle) -> None:
         """Hang up the idle connections to the sandbox's agent (hostagent._snapshots, before it

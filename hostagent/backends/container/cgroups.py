@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 
-from bus.messages import SandboxMetrics
+from bus.messages import Priority, SandboxMetrics
 
 from .containerd import CGROUP_PARENT, cpu_limits
 
@@ -36,6 +36,43 @@ def set_cpu(cid: str, cpu: float) -> None:
     shares, quota = cpu_limits(cpu)
     (base / "cpu.shares").write_text(str(shares))
     (base / "cpu.cfs_quota_us").write_text(str(quota))
+
+
+# CPU classes. A latency-sensitive sandbox's weight is its CPU share times this; a best-effort one's
+# cgroup is SCHED_IDLE (``cpu.idle``): against any non-idle sibling (a latency-sensitive sandbox) it
+# gets the kernel's minimum weight and never preempts it on wake-up, so it runs on the cycles the
+# others leave. Set on the sandbox's own cgroup, not a shared class parent: a warm container's
+# cgroup path is fixed when it is pre-started, before the class of the sandbox that claims it is
+# known. The quota (its CPU share) stays only an upper bound. Host services (the host agent, NATS)
+# sit outside ``/dsec`` and meet it with the normal weight of one group.
+LATENCY_WEIGHT = 8
+MAX_SHARES = 262144
+
+
+def class_shares(cpu: float, priority: str) -> int:
+    shares = cpu_limits(cpu)[0]
+    return min(MAX_SHARES, shares * LATENCY_WEIGHT) if priority == "latency-sensitive" else shares
+
+
+def set_class(cid: str, cpu: float, priority: str) -> None:
+    """Put the container's cgroup in the CPU class of ``priority``. The kernel refuses a weight on an
+    idle group (EINVAL), so the idle flag is cleared first and set last."""
+    base = CGROUP_ROOT / "cpu" / _REL / cid
+    idle = base / "cpu.idle"
+    if idle.exists():
+        idle.write_text("0")
+    (base / "cpu.shares").write_text(str(class_shares(cpu, priority)))
+    if priority == "best-effort" and idle.exists():
+        idle.write_text("1")
+
+
+def cpu_class(cid: str) -> Priority | None:
+    """The class the container's cgroup is in (None: no cgroup)."""
+    try:
+        idle = (CGROUP_ROOT / "cpu" / _REL / cid / "cpu.idle").read_text().strip()
+    except OSError:
+        return None
+    return "best-effort" if idle == "1" else "latency-sensitive"
 
 
 def set_limits(cid: str, cpu: float, memory_mb: int) -> None:
@@ -107,6 +144,7 @@ class Meter:
     def __init__(self) -> None:
         self._samples: dict[str, tuple[float, int]] = {}  # container -> (monotonic time, cpuacct.usage ns)
         self._host_prev: tuple[float, float] | None = None
+        self._idle_prev: dict[str, int] = {}  # best-effort container -> cpuacct.usage ns at the last host sample
 
     def forget(self, cid: str) -> None:
         self._samples.pop(cid, None)
@@ -144,18 +182,31 @@ class Meter:
             disk_used_bytes=disk_used, disk_total_bytes=disk_total,
         )
 
-    def host_busy(self) -> float:
-        """CPUs busy on this host since the last call."""
+    def host_busy(self, idle_class: list[str] | None = None) -> float:
+        """CPUs busy on this host since the last call, less what the ``idle_class`` containers
+        (best-effort: SCHED_IDLE) used: latency-sensitive work takes those cycles back at once."""
         with open("/proc/stat") as f:
             vals = [float(x) for x in f.readline().split()[1:]]
+        used: dict[str, int] = {}
+        for cid in idle_class or []:
+            try:
+                used[cid] = int((CGROUP_ROOT / "cpuacct" / _REL / cid / "cpuacct.usage").read_text())
+            except (OSError, ValueError):
+                pass
         idle, total = vals[3] + vals[4], sum(vals)
         prev, self._host_prev = self._host_prev, (idle, total)
+        before, self._idle_prev = self._idle_prev, used
         if prev is None or total <= prev[1]:
             return 0.0
-        return (1 - (idle - prev[0]) / (total - prev[1])) * (os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+        busy = (1 - (idle - prev[0]) / (total - prev[1])) * cpus
+        # /proc/stat counts USER_HZ ticks summed over CPUs: the window in seconds is total / cpus / HZ.
+        window_s = (total - prev[1]) / cpus / os.sysconf("SC_CLK_TCK")
+        given_up = sum(max(0, n - before[c]) for c, n in used.items() if c in before) / 1e9
+        return max(0.0, busy - given_up / window_s) if window_s > 0 else busy
 
 
 __all__ = [
-    "CGROUP_ROOT", "MEM_CGROUP", "START_CPU", "Meter", "cgroup_path", "cgroups_of", "children", "in_cgroup", "kill", "memory_bytes",
-    "remove_cgroups", "set_cpu", "set_limits",
+    "CGROUP_ROOT", "LATENCY_WEIGHT", "MEM_CGROUP", "START_CPU", "Meter", "cgroup_path", "cgroups_of", "children", "class_shares", "cpu_class",
+    "in_cgroup", "kill", "memory_bytes", "remove_cgroups", "set_class", "set_cpu", "set_limits",
 ]

@@ -26,10 +26,13 @@ def mounted(path: str) -> bool:
 
 def mount_erofs(blob: str, target: str) -> None:
     """Mount an EROFS image straight from its file (Linux 6.12+): no loop device per layer, and the
-    reads go to the file itself (the lazy loader's FUSE file). Older kernels want a block device:
-    then mount(8) sets up a loop device."""
-    if _libc.mount(blob.encode(), target.encode(), b"erofs", _MS_RDONLY, None) == 0:
-        return
+    reads go to the file itself (the lazy loader's FUSE file), with direct I/O (6.13+: ``directio``)
+    so that the file's bytes are cached once, as EROFS's pages, not a second time as the file's
+    (measured: 2x the bytes read without it). Older kernels want a block device: then mount(8) sets
+    up a loop device."""
+    for data in (b"directio", None):  # a kernel without the option refuses it (EINVAL)
+        if _libc.mount(blob.encode(), target.encode(), b"erofs", _MS_RDONLY, data) == 0:
+            return
     err = ctypes.get_errno()
     if err not in (_errno.ENOTBLK, _errno.EINVAL):
         raise ImageError(f"cannot mount layer {blob} at {target}: {os.strerror(err)}")

@@ -1,0 +1,268 @@
+"""Benchmark of memory reclaim, CPU classes and shared layer pages on one host (a script, not a test).
+
+    python tests/bench/bench_reclaim.py [--count 20] [--hold-mb 32] [--readers 16] [--read-mb 64]
+    python tests/bench/bench_reclaim.py --count 100          # the issue's figure (a)
+    python tests/bench/bench_reclaim.py --only cpu           # one part: memory | cpu | cache
+
+On a fresh stack in this process (bench_sandboxes.Stack: NATS, placement, a host agent with the
+container backend, the busybox ``base`` template):
+
+(a) ``--count`` sandboxes each hold ``--hold-mb`` of anonymous memory (a busybox shell with the text of
+    a long list of numbers in a variable: the template has no Python), then idle. Host memory they take with
+    reclaim off (their cgroups' charge) and on (``python -m hostagent.reclaim`` started, run until it
+    finds nothing more: their charge plus what the zram swap holds, compressed); the first exec of a
+    typical command (``ls -l /bin``) in each, before and after reclaim.
+(b) A latency-sensitive shell loop alone, and with best-effort sandboxes spinning on 50% and 100%
+    of the host's CPU; then the same without the classes (both at their plain weight).
+(c) ``--readers`` sandboxes on one template whose ``--read-mb`` of files come through the lazy loader
+    (EROFS over its FUSE files) read them all: page cache they are charged, plus what stays cached of
+    the loader's FUSE files and chunk files, against the bytes read.
+
+Everything it starts is stopped by pid, and its data dir removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_sandboxes import Stack  # noqa: E402
+
+from sdk import AsyncSandbox  # noqa: E402
+
+MiB = 1 << 20
+MEM = Path("/sys/fs/cgroup/memory/dsec")
+# Like a Python process holding a list of number strings (the issue's): the numbers as text, in a shell variable.
+# Each starts at its own number: no two hold the same pages (KSM would merge them, which says
+# nothing of reclaim).
+HOLD = 'x=$(seq {start} 1000000000 | head -c {n}); echo held; sleep 100000; : "$x"'
+LOOP = "i=0; while [ $i -lt 60000 ]; do i=$((i+1)); done"
+TYPICAL = "ls -l /bin >/dev/null"
+
+
+def cg(stack: Stack, sid: str) -> Path:
+    assert stack.host is not None
+    h = stack.host.handles[sid]
+    return MEM / h.extra.get("cid", sid)
+
+
+def charged(stack: Stack, sids: list[str]) -> int:
+    return sum(int((cg(stack, s) / "memory.usage_in_bytes").read_text()) for s in sids)
+
+
+def zram_bytes() -> int:
+    """Memory the host's zram devices take (compressed pages and their metadata)."""
+    total = 0
+    for d in Path("/sys/block").glob("zram*"):
+        try:
+            total += int((d / "mm_stat").read_text().split()[2])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+def pct(a: float, b: float) -> str:
+    return f"{(b - a) / a * 100:+.1f}%" if a else "n/a"
+
+
+async def create(stack: Stack, n: int, **kw: Any) -> list[AsyncSandbox]:
+    kw.setdefault("memory_mb", 256)
+    return list(await asyncio.gather(*(AsyncSandbox.create(nats_url=stack.url, timeout=3600, create_timeout=1800, **kw) for _ in range(n))))
+
+
+async def timed(sb: AsyncSandbox, cmd: str) -> float:
+    t0 = time.perf_counter()
+    await sb.commands.run(cmd, timeout=300)
+    return time.perf_counter() - t0
+
+
+def reclaim_service(stack: Stack, idle_s: float) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DSEC_NATS_URL": stack.url, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    log = open(stack.dir / "reclaim.log", "wb")  # noqa: SIM115 - the child's, closed with it
+    return subprocess.Popen(
+        [sys.executable, "-m", "hostagent.reclaim", "--host-id", "bench", "--data-dir", str(stack.dir), "--idle", str(idle_s),
+         "--interval", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    p.send_signal(signal.SIGTERM)
+    try:
+        p.wait(60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+# ------------------------------------------------------------------------------------------------- (a)
+async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
+    print(f"(a) {args.count} idle sandboxes, each holding {args.hold_mb} MiB of anonymous memory")
+    sbs = await create(stack, args.count)
+    sids = [sb.sandbox_id for sb in sbs]
+    for i, sb in enumerate(sbs):
+        await sb.commands.run(HOLD.format(n=args.hold_mb * MiB, start=1 + i * 7919), background=True, timeout=0)
+    deadline = time.monotonic() + 600
+    while any(int((cg(stack, s) / "memory.usage_in_bytes").read_text()) < args.hold_mb * MiB for s in sids):
+        if time.monotonic() > deadline:
+            raise SystemExit("the sandboxes did not take their memory in 10 minutes")
+        await asyncio.sleep(0.5)  # poll
+    await asyncio.sleep(args.idle_s)  # idle, as after a turn of the model
+    before = [await timed(sb, TYPICAL) for sb in sbs]  # first exec after idle, reclaim off
+    off = charged(stack, sids) + zram_bytes()
+    print(f"    reclaim off: {off / MiB:.0f} MiB ({off / MiB / args.count:.1f} MiB each)")
+    z0 = zram_bytes()
+    svc = reclaim_service(stack, args.idle_s)
+    try:
+        await asyncio.sleep(args.idle_s)
+        last, stable, t0 = -1, 0, time.monotonic()
+        while stable < 3 and time.monotonic() - t0 < 600:
+            await asyncio.sleep(2)  # poll: reclaim runs in passes
+            now = charged(stack, sids)
+            stable = stable + 1 if abs(now - last) < MiB * max(1, args.count // 10) else 0
+            last = now
+        kept, swapped = charged(stack, sids), sum(int(next(ln.split()[1] for ln in (cg(stack, s) / "memory.stat").read_text().splitlines()
+                                                                if ln.startswith("swap "))) for s in sids)
+        on = kept + zram_bytes() - z0
+        after = [await timed(sb, TYPICAL) for sb in sbs]  # the first exec of each after reclaim
+        print(f"    reclaim on:  {on / MiB:.0f} MiB ({on / MiB / args.count:.1f} MiB each: {kept / MiB:.0f} MiB charged, {swapped / MiB:.0f} MiB "
+              f"swapped, which zram holds in {(zram_bytes() - z0) / MiB:.0f} MiB) after {time.monotonic() - t0:.0f} s: {pct(off, on)}")
+        b50, a50 = statistics.median(before), statistics.median(after)
+        print(f"    first exec of `{TYPICAL}` after idle: p50 {b50 * 1000:.1f} ms before reclaim, {a50 * 1000:.1f} ms after ({pct(b50, a50)}); "
+              f"mean {statistics.mean(before) * 1000:.1f} -> {statistics.mean(after) * 1000:.1f} ms")
+        again = [await timed(sb, TYPICAL) for sb in sbs]
+        print(f"    second exec: p50 {statistics.median(again) * 1000:.1f} ms")
+    finally:
+        stop(svc)
+        await asyncio.gather(*(sb.kill() for sb in sbs))
+
+
+# ------------------------------------------------------------------------------------------------- (b)
+async def bench_cpu(stack: Stack, args: argparse.Namespace) -> None:
+    from hostagent.backends.container.cgroups import cgroup_path, set_class
+
+    print("(b) a latency-sensitive shell loop, best-effort sandboxes spinning")
+    # Created best-effort, then classed as a latency-sensitive create is: placement admits those only
+    # on idle cores, and this machine may be shared.
+    ls, be1, be2 = await create(stack, 3, cpu=1.0)
+    assert stack.host is not None
+    cid = {sb.sandbox_id: stack.host.handles[sb.sandbox_id].extra.get("cid", sb.sandbox_id) for sb in (ls, be1, be2)}
+    set_class(cid[ls.sandbox_id], 1.0, "latency-sensitive")
+
+    async def loop_ms() -> float:
+        return statistics.median([await timed(ls, LOOP) for _ in range(args.runs)]) * 1000
+
+    async def with_load(spinners: int) -> float:
+        hs = [await sb.commands.run("while :; do :; done", background=True, timeout=0) for sb in (be1, be2)[:spinners]]
+        try:
+            return await loop_ms()
+        finally:
+            for h in hs:
+                await h.kill()
+
+    alone = await loop_ms()
+    half, full = await with_load(1), await with_load(2)
+    print(f"    with classes:    alone {alone:.0f} ms; 50% load {half:.0f} ms ({pct(alone, half)}); 100% load {full:.0f} ms ({pct(alone, full)})")
+    for sb in (ls, be1, be2):  # the control: no classes, plain weights (what main did)
+        set_class(cid[sb.sandbox_id], 1.0, "latency-sensitive")
+        Path("/sys/fs/cgroup/cpu", cgroup_path(cid[sb.sandbox_id]).lstrip("/"), "cpu.shares").write_text("1024")
+    alone2 = await loop_ms()
+    half2, full2 = await with_load(1), await with_load(2)
+    print(f"    without classes: alone {alone2:.0f} ms; 50% load {half2:.0f} ms ({pct(alone2, half2)}); 100% load {full2:.0f} ms ({pct(alone2, full2)})")
+    await asyncio.gather(*(sb.kill() for sb in (ls, be1, be2)))
+
+
+# ------------------------------------------------------------------------------------------------- (c)
+def cached(paths: list[Path]) -> int:
+    if not paths:
+        return 0
+    out = subprocess.run(["fincore", "-b", "-n", "-o", "RES", *map(str, paths)], capture_output=True, text=True, check=True).stdout
+    return sum(int(x) for x in out.split())
+
+
+async def bench_cache(stack: Stack, args: argparse.Namespace) -> None:
+    from bus import connect
+    from imaged import ImageBuilder
+    from tests.imaged.conftest import LazyDaemon
+
+    print(f"(c) {args.readers} sandboxes reading the same {args.read_mb} MiB of template files (lazy EROFS layers)")
+    files = max(1, args.read_mb // 4)
+    src = stack.dir / "bench-ws" / "data"
+    src.mkdir(parents=True)
+    for i in range(files):
+        (src / f"f{i}.bin").write_bytes(os.urandom(4 * MiB))
+    nc = await connect(stack.url)
+    res = await ImageBuilder(nc.jetstream(), stack.dir / "bench-builder", chunk_size=1 * MiB).build_template(
+        "shared", str(stack.dir / "rootfs"), str(stack.dir / "bench-ws"))
+    await nc.close()
+    shutil.rmtree(stack.dir / "bench-builder")
+    layers = res.manifest.layers
+    d = LazyDaemon(data_dir=stack.dir, mount=stack.dir / "lazy", nats_url=stack.url)
+    d.start()
+    try:
+        sbs = await create(stack, args.readers, template="shared", memory_mb=128)
+        read = files * 4 * MiB
+        cmd = "cat /data/* > /dev/null"
+        first = await timed(sbs[0], cmd)
+        one = sum(int(ln.split()[1]) for ln in (cg(stack, sbs[0].sandbox_id) / "memory.stat").read_text().splitlines() if ln.startswith("total_cache "))
+        rest = [await timed(sb, cmd) for sb in sbs[1:]]
+        total = sum(int(ln.split()[1]) for sb in sbs for ln in (cg(stack, sb.sandbox_id) / "memory.stat").read_text().splitlines()
+                    if ln.startswith("total_cache "))
+        hexd = [lay.digest.split(":", 1)[1] for lay in layers]
+        fuse = cached([stack.dir / "lazy" / h for h in hexd])
+        chunks = cached([p for p in (stack.dir / "cache" / "chunks").rglob("*") if p.is_file()])
+        grown = total + fuse + chunks
+        print(f"    read {read / MiB:.0f} MiB in each: first sandbox charged {one / MiB:.1f} MiB ({first:.2f} s), the other "
+              f"{len(rest)} together {(total - one) / MiB:.1f} MiB (p50 {statistics.median(rest) if rest else 0:.2f} s each)")
+        print(f"    page cache: sandboxes {total / MiB:.1f} MiB + loader's FUSE files {fuse / MiB:.1f} MiB + chunk files "
+              f"{chunks / MiB:.1f} MiB = {grown / MiB:.1f} MiB, {grown / read:.2f}x the bytes read")
+        await asyncio.gather(*(sb.kill() for sb in sbs))
+    finally:
+        assert stack.backend is not None
+        for lay in layers:
+            h = lay.digest.split(":", 1)[1]
+            if stack.backend.layers.forget(h):
+                subprocess.run(["umount", str(stack.dir / "layers" / h)], check=False)
+        d.release()
+
+
+async def run(args: argparse.Namespace) -> None:
+    stack = Stack(argparse.Namespace(shim_group=16, warm_pool=0, concurrency=8, memory_mb=256, disk_mb=64, cpu=1.0,
+                                     cpu_overcommit=1000.0, reconcile_s=10.0))
+    await stack.start()
+    try:
+        parts = {"memory": bench_memory, "cpu": bench_cpu, "cache": bench_cache}
+        for name, fn in parts.items():
+            if args.only in ("", name):
+                await fn(stack, args)
+    finally:
+        left = await stack.stop()
+        if left:
+            print(f"left behind: {left}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=20, help="(a) idle sandboxes")
+    ap.add_argument("--hold-mb", type=int, default=32, help="(a) anonymous memory each holds")
+    ap.add_argument("--idle-s", type=float, default=5.0, help="(a) idle time before the first exec, and the service's --idle")
+    ap.add_argument("--runs", type=int, default=7, help="(b) loop runs per figure (median)")
+    ap.add_argument("--readers", type=int, default=16, help="(c) sandboxes reading the files")
+    ap.add_argument("--read-mb", type=int, default=64, help="(c) template files each reads")
+    ap.add_argument("--only", choices=("", "memory", "cpu", "cache"), default="")
+    asyncio.run(run(ap.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
