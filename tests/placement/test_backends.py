@@ -95,7 +95,7 @@ def test_the_registry_names_each_backend_and_refuses_an_unknown_one() -> None:
     assert sorted(registry.names()) == ["container", "microvm", "sim", "vm"]
     assert isinstance(registry.make(HostAgentConfig(backend="sim", host_id="h")), SimBackend)
     with pytest.raises(UnsupportedBackend) as e:
-        registry.factory("microvm")
+        registry.factory("fncall")  # a name of the vocabulary no backend package serves
     assert e.value.code == "unsupported_backend" and "container" in e.value.description and "sim" in e.value.description
 
 
