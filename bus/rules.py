@@ -89,6 +89,9 @@ def validate_spec(spec: SandboxSpec) -> None:
         raise InvalidArgument(f"lease_s must be 0 (none) or between {_num(LEASE_MIN_S)} and {_num(LIMITS['lease_s'][1])}, got {spec.lease_s!r}")
     if spec.reply_to and not S.valid_inbox(spec.reply_to):
         raise InvalidArgument(f"reply_to must be an _INBOX subject, got {spec.reply_to!r}")
+    if spec.backend == "fncall":  # its pools serve calls, not sandboxes (hosts advertise them for FnCall's routing)
+        raise InvalidArgument("backend 'fncall' serves stateless calls (FnCall.run, POST /run_code), not sandboxes; "
+                              "create sandboxes on container, microvm or vm")
 
 
 # --- admission ------------------------------------------------------------------------------
