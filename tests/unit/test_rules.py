@@ -16,7 +16,8 @@ from sdk import build_spec
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("cpu", 0.005), ("cpu", 0.0), ("cpu", 257.0), ("timeout_s", 0.5), ("memory_mb", 8), ("disk_mb", 0), ("backend", "docker"), ("backend", "fncall"), ("template", "")],
+    [("cpu", 0.005), ("cpu", 0.0), ("cpu", 257.0), ("timeout_s", 0.5), ("memory_mb", 8), ("disk_mb", 0), ("backend", "docker"), ("backend", "fncall"),
+     ("template", "")],
 )
 def test_sdk_and_placement_refuse_the_same_specs(field: str, value: object) -> None:
     """What placement refuses (validate_spec on any client's request), the SDK refuses first."""
