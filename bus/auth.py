@@ -38,9 +38,10 @@ from .sign import new_control_key, parse_key
 
 # Streams every reader may read whole: hosts and templates (the monitor also reads the event stream
 # and the sandbox and snapshot records; clients read their own events only, and no records: a
-# record's spec holds its sandbox's envs).
-# (Trajectories and rollouts are every client's to read for now: not yet kept per tenant.)
-_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", S.STREAM_TRAJ, f"KV_{S.KV_ROLLOUTS}"]
+# record's spec holds its sandbox's envs; trajectory logs, with every exec's commands, envs and
+# outputs, are read per tenant like events).
+# (Rollout job state is every client's to read for now: not yet kept per tenant.)
+_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_ROLLOUTS}"]
 _MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", *_SHARED_READ_STREAMS]
 
 
@@ -71,12 +72,14 @@ def _read_js_api(streams: list[str]) -> list[str]:
 
 
 def _tenant_js_api(tenant: str) -> list[str]:
-    """A tenant reads its own events only: a direct get names the subject in the API subject, and a
-    consumer create (``CONSUMER.CREATE.<stream>.<name>.<filter>``) its filter, so the server can
-    check both against the tenant's prefix. (``STREAM.MSG.GET`` and filterless creates carry the
-    subject in the body, out of the server's sight: not allowed.)"""
-    own = S.evt_tenant(tenant)
-    return [f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{own}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{own}"]
+    """A tenant reads its own events and trajectory logs only: a direct get names the subject in the
+    API subject, and a consumer create (``CONSUMER.CREATE.<stream>.<name>.<filter>``) its filter, so
+    the server can check both against the tenant's prefix. (``STREAM.MSG.GET`` and filterless
+    creates carry the subject in the body, out of the server's sight: not allowed.)"""
+    allow = []
+    for stream, own in ((S.STREAM_EVT, S.evt_tenant(tenant)), (S.STREAM_TRAJ, S.traj_tenant(tenant))):
+        allow += [f"$JS.API.DIRECT.GET.{stream}.{own}", f"$JS.API.CONSUMER.CREATE.{stream}.*.{own}"]
+    return allow
 
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).

@@ -249,8 +249,20 @@ STREAM_TRAJ = "DSEC_TRAJ"
 TRAJ_SUBJECTS = [f"{PREFIX}.traj.>"]
 
 
-def traj(sandbox_id: str) -> str:
-    return f"{PREFIX}.traj.{_tok(sandbox_id)}"
+def traj(sandbox_id: str, tenant: str) -> str:
+    """``dsec.traj.<tenant>.<id>``: a sandbox's log under its owner's tenant (``tenant(spec.client)``),
+    so a client credential reads its own sandboxes' logs only (bus.auth)."""
+    return f"{PREFIX}.traj.{_tok(tenant)}.{_tok(sandbox_id)}"
+
+
+def traj_any(sandbox_id: str) -> str:
+    """A sandbox's log whoever owns it: what the operator reads (a fork has its parent's owner)."""
+    return f"{PREFIX}.traj.*.{_tok(sandbox_id)}"
+
+
+def traj_tenant(tenant: str) -> str:
+    """Every log of one tenant's sandboxes: what its credential may read."""
+    return f"{PREFIX}.traj.{_tok(tenant)}.>"
 
 
 def traj_msg_id(sandbox_id: str, client_id: str, step: int) -> str:

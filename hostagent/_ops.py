@@ -110,7 +110,9 @@ class OpsEndpoint:
         try:
             await check_tenant(self.endpoint.nc if self.endpoint else None, self.host_id, self.registry.get(sid), tenant, op)
             assert self.trajectory is not None
-            return await self.trajectory.run(sid, op, req, lambda: self._dispatch(sid, req))
+            ls = self.registry.get(sid)
+            owner = S.tenant(ls.spec.client) if ls is not None else S.OPERATOR_TENANT  # the log is under its owner's tenant
+            return await self.trajectory.run(sid, op, req, lambda: self._dispatch(sid, req), tenant=owner)
         except DsecError as exc:
             code = exc.code
             raise

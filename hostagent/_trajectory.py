@@ -1,5 +1,6 @@
 """The host's side of the trajectory log: every numbered operation (a request with ``step >= 0``,
-bus.trajectory) is appended to ``dsec.traj.<sandbox>`` (DSEC_TRAJ) before its reply is sent.
+bus.trajectory) is appended to ``dsec.traj.<tenant>.<sandbox>`` (DSEC_TRAJ; the
+sandbox owner's tenant, so that only its owner and the operator read it) before its reply is sent.
 
 A step this host already answered (a client that lost the reply, or a client taking over from one
 that died while its step ran) is answered with the same outcome, awaited if it still runs, and never
@@ -42,8 +43,9 @@ class Trajectory:
         self.sizes: dict[tuple[str, str, int], int] = {}
         self.held = 0  # bytes of output the remembered outcomes hold
 
-    async def run(self, sid: str, op: str, req: Any, fn: Callable[[], Awaitable[Any]]) -> Any:
-        """``fn()``'s result for ``req``, logged first when ``req`` is a numbered step."""
+    async def run(self, sid: str, op: str, req: Any, fn: Callable[[], Awaitable[Any]], tenant: str = S.OPERATOR_TENANT) -> Any:
+        """``fn()``'s result for ``req``, logged first (under ``tenant``, the sandbox owner's) when
+        ``req`` is a numbered step."""
         if getattr(req, "step", -1) < 0 or not is_logged(req):
             return await fn()
         if not S.valid_token(req.client_id):
@@ -68,7 +70,7 @@ class Trajectory:
         self._remember(key, outcome[0])
         result = outcome[1].to_reply() if outcome[1] is not None else outcome[0]
         step = make_step(sid, op, req, result, started_at=started, duration_ms=(time.perf_counter() - t0) * 1000, host_id=self.host_id, req_digest=d)
-        await self._append(step.sandbox_id, step.client_id, step.step, codec.encode(step))
+        await self._append(step.sandbox_id, tenant, step.client_id, step.step, codec.encode(step))
         return _unwrap(outcome)
 
     def _remember(self, key: tuple[str, str, int], result: Any) -> None:
@@ -82,9 +84,9 @@ class Trajectory:
                 del self.recent[old]
                 self.held -= self.sizes.pop(old, 0)
 
-    async def _append(self, sid: str, client_id: str, step: int, data: bytes) -> None:
+    async def _append(self, sid: str, tenant: str, client_id: str, step: int, data: bytes) -> None:
         try:
-            fut = await (await publisher_for(self.nc)).publish(S.traj(sid), data, {S.HDR_MSG_ID: S.traj_msg_id(sid, client_id, step)})
+            fut = await (await publisher_for(self.nc)).publish(S.traj(sid, tenant), data, {S.HDR_MSG_ID: S.traj_msg_id(sid, client_id, step)})
             await asyncio.wait_for(fut, LOG_TIMEOUT_S)
         except (StoreError, asyncio.TimeoutError) as exc:
             # The step ran (a retry of it is answered from memory, not run again) but is not in the log.

@@ -147,19 +147,19 @@ async def replay_events(
         await nc.close()
 
 
-async def _tenant_consumer(nc: Any, subject: str, cfg: ConsumerConfig, queue: "asyncio.Queue[Any]") -> Any:
-    """A tenant's own ephemeral push consumer on its events: named, with the filter in the create
-    subject (the only create its credential may make), delivering to its own inbox; None when the
-    event stream does not exist."""
+async def _tenant_consumer(nc: Any, subject: str, cfg: ConsumerConfig, queue: "asyncio.Queue[Any]", stream: str = S.STREAM_EVT) -> Any:
+    """A tenant's own ephemeral push consumer on its events (or trajectory logs: ``stream``): named,
+    with the filter in the create subject (the only create its credential may make), delivering to
+    its own inbox; None when the stream does not exist."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=queue.put)
-    cfg.name = f"audit-{uuid.uuid4().hex[:16]}"
+    cfg.name = f"{'audit' if stream == S.STREAM_EVT else 'read'}-{uuid.uuid4().hex[:16]}"
     cfg.filter_subject = subject
     cfg.deliver_subject = inbox
     cfg.ack_policy = AckPolicy.NONE
     cfg.inactive_threshold = 30.0
     try:
-        await nc.jetstream().add_consumer(S.STREAM_EVT, cfg)
+        await nc.jetstream().add_consumer(stream, cfg)
     except NotFoundError:
         await sub.unsubscribe()
         return None

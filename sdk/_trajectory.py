@@ -24,8 +24,10 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError, ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
 from bus.messages import ExecResult, TrajStep
-from bus.runtime import KV
+from bus.runtime import KV, reads_records, tenant_of
 from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
+
+from ._admin import _tenant_consumer
 
 READ_IDLE_S = 5.0  # a log read that hears nothing this long (the server went away) stops
 _ANY_REPLY = msgspec.msgpack.Decoder(Any)
@@ -69,15 +71,23 @@ def _plain(v: Any) -> Any:
     return d
 
 
+def log_subject(nc: Any, sandbox_id: str) -> str:
+    """Where ``nc`` reads a sandbox's log: a client tenant under its own tenant (the only logs its
+    credential may read: bus.auth); the operator and services whoever owns it."""
+    return S.traj_any(sandbox_id) if reads_records(nc) else S.traj(sandbox_id, tenant_of(nc))
+
+
 async def read_log(js: Any, sandbox_id: str) -> list[tuple[int, TrajStep]]:
     """Every step logged for ``sandbox_id``, in the log's order, with its stream sequence."""
-    subject = S.traj(sandbox_id)
-    try:
-        last = await js.get_last_msg(S.STREAM_TRAJ, subject)
+    subject = log_subject(js._nc, sandbox_id)  # (nats-py's JetStream context keeps its connection private)
+    try:  # direct gets and a consumer named with its filter: the server checks both subjects against the tenant's prefix
+        last = await js.get_last_msg(S.STREAM_TRAJ, subject, direct=True)
     except NotFoundError:
         return []
     queue: asyncio.Queue[Any] = asyncio.Queue()
-    sub = await js.subscribe(subject, stream=S.STREAM_TRAJ, ordered_consumer=True, config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL), cb=queue.put)
+    sub = await _tenant_consumer(js._nc, subject, ConsumerConfig(deliver_policy=DeliverPolicy.ALL), queue, stream=S.STREAM_TRAJ)
+    if sub is None:
+        return []
     out: list[tuple[int, TrajStep]] = []
     try:
         while True:
@@ -193,7 +203,11 @@ async def steps(js: Any, sandbox_id: str, *, inherit: bool = True, _depth: int =
 
 
 async def _fork_point(js: Any, sandbox_id: str) -> tuple[str, str, float] | None:
-    """(parent sandbox, snapshot, when it was taken) of a sandbox started from another's snapshot."""
+    """(parent sandbox, snapshot, when it was taken) of a sandbox started from another's snapshot;
+    None for a client tenant, which may not read the records that say it (sandbox and snapshot
+    records hold other tenants' envs: bus.auth)."""
+    if not reads_records(js._nc):
+        return None
     try:
         rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)
         if rec is None or not rec.spec.snapshot:

@@ -28,7 +28,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InternalError, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob
 from bus.messages import ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
-from bus.runtime import KV, Endpoint, Service, dead_letter
+from bus.runtime import KV, Endpoint, Service, dead_letter, tenant_of
 from bus.streams import ensure_kv, ensure_stream, stream_configs
 
 from .._async import AsyncSandbox
@@ -239,7 +239,9 @@ class RolloutWorker(Service):
             policy_version=c.policy_version,
         )
         msg_id = S.traj_msg_id(rec.sandbox_id, client, turn) if turn >= 0 else f"{rec.sandbox_id}:{client}:{digest[:32]}"
-        await self.publisher.store(S.traj(rec.sandbox_id), codec.encode(step), {S.HDR_MSG_ID: msg_id})
+        # the job's sandbox is this worker's (its connection's tenant made it): its log is under that tenant
+        assert self.nc is not None
+        await self.publisher.store(S.traj(rec.sandbox_id, tenant_of(self.nc)), codec.encode(step), {S.HDR_MSG_ID: msg_id})
 
     # --- the model gateway -------------------------------------------------------------------------
     async def _on_model(self, msg: Msg, call: ModelCall) -> ModelAnswer:

@@ -26,7 +26,7 @@ COUNT = "echo x >> /tmp/count; wc -l < /tmp/count"  # not idempotent: says how o
 
 
 async def _last_step(stack: Stack, sid: str) -> TrajStep:
-    return STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj(sid))).data)
+    return STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))).data)
 
 
 @pytest.mark.containerd

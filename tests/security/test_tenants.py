@@ -255,6 +255,52 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
             await t.close()
 
 
+async def test_trajectory_log_is_read_by_its_tenant_only(stack: SecStack, redteam: RedTeam) -> None:
+    """A sandbox's trajectory log (every exec's request and result: commands, envs, outputs) is kept
+    under its owner's tenant (``dsec.traj.<tenant>.<id>``): B's direct gets, message gets, consumers
+    and subscriptions on A's log are refused by nats-server for their subjects, and B's SDK reads
+    find nothing; A reads and replays its own."""
+    a, b = await tenants(stack, "a", "b")
+    try:
+        secret = uuid.uuid4().hex
+        sa = await create_as(stack, a, envs={"A_TOKEN": secret})
+        aid = sa.sandbox_id
+        assert (await sa.commands.run("echo $A_TOKEN")).stdout == f"{secret}\n"
+        own = S.traj(aid, a.user)
+        # Raw JetStream API calls at A's log.
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{own}", b"", "read A's log (direct get)")
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{S.traj_any(aid)}", b"", "read A's sandbox's log, any tenant token")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.MSG.GET.{S.STREAM_TRAJ}", json.dumps({"last_by_subj": own}).encode(), "read A's log (msg get)")
+        await b.denied_publish(redteam, f"$JS.API.STREAM.INFO.{S.STREAM_TRAJ}", b'{"subjects_filter":">"}', "list every log subject")
+        consumer = json.dumps({"stream_name": S.STREAM_TRAJ, "config": {"filter_subject": own, "deliver_subject": "_INBOX.u.x"}}).encode()
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}", consumer, "consumer on the log stream (filter in the body)")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}.spy.{own}", consumer, "named consumer on A's log")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}.spy.{S.traj_any(aid)}", consumer, "named consumer, any tenant token")
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_TRAJ}.spy", consumer, "durable on the log stream")
+        for subject, what in ((S.traj_tenant(a.user), "A's logs as they are written"), (f"{S.PREFIX}.traj.>", "every log")):
+            await b.denied_subscribe(redteam, subject, f"listen on {what}")
+        # Through the SDK, B reads under its own tenant: nothing of A's.
+        hb = AsyncSandbox(aid, await _sdk_nc(b))
+        assert await hb.trajectory() == []
+        redteam.blocked("tenant b: sb.trajectory() of A's sandbox [its reads are under its own prefix: empty]")
+        assert b.nc.is_connected
+
+        # Positive controls: A reads its log (the secret is in it) and replays it.
+        steps = await sa.trajectory()
+        assert [(s.step, s.kind) for s in steps] == [(0, "ExecRequest")]
+        assert isinstance(steps[0].result, ExecResult) and steps[0].result.stdout == f"{secret}\n".encode()
+        m = await a.nc.jetstream().get_last_msg(S.STREAM_TRAJ, own, direct=True)
+        assert m.subject == own
+        again = await AsyncSandbox.connect(aid, nats_url=a.url, replay=True)
+        assert (await again.commands.run("echo $A_TOKEN")).stdout == f"{secret}\n"
+        assert again._traj.replayed == 1  # answered from the log, not run again
+        redteam.allowed("tenant a: sb.trajectory(), a direct get of its log, connect(replay=True)")
+        assert not [e for e in a.errs if "permissions violation" in e], a.errs
+    finally:
+        for t in (a, b):
+            await t.close()
+
+
 async def test_create_is_bound_to_the_publishers_tenant(stack: SecStack, redteam: RedTeam) -> None:
     """A create whose spec names another tenant as its client is B's sandbox all the same (placement
     binds it to the tenant of the subject): A cannot reach it, B can."""
