@@ -2,10 +2,10 @@
 
 Each service role gets its own user with only the subjects it needs. Every client identity (an API
 key, a named SDK credential) is a **tenant**: its user name is a subject token of its sandboxes'
-creates (``dsec.req.<tenant>.create``), ops (``dsec.sbx.<tenant>.<id>.<op>``) and events
-(``dsec.evt.sandbox.<tenant>.<id>.<kind>``), and nats-server lets it publish and read only under its
-own token (:func:`client_permissions`): another tenant's ops, events, records and inboxes are
-refused by the server. Placement binds each create to the tenant of its subject (``spec.client``),
+creates (``dsec.req.<tenant>.create``), ops (``dsec.sbx.<tenant>.<id>.<op>``), events
+(``dsec.evt.sandbox.<tenant>.<id>.<kind>``) and trajectory logs (``dsec.traj.<tenant>.<id>``), and
+nats-server lets it publish and read only under its own token (:func:`client_permissions`): another
+tenant's ops, events, logs, records and inboxes are refused by the server. Placement binds each create to the tenant of its subject (``spec.client``),
 host agents refuse an op whose tenant does not own the sandbox (``hostagent._tenancy``), and the
 operator's tenant (``admin``) reaches every sandbox. Sandbox records (KV ``dsec_sandboxes``, with
 their envs) are for services and the operator only.
@@ -40,7 +40,8 @@ from .sign import new_control_key, parse_key
 # and the sandbox and snapshot records; clients read their own events only, and no records: a
 # record's spec holds its sandbox's envs; trajectory logs, with every exec's commands, envs and
 # outputs, are read per tenant like events).
-# (Rollout job state is every client's to read for now: not yet kept per tenant.)
+# (Rollout job state is every client's to read for now: not yet kept per tenant. A rollout's sandbox
+# is the rollout workers' tenant's, so its steps are read by the operator, not by a client trainer.)
 _SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_ROLLOUTS}"]
 _MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", *_SHARED_READ_STREAMS]
 

@@ -961,7 +961,7 @@ class FnCallResult(Struct, kw_only=True, tag=True):
     queued_ms: float = 0.0  # waited for a free pool member
 
 
-# --- trajectories (JetStream, DSEC_TRAJ on dsec.traj.<sandbox>) -------------------------------
+# --- trajectories (JetStream, DSEC_TRAJ on dsec.traj.<tenant>.<sandbox>) -------------------------------
 class TrajStep(Struct, kw_only=True, tag=True):
     """One logged operation on a sandbox, stored by its host before the reply is sent.
 
