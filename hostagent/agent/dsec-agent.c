@@ -1535,7 +1535,8 @@ static void put_entry_extra(struct conn *c, const char *path, const struct stat 
         be32(c->out + count_at, count);
 }
 
-static void op_list_long(struct conn *c, struct rd *r)
+/* One directory listing: 'T' entries, or with `extra` 't' entries that also carry put_entry_extra's fields. */
+static void list_dir(struct conn *c, struct rd *r, int extra)
 {
     char *path = rd_cstr(r);
     if (!rd_done(c, r, 0))
@@ -1548,7 +1549,7 @@ static void op_list_long(struct conn *c, struct rd *r)
             close(dfd);
         goto out;
     }
-    size_t f = frame_begin(c, 't');
+    size_t f = frame_begin(c, extra ? 't' : 'T');
     size_t count_at = c->out_len;
     put_u32(c, 0);
     uint32_t count = 0;
@@ -1564,10 +1565,11 @@ static void op_list_long(struct conn *c, struct rd *r)
         struct stat st;
         if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
             continue; /* removed while we were listing */
-        if ((size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
+        if (extra && (size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
             continue;
         put_entry(c, de->d_name, strlen(de->d_name), &st);
-        put_entry_extra(c, full, &st);
+        if (extra)
+            put_entry_extra(c, full, &st);
         count++;
         if (c->out_len - f > LIST_MAX) {
             errno = EFBIG;
@@ -1586,6 +1588,11 @@ static void op_list_long(struct conn *c, struct rd *r)
     frame_end(c, f);
 out:
     free(path);
+}
+
+static void op_list_long(struct conn *c, struct rd *r)
+{
+    list_dir(c, r, 1);
 }
 
 static void op_stat_long(struct conn *c, struct rd *r)
@@ -1665,51 +1672,7 @@ out:
 
 static void op_list(struct conn *c, struct rd *r)
 {
-    char *path = rd_cstr(r);
-    if (!rd_done(c, r, 0))
-        goto out;
-    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
-    if (!d) {
-        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
-        if (dfd >= 0)
-            close(dfd);
-        goto out;
-    }
-    size_t f = frame_begin(c, 'T');
-    size_t count_at = c->out_len;
-    put_u32(c, 0);
-    uint32_t count = 0;
-    struct dirent *de;
-    for (;;) {
-        errno = 0;
-        de = readdir(d);
-        if (!de)
-            break;
-        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
-            continue;
-        struct stat st;
-        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
-            continue; /* removed while we were listing */
-        put_entry(c, de->d_name, strlen(de->d_name), &st);
-        count++;
-        if (c->out_len - f > LIST_MAX) {
-            errno = EFBIG;
-            break;
-        }
-    }
-    int e = errno;
-    closedir(d);
-    if (e) {
-        c->out_len = f;
-        reply_err(c, e, "readdir %s: %s", path, strerror(e));
-        goto out;
-    }
-    if (!c->oom)
-        be32(c->out + count_at, count);
-    frame_end(c, f);
-out:
-    free(path);
+    list_dir(c, r, 0);
 }
 
 static int rm_errno;
