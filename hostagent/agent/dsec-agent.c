@@ -1595,7 +1595,8 @@ static void op_list_long(struct conn *c, struct rd *r)
     list_dir(c, r, 1);
 }
 
-static void op_stat_long(struct conn *c, struct rd *r)
+/* One stat: an 'N' entry, or with `extra` an 'n' entry that also carries put_entry_extra's fields. */
+static void stat_path(struct conn *c, struct rd *r, int extra)
 {
     uint8_t follow = rd_u8(r);
     char *path = rd_cstr(r);
@@ -1606,15 +1607,21 @@ static void op_stat_long(struct conn *c, struct rd *r)
         reply_err(c, errno, "stat %s: %s", path, strerror(errno));
         goto out;
     }
-    char real[PATH_MAX];
-    /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
-    const char *at = follow && realpath(path, real) ? real : path;
-    size_t f = frame_begin(c, 'n');
+    size_t f = frame_begin(c, extra ? 'n' : 'N');
     put_entry(c, "", 0, &st);
-    put_entry_extra(c, at, &st);
+    if (extra) {
+        char real[PATH_MAX];
+        /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
+        put_entry_extra(c, follow && realpath(path, real) ? real : path, &st);
+    }
     frame_end(c, f);
 out:
     free(path);
+}
+
+static void op_stat_long(struct conn *c, struct rd *r)
+{
+    stat_path(c, r, 1);
 }
 
 static void op_read(struct conn *c, struct rd *r)
@@ -1745,20 +1752,7 @@ out:
 
 static void op_stat(struct conn *c, struct rd *r)
 {
-    uint8_t follow = rd_u8(r);
-    char *path = rd_cstr(r);
-    if (!rd_done(c, r, 0))
-        goto out;
-    struct stat st;
-    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
-        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
-        goto out;
-    }
-    size_t f = frame_begin(c, 'N');
-    put_entry(c, "", 0, &st);
-    frame_end(c, f);
-out:
-    free(path);
+    stat_path(c, r, 0);
 }
 
 static void op_mkdir(struct conn *c, struct rd *r)
