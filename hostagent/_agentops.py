@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import InvalidArgument
+from bus.errors import InvalidArgument, SandboxNotFound
 from bus.messages import (
     DirMade,
     Done,
@@ -48,6 +48,14 @@ def _entry(e: DirEntry) -> EntryInfo:
         name=e.name, path=e.path, type=e.type, size=e.size, mode=e.mode, mtime=e.mtime, uid=e.uid, gid=e.gid,
         symlink_target=e.symlink_target, metadata=e.metadata,
     )
+
+
+def agent_of(clients: dict[str, AgentClient], sandbox_id: str) -> AgentClient:
+    """The sandbox's connected agent in a backend's map of them; SandboxNotFound when it has none."""
+    c = clients.get(sandbox_id)
+    if c is None:
+        raise SandboxNotFound(f"sandbox {sandbox_id} is not running on this host")
+    return c
 
 
 async def agent_exec(
@@ -96,4 +104,4 @@ async def agent_files(c: AgentClient, sandbox_id: str, op: FileOp) -> Any:
     raise InvalidArgument(f"unsupported file operation {type(op).__name__}")
 
 
-__all__ = ["DEFAULT_ENV", "READ_CHUNK", "agent_exec", "agent_files"]
+__all__ = ["DEFAULT_ENV", "READ_CHUNK", "agent_exec", "agent_files", "agent_of"]

@@ -4,6 +4,7 @@ host agent discovers once, when it starts (``Capabilities.of``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -42,6 +43,14 @@ class HostCapacity:
     cpu_total: float
     mem_total_mb: int
     disk_total_mb: int
+
+    @classmethod
+    def of_host(cls, data_dir: str | os.PathLike[str]) -> HostCapacity:
+        """The whole machine: its CPUs, its memory, and the filesystem that holds ``data_dir``."""
+        with open("/proc/meminfo") as f:
+            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+        st = os.statvfs(data_dir)
+        return cls(cpu_total=float(os.cpu_count() or 1), mem_total_mb=mem_kb // 1024, disk_total_mb=st.f_blocks * st.f_frsize // (1 << 20))
 
 
 class Backend(Protocol):

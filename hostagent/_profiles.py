@@ -47,6 +47,8 @@ from bus.messages import FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy
 
 from bus.profiles import builtin_profiles
 
+from ._tasks import cancel_and_wait
+
 log = structlog.get_logger("dsec.hostagent.profiles")
 
 # Audit login uid the agent takes (see dsec-agent --audit-loginuid): marks the audit records of
@@ -331,13 +333,8 @@ class ProfileCache:
             log.warning("profiles_initial_sync_timeout", builtin=sorted(self.builtin))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._watcher is not None:
             try:
                 await self._watcher.stop()

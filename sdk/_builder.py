@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import nats.errors
-from nats.js.errors import KeyNotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, BuildFailed, DsecError, InvalidArgument, SandboxTimeout, Unavailable, UnknownSnapshot
+from bus.errors import BuildFailed, DsecError, InvalidArgument, SandboxTimeout, Unavailable, UnknownSnapshot
 from bus.messages import BuildImage, ImageBuilt, ImageDefaults, SnapshotRecord, SnapshotRequest, TemplateManifest
-from bus.streams import ensure_kv
+from bus.runtime import KV
 
 from . import _snapshots as _snap
 from ._async import AsyncSandbox, _nc
@@ -136,17 +135,7 @@ class TemplateBuilder:
     async def _template(self, name: str) -> TemplateManifest | None:
         if not name or len(name) > 128 or any(c not in _TEMPLATE_NAME for c in name):
             return None
-        kv = await ensure_kv((await _nc(self.nats_url)).jetstream(), S.KV_IMAGES)
-        try:
-            entry = await kv.get(name)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        try:
-            return codec.TEMPLATE.decode(entry.value)
-        except BadRequest:
-            return None
+        return await template_manifest((await _nc(self.nats_url)).jetstream(), name)
 
     # --- FROM ---------------------------------------------------------------------------------
     async def _from(self, step: Step) -> _State:
@@ -459,6 +448,12 @@ async def build_dockerfile(
         raise InvalidArgument(f"cannot read the Dockerfile {dockerfile}: {exc.strerror}") from None
     steps = parse_dockerfile(text, build_args)
     return await TemplateBuilder(**opts).build(name, steps, context if context is not None else path.parent, description=description)
+
+
+async def template_manifest(js: Any, name: str) -> TemplateManifest | None:
+    """The catalogue's manifest of template ``name``; None when it has none (or an unreadable one)."""
+    kv: KV[TemplateManifest] = await KV.open(js, S.KV_IMAGES, codec.TEMPLATE)
+    return await kv.get(name)
 
 
 async def build_from_image(name: str, image: str, *, platform: str = "", nats_url: str | None = None, description: str = "") -> TemplateManifest:

@@ -16,7 +16,7 @@ from bus import subjects as S
 from bus.codec import decode_reply
 from bus.errors import BadRequest, InvalidArgument, PermissionDenied, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
 from bus.messages import MAX_FORK_COUNT, Done, PauseRequest, RemoveSnapshot, ResumeRequest, SnapshotRecord, SnapshotRequest
-from bus.runtime import kv_keys, reads_records
+from bus.runtime import KV, kv_keys, reads_records
 from bus.streams import ensure_kv
 
 if TYPE_CHECKING:
@@ -177,17 +177,7 @@ async def sandbox_record(nc: Any, sandbox_id: str) -> Any:
     reader = records_conn(nc)
     if reader is None:
         return None
-    kv = await ensure_kv(reader.jetstream(), S.KV_SANDBOXES)
-    try:
-        entry = await kv.get(sandbox_id)
-    except KeyNotFoundError:
-        return None
-    if not entry.value:
-        return None
-    try:
-        return codec.SANDBOX_RECORD.decode(entry.value)
-    except BadRequest:
-        return None
+    return await (await KV.open(reader.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)
 
 
 def restore_spec_template(rec: SnapshotRecord, template: str | None) -> str:

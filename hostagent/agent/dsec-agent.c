@@ -1543,7 +1543,8 @@ static void put_entry_extra(struct conn *c, const char *path, const struct stat 
         be32(c->out + count_at, count);
 }
 
-static void op_list_long(struct conn *c, struct rd *r)
+/* One directory listing: 'T' entries, or with `extra` 't' entries that also carry put_entry_extra's fields. */
+static void list_dir(struct conn *c, struct rd *r, int extra)
 {
     char *path = rd_cstr(r);
     if (!rd_done(c, r, 0))
@@ -1556,7 +1557,7 @@ static void op_list_long(struct conn *c, struct rd *r)
             close(dfd);
         goto out;
     }
-    size_t f = frame_begin(c, 't');
+    size_t f = frame_begin(c, extra ? 't' : 'T');
     size_t count_at = c->out_len;
     put_u32(c, 0);
     uint32_t count = 0;
@@ -1572,10 +1573,11 @@ static void op_list_long(struct conn *c, struct rd *r)
         struct stat st;
         if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
             continue; /* removed while we were listing */
-        if ((size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
+        if (extra && (size_t)snprintf(full, sizeof full, "%s/%s", path, de->d_name) >= sizeof full)
             continue;
         put_entry(c, de->d_name, strlen(de->d_name), &st);
-        put_entry_extra(c, full, &st);
+        if (extra)
+            put_entry_extra(c, full, &st);
         count++;
         if (c->out_len - f > LIST_MAX) {
             errno = EFBIG;
@@ -1596,7 +1598,13 @@ out:
     free(path);
 }
 
-static void op_stat_long(struct conn *c, struct rd *r)
+static void op_list_long(struct conn *c, struct rd *r)
+{
+    list_dir(c, r, 1);
+}
+
+/* One stat: an 'N' entry, or with `extra` an 'n' entry that also carries put_entry_extra's fields. */
+static void stat_path(struct conn *c, struct rd *r, int extra)
 {
     uint8_t follow = rd_u8(r);
     char *path = rd_cstr(r);
@@ -1607,15 +1615,21 @@ static void op_stat_long(struct conn *c, struct rd *r)
         reply_err(c, errno, "stat %s: %s", path, strerror(errno));
         goto out;
     }
-    char real[PATH_MAX];
-    /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
-    const char *at = follow && realpath(path, real) ? real : path;
-    size_t f = frame_begin(c, 'n');
+    size_t f = frame_begin(c, extra ? 'n' : 'N');
     put_entry(c, "", 0, &st);
-    put_entry_extra(c, at, &st);
+    if (extra) {
+        char real[PATH_MAX];
+        /* Followed: the extras are the target's (a symlink's own xattrs and target are not asked for). */
+        put_entry_extra(c, follow && realpath(path, real) ? real : path, &st);
+    }
     frame_end(c, f);
 out:
     free(path);
+}
+
+static void op_stat_long(struct conn *c, struct rd *r)
+{
+    stat_path(c, r, 1);
 }
 
 static void op_read(struct conn *c, struct rd *r)
@@ -1673,51 +1687,7 @@ out:
 
 static void op_list(struct conn *c, struct rd *r)
 {
-    char *path = rd_cstr(r);
-    if (!rd_done(c, r, 0))
-        goto out;
-    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    DIR *d = dfd < 0 ? NULL : fdopendir(dfd);
-    if (!d) {
-        reply_err(c, errno, "opendir %s: %s", path, strerror(errno));
-        if (dfd >= 0)
-            close(dfd);
-        goto out;
-    }
-    size_t f = frame_begin(c, 'T');
-    size_t count_at = c->out_len;
-    put_u32(c, 0);
-    uint32_t count = 0;
-    struct dirent *de;
-    for (;;) {
-        errno = 0;
-        de = readdir(d);
-        if (!de)
-            break;
-        if (de->d_name[0] == '.' && (!de->d_name[1] || (de->d_name[1] == '.' && !de->d_name[2])))
-            continue;
-        struct stat st;
-        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
-            continue; /* removed while we were listing */
-        put_entry(c, de->d_name, strlen(de->d_name), &st);
-        count++;
-        if (c->out_len - f > LIST_MAX) {
-            errno = EFBIG;
-            break;
-        }
-    }
-    int e = errno;
-    closedir(d);
-    if (e) {
-        c->out_len = f;
-        reply_err(c, e, "readdir %s: %s", path, strerror(e));
-        goto out;
-    }
-    if (!c->oom)
-        be32(c->out + count_at, count);
-    frame_end(c, f);
-out:
-    free(path);
+    list_dir(c, r, 0);
 }
 
 static int rm_errno;
@@ -1790,20 +1760,7 @@ out:
 
 static void op_stat(struct conn *c, struct rd *r)
 {
-    uint8_t follow = rd_u8(r);
-    char *path = rd_cstr(r);
-    if (!rd_done(c, r, 0))
-        goto out;
-    struct stat st;
-    if ((follow ? stat(path, &st) : lstat(path, &st)) < 0) {
-        reply_err(c, errno, "stat %s: %s", path, strerror(errno));
-        goto out;
-    }
-    size_t f = frame_begin(c, 'N');
-    put_entry(c, "", 0, &st);
-    frame_end(c, f);
-out:
-    free(path);
+    stat_path(c, r, 0);
 }
 
 static void op_mkdir(struct conn *c, struct rd *r)

@@ -10,6 +10,7 @@ from typing import Callable
 
 import structlog
 
+from .._tasks import cancel_and_wait
 from . import netns
 from .attachment import Attachment, netns_path, random_ifname
 from .config import WARM_TAG, NetworkConfig
@@ -56,13 +57,8 @@ class WarmPool:
             log.exception("warm_pool_refill_failed")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def refill_one(self) -> bool:
         """(worker) Make one network; whether the pool wants more."""

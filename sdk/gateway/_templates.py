@@ -34,15 +34,15 @@ from typing import Any
 import nats.errors
 import structlog
 from aiohttp import web
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import NoKeysError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, InvalidArgument, PermissionDenied, TemplateTaken, Unavailable, UnknownTemplate
+from bus.errors import DsecError, InvalidArgument, PermissionDenied, TemplateTaken, Unavailable, UnknownTemplate
 from bus.messages import Done, RemoveImage, TemplateManifest
 from bus.streams import ensure_kv
 
-from .._builder import TemplateBuilder, tar_context
+from .._builder import TemplateBuilder, tar_context, template_manifest
 from .._dockerfile import Step
 from ._e2b import ENVD_VERSION, E2BApi, SNAPSHOT_PREFIX, iso, json_object
 from ._tenants import Tenant
@@ -120,17 +120,7 @@ class TemplateApi:
     async def _manifest(self, tenant: Tenant, name: str) -> TemplateManifest | None:
         if not _NAME.match(name):
             return None
-        kv = await ensure_kv(tenant.nc.jetstream(), S.KV_IMAGES)
-        try:
-            entry = await kv.get(name)
-        except KeyNotFoundError:
-            return None
-        if not entry.value:
-            return None
-        try:
-            return codec.TEMPLATE.decode(entry.value)
-        except BadRequest:
-            return None
+        return await template_manifest(tenant.nc.jetstream(), name)
 
     async def _manifests(self, tenant: Tenant) -> list[TemplateManifest]:
         kv = await ensure_kv(tenant.nc.jetstream(), S.KV_IMAGES)

@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import stop_stack  # noqa: E402
 from bench_sandboxes import Stack  # noqa: E402
 
 MiB = 1 << 20
@@ -91,9 +92,7 @@ async def run(args: argparse.Namespace) -> None:
         print(f"  commands.run('true')                          p50 {statistics.median(rtt):6.2f} ms  p99 {sorted(rtt)[int(len(rtt) * 0.99) - 1]:6.2f} ms")
         print(f"  background start + wait of 'true'             p50 {statistics.median(bg):6.2f} ms")
     finally:
-        left = await stack.stop()
-        if left:
-            print(f"LEFT BEHIND: {left}")
+        await stop_stack(stack)
 
 
 def main() -> None:

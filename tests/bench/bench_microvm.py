@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bus.messages import ExecRequest, LayerRef, SandboxSpec  # noqa: E402
 from hostagent._backend import Handle  # noqa: E402
 from hostagent.backends.microvm import MicroVMBackend  # noqa: E402
+from tests.imaged.conftest import drop_cached_pages  # noqa: E402
 from hostagent.backends.microvm import qemu  # noqa: E402
 
 KERNEL_CACHE = "/tmp/dsec-microvm-kernel"
@@ -53,14 +54,6 @@ def cached_mb(paths: list[str]) -> int:
     """Pages of ``paths`` in the host's page cache (util-linux fincore): what the layers cost the host."""
     r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths], capture_output=True, text=True)
     return sum(int(x) for x in r.stdout.split()) >> 20
-
-
-def drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def host_cost_mb(b: MicroVMBackend, sids: list[str], blobs: list[str]) -> tuple[int, int]:
@@ -103,7 +96,7 @@ async def main() -> int:
         print(f"accel={b.accel} kernel={b.kernel.release if b.kernel else '?'} layer={os.path.getsize(blob) >> 10} KiB")
 
         # 1. boot to ready, and memory per idle VM (shared layer)
-        drop_cache(blob)
+        drop_cached_pages(blob)
         boots, handles = await boot_many(b, "s", args.vms, [[shared]] * args.vms, args.memory_mb)
         await asyncio.sleep(2)  # let the guests go idle before reading memory
         sids = [f"s{i}" for i in range(args.vms)]
@@ -141,7 +134,7 @@ async def main() -> int:
         os.sync()
         paths = [lay[0].path for lay in private]
         for copy in paths:
-            drop_cache(copy)
+            drop_cached_pages(copy)
         await boot_many(b, "p", args.vms, private, args.memory_mb)
         await asyncio.sleep(2)
         private_pss, private_cache = host_cost_mb(b, [f"p{i}" for i in range(args.vms)], paths)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from bus.profiles import default_profile  # noqa: E402
 from bus.runtime import connect  # noqa: E402
 from bus.streams import ensure_kv  # noqa: E402
 from sdk import AsyncSandbox  # noqa: E402
+from tests.bench._common import stop_lazy_stack  # noqa: E402
 from tests.bench.bench_sandboxes import Stack, pct  # noqa: E402
 from tests.imaged.conftest import LazyDaemon  # noqa: E402
 
@@ -179,14 +179,7 @@ async def main() -> int:
         if "memory" not in skip:
             await memory(st, roots[-1] if roots else Path(args.python_root))
     finally:
-        await st.stop()
-        lazy.release()  # after the host agent: its layer mounts are gone, the loader's mount can go
-        with open("/proc/self/mountinfo") as f:
-            left = [ln.split()[4] for ln in f if str(st.dir) in ln]
-        if left:
-            print(f"left behind: {left}")
-        else:
-            shutil.rmtree(st.dir, ignore_errors=True)
+        await stop_lazy_stack(st, lazy)
     return 0
 
 

@@ -36,19 +36,9 @@ from bus.streams import ensure_all  # noqa: E402
 from imaged import ImageBuilder  # noqa: E402
 from imaged._erofs import mkfs_erofs  # noqa: E402
 from imaged._gc import collect, release  # noqa: E402
+from tests.integration.conftest import disk_bytes  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
-
-
-def disk_bytes(root: Path) -> int:
-    total = 0
-    for dp, _, fns in os.walk(root):
-        for n in fns:
-            try:
-                total += os.lstat(os.path.join(dp, n)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def make_trees(work: Path, mib: int) -> dict[str, Path]:

@@ -35,6 +35,7 @@ from bus.streams import ensure_kv  # noqa: E402
 from sdk import AsyncSandbox  # noqa: E402
 from sdk._builder import build_dockerfile  # noqa: E402
 from tests import registry as R  # noqa: E402
+from tests.bench._common import stop_lazy_stack  # noqa: E402
 from tests.bench.bench_sandboxes import Stack  # noqa: E402
 from tests.imaged.conftest import LazyDaemon  # noqa: E402
 
@@ -146,15 +147,8 @@ async def main() -> int:
         await pulled_image(st, work, args.image_mb)
     finally:
         await svc.shutdown()
-        await st.stop()
-        lazy.release()
         shutil.rmtree(work, ignore_errors=True)
-        with open("/proc/self/mountinfo") as f:
-            left = [ln.split()[4] for ln in f if str(st.dir) in ln]
-        if left:
-            print(f"left behind: {left}")
-        else:
-            shutil.rmtree(st.dir, ignore_errors=True)
+        await stop_lazy_stack(st, lazy)
     return 0
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import stop_stack  # noqa: E402
 from bench_sandboxes import Stack  # noqa: E402
 
 from bus import codec  # noqa: E402
@@ -146,9 +147,7 @@ async def run(args: argparse.Namespace) -> None:
         await sb.kill()
         await rollouts(stack, args)
     finally:
-        left = await stack.stop()
-        if left:
-            print(f"LEFT BEHIND: {left}")
+        await stop_stack(stack)
 
 
 def main() -> None:

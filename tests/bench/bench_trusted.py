@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import stop_stack  # noqa: E402
 from bench_sandboxes import Stack  # noqa: E402
 
 
@@ -54,9 +55,7 @@ async def run(args: argparse.Namespace) -> None:
                   f"overhead p50 {statistics.median(t) - statistics.median(o):+6.2f} ms")
         await sb.kill()
     finally:
-        left = await stack.stop()
-        if left:
-            print(f"LEFT BEHIND: {left}")
+        await stop_stack(stack)
 
 
 def main() -> None:

@@ -89,6 +89,16 @@ def umount(path: str | Path) -> None:
             subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
+def drop_cached_pages(path: str | Path) -> None:
+    """Drop the kernel's cached pages of ``path`` (clean pages: nothing is lost), so reads reach
+    what is below it (a lazy loader's daemon, the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def mount_erofs(blob: str | Path, target: str | Path) -> None:
     """As the host agent mounts a layer: straight from the file, no loop device."""
     from hostagent.backends.container.layers import mount_erofs as _mount_erofs

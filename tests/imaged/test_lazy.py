@@ -19,7 +19,7 @@ from imaged import ImageBuilder, host_image_stats, read_cache_index
 from imaged._store import chunk_key
 from imaged._util import digest_hex
 
-from .conftest import REPO, await_for, make_tree, mount_erofs, mounted, needs_fuse, umount
+from .conftest import REPO, await_for, drop_cached_pages, make_tree, mount_erofs, mounted, needs_fuse, umount
 
 pytestmark = needs_fuse
 CHUNK = 64 * 1024
@@ -37,15 +37,6 @@ async def _template(js, tmp_path: Path, name: str, nfiles: int = 12, size: int =
 
 def _read(path: Path) -> bytes:
     return path.read_bytes()
-
-
-def _drop_cached_pages(path: Path) -> None:
-    """Drop the kernel's cached pages of ``path`` (clean pages: nothing is lost), so reads reach its daemon."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 async def test_lazy_mount_fetches_only_touched_chunks(js, tmp_path: Path, uid: str, lazy_daemons, mounts) -> None:
@@ -193,7 +184,7 @@ async def test_corrupt_chunks_are_rejected_and_refetched(js, tmp_path: Path, uid
     # never reach the daemon. (The root mount is private here: a mount namespace another process
     # creates meanwhile keeps its own copy of the EROFS mount, and so the layer file open, after our
     # umount.) Dropping those pages makes it a first use either way.
-    await asyncio.to_thread(_drop_cached_pages, d.mount / hexd)
+    await asyncio.to_thread(drop_cached_pages, d.mount / hexd)
     await asyncio.to_thread(mount_erofs, d.mount / hexd, mnt)
     assert (await asyncio.to_thread(_read, mnt / "data/f01.bin")) == victim
     assert cpath.read_bytes() == good

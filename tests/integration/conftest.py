@@ -149,6 +149,33 @@ async def assert_sandbox_gone(sid: str, data_dir: str | Path, *, timeout: float 
         raise AssertionError(f"sandbox {sid} left behind: {left}") from None
 
 
+def disk_bytes(root: Path, *skip: str) -> int:
+    """Bytes the files under ``root`` occupy on disk (blocks, not sizes), but under ``skip`` dirs."""
+    total = 0
+    for dp, dns, fns in os.walk(root):
+        dns[:] = [d for d in dns if os.path.join(dp, d) not in skip]
+        for n in fns:
+            try:
+                total += os.lstat(os.path.join(dp, n)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+async def answers_again(sb: Any, error: type[Exception], *, timeout: float, interval: float, what: str) -> None:
+    """Wait until ``sb`` runs a command again (after its host agent restarted); until then a run may
+    fail only with ``error`` (any other error fails the test at once)."""
+
+    async def answers() -> bool:
+        try:
+            await sb.commands.run("true")
+            return True
+        except error:
+            return False
+
+    await eventually(answers, timeout=timeout, interval=interval, what=what)
+
+
 def data_dir_leftovers(data_dir: str | Path) -> list[str]:
     """Mounts, loop devices and live processes (containerd, shims) under a host agent's data dir.
 
@@ -303,28 +330,37 @@ async def register_base_template(js: Any, rootfs: str) -> bytes | None:
     return before
 
 
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def stack(nats_server: Any) -> AsyncIterator[Stack]:
+async def busybox_host(nats_url: str, kind: str, client_name: str) -> tuple[str, Path, Path, Any]:
+    """The start of a fixture that runs a real host agent (skipped where it cannot): a fresh uid, a
+    data dir ``/tmp/dsec-{kind}-{uid}-*`` with a busybox rootfs in it, and a connection on which
+    dsec's streams and buckets exist. Returns ``(uid, data_dir, rootfs, nc)``."""
     if SKIP_REASON is not None:
         cannot_run(SKIP_REASON)
     from bus import connect, ensure_all
+    from imaged._busybox import build_busybox_rootfs
+
+    uid = uuid.uuid4().hex[:8]
+    data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-{kind}-{uid}-", dir="/tmp"))
+    rootfs = data_dir / "rootfs"
+    nc = await connect(nats_url, name=client_name)
+    await ensure_all(nc.jetstream())
+    await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
+    return uid, data_dir, rootfs, nc
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def stack(nats_server: Any) -> AsyncIterator[Stack]:
     from bus import subjects as S
     from bus.streams import ensure_kv
     from hostagent import HostAgent, HostAgentConfig
     from hostagent.backends.container import ContainerBackend
-    from imaged._busybox import build_busybox_rootfs
     from placement import Placement
     import sdk._async
     import sdk._sync
 
-    uid = uuid.uuid4().hex[:8]
-    data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-st-{uid}-", dir="/tmp"))
-    rootfs = data_dir / "rootfs"
     url = nats_server.url
-    nc = await connect(url, name="dsec-tests")
+    uid, data_dir, rootfs, nc = await busybox_host(url, "st", "dsec-tests")
     js = nc.jetstream()
-    await ensure_all(js)
-    await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
     before = await register_base_template(js, str(rootfs))
     host_id = f"it-{uid}"
     placements = [Placement(url, replica_id=f"p{i}-{uid}") for i in (1, 2)]
@@ -429,3 +465,17 @@ class Child:
 
 
 PY = sys.executable
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def lazy(stack: Stack, nats_server: Any) -> AsyncIterator[Any]:
+    """The stack host's lazy loader (``tests.imaged.conftest.LazyDaemon``): it packs snapshots' and
+    build steps' layers. A module's own ``lazy`` (another host's) takes its place there."""
+    from tests.imaged.conftest import LazyDaemon
+
+    d = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url, host_id=stack.host_id)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.release()

@@ -15,7 +15,6 @@ import importlib.util
 import os
 import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,7 +28,7 @@ import pytest_asyncio
 from tests.conftest import cannot_run, eventually
 from tests.netclaim import claim_net
 
-from .conftest import SKIP_REASON, data_dir_leftovers, force_cleanup, needs_stack
+from .conftest import busybox_host, data_dir_leftovers, force_cleanup, needs_stack
 
 pytestmark = [pytest.mark.containerd, needs_stack]
 
@@ -83,21 +82,12 @@ async def _register(js: Any, name: str, path: str) -> None:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def fn(nats_server: Any) -> AsyncIterator[Fn]:
-    if SKIP_REASON is not None:
-        cannot_run(SKIP_REASON)
     import sdk._async
-    from bus import connect, ensure_all
     from hostagent import HostAgent, HostAgentConfig
     from hostagent.backends.container import ContainerBackend
-    from imaged._busybox import build_busybox_rootfs
 
-    uid = uuid.uuid4().hex[:8]
-    data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-fn-{uid}-", dir="/tmp"))
-    rootfs = data_dir / "rootfs"
-    nc = await connect(nats_server.url, name="dsec-tests-fn")
+    uid, data_dir, rootfs, nc = await busybox_host(nats_server.url, "fn", "dsec-tests-fn")
     js = nc.jetstream()
-    await ensure_all(js)
-    await asyncio.to_thread(build_busybox_rootfs, str(rootfs))
     await _register(js, "base", str(rootfs))
     await _register(js, "tiny", str(rootfs))  # a pool of one member (no_capacity)
     debian = await debian_rootfs()

@@ -28,7 +28,7 @@ from bus.streams import ensure_kv
 from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotFound, SandboxNotFound
 from tests.conftest import eventually, needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
-from tests.integration.conftest import PY, REPO, Child, Stack, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
+from tests.integration.conftest import PY, REPO, Child, Stack, answers_again, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
 pytestmark = [pytest.mark.containerd, needs_stack, needs(NO_QEMU)]
@@ -263,14 +263,7 @@ async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhos
     mhost.agent = Child(mhost.argv, mhost.env, mhost.log).start()
     await eventually(lambda: mhost.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
 
-    async def answers() -> bool:
-        try:
-            await vm.commands.run("true")
-            return True
-        except SandboxNotFound:
-            return False
-
-    await eventually(answers, timeout=60, interval=0.2, what="the VM to answer again")
+    await answers_again(vm, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
     assert await vm.files.read("/workspace/state.txt") == "before"
     assert (await vm.commands.run("ps -o args | grep -c '^sleep 1000'")).stdout.strip() == "1"  # its processes too
     assert int((mhost.vm_dir(vm.sandbox_id) / "qemu.pid").read_text()) == qemu_pid and pid_alive(qemu_pid)  # the same QEMU

@@ -47,17 +47,6 @@ def tree(dirs: str = "/root/data /workspace") -> str:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def lazy(stack: Stack, nats_server: Any) -> AsyncIterator[LazyDaemon]:
-    """The stack host's lazy loader (it packs the snapshots' layers)."""
-    d = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url, host_id=stack.host_id)
-    d.start()
-    try:
-        yield d
-    finally:
-        d.release()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def tmpl(stack: Stack) -> AsyncIterator[str]:
     """A template with a workspace layer: busybox plus /workspace files a sandbox may delete or replace."""
     name = f"snapt-{stack.uid}"
@@ -345,7 +334,7 @@ async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack
     import signal
     import tempfile
 
-    from .conftest import PY, Child, data_dir_leftovers, force_cleanup, subprocess_env
+    from .conftest import PY, Child, answers_again, data_dir_leftovers, force_cleanup, subprocess_env
     from .test_recovery import _host_ready_since
 
     uid = stack.new_id("h2")
@@ -398,14 +387,7 @@ async def test_restore_on_a_second_host_and_across_an_agent_restart(stack: Stack
         agents.append(Child(argv, env, log).start())
         await eventually(lambda: _host_ready_since(stack, host_b, t1), timeout=90, interval=0.1, what="the restarted agent")
 
-        async def answers() -> bool:
-            try:
-                await rb.commands.run("true")
-                return True
-            except DsecError:
-                return False
-
-        await eventually(answers, timeout=30, interval=0.1, what="the sandbox to answer again")
+        await answers_again(rb, DsecError, timeout=30, interval=0.1, what="the sandbox to answer again")
         assert (await pb.get_info()).state == "paused"
         with pytest.raises(DsecError) as ei:
             await pb.commands.run("true")

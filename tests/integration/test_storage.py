@@ -21,24 +21,11 @@ from bus.streams import ensure_kv
 from sdk import AsyncSandbox
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 
-from .conftest import Stack, needs_stack
-from .test_snapshots import lazy, many  # noqa: F401 - the stack host's lazy loader fixture
+from .conftest import Stack, disk_bytes, needs_stack
+from .test_snapshots import many  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse]
 GiB, TiB = 1 << 30, 1 << 40
-
-
-def disk_bytes(root: Path, *skip: str) -> int:
-    """Bytes the files under ``root`` occupy on disk (blocks, not sizes), but under ``skip`` dirs."""
-    total = 0
-    for dp, dns, fns in os.walk(root):
-        dns[:] = [d for d in dns if os.path.join(dp, d) not in skip]
-        for n in fns:
-            try:
-                total += os.lstat(os.path.join(dp, n)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
 
 
 async def _record(stack: Stack, snapshot_id: str) -> Any:

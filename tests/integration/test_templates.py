@@ -33,17 +33,6 @@ gw = _gateway.gw  # the `dsec up` stack with its gateway (a module fixture of it
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def lazy(stack: Stack, nats_server: Any) -> AsyncIterator[LazyDaemon]:
-    """The stack host's lazy loader (it packs the build steps' snapshots)."""
-    d = LazyDaemon(data_dir=stack.data_dir, mount=stack.data_dir / "lazy", nats_url=nats_server.url, host_id=stack.host_id)
-    d.start()
-    try:
-        yield d
-    finally:
-        d.release()
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def imaged(stack: Stack, lazy: LazyDaemon) -> AsyncIterator[Any]:
     from imaged._service import ImagedService
 

@@ -19,7 +19,6 @@ from sdk._trajectory import TrajClient
 from sdk.errors import FileNotFound, TrajectoryConflict, TrajectoryTrimmed
 from tests.conftest import eventually
 from tests.imaged.conftest import needs_fuse
-from tests.integration.test_snapshots import lazy  # noqa: F401 - the fixture: the host's lazy loader packs snapshots
 from tests.integration.conftest import PY, REPO, Stack, needs_stack, run_process, subprocess_env
 
 COUNT = "echo x >> /tmp/count; wc -l < /tmp/count"  # not idempotent: says how often it ran

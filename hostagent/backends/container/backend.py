@@ -27,7 +27,7 @@ from bus.profiles import default_profile
 
 from ... import _storage as storage
 from ..._agent import AgentClient, AgentError, AgentInfo, ensure_agent_binary
-from ..._agentops import DEFAULT_ENV, agent_exec, agent_files
+from ..._agentops import DEFAULT_ENV, agent_exec, agent_files, agent_of
 from ..._config import DEFAULT_WARM_POOL
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement, compile_profile
@@ -133,10 +133,7 @@ class ContainerBackend:
         return self.pool.ready()
 
     def capacity(self) -> HostCapacity:
-        with open("/proc/meminfo") as f:
-            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
-        st = os.statvfs(self.data_dir)
-        return HostCapacity(cpu_total=float(os.cpu_count() or 1), mem_total_mb=mem_kb // 1024, disk_total_mb=st.f_blocks * st.f_frsize // (1 << 20))
+        return HostCapacity.of_host(self.data_dir)
 
     def advertise(self) -> HostBackend:
         return HostBackend(name=self.name)  # a sandbox may ask for the whole host
@@ -361,10 +358,7 @@ class ContainerBackend:
     # --- the agent channel ---------------------------------------------------------------------------
     def agent_client(self, handle: Handle) -> AgentClient:
         """The sandbox's agent, for the ops that drive it directly (hostagent._execio)."""
-        c = self.t.clients.get(handle.sandbox_id)
-        if c is None:
-            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
-        return c
+        return agent_of(self.t.clients, handle.sandbox_id)
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
         return await agent_exec(self.agent_client(handle), handle.sandbox_id, req, on_output, on_start)

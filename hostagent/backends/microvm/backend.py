@@ -19,11 +19,11 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, ImageError, SandboxNotFound, SnapshotUnsupported
+from bus.errors import CreateFailed, ImageError, SnapshotUnsupported
 from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, SandboxSpec
 
 from ..._agent import AgentClient, AgentError, ensure_agent_binary
-from ..._agentops import agent_exec, agent_files
+from ..._agentops import agent_exec, agent_files, agent_of
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement
 from . import qemu, snapshot
@@ -102,10 +102,7 @@ class MicroVMBackend:
 
     # --- what the host agent advertises ----------------------------------------------------------
     def capacity(self) -> HostCapacity:
-        with open("/proc/meminfo") as f:
-            mem_kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
-        st = os.statvfs(self.data_dir)
-        return HostCapacity(cpu_total=float(os.cpu_count() or 1), mem_total_mb=mem_kb // 1024, disk_total_mb=st.f_blocks * st.f_frsize // (1 << 20))
+        return HostCapacity.of_host(self.data_dir)
 
     def advertise(self) -> HostBackend:
         kernel = self.kernel.release if self.kernel else ""
@@ -293,10 +290,7 @@ class MicroVMBackend:
 
     # --- the agent channel ---------------------------------------------------------------------
     def agent_client(self, handle: Handle) -> AgentClient:
-        c = self.clients.get(handle.sandbox_id)
-        if c is None:
-            raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
-        return c
+        return agent_of(self.clients, handle.sandbox_id)
 
     async def exec(self, handle: Handle, req: ExecRequest, on_output: OnOutput | None, *, on_start: OnStart | None = None) -> ExecResult:
         return await agent_exec(self.agent_client(handle), handle.sandbox_id, req, on_output, on_start)
