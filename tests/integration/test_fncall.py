@@ -67,17 +67,37 @@ class Fn:
             pytest.skip(f"needs the Debian rootfs with python3 and g++ in {DEBIAN_CACHE} (DSEC_SLOW=1 builds it: minutes)")
 
 
-async def _register(js: Any, name: str, path: str) -> None:
+async def _register(js: Any, name: str, path: str, replaced: dict[str, bytes | None]) -> None:
+    """Point template ``name`` at ``path``, keeping what it replaced in ``replaced`` (``_restore`` puts
+    it back: the session's other stacks share the bucket, and this rootfs goes with the module)."""
     from bus import codec
     from bus import subjects as S
     from bus.messages import LayerRef, TemplateManifest
     from bus.streams import ensure_kv
+    from nats.js.errors import KeyNotFoundError
 
     kv = await ensure_kv(js, S.KV_IMAGES)
+    if name not in replaced:
+        try:
+            replaced[name] = (await kv.get(name)).value or None
+        except KeyNotFoundError:
+            replaced[name] = None
     digest = "sha256:" + (uuid.uuid5(uuid.NAMESPACE_URL, path).hex * 2)
     manifest = TemplateManifest(name=name, created_at=time.time(), description=f"{name} (fncall tests)",
                                 layers=[LayerRef(role="base", digest=digest, kind="dir", path=path)])
     await kv.put(name, codec.encode(manifest))
+
+
+async def _restore(js: Any, replaced: dict[str, bytes | None]) -> None:
+    from bus import subjects as S
+    from bus.streams import ensure_kv
+
+    kv = await ensure_kv(js, S.KV_IMAGES)
+    for name, value in replaced.items():
+        if value is None:
+            await kv.delete(name)
+        else:
+            await kv.put(name, value)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -88,13 +108,14 @@ async def fn(nats_server: Any) -> AsyncIterator[Fn]:
 
     uid, data_dir, rootfs, nc = await busybox_host(nats_server.url, "fn", "dsec-tests-fn")
     js = nc.jetstream()
-    await _register(js, "base", str(rootfs))
-    await _register(js, "tiny", str(rootfs))  # a pool of one member (no_capacity)
+    replaced: dict[str, bytes | None] = {}
+    await _register(js, "base", str(rootfs), replaced)
+    await _register(js, "tiny", str(rootfs), replaced)  # a pool of one member (no_capacity)
     debian = await debian_rootfs()
     pools = "base=4,tiny=1"
     if debian is not None:
-        await _register(js, "python", str(debian))
-        await _register(js, "cpp", str(debian))
+        await _register(js, "python", str(debian), replaced)
+        await _register(js, "cpp", str(debian), replaced)
         pools += ",python=2,cpp=1"
     net = await asyncio.to_thread(claim_net)
     backend = ContainerBackend(str(data_dir), scratch_size_gb=64, warm_pool=0, network=net.config())
@@ -110,6 +131,7 @@ async def fn(nats_server: Any) -> AsyncIterator[Fn]:
         with contextlib.suppress(Exception):
             await sdk._async.close_connections()
         await host.shutdown()
+        await _restore(js, replaced)
         await nc.close()
         left = data_dir_leftovers(data_dir)
         if left:
