@@ -36,7 +36,8 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
                 if st is None:
                     continue  # gone since the listing, or not a heartbeat: not a host to report
                 age = time.time() - st.at
-                d = msgspec.structs.asdict(st)
+                d = msgspec.to_builtins(st)  # nested structs too (its backends): the document is plain JSON
+                d.pop("type", None)
                 d["age_s"] = round(age, 2)
                 if st.state == "ready" and age > STALE_S:
                     d["state"] = "stale"
