@@ -97,8 +97,8 @@ async def _status(args: argparse.Namespace) -> int:
                 f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s"
             )
             for b in h.get("backends") or []:  # what each backend's probe found (a microvm host: accel=kvm|tcg)
-                if b.detail:
-                    print(f"    {b.name}: " + " ".join(f"{k}={v}" for k, v in sorted(b.detail.items())))
+                if b.get("detail"):
+                    print(f"    {b['name']}: " + " ".join(f"{k}={v}" for k, v in sorted(b["detail"].items())))
         if services:
             print("services (dsec up):")
             _print_services(services)
