@@ -289,29 +289,32 @@ async def test_limits_and_namespaces(stack: Stack) -> None:
 
 async def test_a_small_cpu_share_is_in_force_once_created(stack: Stack) -> None:
     """A container starts with the start-up share (its runc init and agent are not throttled by a
-    tiny share) and runs under its own share from the moment its create is answered: cold, and
-    claimed from the warm pool."""
+    tiny share) and runs under its own share and class from the moment its create is answered:
+    cold, and claimed from the warm pool. A best-effort sandbox (the default) is SCHED_IDLE
+    (``cpu.idle`` 1), for which the kernel reports the idle weight (3) as its shares."""
     from hostagent.backends.container import START_CPU
+    from hostagent.backends.container.cgroups import class_shares
 
     cg = "/sys/fs/cgroup/cpu/dsec"
     disk = 40  # a disk size no other test asks for: the first create of it finds no warm container
+    idle_weight = 3  # the kernel's WEIGHT_IDLEPRIO, what cpu.shares reads in a cpu.idle group
 
-    def quota_shares(cid: str) -> tuple[int, int]:
-        return int(_read(f"{cg}/{cid}/cpu.cfs_quota_us")), int(_read(f"{cg}/{cid}/cpu.shares"))
+    def quota_shares_idle(cid: str) -> tuple[int, int, int]:
+        return int(_read(f"{cg}/{cid}/cpu.cfs_quota_us")), int(_read(f"{cg}/{cid}/cpu.shares")), int(_read(f"{cg}/{cid}/cpu.idle"))
 
     def waiting() -> list[str]:
         return [w.cid for key, entries in stack.backend.pool.entries().items() if key.disk_mb == disk for w in entries]
 
     async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as cold:
         assert stack.cid(cold.sandbox_id) == cold.sandbox_id  # started for this sandbox
-        assert quota_shares(cold.sandbox_id) == (2_000, 20)  # 0.02 of a CPU: 2 ms per 100 ms
+        assert quota_shares_idle(cold.sandbox_id) == (2_000, idle_weight, 1)  # 0.02 of a CPU: 2 ms per 100 ms, best-effort
         await eventually(waiting, timeout=60, what="a warm container of that disk size")
-        # Positive control: a waiting pool container runs with the start-up share.
-        assert quota_shares(waiting()[0]) == (int(START_CPU * 100_000), int(START_CPU * 1024))
+        # Positive control: a waiting pool container runs with the start-up share, not idle (it starts fast).
+        assert quota_shares_idle(waiting()[0]) == (int(START_CPU * 100_000), class_shares(START_CPU, "latency-sensitive"), 0)
         async with stack.sandbox(cpu=0.02, memory_mb=32, disk_mb=disk) as warm:
             cid = stack.cid(warm.sandbox_id)
             assert cid.startswith("wp-")  # claimed from the pool
-            assert quota_shares(cid) == (2_000, 20)
+            assert quota_shares_idle(cid) == (2_000, idle_weight, 1)
             assert int(_read(f"/sys/fs/cgroup/memory/dsec/{cid}/memory.limit_in_bytes")) == 32 * MiB
             assert (await warm.commands.run("echo up")).stdout == "up\n"
 
