@@ -119,8 +119,12 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
     from bus.errors import QuotaExceeded
 
     tenant = f"tenant-{stack.uid}"
+    # The tenant is the connection's NATS user (placement binds the spec to it): this stack's server
+    # checks no password, so a connection naming a user speaks as that tenant.
+    as_tenant = stack.url.replace("nats://", f"nats://{tenant}:x@", 1)
     monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(3 << 20))
-    async with stack.sandbox(client=tenant) as a, stack.sandbox(client=tenant) as b, stack.sandbox() as operator:
+    async with stack.sandbox(nats_url=as_tenant) as a, stack.sandbox(nats_url=as_tenant) as b, stack.sandbox() as operator:
+        assert a.tenant == tenant and b.tenant == tenant and operator.tenant != tenant
         await a.commands.run("head -c 2000000 /dev/urandom > /root/a")
         await a.create_snapshot()  # 2 MB of the tenant's 3 MiB
         await b.commands.run("head -c 1200000 /dev/urandom > /root/b")
