@@ -19,6 +19,9 @@ CPU = Path("/sys/fs/cgroup/cpu/dsec")
 # A busybox shell loop: pure CPU, about a quarter of a second alone on this machine.
 LOOP = "i=0; while [ $i -lt 60000 ]; do i=$((i+1)); done"
 SPIN = "for n in 1 2; do (while :; do :; done) & done; wait"
+# Two spinners per core: without classes each core's run queue then holds the loop and two
+# spinners, so the control's slowdown stands clear of the machine's noise (one per core was marginal).
+SPIN4 = "for n in 1 2 3 4; do (while :; do :; done) & done; wait"
 
 
 def cpu_file(stack: Stack, sid: str, name: str) -> str:
@@ -67,7 +70,7 @@ async def test_best_effort_load_barely_slows_latency_sensitive(stack: Stack) -> 
     async with stack.sandbox(priority="best-effort", cpu=1.0) as ls, stack.sandbox(priority="best-effort", cpu=2.0) as be:
         set_class(stack.cid(ls.sandbox_id), 1.0, "latency-sensitive")
         alone = await loop_time(ls)
-        load = await be.commands.run(SPIN, background=True, timeout=0)
+        load = await be.commands.run(SPIN4, background=True, timeout=0)
         try:
             with_classes = await loop_time(ls)
             # Control: both at the plain weight of their share (no class), same load.
