@@ -24,7 +24,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError, ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
 from bus.messages import ExecResult, TrajStep
-from bus.runtime import KV, reads_records, tenant_of
+from bus.runtime import KV, connection_of, reads_records, tenant_of
 from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
 
 from ._admin import _tenant_consumer
@@ -79,13 +79,13 @@ def log_subject(nc: Any, sandbox_id: str) -> str:
 
 async def read_log(js: Any, sandbox_id: str) -> list[tuple[int, TrajStep]]:
     """Every step logged for ``sandbox_id``, in the log's order, with its stream sequence."""
-    subject = log_subject(js._nc, sandbox_id)  # (nats-py's JetStream context keeps its connection private)
+    subject = log_subject(connection_of(js), sandbox_id)
     try:  # direct gets and a consumer named with its filter: the server checks both subjects against the tenant's prefix
         last = await js.get_last_msg(S.STREAM_TRAJ, subject, direct=True)
     except NotFoundError:
         return []
     queue: asyncio.Queue[Any] = asyncio.Queue()
-    sub = await _tenant_consumer(js._nc, subject, ConsumerConfig(deliver_policy=DeliverPolicy.ALL), queue, stream=S.STREAM_TRAJ)
+    sub = await _tenant_consumer(connection_of(js), subject, ConsumerConfig(deliver_policy=DeliverPolicy.ALL), queue, stream=S.STREAM_TRAJ)
     if sub is None:
         return []
     out: list[tuple[int, TrajStep]] = []
@@ -206,7 +206,7 @@ async def _fork_point(js: Any, sandbox_id: str) -> tuple[str, str, float] | None
     """(parent sandbox, snapshot, when it was taken) of a sandbox started from another's snapshot;
     None for a client tenant, which may not read the records that say it (sandbox and snapshot
     records hold other tenants' envs: bus.auth)."""
-    if not reads_records(js._nc):
+    if not reads_records(connection_of(js)):
         return None
     try:
         rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)

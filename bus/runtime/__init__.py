@@ -44,7 +44,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
     Keep malformed work on DSEC_DLQ with ``Dsec-Error-Code``/``Dsec-Error``/``Dsec-Origin``, then ack.
 """
 
-from .connection import DEFAULT_URL, connect, nats_url, reads_records, tenant_of
+from .connection import DEFAULT_URL, connect, connection_of, nats_url, reads_records, tenant_of
 from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config, deliveries
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
@@ -61,6 +61,7 @@ __all__ = [
     "DEFAULT_URL",
     "connect",
     "nats_url",
+    "connection_of",
     "reads_records",
     "tenant_of",
     "BatchHandler",

@@ -12,6 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 
 from ..auth import ANONYMOUS_USER, CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
 from ..errors import Unavailable
@@ -116,6 +117,12 @@ def tenant_of(nc: NATS) -> str:
     return t
 
 
+def connection_of(js: JetStreamContext) -> NATS:
+    """The connection behind a JetStream context (nats-py 2.16 keeps it private: ``_nc``)."""
+    nc: NATS = js._nc
+    return nc
+
+
 def reads_records(nc: NATS) -> bool:
     """Whether this connection may read sandbox records (KV dsec_sandboxes): services and the
     operator may, a client tenant may not (the server would refuse it, after a timeout)."""
@@ -127,4 +134,4 @@ async def _log_nats_error(exc: Exception) -> None:
     logging.getLogger("dsec.nats").warning("nats: %s: %s", type(exc).__name__, exc)
 
 
-__all__ = ["DEFAULT_URL", "connect", "nats_url", "reads_records", "tenant_of"]
+__all__ = ["DEFAULT_URL", "connect", "connection_of", "nats_url", "reads_records", "tenant_of"]

@@ -134,7 +134,7 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
         await b.create_snapshot()  # just under: 2.9 MB
         # Another tenant (the operator) is not charged for it.
         await operator.commands.run("head -c 1200000 /dev/urandom > /root/o")
-        monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(_operator_usage(await _records(stack)) + (2 << 20)))
+        monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(_usage_of(await _records(stack), operator.tenant) + (2 << 20)))
         await operator.create_snapshot()
     import json
 
@@ -152,8 +152,9 @@ async def _records(stack: Stack) -> list[Any]:
     return await snapshot_records(stack.js)
 
 
-def _operator_usage(recs: list[Any]) -> int:
-    return sum(r.bytes_added for r in recs if (r.spec.client if r.spec else "") == "")
+def _usage_of(recs: list[Any], client: str) -> int:
+    """The snapshot bytes charged to the tenant whose sandboxes' ``spec.client`` is ``client``."""
+    return sum(r.bytes_added for r in recs if (r.spec.client if r.spec else "") == client)
 
 
 class SmallDisk:
