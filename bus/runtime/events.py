@@ -80,8 +80,8 @@ class Events:
         hdr = {S.HDR_MSG_ID: event_msg_id(S.incarnation(spec.sandbox_id, spec.generation), kind, attempt)} if kind in ONCE_PER_ATTEMPT else None
         if acked:
             fut = await self.publisher.publish(subject, data, hdr)
-        else:  # the stream still de-duplicates a core publish by its msg-id
-            await self.nc.publish(subject, data, headers=hdr)
+        else:  # the stream still de-duplicates a core publish by its msg-id (stored again after a reconnect)
+            await self.publisher.fire(subject, data, hdr)
         if reply and kind in REPLY_KINDS and spec.reply_to and S.valid_inbox(spec.reply_to):
             await self.nc.publish(spec.reply_to, data)  # the waiting client hears it now (the stream keeps it)
         if fut is None or not wait:

@@ -6,12 +6,20 @@
 pending forever). Here every write gets a future resolved from one shared reply subscription per
 connection: with the decoded ``PubAck``, a ``StoreError``, or a timeout (swept once a second).
 At most ``max_inflight`` writes wait for their answer; the next ``publish`` waits for a free slot.
+
+``fire`` is a core publish (no ack round trip on a hot path) that a stream still records and
+de-duplicates by its ``Nats-Msg-Id``. A core publish in flight when the connection drops is lost,
+and so is one that reaches a restarted server before it has loaded its streams again: each is
+remembered for ``REFIRE_WINDOW_S`` and, after a reconnect, stored again, acked (the stream drops the
+copies it already holds).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,7 +32,11 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.protocol.command import sub_cmd
 
+from .. import subjects as S
+
 DEFAULT_MAX_INFLIGHT = 8192
+REFIRE_WINDOW_S = 10.0  # a core publish older than this before a disconnect was surely delivered
+REFIRE_ATTEMPTS = 30  # stores again after a reconnect: each attempt waits 0.25-2 s (jittered) on a failure
 ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
 
 
@@ -169,6 +181,9 @@ class Publisher:
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._sub: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._fired: deque[tuple[float, str, bytes, dict[str, str]]] = deque()
+        self._reconnects = 0
+        self._refire: asyncio.Task[None] | None = None
 
     @property
     def inflight(self) -> int:
@@ -177,6 +192,7 @@ class Publisher:
     async def start(self) -> "Publisher":
         if self._sub is None:
             self.prefix = self.nc.new_inbox() + "."
+            self._reconnects = int(self.nc.stats.get("reconnects", 0))
             self._sub = await subscribe_sync(self.nc, self.prefix + "*", self._on_reply)
             self._sweeper = asyncio.ensure_future(self._sweep())
         return self
@@ -228,10 +244,55 @@ class Publisher:
         """One acked write, awaited."""
         return await (await self.publish(subject, data, headers))
 
+    async def fire(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        """A core publish to a stream's subject; with a ``Nats-Msg-Id`` it is stored again (acked)
+        after a reconnect, in case this one was lost with the connection (see the module note)."""
+        if self._sub is None:
+            await self.start()
+        await self.nc.publish(subject, data, headers=headers)
+        if headers and S.HDR_MSG_ID in headers:
+            self._fired.append((time.monotonic(), subject, data, headers))
+
+    async def _refire_lost(self) -> None:
+        """Store again, acked, every remembered core publish; retried while the server loads its
+        streams. Those fired while this runs may have met a server without its streams too: one more
+        round takes them once a round has gone through."""
+        log = logging.getLogger("dsec.bus.publisher")
+        rounds_ok = 0
+        attempt = 0
+        while self._fired and rounds_ok < 2 and attempt < REFIRE_ATTEMPTS and not self.nc.is_closed:
+            batch = list(self._fired)
+            self._fired.clear()
+            futs = [await self.publish(subj, data, hdr) for _, subj, data, hdr in batch]
+            outs = await asyncio.gather(*futs, return_exceptions=True)
+            failed = [b for b, o in zip(batch, outs, strict=True) if isinstance(o, BaseException)]
+            if not failed:
+                rounds_ok += 1
+                continue
+            attempt += 1
+            self._fired.extendleft(reversed(failed))
+            await asyncio.sleep(random.uniform(0.25, min(2.0, 0.25 * 2**attempt)))
+        if self._fired and rounds_ok < 2:
+            log.warning("core publishes not stored again after a reconnect: %d (%d attempts)", len(self._fired), attempt)
+
+    def _watch_reconnects(self, now: float) -> None:
+        reconnects = int(self.nc.stats.get("reconnects", 0))
+        if reconnects != self._reconnects:
+            self._reconnects = reconnects
+            if self._refire is None or self._refire.done():
+                self._refire = asyncio.ensure_future(self._refire_lost())
+            return
+        if self.nc.is_connected and (self._refire is None or self._refire.done()):
+            cut = now - REFIRE_WINDOW_S
+            fired = self._fired
+            while fired and fired[0][0] < cut:
+                fired.popleft()
+
     async def _sweep(self) -> None:
         while not self.nc.is_closed:  # a connection closed without release_publisher() ends it too
             await asyncio.sleep(1.0)  # timeout sweep period
             now = time.monotonic()
+            self._watch_reconnects(now)
             late = [t for t, (f, dl) in self._futs.items() if dl < now or f.done()]
             for t in late:
                 f, _ = self._futs.pop(t)
@@ -243,6 +304,10 @@ class Publisher:
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        if self._refire is not None:
+            self._refire.cancel()
+            self._refire = None
+        self._fired.clear()
         for f, _ in self._futs.values():
             if not f.done():
                 f.cancel()

@@ -91,3 +91,41 @@ async def test_unanswered_write_times_out(nc, uid) -> None:
     finally:
         await p.stop()
         await sub.unsubscribe()
+
+
+async def test_core_publishes_lost_before_a_reconnect_are_stored_again(tmp_path, uid) -> None:
+    """A core publish with a msg-id that no stream took (the server restarting, its streams not loaded
+    yet) is stored again, acked, once the connection comes back; the stream de-duplicates what it has.
+    Control: a plain core publish in the same window stays lost (the stream holds only the fired ones)."""
+    from bus.natsd import NatsServer
+    from bus.runtime import connect, release_publisher
+
+    srv = NatsServer(tmp_path / "nats", port=0).start()
+    nc = await connect(srv.url, name="refire-test", max_reconnect_attempts=-1)
+    try:
+        js = nc.jetstream()
+        p = await publisher_for(nc)
+        for i in range(50):  # no stream takes these yet: each is lost as it is sent
+            await p.fire(f"r{uid}.a", b"x", {S.HDR_MSG_ID: f"m-{i}"})
+            await nc.publish(f"r{uid}.plain", b"y")
+        await nc.flush()
+        await js.add_stream(name=f"R_{uid}", subjects=[f"r{uid}.>"])
+        await p.fire(f"r{uid}.a", b"x", {S.HDR_MSG_ID: "m-0"})  # a copy the stream stores now (once)
+        await nc.flush()
+        assert (await js.stream_info(f"R_{uid}")).state.messages == 1
+        srv.stop()
+        srv.start()
+
+        async def stored() -> bool:
+            try:
+                return (await js.stream_info(f"R_{uid}")).state.messages >= 50
+            except Exception:  # noqa: BLE001 - reconnecting, or the stream not loaded yet
+                return False
+
+        await eventually(stored, timeout=30, what="the lost core publishes stored again after the reconnect")
+        info = await js.stream_info(f"R_{uid}")
+        assert info.state.messages == 50  # each id once, and none of the 50 plain publishes
+    finally:
+        await release_publisher(nc)
+        await nc.close()
+        srv.stop()
