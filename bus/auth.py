@@ -93,23 +93,42 @@ _CLIENT_COMMON_PUBLISH = [
     f"{S.PREFIX}.rollout.>", f"{S.PREFIX}.model.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
 ]
 
+def _bucket_writes(*buckets: str) -> list[str]:
+    """Every way to change a bucket's keys: put, delete, purge (whole or one message), drop."""
+    out = []
+    for b in buckets:
+        out += [f"$KV.{b}.>", f"$JS.API.STREAM.PURGE.KV_{b}", f"$JS.API.STREAM.DELETE.KV_{b}", f"$JS.API.STREAM.MSG.DELETE.KV_{b}"]
+    return out
+
+
+# Tenant limits are the operator's alone to write (`dsec api-key create --max-sandboxes ...`), what
+# their tenants hold placement's alone: no other service (a compromised host agent, a rollout
+# worker running a tenant's code) may raise a tenant's quota or forget what it holds. (Clients may
+# not write either: their allow lists do not name them.)
+_NOT_LIMITS = {"deny": _bucket_writes(S.KV_TENANTS)}
+_NOT_QUOTAS = {"deny": _bucket_writes(S.KV_TENANTS, S.KV_QUOTA)}
+
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
 MONITOR_ROLE = "monitor"  # the gateway's /metrics and /dashboard: scrape every service, read hosts, sandboxes, events
 ENV_MONITOR_URL = "DSEC_MONITOR_NATS_URL"  # the monitor's NATS URL, handed to the gateway by `dsec up`
 
 ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
     # Services are trusted processes of the control plane.
-    "placement": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "$KV.>", "dsec.>"]}},
+    "placement": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_LIMITS}, "subscribe": {"allow": ["_INBOX.>", "$KV.>", "dsec.>"]}},
     "hostagent": {
-        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True,
+        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]},
+        "allow_responses": True,
     },
     "imaged": {
-        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
+        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
         "allow_responses": True,
     },
     # Rollout workers: a client of sandboxes that also takes jobs from the rollout queues and keeps their state.
-    "rollouts": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}},
-    "guard": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"]}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}, "allow_responses": True},
+    "rollouts": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}},
+    "guard": {
+        "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]},
+        "allow_responses": True,
+    },
     "admin": {"publish": {"allow": [">"]}, "subscribe": {"allow": [">"]}},
     # Read-only: asks for metrics (the services answer its inbox), reads KV and the event stream, hears events.
     MONITOR_ROLE: {

@@ -52,6 +52,8 @@ from .messages import (
     RemoveSnapshot,
     ResumeRequest,
     SnapshotRecord,
+    TenantLimits,
+    TenantUsage,
     SnapshotRequest,
     FsEvent,
     FnCallRequest,
@@ -102,6 +104,8 @@ SBX_SNAPSHOT = Decoder(SnapshotRequest)  # dsec.sbx.<id>.snapshot
 SBX_PAUSE = Decoder(PauseRequest)  # dsec.sbx.<id>.pause
 SBX_RESUME = Decoder(ResumeRequest)  # dsec.sbx.<id>.resume
 SNAPSHOT = Decoder(SnapshotRecord)  # KV dsec_snapshots
+TENANT_LIMITS = Decoder(TenantLimits)  # KV dsec_tenants
+TENANT_USAGE = Decoder(TenantUsage)  # KV dsec_quota
 PACK_REQ = Decoder(PackDirectory)  # dsec.imaged.<host>.pack
 SNAP_REMOVE_REQ = Decoder(RemoveSnapshot)  # dsec.img.snap.rm
 SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port

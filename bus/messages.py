@@ -300,6 +300,31 @@ class Lease(Struct, kw_only=True, tag=True):
     owner: str = ""
 
 
+class TenantLimits(Struct, kw_only=True, tag=True):
+    """A tenant's quotas, in KV ``dsec_tenants`` under its tenant token (``_default``: every client
+    tenant without a record). 0: no limit. Counted over its live sandboxes (and creates admitted but
+    not yet started), whatever made them: a create, a fork, a restore."""
+
+    max_sandboxes: int = 0
+    max_cpu: float = 0.0  # the sum of the sandboxes' ``cpu``
+    max_memory_mb: int = 0  # the sum of the sandboxes' ``memory_mb``
+
+
+class QuotaHold(Struct, kw_only=True, tag=True):
+    """One sandbox a tenant's quotas count: what it holds, and when placement admitted it."""
+
+    cpu: float
+    memory_mb: int
+    at: float
+
+
+class TenantUsage(Struct, kw_only=True, tag=True):
+    """What a limited tenant holds, in KV ``dsec_quota`` under its tenant token: one hold per sandbox
+    id, so a redelivered create is counted once; written by placement with compare-and-set."""
+
+    sandboxes: dict[str, QuotaHold] = {}
+
+
 class SnapshotRecord(Struct, kw_only=True, tag=True):
     """One snapshot, kept in KV ``dsec_snapshots`` under its id: the layers a restore stacks over the
     template's (lowest first; the parent's chain, then this snapshot's own), and where it came from."""
@@ -1110,6 +1135,9 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "BackendField",
     "PriorityField",
     "SandboxState",
+    "TenantLimits",
+    "QuotaHold",
+    "TenantUsage",
     "SandboxLiveState",
     "SandboxEndedState",
     "SandboxEventKind",

@@ -80,6 +80,8 @@ KV_BUCKETS: dict[str, dict[str, int]] = {
     S.KV_ROLLOUTS: {"history": 1},
     S.KV_LEASES: {"history": 1},
     S.KV_SNAPSHOTS: {"history": 1},
+    S.KV_TENANTS: {"history": 1},
+    S.KV_QUOTA: {"history": 1},
 }
 
 

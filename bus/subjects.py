@@ -30,6 +30,9 @@ KV_QUARANTINE = "dsec_quarantine"  # guard: sandbox id -> the GuardViolation tha
 KV_ROLLOUTS = "dsec_rollouts"
 KV_LEASES = "dsec_leases"
 KV_SNAPSHOTS = "dsec_snapshots"  # snapshot id -> SnapshotRecord (its layers, parent, provenance)
+KV_TENANTS = "dsec_tenants"  # tenant -> TenantLimits (its quotas), written by the operator only; TENANT_DEFAULTS: keys without a record
+KV_QUOTA = "dsec_quota"  # tenant -> TenantUsage (the sandboxes its quotas count), written by placement only
+TENANT_DEFAULTS = "_default"  # the KV_TENANTS key of the limits of every client tenant without a record of its own
 KV_GC = "dsec_gc"  # pin.<layer hex>.<id> (keys a writer reuses), tomb.<key> (keys a collection deletes); see imaged._gc
 OBJ_CHUNKS = "dsec_chunks"
 

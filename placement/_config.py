@@ -27,6 +27,9 @@ class PlacementConfig:
     pending_delay_s: float = field(default=0.5, metadata=setting("first re-try delay of a request no host fits", flag="--pending-delay"))
     max_attempts: int = field(default=5, metadata=setting("hand-offs of one request before it fails (no_capacity)"))
     handoff_timeout_s: float = field(default=10.0, metadata=setting("seconds a silent host is given before its work is placed again", flag="--handoff-timeout"))
+    quota_grace_s: float = field(
+        default=60.0, metadata=setting("seconds a tenant's quota holds a create that has no sandbox record yet", flag="--quota-grace"),
+    )
     grace_s: float = field(default=10.0, metadata=setting("seconds to finish held requests on SIGTERM", flag="--grace"))
     stream_storage: Literal["file", "memory"] = field(
         default="file", metadata=setting("storage of the streams this replica creates (memory: scale benchmarks)"),

@@ -18,7 +18,9 @@ from nats.aio.msg import Msg
 from bus import codec
 from bus import subjects as S
 from bus.auth import bind_tenant
-from bus.errors import BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, SandboxTimeout, UnknownTemplate, UnsupportedBackend
+from bus.errors import (
+    BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, QuotaExceeded, SandboxTimeout, Unavailable, UnknownTemplate, UnsupportedBackend,
+)
 from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, TemplateManifest
 from bus.rules import validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
@@ -27,6 +29,7 @@ from bus.streams import ensure_all
 
 from ._config import PlacementConfig
 from ._metrics import PlacementMetrics
+from ._quota import Quotas
 from ._table import HostTable, Policy
 
 log = structlog.get_logger("dsec.placement")
@@ -74,6 +77,7 @@ class Placement(Service):
         self._hosts_watch: Watch[HostStatus] | None = None
         self._kv_images: KV[TemplateManifest] | None = None
         self._kv_sbx: KV[SandboxRecord] | None = None
+        self.quotas = Quotas(grace_s=cfg.quota_grace_s)
         self.m = PlacementMetrics(self)
 
     async def setup(self) -> None:
@@ -86,7 +90,9 @@ class Placement(Service):
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
         self._hosts_watch = await kv_hosts.watch(self._on_host, self.table.remove)
-        self._watches = [self._hosts_watch, await self._kv_images.watch(self._on_template, self._on_template_gone)]
+        self._watches = [
+            self._hosts_watch, await self._kv_images.watch(self._on_template, self._on_template_gone), await self.quotas.start(self.js, self._kv_sbx),
+        ]
         try:  # start taking work once the host table holds what KV holds (else every early request waits)
             await asyncio.wait_for(asyncio.gather(*(w.synced.wait() for w in self._watches)), 10.0)
         except asyncio.TimeoutError:
@@ -160,14 +166,19 @@ class Placement(Service):
         runs = _Runs(self.table, len(msgs))
         groups: dict[str, list[tuple[Msg, SandboxSpec]]] = {}
         batches: list[asyncio.Task[None]] = []  # each held until its hosts answer, beside the singles
+        reqs: list[tuple[Msg, CreateSandbox | CreateBatch]] = []
         for msg in msgs:
             req = await self._decode(msg)
-            if isinstance(req, CreateBatch):
-                batches.append(asyncio.ensure_future(self.place_batch(msg, req)))
-            elif req is not None:
-                await self._place_one(msg, req, now, runs, groups, outs)
+            if req is not None:
+                reqs.append((msg, req))
             else:
                 self._settled()  # dead-lettered
+        quota = await self._admit([r.spec for _, r in reqs if isinstance(r, CreateSandbox)])
+        for msg, req in reqs:
+            if isinstance(req, CreateBatch):
+                batches.append(asyncio.ensure_future(self.place_batch(msg, req)))
+            else:
+                await self._place_one(msg, req, now, runs, groups, outs, quota)
         await self._hand_off_groups(groups, now, outs)
         if outs:
             await self._settle(outs)
@@ -195,17 +206,27 @@ class Placement(Service):
         return req
 
     async def _place_one(
-        self, msg: Msg, req: CreateSandbox, now: float, runs: "_Runs", groups: dict[str, list[tuple[Msg, SandboxSpec]]], outs: "list[_Out]"
+        self, msg: Msg, req: CreateSandbox, now: float, runs: "_Runs", groups: dict[str, list[tuple[Msg, SandboxSpec]]], outs: "list[_Out]",
+        quota: "dict[str, DsecError]",
     ) -> None:
         spec = req.spec
         delivered = deliveries(msg)
         if req.attempt == 0 and delivered == 1:
             self.m.event(spec, "requested")
-        err, layers = await self._precheck(spec, now)
+        err = quota.get(spec.sandbox_id)
+        if isinstance(err, Unavailable):  # the quota record could not be written: this create comes back
+            await msg.nak(delay=self.pending_delay_s)
+            self._settled()
+            return
+        layers: frozenset[str] = frozenset()
+        if err is None:
+            err, layers = await self._precheck(spec, now)
         if err is None and req.attempt >= self.max_attempts:
             err = NoCapacity(f"no host accepted {spec.sandbox_id} after {req.attempt} attempts: {req.last_error}")
         if err is not None:
             log.info("create_refused", sandbox_id=spec.sandbox_id, code=err.code, reason=err.description)
+            if not isinstance(err, QuotaExceeded):
+                await self._unhold([spec])
             outs.append((msg, await self._failed(spec, err, req.attempt), "", None))
             return
         fresh = self._fresh(spec, now)
@@ -227,6 +248,44 @@ class Placement(Service):
             placed_by=self.replica_id, placed_at=now, claim=not fresh or delivered > 1,
         )
         outs.append((msg, await self._handoff(host, codec.encode(place)), host, spec))
+
+    # --- tenant quotas ------------------------------------------------------------------
+    def _limited(self, specs: list[SandboxSpec]) -> dict[str, list[SandboxSpec]]:
+        """``specs`` of tenants with limits, by tenant (a dict look-up each; nothing while no tenant has any)."""
+        q = self.quotas
+        out: dict[str, list[SandboxSpec]] = {}
+        if not q.limits:
+            return out
+        for s in specs:
+            t = s.client or S.OPERATOR_TENANT
+            if S.valid_token(t) and q.limits_for(t) is not None:
+                out.setdefault(t, []).append(s)
+        return out
+
+    async def _admit(self, specs: list[SandboxSpec]) -> dict[str, DsecError]:
+        """Hold the quotas of limited tenants' ``specs``: the refused by sandbox id (QuotaExceeded),
+        and Unavailable for those whose tenant's record could not be written (they come back)."""
+        by_tenant = self._limited(specs)
+        out: dict[str, DsecError] = {}
+
+        async def one(tenant: str, ss: list[SandboxSpec]) -> None:
+            lim = self.quotas.limits_for(tenant)
+            if lim is None:
+                return
+            try:
+                out.update(await self.quotas.admit(tenant, lim, ss))
+            except Exception as exc:  # noqa: BLE001 - KV away or contended: the requests are redelivered
+                log.warning("quota_unavailable", tenant=tenant, error=repr(exc))
+                out.update((s.sandbox_id, Unavailable(f"quota of tenant {tenant}: {exc!r}")) for s in ss)
+
+        if by_tenant:
+            await asyncio.gather(*(one(t, ss) for t, ss in by_tenant.items()))
+        return out
+
+    async def _unhold(self, specs: list[SandboxSpec]) -> None:
+        """Free the quota held for creates that failed here."""
+        for tenant, ss in self._limited(specs).items():
+            await self.quotas.release(tenant, [s.sandbox_id for s in ss])
 
     def _choose(self, spec: SandboxSpec, excluded: list[str], layers: frozenset[str], now: float) -> str | None:
         host = self.table.choose(spec, set(excluded) if excluded else frozenset(), layers, now)
@@ -394,8 +453,19 @@ class Placement(Service):
         runs = _Runs(self.table, len(specs))
         if delivered == 1 and req.attempt == 0:
             self.m.events_of(specs, "requested")
+        quota = await self._admit(specs)
+        if any(isinstance(e, Unavailable) for e in quota.values()):
+            await msg.nak(delay=self.pending_delay_s)  # the quota record could not be written: the batch comes back
+            self._settled()
+            return
+        failed: list[SandboxSpec] = []
         for spec in specs:
-            err, layers = await self._precheck(spec, now)
+            err = quota.get(spec.sandbox_id)
+            layers: frozenset[str] = frozenset()
+            if err is None:
+                err, layers = await self._precheck(spec, now)
+                if err is not None:
+                    failed.append(spec)
             if err is not None:
                 futs.append(await self._failed(spec, err))
                 continue
@@ -415,6 +485,8 @@ class Placement(Service):
                 placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
             )
             handed[host] = await self._handoff(host, codec.encode(pb))
+        if failed:
+            await self._unhold(failed)
         for spec in leftovers:
             # Single requests can wait in the stream individually; dedup keeps redeliveries single.
             hdr = {S.HDR_MSG_ID: S.incarnation(spec.sandbox_id, spec.generation)}

@@ -223,12 +223,16 @@ class KV(Generic[T]):
 
     async def update(self, key: str, value: T, *, last: int) -> bool:
         """Store ``value`` only if the key's revision is still ``last``; False when someone wrote first."""
+        return await self.swap(key, value, last=last) is not None
+
+    async def swap(self, key: str, value: T, *, last: int) -> int | None:
+        """``update`` that returns the new revision (a writer caching what it wrote need not read it
+        back); None when someone wrote first."""
         try:
-            await (await self._pub()).store(self.subject(key), encode(value), {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(last)})
-            return True
+            return (await (await self._pub()).store(self.subject(key), encode(value), {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(last)})).seq
         except StoreError as exc:
             if exc.err_code == ERR_WRONG_LAST_SEQUENCE:
-                return False
+                return None
             raise
 
     async def create(self, key: str, value: T) -> bool:
