@@ -180,7 +180,10 @@ class AuthConfig:
     # Hex HMAC key placement signs host work with (bus.sign); only placement and host agents get it.
     control_key: str = ""
     sandbox_tenants: dict[str, str] = field(default_factory=dict)  # sandbox user -> the tenant owning its sandbox
-    client_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # client user -> {name, created_at} (api-key ls)
+    client_info: dict[str, dict[str, Any]] = field(default_factory=dict)  # client user -> {name, created_at, limits} (api-key ls)
+    # The limits of every client tenant without its own (TenantLimits' fields; empty: none). Placement
+    # reads these and each key's ``limits`` from KV dsec_tenants, which `dsec api-key` keeps in step.
+    default_limits: dict[str, Any] = field(default_factory=dict)
 
     @property
     def control_key_bytes(self) -> bytes:
@@ -194,6 +197,7 @@ class AuthConfig:
             cfg = cls(
                 passwords=d.get("passwords", {}), sandbox_users=d.get("sandbox_users", {}), client_users=d.get("client_users", {}),
                 control_key=d.get("control_key", ""), sandbox_tenants=d.get("sandbox_tenants", {}), client_info=d.get("client_info", {}),
+                default_limits=d.get("default_limits", {}),
             )
         else:
             cfg = cls()
@@ -212,7 +216,7 @@ class AuthConfig:
     def save(self, path: str | os.PathLike[str]) -> None:
         _write_private(Path(path), {
             "passwords": self.passwords, "sandbox_users": self.sandbox_users, "client_users": self.client_users, "control_key": self.control_key,
-            "sandbox_tenants": self.sandbox_tenants, "client_info": self.client_info,
+            "sandbox_tenants": self.sandbox_tenants, "client_info": self.client_info, "default_limits": self.default_limits,
         })
 
     def issue_sandbox_credential(self, sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> tuple[str, str]:

@@ -372,6 +372,18 @@ async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
                 _say(f"could not reload NATS users: {exc}")
 
 
+async def _sync_quotas(auth_file: Path, url: str) -> None:
+    """The API keys' quotas, as the auth file keeps them, into KV for placement (a stack started on
+    an existing data dir, or one whose buckets were lost)."""
+    from .gateway._keys import sync_limits
+
+    try:
+        if await sync_limits(auth_file, url):
+            _say("wrote the API keys' quotas")
+    except DsecError as exc:
+        _say(f"could not write the API keys' quotas: {exc.description}")
+
+
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:
     loop = asyncio.get_running_loop()
     for sig in STOP_SIGNALS:
@@ -386,6 +398,8 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
         users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
         # As the operator: nothing connects to an authenticated NATS without credentials.
         st = await _wait_ready(auth.url_for(OPERATOR_ROLE, url) if auth else url, time.monotonic() + args.ready_timeout, sup)
+        if auth is not None:
+            await _sync_quotas(data / "auth.json", auth.url_for(OPERATOR_ROLE, url))
         if st:
             _say(f"ready: {st['ready_hosts']} host(s), templates {', '.join(st['templates'])}, NATS at {url}")
             gw = f"http://127.0.0.1:{args.http_port}"

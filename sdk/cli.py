@@ -17,6 +17,7 @@ from typing import Any
 
 from bus import subjects as S
 from bus.errors import DsecError, Unavailable
+from bus.messages import TenantLimits
 
 # Subcommands that talk to a running stack: told within seconds when it is not there (status says it its own way).
 _STACK_COMMANDS = {"sandbox", "audit", "image", "trajectory"}
@@ -268,7 +269,10 @@ async def _api_key(args: argparse.Namespace) -> int:
 
     from bus.auth import load_client_context
 
-    from .gateway._keys import create_api_key, kill_tenant_sandboxes, list_api_keys, revoke_api_key, wait_usable
+    from .gateway._keys import (
+        create_api_key, default_limits, describe_limits, kill_tenant_sandboxes, list_api_keys, revoke_api_key, set_default_limits, set_key_limits,
+        wait_usable,
+    )
 
     ctx = load_client_context()
     data_dir = args.data_dir or (ctx.data_dir if ctx and ctx.data_dir else "/var/lib/dsec")
@@ -278,8 +282,11 @@ async def _api_key(args: argparse.Namespace) -> int:
             keys = list_api_keys(auth_file)
             if args.json:
                 _print_json(keys)
-            for k in [] if args.json else keys:
-                print(f"{k['name']:<24} {k['user']:<28} {k['created']}")
+                return 0
+            for k in keys:
+                lim = k["limits"]
+                print(f"{k['name']:<24} {k['user']:<28} {k['created']:<21} {describe_limits(None if lim is None else TenantLimits(**lim))}")
+            print(f"(defaults: {describe_limits(default_limits(auth_file) or TenantLimits()).replace('unlimited', 'none')})", file=sys.stderr)
             return 0
         if args.key_cmd == "revoke":
             users = revoke_api_key(auth_file, args.name)
@@ -289,15 +296,52 @@ async def _api_key(args: argparse.Namespace) -> int:
             for u in users:
                 killed = await kill_tenant_sandboxes(u, args.nats_url) if args.kill_sandboxes else []
                 print(f"revoked {u}" + (f"; killed {len(killed)} sandbox(es)" if args.kill_sandboxes else "; its sandboxes keep running"))
-            return 0
-        key = create_api_key(auth_file, args.name)
+            return 0  # its quota record, if any, goes at the next sync: nobody can create as it any more
+        if args.key_cmd == "limits":
+            users = set_key_limits(auth_file, args.name, _limits_arg(args))
+            if not users:
+                print(f"dsec: no API key named {args.name!r}", file=sys.stderr)
+                return 1
+            return await _sync_limits(auth_file, args.nats_url)
+        if args.key_cmd == "defaults":
+            set_default_limits(auth_file, None if args.clear else _limits_arg(args) or TenantLimits())
+            return await _sync_limits(auth_file, args.nats_url)
+        key = create_api_key(auth_file, args.name_pos or args.name, _limits_arg(args))
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsec: {exc}", file=sys.stderr)
         return 2
     print(key)
     if not await wait_usable(key, args.nats_url):
         print("dsec: the key is saved, but NATS does not accept it yet; is `dsec up` running on this data dir?", file=sys.stderr)
+        return 0
+    return await _sync_limits(auth_file, args.nats_url)
+
+
+def _limits_arg(args: argparse.Namespace) -> TenantLimits | None:
+    """The quotas the flags give (None: none given, the defaults apply; --unlimited: none at all)."""
+    if getattr(args, "unlimited", False):
+        return TenantLimits()
+    given = {f: getattr(args, f) for f in ("max_sandboxes", "max_cpu", "max_memory_mb") if getattr(args, f, None) is not None}
+    return TenantLimits(**given) if given else None
+
+
+async def _sync_limits(auth_file: Any, nats_url: str | None) -> int:
+    """Have placement see the auth file's quotas (KV dsec_tenants, written as the operator)."""
+    from .gateway._keys import sync_limits
+
+    try:
+        await sync_limits(auth_file, nats_url)
+    except DsecError as exc:
+        print(f"dsec: the quotas are saved, but could not be written to NATS ({exc.description}); is `dsec up` running on this data dir?", file=sys.stderr)
+        return 1
     return 0
+
+
+def _limit_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-sandboxes", type=int, default=None, help="live sandboxes at once (0: no limit; none of these flags: the defaults)")
+    p.add_argument("--max-cpu", type=float, default=None, help="the sum of their cpu (0: no limit)")
+    p.add_argument("--max-memory-mb", type=int, default=None, help="the sum of their memory in MB (0: no limit)")
+    p.add_argument("--unlimited", action="store_true", help="no quotas, whatever the defaults")
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -385,9 +429,21 @@ def build_parser() -> argparse.ArgumentParser:
     ak = sub.add_parser("api-key", help="API keys of the HTTP gateway (each its own NATS identity)")
     aks = ak.add_subparsers(dest="key_cmd", required=True)
     akc = aks.add_parser("create", help="print a new API key")
+    akc.add_argument("name_pos", nargs="?", metavar="NAME", help="a label (as --name)")
     akc.add_argument("--name", default="key", help="a label, part of the key's NATS user name")
     akc.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (its auth.json; default: the client context's, else /var/lib/dsec)")
+    _limit_flags(akc)
     akc.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+    akq = aks.add_parser("limits", help="set the quotas of an API key (no flags: back to the defaults)")
+    akq.add_argument("name", help="the key's name (as created), its NATS user or key id")
+    akq.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
+    _limit_flags(akq)
+    akq.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
+    akd = aks.add_parser("defaults", help="the quotas of every API key without its own")
+    akd.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
+    akd.add_argument("--clear", action="store_true", help="no default quotas")
+    _limit_flags(akd)
+    akd.set_defaults(func=lambda a: asyncio.run(_api_key(a)))
     akl = aks.add_parser("ls", help="list the API keys (names, NATS users, creation times; never secrets)")
     akl.add_argument("--data-dir", default=None, help="the data dir of `dsec up` (as for create)")
     akl.add_argument("--json", action="store_true")

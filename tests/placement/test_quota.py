@@ -10,20 +10,27 @@ tenant without limits creating at the same time, the same tenant after a kill.
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
 from bus import codec
 from bus import subjects as S
-from bus.auth import with_credentials
+from bus.auth import AuthConfig, with_credentials
 from bus.messages import SANDBOX_ENDED, TenantLimits
-from bus.runtime import KV
+from bus.natsd import NatsServer
+from bus.runtime import KV, connect
 from placement import Placement
 from sdk import AsyncSandbox
 from sdk.errors import QuotaExceeded
+from sdk.gateway._keys import parse_key
+from tests.integration.conftest import PY, REPO, run_process, subprocess_env
 
-from .conftest import eventually
+from .conftest import eventually, seed
 from .test_flows import agent
 
 
@@ -41,8 +48,12 @@ async def set_limits(nc, tenant: str, *placements: Placement, **limits) -> None:
 
 
 async def create(url: str, tenant: str, **kw) -> AsyncSandbox:
+    return await create_at(tenant_url(url, tenant), **kw)
+
+
+async def create_at(url: str, **kw) -> AsyncSandbox:
     kw.setdefault("create_timeout", 30)
-    return await AsyncSandbox.create("base", backend="sim", nats_url=tenant_url(url, tenant), **kw)
+    return await AsyncSandbox.create("base", backend="sim", nats_url=url, **kw)
 
 
 async def held(nc, tenant: str) -> set[str]:
@@ -223,3 +234,94 @@ async def test_two_replicas_racing_on_one_tenant_never_over_admit(nats_srv, nc) 
     assert all(out[s.sandbox_id].description == f"tenant {a} holds 7 of max 7 sandboxes" for s, out in zip(specs, outs, strict=True) if out)
     again = await asyncio.gather(*(q.admit(a, lim, [s for s in specs if s.sandbox_id in admitted]) for q in qs))
     assert again == [{}, {}] and await held(nc, a) == admitted
+
+
+# ------------------------------------------------------------------------------ the command line
+@pytest.fixture
+def authed():
+    """NATS with the users and permissions `dsec up` configures (bus.auth), on a data dir of its own."""
+    d = Path(tempfile.mkdtemp(prefix="dsec-quota-"))
+    auth = AuthConfig.load_or_create(d / "auth.json")
+    srv = NatsServer(d / "nats", port=0, extra_config=auth.config_block())
+    srv.start()
+    yield srv, auth, d
+    srv.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+async def reload_users(srv: NatsServer, auth_file: Path, stop: asyncio.Event) -> None:
+    """What `dsec up` does while it runs: the server loads the users `dsec api-key` writes."""
+    seen = auth_file.stat().st_mtime_ns
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+        now = auth_file.stat().st_mtime_ns
+        if now != seen:
+            seen = now
+            await asyncio.to_thread(srv.reload, AuthConfig.load_or_create(auth_file).config_block())
+
+
+async def test_api_key_quotas_from_the_command_line(authed) -> None:
+    """`dsec api-key create NAME --max-sandboxes 2 ...` (a process of its own, as the operator): `ls`
+    shows the quotas, placement (as its NATS role) enforces them on the key's creates, and `dsec
+    api-key limits` changes them while it runs."""
+    srv, auth, d = authed
+    env = subprocess_env(auth.url_for("admin", srv.url), DSEC_CONTEXT=str(d / "no-context.json"))
+
+    async def dsec(*args: str) -> tuple[int, str, str]:
+        return await run_process(PY, "-m", "sdk.cli", "api-key", *args, "--data-dir", str(d), env=env, timeout=120, cwd=str(REPO))
+
+    admin = await connect(auth.url_for("admin", srv.url), name="test-admin")
+    await seed(admin.jetstream())
+    await admin.close()
+    stop = asyncio.Event()
+    reloads = asyncio.ensure_future(reload_users(srv, d / "auth.json", stop))
+    pl = Placement(auth.url_for("placement", srv.url), pending_delay_s=0.1, grace_s=2)
+    h = agent(auth.url_for("hostagent", srv.url), "qcli")
+    await pl.start()
+    await h.start()
+    try:
+        rc, key, err = await dsec("create", "capped", "--max-sandboxes", "2", "--max-memory-mb", "1024")
+        assert rc == 0, err
+        rc, free_key, err = await dsec("create", "free")
+        assert rc == 0, err
+        user, password = parse_key(key.strip())
+        rc, out, err = await dsec("ls", "--json")
+        assert rc == 0, err
+        keys = {k["name"]: k for k in json.loads(out)}
+        assert keys["capped"]["user"] == user and keys["capped"]["limits"] == {"max_sandboxes": 2, "max_cpu": 0.0, "max_memory_mb": 1024}
+        assert keys["free"]["limits"] is None
+        rc, out, err = await dsec("ls")
+        assert rc == 0 and "sandboxes<=2 memory_mb<=1024" in out and "defaults" in out, (out, err)
+        await eventually(lambda: user in pl.quotas.limits, what="placement sees the key's quotas")
+
+        url = with_credentials(srv.url, user, password)
+        mine = [await create_at(url, memory_mb=64) for _ in range(2)]
+        with pytest.raises(QuotaExceeded) as ei:
+            await create_at(url, memory_mb=64)
+        assert ei.value.code == "quota_exceeded" and ei.value.description == f"tenant {user} holds 2 of max 2 sandboxes"
+        free = [await create_at(with_credentials(srv.url, *parse_key(free_key.strip())), memory_mb=64) for _ in range(3)]  # positive control
+
+        rc, _, err = await dsec("limits", "capped", "--max-sandboxes", "3")
+        assert rc == 0, err
+        await eventually(lambda: pl.quotas.limits[user].max_sandboxes == 3, what="placement sees the raised quota")
+        mine.append(await create_at(url, memory_mb=64))
+        # Defaults reach the key without quotas of its own, not the capped one's.
+        rc, _, err = await dsec("defaults", "--max-sandboxes", "3")
+        assert rc == 0, err
+        await eventually(lambda: S.TENANT_DEFAULTS in pl.quotas.limits, what="placement sees the defaults")
+        with pytest.raises(QuotaExceeded) as ei:
+            await create_at(with_credentials(srv.url, *parse_key(free_key.strip())), memory_mb=64)
+        assert ei.value.description.endswith("holds 3 of max 3 sandboxes")
+        for sb in [*mine, *free]:
+            await sb.kill()
+    finally:
+        stop.set()
+        await reloads
+        await pl.shutdown()
+        await h.shutdown()
+        from sdk._async import close_connections
+
+        await close_connections()  # the SDK's connections to this server, which the fixture stops
