@@ -384,3 +384,52 @@ async def test_revoked_key_stops_working_on_the_bus(stack: SecStack, redteam: Re
         await eventually(lambda: sb.sandbox_id not in stack.host.live, timeout=30, what="the revoked key's sandbox killed")
     finally:
         await kept.close()
+
+
+# ------------------------------------------------------------------------------------------ quotas
+async def test_tenants_and_services_cannot_raise_a_quota_or_forget_what_is_held(stack: SecStack, redteam: RedTeam) -> None:
+    """A tenant's quotas (KV ``dsec_tenants``) are the operator's to write, what it holds (KV
+    ``dsec_quota``) placement's: the tenant itself, and a host agent or placement credential, is
+    refused by the server on every write path (put, the defaults, a purge); the quota holds. The
+    operator's own write is the positive control: placement applies it."""
+    from bus.messages import TenantLimits, TenantUsage
+    from bus.runtime import KV
+    from sdk.errors import QuotaExceeded
+
+    a, b = await tenants(stack, "a", "b")
+    hostagent = Tenant("hostagent", "hostagent", stack.url_as("hostagent"), None, [])
+    placement = Tenant("placement", "placement", stack.url_as("placement"), None, [])
+    await hostagent.connect()
+    await placement.connect()
+    limits: KV[TenantLimits] = await KV.bind(stack.nc.jetstream(), S.KV_TENANTS, codec.TENANT_LIMITS)
+    try:
+        await limits.put(a.user, TenantLimits(max_sandboxes=1))
+        await eventually(lambda: a.user in stack.placement.quotas.limits, what="placement sees a's quota")
+        raised = codec.encode(TenantLimits(max_sandboxes=1000))
+        forgotten = codec.encode(TenantUsage(sandboxes={}))
+        await a.denied_publish(redteam, f"$KV.{S.KV_TENANTS}.{a.user}", raised, "raise its own quota")
+        await a.denied_publish(redteam, f"$KV.{S.KV_TENANTS}.{S.TENANT_DEFAULTS}", raised, "raise the default quotas")
+        await a.denied_publish(redteam, f"$JS.API.STREAM.PURGE.KV_{S.KV_TENANTS}", b"{}", "purge every quota")
+        await a.denied_publish(redteam, f"$KV.{S.KV_QUOTA}.{a.user}", forgotten, "forget the sandboxes it holds")
+        await a.denied_publish(redteam, f"$JS.API.STREAM.PURGE.KV_{S.KV_QUOTA}", b"{}", "purge what every tenant holds")
+        await hostagent.denied_publish(redteam, f"$KV.{S.KV_TENANTS}.{a.user}", raised, "(host agent credential) raise a tenant's quota")
+        await hostagent.denied_publish(redteam, f"$KV.{S.KV_QUOTA}.{a.user}", forgotten, "(host agent credential) forget what a tenant holds")
+        await placement.denied_publish(redteam, f"$KV.{S.KV_TENANTS}.{a.user}", raised, "(placement credential) raise a tenant's quota")
+        assert await limits.get(a.user) == TenantLimits(max_sandboxes=1) and await limits.get(S.TENANT_DEFAULTS) is None
+
+        first = await create_as(stack, a)
+        with pytest.raises(QuotaExceeded) as ei:
+            await create_as(stack, a)
+        assert ei.value.code == "quota_exceeded" and ei.value.description == f"tenant {a.user} holds 1 of max 1 sandboxes"
+        redteam.blocked(f"tenant a: a 2nd sandbox over its quota [quota_exceeded: {ei.value.description}]")
+        await create_as(stack, b)
+        await create_as(stack, b)
+        redteam.allowed("tenant b (no quota): creates beside it")
+        await limits.put(a.user, TenantLimits(max_sandboxes=2))
+        await eventually(lambda: stack.placement.quotas.limits[a.user].max_sandboxes == 2, what="placement sees the operator's new quota")
+        second = await create_as(stack, a)
+        assert (await second.commands.run("echo two")).stdout == "two\n" and first.sandbox_id != second.sandbox_id
+        redteam.allowed("operator: raises a's quota, and a creates within it")
+    finally:
+        for t in (a, b, hostagent, placement):
+            await t.close()
