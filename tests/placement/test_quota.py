@@ -114,6 +114,30 @@ async def test_max_sandboxes_refuses_the_next_and_a_kill_frees_a_place(nats_srv,
         await h.shutdown()
 
 
+async def test_a_batch_counts_each_member(nats_srv, nc) -> None:
+    """A batched create (what a fork sends) is held member by member: a batch that passes the limit
+    fails whole with the typed error, and its admitted members, killed by the SDK, free their places."""
+    url = nats_srv.url
+    h = agent(url, "qbatch")
+    pl = Placement(url, pending_delay_s=0.1, grace_s=2)
+    await h.start()
+    await pl.start()
+    a = tenant_name("batch")
+    try:
+        await set_limits(nc, a, pl, max_sandboxes=3)
+        two = await AsyncSandbox.create_batch(2, "base", backend="sim", nats_url=tenant_url(url, a), create_timeout=30)
+        with pytest.raises(QuotaExceeded) as ei:
+            await AsyncSandbox.create_batch(2, "base", backend="sim", nats_url=tenant_url(url, a), create_timeout=30)
+        assert ei.value.description == f"tenant {a} holds 3 of max 3 sandboxes"
+        third = await create(url, a)  # the refused batch's admitted member was killed: its place is free
+        assert await live_of(nc, a) == {*(sb.sandbox_id for sb in two), third.sandbox_id}
+        for sb in [*two, third]:
+            await sb.kill()
+    finally:
+        await pl.shutdown()
+        await h.shutdown()
+
+
 async def test_cpu_and_memory_limits(nats_srv, nc) -> None:
     url = nats_srv.url
     h = agent(url, "q2")
@@ -303,6 +327,16 @@ async def test_api_key_quotas_from_the_command_line(authed) -> None:
             await create_at(url, memory_mb=64)
         assert ei.value.code == "quota_exceeded" and ei.value.description == f"tenant {user} holds 2 of max 2 sandboxes"
         free = [await create_at(with_credentials(srv.url, *parse_key(free_key.strip())), memory_mb=64) for _ in range(3)]  # positive control
+        # The HTTP gateway (E2B and /v1) answers the key with the error's status: 429, the limit named.
+        from aiohttp.test_utils import TestClient, TestServer
+
+        from sdk.gateway import GatewayConfig, make_app
+
+        async with TestClient(TestServer(make_app(GatewayConfig(nats_url=srv.url)))) as http:
+            r = await http.post("/sandboxes", json={"templateID": "base"}, headers={"X-API-Key": key.strip()})
+            assert r.status == 429 and (await r.json())["message"] == f"tenant {user} holds 2 of max 2 sandboxes"
+            r = await http.post("/v1/sandboxes", json={"template": "base"}, headers={"X-API-Key": key.strip()})
+            assert r.status == 429 and (await r.json())["code"] == "quota_exceeded"
 
         rc, _, err = await dsec("limits", "capped", "--max-sandboxes", "3")
         assert rc == 0, err
