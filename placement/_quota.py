@@ -37,6 +37,7 @@ from bus.runtime import KV, Versioned, Watch
 log = structlog.get_logger("dsec.placement.quota")
 
 CAS_ROUNDS = 16  # writers racing on one tenant's record: each round one of them wins
+READS_AT_ONCE = 256  # record reads in flight while checking holds (a big tenant's thousands)
 _FREED = frozenset((*SANDBOX_ENDED, "stopping"))  # stopping: a kill is under way, a durable intent
 
 
@@ -130,7 +131,7 @@ class Quotas:
             if not ask:
                 return
             now = time.time()
-            recs = await asyncio.gather(*(kv_sbx.get(sid) for sid in ask))
+            recs = await _records(kv_sbx, ask)
             gone = {
                 sid for sid, rec in zip(ask, recs, strict=True)
                 if (now - holds[sid].at > grace_s if rec is None else rec.state in _FREED or S.tenant(rec.spec.client) != tenant)
@@ -157,8 +158,7 @@ class Quotas:
         record is read instead."""
         assert self._kv is not None and self._kv_sbx is not None
         kv_sbx = self._kv_sbx
-        keys = await kv_sbx.keys()
-        recs = await asyncio.gather(*(kv_sbx.get(k) for k in keys))
+        recs = await _records(kv_sbx, await kv_sbx.keys())
         now = time.time()
         holds = {
             r.spec.sandbox_id: hold_of(r.spec, now)
@@ -180,6 +180,13 @@ class Quotas:
             return None
         self._usage[tenant] = Versioned(usage, rev)
         return rev
+
+
+async def _records(kv: KV[SandboxRecord], ids: list[str]) -> list[SandboxRecord | None]:
+    out: list[SandboxRecord | None] = []
+    for i in range(0, len(ids), READS_AT_ONCE):
+        out += await asyncio.gather(*(kv.get(sid) for sid in ids[i:i + READS_AT_ONCE]))
+    return out
 
 
 __all__ = ["Quotas"]
