@@ -380,8 +380,8 @@ async def _sync_quotas(auth_file: Path, url: str) -> None:
     try:
         if await sync_limits(auth_file, url):
             _say("wrote the API keys' quotas")
-    except DsecError as exc:
-        _say(f"could not write the API keys' quotas: {exc.description}")
+    except Exception as exc:  # noqa: BLE001 - the stack runs on; placement keeps the quotas KV has
+        _say(f"could not write the API keys' quotas: {exc.description if isinstance(exc, DsecError) else repr(exc)}")
 
 
 async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: Path, auth: AuthConfig | None) -> int:

@@ -306,7 +306,8 @@ async def _api_key(args: argparse.Namespace) -> int:
         if args.key_cmd == "defaults":
             set_default_limits(auth_file, None if args.clear else _limits_arg(args) or TenantLimits())
             return await _sync_limits(auth_file, args.nats_url)
-        key = create_api_key(auth_file, args.name_pos or args.name, _limits_arg(args))
+        limits = _limits_arg(args)
+        key = create_api_key(auth_file, args.name_pos or args.name, limits)
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsec: {exc}", file=sys.stderr)
         return 2
@@ -314,7 +315,8 @@ async def _api_key(args: argparse.Namespace) -> int:
     if not await wait_usable(key, args.nats_url):
         print("dsec: the key is saved, but NATS does not accept it yet; is `dsec up` running on this data dir?", file=sys.stderr)
         return 0
-    return await _sync_limits(auth_file, args.nats_url)
+    # A key without quotas of its own has no record (the defaults apply): nothing to write.
+    return 0 if limits is None else await _sync_limits(auth_file, args.nats_url)
 
 
 def _limits_arg(args: argparse.Namespace) -> TenantLimits | None:
@@ -331,8 +333,9 @@ async def _sync_limits(auth_file: Any, nats_url: str | None) -> int:
 
     try:
         await sync_limits(auth_file, nats_url)
-    except DsecError as exc:
-        print(f"dsec: the quotas are saved, but could not be written to NATS ({exc.description}); is `dsec up` running on this data dir?", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - NATS away, or not the operator's credential: said in one line
+        why = exc.description if isinstance(exc, DsecError) else repr(exc)
+        print(f"dsec: the quotas are saved, but could not be written to NATS as the operator ({why}); is `dsec up` running on this data dir?", file=sys.stderr)
         return 1
     return 0
 
