@@ -22,12 +22,14 @@ class PlacementMetrics:
         )
         self.placed_s = reg.histogram("dsec_placement_seconds", "From the client's create request to its hand-off to a host")
         hosts = reg.gauge("dsec_placement_hosts", "Hosts in this replica's table, by state", ["state"])
+        refused = reg.gauge("dsec_placement_quota_refused", "Creates this replica refused over a tenant's quota (quota_exceeded) since it started")
         stream_collector(reg, lambda: svc.js, STREAMS)
 
         def fill() -> None:
             hosts.clear()
             for e in list(svc.table.hosts.values()):
                 hosts.inc(1, state=e.status.state)
+            refused.set(svc.quotas.refused)
 
         reg.collector(fill)
 

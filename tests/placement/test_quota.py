@@ -98,6 +98,7 @@ async def test_max_sandboxes_refuses_the_next_and_a_kill_frees_a_place(nats_srv,
             await fourth
         assert ei.value.code == "quota_exceeded"
         assert ei.value.description == f"tenant {a} holds 3 of max 3 sandboxes"
+        assert pl.quotas.refused == 1  # dsec_placement_quota_refused
         assert len({sb.sandbox_id for sb in theirs}) == 5 and await held(nc, b) == set()  # B is not counted at all
         assert await live_of(nc, a) == {sb.sandbox_id for sb in mine}  # nothing started for the refused one
 
