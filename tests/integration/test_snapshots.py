@@ -161,6 +161,38 @@ async def test_snapshot_fork_8_same_tree_then_diverge(stack: Stack, lazy: LazyDa
         assert created.metadata == {"step": "1"} and created.sandbox_id == sb.sandbox_id
 
 
+async def test_a_fork_counts_against_its_tenants_quota(stack: Stack, lazy: LazyDaemon) -> None:
+    """A fork is a batched create of the source's tenant: over its quota it fails with the typed
+    error (the members that fitted are killed again), within it the fork runs and holds its place."""
+    from bus.auth import with_credentials
+    from bus.messages import TenantLimits
+    from sdk.errors import QuotaExceeded
+
+    tenant = f"cli-fork{stack.uid}"
+    kw = stack.kw(nats_url=with_credentials(stack.url, tenant, "x"))  # no authorization here: the user name is the tenant
+    kv = await ensure_kv(stack.js, S.KV_TENANTS)
+    await kv.put(tenant, codec.encode(TenantLimits(max_sandboxes=2)))
+    await eventually(lambda: all(tenant in p.quotas.limits for p in stack.placements), what="placement sees the quota")
+    sb = await AsyncSandbox.create(**kw)
+    made = [sb]
+    try:
+        await sb.files.write("/root/mark", "forked")
+        with pytest.raises(QuotaExceeded) as ei:
+            await sb.fork(2, **kw)
+        assert ei.value.code == "quota_exceeded" and ei.value.description == f"tenant {tenant} holds 2 of max 2 sandboxes"
+        (child,) = await sb.fork(1, **kw)
+        made.append(child)
+        assert await child.files.read("/root/mark") == "forked"
+        with pytest.raises(QuotaExceeded) as ei:
+            await AsyncSandbox.create(**kw)
+        assert ei.value.description == f"tenant {tenant} holds 2 of max 2 sandboxes"
+    finally:
+        for x in made:
+            with contextlib.suppress(DsecError):
+                await x.kill()
+        await kv.delete(tenant)
+
+
 async def test_bad_input(stack: Stack, lazy: LazyDaemon) -> None:
     with pytest.raises(DsecError) as ei:
         await AsyncSandbox.create(snapshot="snap-does-not-exist", **stack.kw())
