@@ -29,6 +29,8 @@ from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotF
 from tests.conftest import eventually, needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.integration.conftest import PY, REPO, Child, Stack, answers_again, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
+from tests.netclaim import NetClaim, claim_net
+from tests.security.test_network import TestHost, counters
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
 pytestmark = [pytest.mark.containerd, needs_stack, needs(NO_QEMU)]
@@ -47,6 +49,7 @@ class MicroHost:
     env: dict[str, str]
     log: Path
     agent: Child
+    net: NetClaim
 
     def vm_dir(self, sid: str) -> Path:
         return self.data / "mvm" / "vms" / sid
@@ -84,12 +87,13 @@ class MicroHost:
 @pytest_asyncio.fixture(scope="module")
 async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
     uid = stack.new_id("mvm")
+    claim = await asyncio.to_thread(claim_net)  # the VMs' networks get names no other stack uses
     data = Path(tempfile.mkdtemp(prefix="dsec-mvm-", dir="/tmp"))
     argv = [PY, "-m", "hostagent", "--backend", "microvm", "--data-dir", str(data), "--host-id", uid, "--pool", uid,
             "--concurrency", "4", "--reconcile-s", "1"]
-    env = subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE)  # the accelerator is probed, not forced
+    env = subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE, **claim.env())  # the accelerator is probed, not forced
     log = data.parent / f"{data.name}.log"
-    h = MicroHost(stack, uid, uid, data, argv, env, log, Child(argv, env, log).start())
+    h = MicroHost(stack, uid, uid, data, argv, env, log, Child(argv, env, log).start(), claim)
     try:
         t0 = time.time()
         await eventually(lambda: h.ready_since(t0), timeout=240, interval=0.2, what="the microvm host agent")
@@ -101,6 +105,8 @@ async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)
         log.unlink(missing_ok=True)
+        await claim.purge()
+        claim.release()
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -192,6 +198,60 @@ async def test_the_guest_is_its_own_kernel_without_host_paths_or_network(vm: Asy
     r = await vm.commands.run("cat /proc/meminfo | head -1; nproc")
     mem_kb, ncpu = int(r.stdout.split()[1]), int(r.stdout.split()[3])
     assert mem_kb < 300 * 1024 and ncpu == 1  # memory_mb=256 of guest RAM, cpu=1 vCPU
+
+
+async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
+    """A microVM with ``network``: its virtio NIC is a tap bridged to the sandbox's veth in its own
+    netns, so the guard's host-side rules hold for the guest's packets as for a container's. The
+    peer is a test host netns on this machine (198.18.X.2); nothing leaves the machine."""
+    th = TestHost()
+    th.start()
+    sid = f"{mhost.host_id}-net"
+    try:
+        allowed, other = await th.listen(), await th.listen()
+        sb = await AsyncSandbox.create(**mhost.stack.kw(
+            pool=mhost.pool, sandbox_id=sid, backend="microvm", memory_mb=256, disk_mb=256, create_timeout=BOOT_S,
+            network={"allow_out": [f"{th.ip}:{allowed.port}"]},
+        ))
+        netns = f"/run/netns/{mhost.net.netns_prefix}{sid}"
+        qemu_pid = int((mhost.vm_dir(sid) / "qemu.pid").read_text())
+        # QEMU itself runs in the sandbox's netns (it holds the tap), not in the host's.
+        assert os.stat(f"/proc/{qemu_pid}/ns/net").st_ino == os.stat(netns).st_ino != os.stat("/proc/self/ns/net").st_ino
+        r = await sb.commands.run("ls /sys/class/net; ip -4 -o addr show dev eth0; ip -4 route")
+        assert r.stdout.split()[:2] == ["eth0", "lo"], r.stdout
+        assert "inet 10.210." in r.stdout and "default via 10.210." in r.stdout, r.stdout  # the claim's pool, /30
+        gw = r.stdout.split("default via ", 1)[1].split()[0]
+
+        # Allowed: the allowlisted host:port answers (masqueraded behind the host end of the veth).
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}"), r
+        assert allowed.hits == 1
+
+        # Denied: the same host on a port the allowlist does not name: the host side's not_allowed
+        # rule resets the connect (ECONNREFUSED in the guest), and the listener sees nothing.
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(f"nc -w 10 {th.ip} {other.port} </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout and r.stdout.rstrip().endswith("rc=1"), r.stdout
+        assert counters(mhost.net.table)["not_allowed"] > before["not_allowed"]
+        assert other.hits == 0
+        # Denied: the host itself (the veth's own address, the gateway the guest routes by).
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(f"nc -w 10 {gw} 22 </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout, r.stdout
+        assert counters(mhost.net.table)["to_host"] > before["to_host"]
+
+        await sb.kill()
+
+        def left() -> list[str]:
+            found = mhost.leftovers(sid) + ([f"netns {netns}"] if os.path.lexists(netns) else [])
+            for name in os.listdir("/sys/class/net"):  # the veth's host end carries the sandbox id as alias
+                if name.startswith(mhost.net.prefix) and Path(f"/sys/class/net/{name}/ifalias").read_text().strip() == sid:
+                    found.append(f"link {name}")
+            return found
+
+        await eventually(lambda: not left(), timeout=60, what=f"nothing of the VM's network left: {left()}")
+    finally:
+        th.stop()
 
 
 @needs_fuse
