@@ -77,6 +77,17 @@ class MicroHost:
             pool=self.pool, sandbox_id=sid, backend="microvm", memory_mb=256, disk_mb=512, create_timeout=BOOT_S,
         )))
 
+    async def kill_agent(self) -> None:
+        """SIGKILL the host agent (its VMs run on)."""
+        self.agent.signal(signal.SIGKILL)
+        assert await self.agent.wait(30) == -signal.SIGKILL
+
+    async def start_agent(self) -> None:
+        """Start the host agent again; returns once it is ready."""
+        t1 = time.time()
+        self.agent = Child(self.argv, self.env, self.log).start()
+        await eventually(lambda: self.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
+
     def leftovers(self, sid: str) -> list[str]:
         """What of a microVM is still on this host: its QEMU, its dir (disk, sockets, pid file)."""
         d = self.vm_dir(sid)
@@ -202,8 +213,9 @@ async def test_the_guest_is_its_own_kernel_without_host_paths_or_network(vm: Asy
 
 async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
     """A microVM with ``network``: its virtio NIC is a tap bridged to the sandbox's veth in its own
-    netns, so the guard's host-side rules hold for the guest's packets as for a container's. The
-    peer is a test host netns on this machine (198.18.X.2); nothing leaves the machine."""
+    netns, so the guard's host-side rules hold for the guest's packets as for a container's, also
+    after a host-agent restart. The peer is a test host netns on this machine (198.18.X.2); nothing
+    leaves the machine; a kill leaves no netns, veth or tap."""
     th = TestHost()
     th.start()
     sid = f"{mhost.host_id}-net"
@@ -239,6 +251,16 @@ async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
         r = await sb.commands.run(f"nc -w 10 {gw} 22 </dev/null 2>&1; echo rc=$?", timeout=60)
         assert "Connection refused" in r.stdout, r.stdout
         assert counters(mhost.net.table)["to_host"] > before["to_host"]
+
+        # A restarted host agent re-arms the running VM's rules (and removes no part of its network).
+        await mhost.kill_agent()
+        await mhost.start_agent()
+        await answers_again(sb, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
+        assert int((mhost.vm_dir(sid) / "qemu.pid").read_text()) == qemu_pid and pid_alive(qemu_pid)
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}"), r
+        r = await sb.commands.run(f"nc -w 10 {th.ip} {other.port} </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout and other.hits == 0, r.stdout
 
         await sb.kill()
 
@@ -314,14 +336,11 @@ async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhos
     await vm.files.write("/workspace/state.txt", "before")
     await vm.commands.run("sleep 1000 >/dev/null 2>&1 &")
     qemu_pid = int((mhost.vm_dir(vm.sandbox_id) / "qemu.pid").read_text())
-    mhost.agent.signal(signal.SIGKILL)
-    assert await mhost.agent.wait(30) == -signal.SIGKILL
+    await mhost.kill_agent()
     assert pid_alive(qemu_pid)  # the VM runs on without its host agent
     with pytest.raises(SandboxNotFound):
         await vm.commands.run("true")
-    t1 = time.time()
-    mhost.agent = Child(mhost.argv, mhost.env, mhost.log).start()
-    await eventually(lambda: mhost.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
+    await mhost.start_agent()
 
     await answers_again(vm, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
     assert await vm.files.read("/workspace/state.txt") == "before"
