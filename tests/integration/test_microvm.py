@@ -233,6 +233,7 @@ async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
         assert r.stdout.split()[:2] == ["eth0", "lo"], r.stdout
         assert "inet 10.210." in r.stdout and "default via 10.210." in r.stdout, r.stdout  # the claim's pool, /30
         gw = r.stdout.split("default via ", 1)[1].split()[0]
+        ip = r.stdout.split("inet ", 1)[1].split("/")[0]
 
         # Allowed: the allowlisted host:port answers (masqueraded behind the host end of the veth).
         r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
@@ -251,6 +252,17 @@ async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
         r = await sb.commands.run(f"nc -w 10 {gw} 22 </dev/null 2>&1; echo rc=$?", timeout=60)
         assert "Connection refused" in r.stdout, r.stdout
         assert counters(mhost.net.table)["to_host"] > before["to_host"]
+        # Root in the guest takes another address: the host side drops what it sends (spoofed).
+        spoof = f"{ip.rsplit('.', 1)[0]}.{(int(ip.rsplit('.', 1)[1]) + 4) % 256}"
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(
+            f"ip addr add {spoof}/32 dev eth0 && ip route replace default via {gw} src {spoof} && echo hi | nc -w 5 {th.ip} {allowed.port} 2>&1;"
+            f" echo rc=$?; ip route replace default via {gw}; ip addr del {spoof}/32 dev eth0", timeout=60,
+        )
+        assert "hello-from" not in r.stdout and "refused" not in r.stdout and r.stdout.rstrip().endswith("rc=1"), r.stdout  # dropped
+        assert counters(mhost.net.table)["spoofed"] > before["spoofed"] and allowed.hits == 1
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)  # positive control: its own address
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}") and allowed.hits == 2, r
 
         # A restarted host agent re-arms the running VM's rules (and removes no part of its network).
         await mhost.kill_agent()
@@ -258,7 +270,7 @@ async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
         await answers_again(sb, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
         assert int((mhost.vm_dir(sid) / "qemu.pid").read_text()) == qemu_pid and pid_alive(qemu_pid)
         r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
-        assert r.stdout.startswith(f"hello-from-testhost {th.gw}"), r
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}") and allowed.hits == 3, r
         r = await sb.commands.run(f"nc -w 10 {th.ip} {other.port} </dev/null 2>&1; echo rc=$?", timeout=60)
         assert "Connection refused" in r.stdout and other.hits == 0, r.stdout
 
