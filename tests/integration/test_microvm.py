@@ -377,8 +377,9 @@ async def test_qemu_killed_from_outside_is_lost_and_leaves_nothing(mhost: MicroH
 
 
 async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
-    """The full-VM backend, driven directly (its screenshot and input calls have no SDK op yet): a
-    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame."""
+    """The full-VM backend, driven directly (test_envd drives it through the SDK and the gateway): a
+    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame,
+    a click reaches the guest's tablet."""
     from bus.errors import InvalidArgument
     from bus.messages import ExecRequest, LayerRef, SandboxSpec
     from hostagent.backends.vm import VMBackend
@@ -405,7 +406,21 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
         await eventually(typed, timeout=60, what="the typed command to run in the screen's shell")
         after = await b.screenshot(h)
         assert after.startswith(b"\x89PNG") and after != first  # the frame shows it
-        await b.input_click(h, 10, 10)  # positive control for the refusals below
+        # A click reaches the guest as the tablet's input events (what an X server would read);
+        # it is also the positive control for the refusals below.
+        r = await b.exec(h, ExecRequest(cmd="for e in /sys/class/input/event*; do grep -q Tablet $e/device/name && echo ${e##*/}; done"), None)
+        ev = r.stdout.decode().strip()
+        assert ev.startswith("event"), r
+        await b.exec(h, ExecRequest(cmd=f"cat /dev/input/{ev} > /tmp/ev 2>/dev/null & echo $! > /tmp/ev.pid"), None)
+
+        async def events(least: int) -> bool:  # (while the reader runs)
+            r = await b.exec(h, ExecRequest(cmd="test -d /proc/$(cat /tmp/ev.pid) && wc -c < /tmp/ev"), None)
+            return r.exit_code == 0 and int(r.stdout) >= least
+
+        await eventually(lambda: events(0), timeout=30, what="the event reader to run")
+        assert not await events(1)  # nothing before the click
+        await b.input_click(h, 10, 10)
+        await eventually(lambda: events(4 * 24), timeout=30, what="the click's events (x, y, button down and up) in the guest")
         with pytest.raises(InvalidArgument):
             await b.input_click(h, 5000, 10)
         with pytest.raises(InvalidArgument):

@@ -107,7 +107,7 @@ class VMSpec:
             a += ["-netdev", f"tap,id=n0,ifname={self.net.tap},script=no,downscript=no",
                   "-device", f"virtio-net-{bus},netdev=n0,mac={self.net.mac}"]
         if self.machine == "q35":
-            a += ["-device", "qemu-xhci", "-device", "usb-tablet"]  # absolute pointer events (clicks)
+            a += ["-device", "virtio-tablet-pci"]  # absolute pointer events (clicks); the guest kernel has no USB
         if self.incoming:
             a += ["-incoming", "defer"]
         if daemonize:
