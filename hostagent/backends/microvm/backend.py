@@ -2,7 +2,8 @@
 exploit inside stays inside), booted from an initramfs whose ``/init`` is the dsec agent, root on the
 template's EROFS layers (read-only virtio disks) under an overlay on a private ext4 disk. The host
 reaches the agent through virtio-serial (``serialmux``); QEMU runs detached, so a restarted host
-agent reattaches to it (``recover``)."""
+agent reattaches to it (``recover``). A VM with a network gets a container's sandbox network with a
+tap on it (``net``), QEMU running in its netns."""
 
 from __future__ import annotations
 
