@@ -37,6 +37,8 @@ from .messages import (
     PortOp,
     PortOpened,
     MetricsRequest,
+    DisplayRequest,
+    Screenshot,
     ProcessList,
     ProcessStarted,
     ProcOp,
@@ -112,6 +114,7 @@ SBX_PORT = Decoder(PortOp)  # dsec.sbx.<id>.port
 PORT_DATA = Decoder(PortData)  # the PortOpen's ``to`` inbox
 SBX_PROC = Decoder(ProcOp)  # dsec.sbx.<id>.proc
 SBX_METRICS = Decoder(MetricsRequest)  # dsec.sbx.<id>.metrics
+SBX_DISPLAY = Decoder(DisplayRequest)  # dsec.sbx.<id>.display
 SBX_ACK = Decoder(StreamAck)  # dsec.sbx.<id>.ack (no reply)
 EXEC_CHUNK = Decoder(ExecChunk)
 EXEC_STREAM = Decoder(ExecChunk | ExecResult)  # what a client's stream_to inbox receives
@@ -136,6 +139,7 @@ SBX_REQUEST_DECODERS = {
     "port": SBX_PORT,
     "proc": SBX_PROC,
     "metrics": SBX_METRICS,
+    "display": SBX_DISPLAY,
     "ack": SBX_ACK,
 }
 
@@ -169,6 +173,7 @@ REPLY_TYPES = {
     "port": PortOpened | Done,
     "proc": ProcessList | ProcessStarted | Done,
     "metrics": SandboxMetrics,
+    "display": Screenshot | Done,
 }
 
 __all__ = ["encode", "decode_reply", "Decoder", "REPLY_TYPES", "SBX_REQUEST_DECODERS"] + [

@@ -842,6 +842,31 @@ class SandboxMetrics(Struct, kw_only=True, tag=True):
 
 
 
+# --- a sandbox's screen (core request/reply on dsec.sbx.<id>.display) ------------------------------
+DisplayAction = Literal["screenshot", "type", "key", "click"]
+MouseButton = Literal["left", "right", "middle"]
+
+
+class DisplayRequest(Struct, kw_only=True, tag=True):
+    """Request on ``dsec.sbx.<id>.display``, for a sandbox with a screen (``backend="vm"``; any other
+    answers ``not_supported``). ``screenshot`` answers ``Screenshot``; ``type`` types ``text``,
+    ``key`` presses ``key`` (a name, modifiers joined with ``+``: ``"enter"``, ``"ctrl+c"``) and
+    ``click`` clicks ``button`` at (``x``, ``y``) in screenshot pixels; those answer ``Done``."""
+
+    action: DisplayAction
+    text: str = ""
+    key: str = ""
+    x: int = 0
+    y: int = 0
+    button: MouseButton = "left"
+
+
+class Screenshot(Struct, kw_only=True, tag=True):
+    """The screen as a PNG image."""
+
+    png: bytes
+
+
 # --- image cache stats (core request/reply on dsec.img.host.<host>.stats) ----------------------------
 class LayerCacheStats(Struct, kw_only=True):
     """One layer as this host's lazy loader sees it (a nested value)."""
@@ -1144,6 +1169,8 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "HostState",
     "HostEventKind",
     "SnapshotEventKind",
+    "DisplayAction",
+    "MouseButton",
     "ImageEventKind",
     "RolloutState",
     "ROLLOUT_TOOLS",

@@ -164,6 +164,21 @@ class CachesLayers(Protocol):
     def cached_layers(self) -> list[str]: ...
 
 
+@runtime_checkable
+class Display(Protocol):
+    """Has a screen (the full-VM backend): screenshots and keyboard and mouse input."""
+
+    async def screenshot(self, handle: Handle) -> bytes:
+        """The screen as PNG."""
+        ...
+
+    async def input_type(self, handle: Handle, text: str) -> None: ...
+
+    async def input_key(self, handle: Handle, name: str) -> None: ...
+
+    async def input_click(self, handle: Handle, x: int, y: int, button: str = "left") -> None: ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What one backend can do beyond ``Backend``, looked up once (``of``) when the host agent starts.
@@ -177,6 +192,7 @@ class Capabilities:
     agents: AgentChannel | None = None
     warm_pool: WarmPooling | None = None
     layer_cache: CachesLayers | None = None
+    display: Display | None = None
 
     @classmethod
     def of(cls, backend: Backend) -> Capabilities:
@@ -189,7 +205,13 @@ class Capabilities:
             agents=backend if isinstance(backend, AgentChannel) else None,
             warm_pool=backend if isinstance(backend, WarmPooling) else None,
             layer_cache=backend if isinstance(backend, CachesLayers) else None,
+            display=backend if isinstance(backend, Display) else None,
         )
+
+    def need_display(self) -> Display:
+        if self.display is None:
+            raise NotSupported(f"screenshots and input need a sandbox with a screen (backend 'vm'); this host runs {self.name!r}")
+        return self.display
 
     def need_freezer(self) -> Freezing:
         if self.freezer is None:
@@ -213,6 +235,6 @@ class Capabilities:
 
 
 __all__ = [
-    "AgentChannel", "Backend", "CachesLayers", "Capabilities", "Checkpointing", "EnforcesProfiles", "Freezing", "Handle",
+    "AgentChannel", "Backend", "CachesLayers", "Capabilities", "Checkpointing", "Display", "EnforcesProfiles", "Freezing", "Handle",
     "HostCapacity", "Metering", "OnOutput", "OnStart", "Usage", "WarmPooling",
 ]

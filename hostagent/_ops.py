@@ -1,4 +1,4 @@
-"""The ops endpoint: core request/reply on ``dsec.sbx.<id>.<op>`` (exec, files, kill, timeout, info)
+"""The ops endpoint: core request/reply on ``dsec.sbx.<id>.<op>`` (exec, files, kill, timeout, info, display, ...)
 for every sandbox this host holds, one subscription per sandbox, each request answered."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from bus.errors import BadRequest, DsecError, SandboxNotFound, SandboxNotRunning
 from bus.messages import (
     KILL_DONE,
     KILL_PENDING,
+    DisplayRequest,
     Done,
     ExecRequest,
     ExecResult,
@@ -42,6 +43,7 @@ from bus.messages import (
 from bus.runtime import Endpoint
 
 from ._backend import Backend, Handle
+from ._display import display
 from ._execio import ExecIO, encode_reply
 from ._metrics import HostMetrics
 from ._ports import PortRelay
@@ -162,7 +164,12 @@ class OpsEndpoint:
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:
-                return await self.backend.files(handle, req)
+                return await self._screen_or_files(handle, req)
+
+    async def _screen_or_files(self, handle: Handle, req: Any) -> Any:
+        if isinstance(req, DisplayRequest):
+            return await display(self.execio.caps, handle, req)
+        return await self.backend.files(handle, req)
 
     async def _while_stopping(self, sid: str, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
         """A sandbox being stopped answers only a (repeated) kill and info."""

@@ -35,9 +35,11 @@ from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
 from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync, tenant_of
 
+from . import _display
 from . import _snapshots as _snap
 from . import _trajectory as _traj
 from ._commands import AsyncCommands
+from ._display import AsyncInput
 from ._files import AsyncFilesystem
 from ._models import SandboxInfo, SandboxMetrics
 from ._requests import release_requests, requests_for
@@ -450,6 +452,7 @@ class AsyncSandbox:
         self._nc = nc
         self.commands = AsyncCommands(self)
         self.files = AsyncFilesystem(self)
+        self.input = AsyncInput(self)  # keyboard and mouse of a sandbox with a screen (backend="vm")
         self._traj = _traj.TrajClient()
 
     def __repr__(self) -> str:
@@ -711,6 +714,10 @@ class AsyncSandbox:
             sandbox_id=self.sandbox_id, template=rec.spec.template, state=rec.state, host_id=rec.host_id,
             started_at=rec.ready_at, expires_at=rec.expires_at, metadata=rec.spec.metadata,
         )
+
+    async def screenshot(self) -> bytes:
+        """The screen of a sandbox with one (``backend="vm"``) as PNG; others raise ``NotSupported``."""
+        return await _display.screenshot(self)
 
     async def get_metrics(self) -> SandboxMetrics:
         """CPU and memory (from the sandbox's cgroups) and disk use right now."""

@@ -146,6 +146,22 @@ class Filesystem:
         return WatchHandle(_run(self._a.files.watch_dir(path, on_event, recursive=recursive)))
 
 
+class Input:
+    """Keyboard and mouse of a sandbox's screen (see ``AsyncInput``)."""
+
+    def __init__(self, a: AsyncSandbox) -> None:
+        self._i = a.input
+
+    def type(self, text: str) -> None:
+        _run(self._i.type(text))
+
+    def key(self, name: str) -> None:
+        _run(self._i.key(name))
+
+    def click(self, x: int, y: int, button: Literal["left", "right", "middle"] = "left") -> None:
+        _run(self._i.click(x, y, button))
+
+
 class Sandbox:
     """A live sandbox. ``with Sandbox.create(...) as sb:`` kills it at the end of the block."""
 
@@ -153,6 +169,7 @@ class Sandbox:
         self._a = a
         self.commands = Commands(a)
         self.files = Filesystem(a)
+        self.input = Input(a)
 
     @property
     def sandbox_id(self) -> str:
@@ -221,6 +238,9 @@ class Sandbox:
 
     def get_metrics(self) -> SandboxMetrics:
         return _run(self._a.get_metrics())
+
+    def screenshot(self) -> bytes:
+        return _run(self._a.screenshot())
 
     def is_running(self) -> bool:
         return _run(self._a.is_running())

@@ -2656,7 +2656,9 @@ static int pty_resize(int argc, char **argv)
  * when it (re)connects; the mux closes every connection and answers "DSECMUX1" + the nonce, so the
  * host can skip whatever an earlier host process left half-read in the stream. */
 #include <poll.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -2760,6 +2762,52 @@ static void vm_loopback_up(void)
     }
     if (s >= 0)
         close(s);
+}
+
+/* The NIC the host gave this VM (a tap in the sandbox's netns, bridged to the host's veth, whose
+ * host side carries the egress rules): eth0 gets dsec_ip (a /30) and a default route via dsec_gw.
+ * No IPv6 (the host side drops it anyway). */
+static void vm_net_up(const char *ip, const char *gw)
+{
+    int fd = open("/proc/sys/net/ipv6/conf/all/disable_ipv6", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (write(fd, "1", 1) < 0) { /* no IPv6 in this kernel: nothing to turn off */
+        }
+        close(fd);
+    }
+    for (int tries = 0; if_nametoindex("eth0") == 0; tries++) { /* virtio_net probes as it loads */
+        if (tries >= 1000) {
+            errno = ENODEV;
+            vm_die("eth0");
+        }
+        usleep(10000);
+    }
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "eth0");
+    struct sockaddr_in *sa = (struct sockaddr_in *)&ifr.ifr_addr;
+    sa->sin_family = AF_INET;
+    if (s < 0 || inet_pton(AF_INET, ip, &sa->sin_addr) != 1 || ioctl(s, SIOCSIFADDR, &ifr) < 0)
+        vm_die("eth0 address");
+    inet_pton(AF_INET, "255.255.255.252", &sa->sin_addr); /* the host hands out /30s */
+    if (ioctl(s, SIOCSIFNETMASK, &ifr) < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+        vm_die("eth0 netmask");
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+        vm_die("eth0 up");
+    struct rtentry rt;
+    memset(&rt, 0, sizeof rt);
+    ((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
+    ((struct sockaddr_in *)&rt.rt_genmask)->sin_family = AF_INET;
+    struct sockaddr_in *g = (struct sockaddr_in *)&rt.rt_gateway;
+    g->sin_family = AF_INET;
+    if (inet_pton(AF_INET, gw, &g->sin_addr) != 1)
+        vm_die("gateway");
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    if (ioctl(s, SIOCADDRT, &rt) < 0)
+        vm_die("default route");
+    close(s);
 }
 
 static int vm_write_all(int fd, const void *buf, size_t n)
@@ -2957,6 +3005,8 @@ static const char *vm_boot(void)
     mkdir("/tmp", 01777);
     sethostname("sandbox", 7);
     vm_loopback_up();
+    if (getenv("dsec_ip") && getenv("dsec_gw"))
+        vm_net_up(getenv("dsec_ip"), getenv("dsec_gw"));
     vm_find("/sys/class/virtio-ports", "name", "dsec.agent", dev, sizeof dev);
     pid_t pid = fork();
     if (pid < 0)

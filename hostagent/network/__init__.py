@@ -78,12 +78,13 @@ set elements), ``warm`` (pre-made networks), ``forwarding`` (ip_forward and its 
 """
 
 from .allowlist import AllowPlan, compile_allowlist, parse_allow_out, write_hosts_file
-from .config import COUNTERS, DEFAULT_DENY, WARM_TAG, NetworkConfig
+from .config import COUNTERS, DEFAULT_DENY, WARM_TAG, NetworkConfig, network_config
 from .manager import Attachment, NetworkManager
 from .resolver import DnsQueryError, Resolver, ResolveFailed
 
 __all__ = [
     "NetworkConfig",
+    "network_config",
     "NetworkManager",
     "Attachment",
     "AllowPlan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import re
@@ -10,7 +11,7 @@ from typing import Any
 
 from bus import subjects as S
 
-__all__ = ["NetworkConfig", "DEFAULT_DENY", "COUNTERS", "FAMILY_PREFIX", "IFNAMSIZ", "WARM_TAG", "hosts_of"]
+__all__ = ["NetworkConfig", "network_config", "DEFAULT_DENY", "COUNTERS", "FAMILY_PREFIX", "IFNAMSIZ", "WARM_TAG", "hosts_of"]
 
 # Never reachable from a sandbox, whatever its allowlist (the pool and control plane are added).
 DEFAULT_DENY: tuple[str, ...] = (
@@ -90,6 +91,14 @@ class NetworkConfig:
         if e.get("DSEC_NFLOG_GROUP"):
             kw["log_group"] = int(e["DSEC_NFLOG_GROUP"])
         return cls(**kw)
+
+
+def network_config(prefix: str = "") -> NetworkConfig:
+    """The network config from the environment (NetworkConfig.from_env), with ``prefix`` naming this
+    agent's kernel objects (nft table ``dsec_<p>``, veths ``<p>*``, netns ``dsec-<p>-*``) so that two
+    stacks on one machine keep apart; without it, the default names."""
+    cfg = NetworkConfig.from_env()
+    return dataclasses.replace(cfg, table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-") if prefix else cfg
 
 
 def hosts_of(spec: str) -> list[str]:

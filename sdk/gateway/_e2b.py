@@ -1,6 +1,9 @@
 """E2B's control plane (api.e2b.dev) over dsec: create, list, get, kill, timeout, connect, metrics,
 pause/resume, snapshots (``templateID`` of a create may name one) and fork.
 
+A create's metadata may name the backend (``{"dsec.backend": "microvm"}``; default ``container``):
+the sandbox then is a microVM (or a full VM), served by the same envd routes.
+
 Paths, fields and statuses follow the e2b SDK's generated API client; errors are E2B's
 ``{"code": <http status>, "message": ...}``. Every route acts for the API key's tenant only.
 """
@@ -27,6 +30,8 @@ ENVD_VERSION = "0.6.4"  # the envd API level the gateway speaks (the e2b SDK gat
 DEFAULT_TIMEOUT_S = 15  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 30 * 86400
 CREATE_TIMEOUT_S = 60.0
+VM_CREATE_TIMEOUT_S = 300.0  # a VM boots its own kernel: seconds under KVM, minutes under TCG on a busy host
+BACKEND_KEY = "dsec.backend"  # the create metadata entry that picks the backend
 PAGE_MAX = 1000
 SNAPSHOT_PREFIX = "snap-"  # dsec's snapshot ids: a create whose templateID is one restores it
 
@@ -146,9 +151,11 @@ class E2BApi:
         if not isinstance(template, str) or not template:
             raise InvalidArgument("templateID is required")
         snapshot = (await tenant.own_snapshot(template)).snapshot_id if template.startswith(SNAPSHOT_PREFIX) else None
+        metadata = _str_map(doc, "metadata")
+        backend = metadata.get(BACKEND_KEY, "container")  # (validated with the rest of the spec)
         sb = await tenant.create(
-            template, timeout=_timeout(doc), metadata=_str_map(doc, "metadata"), envs=_str_map(doc, "envVars"),
-            create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
+            template, timeout=_timeout(doc), metadata=metadata, envs=_str_map(doc, "envVars"), backend=backend,
+            create_timeout=CREATE_TIMEOUT_S if backend == "container" else VM_CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
         )
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)

@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from bus.errors import InvalidArgument
+from bus.messages import BACKENDS
 
 from .._async import AsyncSandbox, build_spec
 from .._snapshots import info_of
@@ -61,6 +62,9 @@ OPENAPI: dict[str, Any] = {
             "Error": {"type": "object", "required": ["code", "message"], "properties": {"code": {"type": "string"}, "message": {"type": "string"}}},
             "NewSandbox": {"type": "object", "properties": {
                 "template": {"type": "string", "default": "base"}, "cpu": {"type": "number", "default": 1},
+                "backend": {"type": "string", "default": "container", "enum": list(BACKENDS),
+                            "description": "microvm: its own kernel; vm: a full VM with a screen (screenshot, input)"},
+                "create_timeout": {"type": "number", "description": "seconds to wait for it to be ready (a VM boots its own kernel)"},
                 "memory_mb": {"type": "integer", "default": 512}, "disk_mb": {"type": "integer", "default": 1024},
                 "timeout": {"type": "number", "default": 300}, "envs": {"type": "object", "additionalProperties": {"type": "string"}},
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -95,6 +99,11 @@ OPENAPI: dict[str, Any] = {
             "Fork": {"type": "object", "properties": {
                 "count": {"type": "integer", "default": 1}, "timeout": {"type": "number", "default": 300},
                 "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+            }},
+            "Input": {"type": "object", "required": ["action"], "properties": {
+                "action": {"type": "string", "enum": ["type", "key", "click"]}, "text": {"type": "string", "description": "type: what to type"},
+                "key": {"type": "string", "description": "key: a name, modifiers joined with + (enter, ctrl+c)"},
+                "x": {"type": "integer"}, "y": {"type": "integer"}, "button": {"type": "string", "enum": ["left", "right", "middle"], "default": "left"},
             }},
             "ExecResult": {"type": "object", "properties": {"stdout": {"type": "string"}, "stderr": {"type": "string"}, "exit_code": {"type": "integer"}}},
             "Entry": {"type": "object", "properties": {
@@ -142,6 +151,14 @@ OPENAPI: dict[str, Any] = {
                        params=_PATH, raw_body=True),
             "delete": _op("remove a file or directory", {"204": {"description": "removed"}}, params=_PATH),
         },
+        "/v1/sandboxes/{id}/screenshot": {
+            "get": _op("the screen of a sandbox with one (backend vm)", {"200": {"description": "PNG", "content": {"image/png": {"schema": _BINARY}}}},
+                       params=_ID),
+        },
+        "/v1/sandboxes/{id}/input": {
+            "post": _op("type, press a key or click on the screen of a sandbox with one (backend vm)", {"204": {"description": "sent"}},
+                        params=_ID, body=_ref("Input")),
+        },
         "/v1/sandboxes/{id}/files/list": {
             "get": _op("list a directory", _json("entries", {"type": "array", "items": {"$ref": "#/components/schemas/Entry"}}), params=_PATH),
         },
@@ -159,6 +176,13 @@ def _info(sb_info: Any) -> dict[str, Any]:
 def _fields(doc: dict[str, Any], allowed: set[str]) -> None:
     if set(doc) - allowed:
         raise InvalidArgument(f"unknown fields {sorted(set(doc) - allowed)}; allowed: {sorted(allowed)}")
+
+
+def _str(doc: dict[str, Any], name: str) -> str:
+    v = doc.get(name)
+    if not isinstance(v, str) or not v:
+        raise InvalidArgument(f"{name} must be a non-empty string")
+    return v
 
 
 async def _openapi(_request: web.Request) -> web.Response:
@@ -187,6 +211,8 @@ class RestApi:
         app.router.add_put("/v1/sandboxes/{id}/files", self.write)
         app.router.add_delete("/v1/sandboxes/{id}/files", self.remove)
         app.router.add_get("/v1/sandboxes/{id}/files/list", self.listdir)
+        app.router.add_get("/v1/sandboxes/{id}/screenshot", self.screenshot)
+        app.router.add_post("/v1/sandboxes/{id}/input", self.input)
 
     async def _sb(self, request: web.Request) -> Any:
         tenant, _ = await self.gw.tenant(request)
@@ -202,7 +228,7 @@ class RestApi:
     async def create(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
         doc = await json_object(request, required=False)
-        _fields(doc, {"template", "cpu", "memory_mb", "disk_mb", "timeout", "envs", "metadata", "snapshot"})
+        _fields(doc, {"template", "backend", "cpu", "memory_mb", "disk_mb", "timeout", "create_timeout", "envs", "metadata", "snapshot"})
         template = doc.pop("template", "base")
         if doc.get("snapshot") is not None:
             doc["snapshot"] = (await tenant.own_snapshot(doc["snapshot"])).snapshot_id
@@ -299,6 +325,28 @@ class RestApi:
     async def remove(self, request: web.Request) -> web.Response:
         sb = await self._sb(request)
         await sb.files.remove(self._path(request))
+        return web.Response(status=204)
+
+    async def screenshot(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        return web.Response(body=await sb.screenshot(), content_type="image/png")
+
+    async def input(self, request: web.Request) -> web.Response:
+        sb = await self._sb(request)
+        doc = await json_object(request)
+        _fields(doc, {"action", "text", "key", "x", "y", "button"})
+        match doc.get("action"):
+            case "type":
+                await sb.input.type(_str(doc, "text"))
+            case "key":
+                await sb.input.key(_str(doc, "key"))
+            case "click":
+                x, y, button = doc.get("x"), doc.get("y"), doc.get("button", "left")
+                if not isinstance(x, int) or not isinstance(y, int) or button not in ("left", "right", "middle"):
+                    raise InvalidArgument("click needs integer x and y, and button left, right or middle")
+                await sb.input.click(x, y, button)
+            case other:
+                raise InvalidArgument(f"action must be type, key or click; got {other!r}")
         return web.Response(status=204)
 
     async def listdir(self, request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 test_gateway): entry owners, symlink targets and file metadata, batch writes, signed file URLs,
 inotify watches (entry info, recursive ones seeing new directories), ``list(depth=N)`` in envd's
 order, removing a missing path, per-command envs, a sandbox killed under a running command, and
-pause making ``is_running()`` false until ``connect()``, and PTY sessions (create, input, resize, kill).
+pause making ``is_running()`` false until ``connect()``, and PTY sessions (create, input, resize, kill);
+a microVM (the backend named in the create's metadata) served by the same routes.
 
 Scenarios use a busybox template with E2B's ``user`` account (uid 1000, home /home/user) and a
 ``staff`` group, built by ``dsec image build`` at the start.
@@ -12,17 +13,35 @@ Scenarios use a busybox template with E2B's ``user`` account (uid 1000, home /ho
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import shutil
+import signal
+import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
-from tests.conftest import eventually
+from bus import codec
+from bus import subjects as S
+from bus.auth import AuthConfig
+from bus.sign import ENV_CONTROL_KEY
+from bus.streams import ensure_kv
+from tests.conftest import cannot_run, eventually
+from tests.netclaim import claim_net
 
-from .conftest import run_process, subprocess_env
+from .conftest import PY, Child, processes_mentioning, run_process, subprocess_env
+from .test_microvm import KERNEL_CACHE, NO_QEMU
 from .test_gateway import DSEC, Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
 
 TEMPLATE = "e2b-busybox"
@@ -352,3 +371,152 @@ def _bad_input(gw: Gw) -> None:
 
 async def test_bad_input(gw: Gw) -> None:
     await asyncio.to_thread(_bad_input, gw)
+
+
+# --------------------------------------------------------------------------------------------- microVMs
+@contextlib.asynccontextmanager
+async def _vm_host(gw: Gw, backend: str) -> AsyncIterator[Path]:
+    """A host agent of ``backend`` (microvm or vm) in the gateway's pool, on the stack's NATS as the
+    stack's own host agent connects (its NATS user, placement's control key): creates asking for
+    that backend go to it. Yields its data dir."""
+    if NO_QEMU:
+        cannot_run(NO_QEMU)
+    auth = AuthConfig.load_or_create(gw.data / "auth.json")
+    claim = await asyncio.to_thread(claim_net)
+    data = Path(tempfile.mkdtemp(prefix=f"dsec-{backend}-e2b-", dir="/tmp"))
+    host_id = f"{backend}-{uuid.uuid4().hex[:8]}"
+    env = subprocess_env(auth.url_for("hostagent", gw.nats_url), DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE, **claim.env(),
+                         **{ENV_CONTROL_KEY: auth.control_key})
+    argv = [PY, "-m", "hostagent", "--backend", backend, "--data-dir", str(data), "--host-id", host_id, "--pool", "default", "--concurrency", "2"]
+    child = Child(argv, env, data.parent / f"{data.name}.log").start()
+    nc = await nats.connect(auth.url_for("admin", gw.nats_url))
+    try:
+        kv = await ensure_kv(nc.jetstream(), S.KV_HOSTS)
+
+        async def ready() -> bool:
+            assert child.alive(), child.log()
+            try:
+                raw = (await kv.get(host_id)).value
+            except KeyNotFoundError:
+                return False
+            return bool(raw) and codec.HOST_STATUS.decode(raw).state == "ready"
+
+        await eventually(ready, timeout=240, interval=0.5, what=f"the {backend} host agent")
+        yield data
+    finally:
+        await nc.close()
+        if child.alive():
+            child.signal(signal.SIGTERM)
+            await child.wait(60)
+        for pid in processes_mentioning(str(data)):  # only what names this test's data dir
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(data, ignore_errors=True)
+        (data.parent / f"{data.name}.log").unlink(missing_ok=True)
+        await claim.purge()
+        claim.release()
+
+
+@pytest.fixture(scope="module")
+async def microvm_host(gw: Gw) -> AsyncIterator[Path]:
+    async with _vm_host(gw, "microvm") as data:
+        yield data
+
+
+@pytest.fixture(scope="module")
+async def vm_host(gw: Gw) -> AsyncIterator[Path]:
+    async with _vm_host(gw, "vm") as data:
+        yield data
+
+
+def _microvm_scenario(gw: Gw, vms: Path) -> str:
+    """The unmodified e2b SDK on a microVM: create (the backend in the metadata), commands, files."""
+    from e2b import CommandExitException, Sandbox, SandboxException
+
+    with pytest.raises(SandboxException) as e:  # an unknown backend: the gateway's 400, with its reason
+        Sandbox.create(TEMPLATE, timeout=60, metadata={"dsec.backend": "vmware"}, **gw.sdk())
+    assert e.value.status_code == 400 and "backend must be one of" in str(e.value), e.value
+    sb = Sandbox.create(TEMPLATE, timeout=900, metadata={"dsec.backend": "microvm"}, **{**gw.sdk(), "request_timeout": 400})
+    try:
+        assert (vms / sb.sandbox_id / "qemu.pid").exists()  # it is a VM on the microvm host
+        r = sb.commands.run("uname -r; id -un; pwd", request_timeout=120)
+        release, user, cwd = r.stdout.split()
+        assert release.endswith("-cloud-amd64") and release != os.uname().release  # its own kernel
+        assert (user, cwd) == ("user", "/home/user") and r.exit_code == 0
+        got: list[str] = []
+        with pytest.raises(CommandExitException) as ce:
+            sb.commands.run("echo out; echo err >&2; exit 3", on_stdout=got.append, request_timeout=120)
+        assert (ce.value.exit_code, ce.value.stdout, ce.value.stderr) == (3, "out\n", "err\n") and "".join(got) == "out\n"
+        sb.files.write("/home/user/hello.txt", "from e2b")
+        assert sb.files.read("/home/user/hello.txt") == "from e2b"
+        assert sb.commands.run("cat /home/user/hello.txt; stat -c %U /home/user/hello.txt").stdout == "from e2buser\n"
+        assert "hello.txt" in {e.name for e in sb.files.list("/home/user")}
+        assert sb.get_info().metadata["dsec.backend"] == "microvm"
+        return sb.sandbox_id
+    finally:
+        sb.kill()
+
+
+async def test_microvm_through_e2b(gw: Gw, microvm_host: Path) -> None:
+    vms = microvm_host / "mvm" / "vms"
+    sid = await asyncio.to_thread(_microvm_scenario, gw, vms)
+    await eventually(lambda: not (vms / sid).exists(), timeout=60, what="the killed microVM to be gone")
+
+
+def _rest(gw: Gw, method: str, path: str, doc: dict[str, Any] | None = None, timeout: float = 120) -> tuple[int, Any]:
+    """(status, JSON or bytes) of a request to dsec's REST API with key a (a VM's create takes minutes under TCG)."""
+    body = json.dumps(doc).encode() if doc is not None else None
+    req = urllib.request.Request(gw.url + path, data=body, method=method, headers={"X-API-Key": gw.key_a, "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw, status = r.read(), r.status
+    except urllib.error.HTTPError as e:
+        raw, status = e.read(), e.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw
+
+
+def _screen_scenario(gw: Gw) -> None:
+    """A full VM's screen over the gateway: a screenshot, typed text and a key reach the shell on
+    its console (the command runs) and the next frame differs."""
+    st, info = _rest(gw, "POST", "/v1/sandboxes", {"template": TEMPLATE, "backend": "vm", "memory_mb": 256, "disk_mb": 256, "create_timeout": 900},
+                     timeout=1000)
+    assert st == 201, info
+    sid = info["sandbox_id"]
+    try:
+        st, first = _rest(gw, "GET", f"/v1/sandboxes/{sid}/screenshot")
+        assert st == 200 and first.startswith(b"\x89PNG\r\n\x1a\n"), (st, first[:80])
+        assert _rest(gw, "POST", f"/v1/sandboxes/{sid}/input", {"action": "type", "text": "echo typed-Text > /tmp/typed"}) == (204, b"")
+        assert _rest(gw, "POST", f"/v1/sandboxes/{sid}/input", {"action": "key", "key": "enter"}) == (204, b"")
+
+        def typed() -> bool:
+            st, r = _rest(gw, "POST", f"/v1/sandboxes/{sid}/exec", {"cmd": "cat /tmp/typed 2>/dev/null || true"})
+            assert st == 200, r
+            return r["stdout"] == "typed-Text\n"
+
+        deadline = time.monotonic() + 120
+        while not typed():  # the console's shell reads the keys at its own pace
+            assert time.monotonic() < deadline, "the typed command did not run in the screen's shell"
+            time.sleep(0.5)  # poll interval (a sync HTTP client; eventually() is async)
+        st, after = _rest(gw, "GET", f"/v1/sandboxes/{sid}/screenshot")
+        assert st == 200 and after.startswith(b"\x89PNG") and after != first  # the frame shows it
+        assert _rest(gw, "POST", f"/v1/sandboxes/{sid}/input", {"action": "click", "x": 10, "y": 10}) == (204, b"")  # control for:
+        st, err = _rest(gw, "POST", f"/v1/sandboxes/{sid}/input", {"action": "click", "x": 5000, "y": 10})
+        assert (st, err["code"]) == (400, "invalid_argument") and "off the" in err["message"], err
+        st, err = _rest(gw, "POST", f"/v1/sandboxes/{sid}/input", {"action": "key", "key": "hyper+q"})
+        assert (st, err["code"]) == (400, "invalid_argument") and "unknown key 'hyper'" in err["message"], err
+    finally:
+        assert _rest(gw, "DELETE", f"/v1/sandboxes/{sid}")[0] == 204
+    # A sandbox without a screen (a container) refuses, typed.
+    st, info = _rest(gw, "POST", "/v1/sandboxes", {"template": TEMPLATE})
+    assert st == 201, info
+    try:
+        st, err = _rest(gw, "GET", f"/v1/sandboxes/{info['sandbox_id']}/screenshot")
+        assert err["code"] == "not_supported" and "backend 'vm'" in err["message"], (st, err)
+    finally:
+        _rest(gw, "DELETE", f"/v1/sandboxes/{info['sandbox_id']}")
+
+
+async def test_vm_screen_over_the_gateway(gw: Gw, vm_host: Path) -> None:
+    await asyncio.to_thread(_screen_scenario, gw)

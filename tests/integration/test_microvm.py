@@ -29,6 +29,8 @@ from sdk import AsyncSandbox, CommandExitError, CommandTimeoutError, ProcessNotF
 from tests.conftest import eventually, needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.integration.conftest import PY, REPO, Child, Stack, answers_again, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
+from tests.netclaim import NetClaim, claim_net
+from tests.security.test_network import TestHost, counters
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
 pytestmark = [pytest.mark.containerd, needs_stack, needs(NO_QEMU)]
@@ -47,6 +49,7 @@ class MicroHost:
     env: dict[str, str]
     log: Path
     agent: Child
+    net: NetClaim
 
     def vm_dir(self, sid: str) -> Path:
         return self.data / "mvm" / "vms" / sid
@@ -74,6 +77,17 @@ class MicroHost:
             pool=self.pool, sandbox_id=sid, backend="microvm", memory_mb=256, disk_mb=512, create_timeout=BOOT_S,
         )))
 
+    async def kill_agent(self) -> None:
+        """SIGKILL the host agent (its VMs run on)."""
+        self.agent.signal(signal.SIGKILL)
+        assert await self.agent.wait(30) == -signal.SIGKILL
+
+    async def start_agent(self) -> None:
+        """Start the host agent again; returns once it is ready."""
+        t1 = time.time()
+        self.agent = Child(self.argv, self.env, self.log).start()
+        await eventually(lambda: self.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
+
     def leftovers(self, sid: str) -> list[str]:
         """What of a microVM is still on this host: its QEMU, its dir (disk, sockets, pid file)."""
         d = self.vm_dir(sid)
@@ -84,12 +98,13 @@ class MicroHost:
 @pytest_asyncio.fixture(scope="module")
 async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
     uid = stack.new_id("mvm")
+    claim = await asyncio.to_thread(claim_net)  # the VMs' networks get names no other stack uses
     data = Path(tempfile.mkdtemp(prefix="dsec-mvm-", dir="/tmp"))
     argv = [PY, "-m", "hostagent", "--backend", "microvm", "--data-dir", str(data), "--host-id", uid, "--pool", uid,
             "--concurrency", "4", "--reconcile-s", "1"]
-    env = subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE)  # the accelerator is probed, not forced
+    env = subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE, **claim.env())  # the accelerator is probed, not forced
     log = data.parent / f"{data.name}.log"
-    h = MicroHost(stack, uid, uid, data, argv, env, log, Child(argv, env, log).start())
+    h = MicroHost(stack, uid, uid, data, argv, env, log, Child(argv, env, log).start(), claim)
     try:
         t0 = time.time()
         await eventually(lambda: h.ready_since(t0), timeout=240, interval=0.2, what="the microvm host agent")
@@ -101,6 +116,8 @@ async def mhost(stack: Stack) -> AsyncIterator[MicroHost]:
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(data, ignore_errors=True)
         log.unlink(missing_ok=True)
+        await claim.purge()
+        claim.release()
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -194,6 +211,83 @@ async def test_the_guest_is_its_own_kernel_without_host_paths_or_network(vm: Asy
     assert mem_kb < 300 * 1024 and ncpu == 1  # memory_mb=256 of guest RAM, cpu=1 vCPU
 
 
+async def test_egress_rules_hold_on_the_vm_nic(mhost: MicroHost) -> None:
+    """A microVM with ``network``: its virtio NIC is a tap bridged to the sandbox's veth in its own
+    netns, so the guard's host-side rules hold for the guest's packets as for a container's, also
+    after a host-agent restart. The peer is a test host netns on this machine (198.18.X.2); nothing
+    leaves the machine; a kill leaves no netns, veth or tap."""
+    th = TestHost()
+    th.start()
+    sid = f"{mhost.host_id}-net"
+    try:
+        allowed, other = await th.listen(), await th.listen()
+        sb = await AsyncSandbox.create(**mhost.stack.kw(
+            pool=mhost.pool, sandbox_id=sid, backend="microvm", memory_mb=256, disk_mb=256, create_timeout=BOOT_S,
+            network={"allow_out": [f"{th.ip}:{allowed.port}"]},
+        ))
+        netns = f"/run/netns/{mhost.net.netns_prefix}{sid}"
+        qemu_pid = int((mhost.vm_dir(sid) / "qemu.pid").read_text())
+        # QEMU itself runs in the sandbox's netns (it holds the tap), not in the host's.
+        assert os.stat(f"/proc/{qemu_pid}/ns/net").st_ino == os.stat(netns).st_ino != os.stat("/proc/self/ns/net").st_ino
+        r = await sb.commands.run("ls /sys/class/net; ip -4 -o addr show dev eth0; ip -4 route")
+        assert r.stdout.split()[:2] == ["eth0", "lo"], r.stdout
+        assert "inet 10.210." in r.stdout and "default via 10.210." in r.stdout, r.stdout  # the claim's pool, /30
+        gw = r.stdout.split("default via ", 1)[1].split()[0]
+        ip = r.stdout.split("inet ", 1)[1].split("/")[0]
+
+        # Allowed: the allowlisted host:port answers (masqueraded behind the host end of the veth).
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}"), r
+        assert allowed.hits == 1
+
+        # Denied: the same host on a port the allowlist does not name: the host side's not_allowed
+        # rule resets the connect (ECONNREFUSED in the guest), and the listener sees nothing.
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(f"nc -w 10 {th.ip} {other.port} </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout and r.stdout.rstrip().endswith("rc=1"), r.stdout
+        assert counters(mhost.net.table)["not_allowed"] > before["not_allowed"]
+        assert other.hits == 0
+        # Denied: the host itself (the veth's own address, the gateway the guest routes by).
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(f"nc -w 10 {gw} 22 </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout, r.stdout
+        assert counters(mhost.net.table)["to_host"] > before["to_host"]
+        # Root in the guest takes another address: the host side drops what it sends (spoofed).
+        spoof = f"{ip.rsplit('.', 1)[0]}.{(int(ip.rsplit('.', 1)[1]) + 4) % 256}"
+        before = counters(mhost.net.table)
+        r = await sb.commands.run(
+            f"ip addr add {spoof}/32 dev eth0 && ip route replace default via {gw} src {spoof} && echo hi | nc -w 5 {th.ip} {allowed.port} 2>&1;"
+            f" echo rc=$?; ip route replace default via {gw}; ip addr del {spoof}/32 dev eth0", timeout=60,
+        )
+        assert "hello-from" not in r.stdout and "refused" not in r.stdout and r.stdout.rstrip().endswith("rc=1"), r.stdout  # dropped
+        assert counters(mhost.net.table)["spoofed"] > before["spoofed"] and allowed.hits == 1
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)  # positive control: its own address
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}") and allowed.hits == 2, r
+
+        # A restarted host agent re-arms the running VM's rules (and removes no part of its network).
+        await mhost.kill_agent()
+        await mhost.start_agent()
+        await answers_again(sb, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
+        assert int((mhost.vm_dir(sid) / "qemu.pid").read_text()) == qemu_pid and pid_alive(qemu_pid)
+        r = await sb.commands.run(f"echo hi | nc -w 10 {th.ip} {allowed.port}", timeout=60)
+        assert r.stdout.startswith(f"hello-from-testhost {th.gw}") and allowed.hits == 3, r
+        r = await sb.commands.run(f"nc -w 10 {th.ip} {other.port} </dev/null 2>&1; echo rc=$?", timeout=60)
+        assert "Connection refused" in r.stdout and other.hits == 0, r.stdout
+
+        await sb.kill()
+
+        def left() -> list[str]:
+            found = mhost.leftovers(sid) + ([f"netns {netns}"] if os.path.lexists(netns) else [])
+            for name in os.listdir("/sys/class/net"):  # the veth's host end carries the sandbox id as alias
+                if name.startswith(mhost.net.prefix) and Path(f"/sys/class/net/{name}/ifalias").read_text().strip() == sid:
+                    found.append(f"link {name}")
+            return found
+
+        await eventually(lambda: not left(), timeout=60, what=f"nothing of the VM's network left: {left()}")
+    finally:
+        th.stop()
+
+
 @needs_fuse
 async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox, mhost: MicroHost, lazy: LazyDaemon) -> None:
     await vm.files.write("/root/snap.txt", "at-snapshot")
@@ -254,14 +348,11 @@ async def test_agent_restart_reattaches_to_the_running_vm(vm: AsyncSandbox, mhos
     await vm.files.write("/workspace/state.txt", "before")
     await vm.commands.run("sleep 1000 >/dev/null 2>&1 &")
     qemu_pid = int((mhost.vm_dir(vm.sandbox_id) / "qemu.pid").read_text())
-    mhost.agent.signal(signal.SIGKILL)
-    assert await mhost.agent.wait(30) == -signal.SIGKILL
+    await mhost.kill_agent()
     assert pid_alive(qemu_pid)  # the VM runs on without its host agent
     with pytest.raises(SandboxNotFound):
         await vm.commands.run("true")
-    t1 = time.time()
-    mhost.agent = Child(mhost.argv, mhost.env, mhost.log).start()
-    await eventually(lambda: mhost.ready_since(t1), timeout=120, interval=0.2, what="the restarted agent")
+    await mhost.start_agent()
 
     await answers_again(vm, SandboxNotFound, timeout=60, interval=0.2, what="the VM to answer again")
     assert await vm.files.read("/workspace/state.txt") == "before"
@@ -286,8 +377,9 @@ async def test_qemu_killed_from_outside_is_lost_and_leaves_nothing(mhost: MicroH
 
 
 async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
-    """The full-VM backend, driven directly (its screenshot and input calls have no SDK op yet): a
-    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame."""
+    """The full-VM backend, driven directly (test_envd drives it through the SDK and the gateway): a
+    q35 PC whose display shows a shell on tty1; typed keys reach that shell and change the frame,
+    a click reaches the guest's tablet."""
     from bus.errors import InvalidArgument
     from bus.messages import ExecRequest, LayerRef, SandboxSpec
     from hostagent.backends.vm import VMBackend
@@ -314,7 +406,21 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
         await eventually(typed, timeout=60, what="the typed command to run in the screen's shell")
         after = await b.screenshot(h)
         assert after.startswith(b"\x89PNG") and after != first  # the frame shows it
-        await b.input_click(h, 10, 10)  # positive control for the refusals below
+        # A click reaches the guest as the tablet's input events (what an X server would read);
+        # it is also the positive control for the refusals below.
+        r = await b.exec(h, ExecRequest(cmd="for e in /sys/class/input/event*; do grep -q Tablet $e/device/name && echo ${e##*/}; done"), None)
+        ev = r.stdout.decode().strip()
+        assert ev.startswith("event"), r
+        await b.exec(h, ExecRequest(cmd=f"cat /dev/input/{ev} > /tmp/ev 2>/dev/null & echo $! > /tmp/ev.pid"), None)
+
+        async def events(least: int) -> bool:  # (while the reader runs)
+            r = await b.exec(h, ExecRequest(cmd="test -d /proc/$(cat /tmp/ev.pid) && wc -c < /tmp/ev"), None)
+            return r.exit_code == 0 and int(r.stdout) >= least
+
+        await eventually(lambda: events(0), timeout=30, what="the event reader to run")
+        assert not await events(1)  # nothing before the click
+        await b.input_click(h, 10, 10)
+        await eventually(lambda: events(4 * 24), timeout=30, what="the click's events (x, y, button down and up) in the guest")
         with pytest.raises(InvalidArgument):
             await b.input_click(h, 5000, 10)
         with pytest.raises(InvalidArgument):

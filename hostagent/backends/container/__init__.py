@@ -14,22 +14,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..._backend import Backend
 from ..._config import HostAgentConfig
-from ...network import NetworkConfig
+from ...network import network_config
 from .backend import ContainerBackend
 from .cgroups import START_CPU
 from .layers import mount_erofs
-
-
-def network_config(prefix: str = "") -> NetworkConfig:
-    """The network config from the environment (NetworkConfig.from_env), with ``prefix`` naming this
-    agent's kernel objects (nft table ``dsec_<p>``, veths ``<p>*``, netns ``dsec-<p>-*``) so that two
-    stacks on one machine keep apart; without it, the default names."""
-    cfg = NetworkConfig.from_env()
-    return dataclasses.replace(cfg, table=f"dsec_{prefix}", ifprefix=prefix, netns_prefix=f"dsec-{prefix}-") if prefix else cfg
 
 
 def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)

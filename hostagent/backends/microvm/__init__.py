@@ -4,6 +4,7 @@
 - ``qemu``: the command line, the KVM-or-TCG probe, QMP
 - ``kernel``: Debian's cloud kernel, fetched and extracted; the initramfs with the agent as /init
 - ``serialmux``: the host end of the agent's virtio-serial link
+- ``net``: the VM's NIC, a tap on the sandbox network ``hostagent.network`` makes for containers
 
 Settings from the environment: ``DSEC_MICROVM_ACCEL`` (kvm | tcg: skip the probe),
 ``DSEC_MICROVM_KERNEL_CACHE`` (where the extracted kernel is kept; default under the data dir).
@@ -15,13 +16,14 @@ import os
 
 from ..._backend import Backend
 from ..._config import HostAgentConfig
+from ...network import network_config
 from .backend import MicroVMBackend
 
 
 def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
     return MicroVMBackend(
         config.data_dir, kernel_cache=os.environ.get("DSEC_MICROVM_KERNEL_CACHE") or None,
-        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None,
+        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None, network=network_config(config.net_prefix),
     )
 
 

@@ -2,7 +2,8 @@
 exploit inside stays inside), booted from an initramfs whose ``/init`` is the dsec agent, root on the
 template's EROFS layers (read-only virtio disks) under an overlay on a private ext4 disk. The host
 reaches the agent through virtio-serial (``serialmux``); QEMU runs detached, so a restarted host
-agent reattaches to it (``recover``)."""
+agent reattaches to it (``recover``). A VM with a network gets a container's sandbox network with a
+tap on it (``net``), QEMU running in its netns."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, ImageError, SnapshotUnsupported
+from bus.errors import CreateFailed, ImageError, NotSupported, SnapshotUnsupported
 from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, SandboxSpec
 
 from ..._agent import AgentClient, AgentError, ensure_agent_binary
 from ..._agentops import agent_exec, agent_files, agent_of
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement
-from . import qemu, snapshot
+from ...network import NetworkConfig, NetworkManager
+from . import net, qemu, snapshot
 from .kernel import GUEST_MODULES, Kernel, build_initramfs, ensure_kernel
 from .serialmux import SerialMux
 
@@ -44,7 +46,10 @@ class MicroVMBackend:
     machine: qemu.Machine = "microvm"
     modules: tuple[str, ...] = GUEST_MODULES
 
-    def __init__(self, data_dir: str, *, kernel_cache: str | None = None, accel: str | None = None, lazy_mount: str | None = None) -> None:
+    def __init__(
+        self, data_dir: str, *, kernel_cache: str | None = None, accel: str | None = None, lazy_mount: str | None = None,
+        network: NetworkConfig | None = None,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "mvm"  # short: the VM's unix socket paths must fit in 107 bytes
         self.vms = self.root / "vms"
@@ -58,6 +63,7 @@ class MicroVMBackend:
         self.clients: dict[str, AgentClient] = {}
         self._layer_locks: dict[str, asyncio.Lock] = {}
         self._memory_users: dict[str, int] = {}  # memory layer mounted for restores -> restores reading it
+        self.net = NetworkManager(network or NetworkConfig.from_env())  # the container's netns + egress rules, a tap on them
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -71,6 +77,7 @@ class MicroVMBackend:
             self.accel = "kvm" if self.forced_accel == "kvm" else "tcg"
         else:
             self.accel = await self._probe()
+        await self.net.start()
         log.info("microvm_backend", accel=self.accel, kernel=self.kernel.release)
 
     async def _probe(self) -> qemu.Accel:
@@ -91,6 +98,7 @@ class MicroVMBackend:
         # The VMs run on: a restarted host agent reattaches (recover); destroy() ends them.
         for sid in list(self.links):
             await self._detach(sid)
+        await self.net.stop()  # kernel state (netns, tap, nft) stays for the VMs that run on
 
     async def _detach(self, sid: str) -> None:
         client = self.clients.pop(sid, None)
@@ -145,12 +153,21 @@ class MicroVMBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         assert self.kernel is not None, "the microvm backend is not started"
+        if self.net.wanted(spec.network) and memory is not None:
+            # The saved devices have no NIC, and the saved guest holds another sandbox's address.
+            raise NotSupported("a microVM restored from a memory snapshot cannot be given a network")
         d = self._dir(sid)
         await self._remove(sid)  # a retried create starts clean
         os.makedirs(d)
         upper = os.path.join(d, "upper.img")
         mem_dir = ""
+        nic: qemu.NetSpec | None = None
+        att = None
         try:
+            if self.net.wanted(spec.network):
+                assert spec.network is not None
+                att = await self.net.setup(sid, spec.network)  # torn down by _remove() if anything below fails
+                nic = await asyncio.to_thread(net.plumb, att, sid)
             vcpus, memory_mb = max(1, math.ceil(spec.cpu)), max(MIN_MEMORY_MB, spec.memory_mb)
             if memory is not None:
                 mem_dir = await self._mount_memory(memory)
@@ -163,12 +180,14 @@ class MicroVMBackend:
             blobs = [await self._blob(layer) for layer in layers]  # bottom first, as the guest's init numbers them
             vm = qemu.VMSpec(
                 d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=vcpus, memory_mb=memory_mb, layers=blobs, upper=upper,
-                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine,
+                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine, net=nic,
             )
             pid = await qemu.launch(vm)
             if mem_dir:
                 await snapshot.incoming(d, mem_dir)
             await self._attach(sid, BOOT_TIMEOUT_S)
+            if att is not None and att.hosts:
+                await self.exec(Handle(sid), ExecRequest(cmd=net.hosts_script(att.hosts)), None)
             if not mem_dir:
                 await self._booted(sid)
         except (OSError, RuntimeError, AgentError, asyncio.TimeoutError) as exc:
@@ -181,7 +200,8 @@ class MicroVMBackend:
         finally:
             if memory is not None:
                 await self._unmount_memory(memory)
-        return Handle(sid, pid, {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs)})
+        extra = {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs)}
+        return Handle(sid, pid, extra | ({"net": att.to_extra()} if att is not None else {}))
 
     async def _booted(self, sid: str) -> None:
         """A freshly booted VM's agent answers (the full-VM backend starts its console here)."""
@@ -250,6 +270,7 @@ class MicroVMBackend:
                 if not os.path.exists(f"/proc/{pid}") or qemu.read_pid(d) is None:
                     break
                 await asyncio.sleep(0.01)  # poll interval while SIGKILL lands
+        await self.net.teardown(sid)  # after QEMU is gone: the kernel then frees the netns, its tap and veth
         await asyncio.to_thread(shutil.rmtree, d, True)
 
     async def leftovers(self, sandbox_id: str) -> list[str]:
@@ -258,6 +279,8 @@ class MicroVMBackend:
         left += [f"mount {m}" for m in [os.path.join(d, "disk")] if snapshot.mounted(m)]
         if os.path.exists(d):
             left.append(f"dir {d}")
+        if os.path.lexists(self.net.netns_path(sandbox_id)):
+            left.append(f"netns {self.net.netns_path(sandbox_id)}")
         return left
 
     # --- recovery and usage ------------------------------------------------------------------
@@ -282,6 +305,8 @@ class MicroVMBackend:
                 await self._detach(sid)
                 continue
             alive[sid] = h
+        # The live VMs' allowlists re-armed; every other network of this agent's removed.
+        await self.net.recover({sid: h.extra.get("net") for sid, h in alive.items()})
         return alive
 
     async def usage(self) -> Usage:

@@ -1,7 +1,7 @@
 """The guest's kernel and initramfs: Debian's ``linux-image-cloud-amd64`` fetched with apt and
 extracted (never installed) into a cache dir, and an initramfs (newc cpio, written here) holding the
 static dsec agent as ``/init`` plus the modules the cloud kernel builds as such (virtio-mmio, -blk,
--console, EROFS, overlay)."""
+-console, -net, EROFS, overlay)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from bus.errors import CreateFailed
 
 PACKAGE = "linux-image-cloud-amd64"
 # what vm_boot (dsec-agent.c) needs that this kernel builds as modules; dependencies are added
-GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "erofs", "overlay")
+# (virtio_net: the NIC of a VM with a network)
+GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,18 @@ def kernel_cmdline(layers: int, extra: str = "") -> str:
             f"dsec_layers={layers} {extra}").strip()
 
 
+@dataclass(frozen=True)
+class NetSpec:
+    """The VM's NIC: the tap ``tap`` in the netns at ``netns`` (bridged there to the veth whose host
+    end carries the egress rules); the guest's eth0 gets ``ip``/30 with its default route via ``gateway``."""
+
+    netns: str
+    tap: str
+    ip: str
+    gateway: str
+    mac: str
+
+
 @dataclass
 class VMSpec:
     """One microVM: files in ``dir`` (QMP and serial sockets, pid file, console log, upper disk)."""
@@ -56,6 +68,8 @@ class VMSpec:
     incoming: str = ""  # a memory snapshot's dir: QEMU waits for its stream (snapshot.incoming)
     cmdline_extra: str = ""
     machine: Machine = "microvm"  # q35: the full-VM backend's PC with a display (PCI devices)
+    net: NetSpec | None = None  # a NIC: QEMU runs in the sandbox's netns, on its tap
+
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
@@ -66,7 +80,12 @@ class VMSpec:
         # microvm: ACPI stays on, it is how this kernel finds the virtio-mmio devices (no cmdline devices)
         machine = ["-M", "microvm,acpi=on,rtc=on"] if self.machine == "microvm" else ["-M", "q35", "-vga", "std"]
         extra = self.cmdline_extra if self.machine == "microvm" else f"console=tty0 {self.cmdline_extra}"
-        a = [
+        if self.net is not None:
+            extra = f"{extra} dsec_ip={self.net.ip} dsec_gw={self.net.gateway}"
+        # With a NIC, QEMU itself runs in the sandbox's netns: it opens the tap there, and it can
+        # reach nothing of the host's network either.
+        a = ["nsenter", f"--net={self.net.netns}", "--"] if self.net is not None else []
+        a += [
             QEMU, "-name", self.name or "dsec-microvm",
             *machine, *cpu, "-m", str(self.memory_mb), "-smp", str(self.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -84,8 +103,11 @@ class VMSpec:
         for i, blob in enumerate(self.layers):
             a += ["-drive", f"id=l{i},file={blob},format=raw,if=none,readonly=on",
                   "-device", f"virtio-blk-{bus},drive=l{i},serial=layer{i}"]
+        if self.net is not None:
+            a += ["-netdev", f"tap,id=n0,ifname={self.net.tap},script=no,downscript=no",
+                  "-device", f"virtio-net-{bus},netdev=n0,mac={self.net.mac}"]
         if self.machine == "q35":
-            a += ["-device", "qemu-xhci", "-device", "usb-tablet"]  # absolute pointer events (clicks)
+            a += ["-device", "virtio-tablet-pci"]  # absolute pointer events (clicks); the guest kernel has no USB
         if self.incoming:
             a += ["-incoming", "defer"]
         if daemonize:
@@ -196,4 +218,4 @@ async def probe_accel(kernel: str, initrd: str, timeout_s: float = PROBE_TIMEOUT
     return "kvm" if ok else "tcg"
 
 
-__all__ = ["Accel", "Machine", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]
+__all__ = ["Accel", "Machine", "NetSpec", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]

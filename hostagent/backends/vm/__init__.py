@@ -9,13 +9,14 @@ import os
 
 from ..._backend import Backend
 from ..._config import HostAgentConfig
+from ...network import network_config
 from .backend import VMBackend
 
 
 def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implements the protocol)
     return VMBackend(
         config.data_dir, kernel_cache=os.environ.get("DSEC_MICROVM_KERNEL_CACHE") or None,
-        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None,
+        accel=os.environ.get("DSEC_MICROVM_ACCEL") or None, network=network_config(config.net_prefix),
     )
 
 

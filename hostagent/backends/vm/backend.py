@@ -1,4 +1,4 @@
-"""``VMBackend``: the microvm backend on a q35 PC with a standard VGA display, a USB tablet for
+"""``VMBackend``: the microvm backend on a q35 PC with a standard VGA display, a virtio tablet for
 absolute pointer events, and a shell on the first virtual terminal (the screen the display shows).
 Screenshots are QMP ``screendump`` (PNG); keys and clicks are QMP ``input-send-event``."""
 
@@ -62,7 +62,7 @@ class VMBackend(MicroVMBackend):
 
     name: BackendName = "vm"
     machine: qemu.Machine = "q35"
-    modules = (*GUEST_MODULES, "virtio_pci")
+    modules = (*GUEST_MODULES, "virtio_pci", "virtio_input", "evdev")  # the tablet, and its /dev/input/event node
 
     async def _booted(self, sid: str) -> None:
         await self.exec(Handle(sid), ExecRequest(cmd=CONSOLE_SHELL), None)
