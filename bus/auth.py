@@ -85,16 +85,20 @@ def _tenant_js_api(tenant: str) -> list[str]:
     allow = []
     for stream, own in ((S.STREAM_EVT, S.evt_tenant(tenant)), (S.STREAM_TRAJ, S.traj_tenant(tenant))):
         allow += [f"$JS.API.DIRECT.GET.{stream}.{own}", f"$JS.API.CONSUMER.CREATE.{stream}.*.{own}"]
-    # Rollout jobs: submitted under the tenant's token, looked up while queued by direct gets (no
-    # consumer on a work queue), their state read by direct gets and listed by a filtered consumer.
+    return allow
+
+
+def _tenant_jobs_and_images(tenant: str) -> list[str]:
+    """A client tenant's rollout jobs, submitted under its token, looked up while queued by direct
+    gets (no consumer on a work queue), their state read by direct gets and listed by a consumer
+    filtered in its create subject, and its model gateway calls; and the image service's requests
+    that change templates and snapshots (imaged._tenancy checks the owner against the tenant)."""
     jobs, records = S.rollout_tenant(tenant), S.rollout_keys(tenant)
-    allow += [
+    return [
         jobs, f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.{jobs}", S.model_tenant(tenant),
         f"$JS.API.DIRECT.GET.KV_{S.KV_ROLLOUTS}.{records}", f"$JS.API.CONSUMER.CREATE.KV_{S.KV_ROLLOUTS}.*.{records}",
-        # the image service's requests that change templates and snapshots (imaged._tenancy checks the owner)
         S.img_build(tenant), S.img_remove(tenant), S.snap_remove(tenant),
     ]
-    return allow
 
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
@@ -162,9 +166,11 @@ def sandbox_permissions(sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> dic
 
 
 def client_permissions(user: str) -> dict[str, Any]:
-    """A tenant (the NATS user ``user``): creates, ops, events and inboxes under its own token only."""
+    """A tenant (the NATS user ``user``): creates, ops, events, logs, rollout jobs, image requests and
+    inboxes under its own token only."""
     return {
-        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user)]},
+        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user),
+                             *_tenant_jobs_and_images(user)]},
         "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
     }
 

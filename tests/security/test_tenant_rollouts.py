@@ -209,6 +209,8 @@ async def test_the_rollouts_role_has_only_what_it_uses(stack: SecStack, worker: 
         await ro.denied_publish(redteam, f"$JS.API.DIRECT.GET.KV_{S.KV_SANDBOXES}.{rec}", b"", "read a sandbox record (envs)")
         await ro.denied_publish(redteam, f"$KV.{S.KV_PROFILES}.default", b"x", "replace a security profile")
         await ro.denied_publish(redteam, S.IMG_BUILD, b"x", "build a template as the operator")
+        await ro.denied_publish(redteam, S.img_build(ROLLOUTS_ROLE), b"x", "build a template of its own")
+        await ro.denied_publish(redteam, S.rollout_job(worker.queue, a.user, "x"), b"x", "submit a job in a tenant's name")
         await ro.denied_publish(redteam, f"$JS.API.STREAM.DELETE.{S.STREAM_EVT}", b"", "delete the event stream")
         await ro.denied_publish(redteam, S.evt_sandbox(sb.sandbox_id, "ready", a.user), b"x", "forge a sandbox event")
         for subject, what in (("dsec.sbx.>", "sandbox ops"), (S.EVT_ALL, "every event"), ("_INBOX.>", "every inbox"),
