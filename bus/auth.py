@@ -3,11 +3,16 @@
 Each service role gets its own user with only the subjects it needs. Every client identity (an API
 key, a named SDK credential) is a **tenant**: its user name is a subject token of its sandboxes'
 creates (``dsec.req.<tenant>.create``), ops (``dsec.sbx.<tenant>.<id>.<op>``), events
-(``dsec.evt.sandbox.<tenant>.<id>.<kind>``) and trajectory logs (``dsec.traj.<tenant>.<id>``), and
+(``dsec.evt.sandbox.<tenant>.<id>.<kind>``), trajectory logs (``dsec.traj.<tenant>.<id>``), rollout
+jobs (``dsec.rollout.<queue>.<tenant>.<job>``, KV ``dsec_rollouts`` key ``<tenant>.<job>``, the model
+gateway's ``dsec.model.<tenant>.<job>``) and image requests that change templates or snapshots
+(``dsec.img.build.<tenant>``, ``dsec.img.rm.<tenant>``, ``dsec.img.snap.rm.<tenant>``), and
 nats-server lets it publish and read only under its own token (:func:`client_permissions`): another
-tenant's ops, events, logs, records and inboxes are refused by the server. Placement binds each create to the tenant of its subject (``spec.client``),
+tenant's ops, events, logs, jobs, records and inboxes are refused by the server. Placement binds each create to the tenant of its subject (``spec.client``),
 host agents refuse an op whose tenant does not own the sandbox (``hostagent._tenancy``), and the
-operator's tenant (``admin``) reaches every sandbox. Sandbox records (KV ``dsec_sandboxes``, with
+operator's tenant (``admin``) reaches every sandbox; the rollout workers bind a job to the tenant of
+its subject and the image service checks a template's or snapshot's owner against the request's
+(``imaged._tenancy``). The rollout workers are a role of their own with only what they use. Sandbox records (KV ``dsec_sandboxes``, with
 their envs) are for services and the operator only.
 
 Nothing connects without credentials: there is no ``no_auth_user`` unless a development stack asks
@@ -36,14 +41,14 @@ from urllib.parse import quote, unquote, urlsplit, urlunsplit
 from . import subjects as S
 from .sign import new_control_key, parse_key
 
-# Streams every reader may read whole: hosts and templates (the monitor also reads the event stream
-# and the sandbox and snapshot records; clients read their own events only, and no records: a
-# record's spec holds its sandbox's envs; trajectory logs, with every exec's commands, envs and
-# outputs, are read per tenant like events).
-# (Rollout job state is every client's to read for now: not yet kept per tenant. A rollout's sandbox
-# is the rollout workers' tenant's, so its steps are read by the operator, not by a client trainer.)
-_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}", f"KV_{S.KV_ROLLOUTS}"]
-_MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", *_SHARED_READ_STREAMS]
+# Streams every reader may read whole: hosts and templates (the monitor also reads the event stream,
+# the sandbox and snapshot records and the rollout jobs; clients read their own events only, and no
+# records: a record's spec holds its sandbox's envs; trajectory logs, with every exec's commands, envs
+# and outputs, and rollout jobs, with their conversations and policy URLs, are read per tenant like
+# events). A rollout's sandbox is the rollout workers' tenant's, so its steps are read by the
+# operator, not by a client trainer.
+_SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}"]
+_MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", f"KV_{S.KV_ROLLOUTS}", *_SHARED_READ_STREAMS]
 
 
 NAMED_INBOXES = "_INBOX.u"
@@ -83,15 +88,25 @@ def _tenant_js_api(tenant: str) -> list[str]:
     return allow
 
 
+def _tenant_jobs_and_images(tenant: str) -> list[str]:
+    """A client tenant's rollout jobs, submitted under its token, looked up while queued by direct
+    gets (no consumer on a work queue), their state read by direct gets and listed by a consumer
+    filtered in its create subject, and its model gateway calls; and the image service's requests
+    that change templates and snapshots (imaged._tenancy checks the owner against the tenant)."""
+    jobs, records = S.rollout_tenant(tenant), S.rollout_keys(tenant)
+    return [
+        jobs, f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.{jobs}", S.model_tenant(tenant),
+        f"$JS.API.DIRECT.GET.KV_{S.KV_ROLLOUTS}.{records}", f"$JS.API.CONSUMER.CREATE.KV_{S.KV_ROLLOUTS}.*.{records}",
+        S.img_build(tenant), S.img_remove(tenant), S.snap_remove(tenant),
+    ]
+
+
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
 _CLIENT_COMMON_PUBLISH = [
-    # The image service's requests (the gateway's template API builds as the key): the image service
-    # checks a template's owner and a snapshot's removal itself (not the publisher's tenant yet).
-    S.FN_CALL_WILDCARD, S.STATUS, S.IMG_LIST, S.IMG_STATS, S.IMG_BUILD, S.IMG_REMOVE, S.SNAP_REMOVE,
+    S.FN_CALL_WILDCARD, S.STATUS, S.IMG_LIST, S.IMG_STATS,
     f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
-    # rollout jobs: submitted, and looked up while queued (direct gets only: no consumer on a work queue)
-    f"{S.PREFIX}.rollout.>", f"{S.PREFIX}.model.>", f"$JS.API.STREAM.MSG.GET.{S.STREAM_ROLLOUTS}", f"$JS.API.DIRECT.GET.{S.STREAM_ROLLOUTS}.>",
 ]
+
 
 def _bucket_writes(*buckets: str) -> list[str]:
     """Every way to change a bucket's keys: put, delete, purge (whole or one message), drop."""
@@ -108,9 +123,28 @@ def _bucket_writes(*buckets: str) -> list[str]:
 _NOT_LIMITS = {"deny": _bucket_writes(S.KV_TENANTS)}
 _NOT_QUOTAS = {"deny": _bucket_writes(S.KV_TENANTS, S.KV_QUOTA)}
 
+ROLLOUTS_ROLE = "rollouts"  # the rollout workers: a service that is also a client tenant of its own (reads no records)
 OPERATOR_ROLE = "admin"  # whom the client context (below) speaks for: the operator of a `dsec up` stack
 MONITOR_ROLE = "monitor"  # the gateway's /metrics and /dashboard: scrape every service, read hosts, sandboxes, events
 ENV_MONITOR_URL = "DSEC_MONITOR_NATS_URL"  # the monitor's NATS URL, handed to the gateway by `dsec up`
+
+
+def _rollouts_permissions() -> dict[str, Any]:
+    """What a rollout worker uses, and no more: its own sandboxes as the tenant ``rollouts`` (creates,
+    ops, events, trajectory logs, leases), the rollout stream and its consumers, the jobs' records,
+    dead letters, and the model gateway's requests (answered on their reply subjects)."""
+    rollouts, records = S.STREAM_ROLLOUTS, f"KV_{S.KV_ROLLOUTS}"
+    publish = [
+        S.req_create(ROLLOUTS_ROLE), S.req_create_batch(ROLLOUTS_ROLE), S.sbx_tenant(ROLLOUTS_ROLE), S.traj_tenant(ROLLOUTS_ROLE),
+        *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(ROLLOUTS_ROLE), f"{S.PREFIX}.dlq.>",
+        f"$KV.{S.KV_ROLLOUTS}.>", *_read_js_api([records]), f"$JS.API.STREAM.CREATE.{records}", f"$JS.API.STREAM.UPDATE.{records}",
+        f"$JS.API.STREAM.INFO.{rollouts}", f"$JS.API.STREAM.CREATE.{rollouts}", f"$JS.API.STREAM.UPDATE.{rollouts}",
+        f"$JS.API.CONSUMER.CREATE.{rollouts}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{rollouts}.>", f"$JS.API.CONSUMER.INFO.{rollouts}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{rollouts}.>", f"$JS.ACK.{rollouts}.>",
+    ]
+    subscribe = [f"{inbox_prefix(ROLLOUTS_ROLE)}.>", S.MODEL_WILDCARD, S.METRICS_SCRAPE, f"{S.PREFIX}.metrics.{ROLLOUTS_ROLE}.*"]
+    return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}, "allow_responses": True}
+
 
 ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
     # Services are trusted processes of the control plane.
@@ -123,8 +157,9 @@ ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
         "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "$O.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>", "$O.>"]},
         "allow_responses": True,
     },
-    # Rollout workers: a client of sandboxes that also takes jobs from the rollout queues and keeps their state.
-    "rollouts": {"publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]}},
+    # Rollout workers: a client of sandboxes (their own tenant) that also takes jobs from the rollout
+    # queues, keeps their state and answers the model gateway.
+    ROLLOUTS_ROLE: _rollouts_permissions(),
     "guard": {
         "publish": {"allow": ["dsec.>", "$JS.>", "$KV.>", "_INBOX.>"], **_NOT_QUOTAS}, "subscribe": {"allow": ["_INBOX.>", "dsec.>", "$KV.>"]},
         "allow_responses": True,
@@ -137,7 +172,7 @@ ROLE_PERMISSIONS: dict[str, dict[str, Any]] = {
     },
 }
 
-SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE, "rollouts")
+SERVICE_ROLES = ("placement", "hostagent", "imaged", "guard", "admin", MONITOR_ROLE, ROLLOUTS_ROLE)
 SANDBOX_USER_PREFIX = "sbx-"
 CLIENT_USER_PREFIX = "cli-"
 
@@ -151,9 +186,11 @@ def sandbox_permissions(sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> dic
 
 
 def client_permissions(user: str) -> dict[str, Any]:
-    """A tenant (the NATS user ``user``): creates, ops, events and inboxes under its own token only."""
+    """A tenant (the NATS user ``user``): creates, ops, events, logs, rollout jobs, image requests and
+    inboxes under its own token only."""
     return {
-        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user)]},
+        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user),
+                             *_tenant_jobs_and_images(user)]},
         "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
     }
 

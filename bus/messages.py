@@ -1064,10 +1064,13 @@ class RolloutJob(Struct, kw_only=True, tag=True):
     policy_wait_s: float = 600.0  # how long an unreachable policy is waited for (with back-off)
     submitted_at: float = 0.0
     pause_while_waiting: bool = False  # freeze the sandbox while the policy is unreachable (thawed when it answers)
+    # Whose job it is: the tenant token of the subject it was submitted on (the worker binds it to
+    # that, and refuses a job that names another tenant: bus.subjects.rollout_job).
+    tenant: str = ""
 
 
 class RolloutRecord(Struct, kw_only=True, tag=True):
-    """A job's state (KV ``dsec_rollouts``, key: the job id), stored before each sandbox step runs
+    """A job's state (KV ``dsec_rollouts``, key: ``<tenant>.<job id>``), stored before each sandbox step runs
     and after it answered: ``messages`` is the conversation so far (OpenAI chat format),
     ``sandbox_steps`` the sandbox client's step count when it was stored (steps past it are in the
     trajectory log: a worker taking over fast-forwards through them)."""
@@ -1089,7 +1092,7 @@ class RolloutRecord(Struct, kw_only=True, tag=True):
 
 
 class ModelCall(Struct, kw_only=True, tag=True):
-    """On ``dsec.model.<job>``: an OpenAI chat-completions request body for the job's policy (the
+    """On ``dsec.model.<tenant>.<job>``: an OpenAI chat-completions request body for the job's policy (the
     gateway's ``/rollouts/<job>/v1/chat/completions``); answered with a ``ModelAnswer``."""
 
     job_id: str

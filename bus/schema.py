@@ -129,17 +129,26 @@ CHANNELS: list[Channel] = [
     Channel(_sbx("resume"), ResumeRequest, codec.REPLY_TYPES["resume"], doc="Thaw a frozen sandbox."),
     Channel(f"{S.PREFIX}.evt.snapshot.{{id}}.{{kind}}", SnapshotEvent, stream=S.STREAM_EVT,
             doc="Snapshot provenance: created, forked, restored, removed (source, parent, the client's metadata)."),
-    Channel(S.SNAP_REMOVE, RemoveSnapshot, Done, doc="Remove a snapshot nothing builds on, and the chunks only it used."),
+    Channel(f"{S.SNAP_REMOVE}.{{tenant}}", RemoveSnapshot, Done,
+            doc="Remove a snapshot nothing builds on, and the chunks only it used, as tenant <tenant>: only a snapshot of its own "
+                "(another tenant's answers unknown_snapshot)."),
+    Channel(S.SNAP_REMOVE, RemoveSnapshot, Done, doc="Remove any snapshot (services and the operator)."),
     Channel(f"{S.PREFIX}.imaged.{{host}}.pack", PackDirectory, PackedLayer, doc="A host's lazy loader packs a host directory into a layer (host agents only)."),
     Channel(S.IMG_LIST, ListImages, ImageList, doc="The templates."),
-    Channel(S.IMG_BUILD, BuildImage, ImageBuilt, doc="Build a template from sources on the image service's machine."),
-    Channel(S.IMG_REMOVE, RemoveImage, Done, doc="Remove a template."),
+    Channel(f"{S.IMG_BUILD}.{{tenant}}", BuildImage, ImageBuilt,
+            doc="Build a template as tenant <tenant> (its owner): from a registry image, its own snapshot or a template it may use; "
+                "a name another tenant (or the operator) owns answers template_taken."),
+    Channel(S.IMG_BUILD, BuildImage, ImageBuilt, doc="Build a template from sources on the image service's machine (the operator)."),
+    Channel(f"{S.IMG_REMOVE}.{{tenant}}", RemoveImage, Done,
+            doc="Remove a template of tenant <tenant>'s own (a shared or another tenant's answers permission_denied)."),
+    Channel(S.IMG_REMOVE, RemoveImage, Done, doc="Remove any template (the operator)."),
     Channel(S.IMG_STATS, ImageStatsRequest, ImageStats, doc="A template's size and layers."),
     Channel(f"{S.PREFIX}.img.host.{{host}}.stats", HostImageStatsRequest, HostImageStats, doc="A host's lazy loader cache."),
     Channel(f"{S.PREFIX}.traj.{{id}}", TrajStep, stream=S.STREAM_TRAJ,
             doc="The sandbox's trajectory log: each numbered operation, stored by its host before the reply; a policy's turns beside them."),
-    Channel(f"{S.PREFIX}.rollout.{{queue}}.{{id}}", RolloutJob, stream=S.STREAM_ROLLOUTS, doc="A rollout job on a work queue its workers share."),
-    Channel(f"{S.PREFIX}.model.{{id}}", ModelCall, ModelAnswer, doc="A chat-completions request for a rollout's policy (the gateway's model endpoint)."),
+    Channel(f"{S.PREFIX}.rollout.{{queue}}.{{tenant}}.{{id}}", RolloutJob, stream=S.STREAM_ROLLOUTS, doc="A rollout job of tenant <tenant> on a work queue."),
+    Channel(f"{S.PREFIX}.model.{{tenant}}.{{id}}", ModelCall, ModelAnswer,
+            doc="A chat-completions request for the policy of a rollout of tenant <tenant> (the gateway's model endpoint)."),
 ]
 
 # KV buckets a client may read (values are msgpack of these types, keyed as noted).
@@ -150,7 +159,7 @@ BUCKETS: dict[str, tuple[Any, str]] = {
     S.KV_LEASES: (Lease, "lease owner or sandbox id"),
     S.KV_PROFILES: (SecurityProfile, "profile name"),
     S.KV_SNAPSHOTS: (SnapshotRecord, "snapshot id"),
-    S.KV_ROLLOUTS: (RolloutRecord, "job id"),
+    S.KV_ROLLOUTS: (RolloutRecord, "<tenant>.<job id>"),
 }
 
 STREAMS: dict[str, list[str]] = {

@@ -35,7 +35,8 @@ def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
     req, evt, dlq = _core_streams(opts)
     # The trajectory log is kept as the events are; rollout jobs are a work queue as the requests are.
     traj = replace(evt, name=S.STREAM_TRAJ, subjects=S.TRAJ_SUBJECTS)
-    rollouts = replace(req, name=S.STREAM_ROLLOUTS, subjects=S.ROLLOUT_SUBJECTS)
+    # (a tenant looks up its queued jobs by direct gets, whose subject the server checks: bus.auth)
+    rollouts = replace(req, name=S.STREAM_ROLLOUTS, subjects=S.ROLLOUT_SUBJECTS, allow_direct=True)
     return [req, evt, dlq, traj, rollouts]
 
 
@@ -77,7 +78,7 @@ KV_BUCKETS: dict[str, dict[str, int]] = {
     S.KV_SANDBOXES: {"history": 1},
     S.KV_IMAGES: {"history": 5},
     S.KV_PROFILES: {"history": 10},
-    S.KV_ROLLOUTS: {"history": 1},
+    S.KV_ROLLOUTS: {"history": 1, "direct": 1},  # a tenant reads its own jobs by direct gets (bus.auth)
     S.KV_LEASES: {"history": 1},
     S.KV_SNAPSHOTS: {"history": 1},
     S.KV_TENANTS: {"history": 1},
@@ -96,14 +97,20 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
 
 
 async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType = StorageType.FILE, replicas: int = 1) -> KeyValue:
-    try:
-        return await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        pass
     opts = KV_BUCKETS.get(bucket, {"history": 1})
-    return await js.create_key_value(
-        config=KeyValueConfig(bucket=bucket, history=opts["history"], storage=storage, replicas=replicas)
-    )
+    direct = bool(opts.get("direct"))
+    try:
+        kv = await js.key_value(bucket)
+    except (BucketNotFoundError, NotFoundError):
+        return await js.create_key_value(
+            config=KeyValueConfig(bucket=bucket, history=opts["history"], storage=storage, replicas=replicas, direct=direct or None)
+        )
+    if direct:  # a bucket made before it was read by direct gets
+        si = await js.stream_info(f"KV_{bucket}")
+        if not si.config.allow_direct:
+            await js.update_stream(replace(si.config, allow_direct=True))
+            kv = await js.key_value(bucket)
+    return kv
 
 
 async def ensure_all(js: JetStreamContext, opts: StreamOptions = StreamOptions()) -> None:

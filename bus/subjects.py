@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 PREFIX = "dsec"
@@ -225,10 +226,35 @@ def metrics(service: str, instance: str) -> str:
 
 
 # --- image service (core request/reply) ---------------------------------------
+# Requests that change templates or snapshots carry the tenant as their last token (``img_build``,
+# ``img_remove``, ``snap_remove``): a client credential may publish only its own (bus.auth) and the
+# image service checks ownership against it (imaged._tenancy). The bare subjects are the services'
+# and the operator's (a client credential may not publish them).
 IMG_BUILD = f"{PREFIX}.img.build"
 IMG_LIST = f"{PREFIX}.img.list"
 IMG_REMOVE = f"{PREFIX}.img.rm"
 IMG_STATS = f"{PREFIX}.img.stats"
+
+
+def img_build(tenant: str) -> str:
+    return f"{IMG_BUILD}.{_tok(tenant)}"
+
+
+def img_remove(tenant: str) -> str:
+    return f"{IMG_REMOVE}.{_tok(tenant)}"
+
+
+def img_request_tenant(subject: str, base: str) -> str:
+    """The tenant of an image request on ``base`` (``IMG_BUILD``, ``IMG_REMOVE``, ``SNAP_REMOVE``) or
+    its tenant form; the bare subject is the operator's."""
+    tail = subject[len(base):] if subject.startswith(base) else ""
+    return _tok(tail[1:]) if tail.startswith(".") else OPERATOR_TENANT
+
+
+def pull_cache_template(ref: str, platform: str = "") -> str:
+    """The template (a KV ``dsec_images`` key) a ``FROM <ref>`` build pulls a registry image into:
+    named by the reference, so it is shared whoever pulls it (imaged._tenancy)."""
+    return "img-" + hashlib.sha256("\0".join((ref, platform)).encode("utf-8", "surrogateescape")).hexdigest()[:24]
 
 
 def host_img_stats(host_id: str) -> str:
@@ -237,6 +263,10 @@ def host_img_stats(host_id: str) -> str:
 
 # Snapshots: clients remove them through the image service (which owns the blob store's garbage).
 SNAP_REMOVE = f"{PREFIX}.img.snap.rm"
+
+
+def snap_remove(tenant: str) -> str:
+    return f"{SNAP_REMOVE}.{_tok(tenant)}"
 
 
 def host_pack(host_id: str) -> str:
@@ -274,6 +304,10 @@ def traj_msg_id(sandbox_id: str, client_id: str, step: int) -> str:
 
 
 # --- rollouts (JetStream work queue, DSEC_ROLLOUTS; job state in KV dsec_rollouts) ------------------
+# A job is its tenant's: submitted on ``dsec.rollout.<queue>.<tenant>.<job>``, its state under the KV
+# key ``<tenant>.<job>``, its model gateway on ``dsec.model.<tenant>.<job>``; a client credential may
+# publish and read under its own tenant token only (bus.auth), and the workers bind a job to the
+# tenant of its subject (sdk.rollouts._worker).
 STREAM_ROLLOUTS = "DSEC_ROLLOUTS"
 ROLLOUT_SUBJECTS = [f"{PREFIX}.rollout.>"]
 ROLLOUT_QUEUE = "default"  # a queue is one subject and one durable consumer its workers share
@@ -283,18 +317,58 @@ def rollout_queue(queue: str) -> str:
     return f"{PREFIX}.rollout.{_tok(queue)}"
 
 
+def rollout_job(queue: str, tenant: str, job_id: str) -> str:
+    """A job as submitted: the tenant's token before its id."""
+    return f"{rollout_queue(queue)}.{_tok(tenant)}.{_tok(job_id)}"
+
+
+def rollout_tenant(tenant: str) -> str:
+    """Every job of one tenant, in any queue: what its credential may submit and look up."""
+    return f"{PREFIX}.rollout.*.{_tok(tenant)}.*"
+
+
+def parse_rollout(subject: str) -> tuple[str, str, str] | None:
+    """(queue, tenant, job id) of a submitted job's subject; None for anything else."""
+    t = subject.split(".")
+    if len(t) != 5 or t[0] != PREFIX or t[1] != "rollout":
+        return None
+    return t[2], t[3], t[4]
+
+
+def rollout_key(tenant: str, job_id: str) -> str:
+    """The job's key in KV ``dsec_rollouts``."""
+    return f"{_tok(tenant)}.{_tok(job_id)}"
+
+
+def rollout_keys(tenant: str) -> str:
+    """The KV subjects of every job of one tenant."""
+    return f"$KV.{KV_ROLLOUTS}.{_tok(tenant)}.>"
+
+
 def rollout_durable(queue: str) -> str:
     return f"rollouts-{_tok(queue)}"
 
 
 # --- the model gateway (core request/reply; rollout workers answer in queue group ROLLOUT_WORKERS) ---
 ROLLOUT_WORKERS = "rollout-workers"
-MODEL_WILDCARD = f"{PREFIX}.model.*"
+MODEL_WILDCARD = f"{PREFIX}.model.*.*"
 
 
-def model_call(job_id: str) -> str:
+def model_call(job_id: str, tenant: str) -> str:
     """A chat-completions request for a rollout's policy, forwarded and logged by a rollout worker."""
-    return f"{PREFIX}.model.{_tok(job_id)}"
+    return f"{PREFIX}.model.{_tok(tenant)}.{_tok(job_id)}"
+
+
+def model_tenant(tenant: str) -> str:
+    return f"{PREFIX}.model.{_tok(tenant)}.*"
+
+
+def parse_model(subject: str) -> tuple[str, str] | None:
+    """(tenant, job id) of a model gateway request's subject."""
+    t = subject.split(".")
+    if len(t) != 4 or t[0] != PREFIX or t[1] != "model":
+        return None
+    return t[2], t[3]
 
 
 # --- memory reclaim (core publish, per host; hostagent.reclaim) --------------------------------

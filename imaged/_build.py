@@ -324,6 +324,7 @@ class ImageBuilder:
         toolkit: str | Source | os.PathLike[str] | None = None,
         *,
         description: str = "",
+        owner: str = "",
     ) -> BuildResult:
         """Build (or reuse) each layer, upload what is missing, write the manifest (layers lowest first)."""
         check_name(name)
@@ -336,7 +337,7 @@ class ImageBuilder:
                 continue
             builds.append(await self.build_layer(role, src))
         manifest = TemplateManifest(
-            name=name, layers=[b.ref for b in builds], created_at=time.time(), description=description
+            name=name, layers=[b.ref for b in builds], created_at=time.time(), description=description, owner=owner,
         )
         await put_manifest(self.js, manifest)
         for b in builds:

@@ -139,6 +139,7 @@ async def pull_image(builder: ImageBuilder, image: str, *, platform: str = "", r
 
 async def build_from_image(
     builder: ImageBuilder, name: str, image: str, *, platform: str = "", description: str = "", registry: Registry | None = None,
+    owner: str = "",
 ) -> tuple[BuildResult, PulledImage]:
     """Template ``name`` = the layers of ``image`` (lowest first, all ``base``) + its config as defaults."""
     check_name(name)
@@ -154,6 +155,7 @@ async def build_from_image(
         created_at=time.time(),
         description=description or str(pulled.ref),
         defaults=image_defaults(pulled.manifest.config, pulled.pinned),
+        owner=owner,
     )
     await put_manifest(builder.js, manifest)
     result = BuildResult(manifest=manifest, layers=pulled.layers, seconds=time.monotonic() - t0)

@@ -1,5 +1,7 @@
 """The image service (``python -m imaged serve``): makes sure the ``base`` template exists and answers
-the ``dsec.img.*`` core requests (list, build, remove, stats, snapshot removal). Replicas share a queue group."""
+the ``dsec.img.*`` core requests (list, build, remove, stats, snapshot removal). Replicas share a queue group.
+Builds and removals are answered on the bare subjects (the operator's) and on each tenant's
+(``<subject>.<tenant>``), checked against the owner of what they change (``_tenancy``)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ._messages import (
     ImageStats,
 )
 from ._snapshots import remove_snapshot
+from ._tenancy import check_build, check_remove
 from ._store import BlobStore, open_blob_store
 from ._util import data_dir as _data_dir
 
@@ -58,16 +61,17 @@ class ImagedService(Service):
         assert self.nc is not None and self.js is not None
         await ensure_all(self.js)
         self.store = open_blob_store(self.js)
-        for subject, handler, decoder in (
-            (S.IMG_LIST, self._on_list, None),  # takes no arguments: any payload lists
-            (S.IMG_BUILD, self._on_build, IMG_BUILD_REQ),
-            (S.IMG_REMOVE, self._on_remove, IMG_REMOVE_REQ),
-            (S.IMG_STATS, self._on_stats, IMG_STATS_REQ),
-            (S.SNAP_REMOVE, self._on_snapshot_remove, SNAP_REMOVE_REQ),
+        for subject, handler, decoder, tenants in (
+            (S.IMG_LIST, self._on_list, None, False),  # takes no arguments: any payload lists
+            (S.IMG_BUILD, self._on_build, IMG_BUILD_REQ, True),
+            (S.IMG_REMOVE, self._on_remove, IMG_REMOVE_REQ, True),
+            (S.IMG_STATS, self._on_stats, IMG_STATS_REQ, False),
+            (S.SNAP_REMOVE, self._on_snapshot_remove, SNAP_REMOVE_REQ, True),
         ):
-            ep = Endpoint(self.nc, subject, handler, decoder=decoder)
-            await ep.serve(subject, queue=QUEUE)
-            self.endpoints.append(ep)
+            for served in (subject, f"{subject}.*") if tenants else (subject,):
+                ep = Endpoint(self.nc, subject, handler, decoder=decoder)
+                await ep.serve(served, queue=QUEUE)
+                self.endpoints.append(ep)
         if self.ensure_base:
             self.spawn(self._ensure_base())
         else:
@@ -104,26 +108,30 @@ class ImagedService(Service):
 
     async def _on_build(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None
-        async with self._build_lock:
+        tenant = S.img_request_tenant(msg.subject, S.IMG_BUILD)
+        async with self._build_lock:  # the owner checked and the manifest written with no other build between
+            owner = await check_build(self.js, req, tenant)
             builder = ImageBuilder(self.js, self.data_dir, store=self.store)
             if req.from_snapshot or req.from_template:
                 if req.base or req.workspace or req.toolkit or req.from_ref:
                     raise InvalidArgument("from_snapshot/from_template name every layer: leave the sources empty")
                 res = await compose_template(self.js, req.name, snapshot=req.from_snapshot, template=req.from_template,
-                                             defaults=req.defaults, description=req.description, owner=req.owner)
+                                             defaults=req.defaults, description=req.description, owner=owner)
             elif req.from_ref:
                 if req.base or req.workspace or req.toolkit:
                     raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")
-                res, _ = await build_from_image(builder, req.name, req.from_ref, platform=req.platform, description=req.description)
+                res, _ = await build_from_image(builder, req.name, req.from_ref, platform=req.platform, description=req.description, owner=owner)
             else:
                 res = await builder.build_template(
-                    req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description
+                    req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description, owner=owner,
                 )
         return ImageBuilt(manifest=res.manifest, uploaded_bytes=res.uploaded_bytes, seconds=res.seconds)
 
     async def _on_remove(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None
-        await remove_template(self.js, req.name, prune=req.prune, store=self.store, data_dir=self.data_dir)
+        async with self._build_lock:  # not a build of the name by its owner between the check and the removal
+            await check_remove(self.js, req.name, S.img_request_tenant(msg.subject, S.IMG_REMOVE))
+            await remove_template(self.js, req.name, prune=req.prune, store=self.store, data_dir=self.data_dir)
         return Done(detail=f"removed {req.name}")
 
     async def _on_stats(self, msg: Msg, req: Any) -> Any:
@@ -133,7 +141,8 @@ class ImagedService(Service):
 
     async def _on_snapshot_remove(self, msg: Msg, req: Any) -> Any:
         assert self.js is not None and self.store is not None
-        removed = await remove_snapshot(self.js, self.store, req.snapshot_id, data_dir=self.data_dir)
+        removed = await remove_snapshot(self.js, self.store, req.snapshot_id, data_dir=self.data_dir,
+                                        tenant=S.img_request_tenant(msg.subject, S.SNAP_REMOVE))
         return Done(detail=f"removed {req.snapshot_id}: {removed['chunks']} chunks ({removed['bytes']} bytes) freed")
 
     async def teardown(self) -> None:

@@ -12,7 +12,7 @@ from nats.js.errors import KeyNotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, SnapshotInUse, UnknownSnapshot
+from bus.errors import BadRequest, SnapshotInUse
 from bus.messages import LayerRef, SnapshotEvent, SnapshotRecord
 from bus.runtime import kv_keys
 from bus.streams import ensure_kv
@@ -20,6 +20,7 @@ from bus.streams import ensure_kv
 from ._gc import sweep
 from ._manifests import list_manifests
 from ._store import BlobStore, chunk_key, layer_key
+from ._tenancy import check_snapshot
 from ._util import digest_hex
 
 
@@ -56,14 +57,18 @@ async def referenced(js: JetStreamContext, *, skip_snapshot: str = "") -> tuple[
     return layers, chunks
 
 
-async def remove_snapshot(js: JetStreamContext, store: BlobStore, snapshot_id: str, *, data_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
+async def remove_snapshot(
+    js: JetStreamContext, store: BlobStore, snapshot_id: str, *, data_dir: str | os.PathLike[str] | None = None, tenant: str = S.OPERATOR_TENANT,
+) -> dict[str, int]:
     """Delete a snapshot no other snapshot builds on and no paused sandbox needs, then the layers and
-    chunks only it referenced. A chunk another layer shares stays."""
+    chunks only it referenced. A chunk another layer shares stays. Only its owner (and the operator)
+    may: another ``tenant``'s removal is ``unknown_snapshot`` (_tenancy)."""
     kv = await ensure_kv(js, S.KV_SNAPSHOTS)
     try:
-        rec = codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value or b"")
+        found: SnapshotRecord | None = codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value or b"")
     except (KeyNotFoundError, BadRequest):
-        raise UnknownSnapshot(f"no snapshot {snapshot_id!r}", snapshot_id=snapshot_id) from None
+        found = None
+    rec = check_snapshot(found, snapshot_id, tenant, "remove")
     children = sorted(r.snapshot_id for r in await list_snapshots(js) if r.parent_id == snapshot_id)
     if children:
         raise SnapshotInUse(

@@ -40,7 +40,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BuildFailed, DsecError, InvalidArgument, SandboxTimeout, Unavailable, UnknownSnapshot
 from bus.messages import BuildImage, ImageBuilt, ImageDefaults, SnapshotRecord, SnapshotRequest, TemplateManifest
-from bus.runtime import KV
+from bus.runtime import KV, tenant_of
 
 from . import _snapshots as _snap
 from ._async import AsyncSandbox, _nc
@@ -125,7 +125,8 @@ class TemplateBuilder:
     async def _image_request(self, req: BuildImage) -> ImageBuilt:
         nc = await _nc(self.nats_url)
         try:
-            msg = await nc.request(S.IMG_BUILD, codec.encode(req), timeout=BUILD_TIMEOUT_S)
+            # under this connection's tenant: the image service makes the template its own (imaged._tenancy)
+            msg = await nc.request(S.img_build(tenant_of(nc)), codec.encode(req), timeout=BUILD_TIMEOUT_S)
         except nats.errors.NoRespondersError:
             raise Unavailable("the image service does not answer (is `dsec up` running?)") from None
         except nats.errors.TimeoutError:
@@ -154,7 +155,7 @@ class TemplateBuilder:
                 raise InvalidArgument(f"FROM {src}: no such template")
             if m is None:  # an image in a registry: imaged pulls it (each layer once) into a template of its own
                 platform = step.flags.get("platform", "")
-                name = "img-" + _sha(src, platform)[:24]
+                name = S.pull_cache_template(src, platform)
                 self.log(f"pulling {src}{' for ' + platform if platform else ''}")
                 m = (await self._image_request(BuildImage(name=name, base="", from_ref=src, platform=platform, description=src))).manifest
         if m is None:

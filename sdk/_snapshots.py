@@ -16,7 +16,7 @@ from bus import subjects as S
 from bus.codec import decode_reply
 from bus.errors import BadRequest, InvalidArgument, PermissionDenied, SandboxNotFound, SandboxTimeout, UnknownSnapshot, Unavailable
 from bus.messages import MAX_FORK_COUNT, Done, PauseRequest, RemoveSnapshot, ResumeRequest, SnapshotRecord, SnapshotRequest
-from bus.runtime import KV, kv_keys, reads_records
+from bus.runtime import KV, kv_keys, reads_records, tenant_of
 from bus.streams import ensure_kv
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ async def list_records(nc: Any) -> list[SnapshotRecord]:
 
 async def remove(nc: Any, snapshot_id: str, timeout: float = 60.0) -> str:
     try:
-        msg = await nc.request(S.SNAP_REMOVE, codec.encode(RemoveSnapshot(snapshot_id=snapshot_id)), timeout=timeout)
+        msg = await nc.request(S.snap_remove(tenant_of(nc)), codec.encode(RemoveSnapshot(snapshot_id=snapshot_id)), timeout=timeout)
     except nats.errors.NoRespondersError:
         raise Unavailable("the image service does not answer (is `dsec up` running?)") from None
     except nats.errors.TimeoutError:

@@ -14,7 +14,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from ..auth import ANONYMOUS_USER, CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
+from ..auth import ANONYMOUS_USER, CLIENT_USER_PREFIX, ROLLOUTS_ROLE, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
 from ..errors import Unavailable
 from ..subjects import valid_token
 
@@ -125,8 +125,10 @@ def connection_of(js: JetStreamContext) -> NATS:
 
 def reads_records(nc: NATS) -> bool:
     """Whether this connection may read sandbox records (KV dsec_sandboxes): services and the
-    operator may, a client tenant may not (the server would refuse it, after a timeout)."""
-    return not tenant_of(nc).startswith((CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX))
+    operator may, a client tenant may not (the server would refuse it, after a timeout); nor may the
+    rollout workers, a client tenant of their own."""
+    t = tenant_of(nc)
+    return t != ROLLOUTS_ROLE and not t.startswith((CLIENT_USER_PREFIX, SANDBOX_USER_PREFIX))
 
 
 async def _log_nats_error(exc: Exception) -> None:

@@ -19,9 +19,11 @@ import asyncio
 import enum
 import functools
 import random
+import uuid
 from typing import Any, Callable, Generic, TypeVar
 
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -166,6 +168,14 @@ class KV(Generic[T]):
         """An existing bucket (never created: a client may only read it); raises when missing."""
         return cls(await js.key_value(bucket), bucket, type_, js=js)
 
+    @classmethod
+    def direct(cls, js: JetStreamContext, bucket: str, type_: Any) -> "KV[Any]":
+        """A bucket read by direct gets only, without asking for its stream's info: what a client
+        tenant may do on its own keys of a bucket whose other keys are other tenants' (the server
+        checks a direct get's subject; a stream info would list every key)."""
+        kv = KeyValue(name=bucket, stream=f"KV_{bucket}", pre=f"$KV.{bucket}.", js=js, direct=True)
+        return cls(kv, bucket, type_, js=js)
+
     async def _pub(self) -> Publisher:
         if self._publisher is None or self._publisher.nc.is_closed:
             self._publisher = await publisher_for(nc_of(self.js))
@@ -207,6 +217,42 @@ class KV(Generic[T]):
 
     async def keys(self) -> list[str]:
         return await kv_keys(self.js, self.bucket)
+
+    async def values_under(self, prefix: str, idle_s: float = 2.0) -> dict[str, T]:
+        """Every decodable value whose key starts with ``prefix.``, by key: read through an ephemeral
+        consumer whose filter (``$KV.<bucket>.<prefix>.>``) is in its create subject, delivering to
+        the connection's own inbox: what a client tenant may list of its own keys (``keys`` asks for
+        the stream's subjects, every tenant's)."""
+        nc = nc_of(self.js)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        sub = await nc.subscribe(nc.new_inbox(), cb=queue.put)
+        cfg = ConsumerConfig(
+            name=f"keys-{uuid.uuid4().hex[:16]}", filter_subject=f"{self._prefix}{prefix}.>", deliver_subject=sub.subject,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ack_policy=AckPolicy.NONE, inactive_threshold=30.0,
+        )
+        out: dict[str, T] = {}
+        try:
+            try:
+                info = await self.js.add_consumer(f"KV_{self.bucket}", cfg)
+            except NotFoundError:
+                return out
+            pending = info.num_pending or 0
+            while pending > 0:
+                try:
+                    msg = await asyncio.wait_for(queue.get(), idle_s)
+                except asyncio.TimeoutError:
+                    break
+                key = msg.subject[len(self._prefix):]
+                if msg.data and (msg.headers or {}).get("KV-Operation") not in ("DEL", "PURGE"):
+                    v = self._decode(key, msg.data)
+                    if v is not None:
+                        out[key] = v
+                else:
+                    out.pop(key, None)
+                pending = msg.metadata.num_pending
+        finally:
+            await sub.unsubscribe()
+        return out
 
     async def watch(self, on_put: Callable[[str, T, int], None], on_delete: Callable[[str], None] | None = None) -> Watch[T]:
         """Start a ``Watch`` of the whole bucket (see there)."""

@@ -14,6 +14,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError
 from bus.messages import ModelAnswer, ModelCall
+from bus.runtime import tenant_of
 
 REQUEST_TIMEOUT_S = 600.0  # the workers answer within the job's policy timeout; this only bounds a lost reply
 
@@ -32,7 +33,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tenant, _ = await request.app[GATEWAY_KEY].tenant(request)
     body = await request.read()
     try:
-        msg = await tenant.nc.request(S.model_call(job), codec.encode(ModelCall(job_id=job, body=body)), timeout=REQUEST_TIMEOUT_S)
+        # under the key's own tenant: the workers answer a tenant about its own jobs only
+        msg = await tenant.nc.request(S.model_call(job, tenant_of(tenant.nc)), codec.encode(ModelCall(job_id=job, body=body)), timeout=REQUEST_TIMEOUT_S)
     except nats.errors.NoRespondersError:
         return _error(503, "unavailable", "no rollout worker is running")
     except nats.errors.TimeoutError:

@@ -40,6 +40,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import DsecError, InvalidArgument, PermissionDenied, TemplateTaken, Unavailable, UnknownTemplate
 from bus.messages import Done, RemoveImage, TemplateManifest
+from bus.runtime import tenant_of
 from bus.streams import ensure_kv
 
 from .._builder import TemplateBuilder, tar_context, template_manifest
@@ -330,7 +331,7 @@ class TemplateApi:
         if m.owner != tenant.user:
             raise PermissionDenied(f"template {tid!r} is not this key's")
         try:
-            msg = await tenant.nc.request(S.IMG_REMOVE, codec.encode(RemoveImage(name=tid)), timeout=60)
+            msg = await tenant.nc.request(S.img_remove(tenant_of(tenant.nc)), codec.encode(RemoveImage(name=tid)), timeout=60)
         except nats.errors.NoRespondersError:
             raise Unavailable("the image service does not answer") from None
         codec.decode_reply(msg.data, Done)

@@ -14,7 +14,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import InvalidArgument, UnknownJob
 from bus.messages import ROLLOUT_TOOLS, RolloutJob, RolloutRecord
-from bus.runtime import KV
+from bus.runtime import KV, tenant_of
 
 from .._async import _js, _nc, _store
 from .._trajectory import TrajectoryStep, steps as _steps
@@ -79,13 +79,19 @@ def _check_job_id(job_id: Any) -> str:
 
 
 class AsyncRollouts:
-    """``await AsyncRollouts().submit(task=..., policy_url=...)`` -> job id; ``wait``, ``get``, ``results``."""
+    """``await AsyncRollouts().submit(task=..., policy_url=...)`` -> job id; ``wait``, ``get``, ``results``.
 
-    def __init__(self, *, nats_url: str | None = None, queue: str = S.ROLLOUT_QUEUE) -> None:
+    Jobs are the connection's tenant's; ``tenant`` (the operator's) reads and submits another
+    tenant's (a client credential may not: nats-server refuses it)."""
+
+    def __init__(self, *, nats_url: str | None = None, queue: str = S.ROLLOUT_QUEUE, tenant: str | None = None) -> None:
         if not S.valid_token(queue):
             raise InvalidArgument(f"not a queue name: {queue!r}")
+        if tenant is not None and not S.valid_token(tenant):
+            raise InvalidArgument(f"not a tenant: {tenant!r}")
         self.nats_url = nats_url
         self.queue = queue
+        self.tenant = tenant
 
     async def submit(
         self, *, task: str, policy_url: str, template: str = "base", max_steps: int = 20, tools: list[str] | None = None,
@@ -115,22 +121,25 @@ class AsyncRollouts:
             pause_while_waiting=bool(pause_while_waiting),
         )
         nc = await _nc(self.nats_url)
-        await _store(nc, self._subject(job_id), codec.encode(job), {S.HDR_MSG_ID: f"rollout:{job_id}"})
+        job.tenant = await self._tenant()  # the job is the submitter's: under its tenant token (bus.subjects.rollout_job)
+        await _store(nc, S.rollout_job(self.queue, job.tenant, job_id), codec.encode(job), {S.HDR_MSG_ID: f"rollout:{job.tenant}:{job_id}"})
         return job_id
 
-    def _subject(self, job_id: str) -> str:
-        return f"{S.rollout_queue(self.queue)}.{job_id}"
+    async def _tenant(self) -> str:
+        return self.tenant or tenant_of(await _nc(self.nats_url))
 
     async def _kv(self) -> KV[RolloutRecord]:
-        return await KV.bind(_js(await _nc(self.nats_url)), S.KV_ROLLOUTS, RolloutRecord)
+        # by direct gets of its own keys: a tenant may not read the bucket's stream info (every tenant's keys)
+        return KV.direct(_js(await _nc(self.nats_url)), S.KV_ROLLOUTS, RolloutRecord)
 
     async def get(self, job_id: str, *, with_steps: bool = False) -> RolloutResult:
         """The job as it stands: ``queued`` while no worker took it up; ``unknown_job`` when there is none."""
         _check_job_id(job_id)
-        rec = await (await self._kv()).get(job_id)
+        tenant = await self._tenant()
+        rec = await (await self._kv()).get(S.rollout_key(tenant, job_id))
         if rec is None:
             try:
-                await _js(await _nc(self.nats_url)).get_last_msg(S.STREAM_ROLLOUTS, self._subject(job_id))
+                await _js(await _nc(self.nats_url)).get_last_msg(S.STREAM_ROLLOUTS, S.rollout_job(self.queue, tenant, job_id), direct=True)
             except NotFoundError:
                 raise UnknownJob(f"no rollout job {job_id}", job_id=job_id) from None
             return RolloutResult(job_id=job_id, state="queued")
@@ -156,9 +165,8 @@ class AsyncRollouts:
     async def results(self, job_ids: list[str] | None = None, *, wait: bool = False, timeout: float | None = None) -> list[RolloutResult]:
         """The ended jobs among ``job_ids`` (every ended job when None); ``wait``: wait for each of them."""
         if job_ids is None:
-            kv = await self._kv()
-            recs = [await kv.get(k) for k in await kv.keys()]
-            return [_result(r) for r in recs if r is not None and r.state in ENDED]
+            recs = (await (await self._kv()).values_under(await self._tenant())).values()
+            return [_result(r) for r in recs if r.state in ENDED]
         if wait:
             return list(await asyncio.gather(*(self.wait(j, timeout=timeout) for j in job_ids)))
         out = [await self.get(j) for j in job_ids]
@@ -168,8 +176,8 @@ class AsyncRollouts:
 class Rollouts:
     """The synchronous ``AsyncRollouts``."""
 
-    def __init__(self, *, nats_url: str | None = None, queue: str = S.ROLLOUT_QUEUE) -> None:
-        self._a = AsyncRollouts(nats_url=nats_url, queue=queue)
+    def __init__(self, *, nats_url: str | None = None, queue: str = S.ROLLOUT_QUEUE, tenant: str | None = None) -> None:
+        self._a = AsyncRollouts(nats_url=nats_url, queue=queue, tenant=tenant)
 
     def submit(self, **kwargs: Any) -> str:
         from .._sync import _run

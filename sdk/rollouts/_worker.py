@@ -7,6 +7,11 @@ job id as client. A worker that dies mid-rollout leaves its job un-acked; JetStr
 another, which reconnects to the sandbox at the stored step count with ``replay``: a step that ran
 after the last stored state is answered from the log (or, still running, awaited by its host), so
 no step runs twice. The message is acked once the job is done or failed, its error recorded.
+
+A job is its tenant's (bus.subjects.rollout_job): nats-server lets a client submit and read only under
+its own tenant token, and a worker binds each job to the tenant of its subject, refusing (to the dead
+letters, ``permission_denied``) one whose body names another tenant; its state is kept under
+``<tenant>.<job>`` and the model gateway answers a tenant about its own jobs only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, InternalError, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob
+from bus.errors import (
+    BadRequest, DsecError, InternalError, PermissionDenied, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob,
+)
 from bus.messages import ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
 from bus.runtime import KV, Endpoint, Service, dead_letter, tenant_of
 from bus.streams import ensure_kv, ensure_stream, stream_configs
@@ -59,8 +66,9 @@ def gateway_client(job_id: str) -> str:
     return f"{job_id}-gw"
 
 
-def sandbox_id_of(job_id: str) -> str:
-    return f"ro-{job_id}"
+def sandbox_id_of(job_id: str, tenant: str) -> str:
+    """The job's sandbox: two tenants may choose the same job id."""
+    return f"ro-{hashlib.sha256(tenant.encode()).hexdigest()[:10]}-{job_id}"
 
 
 class RolloutWorker(Service):
@@ -111,6 +119,16 @@ class RolloutWorker(Service):
         if len(job.job_id) > 100 or not S.valid_token(job.job_id):  # it names a KV key, a sandbox and log clients
             await dead_letter(self.publisher, msg, "invalid_argument", f"not a job id: {job.job_id[:200]!r}")
             return
+        where = S.parse_rollout(msg.subject)
+        if where is None or where[2] != job.job_id:
+            await dead_letter(self.publisher, msg, "invalid_argument", f"not a job's subject (dsec.rollout.<queue>.<tenant>.<job>): {msg.subject[:200]}")
+            return
+        # The subject's tenant is the one nats-server let publish it: a body naming another is forged.
+        if job.tenant and job.tenant != where[1]:
+            self.log.warning("rollout_tenant_mismatch", job_id=job.job_id, subject_tenant=where[1], job_tenant=job.tenant)
+            await dead_letter(self.publisher, msg, PermissionDenied.code, f"job {job.job_id} names tenant {job.tenant!r}, submitted as {where[1]!r}")
+            return
+        job.tenant = where[1]
         beat = asyncio.ensure_future(self._heartbeat(msg))
         try:
             await self._run(job)
@@ -129,13 +147,13 @@ class RolloutWorker(Service):
     async def _put(self, rec: RolloutRecord) -> None:
         assert self.kv is not None
         rec.updated_at = time.time()
-        await self.kv.put(rec.job.job_id, rec)
+        await self.kv.put(S.rollout_key(rec.job.tenant, rec.job.job_id), rec)
 
     async def _run(self, job: RolloutJob) -> None:
         assert self.kv is not None
-        rec = await self.kv.get(job.job_id) or RolloutRecord(job=job)
-        if rec.state in ("done", "failed"):
-            return
+        rec = await self.kv.get(S.rollout_key(job.tenant, job.job_id)) or RolloutRecord(job=job)
+        if rec.state in ("done", "failed") or rec.job.tenant != job.tenant:
+            return  # (a record under the tenant's key is the tenant's: the second is a bug, never another's job run)
         rec.deliveries += 1
         rec.worker = self.worker_id
         sb: AsyncSandbox | None = None
@@ -158,7 +176,7 @@ class RolloutWorker(Service):
     async def _sandbox(self, rec: RolloutRecord) -> AsyncSandbox:
         job = rec.job
         if not rec.sandbox_id:
-            rec.sandbox_id = sandbox_id_of(job.job_id)
+            rec.sandbox_id = sandbox_id_of(job.job_id, job.tenant)
             rec.state = "running"
             if not rec.messages:
                 rec.messages = ([{"role": "system", "content": job.system_prompt}] if job.system_prompt else []) + [{"role": "user", "content": job.task}]
@@ -247,10 +265,13 @@ class RolloutWorker(Service):
     async def _on_model(self, msg: Msg, call: ModelCall) -> ModelAnswer:
         """Forward a chat-completions request to the job's policy and log the exchange in its
         sandbox's trajectory (client ``<job>-gw``, in the log's order; a retried identical request,
-        same conversation, is stored once)."""
+        same conversation, is stored once). Only the job's tenant (the subject's) is answered:
+        another's job is ``unknown_job``, as one that does not exist."""
         assert self.kv is not None and self.session is not None and self.publisher is not None
-        rec = await self.kv.get(call.job_id) if S.valid_token(call.job_id) else None
-        if rec is None:
+        where = S.parse_model(msg.subject)
+        mine = where is not None and where[1] == call.job_id and S.valid_token(call.job_id)
+        rec = await self.kv.get(S.rollout_key(where[0], call.job_id)) if where is not None and mine else None
+        if rec is None or where is None or rec.job.tenant != where[0]:
             raise UnknownJob(f"no rollout job {call.job_id}", job_id=call.job_id)
         if not rec.sandbox_id or rec.state in ("done", "failed", "queued"):
             raise SandboxNotRunning(f"rollout {call.job_id} is {rec.state}: its model gateway serves it while it runs", state=rec.state)

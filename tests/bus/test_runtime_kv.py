@@ -122,3 +122,26 @@ async def test_watch_delivers_puts_and_deletes_and_skips_corrupt(nc, uid) -> Non
             await w.stop()
     finally:
         await nc.jetstream().delete_key_value(kv.bucket)
+
+
+async def test_values_under_a_prefix_and_direct_reads(nc, uid) -> None:
+    """``values_under`` lists one prefix's latest values (deleted keys and other prefixes left out);
+    ``KV.direct`` reads a key without asking for the stream's info."""
+    from nats.js.api import KeyValueConfig
+
+    bucket = f"t_{uid}"
+    await nc.jetstream().create_key_value(config=KeyValueConfig(bucket=bucket, history=1, direct=True))
+    kv = KV.direct(nc.jetstream(), bucket, Rec)
+    try:
+        await kv.put("a.one", Rec(owner="a"))
+        await kv.put("a.one", Rec(owner="a", n=2))
+        await kv.put("a.two", Rec(owner="a"))
+        await kv.put("a.gone", Rec(owner="a"))
+        await kv.delete("a.gone")
+        await kv.put("ab.x", Rec(owner="ab"))
+        await kv.put("b.one", Rec(owner="b"))
+        assert await kv.values_under("a") == {"a.one": Rec(owner="a", n=2), "a.two": Rec(owner="a")}
+        assert await kv.values_under("c") == {}
+        assert await kv.get("b.one") == Rec(owner="b") and await kv.get("b.none") is None
+    finally:
+        await nc.jetstream().delete_key_value(bucket)

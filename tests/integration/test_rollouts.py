@@ -18,13 +18,14 @@ from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
+from bus.auth import ANONYMOUS_USER, with_credentials
 from bus.messages import RolloutJob
 
 from bus.natsd import free_port
 from sdk import AsyncSandbox
 from sdk.errors import InvalidArgument, UnknownJob
 from sdk.rollouts import AsyncRollouts, RolloutWorker
-from sdk.rollouts._worker import sandbox_id_of
+from sdk.rollouts._worker import sandbox_id_of as _sandbox_id_of
 from tests.conftest import eventually
 from tests.scripted_policy import Policy, answer, call
 from tests.integration.conftest import PY, Child, Stack, needs_stack, run_process, subprocess_env
@@ -32,6 +33,11 @@ from tests.integration.conftest import PY, Child, Stack, needs_stack, run_proces
 pytestmark = [pytest.mark.containerd, needs_stack]
 
 COUNT = "echo x >> /tmp/count; wc -l < /tmp/count"  # not idempotent: says how often it ran
+
+
+def sandbox_id_of(job_id: str) -> str:
+    """A job's sandbox on this stack, which has no credentials: every client is the anonymous tenant."""
+    return _sandbox_id_of(job_id, ANONYMOUS_USER)
 
 
 def sandbox_steps(res: Any) -> list[Any]:
@@ -127,7 +133,7 @@ async def test_bad_policy_replies_and_bad_input_are_typed_errors_and_the_worker_
         # Malformed work on the queue is kept aside on DSEC_DLQ with its code, never retried forever.
         bad_job = RolloutJob(job_id="bad id!", task="t", policy_url="http://127.0.0.1:1/v1")
         for tail, data, code in (("garbage", b"\x00 not msgpack", "bad_request"), ("badid", codec.encode(bad_job), "invalid_argument")):
-            subject = f"{S.rollout_queue(queue)}.{tail}"
+            subject = S.rollout_job(queue, ANONYMOUS_USER, tail)
             await stack.js.publish(subject, data)
             await eventually(lambda subject=subject: _dead_letter(stack, subject), timeout=30, what=f"{tail} dead-lettered")
             assert (await _dead_letter(stack, subject)).headers[S.HDR_ERROR_CODE] == code
@@ -230,12 +236,14 @@ async def _running(sb: AsyncSandbox, word: str) -> bool:
 
 
 async def test_dsec_up_runs_rollout_workers_and_the_model_gateway(tmp_path: Any) -> None:
-    """The whole stack with its NATS users: the worker's own role; the anonymous client submits, reads
-    jobs and the trajectory log; an API key's OpenAI client talks to the rollout's policy through the
-    gateway, its turn logged in the same ordered log."""
+    """The whole stack with its NATS users: the worker's own role; an API key's tenant submits a job
+    and its OpenAI client talks to the rollout's policy through the gateway, its turn logged in the
+    same ordered log; the operator reads the key's job and its steps. The key reaches only its own
+    jobs: the operator's job through the key's gateway is ``unknown_job``."""
     import aiohttp
 
     from tests.integration.test_up import running_up
+    from sdk.gateway._keys import parse_key, wait_usable
 
     policy = await Policy().start()
     release = asyncio.Event()
@@ -248,13 +256,17 @@ async def test_dsec_up_runs_rollout_workers_and_the_model_gateway(tmp_path: Any)
         async with running_up("ro") as up:
             svc = up.services()["rollouts"]
             assert svc["state"] == "running" and svc["restarts"] == 0, svc
-            ro = AsyncRollouts(nats_url=up.operator_url)  # the operator (nothing connects without credentials)
-            url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), second_turn, answer("from the gateway", token_ids=[5, 6])])
-            job = await ro.submit(task="say it", policy_url=url)
-            await eventually(lambda: len(policy.requests["up"]) == 2, timeout=180, what="the job's second turn")
-
             rc, key, err = await run_process(PY, "-m", "sdk.cli", "api-key", "create", "--name", "trainer", "--data-dir", str(up.data), env=up.env())
             assert rc == 0, err
+            user, pw = parse_key(key.strip())
+            trainer = AsyncRollouts(nats_url=with_credentials(up.url, user, pw))
+            operator = AsyncRollouts(nats_url=up.operator_url)  # the operator (nothing connects without credentials)
+            url = policy.url("up", [answer(None, call("exec", cmd="echo via-up")), second_turn, answer("from the gateway", token_ids=[5, 6])])
+            assert await wait_usable(key.strip(), up.url)  # once nats-server reloaded its users
+            job = await trainer.submit(task="say it", policy_url=url)
+            theirs = await operator.submit(task="the operator's", policy_url=policy.url("op", [answer("done")]))
+            await eventually(lambda: len(policy.requests["up"]) == 2, timeout=180, what="the job's second turn")
+
             argv = up.child.argv
             gw = f"http://127.0.0.1:{argv[argv.index('--http-port') + 1]}"
             convo = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
@@ -264,17 +276,22 @@ async def test_dsec_up_runs_rollout_workers_and_the_model_gateway(tmp_path: Any)
                     assert r.status == 200, await r.text()
                     assert r.headers["X-Policy-Version"] == "v7"
                     assert (await r.json())["choices"][0]["message"]["content"] == "from the gateway"
-                async with http.post(f"{gw}/rollouts/job-none/v1/chat/completions", json={"messages": convo}) as r:
-                    assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_job"
+                for other in ("job-none", theirs):
+                    async with http.post(f"{gw}/rollouts/{other}/v1/chat/completions", json={"messages": convo}) as r:
+                        assert r.status == 404 and (await r.json())["error"]["code"] == "unknown_job"
             release.set()
 
-            res = await ro.wait(job, timeout=180)
+            res = await trainer.wait(job, timeout=180, with_steps=False)
             assert (res.state, res.finish_reason) == ("done", "stop"), res
             assert json.loads(res.messages[2]["content"])["stdout"] == "via-up\n"
+            # its sandbox is the workers' tenant's: the operator reads its steps
+            res = await AsyncRollouts(nats_url=up.operator_url, tenant=user).get(job, with_steps=True)
             assert [(s.op, s.client_id.removeprefix(job)) for s in res.steps] == [("model", "-model"), ("exec", ""), ("model", "-gw"), ("model", "-model")]
             gw_turn = res.model_turns[1]
             assert gw_turn["via_gateway"] and gw_turn["messages"] == convo and gw_turn["token_ids"] == [5, 6] and gw_turn["policy_version"] == "v7"
+            assert (await operator.wait(theirs, timeout=180, with_steps=False)).state == "done"
             assert up.services()["rollouts"]["restarts"] == 0
     finally:
         release.set()
         await policy.stop()
+

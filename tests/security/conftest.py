@@ -286,6 +286,84 @@ async def until(pred: Callable[[], Any], timeout: float = 10.0, what: str = "con
     await eventually(pred, timeout=timeout, what=what)
 
 
+# ----------------------------------------------------------------------------- a principal on the bus
+class Principal:
+    """One NATS connection (``name`` in the red-team tally) with the permission errors the server sent
+    it: ``denied_publish`` and ``denied_subscribe`` assert the server's ``Permissions Violation`` for
+    exactly that subject."""
+
+    def __init__(self, name: str, nc: Any = None, errs: list[str] | None = None) -> None:
+        self.name, self.nc, self.errs = name, nc, errs if errs is not None else []
+
+    @classmethod
+    async def open(cls, url: str, name: str) -> "Principal":
+        p = cls(name)
+        await p.connect(url)
+        return p
+
+    async def connect(self, url: str) -> None:
+        from bus.runtime import connect
+
+        async def on_err(e: Exception) -> None:
+            self.errs.append(str(e).lower())
+
+        # bus.runtime.connect: the same inbox prefix the SDK and the services use for a named user.
+        self.nc = await connect(url, name=self.name, error_cb=on_err, connect_attempts=3, connect_timeout_s=10, max_reconnect_attempts=0)
+
+    def violation(self, kind: str, subject: str) -> bool:
+        return any(f"permissions violation for {kind}" in e and f'"{subject.lower()}"' in e for e in self.errs)
+
+    async def denied_publish(self, rt: "RedTeam", subject: str, data: bytes, what: str) -> None:
+        await self.nc.publish(subject, data, reply=self.nc.new_inbox())
+        await self.nc.flush()
+        await eventually(lambda: self.violation("publish", subject), what=f"a publish violation for {subject}")
+        rt.blocked(f"{self.name}: {what} [permissions violation: publish {subject}]")
+
+    async def denied_subscribe(self, rt: "RedTeam", subject: str, what: str) -> None:
+        got: list[Any] = []
+
+        async def cb(m: Any) -> None:
+            got.append(m)
+
+        sub = await self.nc.subscribe(subject, cb=cb)
+        await self.nc.flush()
+        await eventually(lambda: self.violation("subscription", subject), what=f"a subscription violation for {subject}")
+        assert not got
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        rt.blocked(f"{self.name}: {what} [permissions violation: subscribe {subject}]")
+
+    def no_violations(self) -> bool:
+        return not [e for e in self.errs if "permissions violation" in e]
+
+    async def close(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+
+class Tenant(Principal):
+    """A client credential of its own (a tenant): its NATS user and URL, and a raw connection."""
+
+    def __init__(self, name: str, user: str, url: str) -> None:
+        super().__init__(f"tenant {name}")
+        self.short, self.user, self.url = name, user, url
+
+    @classmethod
+    async def issue(cls, stack: "SecStack", name: str) -> "Tenant":
+        user, _ = stack.auth.issue_client_credential(f"{name}{stack.uid}")
+        return cls(name, user, stack.auth.url_for(user, stack.url))
+
+
+async def tenants(stack: "SecStack", *names: str) -> list[Tenant]:
+    """New tenants on an ``auth`` stack (nats-server reloaded with their users), each connected."""
+    ts = [await Tenant.issue(stack, n) for n in names]
+    await asyncio.to_thread(stack.nats.reload, stack.auth.config_block())
+    for t in ts:
+        await t.connect(t.url)
+    return ts
+
+
 # ----------------------------------------------------------------------------- red-team tally
 _TALLY: list[tuple[str, str, str]] = []  # (test, "blocked" | "allowed", what)
 
@@ -321,4 +399,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     tr.write_line(f"{len(blocked)} attacks blocked; {len(allowed)} positive controls passed")
 
 
-__all__ = ["SecStack", "RedTeam", "network_leftovers", "until", "SKIP_REASON"]
+__all__ = ["SecStack", "RedTeam", "Principal", "Tenant", "tenants", "network_leftovers", "until", "SKIP_REASON"]

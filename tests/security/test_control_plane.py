@@ -62,12 +62,11 @@ from bus.messages import (
     TemplateManifest,
 )
 from bus.auth import inbox_prefix
-from bus.runtime import connect
 from bus.sign import sign_headers
 from sdk import AsyncSandbox, build_spec
 from tests.conftest import eventually
 from tests.conftest import needs
-from tests.security.conftest import SKIP_REASON, RedTeam, SecStack
+from tests.security.conftest import SKIP_REASON, Principal, RedTeam, SecStack
 
 pytestmark = needs(SKIP_REASON)
 
@@ -75,51 +74,6 @@ DEDUP_S = 3.0  # the replay test's stream de-duplication window (production: 120
 
 
 # ------------------------------------------------------------------------------------------ helpers
-class Principal:
-    """One NATS connection with the permission errors the server sent it."""
-
-    def __init__(self, nc: Any, errs: list[str], name: str) -> None:
-        self.nc, self.errs, self.name = nc, errs, name
-
-    @classmethod
-    async def open(cls, url: str, name: str) -> "Principal":
-        errs: list[str] = []
-
-        async def on_err(e: Exception) -> None:
-            errs.append(str(e).lower())
-
-        # bus.runtime.connect: the same inbox prefix the SDK and the services use for a named user.
-        nc = await connect(url, name=name, error_cb=on_err, connect_attempts=3, connect_timeout_s=10, max_reconnect_attempts=0)
-        return cls(nc, errs, name)
-
-    def _violation(self, kind: str, subject: str) -> bool:
-        return any(f"permissions violation for {kind}" in e and subject.lower() in e for e in self.errs)
-
-    async def denied_publish(self, rt: RedTeam, subject: str, data: bytes, what: str) -> None:
-        await self.nc.publish(subject, data)
-        await self.nc.flush()
-        await eventually(lambda: self._violation("publish", subject), what=f"a publish violation for {subject}")
-        rt.blocked(f"{self.name}: {what} [permissions violation: publish {subject}]")
-
-    async def denied_subscribe(self, rt: RedTeam, subject: str, what: str) -> None:
-        got: list[Any] = []
-
-        async def cb(m: Any) -> None:
-            got.append(m)
-
-        sub = await self.nc.subscribe(subject, cb=cb)
-        await self.nc.flush()
-        await eventually(lambda: self._violation("subscription", subject), what=f"a subscription violation for {subject}")
-        assert not got
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        rt.blocked(f"{self.name}: {what} [permissions violation: subscribe {subject}]")
-
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.nc.close()
-
-
 class Events:
     """Every event of some sandboxes, as the stream records them (an admin subscription)."""
 

@@ -13,7 +13,6 @@ owner can.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -33,68 +32,13 @@ from bus.runtime import connect
 from sdk import AsyncSandbox, build_spec
 from sdk._admin import replay_events
 from tests.conftest import eventually
-from tests.security.conftest import SKIP_REASON, RedTeam, SecStack
+from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, Tenant, tenants
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
 
-class Tenant:
-    """One client credential: its URL, and a raw connection recording the server's permission errors."""
-
-    def __init__(self, name: str, user: str, url: str, nc: Any, errs: list[str]) -> None:
-        self.name, self.user, self.url, self.nc, self.errs = name, user, url, nc, errs
-
-    @classmethod
-    async def open(cls, stack: SecStack, name: str) -> "Tenant":
-        user, _ = stack.auth.issue_client_credential(f"{name}{stack.uid}")
-        return cls(name, user, stack.auth.url_for(user, stack.url), None, [])
-
-    async def connect(self) -> None:
-        async def on_err(e: Exception) -> None:
-            self.errs.append(str(e).lower())
-
-        # bus.runtime.connect: the tenant's own inbox prefix, as the SDK uses it.
-        self.nc = await connect(self.url, name=f"tenant-{self.name}", error_cb=on_err, connect_attempts=3, connect_timeout_s=10, max_reconnect_attempts=0)
-
-    def violation(self, kind: str, subject: str) -> bool:
-        return any(f"permissions violation for {kind}" in e and f'"{subject.lower()}"' in e for e in self.errs)
-
-    async def denied_publish(self, rt: RedTeam, subject: str, data: bytes, what: str) -> None:
-        await self.nc.publish(subject, data, reply=self.nc.new_inbox())
-        await self.nc.flush()
-        await eventually(lambda: self.violation("publish", subject), what=f"a publish violation for {subject}")
-        rt.blocked(f"tenant {self.name}: {what} [permissions violation: publish {subject}]")
-
-    async def denied_subscribe(self, rt: RedTeam, subject: str, what: str) -> None:
-        got: list[Any] = []
-
-        async def cb(m: Any) -> None:
-            got.append(m)
-
-        sub = await self.nc.subscribe(subject, cb=cb)
-        await self.nc.flush()
-        await eventually(lambda: self.violation("subscription", subject), what=f"a subscription violation for {subject}")
-        assert not got
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
-        rt.blocked(f"tenant {self.name}: {what} [permissions violation: subscribe {subject}]")
-
-    async def close(self) -> None:
-        if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
-
-
-async def tenants(stack: SecStack, *names: str) -> list[Tenant]:
-    ts = [await Tenant.open(stack, n) for n in names]
-    await asyncio.to_thread(stack.nats.reload, stack.auth.config_block())
-    for t in ts:
-        await t.connect()
-    return ts
-
-
 async def create_as(stack: SecStack, t: Tenant, **kw: Any) -> AsyncSandbox:
-    kw.setdefault("sandbox_id", f"sb-{stack.uid}-{t.name}-{uuid.uuid4().hex[:6]}")
+    kw.setdefault("sandbox_id", f"sb-{stack.uid}-{t.short}-{uuid.uuid4().hex[:6]}")
     sb = await AsyncSandbox.create(nats_url=t.url, **kw)
     stack.sandboxes.append(sb)
     return sb
@@ -142,7 +86,7 @@ async def test_sdk_with_another_tenants_credentials_is_refused(stack: SecStack, 
                 await h.set_timeout(5)
             with pytest.raises(PermissionDenied):
                 await h.kill(timeout=5)
-            redteam.blocked(f"tenant {t.name}: connect, exec, files, timeout, kill on another tenant's sandbox through the SDK [permission_denied]")
+            redteam.blocked(f"{t.name}: connect, exec, files, timeout, kill on another tenant's sandbox through the SDK [permission_denied]")
 
         # Nothing ran: A's sandbox is alive with its timeout, and each refusal is on the record.
         assert sa.sandbox_id in stack.host.live
@@ -249,7 +193,7 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
             seen.append(ev["sandbox_id"])
         assert aid in seen
         redteam.allowed("tenant a: raw exec, direct get and a filtered consumer on its own prefix")
-        assert not [e for e in a.errs if "permissions violation" in e], a.errs
+        assert a.no_violations(), a.errs
     finally:
         for t in (a, b):
             await t.close()
@@ -295,7 +239,7 @@ async def test_trajectory_log_is_read_by_its_tenant_only(stack: SecStack, redtea
         assert (await again.commands.run("echo $A_TOKEN")).stdout == f"{secret}\n"
         assert again._traj.replayed == 1  # answered from the log, not run again
         redteam.allowed("tenant a: sb.trajectory(), a direct get of its log, connect(replay=True)")
-        assert not [e for e in a.errs if "permissions violation" in e], a.errs
+        assert a.no_violations(), a.errs
     finally:
         for t in (a, b):
             await t.close()
