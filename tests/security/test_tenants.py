@@ -32,7 +32,7 @@ from bus.runtime import connect
 from sdk import AsyncSandbox, build_spec
 from sdk._admin import replay_events
 from tests.conftest import eventually
-from tests.security.conftest import SKIP_REASON, RedTeam, SecStack, Tenant, tenants
+from tests.security.conftest import SKIP_REASON, Principal, RedTeam, SecStack, Tenant, tenants
 
 pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
@@ -341,10 +341,8 @@ async def test_tenants_and_services_cannot_raise_a_quota_or_forget_what_is_held(
     from sdk.errors import QuotaExceeded
 
     a, b = await tenants(stack, "a", "b")
-    hostagent = Tenant("hostagent", "hostagent", stack.url_as("hostagent"), None, [])
-    placement = Tenant("placement", "placement", stack.url_as("placement"), None, [])
-    await hostagent.connect()
-    await placement.connect()
+    hostagent = await Principal.open(stack.url_as("hostagent"), "hostagent")
+    placement = await Principal.open(stack.url_as("placement"), "placement")
     limits: KV[TenantLimits] = await KV.bind(stack.nc.jetstream(), S.KV_TENANTS, codec.TENANT_LIMITS)
     try:
         await limits.put(a.user, TenantLimits(max_sandboxes=1))
