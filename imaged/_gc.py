@@ -48,6 +48,8 @@ GC_BUCKET = S.KV_GC
 PIN_TTL_S = 3600.0  # longer than any pack or build, plus the write of its record
 TOMB_MAX_S = 10.0  # a collection deletes a batch within this long of tombstoning it, or not at all
 BATCH = 256
+CONCURRENCY = 32  # store deletes and KV writes of one batch in flight at once
+DELETE_MARGIN_S = 2.0  # no delete starts later than this before its batch's deadline
 PIN_KEYS_PER_ENTRY = 4000  # one KV value stays well under the NATS max payload
 LOCAL_GRACE_S = 3600.0  # a data-dir leftover this old belongs to no pack, build or dump still running
 
@@ -143,6 +145,17 @@ async def guard_reuse(js: Any, owner: str, keys: Iterable[str], poll_s: float = 
 
 
 # --- collection ------------------------------------------------------------------------------------
+async def _bounded(fn: Callable[[str], Awaitable[str | None]], keys: list[str], n: int = CONCURRENCY) -> list[str]:
+    """``fn`` over ``keys``, ``n`` at a time (each a NATS round trip or two); the keys it returned."""
+    sem = asyncio.Semaphore(n)
+
+    async def one(k: str) -> str | None:
+        async with sem:
+            return await fn(k)
+
+    return [k for k in await asyncio.gather(*(one(k) for k in keys)) if k is not None]
+
+
 async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tombstoned: Callable[[list[str]], Awaitable[None]] | None = None) -> list[str]:
     """Delete the candidate store keys no writer pinned (layer records first); returns those deleted.
     ``on_tombstoned`` runs between the tombstones and the pin check (tests force races with it)."""
@@ -151,30 +164,39 @@ async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tomb
     deleted: list[str] = []
     for i in range(0, len(ordered), BATCH):
         deadline = time.time() + TOMB_MAX_S
-        mine: list[str] = []
-        for k in ordered[i : i + BATCH]:
+
+        async def tomb(k: str, deadline: float = deadline) -> str | None:
             try:
                 await kv.create(_tomb(k), str(deadline).encode())
-                mine.append(k)
+                return k
             except KeyWrongLastSequenceError:
-                continue  # another collection has it
+                return None  # another collection has it
+
+        async def drop(k: str, deadline: float = deadline) -> str | None:
+            # a delete starts early enough to end before the deadline, when a waiting writer goes on
+            if time.time() >= deadline - DELETE_MARGIN_S:
+                return None  # left to the next run
+            await store.delete(k)
+            return k
+
+        async def untomb(k: str) -> str | None:
+            try:
+                await kv.purge(_tomb(k))
+            except Exception:  # noqa: BLE001 - NATS away: the tombstone lapses at its deadline
+                pass
+            return None
+
+        mine = await _bounded(tomb, ordered[i : i + BATCH])  # every tombstone is written before the pins are read
         try:
             if on_tombstoned is not None:
                 await on_tombstoned(mine)
             keep = await pinned(js)
-            for k in mine:
-                if k in keep:
-                    continue
-                if time.time() >= deadline:
-                    break  # a writer may have stopped waiting for this tombstone: leave the rest to the next run
-                await store.delete(k)
-                deleted.append(k)
+            todo = [k for k in mine if k not in keep]
+            layers = [k for k in todo if k.startswith("layers/")]
+            deleted += await _bounded(drop, layers)  # layer records before any chunk
+            deleted += await _bounded(drop, [k for k in todo if not k.startswith("layers/")])
         finally:
-            for k in mine:
-                try:
-                    await kv.purge(_tomb(k))
-                except Exception:  # noqa: BLE001 - NATS away: the tombstone lapses at its deadline
-                    pass
+            await _bounded(untomb, mine)
     return deleted
 
 
