@@ -40,7 +40,7 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, NoSpace, QuotaExceeded
 from bus.messages import SandboxSpec, SnapshotRecord
-from bus.runtime import kv_keys
+from bus.runtime import kv_erase, kv_keys
 from bus.streams import ensure_kv
 
 from ._config import HostAgentConfig
@@ -181,10 +181,9 @@ async def release_pins(js: Any, digests: list[str]) -> None:
     collection running meanwhile (imaged._gc; pins left behind lapse after an hour)."""
     prefixes = tuple(f"pin.{d.removeprefix('sha256:')}." for d in digests)
     try:
-        kv = await js.key_value(S.KV_GC)
         for k in await kv_keys(js, S.KV_GC):
             if k.startswith(prefixes):
-                await kv.purge(k)
+                await kv_erase(js, S.KV_GC, k)  # no marker left (imaged._gc._erase)
     except Exception as exc:  # noqa: BLE001 - no bucket (no pins), NATS away: the pins lapse, the snapshot stands
         log.debug("pins_not_released", error=str(exc))
 

@@ -39,7 +39,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from bus import subjects as S
-from bus.runtime import kv_keys
+from bus.runtime import kv_erase, kv_keys
 
 from ._store import BlobStore
 from ._util import digest_hex
@@ -77,17 +77,28 @@ def _untomb(kvkey: str) -> str:
 
 async def _entries(js: Any, prefix: str) -> list[tuple[str, bytes]]:
     kv = await _kv(js)
-    out = []
-    for k in await kv_keys(js, GC_BUCKET):
-        if not k.startswith(prefix):
-            continue
+
+    async def one(k: str) -> tuple[str, bytes] | None:
         try:
             e = await kv.get(k)
         except KeyNotFoundError:
-            continue
-        if e.value:
-            out.append((k, bytes(e.value)))
-    return out
+            return None
+        return (k, bytes(e.value)) if e.value else None
+
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def bounded(k: str) -> tuple[str, bytes] | None:
+        async with sem:
+            return await one(k)
+
+    got = await asyncio.gather(*(bounded(k) for k in await kv_keys(js, GC_BUCKET) if k.startswith(prefix)))
+    return [g for g in got if g is not None]
+
+
+async def _erase(js: Any, kvkey: str) -> None:
+    """A pin or tombstone gone without a marker: markers of thousands of them would make every
+    listing (each batch's pin check, every waiting writer's poll) slower until they lapse."""
+    await kv_erase(js, GC_BUCKET, kvkey)
 
 
 # --- writers ---------------------------------------------------------------------------------------
@@ -103,11 +114,11 @@ async def pin(js: Any, owner: str, keys: Iterable[str]) -> None:
 
 async def release(js: Any, owner: str) -> None:
     """Drop the pins of layer ``owner``: a record references it now."""
-    kv = await _kv(js)
+    await _kv(js)
     prefix = f"pin.{digest_hex(owner)}."
     for k in await kv_keys(js, GC_BUCKET):
         if k.startswith(prefix):
-            await kv.purge(k)
+            await _erase(js, k)
 
 
 async def pinned(js: Any) -> set[str]:
@@ -181,7 +192,7 @@ async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tomb
 
         async def untomb(k: str) -> str | None:
             try:
-                await kv.purge(_tomb(k))
+                await _erase(js, _tomb(k))
             except Exception:  # noqa: BLE001 - NATS away: the tombstone lapses at its deadline
                 pass
             return None
@@ -201,11 +212,10 @@ async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tomb
 
 
 async def clear_stale_tombstones(js: Any) -> int:
-    kv = await _kv(js)
     now, n = time.time(), 0
     for k, d in (await tombstoned(js)).items():
         if d < now:
-            await kv.purge(_tomb(k))
+            await _erase(js, _tomb(k))
             n += 1
     return n
 

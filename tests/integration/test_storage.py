@@ -158,6 +158,24 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
     assert rc == 0, err
     use = json.loads(out)
     assert 2_900_000 < use["tenants"][tenant] < 3 << 20 and use["sandboxes"][a.sandbox_id] > 2_000_000
+    # The same figures, with the limit in force and the host's free disk, in `dsec status` and /metrics.
+    from bus.metrics import parse
+    from bus.runtime import scrape_one
+    from sdk._admin import cluster_status
+
+    from .test_metrics import _value
+
+    limit = stack.host.snapshots.limits.per_tenant
+
+    async def status_shows() -> bool:
+        st = (await cluster_status(stack.url))["storage"]
+        return st["tenants"].get(tenant) == {"used_bytes": use["tenants"][tenant], "limit_bytes": limit} and st["disk_free_mb"][stack.host_id] > 0
+
+    await eventually(status_shows, timeout=15, what="dsec status to show the tenant's bytes against the limit of the next heartbeat")
+    scraped = parse((await scrape_one(stack.nc, "hostagent", stack.host_id)).text)
+    assert _value(scraped, "dsec_snapshot_bytes", tenant=tenant) == use["tenants"][tenant]
+    assert _value(scraped, "dsec_storage_limit_bytes", limit="snapshot_bytes_per_tenant") == limit
+    assert _value(scraped, "dsec_storage_limit_bytes", limit="snapshot_bytes_per_sandbox") == stack.host.snapshots.limits.per_sandbox
 
 
 async def _records(stack: Stack) -> list[Any]:
