@@ -99,7 +99,7 @@ class DiskWatch:
         horizon = now - self.window_s
         grew = 0
         q = self.disk.get(sandbox_id)
-        if q:
+        if q and sandbox_id in self.registry.handles:  # a sandbox gone gave its disk back
             last = q[-1][1]
             grew = max(0, last - min(v for _, v in q))
         grew += sum(n for t, n in self.stored.get(sandbox_id, ()) if t > horizon)
