@@ -166,7 +166,7 @@ class HostEvent(Struct, kw_only=True, tag=True):
 class GuardViolation(Struct, kw_only=True, tag=True):
     sandbox_id: str
     at: float
-    kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, ...
+    kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, disk (filled the host's disk), ...
     what: str
     action: ViolationAction = "record"
     host_id: str = ""
@@ -378,7 +378,7 @@ class AuditPolicy(Struct, kw_only=True):
 
     seccomp: str = "record"
     landlock: str = "record"  # also kind "fs": a read-only system path refused the write first
-    other: str = "record"  # network, control-plane and other reported kinds
+    other: str = "record"  # network, control-plane, disk and other reported kinds
 
 
 class SecurityProfile(Struct, kw_only=True, tag=True):
