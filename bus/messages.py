@@ -166,7 +166,7 @@ class HostEvent(Struct, kw_only=True, tag=True):
 class GuardViolation(Struct, kw_only=True, tag=True):
     sandbox_id: str
     at: float
-    kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, ...
+    kind: str  # seccomp, landlock, fs (refused by a read-only mount), network, control-plane, disk (filled the host's disk), ...
     what: str
     action: ViolationAction = "record"
     host_id: str = ""
@@ -233,6 +233,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     cpu_alloc_ls: float = 0.0  # requested cpu of latency-sensitive sandboxes (never overcommitted)
     backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
     disk_free_mb: int = 0  # free space in the data dir; 0: not reported (older hosts), a full disk reports 1
+    storage_limits: dict[str, int] = {}  # what a sandbox may make this host store, by the names quota_exceeded gives them (0: none)
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
@@ -402,7 +403,7 @@ class AuditPolicy(Struct, kw_only=True):
 
     seccomp: str = "record"
     landlock: str = "record"  # also kind "fs": a read-only system path refused the write first
-    other: str = "record"  # network, control-plane and other reported kinds
+    other: str = "record"  # network, control-plane, disk and other reported kinds
 
 
 class SecurityProfile(Struct, kw_only=True, tag=True):

@@ -9,7 +9,6 @@ import os
 from bus import log as _log
 from bus.metrics import add_cli_flag as add_metrics_flag
 
-from . import _storage as storage
 from . import backends
 from ._config import add_flags, from_args
 
@@ -20,9 +19,7 @@ def main() -> None:
     ap.add_argument("--cleanup", action="store_true",
                     help="remove everything left for --data-dir (containers, containerd, shims, mounts, network) and exit; only while no agent serves it")
     add_metrics_flag(ap)
-    storage.add_cli_flags(ap)
     args = ap.parse_args()
-    storage.apply_cli_flags(args)
     _log.configure()
     config = from_args(args)
     if args.cleanup:

@@ -14,6 +14,9 @@ from typing import Any
 from bus.messages import BackendName
 
 DEFAULT_WARM_POOL = 4  # started sandboxes kept ready per template, disk size and profile (container backend)
+GiB = 1 << 30
+# settings a flag sets, else the environment (``DSEC_<NAME>``), else the declared default
+ENV_SETTINGS = ("snapshot_max_bytes_per_sandbox", "snapshot_max_bytes_per_tenant", "write_reserve_mb", "disk_growth_window_s")
 
 
 def default_host_id() -> str:
@@ -49,6 +52,12 @@ class HostAgentConfig:
     fn_memory_mb: int = 512  # an fn pool member's memory limit (a call may set its own)
     fn_disk_mb: int = 256  # an fn pool member's disk (its scratch filesystem)
     fn_starts: int = 4  # fn pool members being started at once, every pool together (a start is mostly waiting)
+    # What a sandbox may make this host store (hostagent._storage): bytes its snapshots (persisted pauses
+    # and CRIU dumps included) put in the blob store, per sandbox and per tenant; 0: no limit.
+    snapshot_max_bytes_per_sandbox: int = 16 * GiB
+    snapshot_max_bytes_per_tenant: int = 256 * GiB
+    write_reserve_mb: int = 64  # MiB kept free in the data dir: writes that would use them fail with no_space
+    disk_growth_window_s: float = 120.0  # a full disk is blamed on the sandbox whose disk grew most within this long (hostagent._diskwatch)
 
     def __post_init__(self) -> None:
         if not self.host_id:
@@ -85,6 +94,15 @@ def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
     ap.add_argument("--fn-disk-mb", type=int, default=_D.fn_disk_mb, help="an fn pool member's disk" + d)
     ap.add_argument("--fn-starts", type=int, default=_D.fn_starts, help="fn pool members started at once" + d)
     ap.add_argument("--sim-hosts", type=int, default=_D.sim_hosts, help="with --backend sim: how many simulated hosts this process runs" + d)
+    env = " (default: $DSEC_{} or {})"
+    ap.add_argument("--snapshot-max-bytes-per-sandbox", type=int, default=None, help="bytes one sandbox's snapshots may put in the blob store, 0: no limit"
+                    + env.format("SNAPSHOT_MAX_BYTES_PER_SANDBOX", _D.snapshot_max_bytes_per_sandbox))
+    ap.add_argument("--snapshot-max-bytes-per-tenant", type=int, default=None, help="the same for all sandboxes of one tenant"
+                    + env.format("SNAPSHOT_MAX_BYTES_PER_TENANT", _D.snapshot_max_bytes_per_tenant))
+    ap.add_argument("--write-reserve-mb", type=int, default=None, help="MiB kept free in the data dir: writes that would use them fail with no_space"
+                    + env.format("WRITE_RESERVE_MB", _D.write_reserve_mb))
+    ap.add_argument("--disk-growth-window-s", type=float, default=None, help="a full disk is blamed on the sandbox whose disk grew most within this long"
+                    + env.format("DISK_GROWTH_WINDOW_S", _D.disk_growth_window_s))
     ap.add_argument("--control-key-file", default=None,
                     help="hex key placement signs host work with (default: $DSEC_CONTROL_KEY; neither: accept unsigned work)")
 
@@ -99,8 +117,24 @@ def from_args(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> 
         reconcile_s=args.reconcile_s, containerd_address=args.containerd_address, containerd_calls=args.containerd_calls,
         warm_pool=args.warm_pool, net_prefix=env.get("DSEC_NET_PREFIX", ""), sim_hosts=args.sim_hosts,
         metrics_port=args.metrics_port, fn_pools=args.fn_pool, fn_pool_max=args.fn_pool_max, fn_memory_mb=args.fn_memory_mb,
-        fn_starts=args.fn_starts, fn_disk_mb=args.fn_disk_mb,
+        fn_starts=args.fn_starts, fn_disk_mb=args.fn_disk_mb, **_from_env(args, env),
     )
 
 
-__all__ = ["DEFAULT_WARM_POOL", "HostAgentConfig", "add_flags", "default_host_id", "from_args"]
+def _from_env(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``ENV_SETTINGS``: the flag when given, else ``$DSEC_<NAME>`` when it parses (negative
+    numbers are 0), else nothing (the declared default)."""
+    out: dict[str, Any] = {}
+    for name in ENV_SETTINGS:
+        kind = type(getattr(_D, name))
+        v = getattr(args, name, None)
+        if v is None:
+            try:
+                v = kind(env.get(f"DSEC_{name.upper()}", ""))
+            except ValueError:
+                continue
+        out[name] = max(kind(0), v)
+    return out
+
+
+__all__ = ["DEFAULT_WARM_POOL", "ENV_SETTINGS", "HostAgentConfig", "add_flags", "default_host_id", "from_args"]

@@ -14,13 +14,14 @@ from nats.js import JetStreamContext
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import HostBackend, HostStatus
+from bus.messages import GuardViolation, HostBackend, HostStatus
 from bus.runtime import KV, Service
 from bus.streams import StreamOptions, ensure_all
 
 from . import _storage as storage
 from ._backend import Backend, Capabilities, Handle
 from ._config import HostAgentConfig
+from ._diskwatch import DiskWatch
 from ._execio import ExecIO
 from ._fncall import FnCalls, parse_pools
 from ._intake import Intake
@@ -67,7 +68,6 @@ class HostAgent(Service):
         self.execio = ExecIO(backend, self.caps, self._connection, self.host_id)  # exec streaming, background processes, watches
         creating: dict[str, asyncio.Future[None]] = {}  # sandboxes being made now (the intake's)
         self.m = HostMetrics(self.metrics, creating, self.registry, self._status)  # Prometheus metrics
-        storage.register_metrics(self.metrics, self.data_dir)  # the data dir's free space
         self.reclaim = ReclaimLink(self.host_id, self.registry, backend)
         self.ops = OpsEndpoint(self.host_id, self.registry, backend, self.execio, self.ports, self.m, self.reclaim)
         self.reaper = Reaper(
@@ -76,7 +76,18 @@ class HostAgent(Service):
         )
         self.snapshots = Snapshots(  # snapshot, fork, pause/resume; restores from snapshots
             self.host_id, self.data_dir, self.caps, self.registry, self.records, self.reaper.kill, self.profiles, self._connection, self._jetstream,
+            limits=storage.Limits.of(config), reserve_mb=config.write_reserve_mb,
         )
+        self.diskwatch = DiskWatch(  # who filled the disk: reported to guard
+            self.host_id, self.data_dir, self.registry, self.caps, reserve_mb=config.write_reserve_mb, window_s=config.disk_growth_window_s,
+            publish=self._violation,
+        )
+        # the data dir's free space, the snapshots' bytes by tenant, the storage limits
+        self._figures_stale = storage.register_metrics(
+            self.metrics, self.data_dir, host_id=self.host_id, js=self._jetstream if self.caps.freezer is not None else None,
+            limits=lambda: self.snapshots.limits,
+        )
+        self.snapshots.stored = self._stored
         self.ops.bind(self.reaper, self.snapshots)  # (they unserve through it: bound once both exist)
         self.intake = Intake(
             config, backend, self.caps, self.profiles, self.registry, self.records, self.reaper, self.ops, self.snapshots, self.m, creating,
@@ -206,6 +217,7 @@ class HostAgent(Service):
             cpu_alloc_ls=reg.alloc.cpu_ls,
             backends=self._backends(),
             disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
+            storage_limits=self.snapshots.limits.named(),
         )
 
     def _backends(self) -> list[HostBackend]:
@@ -225,6 +237,15 @@ class HostAgent(Service):
             log.warning("usage_failed", error=str(exc))
         await self._kv_hosts.put(self.host_id, self._status())
         await self.reclaim.publish()
+        await self.diskwatch.tick()
+
+    def _stored(self, sandbox_id: str, nbytes: int) -> None:
+        self.diskwatch.note_stored(sandbox_id, nbytes)
+        self._figures_stale()
+
+    async def _violation(self, v: GuardViolation) -> None:
+        assert self.records.publisher is not None
+        await self.records.publisher.store(S.EVT_GUARD_VIOLATION, codec.encode(v))
 
     async def _heartbeat_loop(self) -> None:
         while not await self.pause(self.config.heartbeat_s):

@@ -75,9 +75,12 @@ class Snapshots:
     def __init__(
         self, host_id: str, data_dir: str | os.PathLike[str], caps: Capabilities, registry: Registry, records: Records,
         kill: Callable[[str, str], Awaitable[bool]], profiles: ProfileCache | None, nc: Callable[[], NATS | None],
-        js: Callable[[], JetStreamContext | None],
+        js: Callable[[], JetStreamContext | None], *, limits: storage.Limits = storage.NO_CONFIG, reserve_mb: int = storage.WRITE_RESERVE_MB,
     ) -> None:
         self.host_id = host_id
+        self.limits = limits  # what a sandbox's and a tenant's snapshots may store (HostAgentConfig)
+        self.reserve_mb = reserve_mb
+        self.stored: Callable[[str, int], None] = lambda sandbox_id, nbytes: None  # told what each snapshot stored (the disk watch)
         self.data_dir = data_dir
         self.caps = caps  # the backend's abilities: freezing, checkpoints
         self.registry = registry
@@ -193,7 +196,8 @@ class Snapshots:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
         stage = os.path.join(sdir, snap.STAGE_NAME)
-        budget = await storage.snapshot_budget(self._js(), ls.spec, self.data_dir)  # quota_exceeded / no_space before anything is staged
+        # quota_exceeded / no_space before anything is staged
+        budget = await storage.snapshot_budget(self._js(), ls.spec, self.data_dir, self.limits, self.reserve_mb)
         t0 = time.perf_counter()
         await asyncio.to_thread(snap.remove_stage, stage)  # a crash's leftover
         already = self.caps.need_freezer().frozen(cgroup)  # a frozen pause stays frozen
@@ -229,6 +233,7 @@ class Snapshots:
         except KeyWrongLastSequenceError:
             raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
         await storage.release_pins(self._js(), [p.ref.digest for p in (packed, memory) if p is not None])
+        self.stored(sid, added)
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
         await asyncio.to_thread(snap.save_index, sdir, index)
         ls.extra[LAST] = snap_id

@@ -9,24 +9,25 @@ directory BEFORE it is packed, so a refused snapshot writes nothing to the blob 
 
 What a staged directory "would add" is an upper bound: the allocated bytes of its distinct regular
 files (a hole costs nothing, as the packer keeps holes; repeats are deduplicated later, not here)
-plus a block per other entry. Limits: ``--snapshot-max-bytes-per-sandbox`` /
-``--snapshot-max-bytes-per-tenant`` (env ``DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX`` /
-``DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT``; 0 means no limit), read at each check.
+plus a block per other entry. Limits: ``HostAgentConfig.snapshot_max_bytes_per_sandbox`` /
+``snapshot_max_bytes_per_tenant`` (flags ``--snapshot-max-bytes-per-sandbox`` / ``-per-tenant``, env
+``DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX`` / ``_PER_TENANT``; 0 means no limit).
 
 A full disk: writes this host makes for a sandbox (a snapshot's staging and pack, a file upload)
-first check for room (``ensure_room``: the bytes plus ``--write-reserve-mb``, env
-``DSEC_WRITE_RESERVE_MB``) and fail with ``no_space`` before writing anything; an ENOSPC met on the
+first check for room (``ensure_room``: the bytes plus ``HostAgentConfig.write_reserve_mb``) and fail
+with ``no_space`` before writing anything; an ENOSPC met on the
 way is ``no_space`` too. The heartbeat carries the free space (``heartbeat_free_mb``), and placement
 sends no creates to a host under its floor (placement's ``Policy.min_disk_free_mb``).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import errno
 import os
 import stat
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,52 +40,31 @@ from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, NoSpace, QuotaExceeded
 from bus.messages import SandboxSpec, SnapshotRecord
-from bus.runtime import kv_keys
+from bus.runtime import kv_erase, kv_keys
 from bus.streams import ensure_kv
 
+from ._config import HostAgentConfig
+
 log = structlog.get_logger("dsec.hostagent.storage")
-GiB = 1 << 30
-ENV_SANDBOX = "DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX"
-ENV_TENANT = "DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT"
-DEFAULT_PER_SANDBOX = 16 * GiB
-DEFAULT_PER_TENANT = 256 * GiB
-ENV_RESERVE = "DSEC_WRITE_RESERVE_MB"
-WRITE_RESERVE_MB = 64
 ENTRY_BYTES = 4096  # what a directory, link or device may cost a layer (an upper bound)
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return max(0, int(os.environ.get(name, "") or default))
-    except ValueError:
-        return default
+WRITE_RESERVE_MB = HostAgentConfig.write_reserve_mb
 
 
 @dataclass(frozen=True)
 class Limits:
-    per_sandbox: int = DEFAULT_PER_SANDBOX  # 0: none
-    per_tenant: int = DEFAULT_PER_TENANT
+    per_sandbox: int = HostAgentConfig.snapshot_max_bytes_per_sandbox  # 0: none
+    per_tenant: int = HostAgentConfig.snapshot_max_bytes_per_tenant
 
     @classmethod
-    def from_env(cls) -> "Limits":
-        return cls(_env_int(ENV_SANDBOX, DEFAULT_PER_SANDBOX), _env_int(ENV_TENANT, DEFAULT_PER_TENANT))
+    def of(cls, config: HostAgentConfig) -> "Limits":
+        return cls(config.snapshot_max_bytes_per_sandbox, config.snapshot_max_bytes_per_tenant)
+
+    def named(self) -> dict[str, int]:
+        """The limits by the names a ``quota_exceeded`` error gives them (the heartbeat's ``storage_limits``)."""
+        return {"snapshot_bytes_per_sandbox": self.per_sandbox, "snapshot_bytes_per_tenant": self.per_tenant}
 
 
-def add_cli_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--snapshot-max-bytes-per-sandbox", type=int, default=None,
-                    help=f"bytes one sandbox's snapshots may put in the blob store (default ${ENV_SANDBOX} or {DEFAULT_PER_SANDBOX}; 0: no limit)")
-    ap.add_argument("--snapshot-max-bytes-per-tenant", type=int, default=None,
-                    help=f"the same for all sandboxes of one client (default ${ENV_TENANT} or {DEFAULT_PER_TENANT}; 0: no limit)")
-    ap.add_argument("--write-reserve-mb", type=int, default=None,
-                    help=f"MiB kept free in the data dir: writes that would use them fail with no_space (default ${ENV_RESERVE} or {WRITE_RESERVE_MB})")
-
-
-def apply_cli_flags(args: argparse.Namespace) -> None:
-    """The flags win over the environment (the checks read the environment)."""
-    for flag, env in (("snapshot_max_bytes_per_sandbox", ENV_SANDBOX), ("snapshot_max_bytes_per_tenant", ENV_TENANT), ("write_reserve_mb", ENV_RESERVE)):
-        v = getattr(args, flag, None)
-        if v is not None:
-            os.environ[env] = str(v)
+NO_CONFIG = Limits()  # the declared defaults
 
 
 def staged_bytes(root: str) -> int:
@@ -120,6 +100,7 @@ class Budget:
     limits: Limits
     charged: int = 0
     memory_estimate: int = 0  # charged ahead for a CRIU dump (its anonymous memory), before anything is packed
+    reserve_mb: int = WRITE_RESERVE_MB  # the data dir's free space a snapshot may not use
 
     def charge_dump(self, nbytes: int) -> None:
         """The dump's real size, beyond what was charged ahead for it."""
@@ -131,13 +112,14 @@ class Budget:
         if lim.per_sandbox and self.sandbox_used + after > lim.per_sandbox:
             raise QuotaExceeded(
                 f"{what} of sandbox {self.sandbox_id} would store up to {after} bytes; with the {self.sandbox_used} its snapshots hold "
-                f"that passes the per-sandbox snapshot limit of {lim.per_sandbox} bytes ({ENV_SANDBOX})",
+                f"that passes the per-sandbox snapshot limit of {lim.per_sandbox} bytes (--snapshot-max-bytes-per-sandbox)",
                 limit="snapshot_bytes_per_sandbox", max=str(lim.per_sandbox), used=str(self.sandbox_used), wanted=str(after),
             )
         if lim.per_tenant and self.tenant_used + after > lim.per_tenant:
             raise QuotaExceeded(
                 f"{what} of sandbox {self.sandbox_id} would store up to {after} bytes; with the {self.tenant_used} the snapshots of "
-                f"tenant {self.tenant or '(operator)'!r} hold that passes the per-tenant snapshot limit of {lim.per_tenant} bytes ({ENV_TENANT})",
+                f"tenant {self.tenant or '(operator)'!r} hold that passes the per-tenant snapshot limit of {lim.per_tenant} bytes "
+                "(--snapshot-max-bytes-per-tenant)",
                 limit="snapshot_bytes_per_tenant", max=str(lim.per_tenant), used=str(self.tenant_used), wanted=str(after),
             )
         self.charged = after
@@ -166,10 +148,14 @@ def tenant_of(rec: SnapshotRecord) -> str:
     return rec.spec.client if rec.spec is not None else ""
 
 
-async def snapshot_budget(js: Any, spec: SandboxSpec, data_dir: str | os.PathLike[str]) -> Budget:
+async def snapshot_budget(
+    js: Any, spec: SandboxSpec, data_dir: str | os.PathLike[str], limits: Limits, reserve_mb: int = WRITE_RESERVE_MB,
+) -> Budget:
     """Before a snapshot stages anything: its budget, and ``no_space`` when the data dir is full."""
-    ensure_room(data_dir, 0, "snapshot")
-    return await budget_for(js, spec)
+    ensure_room(data_dir, 0, "snapshot", reserve_mb)
+    budget = await budget_for(js, spec, limits)
+    budget.reserve_mb = reserve_mb
+    return budget
 
 
 async def admit(budget: Budget, data_dir: str | os.PathLike[str], stage: str | None, dumped: Any = None) -> None:
@@ -179,15 +165,15 @@ async def admit(budget: Budget, data_dir: str | os.PathLike[str], stage: str | N
     staged = await asyncio.to_thread(staged_bytes, stage) if stage else 0
     budget.memory_estimate = memory_estimate(dumped) if dumped is not None else 0
     budget.charge(staged + budget.memory_estimate)
-    ensure_room(data_dir, staged + budget.memory_estimate, "snapshot")
+    ensure_room(data_dir, staged + budget.memory_estimate, "snapshot", budget.reserve_mb)
 
 
-async def budget_for(js: Any, spec: SandboxSpec) -> Budget:
+async def budget_for(js: Any, spec: SandboxSpec, limits: Limits) -> Budget:
     """What the sandbox's and its tenant's snapshots hold now, against the limits in force."""
     recs = await snapshot_records(js)
     mine = sum(r.bytes_added for r in recs if r.sandbox_id == spec.sandbox_id)
     tenant = sum(r.bytes_added for r in recs if tenant_of(r) == spec.client)
-    return Budget(spec.sandbox_id, spec.client, mine, tenant, Limits.from_env())
+    return Budget(spec.sandbox_id, spec.client, mine, tenant, limits)
 
 
 async def release_pins(js: Any, digests: list[str]) -> None:
@@ -195,10 +181,9 @@ async def release_pins(js: Any, digests: list[str]) -> None:
     collection running meanwhile (imaged._gc; pins left behind lapse after an hour)."""
     prefixes = tuple(f"pin.{d.removeprefix('sha256:')}." for d in digests)
     try:
-        kv = await js.key_value(S.KV_GC)
         for k in await kv_keys(js, S.KV_GC):
             if k.startswith(prefixes):
-                await kv.purge(k)
+                await kv_erase(js, S.KV_GC, k)  # no marker left (imaged._gc._erase)
     except Exception as exc:  # noqa: BLE001 - no bucket (no pins), NATS away: the pins lapse, the snapshot stands
         log.debug("pins_not_released", error=str(exc))
 
@@ -236,8 +221,27 @@ def heartbeat_free_mb(path: str | os.PathLike[str]) -> int:
     return 0 if free is None else max(1, free >> 20)
 
 
-def register_metrics(reg: Any, data_dir: str | os.PathLike[str]) -> None:
-    """``dsec_host_disk_bytes{kind="free"|"total"}``: the data dir's file system, at each scrape."""
+def usage_by_tenant(recs: list[SnapshotRecord], host_id: str | None = None) -> dict[str, int]:
+    """Blob-store bytes the snapshots hold per tenant (``''`` the operator); only those taken on
+    ``host_id`` when given (so the hosts' figures add up)."""
+    out: dict[str, int] = {}
+    for r in recs:
+        if host_id is None or r.host_id == host_id:
+            t = tenant_of(r)
+            out[t] = out.get(t, 0) + r.bytes_added
+    return out
+
+
+METRICS_REFRESH_S = 30.0  # the snapshot figures are read from KV at most this often (every record is read)
+
+
+def register_metrics(
+    reg: Any, data_dir: str | os.PathLike[str], *, host_id: str = "", js: Callable[[], Any] | None = None, limits: Callable[[], Limits] | None = None,
+) -> Callable[[], None]:
+    """``dsec_host_disk_bytes{kind="free"|"total"}``: the data dir's file system, at each scrape; with
+    ``js``, ``dsec_snapshot_bytes{tenant}`` (what the snapshots taken on this host hold) and
+    ``dsec_storage_limit_bytes{limit}`` (the limits in force here, by the names quota_exceeded uses).
+    Returns what to call when a snapshot was stored: the next scrape reads the figures again."""
     disk = reg.gauge("dsec_host_disk_bytes", "The data dir's file system: bytes free (for root) and in all", ["kind"])
 
     def fill() -> None:
@@ -249,14 +253,43 @@ def register_metrics(reg: Any, data_dir: str | os.PathLike[str]) -> None:
         disk.set(st.f_blocks * st.f_frsize, kind="total")
 
     reg.collector(fill)
+    last: list[float | None] = [None]  # when the snapshot figures were read (None: read them at the next scrape)
+
+    def stale() -> None:
+        last[0] = None
+
+    if js is None:
+        return stale
+    snap = reg.gauge("dsec_snapshot_bytes", "Blob-store bytes of the snapshots taken on this host, by tenant ('' is the operator)", ["tenant"])
+    lim = reg.gauge("dsec_storage_limit_bytes", "What a sandbox may make this host store, by limit (0: none)", ["limit"])
+
+    async def fill_snapshots() -> None:
+        for name, v in (limits() if limits is not None else NO_CONFIG).named().items():
+            lim.set(v, limit=name)
+        conn = js()
+        read_at = last[0]
+        if conn is None or (read_at is not None and time.monotonic() - read_at < METRICS_REFRESH_S):
+            return
+        try:
+            by = usage_by_tenant(await snapshot_records(conn), host_id)
+        except Exception as exc:  # noqa: BLE001 - NATS away: the last figures stand
+            log.debug("snapshot_figures_failed", error=str(exc))
+            return
+        last[0] = time.monotonic()
+        snap.clear()
+        for tenant, nbytes in by.items():
+            snap.set(nbytes, tenant=tenant)
+
+    reg.collector(fill_snapshots)
+    return stale
 
 
-def ensure_room(path: str | os.PathLike[str], nbytes: int, what: str) -> None:
-    """Raise ``no_space`` unless ``nbytes`` plus a reserve (``DSEC_WRITE_RESERVE_MB``, default
-    ``WRITE_RESERVE_MB``) fit in ``path``'s file system: the write is refused before it starts, so
-    nothing is left half-written, and the last blocks stay for the records and the journal."""
+def ensure_room(path: str | os.PathLike[str], nbytes: int, what: str, reserve_mb: int = WRITE_RESERVE_MB) -> None:
+    """Raise ``no_space`` unless ``nbytes`` plus a reserve (``HostAgentConfig.write_reserve_mb``) fit
+    in ``path``'s file system: the write is refused before it starts, so nothing is left half-written,
+    and the last blocks stay for the records and the journal."""
     free = free_bytes(path)
-    need = nbytes + (_env_int(ENV_RESERVE, WRITE_RESERVE_MB) << 20)
+    need = nbytes + (reserve_mb << 20)
     if free is not None and free < need:
         raise NoSpace(f"{what}: the host's disk is full ({free >> 20} MiB free in {os.fspath(path)}, {need >> 20} MiB needed)",
                       free_bytes=str(free), needed_bytes=str(need))
@@ -272,7 +305,7 @@ def no_space(exc: OSError, what: str, path: str = "") -> NoSpace:
 
 
 __all__ = [
-    "Budget", "Limits", "add_cli_flags", "admit", "apply_cli_flags", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb",
+    "NO_CONFIG", "Budget", "Limits", "admit", "budget_for", "ensure_room", "free_bytes", "heartbeat_free_mb",
     "is_no_space", "memory_estimate", "no_space", "register_metrics", "release_pins", "snapshot_budget", "snapshot_records", "staged_bytes",
-    "tenant_of",
+    "tenant_of", "usage_by_tenant",
 ]

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from bus.config import METRICS_PORT, NATS_URL, add_flags, from_args, setting
 
+from ._quota import DEFAULT_TEMPLATE_MAX_BYTES_PER_TENANT
+
 
 @dataclass(frozen=True)
 class ImagedConfig:
@@ -19,6 +21,8 @@ class ImagedConfig:
     data_dir: str | None = field(default=None, metadata=setting("where templates are built and kept", default_text="$DSEC_DATA_DIR, else /var/lib/dsec"))
     base: bool = field(default=True, metadata=setting("build the busybox base template at start when it is missing"))
     metrics_port: int | None = field(default=None, metadata=METRICS_PORT)
+    template_max_bytes_per_tenant: int = field(default=DEFAULT_TEMPLATE_MAX_BYTES_PER_TENANT, metadata=setting(
+        "bytes of layers one tenant's templates may hold in the blob store (0: no limit)", env="DSEC_TEMPLATE_MAX_BYTES_PER_TENANT"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_args(ImagedConfig, ap.parse_args(argv or ["serve"]))
     from ._service import ImagedService
 
-    svc = ImagedService(cfg.nats_url, data_dir=cfg.data_dir, ensure_base=cfg.base)
+    svc = ImagedService(cfg.nats_url, data_dir=cfg.data_dir, ensure_base=cfg.base, template_max_bytes_per_tenant=cfg.template_max_bytes_per_tenant)
     svc.metrics_port = cfg.metrics_port
     asyncio.run(svc.run())
     return 0

@@ -18,13 +18,15 @@ from bus.streams import ensure_kv
 
 from ._build import BuildResult, LayerBuild
 from ._manifests import check_name, publish_event, put_manifest, require_manifest
+from ._quota import check_template_quota
 
 
 async def compose_template(
     js: JetStreamContext, name: str, *, snapshot: str = "", template: str = "", defaults: ImageDefaults | None = None, description: str = "",
-    owner: str = "",
+    owner: str = "", max_bytes_per_owner: int = 0,
 ) -> BuildResult:
-    """Template ``name`` = ``template``'s layers (or the snapshot's template's, then the snapshot's chain)."""
+    """Template ``name`` = ``template``'s layers (or the snapshot's template's, then the snapshot's chain);
+    ``quota_exceeded`` when ``owner``'s templates would hold more than ``max_bytes_per_owner`` (``_quota``)."""
     check_name(name)
     if bool(snapshot) == bool(template):
         raise InvalidArgument("give one of from_snapshot and from_template")
@@ -44,6 +46,7 @@ async def compose_template(
         name=name, layers=[*base.layers, *extra], created_at=time.time(), description=description,
         defaults=defaults if defaults is not None else base.defaults, owner=owner,
     )
+    await check_template_quota(js, manifest, max_bytes_per_owner)
     await put_manifest(js, manifest)
     await publish_event(js, name, "built", template=template, snapshot=snapshot, layers=str(len(manifest.layers)))
     return BuildResult(manifest=manifest, layers=[LayerBuild(ref=lay, source=snapshot or template) for lay in manifest.layers],

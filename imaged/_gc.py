@@ -39,7 +39,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from bus import subjects as S
-from bus.runtime import kv_keys
+from bus.runtime import kv_erase, kv_keys
 
 from ._store import BlobStore
 from ._util import digest_hex
@@ -48,6 +48,8 @@ GC_BUCKET = S.KV_GC
 PIN_TTL_S = 3600.0  # longer than any pack or build, plus the write of its record
 TOMB_MAX_S = 10.0  # a collection deletes a batch within this long of tombstoning it, or not at all
 BATCH = 256
+CONCURRENCY = 32  # store deletes and KV writes of one batch in flight at once
+DELETE_MARGIN_S = 2.0  # no delete starts later than this before its batch's deadline
 PIN_KEYS_PER_ENTRY = 4000  # one KV value stays well under the NATS max payload
 LOCAL_GRACE_S = 3600.0  # a data-dir leftover this old belongs to no pack, build or dump still running
 
@@ -75,17 +77,28 @@ def _untomb(kvkey: str) -> str:
 
 async def _entries(js: Any, prefix: str) -> list[tuple[str, bytes]]:
     kv = await _kv(js)
-    out = []
-    for k in await kv_keys(js, GC_BUCKET):
-        if not k.startswith(prefix):
-            continue
+
+    async def one(k: str) -> tuple[str, bytes] | None:
         try:
             e = await kv.get(k)
         except KeyNotFoundError:
-            continue
-        if e.value:
-            out.append((k, bytes(e.value)))
-    return out
+            return None
+        return (k, bytes(e.value)) if e.value else None
+
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def bounded(k: str) -> tuple[str, bytes] | None:
+        async with sem:
+            return await one(k)
+
+    got = await asyncio.gather(*(bounded(k) for k in await kv_keys(js, GC_BUCKET) if k.startswith(prefix)))
+    return [g for g in got if g is not None]
+
+
+async def _erase(js: Any, kvkey: str) -> None:
+    """A pin or tombstone gone without a marker: markers of thousands of them would make every
+    listing (each batch's pin check, every waiting writer's poll) slower until they lapse."""
+    await kv_erase(js, GC_BUCKET, kvkey)
 
 
 # --- writers ---------------------------------------------------------------------------------------
@@ -101,11 +114,11 @@ async def pin(js: Any, owner: str, keys: Iterable[str]) -> None:
 
 async def release(js: Any, owner: str) -> None:
     """Drop the pins of layer ``owner``: a record references it now."""
-    kv = await _kv(js)
+    await _kv(js)
     prefix = f"pin.{digest_hex(owner)}."
     for k in await kv_keys(js, GC_BUCKET):
         if k.startswith(prefix):
-            await kv.purge(k)
+            await _erase(js, k)
 
 
 async def pinned(js: Any) -> set[str]:
@@ -143,6 +156,17 @@ async def guard_reuse(js: Any, owner: str, keys: Iterable[str], poll_s: float = 
 
 
 # --- collection ------------------------------------------------------------------------------------
+async def _bounded(fn: Callable[[str], Awaitable[str | None]], keys: list[str], n: int = CONCURRENCY) -> list[str]:
+    """``fn`` over ``keys``, ``n`` at a time (each a NATS round trip or two); the keys it returned."""
+    sem = asyncio.Semaphore(n)
+
+    async def one(k: str) -> str | None:
+        async with sem:
+            return await fn(k)
+
+    return [k for k in await asyncio.gather(*(one(k) for k in keys)) if k is not None]
+
+
 async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tombstoned: Callable[[list[str]], Awaitable[None]] | None = None) -> list[str]:
     """Delete the candidate store keys no writer pinned (layer records first); returns those deleted.
     ``on_tombstoned`` runs between the tombstones and the pin check (tests force races with it)."""
@@ -151,39 +175,47 @@ async def sweep(js: Any, store: BlobStore, candidates: Iterable[str], *, on_tomb
     deleted: list[str] = []
     for i in range(0, len(ordered), BATCH):
         deadline = time.time() + TOMB_MAX_S
-        mine: list[str] = []
-        for k in ordered[i : i + BATCH]:
+
+        async def tomb(k: str, deadline: float = deadline) -> str | None:
             try:
                 await kv.create(_tomb(k), str(deadline).encode())
-                mine.append(k)
+                return k
             except KeyWrongLastSequenceError:
-                continue  # another collection has it
+                return None  # another collection has it
+
+        async def drop(k: str, deadline: float = deadline) -> str | None:
+            # a delete starts early enough to end before the deadline, when a waiting writer goes on
+            if time.time() >= deadline - DELETE_MARGIN_S:
+                return None  # left to the next run
+            await store.delete(k)
+            return k
+
+        async def untomb(k: str) -> str | None:
+            try:
+                await _erase(js, _tomb(k))
+            except Exception:  # noqa: BLE001 - NATS away: the tombstone lapses at its deadline
+                pass
+            return None
+
+        mine = await _bounded(tomb, ordered[i : i + BATCH])  # every tombstone is written before the pins are read
         try:
             if on_tombstoned is not None:
                 await on_tombstoned(mine)
             keep = await pinned(js)
-            for k in mine:
-                if k in keep:
-                    continue
-                if time.time() >= deadline:
-                    break  # a writer may have stopped waiting for this tombstone: leave the rest to the next run
-                await store.delete(k)
-                deleted.append(k)
+            todo = [k for k in mine if k not in keep]
+            layers = [k for k in todo if k.startswith("layers/")]
+            deleted += await _bounded(drop, layers)  # layer records before any chunk
+            deleted += await _bounded(drop, [k for k in todo if not k.startswith("layers/")])
         finally:
-            for k in mine:
-                try:
-                    await kv.purge(_tomb(k))
-                except Exception:  # noqa: BLE001 - NATS away: the tombstone lapses at its deadline
-                    pass
+            await _bounded(untomb, mine)
     return deleted
 
 
 async def clear_stale_tombstones(js: Any) -> int:
-    kv = await _kv(js)
     now, n = time.time(), 0
     for k, d in (await tombstoned(js)).items():
         if d < now:
-            await kv.purge(_tomb(k))
+            await _erase(js, _tomb(k))
             n += 1
     return n
 

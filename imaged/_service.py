@@ -23,6 +23,7 @@ from ._compose import compose_template
 from ._gc import collect
 from ._oci import build_from_image
 from ._manifests import list_manifests, require_manifest
+from ._quota import DEFAULT_TEMPLATE_MAX_BYTES_PER_TENANT
 from ._messages import (
     IMG_BUILD_REQ,
     IMG_REMOVE_REQ,
@@ -45,9 +46,10 @@ class ImagedService(Service):
 
     def __init__(
         self, nats_url: str | None = None, *, data_dir: str | os.PathLike[str] | None = None, ensure_base: bool = True, gc_interval_s: float | None = None,
-        **kw: Any,
+        template_max_bytes_per_tenant: int = DEFAULT_TEMPLATE_MAX_BYTES_PER_TENANT, **kw: Any,
     ) -> None:
         super().__init__(nats_url, **kw)
+        self.template_max_bytes_per_tenant = template_max_bytes_per_tenant  # what a tenant's templates may hold (imaged._quota)
         # periodic collection of the blob store and this data dir ($DSEC_GC_INTERVAL_S; 0: only `dsec gc`)
         self.gc_interval_s = float(os.environ.get("DSEC_GC_INTERVAL_S", GC_INTERVAL_S)) if gc_interval_s is None else gc_interval_s
         self.data_dir = _data_dir(data_dir)
@@ -116,7 +118,8 @@ class ImagedService(Service):
                 if req.base or req.workspace or req.toolkit or req.from_ref:
                     raise InvalidArgument("from_snapshot/from_template name every layer: leave the sources empty")
                 res = await compose_template(self.js, req.name, snapshot=req.from_snapshot, template=req.from_template,
-                                             defaults=req.defaults, description=req.description, owner=owner)
+                                             defaults=req.defaults, description=req.description, owner=owner,
+                                             max_bytes_per_owner=self.template_max_bytes_per_tenant)
             elif req.from_ref:
                 if req.base or req.workspace or req.toolkit:
                     raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")

@@ -59,9 +59,30 @@ async def cluster_status(url: str | None = None, *, timeout: float = 5.0) -> dic
             "ready_hosts": sum(1 for h in hosts if h["state"] == "ready"),
             "templates": templates,
             "sandboxes": n_sbx,
+            "storage": await _storage(nc, hosts) if reads_records(nc) else None,
         }
     finally:
         await nc.close()
+
+
+async def _storage(nc: Any, hosts: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the snapshots hold per tenant against the limits the ready hosts enforce (the smallest
+    where they differ; 0: none), and the hosts' free disk: the operator's view (it reads the records)."""
+    from ._snapshots import list_records
+    from .snapcli import usage
+
+    use = usage(await list_records(nc))
+    limits: dict[str, int] = {}
+    for h in hosts:
+        for name, v in (h.get("storage_limits") or {}).items() if h["state"] == "ready" else ():
+            have = limits.get(name)
+            limits[name] = v if have is None or (v and (not have or v < have)) else have  # 0: none, the loosest
+    per_tenant = limits.get("snapshot_bytes_per_tenant", 0)
+    return {
+        "snapshot_bytes": use["bytes"], "snapshots": use["snapshots"], "limits": limits,
+        "tenants": {t: {"used_bytes": b, "limit_bytes": per_tenant} for t, b in sorted(use["tenants"].items())},
+        "disk_free_mb": {h["host_id"]: h.get("disk_free_mb", 0) for h in hosts},
+    }
 
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])\Z")

@@ -95,15 +95,29 @@ async def _status(args: argparse.Namespace) -> int:
         for h in st["hosts"]:
             print(
                 f"  {h['host_id']:<24} {h['state']:<8} {h['backend']:<10} sandboxes={h['sandboxes']} "
-                f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB age={h['age_s']:.1f}s"
+                f"cpu={h['cpu_alloc']:.1f}/{h['cpu_total']:.0f}x{h['cpu_overcommit']:.0f} mem={h['mem_alloc_mb']}/{h['mem_total_mb']}MB "
+                f"disk free={h.get('disk_free_mb', 0)}/{h['disk_total_mb']}MB age={h['age_s']:.1f}s"
             )
             for b in h.get("backends") or []:  # what each backend's probe found (a microvm host: accel=kvm|tcg)
                 if b.get("detail"):
                     print(f"    {b['name']}: " + " ".join(f"{k}={v}" for k, v in sorted(b["detail"].items())))
+        if st.get("storage"):
+            _print_storage(st["storage"])
         if services:
             print("services (dsec up):")
             _print_services(services)
     return 0 if ok else 1
+
+
+def _print_storage(use: dict[str, Any]) -> None:
+    def lim(v: int) -> str:
+        return str(v) if v else "no limit"
+
+    limits = use["limits"]
+    print(f"snapshots: {use['snapshots']}, {use['snapshot_bytes']} bytes in the blob store "
+          f"(per sandbox: {lim(limits.get('snapshot_bytes_per_sandbox', 0))})")
+    for t, u in use["tenants"].items():
+        print(f"  tenant {t or '(operator)':<24} {u['used_bytes']}/{lim(u['limit_bytes'])} bytes")
 
 
 # --- sandbox -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
     ``create``/``update(last=)`` (False when beaten), ``delete``, ``keys``, and one compare-and-set
     ``claim(key, value, mine=)`` -> ``Claim.WON``/``MINE``/``LOST`` (an undecodable record is
     treated as absent); ``await kv.watch(on_put(key, value, rev), on_delete(key))`` -> ``Watch``
-    (``.synced``, ``.stop()``). ``kv_keys(js, bucket)``.
+    (``.synced``, ``.stop()``). ``kv_keys(js, bucket)``; ``kv_erase(js, bucket, key)``.
 ``Endpoint(nc, name, handler, decoder=Decoder | {op: Decoder})``
     ``await ep.serve(subject, queue=)``; ``handler(msg, request) -> Struct``; one error boundary
     (DsecError -> its ErrorReply, anything else -> ``internal``; a reply over max_payload ->
@@ -50,7 +50,7 @@ from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, error_of
 from .handoff import HandoffInbox, Handoffs
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
-from .kv import KV, Claim, Versioned, Watch, kv_keys
+from .kv import KV, Claim, Versioned, Watch, kv_erase, kv_keys
 from .publisher import (
     ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync, unsubscribe_quietly,
 )
@@ -87,6 +87,7 @@ __all__ = [
     "Claim",
     "Versioned",
     "Watch",
+    "kv_erase",
     "kv_keys",
     "ERR_WRONG_LAST_SEQUENCE",
     "PubAck",

@@ -76,6 +76,16 @@ async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:
     return sorted(s[len(prefix):] for s in (info.state.subjects or {}) if s.startswith(prefix))
 
 
+async def kv_erase(js: JetStreamContext, bucket: str, key: str) -> None:
+    """Remove every message of ``key`` (no delete or purge marker is left): for short-lived
+    entries (dsec_gc's pins and tombstones) whose markers would otherwise pile up in ``kv_keys``
+    until the bucket's TTL. A reader sees no entry, as after a purge."""
+    try:
+        await js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+    except NotFoundError:
+        pass
+
+
 class Watch(Generic[T]):
     """A running watch of a bucket: ``on_put(key, value, revision)`` for every decodable value (an
     undecodable one is logged and counted, as reads are), ``on_delete(key)`` for deletes and purges.
@@ -344,4 +354,4 @@ class KV(Generic[T]):
         return Claim.LOST
 
 
-__all__ = ["Claim", "KV", "Versioned", "Watch", "kv_keys"]
+__all__ = ["Claim", "KV", "Versioned", "Watch", "kv_erase", "kv_keys"]

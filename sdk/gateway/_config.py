@@ -17,6 +17,9 @@ class GatewayConfig:
     domain: str = field(default="", metadata=setting("sandbox host names are <port>-<id>.<domain>", default_text="localhost:<http-port>"))
     pool: str = field(default="default", metadata=setting("the placement pool sandboxes are created in"))
     max_upload_mb: int = field(default=1024, metadata=setting("the largest file upload, in MiB"))
+    template_files_max_mb: int = field(default=4096, metadata=setting(
+        "MiB of template build sources (COPY uploads) kept per tenant; older ones are dropped to make room, else quota_exceeded (0: no limit)",
+        env="DSEC_TEMPLATE_FILES_MAX_MB"))
 
     @property
     def sandbox_domain(self) -> str:
@@ -26,6 +29,11 @@ class GatewayConfig:
     def max_upload(self) -> int:
         """The largest upload in bytes."""
         return self.max_upload_mb * 1024 * 1024
+
+    @property
+    def template_files_max(self) -> int:
+        """The bytes of COPY sources one tenant's builds may keep here (0: no limit)."""
+        return self.template_files_max_mb * 1024 * 1024
 
 
 __all__ = ["GatewayConfig"]

@@ -12,13 +12,18 @@ client: the template ID is the name, so ``Sandbox.create(name)`` starts from it.
 
 Builds live in the gateway's memory (a gateway restart forgets builds in flight; their templates are
 not written). Uploaded files are kept by content hash under ``$DSEC_DATA_DIR/gateway/template-files``
-(a temp dir without one), per client.
+(a temp dir without one), per client, at most ``--template-files-max-mb`` per client: an upload that
+would pass it first drops the client's files no build used for ``UPLOAD_TTL_S`` (the SDK uploads
+what is not ``present`` again), else is refused with ``quota_exceeded`` (before anything is written
+when the request says its length). A full disk is ``no_space``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import errno
 import hashlib
 import os
 import re
@@ -38,7 +43,7 @@ from nats.js.errors import NoKeysError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import DsecError, InvalidArgument, PermissionDenied, TemplateTaken, Unavailable, UnknownTemplate
+from bus.errors import DsecError, InvalidArgument, NoSpace, PermissionDenied, QuotaExceeded, TemplateTaken, Unavailable, UnknownTemplate
 from bus.messages import Done, RemoveImage, TemplateManifest
 from bus.runtime import tenant_of
 from bus.streams import ensure_kv
@@ -94,6 +99,45 @@ def _positive(doc: dict[str, Any], key: str, default: int, hi: int) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
         raise InvalidArgument(f"{key} must be an integer between 1 and {hi}, got {v!r}")
     return v
+
+
+def _touch(path: Path) -> bool:
+    """Mark a COPY source as used now (what ``_room_for`` drops last); False when it is not there."""
+    try:
+        os.utime(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _room_for(path: Path, nbytes: int, limit: int, owner: str) -> int:
+    """Bytes the upload to ``path`` may take within its client's ``limit`` (the files beside it, less
+    the one it replaces); the client's files no build used for UPLOAD_TTL_S are dropped, oldest
+    first, while ``nbytes`` does not fit. ``quota_exceeded`` when it cannot."""
+    files = []
+    for p in path.parent.iterdir():
+        if p.name.startswith(".") or p == path:
+            continue  # uploads in flight; the file this one replaces
+        with contextlib.suppress(FileNotFoundError):
+            st = p.stat()
+            files.append((st.st_mtime, st.st_blocks * 512, p))
+    used = sum(b for _, b, _ in files)
+    cutoff = time.time() - UPLOAD_TTL_S
+    for mtime, b, p in sorted(files):
+        if used + nbytes <= limit or mtime > cutoff:
+            break
+        p.unlink(missing_ok=True)
+        used -= b
+    if used + nbytes > limit:
+        raise _over(owner, limit, used, nbytes)
+    return limit - used
+
+
+def _over(owner: str, limit: int, used: int, wanted: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"template files: {wanted} bytes more with the {used} the build sources of client {owner!r} hold pass the per-tenant limit "
+        f"of {limit} bytes (--template-files-max-mb)", limit="template_files_bytes_per_tenant", max=str(limit), used=str(used), wanted=str(wanted),
+    )
 
 
 class TemplateApi:
@@ -196,8 +240,10 @@ class TemplateApi:
         entry = self.uploads.pop(request.match_info["token"], None)
         if entry is None or entry[2] < time.monotonic():
             raise PermissionDenied("the upload link is unknown or expired")
-        _, path, _ = entry
+        owner, path, _ = entry
         path.parent.mkdir(parents=True, exist_ok=True)
+        limit = self.gw.cfg.template_files_max
+        room = await asyncio.to_thread(_room_for, path, request.content_length or 0, limit, owner) if limit else 0
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
         size = 0
         try:
@@ -206,8 +252,14 @@ class TemplateApi:
                     size += len(chunk)
                     if size > self.gw.cfg.max_upload:
                         raise InvalidArgument(f"the upload is larger than {self.gw.cfg.max_upload} bytes")
+                    if limit and size > room:
+                        raise _over(owner, limit, limit - room, size)
                     f.write(chunk)
             os.replace(tmp, path)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(f"template files: no space left on the gateway's disk ({exc.strerror})") from None
+            raise
         finally:
             tmp.unlink(missing_ok=True)
         return web.Response(status=200)
@@ -219,7 +271,7 @@ class TemplateApi:
             raise InvalidArgument(f"build {b.build_id} was started already ({b.status})")
         doc = await json_object(request)
         steps, hashes = self._steps(doc, b)
-        missing = [h for h in hashes if not self._file(tenant.user, h).is_file()]
+        missing = [h for h in hashes if not _touch(self._file(tenant.user, h))]
         if missing:
             raise InvalidArgument(f"files of COPY steps were not uploaded: {', '.join(missing)}")
         b.status = "building"

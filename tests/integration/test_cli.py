@@ -40,8 +40,13 @@ async def test_status(stack: Stack) -> None:
     mine = [h for h in st["hosts"] if h["host_id"] == stack.host_id]
     assert mine and mine[0]["state"] == "ready" and mine[0]["backend"] == "container" and mine[0]["pool"] == stack.pool
     assert "base" in st["templates"]
+    # what the host stores: its free disk, and the snapshots' bytes against the limits it enforces
+    assert 0 < mine[0]["disk_free_mb"] <= mine[0]["disk_total_mb"]
+    storage = st["storage"]
+    assert storage["limits"]["snapshot_bytes_per_tenant"] > 0 and storage["disk_free_mb"][stack.host_id] == mine[0]["disk_free_mb"]
+    assert all(set(u) == {"used_bytes", "limit_bytes"} for u in storage["tenants"].values())
     rc, out, err = await dsec("status", url=stack.url)
-    assert rc == 0 and stack.host_id in out, (out, err)
+    assert rc == 0 and stack.host_id in out and "disk free=" in out and "snapshots: " in out, (out, err)
 
 
 async def test_unreachable_stack_is_one_line_within_5s() -> None:

@@ -71,7 +71,8 @@ async def gw() -> Any:
     nats_url = f"nats://127.0.0.1:{port}"
     context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer: other stacks run too
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
-    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), **net.env())
+    # DSEC_TEMPLATE_FILES_MAX_MB: a per-tenant bound on template build sources small enough to test (test_templates)
+    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), DSEC_TEMPLATE_FILES_MAX_MB="8", **net.env())
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                 "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240", "--fn-pool", "base=2"], env, data.parent / f"{data.name}.log").start()
     try:

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from bus import codec
 from bus import subjects as S
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox
+from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 
 from .conftest import Stack, disk_bytes, needs_stack
@@ -81,6 +84,16 @@ async def test_repeated_blocks_snapshot_stores_one_block(stack: Stack, lazy: Laz
             assert (await back.commands.run("md5sum /root/rep | cut -c1-32")).stdout == r.stdout
 
 
+def _limit(stack: Stack, monkeypatch: pytest.MonkeyPatch, **settings: int) -> None:
+    """The stack's host agent as if started with these ``HostAgentConfig`` settings (its snapshot
+    limits are the config's, made once; the test changes them on the running agent)."""
+    from hostagent._storage import Limits
+
+    cfg = stack.host.config.replace(**settings)
+    monkeypatch.setattr(stack.host, "config", cfg)
+    monkeypatch.setattr(stack.host.snapshots, "limits", Limits.of(cfg))
+
+
 async def _layer_keys(stack: Stack) -> set[str]:
     from imaged._store import open_blob_store
 
@@ -90,7 +103,7 @@ async def _layer_keys(stack: Stack) -> set[str]:
 async def test_snapshot_quota_per_sandbox_refuses_before_writing(stack: Stack, lazy: LazyDaemon, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     from bus.errors import QuotaExceeded
 
-    monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(4 << 20))  # read at each check by the in-process host agent
+    _limit(stack, monkeypatch, snapshot_max_bytes_per_sandbox=4 << 20)
     async with stack.sandbox() as sb:
         await sb.commands.run("head -c 3000000 /dev/urandom > /root/a")
         s1 = await sb.create_snapshot("under")  # positive control: 3 MB of 4 MiB
@@ -99,7 +112,8 @@ async def test_snapshot_quota_per_sandbox_refuses_before_writing(stack: Stack, l
         layers = await _layer_keys(stack)
         with pytest.raises(QuotaExceeded, match=r"per-sandbox snapshot limit of 4194304 bytes") as ei:
             await sb.create_snapshot("over")
-        assert ei.value.code == "quota_exceeded"
+        assert ei.value.code == "quota_exceeded" and ei.value.context["limit"] == "snapshot_bytes_per_sandbox"
+        assert ei.value.context["max"] == str(4 << 20)
         # Refused before the pack: no layer, no record; the sandbox runs on.
         assert await _layer_keys(stack) == layers
         assert [s.snapshot_id for s in await AsyncSandbox.list_snapshots(nats_url=stack.url, sandbox_id=sb.sandbox_id)] == [s1.snapshot_id]
@@ -122,7 +136,7 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
     # The tenant is the connection's NATS user (placement binds the spec to it): this stack's server
     # checks no password, so a connection naming a user speaks as that tenant.
     as_tenant = stack.url.replace("nats://", f"nats://{tenant}:x@", 1)
-    monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(3 << 20))
+    _limit(stack, monkeypatch, snapshot_max_bytes_per_tenant=3 << 20)
     async with stack.sandbox(nats_url=as_tenant) as a, stack.sandbox(nats_url=as_tenant) as b, stack.sandbox() as operator:
         assert a.tenant == tenant and b.tenant == tenant and operator.tenant != tenant
         await a.commands.run("head -c 2000000 /dev/urandom > /root/a")
@@ -134,7 +148,7 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
         await b.create_snapshot()  # just under: 2.9 MB
         # Another tenant (the operator) is not charged for it.
         await operator.commands.run("head -c 1200000 /dev/urandom > /root/o")
-        monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT", str(_usage_of(await _records(stack), operator.tenant) + (2 << 20)))
+        _limit(stack, monkeypatch, snapshot_max_bytes_per_tenant=_usage_of(await _records(stack), operator.tenant) + (2 << 20))
         await operator.create_snapshot()
     import json
 
@@ -144,6 +158,24 @@ async def test_snapshot_quota_per_tenant(stack: Stack, lazy: LazyDaemon, monkeyp
     assert rc == 0, err
     use = json.loads(out)
     assert 2_900_000 < use["tenants"][tenant] < 3 << 20 and use["sandboxes"][a.sandbox_id] > 2_000_000
+    # The same figures, with the limit in force and the host's free disk, in `dsec status` and /metrics.
+    from bus.metrics import parse
+    from bus.runtime import scrape_one
+    from sdk._admin import cluster_status
+
+    from .test_metrics import _value
+
+    limit = stack.host.snapshots.limits.per_tenant
+
+    async def status_shows() -> bool:
+        st = (await cluster_status(stack.url))["storage"]
+        return st["tenants"].get(tenant) == {"used_bytes": use["tenants"][tenant], "limit_bytes": limit} and st["disk_free_mb"][stack.host_id] > 0
+
+    await eventually(status_shows, timeout=15, what="dsec status to show the tenant's bytes against the limit of the next heartbeat")
+    scraped = parse((await scrape_one(stack.nc, "hostagent", stack.host_id)).text)
+    assert _value(scraped, "dsec_snapshot_bytes", tenant=tenant) == use["tenants"][tenant]
+    assert _value(scraped, "dsec_storage_limit_bytes", limit="snapshot_bytes_per_tenant") == limit
+    assert _value(scraped, "dsec_storage_limit_bytes", limit="snapshot_bytes_per_sandbox") == stack.host.snapshots.limits.per_sandbox
 
 
 async def _records(stack: Stack) -> list[Any]:
@@ -176,6 +208,11 @@ class SmallDisk:
             assert p.returncode != 0 and b"No space left" in p.stderr, p.stderr
         subprocess.run(["sync", "-f", str(self.mnt)], check=True)
 
+    def ballast(self, leave_mb: int) -> None:
+        """Fill the file system from outside until ``leave_mb`` MiB are left free."""
+        subprocess.run(["fallocate", "-l", str(self.free_bytes() - (leave_mb << 20)), str(self.fill_path)], check=True)
+        subprocess.run(["sync", "-f", str(self.mnt)], check=True)
+
     def free(self) -> None:
         self.fill_path.unlink()
         subprocess.run(["sync", "-f", str(self.mnt)], check=True)
@@ -192,24 +229,34 @@ class SmallDisk:
         subprocess.run(["losetup", "-d", self.loop], capture_output=True)
 
 
-async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bus.errors import NoSpace
+@dataclass
+class SmallHost:
+    """A host agent of the test's own (container backend, its lazy loader) whose data dir is a
+    ``SmallDisk``, in its own pool, seen by the stack's placement."""
+
+    host: Any
+    disk: SmallDisk
+    host_id: str
+    pool: str
+    hosts_kv: Any
+    placement: Any
+
+
+@contextlib.asynccontextmanager
+async def small_host(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mb: int = 384, **config: Any) -> Any:
     from hostagent import HostAgent, HostAgentConfig
     from hostagent.backends.container import ContainerBackend
-    from tests.conftest import eventually
     from tests.netclaim import claim_net
-
-    import dataclasses
 
     for p in stack.placements:  # the floor for this small disk (the default is 1 GiB)
         monkeypatch.setattr(p.table, "policy", dataclasses.replace(p.table.policy, min_disk_free_mb=64))
-    disk = SmallDisk(tmp_path, 384)
+    disk = SmallDisk(tmp_path, mb)
     d = disk.mnt
-    host_id, pool = f"full-{stack.uid}", f"full-{stack.uid}"
+    host_id = pool = f"full-{stack.uid}"
     net = await asyncio.to_thread(claim_net)
     backend = ContainerBackend(str(d), scratch_size_gb=8, warm_pool=0, network=net.config())
     host = HostAgent(backend, HostAgentConfig(nats_url=stack.url, host_id=host_id, data_dir=str(d), pool=pool, concurrency=4, heartbeat_s=0.5,
-                                              destroy_on_shutdown=True, grace_s=10.0))
+                                              destroy_on_shutdown=True, grace_s=10.0, **config))
     lazy_d = LazyDaemon(data_dir=d, mount=d / "lazy", nats_url=stack.url, host_id=host_id)
     hosts_kv = await ensure_kv(stack.js, S.KV_HOSTS)
     try:
@@ -218,6 +265,24 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
         placement = stack.placements[0]
         await eventually(lambda: host_id in placement.table.hosts, timeout=15, what="placement to see the host")
         assert placement.table.why_not(placement.table.hosts[host_id], sb_spec(pool)) == ""
+        yield SmallHost(host, disk, host_id, pool, hosts_kv, placement)
+    finally:
+        try:
+            await host.shutdown()
+            lazy_d.release()
+            with contextlib.suppress(Exception):
+                await hosts_kv.delete(host_id)
+            await net.purge()
+            net.release()
+        finally:
+            disk.close()
+
+
+async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bus.errors import NoSpace
+
+    async with small_host(stack, tmp_path, monkeypatch) as sh:
+        host, disk, d, host_id, pool, hosts_kv, placement = sh.host, sh.disk, sh.disk.mnt, sh.host_id, sh.pool, sh.hosts_kv, sh.placement
         sb = await AsyncSandbox.create(pool=pool, nats_url=stack.url, disk_mb=128, create_timeout=30)
         async with own(host, [sb]):
             await sb.commands.run("head -c 1000000 /dev/urandom > /root/before && md5sum /root/before > /root/sum")
@@ -232,6 +297,7 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
                 return 0 < st.disk_free_mb < 8 and e is not None and placement.table.why_not(e, sb_spec(pool)) == "disk-full"
 
             await eventually(full_seen, timeout=15, what="the heartbeat to report the full disk")
+            assert host.diskwatch.full and host.diskwatch.reported == []  # filled from outside: no sandbox is blamed
             from bus.metrics import parse
             from bus.runtime import scrape_one
 
@@ -272,16 +338,72 @@ async def test_full_disk_fails_typed_writes_nothing_and_heals(stack: Stack, tmp_
             from imaged._store import open_blob_store
 
             await remove_snapshot(stack.js, open_blob_store(stack.js), s.snapshot_id, data_dir=d)
+
+
+
+async def test_a_sandbox_that_fills_the_disk_is_flagged_to_guard(stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's (small, real) disk mostly taken from outside, a sandbox writes until it is full: the
+    host agent reports it, not the quiet sandbox beside it nor the outside writer, as a ``disk`` guard
+    violation; guard applies the sandbox's profile (``audit.other``: quarantine here), and the quiet
+    sandbox runs on once the filler is gone."""
+    import msgspec
+
+    from bus.errors import SandboxNotFound
+    from bus.messages import AuditPolicy, GuardViolation
+    from bus.profiles import builtin_profiles, default_profile
+    from guard import Guard
+
+    q = msgspec.structs.replace(default_profile(), name=f"quar-st-{stack.uid}", audit=AuditPolicy(other="quarantine"))
+    profiles = await ensure_kv(stack.js, S.KV_PROFILES)
+    await profiles.put(q.name, codec.encode(q))
+    got: list[GuardViolation] = []
+
+    async def on_violation(msg: Any) -> None:
+        v = codec.EVENT.decode(msg.data)
+        if isinstance(v, GuardViolation):
+            got.append(v)
+
+    sub = await stack.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation)
+    g = Guard(stack.url, host_id=f"guard-{stack.uid}", kernel_audit=False, profiles={**builtin_profiles(), q.name: q})
+    await g.start()
+    try:
+        async with small_host(stack, tmp_path, monkeypatch, disk_growth_window_s=600.0) as sh:
+            host = sh.host
+            await eventually(lambda: q.name in host.profiles.profiles, timeout=10, what="the host agent to see the profile")
+            quiet = await AsyncSandbox.create(pool=sh.pool, nats_url=stack.url, disk_mb=128, create_timeout=30)
+            filler = await AsyncSandbox.create(pool=sh.pool, nats_url=stack.url, disk_mb=200, profile=q.name, create_timeout=30)
+            async with own(host, [quiet, filler]):
+                # the baseline: both disks sampled before anything is written
+                await eventually(lambda: {quiet.sandbox_id, filler.sandbox_id} <= set(host.diskwatch.disk), timeout=15, what="the first samples")
+                assert (await quiet.commands.run("head -c 4000000 /dev/urandom > /root/q")).exit_code == 0
+                await asyncio.to_thread(sh.disk.ballast, 150)  # before the window's baseline too: not a sandbox's doing
+                # 190 MB into its 200 MB disk, a sparse image in the host's last 150 MB: the host fills first
+                # (guard may kill it before the command returns: then its exec ends with the sandbox)
+                with contextlib.suppress(SandboxNotFound):
+                    await filler.commands.run("head -c 190000000 /dev/zero > /root/big; sync", timeout=300)
+                await eventually(lambda: any(v.sandbox_id == filler.sandbox_id for v in got), timeout=30, what="the disk violation")
+                v = next(v for v in got if v.sandbox_id == filler.sandbox_id)
+                assert v.kind == "disk" and v.action == "record" and v.host_id == sh.host_id and v.detail["source"] == "hostagent.disk"
+                assert int(v.detail["growth_bytes"]) > 80 << 20 and int(v.detail["free_bytes"]) < 64 << 20
+                assert not any(x.sandbox_id == quiet.sandbox_id for x in got)  # it wrote 4 MB: not the cause
+                # Guard applies the filler's profile: quarantined (the violation kept) and killed.
+                qkv = await ensure_kv(stack.js, S.KV_QUARANTINE)
+
+                async def quarantined() -> bool:
+                    try:
+                        return (await qkv.get(filler.sandbox_id)).value is not None
+                    except Exception:  # noqa: BLE001 - not yet
+                        return False
+
+                await eventually(quarantined, timeout=30, what="guard to quarantine the filler")
+                await eventually(lambda: filler.sandbox_id not in host.live, timeout=60, what="the filler to be killed")
+                # Its disk is given back, and the quiet sandbox never stopped.
+                await eventually(lambda: sh.disk.free_bytes() > 100 << 20, timeout=30, what="the space to come back")
+                assert (await quiet.commands.run("echo alive")).stdout == "alive\n"
     finally:
-        try:
-            await host.shutdown()
-            lazy_d.release()
-            with contextlib.suppress(Exception):
-                await hosts_kv.delete(host_id)
-            await net.purge()
-            net.release()
-        finally:
-            disk.close()
+        await g.shutdown()
+        await sub.unsubscribe()
+        await profiles.delete(q.name)
 
 
 @contextlib.asynccontextmanager
@@ -323,7 +445,7 @@ async def test_memory_dump_counts_against_the_quota(stack: Stack, lazy: LazyDaem
     try:
         async with stack.sandbox(profile=prof) as sb:
             await sb.commands.run("echo small > /root/f && setsid sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &")
-            monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(64 * 1024))  # the files' diff fits, no dump does
+            _limit(stack, monkeypatch, snapshot_max_bytes_per_sandbox=64 * 1024)  # the files' diff fits, no dump does
             layers = await _layer_keys(stack)
             await sb.create_snapshot()  # positive control: the files alone fit
             await sb.commands.run("echo more > /root/g")
@@ -334,7 +456,7 @@ async def test_memory_dump_counts_against_the_quota(stack: Stack, lazy: LazyDaem
             criu = stack.data_dir / "criu"
             assert not criu.exists() or not list(criu.iterdir())
             assert (await sb.commands.run("echo alive")).stdout == "alive\n"
-            monkeypatch.setenv("DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX", str(256 << 20))
+            _limit(stack, monkeypatch, snapshot_max_bytes_per_sandbox=256 << 20)
             s = await sb.create_snapshot(memory=True)
             assert s.memory and s.bytes_added > 64 * 1024
     finally:

@@ -420,3 +420,37 @@ async def test_e2b_upload_that_climbs_out_fails_the_build(gw: Gw, tmp_path: Path
     assert st["status"] == "error" and "climbs out" in st["reason"]["message"], st
     assert not escape.exists()
     assert http(gw, "GET", f"/templates/aliases/{tid}")[0] == 404
+
+
+async def test_template_files_are_bounded_per_tenant(gw: Gw) -> None:
+    """COPY sources a client uploads for its builds are kept up to the gateway's per-tenant limit (8 MiB
+    on this stack): one that would pass it is refused, typed, before it is written; under it (and for
+    another client) uploads go on."""
+    import uuid
+
+    MiB = 1 << 20
+    uid = uuid.uuid4().hex[:8]
+
+    def link(key: str, tid: str, files_hash: str) -> tuple[str, bool]:
+        status, doc, _ = http(gw, "GET", f"/templates/{tid}/files/{files_hash}", key=key)
+        assert status == 201, doc
+        return doc["url"].split(gw.url, 1)[1], doc["present"]
+
+    def build_of(key: str) -> str:
+        status, body, _ = http(gw, "POST", "/v3/templates", json.dumps({"name": f"quota-{key}-{uid}"}).encode(),
+                               {"Content-Type": "application/json"}, key=key)
+        assert status == 202, body
+        return str(body["templateID"])
+
+    tid = build_of("a")
+    h1, h2, h3 = (f"{c}{uid}".ljust(64, c) for c in "123")
+    assert http(gw, "PUT", link("a", tid, h1)[0], os.urandom(5 * MiB), key=None)[0] == 200  # 5 of 8 MiB
+    status, body, _ = http(gw, "PUT", link("a", tid, h2)[0], os.urandom(4 * MiB), key=None)
+    assert status == 429, body
+    assert "template_files_bytes_per_tenant" in json.dumps(body) or "per-tenant limit of 8388608 bytes" in json.dumps(body), body
+    assert link("a", tid, h2)[1] is False  # nothing kept
+    assert http(gw, "PUT", link("a", tid, h3)[0], os.urandom(2 * MiB), key=None)[0] == 200  # just under: 7 of 8
+    assert link("a", tid, h1)[1] and link("a", tid, h3)[1]
+    # another client's sources are its own
+    other = build_of("b")
+    assert http(gw, "PUT", link("b", other, h2)[0], os.urandom(4 * MiB), key=None)[0] == 200

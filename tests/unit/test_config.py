@@ -57,6 +57,7 @@ def test_a_service_takes_its_config_or_single_settings() -> None:
     (["guard"], ["--no-kernel-audit", "--nflog-group", "(default: 7301; $DSEC_NFLOG_GROUP when set)", "--report-interval"]),
     (["sdk.gateway"], ["--http-port", "(default: 3000)", "--max-upload-mb", "localhost:<http-port>"]),
     (["imaged", "serve"], ["--no-base", "--data-dir", "$DSEC_DATA_DIR"]),
+    (["hostagent"], ["--snapshot-max-bytes-per-sandbox", "(default: $DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX or 17179869184)", "--write-reserve-mb"]),
 ])
 def test_help_shows_every_setting_with_its_default(argv: list[str], shows: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", *argv, "--help"], cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
@@ -65,3 +66,29 @@ def test_help_shows_every_setting_with_its_default(argv: list[str], shows: list[
     for s in shows:
         assert s in text, (s, text)
     assert text.count("(default: ") >= len(shows) - 1
+
+
+def test_host_agent_storage_limits_are_a_flag_else_the_environment_else_the_default() -> None:
+    import argparse
+
+    from hostagent import HostAgentConfig
+    from hostagent._config import add_flags, from_args as host_from_args
+    from hostagent._storage import Limits
+
+    ap = argparse.ArgumentParser()
+    add_flags(ap, ["container"])
+    ap.add_argument("--metrics-port", type=int, default=None)
+    d = HostAgentConfig(host_id="h")
+    cfg = host_from_args(ap.parse_args([]), env={})
+    assert (cfg.snapshot_max_bytes_per_sandbox, cfg.snapshot_max_bytes_per_tenant, cfg.write_reserve_mb) == (16 << 30, 256 << 30, 64)
+    assert Limits.of(cfg) == Limits() == Limits.of(d)
+    env = {"DSEC_SNAPSHOT_MAX_BYTES_PER_SANDBOX": "1000", "DSEC_WRITE_RESERVE_MB": "8", "DSEC_SNAPSHOT_MAX_BYTES_PER_TENANT": "lots",
+           "DSEC_DISK_GROWTH_WINDOW_S": "-5"}
+    cfg = host_from_args(ap.parse_args([]), env=env)
+    # the environment; a value that does not parse keeps the default; a negative one is 0 (no limit)
+    assert (cfg.snapshot_max_bytes_per_sandbox, cfg.snapshot_max_bytes_per_tenant, cfg.write_reserve_mb, cfg.disk_growth_window_s) == (1000, 256 << 30, 8, 0.0)
+    cfg = host_from_args(ap.parse_args(["--snapshot-max-bytes-per-sandbox", "0", "--write-reserve-mb", "16"]), env=env)
+    assert (cfg.snapshot_max_bytes_per_sandbox, cfg.write_reserve_mb) == (0, 16)  # the flag wins
+    assert Limits.of(cfg).named() == {"snapshot_bytes_per_sandbox": 0, "snapshot_bytes_per_tenant": 256 << 30}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.write_reserve_mb = 1  # type: ignore[misc]

@@ -26,6 +26,7 @@ def from_config(config: HostAgentConfig) -> Backend:  # (mypy checks it implemen
     return ContainerBackend(
         config.data_dir, containerd_address=config.containerd_address, warm_pool=config.warm_pool,
         network=network_config(config.net_prefix), containerd_calls=config.containerd_calls,
+        write_reserve_mb=config.write_reserve_mb,
     )
 
 

@@ -69,8 +69,10 @@ class ContainerBackend:
         network: NetworkConfig | None = None,
         warm_pool: int = DEFAULT_WARM_POOL,
         containerd_calls: int = 32,
+        write_reserve_mb: int = storage.WRITE_RESERVE_MB,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.write_reserve_mb = write_reserve_mb  # the data dir's free space creates and uploads leave alone
         self.containerd_calls = containerd_calls  # containerd calls in flight at once; a burst queues
         self.containerd_address = containerd_address
         self.daemon: ContainerdDaemon | None = None
@@ -208,7 +210,7 @@ class ContainerBackend:
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
         labels: dict[str, str] | None, restore: tuple[str, str], priority: str,
     ) -> tuple[int, str, str, AgentInfo]:
-        storage.ensure_room(self.data_dir, 0, "create")  # no_space, typed, before the scratch image and its mkfs
+        storage.ensure_room(self.data_dir, 0, "create", self.write_reserve_mb)  # no_space, typed, before the scratch image and its mkfs
         try:
             sdir = await self.scratch.allocate_async(cid, disk_mb)
         except ScratchError as exc:
@@ -365,7 +367,7 @@ class ContainerBackend:
 
     async def files(self, handle: Handle, op: FileOp) -> Any:
         if isinstance(op, FileWrite):
-            storage.ensure_room(self.data_dir, len(op.data), "file upload")  # the sandbox's disk is a sparse file here
+            storage.ensure_room(self.data_dir, len(op.data), "file upload", self.write_reserve_mb)  # the sandbox's disk is a sparse file here
         return await agent_files(self.agent_client(handle), handle.sandbox_id, op)
 
     # --- optional abilities: metrics, freezing, checkpoints ----------------------------------------
