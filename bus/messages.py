@@ -1014,6 +1014,8 @@ class RolloutJob(Struct, kw_only=True, tag=True):
     policy_wait_s: float = 600.0  # how long an unreachable policy is waited for (with back-off)
     submitted_at: float = 0.0
     pause_while_waiting: bool = False  # freeze the sandbox while the policy is unreachable (thawed when it answers)
+    memory_mb: int = 0  # the job's sandbox's size; 0: the create's defaults
+    cpu: float = 0.0
 
 
 class RolloutRecord(Struct, kw_only=True, tag=True):

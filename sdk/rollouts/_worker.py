@@ -175,9 +175,12 @@ class RolloutWorker(Service):
 
     async def _create(self, rec: RolloutRecord) -> AsyncSandbox:
         job = rec.job
+        size: dict[str, Any] = {"memory_mb": job.memory_mb} if job.memory_mb > 0 else {}
+        if job.cpu > 0:
+            size["cpu"] = job.cpu
         sb = await AsyncSandbox.create(
             job.template, sandbox_id=rec.sandbox_id, pool=job.pool, timeout=job.sandbox_timeout_s,
-            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url,
+            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url, **size,
         )
         sb._traj = TrajClient(job.job_id)
         return sb
