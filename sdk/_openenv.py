@@ -22,24 +22,27 @@ from __future__ import annotations
 import os
 import shlex
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 import httpx
 
 from bus.errors import ErrorReply, InvalidArgument, from_reply
 
-try:  # the provider is usable without openenv-core installed; with it, it is one of its ContainerProviders
-    from openenv.core.containers.runtime import ContainerProvider as _Base
-except ImportError:  # pragma: no cover - depends on the environment
-    _Base = object  # type: ignore[assignment,misc]
+if TYPE_CHECKING:  # checked as a plain class, with or without openenv-core installed
+    _Base = object
+else:
+    try:  # usable without openenv-core; with it, one of its ContainerProviders
+        from openenv.core.containers.runtime import ContainerProvider as _Base
+    except ImportError:
+        _Base = object
 
 SERVER_LOG = "/tmp/openenv-server.log"
 OPENENV_YAML = ("/app/env/openenv.yaml", "/app/openenv.yaml")  # OpenEnv's layouts, newest first
 READY_POLL_S = 0.25
 
 
-class OpenEnvProvider(_Base):  # type: ignore[misc,valid-type]
+class OpenEnvProvider(_Base):
     """OpenEnv's ``ContainerProvider`` on dsec (one environment per provider, as OpenEnv's are)."""
 
     def __init__(
