@@ -1,6 +1,6 @@
 """Benchmark of the trajectory log and the rollout workers (a script, not a test).
 
-    python tests/bench/bench_trajectory.py [--execs 300] [--ff-steps 200] [--rollouts 64] [--steps 20] [--policy-down 30]
+    python tests/bench/bench_trajectory.py [--execs 300] [--ff-steps 200] [--rollouts 64] [--steps 20] [--policy-down 30] [--nats-down 0]
 
 On a fresh stack in this process (see bench_sandboxes.Stack):
 
@@ -11,7 +11,9 @@ On a fresh stack in this process (see bench_sandboxes.Stack):
 * ``--rollouts`` concurrent rollouts of ``--steps`` tool calls each on two rollout worker processes;
   halfway one worker is killed (SIGKILL) and the policy server is stopped for ``--policy-down``
   seconds. Every step appends to a file and reports its line count, so a step run twice shows:
-  the count of those is printed (it must be 0), with how many jobs completed and the wall time.
+  the count of those is printed (it must be 0), with how many jobs completed and the wall time, and
+  the steps missing from each job's trajectory log or logged twice (both must be 0). ``--nats-down``
+  also kills nats-server (SIGKILL) for that long at the same moment, then starts it again.
 Everything it starts is stopped by pid and its data dir removed at the end.
 """
 
@@ -119,6 +121,17 @@ async def fast_forward(stack: Stack, sb: AsyncSandbox, n: int) -> None:
     print(f"fast-forward of {n} steps: {ff:.3f} s (reading the log {read:.3f} s); running them live took {live:.2f} s")
 
 
+async def nats_outage(stack: Stack, seconds: float) -> None:
+    """SIGKILL the nats-server, then start it again on the same port and store after ``seconds``."""
+    proc = stack.nats.proc
+    assert proc is not None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stack.nats.proc = None
+    await asyncio.sleep(seconds)  # the outage itself
+    await asyncio.to_thread(stack.nats.start, 60.0)
+
+
 def worker(stack: Stack, queue: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSEC_NATS_URL": stack.url}
     with open(log, "ab") as f:
@@ -147,12 +160,15 @@ async def rollouts(stack: Stack, args: argparse.Namespace) -> None:
         victim.wait()
         await policy.stop()
         down_at = time.perf_counter()
-        await asyncio.sleep(args.policy_down)  # the GPU pool is away this long
+        if args.nats_down:
+            await nats_outage(stack, args.nats_down)  # the control plane is away this long too
+        await asyncio.sleep(max(0.0, args.policy_down - (time.perf_counter() - down_at)))  # the GPU pool is away this long
         restarted = Policy()
         restarted.scripts, restarted.requests = policy.scripts, policy.requests
         await restarted.start(policy.port)
         policy = restarted
-        print(f"  worker killed and policy stopped at {down_at - t0:.1f} s, policy back after {args.policy_down:g} s")
+        print(f"  worker killed and policy stopped at {down_at - t0:.1f} s, policy back after {args.policy_down:g} s"
+              + (f", nats-server killed for {args.nats_down:g} s" if args.nats_down else ""))
         results = await ro.results(jobs, wait=True, timeout=3600)
         wall = time.perf_counter() - t0
         done = sum(r.state == "done" for r in results)
@@ -161,8 +177,13 @@ async def rollouts(stack: Stack, args: argparse.Namespace) -> None:
             outs = [json.loads(m["content"])["stdout"] for m in r.messages if m["role"] == "tool"]
             twice += sum(o != f"{n + 1}\n" for n, o in enumerate(outs))
         taken_over = sum(r.deliveries > 1 for r in results)
+        missing = duplicated = 0
+        for r in results:  # the log: each job's sandbox steps 0..steps-1, each once
+            logged = [s.step for s in r.steps if s.client_id == r.job_id and s.op == "exec"]
+            missing += len(set(range(args.steps)) - set(logged))
+            duplicated += len(logged) - len(set(logged))
         print(f"{args.rollouts} rollouts of {args.steps} steps: {done} done in {wall:.1f} s; {taken_over} taken over after the kill;"
-              f" steps run twice: {twice}")
+              f" steps run twice: {twice}; steps missing from the log: {missing}, logged twice: {duplicated}")
         failed = [(r.job_id, r.error_code, r.error) for r in results if r.state != "done"]
         if failed:
             print(f"  FAILED: {failed[:5]}")
@@ -180,7 +201,8 @@ async def run(args: argparse.Namespace) -> None:
     await stack.start()
     try:
         sb = await stack.create()
-        await overhead(stack, sb, args.execs)
+        if args.execs:
+            await overhead(stack, sb, args.execs)
         if args.ff_steps:
             await fast_forward(stack, sb, args.ff_steps)
         await sb.kill()
@@ -197,6 +219,7 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--policy-down", type=float, default=30.0)
+    ap.add_argument("--nats-down", type=float, default=0.0, help="also SIGKILL nats-server this long at the same moment (0: not)")
     asyncio.run(run(ap.parse_args()))
 
 
