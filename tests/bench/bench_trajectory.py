@@ -155,7 +155,12 @@ async def rollouts(stack: Stack, args: argparse.Namespace) -> None:
             await asyncio.sleep(0.2)  # progress poll
         # Kill the worker running the most jobs, mid-rollout: they go to the other after ack_wait.
         holders = [(await ro.get(j)).worker for j in jobs]
-        victim = max(procs, key=lambda p: sum(h.split("-")[-2:-1] == [str(p.pid)] for h in holders))
+
+        def held(p: subprocess.Popen[bytes]) -> int:
+            return sum(h.split("-")[-2:-1] == [str(p.pid)] for h in holders)
+
+        victim = max(procs, key=held)
+        victim_jobs = held(victim)
         victim.send_signal(signal.SIGKILL)
         victim.wait()
         await policy.stop()
@@ -167,7 +172,7 @@ async def rollouts(stack: Stack, args: argparse.Namespace) -> None:
         restarted.scripts, restarted.requests = policy.scripts, policy.requests
         await restarted.start(policy.port)
         policy = restarted
-        print(f"  worker killed and policy stopped at {down_at - t0:.1f} s, policy back after {args.policy_down:g} s"
+        print(f"  worker killed (it ran {victim_jobs} of the jobs) and policy stopped at {down_at - t0:.1f} s, policy back after {args.policy_down:g} s"
               + (f", nats-server killed for {args.nats_down:g} s" if args.nats_down else ""))
         results = await ro.results(jobs, wait=True, timeout=3600)
         wall = time.perf_counter() - t0

@@ -226,6 +226,13 @@ async def test_the_environment_is_reachable_with_its_key_only(gw: Gw, env_templa
                 await client.connect()
             cause = exc.value.__cause__
             assert isinstance(cause, InvalidStatus) and cause.response.status_code == status, repr(cause)
+        # A WebSocket the server refuses: its own answer comes back (no switch of protocols).
+        from websockets.asyncio.client import connect as ws_connect
+
+        ws_url = "ws" + url[len("http"):]
+        with pytest.raises(InvalidStatus) as refused:
+            await ws_connect(ws_url + "/no-such-socket", open_timeout=30)
+        assert refused.value.response.status_code == 403, refused.value  # Starlette's refusal of an unknown WebSocket route
         # Positive control: the same URL with its key.
         async with GenericEnvClient(base_url=url) as env:
             assert (await env.reset()).observation["count"] == 0
