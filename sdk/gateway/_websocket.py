@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import struct
+from collections.abc import Awaitable, Callable
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from ._ports import HOP, STRIP, PortConnection, bad_gateway, copy_response
@@ -26,6 +27,7 @@ HANDSHAKE_TIMEOUT_S = 30.0
 _HANDSHAKE = {"sec-websocket-key", "sec-websocket-accept", "sec-websocket-extensions", "sec-websocket-version", "sec-websocket-protocol"}
 
 OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0x0, 0x1, 0x2, 0x8, 0x9, 0xA
+Send = Callable[[bytes], Awaitable[None]]
 
 
 class FrameError(Exception):
@@ -124,9 +126,15 @@ async def relay_websocket(request: web.Request, pc: PortConnection, port: int, p
     chosen = headers.get("sec-websocket-protocol", "")
     ws = web.WebSocketResponse(protocols=(chosen,) if chosen else (), max_msg_size=MAX_MESSAGE, autoping=True)
     await ws.prepare(request)
-    down = asyncio.ensure_future(_server_to_client(pc, ws))
+    lock = asyncio.Lock()
+
+    async def send(frame: bytes) -> None:
+        async with lock:  # both ways write to the server (messages, pongs): a frame over PIECE goes in several sends
+            await pc.send(frame)
+
+    down = asyncio.ensure_future(_server_to_client(pc, ws, send))
     try:
-        await _client_to_server(ws, pc)
+        await _client_to_server(ws, send)
     finally:
         if not down.done():
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
@@ -136,27 +144,27 @@ async def relay_websocket(request: web.Request, pc: PortConnection, port: int, p
     return ws
 
 
-async def _client_to_server(ws: web.WebSocketResponse, pc: PortConnection) -> None:
+async def _client_to_server(ws: web.WebSocketResponse, send: Send) -> None:
     async for msg in ws:
         if msg.type == WSMsgType.TEXT:
-            await pc.send(encode_frame(OP_TEXT, msg.data.encode()))
+            await send(encode_frame(OP_TEXT, msg.data.encode()))
         elif msg.type == WSMsgType.BINARY:
-            await pc.send(encode_frame(OP_BINARY, msg.data))
+            await send(encode_frame(OP_BINARY, msg.data))
         elif msg.type == WSMsgType.ERROR:
             break
     code = ws.close_code or WSCloseCode.OK
     with contextlib.suppress(Exception):  # the server may be gone already
-        await pc.send(encode_frame(OP_CLOSE, struct.pack("!H", code)))
+        await send(encode_frame(OP_CLOSE, struct.pack("!H", code)))
 
 
-async def _server_to_client(pc: PortConnection, ws: web.WebSocketResponse) -> None:
+async def _server_to_client(pc: PortConnection, ws: web.WebSocketResponse, send: Send) -> None:
     parts: list[bytes] = []
     kind = 0
     try:
         while True:
             fin, op, payload = await read_frame(pc.reader)
             if op == OP_PING:
-                await pc.send(encode_frame(OP_PONG, payload))
+                await send(encode_frame(OP_PONG, payload))
                 continue
             if op == OP_PONG:
                 continue
@@ -182,7 +190,7 @@ async def _server_to_client(pc: PortConnection, ws: web.WebSocketResponse) -> No
                     await ws.send_bytes(data)
     except FrameError as exc:
         with contextlib.suppress(Exception):
-            await pc.send(encode_frame(OP_CLOSE, struct.pack("!H", exc.code)))
+            await send(encode_frame(OP_CLOSE, struct.pack("!H", exc.code)))
         await ws.close(code=exc.code, message=str(exc).encode()[:120])
     except (asyncio.IncompleteReadError, ConnectionError):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"the sandbox's server went away")

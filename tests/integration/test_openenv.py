@@ -185,10 +185,10 @@ async def test_openenv_client_runs_an_environment_in_a_sandbox_over_the_gateway(
         assert first.observation["tag"] == "t-1" and first.observation["count"] == 0  # env_vars reached the server
         r = await env.step({"text": "hello"})
         assert (r.observation["echoed"], r.observation["count"], r.reward, r.done) == ("hello", 1, 5.0, False)
-        # A message over 64 KiB each way (a WebSocket frame with a 64-bit length).
-        big = "y" * 200_000
+        # A message over 256 KiB each way (a frame with a 64-bit length, relayed in several pieces).
+        big = "y" * 300_000
         r = await env.step({"text": big})
-        assert r.observation["echoed"] == big and r.reward == 200_000.0
+        assert r.observation["echoed"] == big and r.reward == 300_000.0
         r = await env.step({"text": "last"})
         assert r.done and r.observation["count"] == 3
         assert (await env.state())["step_count"] == 3
