@@ -1068,6 +1068,8 @@ class RolloutJob(Struct, kw_only=True, tag=True):
     # Whose job it is: the tenant token of the subject it was submitted on (the worker binds it to
     # that, and refuses a job that names another tenant: bus.subjects.rollout_job).
     tenant: str = ""
+    memory_mb: int = 0  # the job's sandbox's size; 0: the create's defaults
+    cpu: float = 0.0
 
 
 class RolloutRecord(Struct, kw_only=True, tag=True):

@@ -6,6 +6,12 @@ A step this host already answered (a client that lost the reply, or a client tak
 that died while its step ran) is answered with the same outcome, awaited if it still runs, and never
 run twice; the same step number with a different request is a ``trajectory_conflict``. This memory is
 the recent steps only (``RECENT``): a client replaying older ones reads the log itself (sdk/_trajectory).
+
+The step goes to the log before the reply, on the same connection (so the server has it before the
+client can have the reply), but the reply does not wait for the stream's acknowledgement: that
+round trip would be most of what logging costs an exec. The acknowledgement is checked when it
+comes; a step the stream did not store (it was away, or the connection dropped) is stored again
+with back-off until it is, and meanwhile a client asking that step again is answered from memory.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ log = structlog.get_logger("dsec.hostagent.trajectory")
 
 RECENT = 1024  # steps remembered (per host) for answering a repeated one without running it again
 RECENT_BYTES = 64 << 20  # ... and at most this much command output among them
-LOG_TIMEOUT_S = 10.0
+STORE_RETRY_START_S = 0.25
+STORE_RETRY_CAP_S = 5.0
 
 Outcome = tuple[Any, DsecError | None]
 
@@ -42,6 +49,8 @@ class Trajectory:
         self.recent: OrderedDict[tuple[str, str, int], tuple[str, asyncio.Future[Outcome]]] = OrderedDict()
         self.sizes: dict[tuple[str, str, int], int] = {}
         self.held = 0  # bytes of output the remembered outcomes hold
+        self.unconfirmed = 0  # steps answered whose store failed and is being retried
+        self._retries: set[asyncio.Task[None]] = set()
 
     async def run(self, sid: str, op: str, req: Any, fn: Callable[[], Awaitable[Any]], tenant: str = S.OPERATOR_TENANT) -> Any:
         """``fn()``'s result for ``req``, logged first (under ``tenant``, the sandbox owner's) when
@@ -85,13 +94,37 @@ class Trajectory:
                 self.held -= self.sizes.pop(old, 0)
 
     async def _append(self, sid: str, tenant: str, client_id: str, step: int, data: bytes) -> None:
+        """Send the step to the log; its store is confirmed off the reply's path (see the module note)."""
+        subject, headers = S.traj(sid, tenant), {S.HDR_MSG_ID: S.traj_msg_id(sid, client_id, step)}
         try:
-            fut = await (await publisher_for(self.nc)).publish(S.traj(sid, tenant), data, {S.HDR_MSG_ID: S.traj_msg_id(sid, client_id, step)})
-            await asyncio.wait_for(fut, LOG_TIMEOUT_S)
-        except (StoreError, asyncio.TimeoutError) as exc:
-            # The step ran (a retry of it is answered from memory, not run again) but is not in the log.
+            fut = await (await publisher_for(self.nc)).publish(subject, data, headers)
+        except Exception as exc:  # noqa: BLE001 - not even sent (the connection is closed): the caller hears it
             log.warning("trajectory step not logged", sandbox_id=sid, client_id=client_id, step=step, err=str(exc))
             raise Unavailable(f"step {step} ran but could not be logged ({exc}); the trajectory log is unavailable", step=step) from None
+        fut.add_done_callback(lambda f: self._confirmed(f, subject, data, headers))
+
+    def _confirmed(self, fut: asyncio.Future[Any], subject: str, data: bytes, headers: dict[str, str]) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        log.warning("trajectory step not stored yet, storing it again", subject=subject, msg_id=headers[S.HDR_MSG_ID], err=str(fut.exception()))
+        self.unconfirmed += 1
+        task = asyncio.ensure_future(self._store_again(subject, data, headers))
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def _store_again(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """Until the log holds the step (its message id makes a copy already stored harmless)."""
+        delay = STORE_RETRY_START_S
+        while not self.nc.is_closed:
+            try:
+                await (await publisher_for(self.nc)).store(subject, data, headers)
+                self.unconfirmed -= 1
+                return
+            except (StoreError, asyncio.TimeoutError) as exc:
+                log.warning("trajectory step still not stored", subject=subject, msg_id=headers[S.HDR_MSG_ID], err=str(exc))
+            await asyncio.sleep(delay)  # back-off while the log's stream is away
+            delay = min(delay * 2, STORE_RETRY_CAP_S)
+        log.error("trajectory step lost: the connection closed before it was stored", subject=subject, msg_id=headers[S.HDR_MSG_ID])
 
 
 def _unwrap(outcome: Outcome) -> Any:

@@ -63,4 +63,13 @@ __all__ = [
     "FilesystemEvent",
     "ProcessInfo",
     "SandboxMetrics",
+    "OpenEnvProvider",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "OpenEnvProvider":  # imported when asked for: with openenv-core installed its import is heavy (FastAPI, MCP)
+        from ._openenv import OpenEnvProvider
+
+        return OpenEnvProvider
+    raise AttributeError(f"module 'sdk' has no attribute {name!r}")

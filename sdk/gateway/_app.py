@@ -3,7 +3,8 @@ dsec's own REST API.
 
 A request is for a sandbox when it names one: the ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers
 (what the e2b SDK sends when ``E2B_SANDBOX_URL`` points here) or a ``<port>-<id>.<domain>`` host
-name. Port 49983 is envd (Connect RPCs, ``/files``, ``/health``); any other port is relayed to a
+name, or a ``/v1/sandboxes/<id>/ports/<port>/`` path prefix (for clients that only take a base
+URL; their key may then come as HTTP Basic auth's password). Port 49983 is envd (Connect RPCs, ``/files``, ``/health``); any other port is relayed to a
 server inside the sandbox. Everything else is the control plane. Other modules add routes with
 ``add_routes(app)`` style functions (see ``make_app(extensions=...)``).
 """
@@ -11,6 +12,7 @@ server inside the sandbox. Everything else is the control plane. Other modules a
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
@@ -67,6 +69,11 @@ class Gateway:
             if v:
                 return key_of_token(v)
         auth = request.headers.get("Authorization", "")
+        if auth.startswith("Basic "):  # a key in a URL's user info (http://dsec:KEY@gateway/...): any user name
+            try:
+                return base64.b64decode(auth[6:], validate=True).decode().partition(":")[2] or None
+            except (ValueError, UnicodeDecodeError):
+                return None
         return auth[7:] if auth.startswith("Bearer ") else None
 
     async def tenant(self, request: web.Request) -> tuple[Tenant, str]:
@@ -140,6 +147,15 @@ class Gateway:
         if method == "Connect":
             return await self.processes.connect(request, sb, body)
         return web.json_response(await self.processes.unary(method, sb, body))
+
+    async def port_path(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/sandboxes/<id>/ports/<port>/<rest>``: ``/<rest>`` (with the query) to the sandbox's server."""
+        sid, port = request.match_info["id"], request.match_info["port"]
+        tenant, _ = await self.tenant(request)
+        sb = await tenant.sandbox(sid)
+        prefix = f"/v1/sandboxes/{sid}/ports/{port}"
+        rest = request.raw_path[len(prefix):] if request.raw_path.startswith(prefix) else "/" + request.match_info["rest"]
+        return await self.ports.relay(request, sb, int(port), rest if rest.startswith("/") else "/" + rest)
 
     # --- routing ------------------------------------------------------------------------------------------
     def sandbox_target(self, request: web.Request) -> tuple[str, int] | None:
@@ -223,6 +239,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     RestApi(gw).add_routes(app)
     RunCode(gw).add_routes(app)  # SandboxFusion's POST /run_code over FnCall
     app.router.add_get("/health", _health)
+    app.router.add_route("*", r"/v1/sandboxes/{id}/ports/{port:\d{1,5}}{rest:(/.*)?}", gw.port_path)
     for ext in EXTENSIONS if extensions is None else extensions:
         ext(app)
     return app

@@ -3,7 +3,10 @@
 The gateway never touches the sandbox's network: it asks the sandbox's host agent to open a TCP
 connection inside the sandbox (``dsec.sbx.<id>.port``) and relays bytes over NATS. Each HTTP
 request is one connection (``Connection: close``); the response is parsed just enough to stream it
-back (status, headers, a Content-Length, chunked or until-close body).
+back (status, headers, a Content-Length, chunked or until-close body). A WebSocket upgrade is
+joined to one with the server (``_websocket``). A client that cannot send headers (OpenEnv's, whose
+base URL is all it takes) names the sandbox and port in the path, ``/v1/sandboxes/<id>/ports/<port>/...``,
+and its key as the URL's password (HTTP Basic).
 """
 
 from __future__ import annotations
@@ -81,8 +84,8 @@ class PortConnection:
                 await self.sub.unsubscribe()
 
 
-def _request_head(request: web.Request, port: int, body_len: int | None) -> bytes:
-    lines = [f"{request.method} {request.raw_path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Connection: close"]
+def _request_head(request: web.Request, port: int, path: str, body_len: int | None) -> bytes:
+    lines = [f"{request.method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", "Connection: close"]
     for k, v in request.headers.items():
         lk = k.lower()
         if lk in HOP or lk in STRIP or lk == "host":
@@ -112,23 +115,23 @@ async def _copy_chunked(reader: asyncio.StreamReader, resp: web.StreamResponse) 
         await reader.readexactly(2)
 
 
-def _bad_gateway(port: int, why: str) -> web.Response:
+def bad_gateway(port: int, why: str) -> web.Response:
     return web.json_response({"code": 502, "message": f"the server on port {port} {why}"}, status=502)
 
 
-async def _send_request(pc: PortConnection, request: web.Request, port: int) -> web.Response | None:
+async def _send_request(pc: PortConnection, request: web.Request, port: int, path: str) -> web.Response | None:
     """The request, head and body, to the sandbox's server; a response when it cannot be sent."""
     if request.content_length is not None:
-        await pc.send(_request_head(request, port, request.content_length))
+        await pc.send(_request_head(request, port, path, request.content_length))
         while chunk := await request.content.read(PIECE):
             await pc.send(chunk)
     elif request.body_exists:
         body = await request.content.read(MAX_BUFFERED_BODY + 1)
         if len(body) > MAX_BUFFERED_BODY:
             return web.json_response({"code": 413, "message": "request body without Content-Length is over 64 MiB"}, status=413)
-        await pc.send(_request_head(request, port, len(body)) + body)
+        await pc.send(_request_head(request, port, path, len(body)) + body)
     else:
-        await pc.send(_request_head(request, port, None))
+        await pc.send(_request_head(request, port, path, None))
     return None
 
 
@@ -164,10 +167,31 @@ async def _copy_body(reader: asyncio.StreamReader, resp: web.StreamResponse, len
             left -= len(piece)
 
 
+async def copy_response(request: web.Request, pc: PortConnection, port: int, head: bytes) -> web.StreamResponse:
+    """The server's response whose head is ``head``, its body streamed from ``pc``."""
+    parsed = _response_head(head)
+    if parsed is None:
+        return bad_gateway(port, "did not answer HTTP")
+    resp, length, chunked = parsed
+    if length is not None and not chunked:
+        resp.content_length = length
+    await resp.prepare(request)
+    if chunked:
+        await _copy_chunked(pc.reader, resp)
+    else:
+        await _copy_body(pc.reader, resp, length)
+    await resp.write_eof()
+    return resp
+
+
 class Ports:
-    async def relay(self, request: web.Request, sb: AsyncSandbox, port: int) -> web.StreamResponse:
+    async def relay(self, request: web.Request, sb: AsyncSandbox, port: int, path: str | None = None) -> web.StreamResponse:
+        """``request`` to the server on ``port`` in ``sb``, as ``path`` (default: the request's own)."""
+        from ._websocket import is_upgrade, relay_websocket  # it builds on this module's connection
+
         if not 1 <= port <= 65535:
             return web.json_response({"code": 400, "message": f"port must be 1..65535, got {port}"}, status=400)
+        path = path or request.raw_path
         pc = PortConnection(sb)
         try:
             await pc.open(port)
@@ -175,28 +199,15 @@ class Ports:
             msg = f"The sandbox is running but port is not open ({exc.description})"
             return web.json_response({"code": 502, "message": msg, "sandboxId": sb.sandbox_id, "port": port}, status=502)
         try:
-            refused = await _send_request(pc, request, port)
+            if is_upgrade(request):
+                return await relay_websocket(request, pc, port, path)
+            refused = await _send_request(pc, request, port, path)
             if refused is not None:
                 return refused
             try:
                 head = await pc.reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-                return _bad_gateway(port, pc.error or "closed the connection without an HTTP response")
-            parsed = _response_head(head)
-            if parsed is None:
-                return _bad_gateway(port, "did not answer HTTP")
-            resp, length, chunked = parsed
-            if length is not None and not chunked:
-                resp.content_length = length
-            await resp.prepare(request)
-            if chunked:
-                await _copy_chunked(pc.reader, resp)
-            else:
-                await _copy_body(pc.reader, resp, length)
-            await resp.write_eof()
-            return resp
+                return bad_gateway(port, pc.error or "closed the connection without an HTTP response")
+            return await copy_response(request, pc, port, head)
         finally:
             await pc.close()
-
-
-__all__ = ["Ports", "PortConnection"]

@@ -97,7 +97,7 @@ class AsyncRollouts:
         self, *, task: str, policy_url: str, template: str = "base", max_steps: int = 20, tools: list[str] | None = None,
         metadata: dict[str, str] | None = None, model: str = "", system_prompt: str = "", pool: str = "default",
         sandbox_timeout: float = 3600.0, policy_timeout: float = 60.0, policy_wait: float = 600.0, job_id: str | None = None,
-        pause_while_waiting: bool = False,
+        pause_while_waiting: bool = False, memory_mb: int | None = None, cpu: float | None = None,
     ) -> str:
         if not isinstance(task, str) or not task:
             raise InvalidArgument("task must be a non-empty string")
@@ -113,12 +113,16 @@ class AsyncRollouts:
         for name, v in (("sandbox_timeout", sandbox_timeout), ("policy_timeout", policy_timeout), ("policy_wait", policy_wait)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 30 * 86400:
                 raise InvalidArgument(f"{name} must be a positive number of seconds, got {v!r}")
+        if memory_mb is not None and (isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or memory_mb <= 0):
+            raise InvalidArgument(f"memory_mb must be a positive integer, got {memory_mb!r}")
+        if cpu is not None and (isinstance(cpu, bool) or not isinstance(cpu, (int, float)) or not cpu > 0):
+            raise InvalidArgument(f"cpu must be a positive number, got {cpu!r}")
         job_id = _check_job_id(job_id) if job_id is not None else f"job-{uuid.uuid4().hex[:20]}"
         job = RolloutJob(
             job_id=job_id, task=task, policy_url=policy_url, template=template, max_steps=max_steps, tools=list(tools),
             metadata=dict(metadata or {}), model=model, system_prompt=system_prompt, pool=pool, sandbox_timeout_s=float(sandbox_timeout),
             policy_timeout_s=float(policy_timeout), policy_wait_s=float(policy_wait), submitted_at=time.time(),
-            pause_while_waiting=bool(pause_while_waiting),
+            pause_while_waiting=bool(pause_while_waiting), memory_mb=memory_mb or 0, cpu=float(cpu or 0.0),
         )
         nc = await _nc(self.nats_url)
         job.tenant = await self._tenant()  # the job is the submitter's: under its tenant token (bus.subjects.rollout_job)

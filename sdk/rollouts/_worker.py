@@ -34,10 +34,11 @@ from bus import subjects as S
 from bus.errors import (
     BadRequest, DsecError, InternalError, PermissionDenied, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob,
 )
-from bus.messages import ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
+from bus.messages import SANDBOX_ENDED, ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
 from bus.runtime import KV, Endpoint, Service, dead_letter, tenant_of
 from bus.streams import ensure_kv, ensure_stream, stream_configs
 
+from .. import _snapshots as _snap
 from .._async import AsyncSandbox
 from .._trajectory import TrajClient
 from ..errors import CommandExitError, CommandTimeoutError
@@ -47,6 +48,13 @@ from ._policy import Stopping
 _JOB = codec.Decoder(RolloutJob)
 OUTPUT_KEEP = 16 << 10  # characters of a tool's output the conversation keeps (head and tail)
 _SANDBOX_GONE = (SandboxNotFound, SandboxNotRunning, SandboxTimeout)
+SANDBOX_GRACE_S = 20.0  # a sandbox that does not answer is asked this long before its job fails
+RETRY_DELAY_S = 1.0  # a job whose sandbox was unreachable for a moment is taken up again after this
+MAX_DELIVERIES = 50  # ... but not forever: a sandbox that answers info and fails every step fails its job
+
+
+class _Unreachable(Exception):
+    """The job's sandbox did not answer for a moment but is there: the job is taken up again."""
 
 
 def _cut(text: str) -> str:
@@ -134,6 +142,9 @@ class RolloutWorker(Service):
             await self._run(job)
         except Stopping:
             return  # left un-acked: another worker takes it up
+        except _Unreachable:
+            await msg.nak(delay=RETRY_DELAY_S)  # taken up again from its stored state: a step that ran is answered from the log
+            return
         finally:
             beat.cancel()
         await msg.ack()
@@ -162,6 +173,10 @@ class RolloutWorker(Service):
             await self._loop(rec, sb)
         except Stopping:
             raise
+        except _SANDBOX_GONE as exc:
+            if rec.sandbox_id and rec.deliveries < MAX_DELIVERIES and await self._still_there(rec.sandbox_id):
+                raise _Unreachable() from None
+            rec.state, rec.error_code, rec.error = "failed", exc.code, exc.description
         except DsecError as exc:
             rec.state, rec.error_code, rec.error = "failed", exc.code, exc.description
         except Exception as exc:  # noqa: BLE001 - recorded in the job: a worker never gets stuck on one
@@ -172,6 +187,30 @@ class RolloutWorker(Service):
         if sb is not None:
             with contextlib.suppress(Exception):
                 await sb.kill()
+
+    async def _still_there(self, sandbox_id: str) -> bool:
+        """Whether a sandbox that did not answer is there after all: its record says it ended (when
+        this worker may read records), else it is asked for up to ``SANDBOX_GRACE_S``. A control
+        plane coming back (nats-server restarted: its host agent not subscribed again yet) answers
+        "no responders" for a moment, which the SDK reports as not found."""
+        assert self.nc is not None
+        with contextlib.suppress(Exception):  # no record to read (a client tenant) or NATS away: asked below
+            rec = await _snap.sandbox_record(self.nc, sandbox_id)
+            if rec is None or rec.state in SANDBOX_ENDED:
+                return False
+        deadline = time.monotonic() + SANDBOX_GRACE_S
+        delay = 0.25
+        while True:
+            try:
+                await AsyncSandbox(sandbox_id, self.nc).get_info()
+                return True
+            except DsecError:
+                pass  # not answering (yet): asked again until the grace is over
+            if time.monotonic() >= deadline:
+                return False
+            if await self.pause(delay):
+                raise Stopping()
+            delay = min(delay * 2, 2.0)
 
     async def _sandbox(self, rec: RolloutRecord) -> AsyncSandbox:
         job = rec.job
@@ -193,9 +232,12 @@ class RolloutWorker(Service):
 
     async def _create(self, rec: RolloutRecord) -> AsyncSandbox:
         job = rec.job
+        size: dict[str, Any] = {"memory_mb": job.memory_mb} if job.memory_mb > 0 else {}
+        if job.cpu > 0:
+            size["cpu"] = job.cpu
         sb = await AsyncSandbox.create(
             job.template, sandbox_id=rec.sandbox_id, pool=job.pool, timeout=job.sandbox_timeout_s,
-            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url,
+            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url, **size,
         )
         sb._traj = TrajClient(job.job_id)
         return sb

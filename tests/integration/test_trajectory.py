@@ -28,17 +28,27 @@ async def _last_step(stack: Stack, sid: str) -> TrajStep:
     return STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))).data)
 
 
+async def _logged(stack: Stack, sid: str, step: int) -> bool:
+    try:
+        return (await _last_step(stack, sid)).step >= step
+    except Exception:  # noqa: BLE001 - nothing logged yet
+        return False
+
+
 @pytest.mark.containerd
 @needs_stack
 async def test_every_change_is_logged_before_its_reply_reads_are_not(stack: Stack) -> None:
     async with stack.sandbox() as sb:
         sid = sb.sandbox_id
         assert (await sb.commands.run("echo hi")).stdout == "hi\n"
-        last = await _last_step(stack, sid)  # stored before the reply came: there as soon as run() returns
+        # Sent to the log ahead of the reply, its store confirmed off the reply's path: there at once, or a moment later.
+        await eventually(lambda: _logged(stack, sid, 0), timeout=10, what="step 0 in the log")
+        last = await _last_step(stack, sid)
         assert (last.step, last.kind, last.op, last.client_id, last.error_code) == (0, "ExecRequest", "exec", sb._traj.client_id, "")
         assert codec.decode_reply(last.result, ExecResult).stdout == b"hi\n"
         assert last.host_id == stack.host_id and last.duration_ms > 0
         await sb.files.write("/tmp/f", "data")
+        await eventually(lambda: _logged(stack, sid, 1), timeout=10, what="step 1 in the log")
         assert (await _last_step(stack, sid)).kind == "FileWrite"
         assert await sb.files.read("/tmp/f") == "data"  # a read changes nothing: not a step
         assert await sb.files.exists("/tmp/f")
@@ -51,6 +61,7 @@ async def test_every_change_is_logged_before_its_reply_reads_are_not(stack: Stac
         # Output past the log's cap (64 KiB a stream) is kept as its head and its digest.
         big = await sb.commands.run("head -c 200000 /dev/zero | tr '\\0' y")
         assert len(big.stdout) == 200000
+        await eventually(lambda: _logged(stack, sid, 6), timeout=10, what="step 6 in the log")
         steps = await sb.trajectory()
         assert [(s.step, s.kind) for s in steps] == [
             (0, "ExecRequest"), (1, "FileWrite"), (2, "FileMakeDir"), (3, "FileRemove"), (4, "ExecRequest"), (5, "FileRename"), (6, "ExecRequest"),
