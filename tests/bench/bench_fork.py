@@ -107,7 +107,7 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="8,64")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--warm-pool", type=int, default=4)
+    ap.add_argument("--warm-pool", type=int, default=0, help="warm containers per template (fork children never take one)")
     args = ap.parse_args()
     st = Stack(argparse.Namespace(shim_group=16, warm_pool=args.warm_pool, concurrency=64, memory_mb=32, disk_mb=1024, cpu=1.0,
                                   cpu_overcommit=100.0, reconcile_s=10.0))
