@@ -1,6 +1,6 @@
 """Benchmark of fork on one host (a script, not a test).
 
-    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--warm-pool 4]
+    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--mib 1] [--warm-pool 0]
 
 A fresh stack in this process (``bench_sandboxes.Stack``: embedded NATS JetStream, a placement
 replica, a host agent with the container backend) plus this host's real lazy loader. Through the
@@ -12,7 +12,8 @@ real SDK, for each count it prints the time until every child is ready for
 * a batched create of as many plain sandboxes from the template: the cold-start floor that fork's
   children start at.
 
-The source holds 1 MiB of random data and a small state file; every child is checked to see it.
+The source holds ``--mib`` MiB of random data (1: the pack is quick anyway; 100: the pack is what the
+fork used to wait for) and a small state file; every child is checked to see it.
 Everything it starts is stopped by pid and its data dir removed at the end.
 """
 
@@ -71,14 +72,14 @@ async def one_count(st: Stack, js: object, src: AsyncSandbox, n: int, rounds: in
     packs: list[float] = []
     seen: list[str] = []
     for r in range(rounds):
-        await src.commands.run(f"echo {r} >> /root/d/log")  # something new to copy each round
+        await src.commands.run(f"echo {r} >> /root/d/log && printf x >> /root/d/f")  # the big file changed: copied (and packed) again
         t0 = time.perf_counter()
         out = await src.fork(n, **kw)
         rows["fork (running source)"].append(ms(t0))
         packs.append(await until_packed(js, await newest_snapshot(st.url, src.sandbox_id), t0))
         seen.append(f"{await check_and_kill(out)}/{n}")
 
-        await src.commands.run(f"echo p{r} >> /root/d/log")
+        await src.commands.run(f"echo p{r} >> /root/d/log && printf x >> /root/d/f")
         await src.pause()
         t0 = time.perf_counter()
         out = await src.fork(n, **kw)
@@ -86,7 +87,7 @@ async def one_count(st: Stack, js: object, src: AsyncSandbox, n: int, rounds: in
         await src.resume()
         seen.append(f"{await check_and_kill(out)}/{n}")
 
-        await src.commands.run(f"echo s{r} >> /root/d/log")
+        await src.commands.run(f"echo s{r} >> /root/d/log && printf x >> /root/d/f")
         t0 = time.perf_counter()
         s = await src.create_snapshot()
         again = await AsyncSandbox.create_batch(n, snapshot=s.snapshot_id, **kw)
@@ -107,6 +108,7 @@ async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="8,64")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mib", type=int, default=1, help="random data in the source (what the fork copies and packs)")
     ap.add_argument("--warm-pool", type=int, default=0, help="warm containers per template (fork children never take one)")
     args = ap.parse_args()
     st = Stack(argparse.Namespace(shim_group=16, warm_pool=args.warm_pool, concurrency=64, memory_mb=32, disk_mb=1024, cpu=1.0,
@@ -116,9 +118,9 @@ async def main() -> int:
     lazy.start()
     nc = await connect(st.url)
     try:
-        src = await AsyncSandbox.create(nats_url=st.url, memory_mb=32, timeout=3600)
+        src = await AsyncSandbox.create(nats_url=st.url, memory_mb=32, disk_mb=max(1024, 4 * args.mib + 256), timeout=3600)
         try:
-            await src.commands.run("mkdir -p /root/d && head -c 1048576 /dev/urandom > /root/d/f && echo step-k > /root/d/state")
+            await src.commands.run(f"mkdir -p /root/d && head -c {args.mib << 20} /dev/urandom > /root/d/f && echo step-k > /root/d/state", timeout=600)
             print("fork N from one sandbox, time until every child is ready (each round: running, paused, the path before, plain creates):")
             for n in [int(c) for c in args.counts.split(",") if c]:
                 await one_count(st, nc.jetstream(), src, n, args.rounds)
