@@ -85,6 +85,9 @@ class LocalForks:
         self._tasks: dict[str, asyncio.Task[None]] = {}  # background packs, by snapshot id
         self._packed: dict[str, LayerRef] = {}  # snapshot id -> its packed layer (this run)
         self._sweep: asyncio.Task[list[str]] | None = None
+        self._again = False
+        self._reading: set[str] = set()  # restores reading their snapshot's record, not claimed yet
+        self._deferred = False  # a sweep found one: the claim sweeps again
         registry.observers.append(self._observe)
 
     def path(self, snapshot_id: str) -> str:
@@ -142,6 +145,7 @@ class LocalForks:
             return
         await self._release_pins([packed.ref.digest])
         log.info("fork_packed", snapshot_id=snapshot_id, bytes_added=packed.uploaded_bytes, ms=round((time.perf_counter() - t0) * 1000, 1))
+        self._tasks.pop(snapshot_id, None)  # done: the sweep below may take its copy (this task would hold it)
         self.sweep_soon()
 
     async def _settle(self, snapshot_id: str, packed: PackedLayer | None) -> None:
@@ -219,12 +223,20 @@ class LocalForks:
         return rec
 
     # --- who stacks a fork directory -------------------------------------------------------------------
+    def begin(self, sandbox_id: str) -> None:
+        """A restore starts reading its snapshot's record: until it has claimed what that names, no
+        fork directory is removed (the record it reads may name one a sweep is about to take)."""
+        self._reading.add(sandbox_id)
+
     def claim(self, sandbox_id: str, layers: Iterable[LayerRef]) -> list[str]:
         """A create over ``layers`` begins: their fork directories stay (its ``LocalSandbox.extra`` holds
         them from ``hold`` on). Returns the snapshot ids claimed."""
         owners = sorted({owner_of(lay) for lay in layers if is_fork_layer(lay)})
         if owners:
             self._claims.setdefault(sandbox_id, set()).update(owners)
+        self._reading.discard(sandbox_id)
+        if self._deferred and not self._reading:
+            self.sweep_soon()
         return owners
 
     def hold(self, ls: LocalSandbox) -> None:
@@ -238,7 +250,14 @@ class LocalForks:
             self._claims.pop(ls.spec.sandbox_id, None)
             self.sweep_soon()
 
-    def in_use(self) -> set[str]:
+    def in_use(self) -> set[str] | None:
+        """The snapshot ids whose fork directories something here stacks; None while a restore is
+        still reading its record (anything may be in use)."""
+        self._reading.intersection_update(self.creating)  # a create that failed before its claim
+        if self._reading:
+            self._deferred = True
+            return None
+        self._deferred = False
         used: set[str] = set()
         for sid, owners in list(self._claims.items()):
             if sid in self.creating or sid in self.registry.live:
@@ -250,6 +269,7 @@ class LocalForks:
         return used
 
     def sweep_soon(self) -> None:
+        self._again = True  # a sweep under way looks again before it ends
         if self._sweep is None or self._sweep.done():
             try:
                 self._sweep = asyncio.get_running_loop().create_task(self.sweep())
@@ -258,11 +278,17 @@ class LocalForks:
 
     async def sweep(self) -> list[str]:
         """Remove the fork directories that are packed and that nothing here stacks. Returns them."""
-        used = self.in_use()
-        gone = [s for s in list(self._packed) if s not in used and s not in self._tasks]
-        for s in gone:
-            await asyncio.to_thread(shutil.rmtree, self.path(s), True)
-            self._packed.pop(s, None)
+        gone: list[str] = []
+        self._again = True
+        while self._again:
+            self._again = False
+            used = self.in_use()
+            if used is None:
+                break  # the restore's claim sweeps again
+            for s in [s for s in list(self._packed) if s not in used and s not in self._tasks]:
+                await asyncio.to_thread(shutil.rmtree, self.path(s), True)
+                self._packed.pop(s, None)
+                gone.append(s)
         if gone:
             log.info("fork_dirs_removed", snapshots=",".join(gone)[:500])
         return gone

@@ -132,13 +132,18 @@ class Snapshots:
     async def restore_plan(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> tuple[list[LayerRef], LayerRef | None]:
         """A create from ``spec.snapshot``: the template's layers, then the snapshot's chain; and the
         layer of its CRIU dump when it has memory (the processes are restored from it)."""
-        rec = await self.get(spec.snapshot)
-        check_restore(rec, spec)
-        if rec.template != spec.template:
-            raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
-        # A fork taken on another host moments ago: its children here take the packed layer.
-        rec = await self.forks.wait_packed(rec, self.get, spec.create_deadline or time.time() + PACK_TIMEOUT_S)
-        self.forks.claim(spec.sandbox_id, rec.layers)
+        self.forks.begin(spec.sandbox_id)  # no fork copy goes from here to the claim (the record may name one)
+        claimed: list[LayerRef] = []
+        try:
+            rec = await self.get(spec.snapshot)
+            check_restore(rec, spec)
+            if rec.template != spec.template:
+                raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
+            # A fork taken on another host moments ago: its children here take the packed layer.
+            rec = await self.forks.wait_packed(rec, self.get, spec.create_deadline or time.time() + PACK_TIMEOUT_S)
+            claimed = rec.layers
+        finally:
+            self.forks.claim(spec.sandbox_id, claimed)
         # A layer's path is where the host that packed it keeps the blob. It is used only under this
         # host's own data dir, where a blobs/<digest> file can only be that very blob; anywhere else
         # the layer comes through the lazy loader, fetched as it is read.

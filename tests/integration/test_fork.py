@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,34 @@ async def test_nothing_left_behind(stack: Stack, lazy: LazyDaemon) -> None:
         assert not [ln for ln in f if f"{stack.data_dir}/forks" in ln]
     assert not os.path.exists(Path(stack.data_dir) / "forks" / f"{snap.snapshot_id}.part")
 
+
+
+async def test_a_restarted_agent_packs_what_it_left_and_removes_the_rest(stack: Stack, lazy: LazyDaemon) -> None:
+    """What a host agent that stopped mid-pack leaves: a fork's copy its record still names (packed
+    now, then removed: nothing stacks it), a copy of a removed snapshot and a half-made copy (removed)."""
+    forks = stack.host.snapshots.forks
+    async with stack.sandbox() as sb:
+        await sb.commands.run("mkdir -p /root/r && echo left > /root/r/f")
+        s = await sb.create_snapshot()
+    rec = await get_snapshot_record(stack, s.snapshot_id)
+    sid = f"snap-left-{uuid.uuid4().hex[:12]}"
+    stage = Path(stack.data_dir) / f"stage-{sid}"
+    (stage / "root" / "r").mkdir(parents=True)
+    (stage / "root" / "r" / "f").write_text("left\n")
+    ref = forks.freeze_copy(str(stage), sid)
+    kv = await ensure_kv(stack.js, S.KV_SNAPSHOTS)
+    await kv.create(sid, codec.encode(msgspec.structs.replace(rec, snapshot_id=sid, layers=[*rec.layers[:-1], ref])))
+    orphan = Path(forks.path(f"snap-gone-{uuid.uuid4().hex[:12]}"))
+    orphan.mkdir()
+    half = Path(forks.path(sid + "x") + ".part")
+    half.mkdir()
+    try:
+        await forks.recover()
+        assert not half.exists() and not orphan.exists()
+        await eventually(lambda: packed(stack, sid), timeout=120, interval=0.2, what="the left copy packed")
+        await eventually(lambda: sid not in fork_dirs(stack), timeout=30, what="the left copy removed")
+        async with many(stack, [await AsyncSandbox.create(snapshot=sid, **stack.kw())]) as (r,):
+            assert await r.files.read("/root/r/f") == "left\n"
+    finally:
+        await kv.purge(sid)
+        shutil.rmtree(stage, ignore_errors=True)
