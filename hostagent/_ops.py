@@ -135,7 +135,7 @@ class OpsEndpoint:
             raise SandboxNotFound(f"sandbox {sid} is not running on this host")
         if ls.state == "stopping":
             return await self._while_stopping(sid, ls, handle, req)
-        if ls.state == "paused" and not isinstance(req, (InfoRequest, KillRequest, SetTimeout, PauseRequest, ResumeRequest)):
+        if ls.state == "paused" and not isinstance(req, (InfoRequest, KillRequest, SetTimeout, PauseRequest, ResumeRequest, SnapshotRequest)):
             raise SandboxNotRunning(f"sandbox {sid} is paused: resume it first", state="paused")
         match req:
             case ExecRequest():

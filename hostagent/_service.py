@@ -76,6 +76,7 @@ class HostAgent(Service):
         )
         self.snapshots = Snapshots(  # snapshot, fork, pause/resume; restores from snapshots
             self.host_id, self.data_dir, self.caps, self.registry, self.records, self.reaper.kill, self.profiles, self._connection, self._jetstream,
+            creating,
             limits=storage.Limits.of(config), reserve_mb=config.write_reserve_mb,
         )
         self.diskwatch = DiskWatch(  # who filled the disk: reported to guard
@@ -152,6 +153,10 @@ class HostAgent(Service):
         self.registry.ensure_dir()
         await self.backend.start()
         await self.reconciler.recover()
+        try:  # fork directories a restart left: packed again, or removed when nothing stacks them
+            await self.snapshots.forks.recover()
+        except Exception as exc:  # noqa: BLE001 - KV away: they are looked at again when a child of theirs ends
+            log.warning("fork_recovery_failed", error=str(exc))
         # Before the first heartbeat: placement hands work to a host as soon as it sees one. What waits
         # for a slot waits here (placement holds each request until this host answers, bus.runtime.handoff).
         await self.add_inbox(S.host_all(self.host_id), self.intake.handle, capacity=self.config.concurrency, name=f"host-{self.host_id}")
@@ -169,6 +174,7 @@ class HostAgent(Service):
             if self.reaper.teardowns:
                 await asyncio.wait(set(self.reaper.teardowns.values()), timeout=max(self.grace_s, 60.0))
         await self.reaper.stop()
+        await self.snapshots.forks.stop()
         await self.ops.stop()
         await self.execio.stop()
         await self.fncalls.stop(self.grace_s)

@@ -54,6 +54,7 @@ from bus.streams import ensure_kv
 from . import _storage as storage
 from . import _upperdiff as snap
 from ._backend import Capabilities, Handle
+from ._forks import LocalForks, is_fork_layer
 from ._profiles import ProfileCache
 from ._records import Records, resumes
 from ._registry import LocalSandbox, Registry
@@ -71,11 +72,26 @@ def new_snapshot_id() -> str:
     return f"snap-{uuid.uuid4().hex[:20]}"
 
 
+def dedup_layers(layers: list[LayerRef]) -> list[LayerRef]:
+    """``layers`` (lowest first) with each digest kept at its topmost place only. Two snapshots with
+    the same changes pack to the same layer, and overlayfs refuses a lower dir twice (ELOOP); the lower
+    copy changes nothing: everything it holds, the upper copy holds over it."""
+    seen: set[str] = set()
+    out: list[LayerRef] = []
+    for lay in reversed(layers):
+        if lay.digest in seen:
+            continue
+        seen.add(lay.digest)
+        out.append(lay)
+    return out[::-1]
+
+
 class Snapshots:
     def __init__(
         self, host_id: str, data_dir: str | os.PathLike[str], caps: Capabilities, registry: Registry, records: Records,
         kill: Callable[[str, str], Awaitable[bool]], profiles: ProfileCache | None, nc: Callable[[], NATS | None],
-        js: Callable[[], JetStreamContext | None], *, limits: storage.Limits = storage.NO_CONFIG, reserve_mb: int = storage.WRITE_RESERVE_MB,
+        js: Callable[[], JetStreamContext | None], creating: dict[str, "asyncio.Future[None]"] | None = None, *,
+        limits: storage.Limits = storage.NO_CONFIG, reserve_mb: int = storage.WRITE_RESERVE_MB,
     ) -> None:
         self.host_id = host_id
         self.limits = limits  # what a sandbox's and a tenant's snapshots may store (HostAgentConfig)
@@ -91,6 +107,11 @@ class Snapshots:
         self._js = js
         self._kv: KeyValue | None = None
         self._locks: dict[str, asyncio.Lock] = {}
+        # a fork's children on this host stack its frozen upper; the pack follows in the background
+        self.forks = LocalForks(data_dir, registry, creating if creating is not None else {}, self.kv, self._pack, self._release_pins)
+
+    async def _release_pins(self, digests: list[str]) -> None:
+        await storage.release_pins(self._js(), digests)
 
     async def kv(self) -> KeyValue:
         if self._kv is None:
@@ -115,21 +136,30 @@ class Snapshots:
     async def restore_plan(self, spec: SandboxSpec, template_layers: list[LayerRef]) -> tuple[list[LayerRef], LayerRef | None]:
         """A create from ``spec.snapshot``: the template's layers, then the snapshot's chain; and the
         layer of its CRIU dump when it has memory (the processes are restored from it)."""
-        rec = await self.get(spec.snapshot)
-        check_restore(rec, spec)
-        if rec.template != spec.template:
-            raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
+        self.forks.begin(spec.sandbox_id)  # no fork copy goes from here to the claim (the record may name one)
+        claimed: list[LayerRef] = []
+        try:
+            rec = await self.get(spec.snapshot)
+            check_restore(rec, spec)
+            if rec.template != spec.template:
+                raise InvalidArgument(f"snapshot {rec.snapshot_id} is of template {rec.template!r}, not {spec.template!r}")
+            # A fork taken on another host moments ago: its children here take the packed layer.
+            rec = await self.forks.wait_packed(rec, self.get, spec.create_deadline or time.time() + PACK_TIMEOUT_S)
+            claimed = rec.layers
+        finally:
+            self.forks.claim(spec.sandbox_id, claimed)
         # A layer's path is where the host that packed it keeps the blob. It is used only under this
         # host's own data dir, where a blobs/<digest> file can only be that very blob; anywhere else
         # the layer comes through the lazy loader, fetched as it is read.
         mine = os.path.join(os.path.realpath(self.data_dir), "")
         own = [lay if lay.path and os.path.realpath(lay.path).startswith(mine) else msgspec.structs.replace(lay, path="") for lay in rec.layers]
-        return [*template_layers, *own], rec.memory_layer
+        return dedup_layers([*template_layers, *own]), rec.memory_layer
 
     async def restored(self, ls: "LocalSandbox") -> None:
         """A sandbox created from a snapshot is up: it is the parent of its own first snapshot."""
         spec = ls.spec
         ls.extra[LAST] = spec.snapshot
+        self.forks.hold(ls)
         self.registry.save(ls)
         await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
 
@@ -144,7 +174,8 @@ class Snapshots:
         await freezer.freeze(cgroup)
 
     async def snapshot(self, ls: "LocalSandbox", handle: "Handle", req: SnapshotRequest) -> SnapshotRecord:
-        if ls.state != "running":
+        # A frozen pause is forked as it is, still frozen (E2B's users fork paused sandboxes without resuming them).
+        if ls.state != "running" and not (ls.state == "paused" and req.fork_ids):
             raise SandboxNotRunning(f"sandbox {ls.spec.sandbox_id} is {ls.state}: only a running sandbox can be snapshotted", state=ls.state)
         if len(req.fork_ids) > MAX_FORK_COUNT:
             raise InvalidArgument(f"fork count {len(req.fork_ids)} is over the maximum of {MAX_FORK_COUNT}")
@@ -192,6 +223,10 @@ class Snapshots:
         cgroup, sdir = self._container(handle)
         parent_id = ls.extra.get(LAST) or ls.spec.snapshot
         chain = (await self.get(parent_id)).layers if parent_id else []
+        # A fork's children on this host start over a copy of its frozen upper; the pack follows.
+        fast = bool(req.fork_ids) and not req.memory
+        if not fast:  # a snapshot (or a persisted pause) is durable and host-independent once answered
+            chain = await self.forks.resolve(chain)
         if len(chain) >= MAX_CHAIN:
             raise SnapshotUnsupported(f"sandbox {sid} sits on a chain of {len(chain)} snapshots, the most one sandbox can stack")
         upper = RootfsLayout(sdir).upper
@@ -204,34 +239,44 @@ class Snapshots:
         if not already:
             await self._freeze(handle, cgroup)
         t_frozen = time.perf_counter()
+        local: LayerRef | None = None  # the fork's frozen upper, removed again if the snapshot fails
         try:
-            prev = await asyncio.to_thread(snap.load_index, sdir)
-            diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
-            await storage.admit(budget, self.data_dir, stage if diff.entries else None, handle if req.memory else None)  # ... nor packed
-            packed = await self._pack(stage) if diff.entries else None
-            await asyncio.to_thread(snap.remove_stage, stage)
-            index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
-            memory = await self._dump_memory(handle, snap_id, budget) if req.memory else None  # still frozen: files and memory of one moment
-        except OSError as exc:
-            if storage.is_no_space(exc):
-                raise storage.no_space(exc, "snapshot") from None
+            try:
+                prev = await asyncio.to_thread(snap.load_index, sdir)
+                diff = await asyncio.to_thread(snap.stage_diff, upper, stage, prev)
+                await storage.admit(budget, self.data_dir, stage if diff.entries else None, handle if req.memory else None)  # ... nor packed
+                local = await asyncio.to_thread(self.forks.freeze_copy, stage, snap_id) if fast and diff.entries else None
+                packed = await self._pack(stage) if diff.entries and not fast else None
+                await asyncio.to_thread(snap.remove_stage, stage)
+                index = await asyncio.to_thread(snap.walk, upper)  # after the stage is gone: unlinking moved ctimes
+                memory = await self._dump_memory(handle, snap_id, budget) if req.memory else None  # still frozen: files and memory of one moment
+            except OSError as exc:
+                if storage.is_no_space(exc):
+                    raise storage.no_space(exc, "snapshot") from None
+                raise
+            finally:
+                await asyncio.to_thread(snap.remove_stage, stage)
+                if not already:
+                    await self.caps.need_freezer().thaw(cgroup)
+            frozen_ms = (time.perf_counter() - t_frozen) * 1000
+            own = packed.ref if packed is not None else local
+            layers = [*chain, own] if own is not None else list(chain)
+            added = (packed.uploaded_bytes if packed else 0) + (memory.uploaded_bytes if memory else 0)
+            rec = SnapshotRecord(
+                snapshot_id=snap_id, sandbox_id=sid, template=ls.spec.template, created_at=time.time(), parent_id=parent_id,
+                name=req.name, host_id=self.host_id, layers=layers, bytes_added=added,
+                memory=memory is not None, memory_layer=memory.ref if memory else None, metadata=dict(req.metadata), spec=ls.spec,
+            )
+            try:
+                await (await self.kv()).create(snap_id, codec.encode(rec))
+            except KeyWrongLastSequenceError:
+                raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
+        except BaseException:
+            if local is not None:
+                await asyncio.to_thread(shutil.rmtree, local.path, True)
             raise
-        finally:
-            await asyncio.to_thread(snap.remove_stage, stage)
-            if not already:
-                await self.caps.need_freezer().thaw(cgroup)
-        frozen_ms = (time.perf_counter() - t_frozen) * 1000
-        layers = [*chain, packed.ref] if packed is not None else list(chain)
-        added = (packed.uploaded_bytes if packed else 0) + (memory.uploaded_bytes if memory else 0)
-        rec = SnapshotRecord(
-            snapshot_id=snap_id, sandbox_id=sid, template=ls.spec.template, created_at=time.time(), parent_id=parent_id,
-            name=req.name, host_id=self.host_id, layers=layers, bytes_added=added,
-            memory=memory is not None, memory_layer=memory.ref if memory else None, metadata=dict(req.metadata), spec=ls.spec,
-        )
-        try:
-            await (await self.kv()).create(snap_id, codec.encode(rec))
-        except KeyWrongLastSequenceError:
-            raise InvalidArgument(f"snapshot id {snap_id} is taken") from None
+        if local is not None or any(is_fork_layer(lay) for lay in chain):
+            self.forks.start_pack(snap_id)  # ... and the record names packed layers only once it is in
         await storage.release_pins(self._js(), [p.ref.digest for p in (packed, memory) if p is not None])
         self.stored(sid, added)
         # Only now is the index the base of the next diff: a snapshot that failed above diffs again in full.
@@ -239,7 +284,7 @@ class Snapshots:
         ls.extra[LAST] = snap_id
         self.registry.save(ls)
         await self._event(snap_id, "created", sandbox_id=sid, parent_id=parent_id, metadata=rec.metadata, detail={
-            "bytes_added": str(rec.bytes_added), "layer": packed.ref.digest if packed else "", "entries": str(diff.entries),
+            "bytes_added": str(rec.bytes_added), "layer": own.digest if own else "", "local": "true" if local else "", "entries": str(diff.entries),
             "whiteouts": str(diff.whiteouts), "frozen_ms": f"{frozen_ms:.1f}", "ms": f"{(time.perf_counter() - t0) * 1000:.1f}",
         })
         log.info("snapshot_created", sandbox_id=sid, snapshot_id=snap_id, entries=diff.entries, bytes_added=rec.bytes_added, frozen_ms=round(frozen_ms, 1))

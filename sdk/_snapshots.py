@@ -112,12 +112,22 @@ async def fork(sb: "AsyncSandbox", count: int, kwargs: dict[str, Any]) -> list["
     metadata = _check_meta(kwargs.pop("snapshot_metadata", None))
     memory = bool(kwargs.pop("memory", False))
     ids = kwargs.pop("sandbox_ids", None) or [f"sb-{uuid.uuid4().hex[:20]}" for _ in range(count)]
-    info = await create_snapshot(sb, None, memory, {**metadata, "fork": str(count)}, fork_ids=ids)
     spec = sb.spec
+    try:  # a running or frozen-paused source: its host snapshots it (a paused one stays paused)
+        info = await create_snapshot(sb, None, memory, {**metadata, "fork": str(count)}, fork_ids=ids)
+        template, snapshot_id = info.template, info.snapshot_id
+    except SandboxNotFound:
+        # A persisted pause runs nowhere: its snapshot is the state to fork, and it stays paused.
+        rec = await sandbox_record(sb.nc, sb.sandbox_id)
+        if rec is None or rec.state != "paused" or not rec.snapshot_id:
+            raise
+        if memory:
+            raise InvalidArgument(f"sandbox {sb.sandbox_id} is paused on disk: its forks start from the files it was paused with") from None
+        template, snapshot_id, spec = rec.spec.template, rec.snapshot_id, spec or rec.spec
     if spec is not None:  # the forks take the source's shape unless told otherwise
         for key, value in (("cpu", spec.cpu), ("memory_mb", spec.memory_mb), ("disk_mb", spec.disk_mb), ("pool", spec.pool), ("profile", spec.profile)):
             kwargs.setdefault(key, value)
-    return await type(sb).create_batch(count, info.template, snapshot=info.snapshot_id, sandbox_ids=ids, **kwargs)
+    return await type(sb).create_batch(count, template, snapshot=snapshot_id, sandbox_ids=ids, **kwargs)
 
 
 async def pause(sb: "AsyncSandbox", persist: bool, memory: bool = False) -> SnapshotInfo | None:
