@@ -11,6 +11,7 @@ import contextlib
 import shutil
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ def tree(dirs: str = "/root/data /workspace") -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def tmpl(stack: Stack) -> AsyncIterator[str]:
     """A template with a workspace layer: busybox plus /workspace files a sandbox may delete or replace."""
-    name = f"snapt-{stack.uid}"
+    name = f"snapt-{stack.uid}-{uuid.uuid4().hex[:6]}"  # one per module that uses it (test_fork imports it)
     ws = stack.data_dir / f"ws-{name}"
     (ws / "workspace" / "keep").mkdir(parents=True)
     (ws / "workspace" / "lib").mkdir(parents=True)
