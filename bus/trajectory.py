@@ -59,11 +59,12 @@ def _sha(b: bytes) -> str:
 
 def make_step(
     sandbox_id: str, op: str, req: Any, result: Any, *, started_at: float, duration_ms: float, host_id: str,
-    req_digest: str = "", req_encoded: bytes = b"",
+    req_digest: str = "", req_encoded: bytes = b"", cap: int | None = None,
 ) -> TrajStep:
     """The log entry of ``req`` answered with ``result`` (a reply Struct or an ``ErrorReply``);
-    ``req_digest`` and ``req_encoded`` (``normalized(req)``) when the caller has them already."""
-    cap = output_cap()
+    ``req_digest`` and ``req_encoded`` (``normalized(req)``) and ``cap`` (``output_cap()``, an
+    environment read) when the caller has them already."""
+    cap = output_cap() if cap is None else cap
     digests: dict[str, str] = {}
     if not req_encoded or (isinstance(req, FileWrite) and len(req.data) > cap):
         logged_req = normalize(req)

@@ -35,7 +35,7 @@ from bus import subjects as S
 from bus.errors import BadRequest, DsecError, InternalError, TrajectoryConflict, Unavailable
 from bus.runtime import StoreError, publisher_for
 from bus.messages import ExecResult
-from bus.trajectory import is_logged, make_step, normalized
+from bus.trajectory import is_logged, make_step, normalized, output_cap
 
 log = structlog.get_logger("dsec.hostagent.trajectory")
 
@@ -58,6 +58,7 @@ class Trajectory:
         self.waiters: dict[Key, asyncio.Future[None]] = {}  # a next step waiting for this one's ack
         self.again: dict[Key, None] = {}  # the stream did not take these: stored again by ``_store_again``
         self._retrier: asyncio.Task[None] | None = None
+        self.cap = output_cap()  # read once: an environment lookup per step cost more than the rest of the step's making
 
     async def run(self, sid: str, op: str, req: Any, fn: Callable[[], Awaitable[Any]], tenant: str = S.OPERATOR_TENANT) -> Any:
         """``fn()``'s result for ``req``, logged (under ``tenant``, the sandbox owner's) when ``req``
@@ -94,7 +95,8 @@ class Trajectory:
         self._remember(key, outcome[0])
         result = outcome[1].to_reply() if outcome[1] is not None else outcome[0]
         step = make_step(
-            sid, op, req, result, started_at=started, duration_ms=(time.perf_counter() - t0) * 1000, host_id=self.host_id, req_digest=d, req_encoded=encoded,
+            sid, op, req, result, started_at=started, duration_ms=(time.perf_counter() - t0) * 1000, host_id=self.host_id,
+            req_digest=d, req_encoded=encoded, cap=self.cap,
         )
         await self._append(key, S.traj(sid, tenant), codec.encode(step))
         return _unwrap(outcome)
