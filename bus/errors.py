@@ -255,6 +255,14 @@ class TrajectoryTrimmed(DsecError):
     http_status = 410
 
 
+class TrajectoryGap(DsecError):
+    """A client's steps in the trajectory log skip one (a step its host answered but the stream never
+    took): replaying past it would run that step again."""
+
+    code = "trajectory_gap"
+    http_status = 409
+
+
 class UnknownJob(DsecError):
     """No rollout job has this id."""
 

@@ -1014,7 +1014,7 @@ class FnCallResult(Struct, kw_only=True, tag=True):
 
 # --- trajectories (JetStream, DSEC_TRAJ on dsec.traj.<tenant>.<sandbox>) -------------------------------
 class TrajStep(Struct, kw_only=True, tag=True):
-    """One logged operation on a sandbox, stored by its host before the reply is sent.
+    """One logged operation on a sandbox, published by its host before the reply is sent (acked just after it).
 
     ``request`` is the request as the client sent it without what differs between two runs of the
     same step (inboxes, step, client; bus.trajectory.normalize), ``digest`` its sha256. ``result``

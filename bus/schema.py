@@ -145,7 +145,7 @@ CHANNELS: list[Channel] = [
     Channel(S.IMG_STATS, ImageStatsRequest, ImageStats, doc="A template's size and layers."),
     Channel(f"{S.PREFIX}.img.host.{{host}}.stats", HostImageStatsRequest, HostImageStats, doc="A host's lazy loader cache."),
     Channel(f"{S.PREFIX}.traj.{{id}}", TrajStep, stream=S.STREAM_TRAJ,
-            doc="The sandbox's trajectory log: each numbered operation, stored by its host before the reply; a policy's turns beside them."),
+            doc="The sandbox's trajectory log: each numbered operation, published by its host before the reply; a policy's turns beside them."),
     Channel(f"{S.PREFIX}.rollout.{{queue}}.{{tenant}}.{{id}}", RolloutJob, stream=S.STREAM_ROLLOUTS, doc="A rollout job of tenant <tenant> on a work queue."),
     Channel(f"{S.PREFIX}.model.{{tenant}}.{{id}}", ModelCall, ModelAnswer,
             doc="A chat-completions request for the policy of a rollout of tenant <tenant> (the gateway's model endpoint)."),

@@ -47,23 +47,34 @@ def digest(req: Any) -> str:
     return hashlib.sha256(codec.encode(normalize(req))).hexdigest()
 
 
+def normalized(req: Any) -> tuple[bytes, str]:
+    """``normalize(req)`` encoded and its digest: what a host both compares and logs (encoded once)."""
+    raw = codec.encode(normalize(req))
+    return raw, hashlib.sha256(raw).hexdigest()
+
+
 def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
 def make_step(
-    sandbox_id: str, op: str, req: Any, result: Any, *, started_at: float, duration_ms: float, host_id: str, req_digest: str = "",
+    sandbox_id: str, op: str, req: Any, result: Any, *, started_at: float, duration_ms: float, host_id: str,
+    req_digest: str = "", req_encoded: bytes = b"", cap: int | None = None,
 ) -> TrajStep:
-    """The log entry of ``req`` answered with ``result`` (a reply Struct or an ``ErrorReply``)."""
-    cap = output_cap()
+    """The log entry of ``req`` answered with ``result`` (a reply Struct or an ``ErrorReply``);
+    ``req_digest`` and ``req_encoded`` (``normalized(req)``) and ``cap`` (``output_cap()``, an
+    environment read) when the caller has them already."""
+    cap = output_cap() if cap is None else cap
     digests: dict[str, str] = {}
-    logged_req = normalize(req)
-    if isinstance(logged_req, FileWrite) and len(logged_req.data) > cap:
-        digests["data"] = _sha(logged_req.data)
-        logged_req.data = logged_req.data[:cap]
+    if not req_encoded or (isinstance(req, FileWrite) and len(req.data) > cap):
+        logged_req = normalize(req)
+        if isinstance(logged_req, FileWrite) and len(logged_req.data) > cap:
+            digests["data"] = _sha(logged_req.data)
+            logged_req.data = logged_req.data[:cap]
+        req_encoded = codec.encode(logged_req)
     step = TrajStep(
         sandbox_id=sandbox_id, client_id=req.client_id, step=req.step, op=op, kind=type(req).__name__,
-        digest=req_digest or digest(req), request=codec.encode(logged_req), started_at=started_at, duration_ms=duration_ms, host_id=host_id,
+        digest=req_digest or digest(req), request=req_encoded, started_at=started_at, duration_ms=duration_ms, host_id=host_id,
     )
     if isinstance(result, ErrorReply):
         step.error_code, step.error = result.code, result.description
@@ -92,4 +103,4 @@ def decode_request(step: TrajStep) -> Any:
     return _REQUEST_DECODER.decode(step.request)
 
 
-__all__ = ["LOGGED", "DEFAULT_OUTPUT_CAP", "STEP_DECODER", "output_cap", "is_logged", "normalize", "digest", "make_step", "decode_request"]
+__all__ = ["LOGGED", "DEFAULT_OUTPUT_CAP", "STEP_DECODER", "output_cap", "is_logged", "normalize", "digest", "normalized", "make_step", "decode_request"]

@@ -16,7 +16,9 @@ from nats.aio.client import Client as NATS
 from bus import codec
 from bus import subjects as S
 from bus.codec import decode_reply
-from bus.errors import BadRequest, ErrorReply, InvalidArgument, KillPending, PermissionDenied, SandboxNotFound, SandboxTimeout, Unavailable, from_reply
+from bus.errors import (
+    BadRequest, DsecError, ErrorReply, InvalidArgument, KillPending, PermissionDenied, SandboxNotFound, SandboxTimeout, Unavailable, from_reply,
+)
 from bus.messages import (
     CreateBatch,
     CreateSandbox,
@@ -577,7 +579,7 @@ class AsyncSandbox:
 
     async def trajectory(self) -> list[_traj.TrajectoryStep]:
         """Every logged step of this sandbox, in the order its host answered them."""
-        return await _traj.steps(_js(self._nc), self.sandbox_id)
+        return await _traj.steps(_js(self._nc), self.sandbox_id, until=(self._traj.client_id, self._traj.answered))
 
     @classmethod
     async def _connect(cls, sandbox_id: str, nats_url: str | None) -> "AsyncSandbox":
@@ -664,7 +666,15 @@ class AsyncSandbox:
             raise InvalidArgument(
                 f"the {op} request is larger than the NATS server's max_payload ({self._nc.max_payload} bytes): send less at once"
             ) from None
-        return decode_reply(msg.data, result_type)
+        if getattr(req, "step", -1) < 0:  # not a logged step
+            return decode_reply(msg.data, result_type)
+        try:
+            out = decode_reply(msg.data, result_type)
+        except DsecError as exc:
+            _traj.note_reply(self._traj, req, exc)
+            raise
+        _traj.note_reply(self._traj, req)
+        return out
 
     async def kill(self, *, timeout: float = 300.0) -> None:
         """Kill the sandbox and remove everything it had; killing a gone sandbox is fine.

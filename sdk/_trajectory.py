@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,7 @@ from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import DsecError, ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryTrimmed, from_reply
+from bus.errors import DsecError, ErrorReply, InvalidArgument, TrajectoryConflict, TrajectoryGap, TrajectoryTrimmed, from_reply
 from bus.messages import ExecResult, TrajStep
 from bus.runtime import KV, connection_of, reads_records, tenant_of
 from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
@@ -30,6 +31,8 @@ from bus.trajectory import STEP_DECODER, decode_request, digest, is_logged
 from ._admin import _tenant_consumer
 
 READ_IDLE_S = 5.0  # a log read that hears nothing this long (the server went away) stops
+SETTLE_S = 10.0  # how long a reader waits for a step answered a moment ago to be in the log
+SETTLE_POLL_S = 0.01
 _ANY_REPLY = msgspec.msgpack.Decoder(Any)
 
 
@@ -139,6 +142,7 @@ class TrajClient:
     def __init__(self, client_id: str | None = None) -> None:
         self.client_id = client_id or f"c-{uuid.uuid4().hex[:20]}"
         self.next = 0
+        self.answered = -1  # the last step its host answered (and logs: the ack may come just after the reply)
         self.logged: dict[int, TrajStep] = {}
         self.replayed = 0  # steps answered from the log
 
@@ -154,6 +158,11 @@ class TrajClient:
         if self.logged and min(self.logged) > 0:
             raise TrajectoryTrimmed(
                 f"the log of client {self.client_id} starts at step {min(self.logged)}: earlier steps were trimmed", step=min(self.logged),
+            )
+        missing = next((n for n in range(len(self.logged)) if n not in self.logged), None)
+        if missing is not None:  # answered by its host, never taken by the stream (hostagent/_trajectory): it would run again
+            raise TrajectoryGap(
+                f"the log of client {self.client_id} lacks step {missing} (it has steps up to {max(self.logged)})", step=missing, client_id=self.client_id,
             )
 
     def stamp(self, req: Any) -> TrajStep | None:
@@ -175,6 +184,23 @@ class TrajClient:
         return hit
 
 
+NOT_LOGGED = frozenset({"trajectory_conflict", "permission_denied", "bad_request"})  # refusals of a step before it ran
+
+
+def note_reply(traj: TrajClient, req: Any, exc: DsecError | None = None) -> None:
+    """The host answered ``req`` (with ``exc``): a step it logs, unless refused before it ran. A step
+    its host did not run because its previous one is not in the log yet gives its number back."""
+    step = getattr(req, "step", -1)
+    if getattr(req, "client_id", "") != traj.client_id:
+        return
+    if exc is not None and exc.context.get("logged") is False:
+        if step == traj.next - 1:
+            traj.next = step
+        return
+    if step > traj.answered and (exc is None or exc.code not in NOT_LOGGED):
+        traj.answered = step
+
+
 def replayed(hit: TrajStep, result_type: Any) -> Any:
     """The logged outcome of a step, as its reply would have been (an error raised again)."""
     if hit.error_code:
@@ -188,11 +214,19 @@ def replayed(hit: TrajStep, result_type: Any) -> Any:
 MAX_FORK_DEPTH = 32
 
 
-async def steps(js: Any, sandbox_id: str, *, inherit: bool = True, _depth: int = 0) -> list[TrajectoryStep]:
+async def steps(js: Any, sandbox_id: str, *, inherit: bool = True, until: tuple[str, int] | None = None, _depth: int = 0) -> list[TrajectoryStep]:
     """The sandbox's steps; a fork's (a sandbox started from another's snapshot) begin with its
     parent's up to the fork point: the snapshot step that made it (else: the parent's steps until
-    the snapshot was taken)."""
-    own = [view(seq, s) for seq, s in await read_log(js, sandbox_id)]
+    the snapshot was taken). ``until`` (client, step): read again until the log holds that step (a
+    host stores a step right after its reply: hostagent/_trajectory), for ``SETTLE_S`` at most."""
+    log = await read_log(js, sandbox_id)
+    deadline = time.monotonic() + SETTLE_S
+    while until is not None and until[1] >= 0 and not any(s.client_id == until[0] and s.step >= until[1] for _, s in log):
+        if time.monotonic() > deadline:
+            break  # the host could not log it (it says so to the client's next step): the log as it is
+        await asyncio.sleep(SETTLE_POLL_S)
+        log = await read_log(js, sandbox_id)
+    own = [view(seq, s) for seq, s in log]
     fork = await _fork_point(js, sandbox_id) if inherit and _depth < MAX_FORK_DEPTH else None
     if fork is None:
         return own

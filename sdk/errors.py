@@ -40,7 +40,7 @@ from bus.errors import (
     UnknownUser,
     UnsupportedBackend,
 )
-from bus.errors import PolicyError, PolicyTimeout, TrajectoryConflict, TrajectoryTrimmed, UnknownJob
+from bus.errors import PolicyError, PolicyTimeout, TrajectoryConflict, TrajectoryGap, TrajectoryTrimmed, UnknownJob
 
 if TYPE_CHECKING:
     from ._models import CommandResult
@@ -106,6 +106,7 @@ __all__ = [
     "UnsupportedBackend",
     "TrajectoryConflict",
     "TrajectoryTrimmed",
+    "TrajectoryGap",
     "UnknownJob",
     "PolicyError",
     "PolicyTimeout",

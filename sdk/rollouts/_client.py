@@ -150,7 +150,8 @@ class AsyncRollouts:
         res = _result(rec)
         if with_steps and rec.sandbox_id:
             mine = (job_id, model_client(job_id), gateway_client(job_id))
-            res.steps = [s for s in await _steps(_js(await _nc(self.nats_url)), rec.sandbox_id) if s.client_id in mine]
+            logged = await _steps(_js(await _nc(self.nats_url)), rec.sandbox_id, until=(job_id, rec.sandbox_steps - 1))  # the worker's steps it was answered
+            res.steps = [s for s in logged if s.client_id in mine]
         return res
 
     async def wait(self, job_id: str, *, timeout: float | None = None, with_steps: bool = True) -> RolloutResult:

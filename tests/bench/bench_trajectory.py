@@ -104,7 +104,7 @@ async def host_cost(stack: Stack, n: int) -> None:
         await nc.close()
     added = [b - a for a, b in zip(plain, logged, strict=True)]
     print(f"  the host's side, in-process: logging adds p50 {statistics.median(added):.3f} ms, p90 {_q(added, 90):.3f} ms a step"
-          f" (target < 0.5 ms); stores retried: {traj.unconfirmed}")
+          f" (target < 0.5 ms); steps not acked yet: {len(traj.unlogged)}")
 
 
 async def fast_forward(stack: Stack, sb: AsyncSandbox, n: int) -> None:

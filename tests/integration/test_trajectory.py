@@ -1,12 +1,14 @@
-"""The trajectory log (DSEC_TRAJ): every changing operation logged by its host before the reply, a
+"""The trajectory log (DSEC_TRAJ): every changing operation logged by its host (published before the reply), a
 client replaying it fast-forwards (logged steps are not run again), a different request at a
 logged step is a ``trajectory_conflict``; on real containerd sandboxes (the session ``stack``)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
+from typing import Any
 
 import pytest
 
@@ -15,8 +17,10 @@ from bus import subjects as S
 from bus.messages import ExecRequest, ExecResult, TrajStep
 from bus.trajectory import STEP_DECODER, digest
 from sdk import AsyncSandbox, CommandExitError
+from sdk import _trajectory as _sdk_traj
 from sdk._trajectory import TrajClient
-from sdk.errors import FileNotFound, TrajectoryConflict, TrajectoryTrimmed
+from hostagent import _trajectory as _host_traj
+from sdk.errors import FileNotFound, TrajectoryConflict, TrajectoryGap, TrajectoryTrimmed, Unavailable
 from tests.conftest import eventually
 from tests.imaged.conftest import needs_fuse
 from tests.integration.conftest import PY, REPO, Stack, needs_stack, run_process, subprocess_env
@@ -24,32 +28,31 @@ from tests.integration.conftest import PY, REPO, Stack, needs_stack, run_process
 COUNT = "echo x >> /tmp/count; wc -l < /tmp/count"  # not idempotent: says how often it ran
 
 
-async def _last_step(stack: Stack, sid: str) -> TrajStep:
-    return STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))).data)
+async def _last_step(stack: Stack, sid: str, step: int) -> TrajStep:
+    """The sandbox's last logged step once it is ``step``: the host publishes a step before its
+    reply and has the stream's ack just after (hostagent/_trajectory)."""
+    got: list[TrajStep] = []
 
+    async def logged() -> bool:
+        got.append(STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))).data))
+        return got[-1].step == step
 
-async def _logged(stack: Stack, sid: str, step: int) -> bool:
-    try:
-        return (await _last_step(stack, sid)).step >= step
-    except Exception:  # noqa: BLE001 - nothing logged yet
-        return False
+    await eventually(logged, timeout=10, what=f"step {step} in the log")
+    return got[-1]
 
 
 @pytest.mark.containerd
 @needs_stack
-async def test_every_change_is_logged_before_its_reply_reads_are_not(stack: Stack) -> None:
+async def test_every_change_is_logged_reads_are_not(stack: Stack) -> None:
     async with stack.sandbox() as sb:
         sid = sb.sandbox_id
         assert (await sb.commands.run("echo hi")).stdout == "hi\n"
-        # Sent to the log ahead of the reply, its store confirmed off the reply's path: there at once, or a moment later.
-        await eventually(lambda: _logged(stack, sid, 0), timeout=10, what="step 0 in the log")
-        last = await _last_step(stack, sid)
+        last = await _last_step(stack, sid, 0)
         assert (last.step, last.kind, last.op, last.client_id, last.error_code) == (0, "ExecRequest", "exec", sb._traj.client_id, "")
         assert codec.decode_reply(last.result, ExecResult).stdout == b"hi\n"
         assert last.host_id == stack.host_id and last.duration_ms > 0
         await sb.files.write("/tmp/f", "data")
-        await eventually(lambda: _logged(stack, sid, 1), timeout=10, what="step 1 in the log")
-        assert (await _last_step(stack, sid)).kind == "FileWrite"
+        assert (await _last_step(stack, sid, 1)).kind == "FileWrite"
         assert await sb.files.read("/tmp/f") == "data"  # a read changes nothing: not a step
         assert await sb.files.exists("/tmp/f")
         await sb.files.make_dir("/tmp/d")
@@ -61,7 +64,6 @@ async def test_every_change_is_logged_before_its_reply_reads_are_not(stack: Stac
         # Output past the log's cap (64 KiB a stream) is kept as its head and its digest.
         big = await sb.commands.run("head -c 200000 /dev/zero | tr '\\0' y")
         assert len(big.stdout) == 200000
-        await eventually(lambda: _logged(stack, sid, 6), timeout=10, what="step 6 in the log")
         steps = await sb.trajectory()
         assert [(s.step, s.kind) for s in steps] == [
             (0, "ExecRequest"), (1, "FileWrite"), (2, "FileMakeDir"), (3, "FileRemove"), (4, "ExecRequest"), (5, "FileRename"), (6, "ExecRequest"),
@@ -150,6 +152,47 @@ def test_a_log_that_lost_its_first_steps_is_trajectory_trimmed() -> None:
     assert exc.value.code == "trajectory_trimmed" and exc.value.context["step"] == 2
     tc.start_replay([(9, step(0)), (10, step(1))], None)  # positive control: a whole log replays
     assert tc.client_id == "c-1" and sorted(tc.logged) == [0, 1]
+
+
+def test_a_log_that_skips_a_step_is_a_trajectory_gap() -> None:
+    def step(n: int) -> TrajStep:
+        return TrajStep(sandbox_id="s", client_id="c-1", step=n, op="exec", kind="ExecRequest", digest="d")
+
+    tc = TrajClient()
+    with pytest.raises(TrajectoryGap) as exc:  # step 1 answered, never stored: replaying would run it again
+        tc.start_replay([(9, step(0)), (11, step(2))], None)
+    assert exc.value.code == "trajectory_gap" and exc.value.context["step"] == 1
+    tc.start_replay([(9, step(0)), (10, step(1)), (11, step(2))], None)  # positive control: no gap
+    assert sorted(tc.logged) == [0, 1, 2]
+
+
+@pytest.mark.containerd
+@needs_stack
+async def test_a_step_the_stream_did_not_take_is_stored_again_before_its_clients_next_step_runs(stack: Stack, monkeypatch: Any) -> None:
+    """The host replies before the stream's ack: a step the stream refused is stored again, and the
+    same client's next step is not run (``unavailable``, its number given back) until it is in the log."""
+    monkeypatch.setattr(_host_traj, "LOG_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(_sdk_traj, "SETTLE_S", 1.0)
+    info = await stack.js.stream_info(S.STREAM_TRAJ)
+    async with stack.sandbox() as sb:
+        sid = sb.sandbox_id
+        assert (await sb.commands.run(COUNT)).stdout == "1\n"
+        await _last_step(stack, sid, 0)
+        try:
+            await stack.js.update_stream(dataclasses.replace(info.config, max_msg_size=64))  # every step is refused now
+            assert (await sb.commands.run(COUNT)).stdout == "2\n"  # step 1 ran and was answered
+            with pytest.raises(Unavailable) as exc:
+                await sb.commands.run(COUNT)
+            assert exc.value.context == {"step": 2, "logged": False} and sb._traj.next == 2
+            assert [s.step for s in await sb.trajectory()] == [0]  # step 1 is not there (it waited SETTLE_S for it)
+        finally:
+            await stack.js.update_stream(info.config)
+        await _last_step(stack, sid, 1)  # stored again once the stream takes it
+        assert (await sb.commands.run(COUNT)).stdout == "3\n"  # step 2 runs now: it had not run before
+        assert [s.step for s in await sb.trajectory()] == [0, 1, 2]
+        again = await AsyncSandbox.connect(sid, nats_url=stack.url, replay=True)
+        assert [(await again.commands.run(COUNT)).stdout for _ in range(3)] == ["1\n", "2\n", "3\n"]  # no gap: all replayed
+        assert again._traj.replayed == 3
 
 
 @pytest.mark.containerd
