@@ -14,16 +14,18 @@ import base64
 import datetime as dt
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
 from aiohttp import web
 
-from bus.errors import DsecError, InvalidArgument, SandboxNotFound, SandboxNotRunning
+from bus.errors import DsecError, InvalidArgument, NotSupported, SandboxNotFound, SandboxNotRunning
 from bus.messages import SandboxRecord
 
 from .._async import AsyncSandbox
 from .._snapshots import SnapshotInfo
+from ._network import allow_out
 from ._tenants import Tenant
 
 ENVD_VERSION = "0.6.4"  # the envd API level the gateway speaks (the e2b SDK gates features on it)
@@ -113,8 +115,9 @@ def _timeout(doc: dict[str, Any], default: int | None = DEFAULT_TIMEOUT_S) -> in
 
 
 class E2BApi:
-    def __init__(self, gw: Any) -> None:
+    def __init__(self, gw: Any, resolve: Callable[[Tenant, str], Awaitable[str]] | None = None) -> None:
         self.gw = gw  # the Gateway (tenants, domain, envd token)
+        self.resolve = resolve  # a create's templateID ``name:tag`` -> the template (the template API's builds)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -123,7 +126,7 @@ class E2BApi:
             web.get("/sandboxes/{id}", self.get), web.delete("/sandboxes/{id}", self.kill),
             web.post("/sandboxes/{id}/timeout", self.set_timeout),
             web.post("/sandboxes/{id}/connect", self.connect), web.post("/v2/sandboxes/{id}/connect", self.connect),
-            web.get("/sandboxes/{id}/metrics", self.metrics),
+            web.get("/sandboxes/{id}/metrics", self.metrics), web.put("/sandboxes/{id}/network", self.update_network),
             web.post("/sandboxes/{id}/pause", self.pause), web.post("/sandboxes/{id}/resume", self.resume),
             web.post("/sandboxes/{id}/snapshots", self.snapshot), web.post("/sandboxes/{id}/fork", self.fork),
             web.get("/snapshots", self.list_snapshots), web.delete("/templates/{id}", self.delete_snapshot),
@@ -151,11 +154,15 @@ class E2BApi:
         if not isinstance(template, str) or not template:
             raise InvalidArgument("templateID is required")
         snapshot = (await tenant.own_snapshot(template)).snapshot_id if template.startswith(SNAPSHOT_PREFIX) else None
+        if ":" in template and snapshot is None:
+            template = await self.resolve(tenant, template) if self.resolve else template.partition(":")[0]
+        allow = allow_out(doc)
         metadata = _str_map(doc, "metadata")
         backend = metadata.get(BACKEND_KEY, "container")  # (validated with the rest of the spec)
         sb = await tenant.create(
             template, timeout=_timeout(doc), metadata=metadata, envs=_str_map(doc, "envVars"), backend=backend,
             create_timeout=CREATE_TIMEOUT_S if backend == "container" else VM_CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
+            network={"allow_out": allow} if allow else None,
         )
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)
@@ -284,6 +291,22 @@ class E2BApi:
         forks = await tenant.fork(sb, count, timeout=_timeout(doc), create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool)
         recs = [await tenant.own_record(f.sandbox_id) for f in forks]
         return web.json_response([{"sandbox": self._sandbox(r, tenant, key)} for r in recs], status=201)
+
+    async def update_network(self, request: web.Request) -> web.Response:
+        """E2B's ``update_network``: the body replaces the sandbox's egress policy. The same policy again
+        is accepted (204); a different one is ``not_supported`` (501): the host agent applies a sandbox's
+        allowlist when it starts the sandbox and has no operation to change it while it runs, so a
+        sandbox must be created with the policy it needs."""
+        tenant, _ = await self.gw.tenant(request)
+        rec = await tenant.own_record(request.match_info["id"])
+        wanted = allow_out(await json_object(request), network_key=None) or []
+        current = list(rec.spec.network.allow_out) if rec.spec.network is not None else []
+        if wanted != current:
+            raise NotSupported(
+                f"changing a running sandbox's egress (from {current or 'none'} to {wanted or 'none'}) is not supported:"
+                " create the sandbox with the policy it needs"
+            )
+        return web.Response(status=204)
 
     async def metrics(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)
