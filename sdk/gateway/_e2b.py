@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl
 
 from aiohttp import web
 
-from bus.errors import DsecError, InvalidArgument, NotSupported, SandboxNotFound, SandboxNotRunning
+from bus.errors import DsecError, InvalidArgument, SandboxNotFound, SandboxNotRunning
 from bus.messages import SandboxRecord
 
 from .._async import AsyncSandbox
@@ -293,19 +293,12 @@ class E2BApi:
         return web.json_response([{"sandbox": self._sandbox(r, tenant, key)} for r in recs], status=201)
 
     async def update_network(self, request: web.Request) -> web.Response:
-        """E2B's ``update_network``: the body replaces the sandbox's egress policy. The same policy again
-        is accepted (204); a different one is ``not_supported`` (501): the host agent applies a sandbox's
-        allowlist when it starts the sandbox and has no operation to change it while it runs, so a
-        sandbox must be created with the policy it needs."""
+        """E2B's ``update_network``: the body replaces the sandbox's egress allowlist (see ``_network``).
+        A sandbox created without an allowlist has no network of its own to open: ``not_supported``."""
         tenant, _ = await self.gw.tenant(request)
-        rec = await tenant.own_record(request.match_info["id"])
-        wanted = allow_out(await json_object(request), network_key=None) or []
-        current = list(rec.spec.network.allow_out) if rec.spec.network is not None else []
-        if wanted != current:
-            raise NotSupported(
-                f"changing a running sandbox's egress (from {current or 'none'} to {wanted or 'none'}) is not supported:"
-                " create the sandbox with the policy it needs"
-            )
+        sb = await tenant.sandbox(request.match_info["id"])
+        allow = allow_out(await json_object(request), network_key=None)
+        await sb.set_network({"allow_out": allow} if allow else None)
         return web.Response(status=204)
 
     async def metrics(self, request: web.Request) -> web.Response:
