@@ -17,6 +17,9 @@ class GatewayConfig:
     domain: str = field(default="", metadata=setting("sandbox host names are <port>-<id>.<domain>", default_text="localhost:<http-port>"))
     pool: str = field(default="default", metadata=setting("the placement pool sandboxes are created in"))
     max_upload_mb: int = field(default=1024, metadata=setting("the largest file upload, in MiB"))
+    e2b_profile: str = field(default="default", metadata=setting(
+        "the security profile of sandboxes created through E2B's API (a create's metadata `dsec.profile` picks another); "
+        "`e2b`: every path writable, as E2B clients such as Harbor expect", env="DSEC_GATEWAY_E2B_PROFILE"))
 
     @property
     def sandbox_domain(self) -> str:

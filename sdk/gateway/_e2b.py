@@ -34,6 +34,7 @@ MAX_TIMEOUT_S = 30 * 86400
 CREATE_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 300.0  # a VM boots its own kernel: seconds under KVM, minutes under TCG on a busy host
 BACKEND_KEY = "dsec.backend"  # the create metadata entry that picks the backend
+PROFILE_KEY = "dsec.profile"  # ... and the security profile (default: the gateway's e2b_profile)
 PAGE_MAX = 1000
 SNAPSHOT_PREFIX = "snap-"  # dsec's snapshot ids: a create whose templateID is one restores it
 
@@ -159,10 +160,11 @@ class E2BApi:
         allow = allow_out(doc)
         metadata = _str_map(doc, "metadata")
         backend = metadata.get(BACKEND_KEY, "container")  # (validated with the rest of the spec)
+        profile = metadata.get(PROFILE_KEY, self.gw.cfg.e2b_profile)
         sb = await tenant.create(
             template, timeout=_timeout(doc), metadata=metadata, envs=_str_map(doc, "envVars"), backend=backend,
             create_timeout=CREATE_TIMEOUT_S if backend == "container" else VM_CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
-            network={"allow_out": allow} if allow else None,
+            network={"allow_out": allow} if allow else None, profile=profile,
         )
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)

@@ -30,7 +30,25 @@ from .conftest import needs_stack
 from .test_gateway import Gw, http
 
 pytestmark = [pytest.mark.containerd, needs_stack, needs(R.missing())]
-gw = _gateway.gw
+_gw = _gateway.gw
+
+
+@pytest.fixture(scope="module")
+def e2b_profile() -> Any:
+    """The gateway under test gives E2B creates the ``e2b`` profile (every path writable): Harbor writes
+    /etc/profile.d, /app, /logs, /tests and /solution as root, as in an E2B sandbox."""
+    old = os.environ.get("DSEC_GATEWAY_E2B_PROFILE")
+    os.environ["DSEC_GATEWAY_E2B_PROFILE"] = "e2b"  # `dsec up` (and its gateway) inherit it
+    yield
+    if old is None:
+        os.environ.pop("DSEC_GATEWAY_E2B_PROFILE", None)
+    else:
+        os.environ["DSEC_GATEWAY_E2B_PROFILE"] = old
+
+
+@pytest.fixture(scope="module")
+def gw(e2b_profile: Any, _gw: Gw) -> Gw:
+    return _gw
 
 HARBOR_VERSION = "0.26.0"
 VENV = Path(os.environ.get("HARBOR_VENV", "/work/venv-harbor"))
