@@ -176,13 +176,14 @@ class TemplateApi:
         return sorted((b for b in self.builds.values() if b.template_id == name and b.owner == tenant.user), key=lambda b: b.created_at)
 
     async def tags(self, request: web.Request) -> web.Response:
-        """A template's tags, each the build it names (the last build of each tag this gateway ran, ready
-        or not: E2B tags a build when it starts). A template built before the gateway last started has
-        no tags: its builds were in memory. A name this key cannot see is 404, as E2B."""
+        """A template's tags, each the build it names: the last build of each tag this gateway ran that is
+        ready or still running (E2B tags a build when it starts; a failed one tags nothing here, as it
+        makes no template). A template built before the gateway last started has no tags: its builds
+        were in memory. A name this key cannot see is 404, as E2B."""
         tenant, _ = await self.gw.tenant(request)
         name = request.match_info["id"]
         m = await self._manifest(tenant, name)
-        builds = self._builds_of(tenant, name)
+        builds = [b for b in self._builds_of(tenant, name) if b.status != "error"]
         if (m is None or m.owner != tenant.user) and not builds:
             raise UnknownTemplate(f"no template {name!r}", template=name)
         last = {b.tag: b for b in builds}

@@ -2,8 +2,9 @@
 pulls in), runs a task of ours end to end against ``dsec up``: the task's Dockerfile (FROM an image in
 a local registry) becomes an E2B template through the gateway's template API (tags, alias lookup,
 build, status), the sandbox is created with the task's egress allowlist (``allow_internet_access``,
-``network={allow_out, deny_out: all}``), Harbor's oracle agent uploads and runs the solution, the
-verifier uploads and runs the tests, and the reward is 1.0. Nothing is left running.
+``network={allow_out, deny_out: all}``) and switched to the verifier's and back (``update_network``),
+Harbor's oracle agent uploads and runs the solution, the verifier uploads and runs the tests, and the
+reward is 1.0. Nothing is left running.
 
 Harbor needs Python >= 3.12 and the shared venv is 3.11, so it lives in a venv of its own
 (``HARBOR_VENV``, default /work/venv-harbor, created here when missing: PyPI must be reachable).
@@ -14,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -110,6 +113,15 @@ def _task(dst: Path, registry_host: str) -> Path:
     return dst
 
 
+def _network_ops(gw: Gw) -> int:
+    """How many ``network`` ops (E2B's update_network) the host agent answered ok (its metrics, through
+    the gateway's /metrics)."""
+    with urllib.request.urlopen(f"{gw.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r'^dsec_sandbox_ops_total\{[^}]*op="network",code="ok"\} (\d+)', text, re.M)
+    return int(m.group(1)) if m else 0
+
+
 def _live(gw: Gw) -> list[str]:
     status, body, _ = http(gw, "GET", "/v2/sandboxes?state=running,paused")
     assert status == 200, body
@@ -120,9 +132,10 @@ async def test_harbor_oracle_runs_a_dockerfile_task_through_e2b(gw: Gw, registry
     harbor = await asyncio.to_thread(harbor_bin)
     registry.push(busybox_image(tmp_path / "img"), "harbor/busybox", "v1")
     task = _task(tmp_path / "task", registry.host)
-    before = _live(gw)
+    before, network_ops = _live(gw), await asyncio.to_thread(_network_ops, gw)
     env = {
         "PATH": os.environ["PATH"], "HOME": str(tmp_path), "E2B_API_KEY": gw.key_a, "E2B_API_URL": gw.url, "E2B_SANDBOX_URL": gw.url,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm (imported by harbor) would fetch its price list from GitHub
     }
     job = f"dsec-{uuid.uuid4().hex[:8]}"
     argv = [str(harbor), "run", "-p", str(task), "-a", "oracle", "-e", "e2b", "-o", str(tmp_path / "jobs"), "--job-name", job, "-n", "1", "-y"]
@@ -150,5 +163,8 @@ async def test_harbor_oracle_runs_a_dockerfile_task_through_e2b(gw: Gw, registry
     assert status == 200 and len(harbor_tpls) == 1, tpls
     status, tags, _ = http(gw, "GET", f"/templates/{harbor_tpls[0]['templateID']}/tags")
     assert status == 200 and [t["tag"] for t in tags] == ["default-r5"], tags
+    # the verifier phase's allowlist differs from the agent's: Harbor switched the running sandbox to
+    # it and back (update_network), and the host agent swapped the allowlist both times
+    assert await asyncio.to_thread(_network_ops, gw) - network_ops == 2
     # Harbor killed its sandbox: nothing of this run is left running
     assert _live(gw) == before
