@@ -187,13 +187,16 @@ class NetworkManager:
         return att
 
     # --- a running sandbox's allowlist ---------------------------------------------------------
-    async def update(self, sid: str, network: NetworkSpec | None) -> Attachment:
+    async def update(self, sid: str, network: NetworkSpec | None) -> Attachment | None:
         """Replace the allowlist of ``sid``'s network (None or empty: no egress): the new elements are
         added before the old ones go, so no moment allows what neither list does. /etc/hosts keeps the
         names resolved at create (a name new here is reachable by the addresses resolved now).
-        Raises NotSupported when the sandbox has no network of its own (it was created without an
-        allowlist: there is no netns to attach now), InvalidArgument for a bad allowlist."""
+        A sandbox with no network of its own (created without an allowlist) has no egress already: None
+        for no egress, NotSupported for an allowlist (there is no netns to attach it to now).
+        InvalidArgument for a bad allowlist."""
         entries = parse_allow_out(network.allow_out if network is not None else [], self.cfg.max_entries)
+        if sid not in self._att and not entries:
+            return None
         if sid not in self._att:
             raise NotSupported(f"sandbox {sid} was created without a network (no allowlist): its egress cannot be opened while it runs")
         domains = sorted({e.host for e in entries if e.is_domain})

@@ -168,3 +168,25 @@ async def test_harbor_oracle_runs_a_dockerfile_task_through_e2b(gw: Gw, registry
     assert await asyncio.to_thread(_network_ops, gw) - network_ops == 2
     # Harbor killed its sandbox: nothing of this run is left running
     assert _live(gw) == before
+
+
+async def test_e2b_network_bad_input(gw: Gw) -> None:
+    """What dsec cannot do is refused with its typed error, and the sandbox keeps its policy."""
+    hdr = {"Content-Type": "application/json"}
+    status, body, _ = http(gw, "POST", "/sandboxes", json.dumps({"templateID": "base", "network": {"denyOut": ["10.0.0.0/8"]}}).encode(), hdr)
+    assert status == 400 and "only denyOut" in body["message"], body  # deny some, allow the rest: not an allowlist
+    status, body, _ = http(gw, "POST", "/sandboxes", json.dumps({"templateID": "base", "timeout": 120}).encode(), hdr)
+    assert status == 201, body
+    sid = body["sandboxID"]
+    try:
+        allow = json.dumps({"allowOut": ["192.0.2.1"], "denyOut": ["0.0.0.0/0"]}).encode()
+        status, body, _ = http(gw, "PUT", f"/sandboxes/{sid}/network", allow, hdr)
+        assert status == 501 and "created without a network" in body["message"], body
+        status, body, _ = http(gw, "PUT", f"/sandboxes/{sid}/network", json.dumps({"allowOut": ["*.example.com"], "denyOut": ["0.0.0.0/0"]}).encode(), hdr)
+        assert status == 400 and "wildcard" in body["message"], body
+        # positive control: no egress, which it has, is accepted
+        status, body, _ = http(gw, "PUT", f"/sandboxes/{sid}/network", json.dumps({"allow_internet_access": False}).encode(), hdr)
+        assert status == 204, body
+        assert http(gw, "PUT", "/sandboxes/sb-nosuch/network", allow, hdr)[0] == 404
+    finally:
+        assert http(gw, "DELETE", f"/sandboxes/{sid}")[0] == 204

@@ -378,7 +378,7 @@ class ContainerBackend:
 
     async def set_network(self, handle: Handle, network: NetworkSpec | None) -> dict[str, Any]:
         att = await self.net.update(handle.sandbox_id, network)
-        return {**handle.extra, "net": att.to_extra()}
+        return handle.extra if att is None else {**handle.extra, "net": att.to_extra()}
 
     async def metrics(self, handle: Handle) -> SandboxMetrics:
         """CPU and memory from the sandbox's cgroups (v1), disk from its scratch filesystem."""
