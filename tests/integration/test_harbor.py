@@ -7,7 +7,8 @@ Harbor's oracle agent uploads and runs the solution, the verifier uploads and ru
 reward is 1.0. Nothing is left running.
 
 Harbor needs Python >= 3.12 and the shared venv is 3.11, so it lives in a venv of its own
-(``HARBOR_VENV``, default /work/venv-harbor, created here when missing: PyPI must be reachable).
+(``HARBOR_VENV``: ``compose/dev.sh install`` makes .venv-harbor; default /work/venv-harbor, created
+here when missing: PyPI must be reachable).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def gw(e2b_profile: Any, _gw: Gw) -> Gw:
 
 HARBOR_VERSION = "0.26.0"
 VENV = Path(os.environ.get("HARBOR_VENV", "/work/venv-harbor"))
-PYTHONS = ("/root/.pyenv/versions/3.12.1/bin/python3.12", "python3.13", "python3.12")
+PYTHONS = tuple(p for p in (os.environ.get("DSEC_HARBOR_PYTHON"), "/root/.pyenv/versions/3.12.1/bin/python3.12", "python3.13", "python3.12") if p)
 TASK = Path(__file__).resolve().parent.parent / "data" / "harbor-task"
 
 # what Harbor's E2B environment runs in the image (its build steps, transfers and login-PATH drop-in):
