@@ -46,6 +46,7 @@ from .messages import (
     SandboxInfo,
     SandboxMetrics,
     SandboxRecord,
+    SetNetwork,
     SetTimeout,
     StreamAck,
     TemplateManifest,
@@ -101,6 +102,7 @@ SBX_EXEC = Decoder(ExecRequest)  # dsec.sbx.<id>.exec
 SBX_FILES = Decoder(FileOp)  # dsec.sbx.<id>.files
 SBX_KILL = Decoder(KillRequest)  # dsec.sbx.<id>.kill
 SBX_TIMEOUT = Decoder(SetTimeout)  # dsec.sbx.<id>.timeout
+SBX_NETWORK = Decoder(SetNetwork)  # dsec.sbx.<id>.network
 SBX_INFO = Decoder(InfoRequest)  # dsec.sbx.<id>.info
 SBX_SNAPSHOT = Decoder(SnapshotRequest)  # dsec.sbx.<id>.snapshot
 SBX_PAUSE = Decoder(PauseRequest)  # dsec.sbx.<id>.pause
@@ -132,6 +134,7 @@ SBX_REQUEST_DECODERS = {
     "files": SBX_FILES,
     "kill": SBX_KILL,
     "timeout": SBX_TIMEOUT,
+    "network": SBX_NETWORK,
     "info": SBX_INFO,
     "snapshot": SBX_SNAPSHOT,
     "pause": SBX_PAUSE,
@@ -166,6 +169,7 @@ REPLY_TYPES = {
     "files": FileData | FileListing | FileWritten | Exists | Done | DirMade | FileInfo | WatchStarted,
     "kill": Done,
     "timeout": Done,
+    "network": Done,
     "info": SandboxInfo,
     "snapshot": SnapshotRecord,
     "pause": SnapshotRecord | Done,

@@ -708,6 +708,13 @@ class SetTimeout(Struct, kw_only=True, tag=True):
     timeout_s: float
 
 
+class SetNetwork(Struct, kw_only=True, tag=True):
+    """Replace a running sandbox's egress allowlist (None or an empty one: no egress). Only a sandbox
+    created with a network (a non-empty allowlist) has one to change."""
+
+    network: NetworkSpec | None = None
+
+
 class InfoRequest(Struct, kw_only=True, tag=True):
     pass
 

@@ -237,8 +237,16 @@ def build_profile() -> SecurityProfile:
     )
 
 
+def e2b_profile() -> SecurityProfile:
+    """What an E2B sandbox is to its root user: every path of its image writable (in the sandbox's own
+    upper dir), seccomp and capabilities as ``default``. Harbor and other E2B clients write /etc, /app,
+    /logs, /tests; a gateway started with ``DSEC_GATEWAY_E2B_PROFILE=e2b`` gives its creates this one."""
+    p = build_profile()
+    return msgspec.structs.replace(p, name="e2b", description="default, but every path of the image writable (root in an E2B sandbox).")
+
+
 def builtin_profiles() -> dict[str, SecurityProfile]:
-    return {p.name: p for p in (default_profile(), strict_profile(), build_profile())}
+    return {p.name: p for p in (default_profile(), strict_profile(), build_profile(), e2b_profile())}
 
 
-__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "SYSTEM_PATHS", "build_profile", "builtin_profiles", "default_profile", "strict_profile"]
+__all__ = ["DEFAULT_VERSION", "DENY_IOCTLS", "SYSTEM_PATHS", "build_profile", "builtin_profiles", "default_profile", "e2b_profile", "strict_profile"]

@@ -56,6 +56,7 @@ from .messages import (
     SandboxEventKind,
     SandboxRecord,
     SecurityProfile,
+    SetNetwork,
     SetTimeout,
     TemplateManifest,
     PackDirectory,
@@ -119,6 +120,8 @@ CHANNELS: list[Channel] = [
     Channel(_sbx("ack"), StreamAck, doc="Flow control: a client's answer to chunks or events marked ack (no reply)."),
     Channel(_sbx("kill"), KillRequest, codec.REPLY_TYPES["kill"], doc="Kill the sandbox and remove everything it had."),
     Channel(_sbx("timeout"), SetTimeout, codec.REPLY_TYPES["timeout"], doc="Set the sandbox to expire timeout_s from now."),
+    Channel(_sbx("network"), SetNetwork, codec.REPLY_TYPES["network"],
+            doc="Replace the running sandbox's egress allowlist (a sandbox created with one; empty: no egress)."),
     Channel(_sbx("info"), InfoRequest, codec.REPLY_TYPES["info"], doc="The sandbox's state."),
     Channel(_sbx("port"), PortOp, codec.REPLY_TYPES["port"],
             doc="A TCP connection to a server inside the sandbox, relayed by its host agent: PortOpen (the server's bytes come "

@@ -132,7 +132,7 @@ def request_tenant(subject: str) -> str | None:
 
 
 # --- live sandbox ops (core request/reply) -----------------------------------
-SBX_OPS = ("exec", "files", "kill", "timeout", "info", "proc", "metrics", "ack", "port", "snapshot", "pause", "resume", "display")
+SBX_OPS = ("exec", "files", "kill", "timeout", "network", "info", "proc", "metrics", "ack", "port", "snapshot", "pause", "resume", "display")
 
 
 def sbx(sandbox_id: str, op: str, tenant: str = OPERATOR_TENANT) -> str:

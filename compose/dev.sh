@@ -9,6 +9,7 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
 venv="${DSEC_VENV:-$here/.venv}"
+export HARBOR_VENV="${HARBOR_VENV:-$here/.venv-harbor}"  # tests/integration/test_harbor.py runs Harbor from here
 
 debs=(containerd runc erofs-utils fuse3 busybox-static iproute2 nftables
       e2fsprogs util-linux gcc libc6-dev python3 python3-venv python3-dev debootstrap kmod
@@ -57,6 +58,22 @@ install_python() {
   fi
 }
 
+install_harbor() {
+  # Harbor (run unmodified against the gateway by tests/integration/test_harbor.py) needs Python >= 3.12,
+  # so it has a venv of its own; without such a Python the test fails saying so
+  local want="harbor[e2b]==0.26.0" py=""
+  for c in "${DSEC_HARBOR_PYTHON:-}" /root/.pyenv/versions/3.12.1/bin/python3.12 python3.13 python3.12; do
+    if [ -n "$c" ] && command -v "$c" >/dev/null 2>&1; then py="$c"; break; fi
+  done
+  if [ -z "$py" ]; then echo "dsec: no Python >= 3.12 for Harbor (set DSEC_HARBOR_PYTHON); its test will fail" >&2; return 0; fi
+  if [ "$(cat "$HARBOR_VENV/.dsec-installed" 2>/dev/null)" != "$want" ]; then
+    echo "dsec: installing $want into $HARBOR_VENV"
+    "$py" -m venv "$HARBOR_VENV"
+    "$HARBOR_VENV/bin/pip" install -q "$want"
+    echo "$want" > "$HARBOR_VENV/.dsec-installed"
+  fi
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -65,13 +82,13 @@ case "$cmd" in
     exec "$venv/bin/dsec" up "$@"
     ;;
   test)
-    need_root; install_debs; install_criu; install_python
+    need_root; install_debs; install_criu; install_python; install_harbor
     "$venv/bin/ruff" check .  # lint first: CI runs exactly this command
     "$venv/bin/mypy"  # the packages and strictness are pyproject.toml's [tool.mypy]
     exec "$venv/bin/python" -m pytest tests "$@"
     ;;
   install)
-    need_root; install_debs; install_criu; install_python
+    need_root; install_debs; install_criu; install_python; install_harbor
     ;;
   clean)
     need_root; install_python

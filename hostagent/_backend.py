@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from bus.errors import NotSupported, SnapshotUnsupported
-from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, SandboxMetrics, SandboxSpec
+from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBackend, LayerRef, NetworkSpec, SandboxMetrics, SandboxSpec
 
 if TYPE_CHECKING:
     from ._agent import AgentClient
@@ -135,6 +135,16 @@ class Checkpointing(Protocol):
 
 
 @runtime_checkable
+class Networked(Protocol):
+    """Gives sandboxes a network of their own whose egress allowlist can change while they run."""
+
+    async def set_network(self, handle: Handle, network: NetworkSpec | None) -> dict[str, Any]:
+        """Replace the sandbox's allowlist (None or empty: no egress); returns the handle's new extra.
+        Raises NotSupported for a sandbox that has no network of its own."""
+        ...
+
+
+@runtime_checkable
 class Metering(Protocol):
     """Per-sandbox CPU, memory and disk figures (the ``metrics`` op)."""
 
@@ -236,5 +246,5 @@ class Capabilities:
 
 __all__ = [
     "AgentChannel", "Backend", "CachesLayers", "Capabilities", "Checkpointing", "Display", "EnforcesProfiles", "Freezing", "Handle",
-    "HostCapacity", "Metering", "OnOutput", "OnStart", "Usage", "WarmPooling",
+    "HostCapacity", "Metering", "Networked", "OnOutput", "OnStart", "Usage", "WarmPooling",
 ]

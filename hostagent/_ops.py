@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, DsecError, SandboxNotFound, SandboxNotRunning
+from bus.errors import BadRequest, DsecError, NotSupported, SandboxNotFound, SandboxNotRunning
 from bus.messages import (
     KILL_DONE,
     KILL_PENDING,
@@ -24,6 +25,7 @@ from bus.messages import (
     FileWatch,
     InfoRequest,
     KillRequest,
+    NetworkSpec,
     PauseRequest,
     ResumeRequest,
     SnapshotRequest,
@@ -37,12 +39,13 @@ from bus.messages import (
     ProcList,
     ProcSignal,
     SandboxInfo,
+    SetNetwork,
     SetTimeout,
     StreamAck,
 )
 from bus.runtime import Endpoint
 
-from ._backend import Backend, Handle
+from ._backend import Backend, Handle, Networked
 from ._display import display
 from ._execio import ExecIO, encode_reply
 from ._metrics import HostMetrics
@@ -157,17 +160,36 @@ class OpsEndpoint:
             case KillRequest(reason=reason):
                 done = await self.reaper.kill(sid, reason or "user")
                 return Done(detail=KILL_DONE if done else KILL_PENDING)
-            case SetTimeout(timeout_s=t):
-                if t <= 0:
-                    raise BadRequest("timeout must be > 0 seconds")
-                await self.reaper.set_timeout(ls, t)
-                return Done()
+            case SetTimeout() | SetNetwork():
+                return await self._settings(ls, handle, req)
             case PortOpen() | PortSend():
                 return await self.ports.handle(handle, req)
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:
                 return await self._screen_or_files(handle, req)
+
+    async def _settings(self, ls: LocalSandbox, handle: Handle, req: SetTimeout | SetNetwork) -> Done:
+        assert self.reaper is not None
+        if isinstance(req, SetTimeout):
+            if req.timeout_s <= 0:
+                raise BadRequest("timeout must be > 0 seconds")
+            await self.reaper.set_timeout(ls, req.timeout_s)
+            return Done()
+        return await self._set_network(ls, handle, req.network)
+
+    async def _set_network(self, ls: LocalSandbox, handle: Handle, network: NetworkSpec | None) -> Done:
+        """Replace the allowlist, then record it (the saved extra re-arms it after a restart; the record
+        and spec say what the sandbox has). Idempotent: the same allowlist again changes nothing."""
+        if not isinstance(self.backend, Networked):
+            raise NotSupported(f"the {self.backend.name} backend cannot change a running sandbox's network")
+        assert self.reaper is not None
+        handle.extra = await self.backend.set_network(handle, network)
+        ls.spec = msgspec.structs.replace(ls.spec, network=network if network is not None and network.allow_out else None)
+        ls.extra = {**ls.extra, **handle.extra}
+        self.registry.save(ls)
+        await self.reaper.records.record(ls, ls.state)
+        return Done()
 
     async def _screen_or_files(self, handle: Handle, req: Any) -> Any:
         if isinstance(req, DisplayRequest):

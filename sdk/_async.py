@@ -29,6 +29,7 @@ from bus.messages import (
     NetworkSpec,
     SandboxEvent,
     SandboxSpec,
+    SetNetwork,
     SetTimeout,
 )
 from bus.messages import KILL_PENDING, SANDBOX_ENDED
@@ -166,6 +167,17 @@ async def close_connections() -> None:
             await nc.drain()
 
 
+def _network_spec(network: dict[str, list[str]] | None) -> NetworkSpec | None:
+    if network is None:
+        return None
+    if not isinstance(network, dict) or set(network) - {"allow_out"}:
+        raise InvalidArgument(f"network must look like {{'allow_out': [...]}}, got {network!r}")
+    allow = network.get("allow_out", [])
+    if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
+        raise InvalidArgument(f"network['allow_out'] must be a list of CIDR, host:port or domain strings, got {allow!r}")
+    return NetworkSpec(allow_out=list(allow))
+
+
 def _check_positive(name: str, value: Any, *, lo: float, hi: float, integer: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
         kind = "an integer" if integer else "a number"
@@ -196,14 +208,7 @@ def build_spec(
 ) -> SandboxSpec:
     """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
     _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
-    net = None
-    if network is not None:
-        if not isinstance(network, dict) or set(network) - {"allow_out"}:
-            raise InvalidArgument(f"network must look like {{'allow_out': [...]}}, got {network!r}")
-        allow = network.get("allow_out", [])
-        if not isinstance(allow, list) or not all(isinstance(a, str) and a for a in allow):
-            raise InvalidArgument(f"network['allow_out'] must be a list of CIDR, host:port or domain strings, got {allow!r}")
-        net = NetworkSpec(allow_out=list(allow))
+    net = _network_spec(network)
     if lease is not None:
         _check_positive("lease", lease, lo=1, hi=86400)
     if snapshot is not None and (not isinstance(snapshot, str) or not S.valid_token(snapshot)):
@@ -695,6 +700,11 @@ class AsyncSandbox:
                 return
             if time.monotonic() >= deadline:
                 raise KillPending(f"sandbox {self.sandbox_id} is still being stopped after {timeout:g}s; its host goes on with it")
+
+    async def set_network(self, network: dict[str, Any] | None) -> None:
+        """Replace the running sandbox's egress allowlist (``{"allow_out": [...]}``; None or an empty
+        list: no egress). Only a sandbox created with a network has one to change (else NotSupported)."""
+        await self._request("network", SetNetwork(network=_network_spec(network)), Done)
 
     async def set_timeout(self, timeout: float) -> None:
         _check_positive("timeout", timeout, lo=1, hi=30 * 86400)

@@ -233,6 +233,9 @@ class Sandbox:
     def set_timeout(self, timeout: float) -> None:
         _run(self._a.set_timeout(timeout))
 
+    def set_network(self, network: Any) -> None:  # {"allow_out": [...]} or None (this class has a method named list)
+        _run(self._a.set_network(network))
+
     def get_info(self) -> SandboxInfo:
         return _run(self._a.get_info())
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from bus.errors import CreateFailed, InvalidArgument
+from bus.errors import CreateFailed, InvalidArgument, NotSupported
 from bus.messages import NetworkSpec
 
 from . import forwarding, netns
@@ -184,6 +184,40 @@ class NetworkManager:
         self.stats["pool_hits" if warm is not None else "pool_misses"].append(1.0)
         att.setup_ms = (time.perf_counter() - t0) * 1000
         self.stats["setup_ms"].append(att.setup_ms)
+        return att
+
+    # --- a running sandbox's allowlist ---------------------------------------------------------
+    async def update(self, sid: str, network: NetworkSpec | None) -> Attachment | None:
+        """Replace the allowlist of ``sid``'s network (None or empty: no egress): the new elements are
+        added before the old ones go, so no moment allows what neither list does. /etc/hosts keeps the
+        names resolved at create (a name new here is reachable by the addresses resolved now).
+        A sandbox with no network of its own (created without an allowlist) has no egress already: None
+        for no egress, NotSupported for an allowlist (there is no netns to attach it to now).
+        InvalidArgument for a bad allowlist."""
+        entries = parse_allow_out(network.allow_out if network is not None else [], self.cfg.max_entries)
+        if sid not in self._att and not entries:
+            return None
+        if sid not in self._att:
+            raise NotSupported(f"sandbox {sid} was created without a network (no allowlist): its egress cannot be opened while it runs")
+        domains = sorted({e.host for e in entries if e.is_domain})
+        resolved: dict[str, list[str]] = {}
+        if domains:
+            res = await asyncio.gather(*(self.resolver.resolve(d) for d in domains))
+            resolved = {d: ips[: self.cfg.max_ips_per_domain] for d, ips in zip(domains, res, strict=True)}
+        return await self._worker.run(self._w_update, sid, entries, resolved)
+
+    def _w_update(self, sid: str, entries: list[Entry], resolved: dict[str, list[str]]) -> Attachment:
+        att = self._att.get(sid)
+        if att is None:
+            raise NotSupported(f"sandbox {sid} has no network of its own")
+        plan = compile_allowlist(entries, resolved, self.deny, self._kernel.host_addrs())
+        new = plan.elements(att.ifname)
+        old = {k: [e for e in v if e not in new.get(k, [])] for k, v in att.elements.items()}
+        if any(new.values()):
+            self._rules.add(new)
+        if any(old.values()):
+            self._rules.remove(sid, att.ifname, old)
+        att.elements = new
         return att
 
     # --- teardown -----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from bus.runtime import nats_url
 from . import _dashboard, _metrics, _model
 from ._config import GatewayConfig
 from ._connect import ConnectError, ServerStream, read_request, unary_error
-from ._e2b import E2BApi, e2b_error, http_status
+from ._e2b import e2b_error, http_status
 from ._filesystem import Filesystem, PayloadTooLarge
 from ._ports import Ports
 from ._process import Processes
@@ -234,8 +234,9 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     gw = Gateway(cfg)
     app = web.Application(middlewares=[gw.middleware], client_max_size=4 * 1024 * 1024)
     app[GATEWAY_KEY] = gw
-    app.router.add_routes(TemplateApi(gw).routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
-    app.router.add_routes(E2BApi(gw).routes())
+    templates = TemplateApi(gw)
+    app.router.add_routes(templates.routes())  # first: its DELETE /templates/{id} hands snapshots to E2BApi
+    app.router.add_routes(templates.e2b.routes())
     RestApi(gw).add_routes(app)
     RunCode(gw).add_routes(app)  # SandboxFusion's POST /run_code over FnCall
     app.router.add_get("/health", _health)

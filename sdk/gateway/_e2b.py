@@ -14,6 +14,7 @@ import base64
 import datetime as dt
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -24,6 +25,7 @@ from bus.messages import SandboxRecord
 
 from .._async import AsyncSandbox
 from .._snapshots import SnapshotInfo
+from ._network import allow_out
 from ._tenants import Tenant
 
 ENVD_VERSION = "0.6.4"  # the envd API level the gateway speaks (the e2b SDK gates features on it)
@@ -32,6 +34,7 @@ MAX_TIMEOUT_S = 30 * 86400
 CREATE_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 300.0  # a VM boots its own kernel: seconds under KVM, minutes under TCG on a busy host
 BACKEND_KEY = "dsec.backend"  # the create metadata entry that picks the backend
+PROFILE_KEY = "dsec.profile"  # ... and the security profile (default: the gateway's e2b_profile)
 PAGE_MAX = 1000
 SNAPSHOT_PREFIX = "snap-"  # dsec's snapshot ids: a create whose templateID is one restores it
 
@@ -113,8 +116,9 @@ def _timeout(doc: dict[str, Any], default: int | None = DEFAULT_TIMEOUT_S) -> in
 
 
 class E2BApi:
-    def __init__(self, gw: Any) -> None:
+    def __init__(self, gw: Any, resolve: Callable[[Tenant, str], Awaitable[str]] | None = None) -> None:
         self.gw = gw  # the Gateway (tenants, domain, envd token)
+        self.resolve = resolve  # a create's templateID ``name:tag`` -> the template (the template API's builds)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -123,7 +127,7 @@ class E2BApi:
             web.get("/sandboxes/{id}", self.get), web.delete("/sandboxes/{id}", self.kill),
             web.post("/sandboxes/{id}/timeout", self.set_timeout),
             web.post("/sandboxes/{id}/connect", self.connect), web.post("/v2/sandboxes/{id}/connect", self.connect),
-            web.get("/sandboxes/{id}/metrics", self.metrics),
+            web.get("/sandboxes/{id}/metrics", self.metrics), web.put("/sandboxes/{id}/network", self.update_network),
             web.post("/sandboxes/{id}/pause", self.pause), web.post("/sandboxes/{id}/resume", self.resume),
             web.post("/sandboxes/{id}/snapshots", self.snapshot), web.post("/sandboxes/{id}/fork", self.fork),
             web.get("/snapshots", self.list_snapshots), web.delete("/templates/{id}", self.delete_snapshot),
@@ -151,11 +155,16 @@ class E2BApi:
         if not isinstance(template, str) or not template:
             raise InvalidArgument("templateID is required")
         snapshot = (await tenant.own_snapshot(template)).snapshot_id if template.startswith(SNAPSHOT_PREFIX) else None
+        if ":" in template and snapshot is None:
+            template = await self.resolve(tenant, template) if self.resolve else template.partition(":")[0]
+        allow = allow_out(doc)
         metadata = _str_map(doc, "metadata")
         backend = metadata.get(BACKEND_KEY, "container")  # (validated with the rest of the spec)
+        profile = metadata.get(PROFILE_KEY, self.gw.cfg.e2b_profile)
         sb = await tenant.create(
             template, timeout=_timeout(doc), metadata=metadata, envs=_str_map(doc, "envVars"), backend=backend,
             create_timeout=CREATE_TIMEOUT_S if backend == "container" else VM_CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
+            network={"allow_out": allow} if allow else None, profile=profile,
         )
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)
@@ -284,6 +293,15 @@ class E2BApi:
         forks = await tenant.fork(sb, count, timeout=_timeout(doc), create_timeout=CREATE_TIMEOUT_S, pool=self.gw.pool)
         recs = [await tenant.own_record(f.sandbox_id) for f in forks]
         return web.json_response([{"sandbox": self._sandbox(r, tenant, key)} for r in recs], status=201)
+
+    async def update_network(self, request: web.Request) -> web.Response:
+        """E2B's ``update_network``: the body replaces the sandbox's egress allowlist (see ``_network``).
+        A sandbox created without an allowlist has no network of its own to open: ``not_supported``."""
+        tenant, _ = await self.gw.tenant(request)
+        sb = await tenant.sandbox(request.match_info["id"])
+        allow = allow_out(await json_object(request), network_key=None)
+        await sb.set_network({"allow_out": allow} if allow else None)
+        return web.Response(status=204)
 
     async def metrics(self, request: web.Request) -> web.Response:
         tenant, _ = await self.gw.tenant(request)

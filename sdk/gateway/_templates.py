@@ -143,7 +143,7 @@ def _over(owner: str, limit: int, used: int, wanted: int) -> QuotaExceeded:
 class TemplateApi:
     def __init__(self, gw: Any) -> None:
         self.gw = gw
-        self.e2b = E2BApi(gw)
+        self.e2b = E2BApi(gw, resolve=self.resolve_ref)  # a create may name a template by name:tag or name:buildID
         self.builds: dict[str, Build] = {}
         self.uploads: dict[str, tuple[str, Path, float]] = {}  # token -> (owner, file, expires)
         base = os.environ.get("DSEC_DATA_DIR")
@@ -154,6 +154,7 @@ class TemplateApi:
         return [
             web.post("/v3/templates", self.request_build), web.post("/v2/templates", self.request_build),
             web.get("/templates/aliases/{alias}", self.alias),
+            web.get("/templates/{id}/tags", self.tags),
             web.get("/templates/{id}/files/{hash}", self.file_link),
             web.put("/templates/uploads/{token}", self.upload),
             web.post("/v2/templates/{id}/builds/{build}", self.start_build),
@@ -215,6 +216,37 @@ class TemplateApi:
         if m.owner and m.owner != tenant.user:
             raise PermissionDenied(f"template {name!r} belongs to another client")
         return web.json_response({"templateID": name, "public": not m.owner})
+
+    def _builds_of(self, tenant: Tenant, name: str) -> list[Build]:
+        return sorted((b for b in self.builds.values() if b.template_id == name and b.owner == tenant.user), key=lambda b: b.created_at)
+
+    async def tags(self, request: web.Request) -> web.Response:
+        """A template's tags, each the build it names: the last build of each tag this gateway ran that is
+        ready or still running (E2B tags a build when it starts; a failed one tags nothing here, as it
+        makes no template). A template built before the gateway last started has no tags: its builds
+        were in memory. A name this key cannot see is 404, as E2B."""
+        tenant, _ = await self.gw.tenant(request)
+        name = request.match_info["id"]
+        m = await self._manifest(tenant, name)
+        builds = [b for b in self._builds_of(tenant, name) if b.status != "error"]
+        if (m is None or m.owner != tenant.user) and not builds:
+            raise UnknownTemplate(f"no template {name!r}", template=name)
+        last = {b.tag: b for b in builds}
+        return web.json_response([{"tag": t, "buildID": b.build_id, "createdAt": iso(b.created_at)} for t, b in last.items()])
+
+    async def resolve_ref(self, tenant: Tenant, ref: str) -> str:
+        """A create's ``name:tag`` or ``name:buildID`` -> the template to start (dsec keeps one build per
+        name: its last). A named build that is not ready is E2B's 404 ``tag ... does not exist``."""
+        name, _, suffix = ref.partition(":")
+        if not suffix:
+            return name
+        named = [b for b in self._builds_of(tenant, name) if suffix in (b.tag, b.build_id)]
+        if named and named[-1].status != "ready":
+            raise UnknownTemplate(f"tag '{suffix}' does not exist for template '{name}' (its build is {named[-1].status})", template=name)
+        current = [b for b in self._builds_of(tenant, name) if b.status == "ready"]
+        if named and current and current[-1] is not named[-1]:
+            raise UnknownTemplate(f"tag '{suffix}' of template '{name}' names a build a later one replaced", template=name)
+        return name
 
     def _file(self, owner: str, files_hash: str) -> Path:
         return self.files_dir / hashlib.sha256(owner.encode()).hexdigest()[:16] / files_hash

@@ -40,7 +40,7 @@ import pytest
 import pytest_asyncio
 
 from hostagent.network import NetworkManager, compile_allowlist, parse_allow_out
-from bus.errors import InvalidArgument
+from bus.errors import InvalidArgument, NotSupported
 from bus.messages import NetworkSpec
 from tests.conftest import eventually
 from tests.netclaim import claim_net, lock_route
@@ -1073,6 +1073,34 @@ async def test_network_survives_a_hostagent_restart(
     await c.kill()
     assert f'"{c_if}"' not in host_rules(t)
     await eventually(lambda: not os.path.exists(f"/sys/class/net/{c_if}"), timeout=15, what="the killed sandbox's veth to go")
+
+
+@needs_stack
+async def test_allowlist_replaced_while_the_sandbox_runs(stack: SecStack, testhost: TestHost, netprobe_bin: bytes, redteam: RedTeam) -> None:
+    """``set_network`` (E2B's update_network) swaps a running sandbox's allowlist in the kernel: what it
+    no longer names is blocked at once, what it names now passes, a host agent restart keeps the new
+    one, and a sandbox created without a network has none to open."""
+    lis = await testhost.listen()
+    t = stack.net.table
+    a = await with_probe(await stack.create(network={"allow_out": ["198.51.100.0/24"]}), netprobe_bin)
+    await blocked(redteam, t, a, "A -> test host before its allowlist names it", "not_allowed", "tcp", testhost.ip, lis.port, "x")
+    await a.set_network({"allow_out": [f"{testhost.ip}/32"]})
+    await reach(a, testhost.ip, lis.port, redteam, "A -> test host once set_network names it")
+    rules = host_rules(t)
+    assert testhost.ip in rules and "198.51.100.0/24" not in rules, rules
+    await a.set_network({"allow_out": [f"{testhost.ip}/32"]})  # the same again: nothing changes
+    await stack.new_hostagent()  # the new allowlist is what a restarted agent re-arms
+    await reach(a, testhost.ip, lis.port, redteam, "A -> test host after a host agent restart")
+    await a.set_network(None)
+    await blocked(redteam, t, a, "A -> test host after set_network(None)", "not_allowed", "tcp", testhost.ip, lis.port, "x")
+    assert testhost.ip not in host_rules(t)
+    b = await stack.create()
+    with pytest.raises(NotSupported) as ei:
+        await b.set_network({"allow_out": [f"{testhost.ip}/32"]})
+    assert ei.value.code == "not_supported" and "created without a network" in ei.value.description
+    await b.set_network(None)  # no egress, which it has: accepted
+    with pytest.raises(InvalidArgument):
+        await a.set_network({"allow_out": ["*.example.com"]})
 
 
 @needs_stack

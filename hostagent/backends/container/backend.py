@@ -20,6 +20,7 @@ from bus.messages import (
     FileWrite,
     HostBackend,
     LayerRef,
+    NetworkSpec,
     SandboxMetrics,
     SandboxSpec,
 )
@@ -376,6 +377,10 @@ class ContainerBackend:
         if cid is None:
             raise SandboxNotFound(f"sandbox {handle.sandbox_id} is not running on this host")
         return cid
+
+    async def set_network(self, handle: Handle, network: NetworkSpec | None) -> dict[str, Any]:
+        att = await self.net.update(handle.sandbox_id, network)
+        return handle.extra if att is None else {**handle.extra, "net": att.to_extra()}
 
     async def metrics(self, handle: Handle) -> SandboxMetrics:
         """CPU and memory from the sandbox's cgroups (v1), disk from its scratch filesystem."""

@@ -1,0 +1,7 @@
+#!/bin/sh
+mkdir -p /logs/verifier
+if [ "$(cat /app/answer.txt)" = 42 ] && [ -f /app/built.txt ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
