@@ -177,48 +177,71 @@ async def test_sync_fncall(fn: Fn) -> None:
     assert r.stdout == "sync\n" and r.exit_code == 0
 
 
+def _member(stdout: str) -> str:
+    """The container a call ran in (its memory cgroup, printed by the call as ``cg=...``)."""
+    return next(ln for ln in stdout.splitlines() if ln.startswith("cg="))
+
+
+CGROUP = "echo cg=$(grep memory /proc/self/cgroup);"
+
+
 async def test_every_call_starts_from_the_template(fn: Fn) -> None:
-    """One call plants files (workdir, /tmp, /dev/shm, /etc), a background process, SysV shared memory
-    (where the template has python) and an environment; later calls see none of it."""
+    """One call plants files (workdir, /tmp, /var/tmp, /root, /home, /run, /dev/shm, and /etc, which
+    the profile keeps read-only), changes /tmp's mode, leaves background processes (one double-forked
+    into a session of its own) and an environment; later calls see none of it, also those served by
+    the very member the planting call ran in (members are reset between calls, not replaced)."""
     c = fn.client(queue_timeout=60)
     plant = (
-        "echo planted > /workspace/p; echo planted > /tmp/p; echo planted > /dev/shm/p; echo 'export PLANT=1' >> /etc/profile;"
-        "(setsid sleep 1000 > /dev/null 2>&1 &); echo $PLANT_ENV"
+        CGROUP + "for d in /workspace /tmp /var/tmp /root /home /run /dev/shm; do mkdir -p $d/pd && echo planted > $d/p && echo x > $d/pd/f;"
+        " done; chmod 0700 /tmp; echo 'export PLANT=1' >> /etc/profile 2>/dev/null;"
+        "(setsid sleep 1000 > /dev/null 2>&1 &); (setsid sh -c 'sleep 1001 & sleep 1002' > /dev/null 2>&1 &); echo $PLANT_ENV"
     )
     r = await c.run(plant, envs={"PLANT_ENV": "yes"})
-    assert r.stdout == "yes\n" and r.exit_code == 0
+    assert r.stdout.endswith("yes\n") and r.exit_code == 0, r
+    planter = _member(r.stdout)
     check = (
-        "ls /workspace /tmp /dev/shm; grep -c PLANT /etc/profile; echo env=${PLANT_ENV:-none};"
-        "for p in /proc/[0-9]*; do cat $p/cmdline 2>/dev/null | tr '\\0' ' '; echo; done | grep -c '^sleep 1000'"
+        CGROUP + "ls -A /workspace /tmp /var/tmp /root /home /run /dev/shm | grep -c '^p' ; stat -c %a /tmp; grep -c PLANT /etc/profile;"
+        "echo env=${PLANT_ENV:-none}; for p in /proc/[0-9]*; do cat $p/cmdline 2>/dev/null | tr '\\0' ' '; echo; done | grep -c '^sleep 100'"
     )
-    results = await asyncio.gather(*(c.run(check) for _ in range(12)))
+    results = [*await asyncio.gather(*(c.run(check) for _ in range(12))), *[await c.run(check) for _ in range(8)]]
     for r in results:
-        assert r.stdout.split("\n")[-3:] == ["env=none", "0", ""], r.stdout  # no /etc/profile line, no env, no sleeper
-        assert "p" not in r.stdout.split("\n")[:-4], r.stdout  # nothing in /workspace, /tmp, /dev/shm
+        assert r.stdout.split("\n")[1:] == ["0", "1777", "0", "env=none", "0", ""], r.stdout  # nothing planted, /tmp's mode back
+    assert any(_member(r.stdout) == planter for r in results), (planter, {_member(r.stdout) for r in results})
+    assert fn.host.fncalls.reset_ms, "no member was reset: every call had a fresh one"
     # positive control: within one call the same checks do see what it planted
     r = await c.run(f"{plant}; sleep 0.2; {check}", envs={"PLANT_ENV": "yes"})
-    assert "env=yes" in r.stdout and r.stdout.split("\n")[-2] == "1" and r.stdout.count("\np\n") >= 1, r.stdout
+    assert r.stdout.split("\n")[-6:] == ["14", "700", "0", "env=yes", "3", ""], r.stdout
 
 
 async def test_sysv_ipc_and_cgroup_counters_start_fresh(fn: Fn) -> None:
+    """SysV shared memory, semaphores and message queues, and the memory high-water mark, planted by
+    one call, are gone for the next calls, also on the member that served it. (POSIX message queues:
+    Landlock refuses mq_open's create, EACCES; the reset removes them all the same.)"""
     fn.needs_debian()
     c = fn.client()
+    counts = (
+        "import os\n"
+        "print('cg=' + [ln for ln in open('/proc/self/cgroup') if 'memory' in ln][0].strip())\n"
+        "print([len(open('/proc/sysvipc/' + k).read().splitlines()) - 1 for k in ('shm', 'sem', 'msg')],"
+        " int(open('/sys/fs/cgroup/memory/memory.max_usage_in_bytes').read()) // 2**20 >= 150)\n"
+    )
     plant = (
         "import ctypes, os\n"
-        "libc = ctypes.CDLL(None)\n"
-        "shm = libc.shmget(0x1234, 4096, 0o1666)\n"
-        "assert shm >= 0\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "assert libc.shmget(0x1234, 4096, 0o1666) >= 0\n"
+        "assert libc.semget(0x1235, 1, 0o1666) >= 0\n"
+        "assert libc.msgget(0x1236, 0o1666) >= 0\n"
         "blob = bytearray(200 * 1024 * 1024)\n"  # raises the cgroup's memory high-water mark
-        "print(open('/proc/sysvipc/shm').read().count('\\n') - 1)\n"
-    )
-    r = await c.run_code(plant)
-    assert r.exit_code == 0 and r.stdout.strip() == "1", (r.stdout, r.stderr)
-    check = "import os; print(open('/proc/sysvipc/shm').read().count('\\n') - 1)"
-    for r in await asyncio.gather(*(c.run_code(check) for _ in range(6))):
-        assert r.stdout.strip() == "0", (r.stdout, r.stderr)
-    # cgroup counters: each call's member is a container that never served a call before
-    ids = {(await c.run("cat /proc/self/cgroup | grep memory")).stdout for _ in range(4)}
-    assert len(ids) == 4, ids
+    ) + counts
+    r = await c.run_code(plant, memory_mb=1024)
+    assert r.exit_code == 0 and r.stdout.splitlines()[-1] == "[1, 1, 1] True", (r.stdout, r.stderr)  # positive control
+    planter = _member(r.stdout)
+    seen = []
+    for _ in range(6):  # one after the other: the planting member comes round again
+        r = await c.run_code(counts)
+        assert r.exit_code == 0 and r.stdout.splitlines()[-1] == "[0, 0, 0] False", (r.stdout, r.stderr)
+        seen.append(_member(r.stdout))
+    assert planter in seen, (planter, seen)
 
 
 # ------------------------------------------------------------------------------------------ limits

@@ -38,6 +38,7 @@ from . import criu
 from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
+from .fnreset import NsResetters, kill_others, reset_counters
 from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
@@ -85,6 +86,7 @@ class ContainerBackend:
         self._default_enf: Enforcement | None = None
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
         self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
+        self.fnreset = NsResetters()
         self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
 
     @property
@@ -109,6 +111,7 @@ class ContainerBackend:
 
     async def stop(self) -> None:
         await self.pool.stop()
+        await self.fnreset.stop()
         if self._rt is not None:
             # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
             for c in await self.rt.list():
@@ -421,6 +424,20 @@ class ContainerBackend:
         except OSError:
             pass
         return 0
+
+    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[str, ...]:
+        """Reset an fn pool member to its template's state (``fnreset``); ``first``: the member has
+        served nothing yet, this puts the fresh layers in place. The paths now reset on each call."""
+        cg = cgroup_path(self._container_of(handle))
+        if not first:
+            await kill_others(cg, handle.pid)
+        if first:
+            handle.extra["mnt_ino"] = os.stat(f"/proc/{handle.pid}/ns/mnt").st_ino
+        out = await self.fnreset.run({
+            "pid": handle.pid, "mnt_ino": handle.extra["mnt_ino"], "paths": list(writable), "size_mb": size_mb, "first": first,
+        })
+        await asyncio.to_thread(reset_counters, cg)
+        return tuple(out["paths"])
 
     def frozen(self, handle: Handle) -> bool:
         return frozen(self._cgroup(handle))
