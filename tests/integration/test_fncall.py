@@ -529,3 +529,57 @@ print("RESULT " + json.dumps({{"good": good[0], "bad": bad[0], "cpp": cpp[0]}}, 
     assert out["good"] == [True, True], out
     assert out["bad"][0] is False and out["bad"][1] is False, out
     assert out["cpp"] == [True, True], out
+
+
+# ------------------------------------------------------------------------------------------ POST /run_jupyter
+async def test_run_jupyter_over_http(fn: Fn, gateway: str) -> None:
+    """SandboxFusion's notebook call: cells share one namespace, a last expression is shown, output
+    and errors are per cell and the cells after an error still run; timeouts per cell and in total."""
+    import base64
+
+    fn.needs_debian()
+    url = f"{gateway}/k/{KEY}/run_jupyter"
+    cells = ["a = 123", "a", "print(a)", "import sys; sys.stderr.write('to stderr\\n')", "raise RuntimeError('boom')",
+             "import os; os.system('echo from a child'); open('out.txt', 'w').write(open('in.txt').read() * 2)"]
+    st, out = await _post(url, {"cells": cells, "files": {"in.txt": base64.b64encode(b"ab").decode()}, "fetch_files": ["out.txt"]})
+    assert st == 200 and out["status"] == "Success" and out["driver"]["status"] == "Finished", out
+    c = out["cells"]
+    assert len(c) == 6 and c[0] == {"stdout": "", "stderr": "", "display": [], "error": []}, c
+    assert c[1]["display"] == [{"text/plain": "123"}] and c[2]["stdout"] == "123\n" and c[3]["stderr"] == "to stderr\n", c
+    assert [(e["ename"], e["evalue"]) for e in c[4]["error"]] == [("RuntimeError", "boom")] and c[4]["error"][0]["traceback"], c
+    assert c[5]["stdout"] == "from a child\n" and c[5]["display"] == [{"text/plain": "4"}], c
+    assert base64.b64decode(out["files"]["out.txt"]) == b"abab" and set(out["files"]) == {"out.txt"}, out["files"]
+    st, out = await _post(url, {"cells": ["import time; time.sleep(30)", "print('next')"], "cell_timeout": 1})
+    assert st == 200 and out["status"] == "Success", out
+    assert out["cells"][0]["error"][0]["ename"] == "TimeoutError" and out["cells"][1]["stdout"] == "next\n", out["cells"]
+    st, out = await _post(url, {"cells": ["import time; time.sleep(60)"], "total_timeout": 1})
+    assert st == 200 and out["status"] == "Failed" and out["driver"]["status"] == "TimeLimitExceeded" and out["cells"] == [], out
+    for bad in ({"cells": "print(1)"}, {"cells": ["1"], "kernel": "ir"}, {"cells": ["1"], "total_timeout": -1},
+                {"cells": ["1"], "cell_timeout": "soon"}, {"cells": ["1"], "files": {".dsec-jupyter.py": "eA=="}}):
+        st, out = await _post(url, bad)
+        assert st == 400 and out["status"] == "SandboxError" and out["message"] and out["cells"] == [], (bad, st, out)
+    st, out = await _post(f"{gateway}/k/not-a-key/run_jupyter", {"cells": ["1"]})
+    assert st == 401 and out["status"] == "SandboxError", out
+
+
+async def test_unmodified_sandbox_fusion_client_run_jupyter(fn: Fn, gateway: str) -> None:
+    fn.needs_debian()
+    from .conftest import run_process
+
+    script = f"""
+import json, sandbox_fusion as sf
+sf.set_sandbox_endpoint({gateway + '/k/' + KEY!r})
+r = sf.run_jupyter(sf.RunJupyterRequest(cells=["x = 6 * 7", "x", "print(x)", "1/0"]))
+print("RESULT " + json.dumps(r.dict(), default=str))
+"""
+    rc, stdout, stderr = await run_process(_sandbox_fusion_python(), "-c", script, env={"PATH": os.environ["PATH"]}, timeout=300)
+    assert rc == 0, stderr[-3000:]
+    import json
+
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, (stdout[-3000:], stderr[-3000:])
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["status"].endswith("Success"), out
+    cells = out["cells"]
+    assert cells[1]["display"] == [{"text/plain": "42"}] and cells[2]["stdout"] == "42\n", cells
+    assert cells[3]["error"][0]["ename"] == "ZeroDivisionError", cells
