@@ -116,6 +116,7 @@ class Member:
     writable: tuple[str, ...] | None = None  # what a reset covers; None: never reused
     uses: int = 0
     oom_base: int = 0  # the cgroup's OOM kill count after the last reset (it cannot be zeroed)
+    own_limit: bool = False  # the last call set its own memory limit (the reset puts the pool's back)
 
 
 @dataclass
@@ -395,8 +396,9 @@ class FnCalls:
         t0 = time.perf_counter()
         try:
             await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
-            if self.limits is not None:
-                await asyncio.to_thread(self.limits.set_memory_limit, m.handle, self.memory_mb)  # a call's own limit undone
+            if m.own_limit and self.limits is not None:
+                await asyncio.to_thread(self.limits.set_memory_limit, m.handle, self.memory_mb)
+                m.own_limit = False
             m.oom_base = self._oom_kills(m.handle)
         except Exception as exc:  # noqa: BLE001 - the member is replaced; the next call never sees it
             log.warning("fn_member_reset_failed", sandbox_id=m.sid, error=str(exc))
@@ -445,6 +447,7 @@ class FnCalls:
         if req.memory_mb:
             if self.limits is None:
                 raise InvalidArgument(f"the {b.name} backend cannot set a call's memory limit")
+            m.own_limit = True
             await asyncio.to_thread(self.limits.set_memory_limit, h, req.memory_mb)
         out = FnCallResult()
         if req.compile_cmd:

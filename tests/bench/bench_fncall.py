@@ -156,6 +156,10 @@ async def main(args: argparse.Namespace) -> None:
                 await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
         starts, destroys, resets = list(fc.start_ms), list(fc.destroy_ms), list(fc.reset_ms)
         print(line("reset between calls (off the hot path)", resets))
+        helpers = getattr(backend, "fnreset", None)
+        if helpers is not None:
+            print(line("  of which: waiting for a reset helper", list(helpers.wait_ms)))
+            print(line("  of which: the helper's work (files, IPC)", list(helpers.work_ms)))
         print(line("member start (off the hot path)", starts))
         print(line("member destroy (off the hot path)", destroys))
         served = sum(p.served for p in fc.pools.values())

@@ -191,9 +191,13 @@ async def test_every_call_starts_from_the_template(fn: Fn) -> None:
     into a session of its own) and an environment; later calls see none of it, also those served by
     the very member the planting call ran in (members are reset between calls, not replaced)."""
     c = fn.client(queue_timeout=60)
+    etc = "ls -la /etc | md5sum; md5sum < /etc/passwd"
+    etc_before = (await c.run(etc)).stdout
     plant = (
         CGROUP + "for d in /workspace /tmp /var/tmp /root /home /run /dev/shm; do mkdir -p $d/pd && echo planted > $d/p && echo x > $d/pd/f;"
         " done; chmod 0700 /tmp; echo 'export PLANT=1' >> /etc/profile 2>/dev/null;"
+        # links for the reset (root on the host) to follow, if it did: it must remove the links only
+        "ln -s /etc /tmp/pd/etc; ln -s /etc/passwd /workspace/pd/passwd; chmod 000 /workspace/pd;"
         "(setsid sleep 1000 > /dev/null 2>&1 &); (setsid sh -c 'sleep 1001 & sleep 1002' > /dev/null 2>&1 &); echo $PLANT_ENV"
     )
     r = await c.run(plant, envs={"PLANT_ENV": "yes"})
@@ -208,6 +212,7 @@ async def test_every_call_starts_from_the_template(fn: Fn) -> None:
         assert r.stdout.split("\n")[1:] == ["0", "1777", "0", "env=none", "0", ""], r.stdout  # nothing planted, /tmp's mode back
     assert any(_member(r.stdout) == planter for r in results), (planter, {_member(r.stdout) for r in results})
     assert fn.host.fncalls.reset_ms, "no member was reset: every call had a fresh one"
+    assert (await c.run(etc)).stdout == etc_before  # the reset removed the links, not what they point to
     # positive control: within one call the same checks do see what it planted
     r = await c.run(f"{plant}; sleep 0.2; {check}", envs={"PLANT_ENV": "yes"})
     assert r.stdout.split("\n")[-6:] == ["14", "700", "0", "env=yes", "3", ""], r.stdout

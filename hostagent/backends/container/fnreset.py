@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,9 @@ class NsResetters:
         self.n = n
         self._free: asyncio.Queue[asyncio.subprocess.Process] | None = None
         self._all: list[asyncio.subprocess.Process] = []
+        # What a reset's helper part costs (benchmarks): waiting for a free helper, and its own work.
+        self.wait_ms: deque[float] = deque(maxlen=1000)
+        self.work_ms: deque[float] = deque(maxlen=1000)
 
     async def _start(self) -> asyncio.subprocess.Process:
         # -I -S: the helper needs the standard library only, and runs as root: no site, no env.
@@ -101,7 +105,9 @@ class NsResetters:
             self._free = asyncio.Queue()
             for _ in range(self.n):
                 self._free.put_nowait(await self._start())
+        t0 = time.perf_counter()
         p = await self._free.get()
+        self.wait_ms.append((time.perf_counter() - t0) * 1000)
         try:
             assert p.stdin is not None and p.stdout is not None
             p.stdin.write(json.dumps(req).encode() + b"\n")
@@ -121,6 +127,7 @@ class NsResetters:
         out: dict[str, Any] = json.loads(line)
         if not out.get("ok"):
             raise ResetFailed(f"reset failed: {out.get('error')}")
+        self.work_ms.append(float(out.get("ms", 0.0)))
         return out
 
     async def stop(self) -> None:

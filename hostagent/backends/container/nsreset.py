@@ -32,14 +32,15 @@ import os
 import shutil
 import stat
 import sys
+import time
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
-MNT_DETACH, UMOUNT_NOFOLLOW = 0x2, 0x8
 IPC_RMID = 0
-ROOT = "/.dsec/fn"  # the generation's tmpfs (uppers and work dirs), in the member's mount namespace
+ROOT = "/.dsec/fn"  # a tmpfs in the member's mount namespace: the template content of its writable paths
+MQ = f"{ROOT}/mq"  # and an mqueue mount
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -52,10 +53,6 @@ def _check(rc: int, what: str) -> None:
 
 def _mount(src: str, target: str, fstype: str, flags: int, data: str) -> None:
     _check(_libc.mount(src.encode(), target.encode(), fstype.encode(), ctypes.c_ulong(flags), data.encode()), f"mount {fstype} on {target}")
-
-
-def _umount(target: str) -> None:
-    _check(_libc.umount2(target.encode(), MNT_DETACH | UMOUNT_NOFOLLOW), f"umount {target}")
 
 
 def _setns(fd: int, kind: int) -> None:
@@ -80,17 +77,15 @@ def _clear_ipc() -> int:
         n += _libc.semctl(i, 0, IPC_RMID) == 0
     for i in _ipc_ids("msg"):
         n += _libc.msgctl(i, IPC_RMID, None) == 0
-    # POSIX message queues: through an mqueue mount of our own (it shows the IPC namespace we are in)
-    mq = f"{ROOT}/.mq"
-    os.mkdir(mq, 0o700)
-    _mount("mqueue", mq, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
+    # POSIX message queues: through the mqueue mount of our own made at the first reset (it shows the
+    # IPC namespace it was made in, the member's)
+    mq = _open_dir(MQ)
     try:
         for name in os.listdir(mq):
-            os.unlink(f"{mq}/{name}")
+            os.unlink(name, dir_fd=mq)
             n += 1
     finally:
-        _umount(mq)
-        os.rmdir(mq)
+        os.close(mq)
     return n
 
 
@@ -170,6 +165,8 @@ def reset(paths: list[str], size_mb: int, first: bool) -> tuple[list[str], int]:
         paths = [p for p in paths if os.path.isdir(p) and not os.path.islink(p)]
         os.makedirs(ROOT, 0o700, exist_ok=True)
         _mount("tmpfs", ROOT, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"size={size_mb}m,mode=0700")
+        os.mkdir(MQ, 0o700)
+        _mount("mqueue", MQ, "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC, "")
     for i, p in enumerate(paths):
         fd = _open_dir(p)
         try:
@@ -206,6 +203,7 @@ def serve(inp: Any, out: Any) -> None:
             paths = [os.path.normpath(p) for p in req["paths"]]
             if any(not p.startswith("/") or p == "/" or "\0" in p for p in paths):
                 raise ValueError(f"bad paths {paths!r}")
+            t0 = time.perf_counter()
             pid = int(req["pid"])
             fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in ("mnt", "ipc")]
             ino = os.fstat(fds[0]).st_ino
@@ -217,7 +215,7 @@ def serve(inp: Any, out: Any) -> None:
             try:
                 _setns(fds[1], CLONE_NEWIPC)
                 done, ipc = reset(paths, int(req["size_mb"]), bool(req["first"]))
-                answer = {"ok": True, "paths": done, "removed": ipc}
+                answer = {"ok": True, "paths": done, "removed": ipc, "ms": (time.perf_counter() - t0) * 1000}
             finally:
                 _setns(host_mnt, CLONE_NEWNS)
                 _setns(host_ipc, CLONE_NEWIPC)
