@@ -89,9 +89,10 @@ class CallLimits(Protocol):
 class CallReset(Protocol):
     """A backend that can put a sandbox back to its template's state between calls (container):
     processes, the ``writable`` paths, IPC objects, cgroup counters. ``first`` before its first
-    call; returns the paths it resets (those of ``writable`` the sandbox has)."""
+    call; returns the paths it resets (those of ``writable`` the sandbox has) and the sandbox's OOM
+    kill count (a baseline: it cannot be zeroed)."""
 
-    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[str, ...]: ...
+    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[tuple[str, ...], int]: ...
 
 
 def reset_paths(security: Any) -> tuple[str, ...] | None:
@@ -380,8 +381,7 @@ class FnCalls:
             if paths is not None and self.resets is not None:
                 # Fresh layers over the writable paths before the first call: their original
                 # directories (which the Landlock rules name) are then never written.
-                m.writable = await self.resets.fn_reset(handle, paths, self.disk_mb, True)
-                m.oom_base = self._oom_kills(handle)
+                m.writable, m.oom_base = await self.resets.fn_reset(handle, paths, self.disk_mb, True)
         except BaseException:
             await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
             raise
@@ -395,11 +395,10 @@ class FnCalls:
             return False
         t0 = time.perf_counter()
         try:
-            await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
             if m.own_limit and self.limits is not None:
                 await asyncio.to_thread(self.limits.set_memory_limit, m.handle, self.memory_mb)
                 m.own_limit = False
-            m.oom_base = self._oom_kills(m.handle)
+            _, m.oom_base = await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
         except Exception as exc:  # noqa: BLE001 - the member is replaced; the next call never sees it
             log.warning("fn_member_reset_failed", sandbox_id=m.sid, error=str(exc))
             return False

@@ -289,6 +289,24 @@ async def test_fork_bomb_and_endless_output_do_not_slow_the_others(fn: Fn) -> No
     assert max(took) < 2000, took
 
 
+async def test_a_fork_bomb_left_running_is_gone_for_the_next_call(fn: Fn) -> None:
+    """A call that leaves a fork bomb behind and exits within its timeout: the member is reset (not
+    replaced), and the reset's freeze-and-kill leaves none of the bomb to the next call."""
+    c = fn.client()
+    # (once the bomb holds every pid the cgroup allows, this shell cannot fork: builtins only from there)
+    bomb = "(b() { b | b & }; b) > /dev/null 2>&1 & i=0; while [ $i -lt 50000 ]; do i=$((i+1)); done; set -- /proc/[0-9]*; echo $#; exit 0"
+    r = await c.run(CGROUP + bomb, template="tiny", timeout=60)
+    assert r.exit_code == 0 and int(r.stdout.split()[-1]) > 20 and r.error is None, r  # positive control: the bomb is running
+    planter = _member(r.stdout)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120  # killing a thousand processes on a loaded host: other members may serve meanwhile
+    while planter not in seen:
+        assert time.monotonic() < deadline, f"the bomb's member {planter} never served again (its reset failed?): {seen}"
+        r = await c.run(CGROUP + "ls -d /proc/[0-9]* | wc -l", template="tiny")
+        assert r.exit_code == 0 and int(r.stdout.split()[-1]) <= 4, r  # the agent, the shell, ls (and wc)
+        seen.append(_member(r.stdout))
+
+
 async def test_busy_pool_queues_then_answers_no_capacity(fn: Fn) -> None:
     from sdk import NoCapacity
 

@@ -38,7 +38,7 @@ from . import criu
 from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
-from .fnreset import NsResetters, kill_others, reset_counters
+from .fnreset import NsResetters
 from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
@@ -425,19 +425,17 @@ class ContainerBackend:
             pass
         return 0
 
-    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[str, ...]:
+    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[tuple[str, ...], int]:
         """Reset an fn pool member to its template's state (``fnreset``); ``first``: the member has
-        served nothing yet, this puts the fresh layers in place. The paths now reset on each call."""
+        served nothing yet, this copies its writable paths' content aside. The paths reset on each
+        call, and the cgroup's OOM kill count now (which cannot be zeroed)."""
         cg = cgroup_path(self._container_of(handle))
-        if not first:
-            await kill_others(cg, handle.pid)
         if first:
             handle.extra["mnt_ino"] = os.stat(f"/proc/{handle.pid}/ns/mnt").st_ino
         out = await self.fnreset.run({
-            "pid": handle.pid, "mnt_ino": handle.extra["mnt_ino"], "paths": list(writable), "size_mb": size_mb, "first": first,
+            "pid": handle.pid, "mnt_ino": handle.extra["mnt_ino"], "cgroup": cg, "paths": list(writable), "size_mb": size_mb, "first": first,
         })
-        await asyncio.to_thread(reset_counters, cg)
-        return tuple(out["paths"])
+        return tuple(out["paths"]), int(out["oom_kills"])
 
     def frozen(self, handle: Handle) -> bool:
         return frozen(self._cgroup(handle))

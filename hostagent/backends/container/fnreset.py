@@ -1,18 +1,12 @@
 """Resetting a container that served one fn call to its template's state, so the next call can reuse
 it instead of waiting for a fresh container: milliseconds instead of a container start.
 
-The reset, in this order (the member serves nothing meanwhile):
-
-1. every process but the agent (PID 1) killed: the cgroup is frozen first, so nothing forks while
-   the list is read (a fork bomb, a daemon that double-forked and called setsid are all in the
-   cgroup: a process cannot leave it), then thawed, and we wait until only the agent is left;
-2. the writable paths get their template content back and the IPC objects go (``nsreset``, a
-   helper process: setns needs a single-threaded one);
-3. the cgroup's counters (memory high-water mark and fail count, CPU usage) start again from zero.
-
-What a call could change lies in those places only because the member's profile (Landlock,
-required) makes every other path read-only, forbids mount, namespaces and keyrings, and the member
-has no network of its own: the fn pool reuses members of such a profile only (``_fncall``).
+The reset itself (processes, writable paths, IPC objects, cgroup counters) is done by ``nsreset``, a
+helper process (setns needs a single-threaded one), in one round trip: nothing of it waits on this
+event loop or its threads. What a call could change lies in the places it resets only because the
+member's profile (Landlock, required) makes every other path read-only, forbids mount, namespaces and
+keyrings, and the member has no network of its own: the fn pool reuses members of such a profile only
+(``_fncall``).
 """
 
 from __future__ import annotations
@@ -20,65 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import sys
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from .cgroups import CGROUP_ROOT
-from .freezer import FREEZER, freeze, thaw
-
 HELPER = Path(__file__).with_name("nsreset.py")
 HELPERS = 2  # resets in flight at once (each helper serves one at a time)
-KILL_TIMEOUT_S = 10.0
 
 
 class ResetFailed(RuntimeError):
     """A member could not be reset (the pool destroys it instead); never sent to a caller."""
-
-
-def _procs(cgroup: str) -> set[int]:
-    with open(FREEZER / cgroup.lstrip("/") / "cgroup.procs") as f:
-        return {int(x) for x in f.read().split()}
-
-
-async def kill_others(cgroup: str, keep: int) -> int:
-    """Kill every process of ``cgroup`` but ``keep``; the number killed once only ``keep`` is left."""
-    others = await asyncio.to_thread(_procs, cgroup)
-    others.discard(keep)
-    if not others:
-        return 0  # the common case (the call's command ended, nothing left behind): no freeze
-    await freeze(cgroup)
-    try:
-        others = (await asyncio.to_thread(_procs, cgroup)) - {keep}
-        for pid in others:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    finally:
-        await thaw(cgroup)
-    deadline = time.monotonic() + KILL_TIMEOUT_S
-    delay = 0.0005
-    while (left := (await asyncio.to_thread(_procs, cgroup)) - {keep}):
-        if time.monotonic() > deadline:
-            raise ResetFailed(f"{len(left)} processes of {cgroup} still there {KILL_TIMEOUT_S:g}s after SIGKILL")
-        await asyncio.sleep(delay)  # poll: the cgroup tells no one when it empties (v1)
-        delay = min(delay * 2, 0.02)
-    return len(others)
-
-
-def reset_counters(cgroup: str) -> None:
-    """The memory high-water marks and fail counts, and the CPU time used, back to zero (cgroup v1;
-    the OOM kill count cannot be reset: the caller keeps a baseline)."""
-    rel = cgroup.lstrip("/")
-    for f in ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes", "memory.failcnt", "memory.memsw.failcnt",
-              "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt"):
-        with contextlib.suppress(FileNotFoundError):
-            (CGROUP_ROOT / "memory" / rel / f).write_text("0")
-    with contextlib.suppress(FileNotFoundError):
-        (CGROUP_ROOT / "cpuacct" / rel / "cpuacct.usage").write_text("0")
 
 
 class NsResetters:
@@ -145,4 +92,4 @@ class NsResetters:
         self._free = None
 
 
-__all__ = ["NsResetters", "ResetFailed", "kill_others", "reset_counters"]
+__all__ = ["NsResetters", "ResetFailed"]

@@ -6,8 +6,14 @@ Why a process of its own: entering a container's mount namespace (``setns(CLONE_
 to a multi-threaded process, and the host agent has threads. The helper is single-threaded, imports
 nothing heavy (it starts once per host), and goes back to the host's namespaces after every request.
 
-What it does in the member's mount and IPC namespaces (its processes are already gone, killed
-through the cgroup freezer by the host agent):
+What one request does, in this order (the member serves nothing meanwhile):
+
+* every process of the member's cgroup but its agent (PID 1) killed: the cgroup is frozen first, so
+  nothing forks while the list is read (a fork bomb, a daemon that double-forked into a session of
+  its own: a process cannot leave its cgroup), then thawed, and the helper waits until only the
+  agent is left;
+
+then, in the member's mount and IPC namespaces:
 
 * every writable path of the member's profile (``/tmp``, ``/workspace``, ``/dev/shm``, ...) is
   emptied and refilled from a copy of its template content taken before the member's first call
@@ -17,7 +23,10 @@ through the cgroup freezer by the host agent):
   ``/dev/shm`` tmpfs), never behind an overlay's back, and the directories stay the very inodes the
   member's Landlock rules were given (a fresh mount on top would hide them: Landlock ignores rules on
   a covered mount point);
-* SysV shared memory, semaphores and message queues, and POSIX message queues, are removed.
+* SysV shared memory, semaphores and message queues, and POSIX message queues, are removed;
+
+and last the cgroup's memory high-water marks and fail counts and its CPU time go back to zero (the
+OOM kill count cannot: the answer carries it, the caller keeps it as a baseline).
 
 No binary of the member's is ever run (a call may have replaced any file it could write), and no
 path a call could have changed is followed: every step below the writable directories works on
@@ -29,7 +38,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
+import signal
 import stat
 import sys
 import time
@@ -41,6 +52,8 @@ MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 IPC_RMID = 0
 ROOT = "/.dsec/fn"  # a tmpfs in the member's mount namespace: the template content of its writable paths
 MQ = f"{ROOT}/mq"  # and an mqueue mount
+CGROUPS = "/sys/fs/cgroup"  # (v1)
+KILL_TIMEOUT_S = 10.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -87,6 +100,70 @@ def _clear_ipc() -> int:
     finally:
         os.close(mq)
     return n
+
+
+def _cgroup_file(hierarchy: str, cgroup: str, name: str) -> str:
+    return f"{CGROUPS}/{hierarchy}/{cgroup.strip('/')}/{name}"
+
+
+def _procs(cgroup: str) -> set[int]:
+    return {int(x) for x in _read(_cgroup_file("freezer", cgroup, "cgroup.procs")).split()}
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _write(path: str, value: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except FileNotFoundError:
+        pass  # (a counter this kernel does not keep)
+
+
+def _until(what: str, done: Any, timeout_s: float = KILL_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    delay = 0.0002
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s:g}s")
+        time.sleep(delay)  # poll: cgroup v1 notifies no one of either
+        delay = min(delay * 2, 0.02)
+
+
+def kill_others(cgroup: str, keep: int) -> int:
+    """Every process of ``cgroup`` but ``keep`` killed; how many, once only ``keep`` is left."""
+    if not _procs(cgroup) - {keep}:
+        return 0  # the common case (the call's command ended, nothing left behind): no freeze
+    state = _cgroup_file("freezer", cgroup, "freezer.state")
+    _write(state, "FROZEN")
+    try:
+        _until("the freeze", lambda: _read(state).strip() == "FROZEN")
+        others = _procs(cgroup) - {keep}
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        _write(state, "THAWED")
+    _until("every process but the agent gone", lambda: not _procs(cgroup) - {keep})
+    return len(others)
+
+
+def reset_counters(cgroup: str) -> int:
+    """The memory high-water marks and fail counts and the CPU time back to zero; the OOM kill count."""
+    for name in ("memory.max_usage_in_bytes", "memory.memsw.max_usage_in_bytes", "memory.failcnt", "memory.memsw.failcnt",
+                 "memory.kmem.max_usage_in_bytes", "memory.kmem.failcnt"):
+        _write(_cgroup_file("memory", cgroup, name), "0")
+    _write(_cgroup_file("cpuacct", cgroup, "cpuacct.usage"), "0")
+    for ln in _read(_cgroup_file("memory", cgroup, "memory.oom_control")).splitlines():
+        key, _, n = ln.partition(" ")
+        if key == "oom_kill":
+            return int(n)
+    return 0
 
 
 def _open_dir(path: str, dir_fd: int | None = None) -> int:
@@ -203,8 +280,12 @@ def serve(inp: Any, out: Any) -> None:
             paths = [os.path.normpath(p) for p in req["paths"]]
             if any(not p.startswith("/") or p == "/" or "\0" in p for p in paths):
                 raise ValueError(f"bad paths {paths!r}")
+            cgroup = str(req["cgroup"])
+            if not re.fullmatch(r"/?[A-Za-z0-9_.-]+(/[A-Za-z0-9_-][A-Za-z0-9_.-]*)*", cgroup) or ".." in cgroup.split("/"):
+                raise ValueError(f"bad cgroup {cgroup!r}")
             t0 = time.perf_counter()
             pid = int(req["pid"])
+            killed = 0 if req["first"] else kill_others(cgroup, pid)
             fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in ("mnt", "ipc")]
             ino = os.fstat(fds[0]).st_ino
             # A pid reused by a process outside the member would have other namespaces: the host's
@@ -214,11 +295,12 @@ def serve(inp: Any, out: Any) -> None:
             _setns(fds[0], CLONE_NEWNS)
             try:
                 _setns(fds[1], CLONE_NEWIPC)
-                done, ipc = reset(paths, int(req["size_mb"]), bool(req["first"]))
-                answer = {"ok": True, "paths": done, "removed": ipc, "ms": (time.perf_counter() - t0) * 1000}
+                done, removed = reset(paths, int(req["size_mb"]), bool(req["first"]))
             finally:
                 _setns(host_mnt, CLONE_NEWNS)
                 _setns(host_ipc, CLONE_NEWIPC)
+            oom = reset_counters(cgroup)
+            answer = {"ok": True, "paths": done, "killed": killed, "removed": removed, "oom_kills": oom, "ms": (time.perf_counter() - t0) * 1000}
         except Exception as exc:  # noqa: BLE001 - the host agent retires the member and hears why
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
