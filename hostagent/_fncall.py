@@ -7,11 +7,15 @@ no host table read on the hot path, and a host that dies leaves the group with i
 host that cannot find a free member queues the call (bounded) and answers ``no_capacity`` at its
 deadline: never a hang.
 
-Why a member serves one call: every call must start from the template's state (upper dir, processes,
-``/tmp``, ``/dev/shm``, SysV IPC, environment, cgroup counters). A fresh container gives all of that
-by construction, where an in-place reset would have to find and undo each kind of state (and an
-overlay's upper dir cannot be emptied under a live mount). The cost, a container start, is paid off
-the hot path: a used member is destroyed in the background while the pool starts its replacement.
+Why a member is reset rather than replaced: every call must start from the template's state (upper
+dir, processes, ``/tmp``, ``/dev/shm``, SysV IPC, environment, cgroup counters). A fresh container
+gives that by construction, but its start (tens of milliseconds of CPU, a few per second on a small
+host) then bounds the call rate. A member whose profile makes every path but a known few read-only
+(Landlock, required; no mount, namespace or keyring calls) can be put back instead: its processes
+killed through the cgroup, fresh layers over those few paths, IPC objects removed, counters zeroed
+(the backend's ``fn_reset``, ``CallReset``), milliseconds, off the hot path while other members
+serve. A member whose call timed out, hit its memory limit or failed, one that served ``MAX_USES``
+calls, and every member of another profile or backend is destroyed and replaced as before.
 
 Pools grow on demand (each call that had to wait raises the pool's idle target, up to its maximum)
 and shrink when idle (a target above the configured size falls back one member per idle period,
@@ -55,9 +59,10 @@ from ._backend import Backend, Handle
 
 log = structlog.get_logger("dsec.hostagent.fncall")
 
-STDIN_PATH = "/tmp/.dsec-fn-stdin"  # outside the working directory: not one of the call's files (the member is fresh, so nothing else sees it)
+STDIN_PATH = "/tmp/.dsec-fn-stdin"  # outside the working directory: not one of the call's files (/tmp is reset after every call)
 MAINTAIN_S = 1.0  # pools are trimmed and refilled (after a failed start) this often
 FAIL_BACKOFF_S = 2.0  # a pool whose member failed to start waits this long before trying again
+MAX_USES = 1000  # calls one member serves (reset between them) before it is replaced all the same
 
 
 def parse_pools(text: str) -> dict[str, int]:
@@ -80,11 +85,39 @@ class CallLimits(Protocol):
     def oom_kills(self, handle: Handle) -> int: ...
 
 
+@runtime_checkable
+class CallReset(Protocol):
+    """A backend that can put a sandbox back to its template's state between calls (container):
+    processes, the ``writable`` paths, IPC objects, cgroup counters. ``first`` before its first
+    call; returns the paths it resets (those of ``writable`` the sandbox has) and the sandbox's OOM
+    kill count (a baseline: it cannot be zeroed)."""
+
+    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[tuple[str, ...], int]: ...
+
+
+def reset_paths(security: Any) -> tuple[str, ...] | None:
+    """The paths a call can write under ``security`` (an ``Enforcement``), outermost first; None
+    when that is not a known few (no required Landlock, ``/`` writable, device rules beyond
+    ``/dev``): such a profile's members serve one call each."""
+    args = tuple(getattr(security, "agent_args", ()))
+    if not getattr(security, "landlock_required", False):
+        return None
+    rw = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--landlock-rw"}
+    dev = {args[i + 1] for i, a in enumerate(args[:-1]) if a == "--landlock-dev"}
+    if "/" in rw or dev - {"/dev"}:
+        return None
+    return tuple(sorted(rw, key=lambda p: (p.count("/"), p)))
+
+
 @dataclass
 class Member:
     sid: str
     handle: Handle
     idle_since: float = 0.0
+    writable: tuple[str, ...] | None = None  # what a reset covers; None: never reused
+    uses: int = 0
+    oom_base: int = 0  # the cgroup's OOM kill count after the last reset (it cannot be zeroed)
+    own_limit: bool = False  # the last call set its own memory limit (the reset puts the pool's back)
 
 
 @dataclass
@@ -97,12 +130,14 @@ class FnPool:
     queue_max: int  # calls waiting for a member, at most
     make: Callable[[str], Awaitable[Member]]
     destroy: Callable[[Member], Awaitable[None]]
+    reset: Callable[[Member], Awaitable[bool]]
     starts: asyncio.Semaphore  # member starts in flight on this host, every pool together
     idle: deque[Member] = field(default_factory=deque)
     waiters: deque[asyncio.Future[Member]] = field(default_factory=deque)
     busy: int = 0
     starting: int = 0
     retiring: int = 0  # used members being destroyed: they still hold a container, so they count
+    resetting: int = 0  # used members being reset for the next call
     want: int = 0  # idle target now: ``size``, raised by demand, back to ``size`` when idle
     last_wait: float = 0.0
     failed_at: float = 0.0
@@ -116,7 +151,7 @@ class FnPool:
         self.want = self.size
 
     def members(self) -> int:
-        return len(self.idle) + self.busy + self.starting + self.retiring
+        return len(self.idle) + self.busy + self.starting + self.retiring + self.resetting
 
     async def acquire(self, wait_s: float) -> Member:
         """A member for one call; ``no_capacity`` when none frees up within ``wait_s`` (or the queue is full)."""
@@ -162,18 +197,48 @@ class FnPool:
             self.retiring -= 1
             self.fill()
 
-    def release(self, m: Member) -> None:
-        """The call is over: the member goes (it is never used twice) and a fresh one is started."""
+    def release(self, m: Member, reuse: bool = False) -> None:
+        """The call is over: the member is reset for the next call (``reuse``), or it goes and a
+        fresh one is started."""
         self.busy -= 1
         self.served += 1
-        self.retire(m)
+        if reuse and not self.stopping:
+            self.resetting += 1
+            t = asyncio.ensure_future(self._recycle(m))
+            self._retiring.add(t)
+            t.add_done_callback(self._retiring.discard)
+        else:
+            self.retire(m)
         self.fill()
+
+    async def _recycle(self, m: Member) -> None:
+        ok = False
+        try:
+            ok = await self.reset(m)
+        finally:
+            self.resetting -= 1
+            if not ok or self.stopping:
+                self.retire(m)
+                self.fill()
+            else:
+                self._ready(m)
+
+    def _ready(self, m: Member) -> None:
+        """``m`` can serve: to the longest waiting call, else idle."""
+        while self.waiters:
+            w = self.waiters.popleft()
+            if not w.done():
+                self.busy += 1
+                w.set_result(m)
+                return
+        m.idle_since = time.monotonic()
+        self.idle.append(m)
 
     def fill(self) -> None:
         """Start members until the idle target plus the waiting calls are covered (within the maximum)."""
         if self.stopping or time.monotonic() - self.failed_at < FAIL_BACKOFF_S:
             return
-        need = self.want + len(self.waiters) - len(self.idle) - self.starting
+        need = self.want + len(self.waiters) - len(self.idle) - self.starting - self.resetting
         room = self.max_members - self.members()
         for _ in range(max(0, min(need, room))):
             self.starting += 1
@@ -201,14 +266,7 @@ class FnPool:
             return
         self.starting -= 1
         self.last_error = None
-        while self.waiters:
-            w = self.waiters.popleft()
-            if not w.done():
-                self.busy += 1
-                w.set_result(m)
-                return
-        m.idle_since = time.monotonic()
-        self.idle.append(m)
+        self._ready(m)
 
     def maintain(self, idle_s: float) -> None:
         """Shrink a pool grown by demand once calls stop waiting; retry after failed starts."""
@@ -257,11 +315,14 @@ class FnCalls:
         self.idle_s = idle_s
         self._starts = asyncio.Semaphore(starts)
         self.pools = {
-            t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._destroy, self._starts) for t, n in pools.items()
+            t: FnPool(t, n, max(max_members, 4 * n), queue_max, self._make, self._destroy, self._reset, self._starts)
+            for t, n in pools.items()
         }
+        self.resets = backend if isinstance(backend, CallReset) else None
         # The reset's cost, paid off the hot path: the last starts and destroys of members (benchmarks).
         self.start_ms: deque[float] = deque(maxlen=1000)
         self.destroy_ms: deque[float] = deque(maxlen=1000)
+        self.reset_ms: deque[float] = deque(maxlen=1000)
         self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
@@ -312,13 +373,37 @@ class FnCalls:
         try:
             layers = await self.layers(template)
             spec = SandboxSpec(sandbox_id=sid, template=template, memory_mb=self.memory_mb, disk_mb=self.disk_mb, timeout_s=0.0)
-            handle = await self.backend.create(spec, layers, security=self.security())
+            security = self.security()
+            handle = await self.backend.create(spec, layers, security=security)
             await self.backend.files(handle, FileMakeDir(path=FN_WORKDIR))
+            m = Member(sid, handle)
+            paths = reset_paths(security) if self.resets is not None else None
+            if paths is not None and self.resets is not None:
+                # Fresh layers over the writable paths before the first call: their original
+                # directories (which the Landlock rules name) are then never written.
+                m.writable, m.oom_base = await self.resets.fn_reset(handle, paths, self.disk_mb, True)
         except BaseException:
             await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
             raise
         self.start_ms.append((time.perf_counter() - t0) * 1000)
-        return Member(sid, handle)
+        return m
+
+    async def _reset(self, m: Member) -> bool:
+        """Put ``m`` back to its template's state for the next call; False (it is destroyed instead)
+        when it cannot be."""
+        if self.resets is None or m.writable is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            if m.own_limit and self.limits is not None:
+                await asyncio.to_thread(self.limits.set_memory_limit, m.handle, self.memory_mb)
+                m.own_limit = False
+            _, m.oom_base = await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
+        except Exception as exc:  # noqa: BLE001 - the member is replaced; the next call never sees it
+            log.warning("fn_member_reset_failed", sandbox_id=m.sid, error=str(exc))
+            return False
+        self.reset_ms.append((time.perf_counter() - t0) * 1000)
+        return True
 
     async def _destroy(self, m: Member) -> None:
         sid = m.sid
@@ -340,34 +425,41 @@ class FnCalls:
         t0 = time.perf_counter()
         m = await pool.acquire(req.queue_s)
         queued_ms = (time.perf_counter() - t0) * 1000
+        reuse = False
         try:
-            out = await self._run(m.handle, req)
+            out = await self._run(m, req)
+            m.uses += 1
+            # A call cut short by its timeout or its memory limit may have left the member in any
+            # state: replaced (as a failed one is), not reset.
+            timed_out = any(r is not None and r.timed_out for r in (out.compile, out.run))
+            reuse = m.writable is not None and not timed_out and not out.oom and m.uses < MAX_USES
         finally:
-            pool.release(m)
+            pool.release(m, reuse)
         out.host_id, out.queued_ms = self.host_id, queued_ms
         return out
 
-    async def _run(self, h: Handle, req: FnCallRequest) -> FnCallResult:
-        b = self.backend
+    async def _run(self, m: Member, req: FnCallRequest) -> FnCallResult:
+        b, h = self.backend, m.handle
         # Files one at a time: the agent's channel serialises them anyway, and a call has few.
         for f in req.files:
             await b.files(h, FileWrite(path=f"{FN_WORKDIR}/{check_path(f.path)}", data=f.data, mode=f.mode & 0o7777))
         if req.memory_mb:
             if self.limits is None:
                 raise InvalidArgument(f"the {b.name} backend cannot set a call's memory limit")
+            m.own_limit = True
             await asyncio.to_thread(self.limits.set_memory_limit, h, req.memory_mb)
         out = FnCallResult()
         if req.compile_cmd:
             out.compile = await self._exec(h, req.compile_cmd, req, req.compile_timeout_s)
             if out.compile.exit_code != 0 or out.compile.timed_out:
-                out.oom = self._oom(h)
+                out.oom = self._oom_kills(h) > m.oom_base
                 return out
         cmd = req.cmd
         if req.stdin:
             await b.files(h, FileWrite(path=STDIN_PATH, data=req.stdin))
             cmd = f"exec < {STDIN_PATH}\n{cmd}"
         out.run = await self._exec(h, cmd, req, req.timeout_s)
-        out.oom = self._oom(h)
+        out.oom = self._oom_kills(h) > m.oom_base
         for p in req.fetch_files:
             try:
                 got = await b.files(h, FileRead(path=f"{FN_WORKDIR}/{check_path(p)}"))
@@ -381,12 +473,12 @@ class FnCalls:
         er = ExecRequest(cmd=cmd, envs=req.envs, cwd=FN_WORKDIR, timeout_s=timeout_s, output_cap=req.output_cap, trusted=req.trusted)
         return await self.backend.exec(h, er, None)
 
-    def _oom(self, h: Handle) -> bool:
-        return self.limits is not None and self.limits.oom_kills(h) > 0
+    def _oom_kills(self, h: Handle) -> int:
+        return self.limits.oom_kills(h) if self.limits is not None else 0
 
 
 def _bind(msg: Msg) -> dict[str, str]:
     return {"subject": msg.subject}
 
 
-__all__ = ["CallLimits", "FnCalls", "FnPool", "Member", "parse_pools"]
+__all__ = ["CallLimits", "CallReset", "FnCalls", "FnPool", "Member", "parse_pools", "reset_paths"]

@@ -2,9 +2,9 @@
 
 Each call is one core request on ``dsec.fn.<template>.call``; every host keeping a pool of the
 template takes it in one queue group, so the call goes straight to a host with members, with no
-sandbox created on the way. Each call runs in a member that never ran anything before, and the member
-is gone afterwards: nothing a call leaves (files, processes, shared memory, environment) is seen by
-another.
+sandbox created on the way. Each call starts from its template's state: between calls the host
+resets the member (or replaces it), so nothing a call leaves (files, processes, shared memory,
+environment) is seen by another.
 
 Languages of ``run_code`` and the templates that serve them (``LANGUAGES``; ``templates=`` changes them):
 

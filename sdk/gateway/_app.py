@@ -34,6 +34,7 @@ from ._ports import Ports
 from ._process import Processes
 from ._rest import RestApi
 from ._runcode import RunCode
+from ._runjupyter import RunJupyter
 from ._signing import Signer, key_of_token
 from ._templates import TemplateApi
 from ._tenants import Tenant, Tenants
@@ -239,6 +240,7 @@ def make_app(cfg: GatewayConfig, extensions: Iterable[Callable[[web.Application]
     app.router.add_routes(templates.e2b.routes())
     RestApi(gw).add_routes(app)
     RunCode(gw).add_routes(app)  # SandboxFusion's POST /run_code over FnCall
+    RunJupyter(gw).add_routes(app)  # and its POST /run_jupyter
     app.router.add_get("/health", _health)
     app.router.add_route("*", r"/v1/sandboxes/{id}/ports/{port:\d{1,5}}{rest:(/.*)?}", gw.port_path)
     for ext in EXTENSIONS if extensions is None else extensions:

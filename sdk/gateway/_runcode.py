@@ -35,7 +35,7 @@ class PayloadTooLarge(InvalidArgument):
     http_status = 413
 
 QUEUE_S = 30.0  # how long a call may wait for a free pool member before SandboxError (no_capacity)
-_LIMITS = {"compile_timeout": (0.001, 600.0), "run_timeout": (0.001, 600.0)}
+_LIMITS = {"compile_timeout": (0.001, 600.0), "run_timeout": (0.001, 600.0), "cell_timeout": (0.0, 600.0), "total_timeout": (0.001, 600.0)}
 
 
 def _key(request: web.Request) -> str | None:
@@ -52,7 +52,30 @@ def _key(request: web.Request) -> str | None:
     return None
 
 
-def _number(body: dict[str, Any], name: str, default: float) -> float:
+async def read_call(gw: Any, request: web.Request) -> tuple[Any, dict[str, Any]]:
+    """The caller's tenant (its key from the URL, basic auth or X-API-Key) and the JSON object it posted."""
+    tenant = await gw.tenants.get(_key(request) or gw.api_key(request))
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(f"the request is too large: {exc.text}") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidArgument("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the body must be a JSON object")
+    return tenant, body
+
+
+def fetch_of(body: dict[str, Any]) -> list[str]:
+    fetch = body.get("fetch_files") or []
+    if not isinstance(fetch, list) or not all(isinstance(p, str) for p in fetch):
+        raise InvalidArgument("fetch_files must be a list of paths")
+    return fetch
+
+
+def number(body: dict[str, Any], name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
@@ -64,7 +87,7 @@ def _number(body: dict[str, Any], name: str, default: float) -> float:
     return float(v)
 
 
-def _files(raw: Any) -> dict[str, bytes]:
+def files_of(raw: Any) -> dict[str, bytes]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
@@ -82,7 +105,7 @@ def _files(raw: Any) -> dict[str, bytes]:
     return out
 
 
-def _command(res: ExecResult | None, oom: bool) -> dict[str, Any] | None:
+def command(res: ExecResult | None, oom: bool) -> dict[str, Any] | None:
     if res is None:
         return None
     status = "TimeLimitExceeded" if res.timed_out else ("Error" if oom else "Finished")
@@ -102,15 +125,16 @@ def answer(out: FnCallResult, memory_mb: int) -> dict[str, Any]:
         message = "compile timed out" if out.compile.timed_out else "compile failed"
     return {
         "status": "Success" if ok else "Failed", "message": message,
-        "compile_result": _command(out.compile, out.oom and out.run is None),
-        "run_result": _command(out.run, out.oom), "executor_pod_name": out.host_id,
+        "compile_result": command(out.compile, out.oom and out.run is None),
+        "run_result": command(out.run, out.oom), "executor_pod_name": out.host_id,
         "files": {p: base64.b64encode(d).decode() for p, d in out.files.items()},
     }
 
 
-def sandbox_error(status: int, code: str, message: str) -> web.Response:
-    return web.json_response({"status": "SandboxError", "message": message, "code": code, "compile_result": None, "run_result": None, "files": {}},
-                             status=status)
+def sandbox_error(status: int, code: str, message: str, **empty: Any) -> web.Response:
+    """SandboxFusion's answer to a call that did not run (``empty``: the fields of the endpoint's own shape)."""
+    body = {"status": "SandboxError", "message": message, "code": code, **(empty or {"compile_result": None, "run_result": None}), "files": {}}
+    return web.json_response(body, status=status)
 
 
 class RunCode:
@@ -128,17 +152,7 @@ class RunCode:
             return sandbox_error(exc.http_status, exc.code, exc.description)
 
     async def _run(self, request: web.Request) -> dict[str, Any]:
-        tenant = await self.gw.tenants.get(_key(request) or self.gw.api_key(request))
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise PayloadTooLarge(f"the request is too large: {exc.text}") from None
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise InvalidArgument("the body is not JSON") from None
-        if not isinstance(body, dict):
-            raise InvalidArgument("the body must be a JSON object")
+        tenant, body = await read_call(self.gw, request)
         code, lang = body.get("code"), body.get("language")
         if not isinstance(code, str) or not isinstance(lang, str):
             raise InvalidArgument("code and language are required strings")
@@ -150,17 +164,14 @@ class RunCode:
             memory = -1
         if isinstance(memory, bool) or not isinstance(memory, int):
             raise InvalidArgument(f"memory_limit_MB must be an integer, got {memory!r}")
-        fetch = body.get("fetch_files") or []
-        if not isinstance(fetch, list) or not all(isinstance(p, str) for p in fetch):
-            raise InvalidArgument("fetch_files must be a list of paths")
         fn = AsyncFnCall(nc=tenant.nc, queue_timeout=QUEUE_S)
         template, req = fn.code_request(
-            code, lang, _files(body.get("files")), None, _number(body, "run_timeout", 10.0),
-            compile_timeout=_number(body, "compile_timeout", 10.0), memory_mb=max(0, memory), stdin=stdin, fetch_files=fetch,
+            code, lang, files_of(body.get("files")), None, number(body, "run_timeout", 10.0),
+            compile_timeout=number(body, "compile_timeout", 10.0), memory_mb=max(0, memory), stdin=stdin, fetch_files=fetch_of(body),
         )
         req.trusted = True  # a reward's code runs as a grader's trusted run (no agent-planted startup files)
         out = await fn.call(template, req)
         return answer(out, max(0, memory))
 
 
-__all__ = ["PayloadTooLarge", "RunCode", "answer"]
+__all__ = ["PayloadTooLarge", "RunCode", "answer", "command", "fetch_of", "files_of", "number", "read_call", "sandbox_error"]

@@ -9,9 +9,10 @@ when the Debian rootfs with python3 and g++ is cached (tests/integration/test_fn
 * ``FnCall.run("true")`` and ``run_code("print(1)")``: p50 / p99 of the hot path (a member is ready:
   the call is the NATS round trip, the file writes and the exec), sequential;
 * calls/s with 16, 64 and 256 concurrent callers (``--per-caller`` calls each), through the SDK and
-  through ``POST /run_code``: every call uses up a member, so this is bounded by how fast the host
-  starts replacements;
-* the reset between calls: a member's start and its destroy (both off the hot path);
+  through ``POST /run_code``: a member is reset between calls (its processes killed, its writable
+  paths and IPC objects put back), so this is bounded by the calls themselves and the resets;
+* the reset between calls (off the hot path), and a member's start and destroy (only for members
+  replaced: at start, after a timeout or an out-of-memory, and every ``MAX_USES`` calls);
 * ``--long S``: 256 callers for S seconds through ``/run_code``, counting errors and timeouts.
 
 Everything it starts is stopped and its data dir removed at the end.
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -108,11 +108,11 @@ async def main(args: argparse.Namespace) -> None:
         nc = await connect(nats.url, name="bench")
         await ensure_all(nc.jetstream())
         await asyncio.to_thread(build_busybox_rootfs, str(data / "rootfs"))
-        await _register(nc.jetstream(), "base", str(data / "rootfs"))
+        await _register(nc.jetstream(), "base", str(data / "rootfs"), {})
         debian = await debian_rootfs()
         pools = f"base={args.pool}"
         if debian is not None:
-            await _register(nc.jetstream(), "python", str(debian))
+            await _register(nc.jetstream(), "python", str(debian), {})
             pools += f",python={args.pool}"
         await nc.close()
         backend = ContainerBackend(str(data), scratch_size_gb=64, warm_pool=0, network=net.config())
@@ -154,11 +154,16 @@ async def main(args: argparse.Namespace) -> None:
                     if time.monotonic() < deadline:
                         await post("true", "sh")
                 await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
-        starts, destroys = list(fc.start_ms), list(fc.destroy_ms)
-        print(line("reset: member start (off the hot path)", starts))
-        print(line("reset: member destroy (off the hot path)", destroys))
-        if starts:
-            print(f"{'reset: mean start + destroy':<44} {statistics.mean(starts) + statistics.mean(destroys or [0]):8.1f} ms per call")
+        starts, destroys, resets = list(fc.start_ms), list(fc.destroy_ms), list(fc.reset_ms)
+        print(line("reset between calls (off the hot path)", resets))
+        helpers = getattr(backend, "fnreset", None)
+        if helpers is not None:
+            print(line("  of which: waiting for a reset helper", list(helpers.wait_ms)))
+            print(line("  of which: the helper's work (files, IPC)", list(helpers.work_ms)))
+        print(line("member start (off the hot path)", starts))
+        print(line("member destroy (off the hot path)", destroys))
+        served = sum(p.served for p in fc.pools.values())
+        print(f"{'calls served / members started':<44} {served} / {len(starts)}")
     finally:
         if runner is not None:
             await runner.cleanup()

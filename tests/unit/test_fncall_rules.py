@@ -74,7 +74,10 @@ async def test_pool_queues_grows_and_answers_no_capacity() -> None:
     async def destroy(m: Member) -> None:
         destroyed.append(m.sid)
 
-    pool = FnPool("t", size=1, max_members=2, queue_max=3, make=make, destroy=destroy, starts=asyncio.Semaphore(4))
+    async def no_reset(m: Member) -> bool:
+        raise AssertionError("released without reuse: never reset")
+
+    pool = FnPool("t", size=1, max_members=2, queue_max=3, make=make, destroy=destroy, reset=no_reset, starts=asyncio.Semaphore(4))
     pool.fill()
     first = await pool.acquire(5.0)  # waits for the first start
     second = await pool.acquire(5.0)  # the pool grows past its size on demand
@@ -97,6 +100,42 @@ async def test_pool_queues_grows_and_answers_no_capacity() -> None:
     await pool.stop()
     assert pool.busy == 0 and not pool.idle and pool.members() == 0
     assert sorted(destroyed) == sorted(made)  # every member started was destroyed
+
+
+async def test_pool_reuses_a_reset_member_and_replaces_one_that_fails_its_reset() -> None:
+    made: list[str] = []
+    destroyed: list[str] = []
+    resets: list[str] = []
+    fail = {"m1"}
+
+    async def make(template: str) -> Member:
+        made.append(f"m{len(made)}")
+        return Member(made[-1], Handle(made[-1]))
+
+    async def destroy(m: Member) -> None:
+        destroyed.append(m.sid)
+
+    async def reset(m: Member) -> bool:
+        resets.append(m.sid)
+        return m.sid not in fail
+
+    pool = FnPool("t", size=1, max_members=1, queue_max=3, make=make, destroy=destroy, reset=reset, starts=asyncio.Semaphore(4))
+    pool.fill()
+    m = await pool.acquire(5.0)
+    waiter = asyncio.ensure_future(pool.acquire(5.0))
+    await asyncio.sleep(0)
+    pool.release(m, reuse=True)  # reset, then handed to the waiting call: no new member
+    again = await waiter
+    assert again is m and made == ["m0"] and resets == ["m0"] and not destroyed
+    pool.release(again)  # not reusable (say, it timed out): destroyed, a fresh one started
+    fresh = await pool.acquire(5.0)
+    assert fresh.sid == "m1" and destroyed == ["m0"]
+    pool.release(fresh, reuse=True)  # its reset fails: destroyed and replaced
+    last = await pool.acquire(5.0)
+    assert last.sid == "m2" and destroyed == ["m0", "m1"]
+    pool.release(last, reuse=True)
+    await pool.stop()
+    assert pool.members() == 0 and sorted(destroyed) == made
 
 
 async def _deadline(pool: FnPool) -> None:

@@ -39,6 +39,7 @@ from . import criu
 from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
+from .fnreset import NsResetters
 from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
@@ -88,6 +89,7 @@ class ContainerBackend:
         self._default_enf: Enforcement | None = None
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
         self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
+        self.fnreset = NsResetters()
         self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
 
     @property
@@ -112,6 +114,7 @@ class ContainerBackend:
 
     async def stop(self) -> None:
         await self.pool.stop()
+        await self.fnreset.stop()
         if self._rt is not None:
             # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
             for c in await self.rt.list():
@@ -428,6 +431,18 @@ class ContainerBackend:
         except OSError:
             pass
         return 0
+
+    async def fn_reset(self, handle: Handle, writable: tuple[str, ...], size_mb: int, first: bool) -> tuple[tuple[str, ...], int]:
+        """Reset an fn pool member to its template's state (``fnreset``); ``first``: the member has
+        served nothing yet, this copies its writable paths' content aside. The paths reset on each
+        call, and the cgroup's OOM kill count now (which cannot be zeroed)."""
+        cg = cgroup_path(self._container_of(handle))
+        if first:
+            handle.extra["mnt_ino"] = os.stat(f"/proc/{handle.pid}/ns/mnt").st_ino
+        out = await self.fnreset.run({
+            "pid": handle.pid, "mnt_ino": handle.extra["mnt_ino"], "cgroup": cg, "paths": list(writable), "size_mb": size_mb, "first": first,
+        })
+        return tuple(out["paths"]), int(out["oom_kills"])
 
     def frozen(self, handle: Handle) -> bool:
         return frozen(self._cgroup(handle))
