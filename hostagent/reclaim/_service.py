@@ -27,6 +27,7 @@ from bus.messages import ReclaimReport, ReclaimTarget, ReclaimTargets, SandboxMe
 from bus.runtime import Service
 
 from . import _memcg as memcg
+from . import _pageout
 from ._config import ReclaimConfig
 from ._host import HostSetup, ksm_saved_bytes, swap_size_mb
 
@@ -54,6 +55,7 @@ class ReclaimService(Service):
         self.swap_mb = swap_size_mb(config.swap_mb)  # refused (SwapRefused) before anything is set up
         self.host = HostSetup.load(config.data_dir)
         self.swap_device = ""
+        self.pageout = config.pageout and _pageout.available()
         self.targets: dict[str, ReclaimTarget] = {}
         self.targets_at = 0.0
         self.seen: dict[str, _Seen] = {}
@@ -117,12 +119,14 @@ class ReclaimService(Service):
             if cpu is None:
                 continue  # gone between the list and now
             busy = (cpu - seen.cpu_ns) / 1e9 / (now - seen.at) if seen.at else float("inf")
+            if busy < self.config.idle_cpu and memcg.runnable(t.cgroup):
+                busy = float("inf")  # starved, not idle
             if busy >= self.config.idle_cpu:
                 seen.exhausted = False
             seen.cpu_ns, seen.at = cpu, now
             idle = t.state == "running" and t.idle_s >= self.config.idle_s and busy < self.config.idle_cpu
             if idle and self.config.enabled and not seen.exhausted:
-                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB)
+                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB, self.pageout)
                 seen.reclaimed += got
                 seen.exhausted = got < MIB
             st = memcg.stat(t.cgroup)
