@@ -65,6 +65,8 @@ class ReclaimService(Service):
         self._g_resident = m.gauge("dsec_reclaim_sandbox_resident_bytes", "Memory charged to the sandbox's cgroup", ["sandbox"])
         self._g_reclaimed = m.gauge("dsec_reclaim_sandbox_reclaimed_bytes", "Memory the service took from the sandbox", ["sandbox"])
         self._g_merged = m.gauge("dsec_reclaim_sandbox_merged_bytes", "The sandbox's pages KSM merged", ["sandbox"])
+        self._g_swapped = m.gauge("dsec_reclaim_sandbox_swapped_bytes", "The sandbox's pages in the swap (uncompressed)", ["sandbox"])
+        self._g_class = m.gauge("dsec_reclaim_sandbox_info", "1 for each sandbox, labelled with the CPU class its cgroup is in", ["sandbox", "cpu_class"])
         self._g_host = m.gauge("dsec_reclaim_host_bytes", "Host figures of the reclaim service", ["kind"])
         m.collector(self._fill_metrics)
 
@@ -146,7 +148,7 @@ class ReclaimService(Service):
 
     def _fill_metrics(self) -> None:
         r = self.last
-        for g in (self._g_resident, self._g_reclaimed, self._g_merged, self._g_host):
+        for g in (self._g_resident, self._g_reclaimed, self._g_merged, self._g_swapped, self._g_class, self._g_host):
             g.clear()
         if r is None:
             return
@@ -154,6 +156,8 @@ class ReclaimService(Service):
             self._g_resident.set(s.resident_bytes, sandbox=s.sandbox_id)
             self._g_reclaimed.set(s.reclaimed_bytes, sandbox=s.sandbox_id)
             self._g_merged.set(s.merged_bytes, sandbox=s.sandbox_id)
+            self._g_swapped.set(s.swapped_bytes, sandbox=s.sandbox_id)
+            self._g_class.set(1, sandbox=s.sandbox_id, cpu_class=s.cpu_class or "unknown")
         for kind, v in (("resident", r.resident_bytes), ("reclaimed", r.reclaimed_bytes), ("swap_used", r.swap_used_bytes),
                         ("swap_stored", r.swap_stored_bytes), ("merged", r.merged_bytes)):
             self._g_host.set(v, kind=kind)

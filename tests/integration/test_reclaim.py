@@ -430,3 +430,34 @@ async def test_best_effort_load_leaves_cores_idle_for_admission(stack: Stack) ->
         print(f"busy cores: {all_busy:.2f} counting best-effort work, {ls_busy:.2f} not; the spinners used {spun:.2f}")
         assert spun > 0.05, spun
         assert abs((all_busy - ls_busy) - spun) < 0.25 + 0.1 * spun, (all_busy, ls_busy, spun)
+
+
+async def test_memory_and_class_on_dashboard_and_metrics(stack: Stack, tmp_path: Path) -> None:
+    """The dashboard's sandbox rows and the gateway's /metrics carry each sandbox's class and memory
+    (resident, reclaimed, merged) as its host's reclaim service last saw it."""
+    import aiohttp
+
+    from bus.metrics import parse
+    from tests.conftest import eventually
+    from tests.integration.test_dashboard import gateway
+
+    svc = reclaim_child(stack, tmp_path, "--idle", "100000", "--swap-mb", "0", "--no-ksm")  # reports only
+    try:
+        async with stack.sandbox(memory_mb=96) as sb, gateway(stack) as base, aiohttp.ClientSession() as http:
+            async def row() -> dict[str, Any] | None:
+                async with http.get(f"{base}/dashboard/state") as r:
+                    rows = [s for s in (await r.json())["sandboxes"] if s["sandbox_id"] == sb.sandbox_id]
+                return rows[0] if rows and rows[0].get("mem_resident_bytes", 0) > 0 else None
+
+            await eventually(row, timeout=60, what="the sandbox's memory on the dashboard")
+            got = await row()
+            assert got is not None and got["cpu_class"] == "best-effort" and "mem_reclaimed_bytes" in got and "mem_merged_bytes" in got, got
+            async with http.get(f"{base}/metrics", params={"service": "reclaim"}) as r:
+                samples = parse(await r.text())
+            assert any(n == "dsec_reclaim_sandbox_info" and lab.get("sandbox") == sb.sandbox_id and lab.get("cpu_class") == "best-effort"
+                       for n, lab, _ in samples), [s for s in samples if s[0].startswith("dsec_reclaim_sandbox")]
+            assert any(n == "dsec_reclaim_sandbox_resident_bytes" and lab.get("sandbox") == sb.sandbox_id and v > 0 for n, lab, v in samples)
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
+        if svc.alive():
+            await svc.stop()
