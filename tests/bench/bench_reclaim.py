@@ -97,8 +97,16 @@ async def timed(sb: AsyncSandbox, cmd: str) -> float:
     return time.perf_counter() - t0
 
 
-async def first_and_second(sb: AsyncSandbox) -> tuple[float, float]:
-    return await timed(sb, TYPICAL), await timed(sb, TYPICAL)
+async def first_and_warm(sb: AsyncSandbox) -> tuple[float, float]:
+    """The first exec, and the median of three warm ones right after it."""
+    first = await timed(sb, TYPICAL)
+    return first, statistics.median([await timed(sb, TYPICAL) for _ in range(3)])
+
+
+def majfaults(stack: Stack, sids: list[str]) -> int:
+    """Major faults of the sandboxes' processes (a page that comes back from the swap or the disk)."""
+    return sum(int(ln.split()[1]) for s in sids for ln in (cg(stack, s) / "memory.stat").read_text().splitlines()
+               if ln.startswith("total_pgmajfault "))
 
 
 def reclaim_service(stack: Stack, idle_s: float) -> subprocess.Popen[bytes]:
@@ -183,7 +191,9 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
     what = await hold(stack, sbs, args)
     print(f"(a) {args.count} idle sandboxes on template {args.template!r}, each holding {what}")
     await asyncio.sleep(args.idle_s)  # idle, as after a turn of the model
-    before = [await first_and_second(sb) for sb in sbs]  # first exec after idle, reclaim off
+    f0 = majfaults(stack, sids)
+    before = [await first_and_warm(sb) for sb in sbs]  # first exec after idle, reclaim off
+    faults_before = majfaults(stack, sids) - f0
     await asyncio.sleep(args.idle_s)
     st_off = cg_stat(stack, sids)
     off = charged(stack, sids)
@@ -214,7 +224,9 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
               f"{pool / MiB:.0f} MiB of zram holding their {st_on['total_swap'] / MiB:.0f} MiB swapped (ratio {1 / ratio if ratio else 0:.1f}x) "
               f"(KSM merged {merged / MiB:.0f} MiB on the host); steady after {took:.0f} s: {pct(off, on)}")
         print("      " + show_stat("memory.stat", st_on, args.count))
-        after = [await first_and_second(sb) for sb in sbs]  # the first exec of each after reclaim
+        f0 = majfaults(stack, sids)
+        after = [await first_and_warm(sb) for sb in sbs]  # the first exec of each after reclaim
+        faults_after = majfaults(stack, sids) - f0
         b1, a1 = [f for f, _ in before], [f for f, _ in after]
         b50, a50 = statistics.median(b1), statistics.median(a1)
         print(f"    first exec of `{TYPICAL}` after idle: p50 {b50 * 1000:.1f} ms before reclaim, {a50 * 1000:.1f} ms after ({pct(b50, a50)}); "
@@ -222,8 +234,11 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
         # The machine's load drifts between the two rounds: each first exec against the exec that
         # follows it in the same sandbox at once (warm) takes the drift out.
         rb, ra = statistics.median([f / s for f, s in before]), statistics.median([f / s for f, s in after])
-        print(f"    first exec / the warm exec right after it, p50 per sandbox: {rb:.3f} before reclaim, {ra:.3f} after ({pct(rb, ra)}); "
+        print(f"    first exec / the warm execs right after it, p50 per sandbox: {rb:.3f} before reclaim, {ra:.3f} after ({pct(rb, ra)}); "
               f"warm exec p50 {statistics.median([s for _, s in before]) * 1000:.1f} -> {statistics.median([s for _, s in after]) * 1000:.1f} ms")
+        # What the machine's load cannot blur: the pages those execs had to fault back in.
+        print(f"    major faults in the sandboxes during those execs: {faults_before} before reclaim, {faults_after} after "
+              f"({faults_after / args.count:.1f} per sandbox)")
         alive = await asyncio.gather(*(sb.commands.run(HELD, timeout=300) for sb in sbs))
         print(f"    holders alive {sum(r.stdout.strip() == 'y' for r in alive)}/{args.count}; "
               f"OOM kills {oom_kills(stack, sids)}")
