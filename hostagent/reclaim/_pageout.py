@@ -3,9 +3,9 @@
 A memcg limit step takes the cgroup's least recently used pages, whichever process they belong to,
 and stops at the service's ``keep`` floor so that the in-sandbox agent and the binaries of the next
 exec stay resident. Most of what an idle sandbox holds is the heap of the processes that wait for
-the model (an interpreter, a language server): this pages out exactly those — their private
-anonymous pages to the swap, their private file pages dropped — and leaves the agent, and every
-page another process maps too (shared libraries, the binaries the next exec runs), where they are.
+the model (an interpreter, a language server): this pages out exactly those — the private pages
+of their anonymous mappings, to the swap — and leaves the agent, the page cache (the binaries the
+next exec runs) and every page another process maps too where they are.
 Nothing changes for the process but the time of its next touch of those pages: no limit moves,
 so nothing can be OOM-killed by it."""
 
@@ -44,11 +44,14 @@ def available() -> bool:
 
 
 def _ranges(pid: int) -> list[tuple[int, int]]:
+    """The process's anonymous mappings (heap, stack, its allocator's): a file mapping's pages are
+    page cache, the binaries and libraries the next exec runs; the limit step's to take."""
     out = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
-            if len(parts) > 5 and parts[5].strip().startswith(_SPECIAL):
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if path and (not path.startswith("[") or path.startswith(_SPECIAL)):
                 continue
             lo, _, hi = parts[0].partition("-")
             out.append((int(lo, 16), int(hi, 16)))

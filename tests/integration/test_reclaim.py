@@ -221,7 +221,7 @@ async def test_pageout_takes_idle_processes_not_the_agent(stack: Stack, tmp_path
     try:
         async with stack.sandbox(memory_mb=256) as sb:
             hold = await sb.commands.run(HOLD.format(n=HOLD_MB << 20), background=True, timeout=0)
-            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > HOLD_MB << 20, timeout=60,
+            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > HOLD_MB << 20, timeout=180,
                              what="the shell to hold its memory")
             await eventually(lambda: (s := reports.sandbox(sb.sandbox_id)) is not None and s.idle_s > 3, timeout=60,
                              what="the sandbox idle in the service's reports")
