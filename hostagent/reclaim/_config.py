@@ -20,6 +20,9 @@ class ReclaimConfig:
     keep_mb: int = field(default=16, metadata=setting(
         "memory left to an idle sandbox, at least: its most recently used pages (its agent, the binaries of its last "
         "commands) stay, so that its next exec does not wait on swap"))
+    pageout: bool = field(default=True, metadata=setting(
+        "first page out an idle sandbox's own processes, all but its agent (process_madvise MADV_PAGEOUT): their pages "
+        "go, below keep-mb, while the agent's and the pages other processes share stay"))
     swap_mb: int = field(default=-1, metadata=setting(
         "size of the zram swap the service sets up when the host has no swap (0: none, page cache only; "
         "-1: a quarter of the host's memory, at most 4096)"))

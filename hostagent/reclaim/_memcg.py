@@ -17,6 +17,8 @@ import os
 import re
 from pathlib import Path
 
+from . import _pageout
+
 MEMORY = Path("/sys/fs/cgroup/memory")
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 # Only sandbox cgroups, never another one a bad message names.
@@ -45,6 +47,23 @@ def usage(cgroup: str) -> int | None:
 
 def cpu_ns(cgroup: str) -> int | None:
     return _num(CPUACCT / cgroup.lstrip("/") / "cpuacct.usage")
+
+
+def runnable(cgroup: str) -> bool:
+    """Whether a thread of the cgroup is running or waiting for a CPU: a best-effort sandbox that
+    spins on a busy host gets next to no CPU time, and is not idle for that."""
+    try:
+        tids = (_mem(cgroup) / "tasks").read_text().split()
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{tid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "R":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
 
 
 def stat(cgroup: str) -> dict[str, int]:
@@ -97,15 +116,25 @@ def repair(cgroup: str) -> bool:
     return True
 
 
-def reclaim_step(cgroup: str, want: int, keep: int) -> int:
-    """Take up to ``want`` bytes from the cgroup, leaving at least ``keep``; the bytes it freed."""
+def reclaim_step(cgroup: str, want: int, keep: int, pageout: bool = False) -> int:
+    """Take up to ``want`` bytes from the cgroup, leaving at least ``keep``; the bytes it freed.
+    ``pageout``: first page out the sandbox's own processes but its agent (``_pageout``), which
+    goes below ``keep`` where the pages are theirs alone."""
     d = _mem(cgroup)
     before, own = usage(cgroup), _own_limit(d)
     if before is None or own is None:
         return 0
-    target = max(before - want, keep)
+    freed = 0
+    if pageout:
+        for pid in _pageout.sandbox_processes(d / "cgroup.procs"):
+            _pageout.page_out(pid, "/" + cgroup.lstrip("/"))
+        now = usage(cgroup)
+        if now is None:
+            return 0
+        freed, before = max(0, before - now), now
+    target = max(before - max(0, want - freed), keep)
     if target >= before:
-        return 0
+        return freed
     oom, swappiness = d / "memory.oom_control", d / "memory.swappiness"
     was = swappiness.read_text().strip()
     oom.write_text("1")
@@ -124,7 +153,7 @@ def reclaim_step(cgroup: str, want: int, keep: int) -> int:
         swappiness.write_text(was)
         oom.write_text("0")
     after = usage(cgroup)
-    return max(0, before - after) if after is not None else 0
+    return freed + (max(0, before - after) if after is not None else 0)
 
 
-__all__ = ["PAGE", "cpu_class", "cpu_ns", "merged_bytes", "reclaim_step", "repair", "stat", "usage", "valid_cgroup"]
+__all__ = ["PAGE", "cpu_class", "cpu_ns", "merged_bytes", "reclaim_step", "repair", "runnable", "stat", "usage", "valid_cgroup"]

@@ -27,6 +27,7 @@ from bus.messages import ReclaimReport, ReclaimTarget, ReclaimTargets, SandboxMe
 from bus.runtime import Service
 
 from . import _memcg as memcg
+from . import _pageout
 from ._config import ReclaimConfig
 from ._host import HostSetup, ksm_saved_bytes, swap_size_mb
 
@@ -54,6 +55,7 @@ class ReclaimService(Service):
         self.swap_mb = swap_size_mb(config.swap_mb)  # refused (SwapRefused) before anything is set up
         self.host = HostSetup.load(config.data_dir)
         self.swap_device = ""
+        self.pageout = config.pageout and _pageout.available()
         self.targets: dict[str, ReclaimTarget] = {}
         self.targets_at = 0.0
         self.seen: dict[str, _Seen] = {}
@@ -63,6 +65,8 @@ class ReclaimService(Service):
         self._g_resident = m.gauge("dsec_reclaim_sandbox_resident_bytes", "Memory charged to the sandbox's cgroup", ["sandbox"])
         self._g_reclaimed = m.gauge("dsec_reclaim_sandbox_reclaimed_bytes", "Memory the service took from the sandbox", ["sandbox"])
         self._g_merged = m.gauge("dsec_reclaim_sandbox_merged_bytes", "The sandbox's pages KSM merged", ["sandbox"])
+        self._g_swapped = m.gauge("dsec_reclaim_sandbox_swapped_bytes", "The sandbox's pages in the swap (uncompressed)", ["sandbox"])
+        self._g_class = m.gauge("dsec_reclaim_sandbox_info", "1 for each sandbox, labelled with the CPU class its cgroup is in", ["sandbox", "cpu_class"])
         self._g_host = m.gauge("dsec_reclaim_host_bytes", "Host figures of the reclaim service", ["kind"])
         m.collector(self._fill_metrics)
 
@@ -117,12 +121,14 @@ class ReclaimService(Service):
             if cpu is None:
                 continue  # gone between the list and now
             busy = (cpu - seen.cpu_ns) / 1e9 / (now - seen.at) if seen.at else float("inf")
+            if busy < self.config.idle_cpu and memcg.runnable(t.cgroup):
+                busy = float("inf")  # starved, not idle
             if busy >= self.config.idle_cpu:
                 seen.exhausted = False
             seen.cpu_ns, seen.at = cpu, now
             idle = t.state == "running" and t.idle_s >= self.config.idle_s and busy < self.config.idle_cpu
             if idle and self.config.enabled and not seen.exhausted:
-                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB)
+                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB, self.pageout)
                 seen.reclaimed += got
                 seen.exhausted = got < MIB
             st = memcg.stat(t.cgroup)
@@ -142,7 +148,7 @@ class ReclaimService(Service):
 
     def _fill_metrics(self) -> None:
         r = self.last
-        for g in (self._g_resident, self._g_reclaimed, self._g_merged, self._g_host):
+        for g in (self._g_resident, self._g_reclaimed, self._g_merged, self._g_swapped, self._g_class, self._g_host):
             g.clear()
         if r is None:
             return
@@ -150,6 +156,8 @@ class ReclaimService(Service):
             self._g_resident.set(s.resident_bytes, sandbox=s.sandbox_id)
             self._g_reclaimed.set(s.reclaimed_bytes, sandbox=s.sandbox_id)
             self._g_merged.set(s.merged_bytes, sandbox=s.sandbox_id)
+            self._g_swapped.set(s.swapped_bytes, sandbox=s.sandbox_id)
+            self._g_class.set(1, sandbox=s.sandbox_id, cpu_class=s.cpu_class or "unknown")
         for kind, v in (("resident", r.resident_bytes), ("reclaimed", r.reclaimed_bytes), ("swap_used", r.swap_used_bytes),
                         ("swap_stored", r.swap_stored_bytes), ("merged", r.merged_bytes)):
             self._g_host.set(v, kind=kind)

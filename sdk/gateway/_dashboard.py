@@ -39,6 +39,9 @@ EVENTS_SUBJECT = "dsec.evt.>"
 MB = 1024 * 1024
 PAGE = Path(__file__).with_name("dashboard.html")
 APP_KEY = web.AppKey("dsec_dashboard", object)
+# The reclaim service's per-sandbox gauges, as the fields of a sandbox's info they fill.
+SANDBOX_MEMORY = {"dsec_reclaim_sandbox_resident_bytes": "mem_resident_bytes", "dsec_reclaim_sandbox_reclaimed_bytes": "mem_reclaimed_bytes",
+                  "dsec_reclaim_sandbox_merged_bytes": "mem_merged_bytes"}
 
 
 class Dashboard:
@@ -46,6 +49,7 @@ class Dashboard:
         self.link = link
         self.history: dict[str, collections.deque[list[float]]] = {}
         self.hosts: list[dict[str, Any]] = []
+        self.sandbox_memory: dict[str, dict[str, int]] = {}
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=RECENT_EVENTS)
         self.listeners: set[asyncio.Queue[dict[str, Any]]] = set()
         self._sub: Any = None
@@ -73,21 +77,28 @@ class Dashboard:
             self._sub = None
 
     # --- hosts over time --------------------------------------------------------------------
-    async def _machine_memory_mb(self) -> dict[str, int]:
+    async def _scrape(self) -> dict[str, int]:
         """Memory in use on each host's machine (its host agent's metrics; heartbeats carry only what
-        sandboxes use)."""
+        sandboxes use); on the way, each sandbox's memory as its host's reclaim service last saw it."""
         replies = await scrape_all(await self.link.nc(), timeout=1.0, quiet_s=0.1)
         used: dict[str, int] = {}
+        mem: dict[str, dict[str, int]] = {}
         for r in replies:
             if r.service == "hostagent":
                 for name, labels, value in parse(r.text):
                     if name == "dsec_machine_memory_bytes" and labels.get("kind") == "used":
                         used[r.instance] = int(value // MB)
+            elif r.service == "reclaim":
+                for name, labels, value in parse(r.text):
+                    kind = SANDBOX_MEMORY.get(name)
+                    if kind and "sandbox" in labels:
+                        mem.setdefault(labels["sandbox"], {})[kind] = int(value)
+        self.sandbox_memory = mem
         return used
 
     async def sample(self) -> None:
         st = await cluster_status(self.url, timeout=3.0)
-        machine = await self._machine_memory_mb()
+        machine = await self._scrape()
         now = time.time()
         self.hosts = st["hosts"]
         for h in self.hosts:
@@ -145,6 +156,8 @@ class Dashboard:
             raise web.HTTPServiceUnavailable(text=json.dumps({"code": exc.code, "message": exc.description}), content_type="application/json") from None
         except Exception:  # noqa: BLE001 - no sandbox bucket yet (a stack that never ran a host)
             sandboxes = []
+        for sb in sandboxes:
+            sb.update(self.sandbox_memory.get(sb["sandbox_id"], {}))
         return web.json_response({
             "at": time.time(),
             "hosts": self.hosts,

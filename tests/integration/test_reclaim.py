@@ -196,6 +196,60 @@ async def test_reclaim_idle_sandbox_and_wake(stack: Stack, tmp_path: Path) -> No
             await svc.stop()
 
 
+def agent_swap_kb(stack: Stack, sid: str) -> int:
+    """VmSwap of the sandbox's in-sandbox agent process."""
+    for pid in (MEM / stack.cid(sid) / "cgroup.procs").read_text().split():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "dsec-agent":
+                return next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmSwap:"))
+        except OSError:
+            continue
+    raise AssertionError(f"no dsec-agent process in {sid}'s cgroup")
+
+
+async def test_pageout_takes_idle_processes_not_the_agent(stack: Stack, tmp_path: Path) -> None:
+    """With a keep floor above what the sandbox holds, a limit step takes nothing (the control, the
+    service run with --pageout off); paging out the sandbox's own processes takes their memory below
+    that floor, leaves the agent's pages alone, and the holding process and the next exec are fine."""
+    from bus import subjects as S
+    from tests.conftest import eventually
+
+    # Any swap will do: the host's, another stack's, or the zram device the service sets up.
+    reports = Reports()
+    sub = await stack.nc.subscribe(S.reclaim_report(stack.host_id), cb=reports.on)
+    svc = reclaim_child(stack, tmp_path, "--keep-mb", "200", "--no-pageout")
+    try:
+        async with stack.sandbox(memory_mb=256) as sb:
+            hold = await sb.commands.run(HOLD.format(n=HOLD_MB << 20), background=True, timeout=0)
+            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > HOLD_MB << 20, timeout=180,
+                             what="the shell to hold its memory")
+            await eventually(lambda: (s := reports.sandbox(sb.sandbox_id)) is not None and s.idle_s > 3, timeout=60,
+                             what="the sandbox idle in the service's reports")
+            seen = reports.count
+            await eventually(lambda: reports.count > seen + 4, timeout=60, what="passes over the idle sandbox")
+            s = reports.sandbox(sb.sandbox_id)
+            assert s is not None and s.reclaimed_bytes == 0 and s.swapped_bytes == 0, s  # the control: the floor holds
+            assert (await svc.stop()) == 0, svc.log()
+
+            svc = reclaim_child(stack, tmp_path, "--keep-mb", "200")
+            try:
+                await eventually(lambda: (s := reports.sandbox(sb.sandbox_id)) is not None and s.swapped_bytes > (HOLD_MB << 20) // 2,
+                                 timeout=60, what="the idle sandbox's processes paged out")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {reports.sandbox(sb.sandbox_id)}; log: {svc.log()}") from None
+            assert mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") < (HOLD_MB << 20) // 2
+            assert agent_swap_kb(stack, sb.sandbox_id) == 0
+            assert mem_file(stack, sb.sandbox_id, "memory.limit_in_bytes") == 256 << 20
+            assert any(p.pid == hold.pid for p in await sb.commands.list())
+            assert (await sb.commands.run("echo awake")).stdout == "awake\n"
+            assert "oom_kill 0" in (MEM / stack.cid(sb.sandbox_id) / "memory.oom_control").read_text()
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
+        await sub.unsubscribe()
+        if svc.alive():
+            await svc.stop()
+
+
 async def test_reclaim_faults(stack: Stack, tmp_path: Path) -> None:
     """A swap beyond the host is refused with a clear message; with swap in play a sandbox's own
     limit still holds; a malformed or foreign target list changes nothing; the service killed
@@ -376,3 +430,34 @@ async def test_best_effort_load_leaves_cores_idle_for_admission(stack: Stack) ->
         print(f"busy cores: {all_busy:.2f} counting best-effort work, {ls_busy:.2f} not; the spinners used {spun:.2f}")
         assert spun > 0.05, spun
         assert abs((all_busy - ls_busy) - spun) < 0.25 + 0.1 * spun, (all_busy, ls_busy, spun)
+
+
+async def test_memory_and_class_on_dashboard_and_metrics(stack: Stack, tmp_path: Path) -> None:
+    """The dashboard's sandbox rows and the gateway's /metrics carry each sandbox's class and memory
+    (resident, reclaimed, merged) as its host's reclaim service last saw it."""
+    import aiohttp
+
+    from bus.metrics import parse
+    from tests.conftest import eventually
+    from tests.integration.test_dashboard import gateway
+
+    svc = reclaim_child(stack, tmp_path, "--idle", "100000", "--swap-mb", "0", "--no-ksm")  # reports only
+    try:
+        async with stack.sandbox(memory_mb=96) as sb, gateway(stack) as base, aiohttp.ClientSession() as http:
+            async def row() -> dict[str, Any] | None:
+                async with http.get(f"{base}/dashboard/state") as r:
+                    rows = [s for s in (await r.json())["sandboxes"] if s["sandbox_id"] == sb.sandbox_id]
+                return rows[0] if rows and rows[0].get("mem_resident_bytes", 0) > 0 else None
+
+            await eventually(row, timeout=60, what="the sandbox's memory on the dashboard")
+            got = await row()
+            assert got is not None and got["cpu_class"] == "best-effort" and "mem_reclaimed_bytes" in got and "mem_merged_bytes" in got, got
+            async with http.get(f"{base}/metrics", params={"service": "reclaim"}) as r:
+                samples = parse(await r.text())
+            assert any(n == "dsec_reclaim_sandbox_info" and lab.get("sandbox") == sb.sandbox_id and lab.get("cpu_class") == "best-effort"
+                       for n, lab, _ in samples), [s for s in samples if s[0].startswith("dsec_reclaim_sandbox")]
+            assert any(n == "dsec_reclaim_sandbox_resident_bytes" and lab.get("sandbox") == sb.sandbox_id and v > 0 for n, lab, v in samples)
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
+        if svc.alive():
+            await svc.stop()

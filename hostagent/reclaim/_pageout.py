@@ -1,0 +1,111 @@
+"""Page out the memory of an idle sandbox's own processes (``process_madvise(MADV_PAGEOUT)``).
+
+A memcg limit step takes the cgroup's least recently used pages, whichever process they belong to,
+and stops at the service's ``keep`` floor so that the in-sandbox agent and the binaries of the next
+exec stay resident. Most of what an idle sandbox holds is the heap of the processes that wait for
+the model (an interpreter, a language server): this pages out exactly those — the private pages
+of their anonymous mappings, to the swap — and leaves the agent, the page cache (the binaries the
+next exec runs) and every page another process maps too where they are.
+Nothing changes for the process but the time of its next touch of those pages: no limit moves,
+so nothing can be OOM-killed by it."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+
+# x86_64 and aarch64 alike (the generic syscall table numbers these the same since 5.x).
+_SYS_PIDFD_OPEN = 434
+_SYS_PROCESS_MADVISE = 440
+MADV_PAGEOUT = 21
+# The agent serves the sandbox's next operation: its pages stay.
+AGENT_COMM = "dsec-agent"
+# Mappings the kernel refuses to page out (special or locked): skipped, not an error.
+_SPECIAL = ("[vvar", "[vsyscall]", "[vdso]", "[uprobes]")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+def available() -> bool:
+    """Whether this kernel has process_madvise (5.10+): probed on ourselves with no ranges."""
+    fd = _libc.syscall(_SYS_PIDFD_OPEN, os.getpid(), 0)
+    if fd < 0:
+        return False
+    try:
+        return _libc.syscall(_SYS_PROCESS_MADVISE, fd, None, 0, MADV_PAGEOUT, 0) >= 0
+    finally:
+        os.close(fd)
+
+
+def _ranges(pid: int) -> list[tuple[int, int]]:
+    """The process's anonymous mappings (heap, stack, its allocator's): a file mapping's pages are
+    page cache, the binaries and libraries the next exec runs; the limit step's to take."""
+    out = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if path and (not path.startswith("[") or path.startswith(_SPECIAL)):
+                continue
+            lo, _, hi = parts[0].partition("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def _in_cgroup(pid: int, cgroup: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return any(ln.rstrip("\n").split(":", 2)[1:] == ["memory", cgroup] for ln in f)
+    except OSError:
+        return False
+
+
+def page_out(pid: int, cgroup: str) -> int:
+    """Ask the kernel to page out ``pid``'s memory if it is (still) in memory cgroup ``cgroup``; the
+    bytes of the ranges it took the advice on (what it really freed is less: shared and locked pages
+    stay). 0 for a process that is gone or elsewhere."""
+    fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+    if fd < 0:
+        return 0
+    done = 0
+    try:
+        # Checked with the pidfd held: the pid cannot be reused for another process from here on.
+        if not _in_cgroup(pid, cgroup):
+            return 0
+        for lo, hi in _ranges(pid):
+            iov = _IoVec(lo, hi - lo)
+            n = _libc.syscall(_SYS_PROCESS_MADVISE, fd, ctypes.byref(iov), 1, MADV_PAGEOUT, 0)
+            if n < 0 and ctypes.get_errno() == errno.ESRCH:
+                break  # it exited
+            done += max(n, 0)
+    except OSError:  # /proc/<pid>/maps gone: it exited
+        pass
+    finally:
+        os.close(fd)
+    return done
+
+
+def sandbox_processes(procs: Path) -> list[int]:
+    """The pids in a cgroup's ``cgroup.procs`` but the agent's."""
+    try:
+        pids = [int(p) for p in procs.read_text().split()]
+    except (OSError, ValueError):
+        return []
+    out = []
+    for pid in pids:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm != AGENT_COMM:
+            out.append(pid)
+    return out
+
+
+__all__ = ["AGENT_COMM", "available", "page_out", "sandbox_processes"]
