@@ -388,9 +388,19 @@ def _read_context(p: Path, follow: bool = True) -> ClientContext | None:
 
 
 def with_credentials(url: str, user: str, password: str) -> str:
-    parts = urlsplit(url)
-    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    """``url`` with ``user``:``password``; a seed list (comma-separated, a NATS cluster's nodes) gets
+    them on every URL, since a reconnect to another node presents that node's URL's credentials."""
+    out = []
+    for u in split_urls(url):
+        parts = urlsplit(u)
+        netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{parts.hostname}:{parts.port}"
+        out.append(urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)))
+    return ",".join(out)
+
+
+def split_urls(url: str) -> list[str]:
+    """The URLs of a seed list: ``nats://a:4222, nats://b:4222`` (one URL is a list of one)."""
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 def redact_url(url: str) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -18,6 +19,19 @@ from nats.js.kv import KeyValue
 from . import subjects as S
 
 DAY = 86_400.0
+REPLICAS_ENV = "DSEC_NATS_REPLICAS"  # how many copies of every stream and bucket: 1 on one node, 3 on a 3-node cluster
+
+
+def default_replicas() -> int:
+    """$DSEC_NATS_REPLICAS, else 1. Every process that sets the streams up must agree (each one's
+    ``ensure_all`` updates them to its own figure), so `dsec up --cluster 3` sets it for all of them."""
+    raw = os.environ.get(REPLICAS_ENV, "").strip()
+    if not raw:
+        return 1
+    n = int(raw)
+    if n not in (1, 3, 5):  # JetStream's Raft groups want an odd count; more than 5 buys nothing
+        raise ValueError(f"{REPLICAS_ENV}={raw}: stream replicas are 1, 3 or 5")
+    return n
 
 
 @dataclass(frozen=True)
@@ -28,7 +42,7 @@ class StreamOptions:
     events_max_age_s: float = 7 * DAY
     events_max_bytes: int = 4 * 1024**3
     dedup_window_s: float = 120.0
-    replicas: int = 1
+    replicas: int = field(default_factory=default_replicas)
 
 
 def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
@@ -96,7 +110,9 @@ async def ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     await js.update_stream(cfg)
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType = StorageType.FILE, replicas: int = 1) -> KeyValue:
+async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType = StorageType.FILE, replicas: int | None = None) -> KeyValue:
+    """The bucket, made if missing; ``replicas`` None: ``default_replicas()``."""
+    replicas = default_replicas() if replicas is None else replicas
     opts = KV_BUCKETS.get(bucket, {"history": 1})
     direct = bool(opts.get("direct"))
     try:
@@ -105,11 +121,13 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType =
         return await js.create_key_value(
             config=KeyValueConfig(bucket=bucket, history=opts["history"], storage=storage, replicas=replicas, direct=direct or None)
         )
-    if direct:  # a bucket made before it was read by direct gets
-        si = await js.stream_info(f"KV_{bucket}")
-        if not si.config.allow_direct:
-            await js.update_stream(replace(si.config, allow_direct=True))
-            kv = await js.key_value(bucket)
+    if not direct and replicas == 1:  # nothing to compare: spare the extra request on one node
+        return kv
+    si = await js.stream_info(f"KV_{bucket}")
+    # a bucket made before it was read by direct gets, or on one node before the cluster grew
+    if (direct and not si.config.allow_direct) or (si.config.num_replicas or 1) != replicas:
+        await js.update_stream(replace(si.config, allow_direct=si.config.allow_direct or direct, num_replicas=replicas))
+        kv = await js.key_value(bucket)
     return kv
 
 

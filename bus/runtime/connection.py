@@ -14,7 +14,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
-from ..auth import ANONYMOUS_USER, CLIENT_USER_PREFIX, ROLLOUTS_ROLE, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
+from ..auth import ANONYMOUS_USER, split_urls, CLIENT_USER_PREFIX, ROLLOUTS_ROLE, SANDBOX_USER_PREFIX, inbox_prefix, load_client_context
 from ..errors import Unavailable
 from ..subjects import valid_token
 
@@ -22,7 +22,11 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 
 
 def nats_url(url: str | None = None) -> str:
-    """``url``, else $DSEC_NATS_URL, else the client context `dsec up` wrote (bus.auth), else the default."""
+    """``url``, else $DSEC_NATS_URL, else the client context `dsec up` wrote (bus.auth), else the default.
+
+    Any of them may be a seed list, ``nats://a:4222,nats://b:4222,nats://c:4222`` (a NATS cluster's
+    nodes): the client connects to one of them, learns the rest of the cluster from it, and moves to
+    another node when its node goes away."""
     if url or os.environ.get("DSEC_NATS_URL"):
         return url or os.environ["DSEC_NATS_URL"]
     ctx = load_client_context()
@@ -40,7 +44,7 @@ async def connect(
     **kwargs: Any,
 ) -> NATS:
     """Connect to NATS, retrying the first connect a bounded number of times (in attempts and time)."""
-    servers = nats_url(url).split(",")
+    servers = split_urls(nats_url(url))
     user = kwargs.get("user") or urlsplit(servers[0]).username
     user = unquote(user) if user else ANONYMOUS_USER
     if valid_token(user):  # each user may only receive under its own prefix (bus.auth): replies must come back there
