@@ -45,7 +45,8 @@ class StreamOptions:
     replicas: int = field(default_factory=default_replicas)
 
 
-def stream_configs(opts: StreamOptions = StreamOptions()) -> list[StreamConfig]:
+def stream_configs(opts: StreamOptions | None = None) -> list[StreamConfig]:
+    opts = opts or StreamOptions()  # made per call: its replicas follow the environment
     req, evt, dlq = _core_streams(opts)
     # The trajectory log is kept as the events are; rollout jobs are a work queue as the requests are.
     traj = replace(evt, name=S.STREAM_TRAJ, subjects=S.TRAJ_SUBJECTS)
@@ -131,8 +132,9 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType =
     return kv
 
 
-async def ensure_all(js: JetStreamContext, opts: StreamOptions = StreamOptions()) -> None:
+async def ensure_all(js: JetStreamContext, opts: StreamOptions | None = None) -> None:
     """Create or update every stream and bucket; safe to call from every service at start."""
+    opts = opts or StreamOptions()
     await _drop_host_stream(js)
     for cfg in stream_configs(opts):
         await ensure_stream(js, cfg)

@@ -37,6 +37,12 @@ from .. import subjects as S
 DEFAULT_MAX_INFLIGHT = 8192
 REFIRE_WINDOW_S = 10.0  # a core publish older than this before a disconnect was surely delivered
 REFIRE_ATTEMPTS = 30  # stores again after a reconnect: each attempt waits 0.25-2 s (jittered) on a failure
+# A write that no stream answered (503 "no responders") is tried again a few times: in a cluster that
+# is a stream between leaders (a node lost, an election under way), seconds at most. Bounded so that a
+# subject no stream takes still fails, within ~3 s; jittered so that many writers do not come back together.
+STORE_RETRY_ATTEMPTS = 5
+STORE_RETRY_BASE_S = 0.1
+STORE_RETRY_CAP_S = 1.6
 ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
 
 
@@ -74,6 +80,11 @@ class StoreError(Exception):
         self.description = description
         self.status = status
         self.err_code = err_code
+
+
+def no_responders(exc: StoreError) -> bool:
+    """Nothing stored: no stream (or no stream leader, in a cluster) took the write; safe to send again."""
+    return exc.status == 503 and not exc.err_code
 
 
 def decode_puback(data: bytes) -> PubAck:
@@ -241,8 +252,15 @@ class Publisher:
         return fut
 
     async def store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> PubAck:
-        """One acked write, awaited."""
-        return await (await self.publish(subject, data, headers))
+        """One acked write, awaited; tried again while no stream answers (``STORE_RETRY_*``)."""
+        for attempt in range(STORE_RETRY_ATTEMPTS + 1):
+            try:
+                return await (await self.publish(subject, data, headers))
+            except StoreError as exc:
+                if not no_responders(exc) or attempt == STORE_RETRY_ATTEMPTS:
+                    raise
+            await asyncio.sleep(random.uniform(0.5, 1.0) * min(STORE_RETRY_CAP_S, STORE_RETRY_BASE_S * 2**attempt))
+        raise AssertionError("unreachable")
 
     async def fire(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
         """A core publish to a stream's subject; with a ``Nats-Msg-Id`` it is stored again (acked)
@@ -344,4 +362,7 @@ def nc_of(js: Any) -> NATS:
     return nc
 
 
-__all__ = ["PubAck", "Publisher", "StoreError", "decode_puback", "nc_of", "publisher_for", "release_publisher", "subscribe_sync", "ERR_WRONG_LAST_SEQUENCE"]
+__all__ = [
+    "PubAck", "Publisher", "StoreError", "decode_puback", "no_responders", "nc_of", "publisher_for", "release_publisher", "subscribe_sync",
+    "ERR_WRONG_LAST_SEQUENCE",
+]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -37,6 +38,33 @@ async def test_no_stream_is_an_error_not_a_hang(nc, uid) -> None:
     with pytest.raises(StoreError) as ei:
         await asyncio.wait_for(p.store(f"nostream{uid}.x", b"1"), 10)
     assert ei.value.status == 503
+
+
+async def test_a_write_no_stream_took_is_tried_again_until_one_does(nc, uid) -> None:
+    """A stream between leaders (a cluster node lost) answers nothing: the store is sent again, jittered,
+    and lands once the stream is there. (The control: with no stream ever, the store fails with 503, above.)"""
+    sent: list[str] = []
+
+    class Counting(Publisher):
+        async def publish(self, subject, data, headers=None):
+            sent.append(subject)
+            return await super().publish(subject, data, headers)
+
+    js = nc.jetstream()
+    p = Counting(nc)
+    name = f"L_{uid}"
+    try:
+        task = asyncio.ensure_future(p.store(f"late{uid}.x", b"1"))
+        await eventually(lambda: len(sent) >= 2, timeout=10, what="the store tried a second time")
+        assert not task.done()
+        await js.add_stream(name=name, subjects=[f"late{uid}.>"])
+        ack = await asyncio.wait_for(task, 10)
+        assert ack.stream == name and ack.seq == 1
+        assert (await js.stream_info(name)).state.messages == 1
+    finally:
+        await p.stop()
+        with contextlib.suppress(Exception):
+            await js.delete_stream(name)
 
 
 def test_decode_puback_error_answer() -> None:
