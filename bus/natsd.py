@@ -222,6 +222,7 @@ class NatsCluster:
         *,
         size: int = 3,
         ports: list[int] | None = None,
+        route_ports: list[int] | None = None,
         host: str = "127.0.0.1",
         extra_config: str = "",
         log_dir: str | os.PathLike[str] | None = None,
@@ -231,7 +232,8 @@ class NatsCluster:
             raise ValueError("a cluster has at least one node")
         ports = list(ports or [])
         ports += [free_port(host) for _ in range(size - len(ports))]
-        route_ports = [free_port(host) for _ in range(size)]
+        route_ports = list(route_ports or [])
+        route_ports += [free_port(host) for _ in range(size - len(route_ports))]
         logs = Path(log_dir) if log_dir else None
         self.nodes = [
             NatsServer(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 from dataclasses import dataclass, field, replace
 
 from nats.js import JetStreamContext
@@ -13,7 +15,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import BucketNotFoundError, NotFoundError
+import nats.errors
+from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from . import subjects as S
@@ -132,9 +135,26 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType =
     return kv
 
 
+# Setting up replicated streams while other services do the same (every service at `dsec up`), or while
+# a node is lost, can time out on the JetStream API: each step is tried again, bounded and jittered.
+ENSURE_ATTEMPTS = 6
+ENSURE_RETRY_S = (0.2, 0.5)
+
+
 async def ensure_all(js: JetStreamContext, opts: StreamOptions | None = None) -> None:
     """Create or update every stream and bucket; safe to call from every service at start."""
     opts = opts or StreamOptions()
+    for attempt in range(1, ENSURE_ATTEMPTS + 1):
+        try:
+            await _ensure_all(js, opts)
+            return
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, ServiceUnavailableError):
+            if attempt == ENSURE_ATTEMPTS:
+                raise
+        await asyncio.sleep(random.uniform(*ENSURE_RETRY_S) * attempt)  # back-off, jittered
+
+
+async def _ensure_all(js: JetStreamContext, opts: StreamOptions) -> None:
     await _drop_host_stream(js)
     for cfg in stream_configs(opts):
         await ensure_stream(js, cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +37,7 @@ from bus.messages import KILL_PENDING, SANDBOX_ENDED
 from bus.messages import SandboxMetrics as WireMetrics
 from bus.messages import SandboxInfo as WireInfo
 from bus.rules import CREATE_TIMEOUT_S, validate_spec
-from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for, release_publisher, subscribe_sync, tenant_of
+from bus.runtime import KV, PubAck, StoreError, connect, nats_url, no_responders, publisher_for, release_publisher, subscribe_sync, tenant_of
 
 from . import _display
 from . import _snapshots as _snap
@@ -310,15 +311,32 @@ class _Replies:
 _replies: dict[int, _Replies] = {}
 
 
+# A request whose ack was lost with a NATS node (the stream's leader died, or the connection moved to
+# another node of the seed list meanwhile), or that no stream took (a stream between leaders: an election takes seconds), is sent
+# again until STORE_RIDE_THROUGH_S: its Nats-Msg-Id makes a copy the stream already holds harmless.
+# Jittered, so that many clients do not come back together.
+STORE_RIDE_THROUGH_S = 20.0
+STORE_RETRY_S = (0.2, 1.0)
+
+
 async def _store(nc: NATS, subject: str, data: bytes, headers: dict[str, str], timeout: float = 5.0) -> PubAck:
     """An acked JetStream publish of a request, with the control plane's failure as ``Unavailable``."""
-    fut = await (await publisher_for(nc)).publish(subject, data, headers)
-    if not await _wait_fut(fut, timeout):  # (asyncio.wait_for costs a create several microseconds more)
-        raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?")
-    try:
-        return fut.result()
-    except (StoreError, asyncio.TimeoutError) as exc:
-        raise Unavailable(f"the request was not stored ({exc}); is `dsec up` running?") from None
+    deadline = time.monotonic() + STORE_RIDE_THROUGH_S
+    while True:
+        fut = await (await publisher_for(nc)).publish(subject, data, headers)
+        acked = await _wait_fut(fut, timeout)  # (asyncio.wait_for costs a create several microseconds more)
+        last = time.monotonic() >= deadline
+        try:
+            if acked:
+                return fut.result()
+            if S.HDR_MSG_ID not in headers or last:
+                raise Unavailable(f"the dsec control plane did not acknowledge the request within {timeout:g}s; is `dsec up` running?")
+        except StoreError as exc:
+            if not no_responders(exc) or last:
+                raise Unavailable(f"the request was not stored ({exc}); is `dsec up` running?") from None
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(f"the request was not stored ({exc}); is `dsec up` running?") from None
+        await asyncio.sleep(random.uniform(*STORE_RETRY_S))  # back-off, jittered
 
 
 async def _replies_for(nc: NATS) -> _Replies:

@@ -29,7 +29,8 @@ from typing import Any
 
 from bus.auth import ENV_MONITOR_URL, MONITOR_ROLE, OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
 from bus.errors import DsecError
-from bus.natsd import NatsServer, NatsServerError
+from bus.natsd import NatsCluster, NatsServer, NatsServerError
+from bus.streams import REPLICAS_ENV
 from bus.sign import ENV_CONTROL_KEY
 from bus.subjects import METRICS_SCRAPE
 
@@ -198,13 +199,14 @@ class Child(Supervised):
 
 
 class NatsChild(Supervised):
-    """nats-server: restarted on the same store dir, port and users (bus.natsd); its start waits until
+    """nats-server (or one node of a cluster): restarted on the same store dir, ports and users
+    (bus.natsd), so a node that died rejoins its cluster and catches up; its start waits until
     JetStream is ready, off the event loop."""
 
     blocking_start = True
 
-    def __init__(self, server: NatsServer) -> None:
-        super().__init__("nats-server", Path(server.log_file), 10.0)
+    def __init__(self, server: NatsServer, name: str = "nats-server") -> None:
+        super().__init__(name, Path(server.log_file), 10.0)
         self.server = server
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -225,9 +227,10 @@ class NatsChild(Supervised):
 
 
 class Supervisor:
-    def __init__(self, data: Path, nats: NatsChild, children: list[Child], backend: str) -> None:
+    def __init__(self, data: Path, nats: list[NatsChild], children: list[Child], backend: str, cluster: NatsCluster | None = None) -> None:
         self.data = data
-        self.nats = nats
+        self.nats = nats  # one nats-server, or the nodes of ``cluster``
+        self.cluster = cluster
         self.children = children
         self.backend = backend
         self.stopping = asyncio.Event()
@@ -235,10 +238,20 @@ class Supervisor:
 
     @property
     def all(self) -> list[Supervised]:
-        return [self.nats, *self.children]
+        return [*self.nats, *self.children]
+
+    @property
+    def url(self) -> str:
+        """The NATS URL every process is given: a seed list of every node, on a cluster."""
+        return ",".join(n.server.url for n in self.nats)
+
+    def reload(self, extra_config: str) -> None:
+        """Users and permissions, the same on every node."""
+        for n in self.nats:
+            n.server.reload(extra_config)
 
     def write_view(self) -> None:
-        view = {"supervisor_pid": os.getpid(), "nats_url": self.nats.server.url, "at": time.time(), "services": [s.view() for s in self.all]}
+        view = {"supervisor_pid": os.getpid(), "nats_url": self.url, "at": time.time(), "services": [s.view() for s in self.all]}
         tmp = self.view_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(view))
         os.replace(tmp, self.view_path)
@@ -284,15 +297,22 @@ class Supervisor:
         for s in self.all:
             if self.stopping.is_set():
                 return
-            if not await self._start(s) and s is self.nats:
-                raise DsecError(f"nats-server did not start; see {s.log_path}")
+            if self.cluster is not None and self.children and s is self.children[0]:
+                # Services set the streams up at start, replicated: the nodes must first agree on a leader.
+                try:
+                    await asyncio.to_thread(self.cluster.wait_meta_leader, 60.0)
+                except NatsServerError as exc:
+                    raise DsecError(str(exc)) from None
+            if not await self._start(s) and s in self.nats:
+                raise DsecError(f"{s.name} did not start; see {s.log_path}")
         self.write_view()
 
     async def stop_all(self) -> None:
         for s in reversed(self.children):
             await asyncio.to_thread(s.stop)
             self.write_view()
-        await asyncio.to_thread(self.nats.stop)
+        for n in self.nats:
+            await asyncio.to_thread(n.stop)
         self.write_view()
         if self.backend == "container":
             await self.sweep()
@@ -366,7 +386,7 @@ async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
         if now != seen and not sup.stopping.is_set():
             seen = now
             try:
-                await asyncio.to_thread(sup.nats.server.reload, AuthConfig.load_or_create(auth_file).config_block())
+                await asyncio.to_thread(sup.reload, AuthConfig.load_or_create(auth_file).config_block())
                 _say("reloaded NATS users (API keys changed)")
             except NatsServerError as exc:
                 _say(f"could not reload NATS users: {exc}")
@@ -392,7 +412,7 @@ async def _run(args: argparse.Namespace, data: Path, sup: Supervisor, pointer: P
     tend: asyncio.Task[None] | None = None
     try:
         await sup.start_all()
-        url = sup.nats.server.url
+        url = sup.url
         write_client_context(data, url, OPERATOR_ROLE if auth else "", auth.passwords[OPERATOR_ROLE] if auth else "", pointer)
         tend = asyncio.create_task(sup.tend())
         users = asyncio.create_task(_reload_users(sup, data / "auth.json")) if auth else None
@@ -434,19 +454,30 @@ def run_up(args: argparse.Namespace) -> int:
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     auth = None if args.no_auth else AuthConfig.load_or_create(data / "auth.json")
-    nats = NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"), extra_config=auth.config_block() if auth else "")
+    extra = auth.config_block() if auth else ""
+    size = getattr(args, "cluster", 1)
+    cluster: NatsCluster | None = None
+    if size > 1:
+        # Every node carries the same users and permissions (bus.auth); every stream and bucket R3.
+        cluster = NatsCluster(data / "nats", size=size, ports=[args.port + i for i in range(size)],
+                              route_ports=[args.cluster_port + i for i in range(size)], extra_config=extra, log_dir=logs)
+        nodes = [NatsChild(n, f"nats-server-n{i}") for i, n in enumerate(cluster.nodes)]
+    else:
+        nodes = [NatsChild(NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"), extra_config=extra))]
+    seeds = ",".join(n.server.url for n in nodes)
     base_env = {k: v for k, v in os.environ.items() if k not in (ENV_CONTROL_KEY, "DSEC_NATS_CREDS")}
     base_env["PYTHONUNBUFFERED"] = "1"
+    base_env[REPLICAS_ENV] = "3" if size > 1 else "1"  # every process sets the streams up alike (bus.streams)
 
     def env_of(svc: Service) -> dict[str, str]:
         # Each service connects as its own NATS user, with only the subjects it needs.
-        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, nats.url) if auth and svc.role else nats.url}
+        e = {**base_env, "DSEC_NATS_URL": auth.url_for(svc.role, seeds) if auth and svc.role else seeds}
         if auth and svc.control_key:
             e[ENV_CONTROL_KEY] = auth.control_key
         if auth and svc.name == "gateway":
-            e[ENV_MONITOR_URL] = auth.url_for(MONITOR_ROLE, nats.url)  # its /metrics and /dashboard (read-only)
+            e[ENV_MONITOR_URL] = auth.url_for(MONITOR_ROLE, seeds)  # its /metrics and /dashboard (read-only)
         return e
 
     pointer = Path(args.context) if args.context else default_context_path()
-    sup = Supervisor(data, NatsChild(nats), _children(args, data, logs, env_of), args.backend)
+    sup = Supervisor(data, nodes, _children(args, data, logs, env_of), args.backend, cluster)
     return asyncio.run(_run(args, data, sup, pointer, auth))

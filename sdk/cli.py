@@ -391,7 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the whole dev stack in the foreground (Ctrl-C stops it)")
     up.add_argument("--data-dir", default="/var/lib/dsec")
-    up.add_argument("--port", type=int, default=4222)
+    up.add_argument("--port", type=int, default=4222, help="NATS client port (with --cluster N: the first node's; node i listens on port+i)")
+    up.add_argument("--cluster", type=int, default=1, choices=[1, 3, 5],
+                    help="NATS nodes: 3 or 5 run a JetStream cluster on loopback, every stream and bucket replicated on 3 (docs/scale.md)")
+    up.add_argument("--cluster-port", type=int, default=6222, help="with --cluster N: the first node's route port; node i uses cluster-port+i")
     up.add_argument("--host-id", default=None)
     up.add_argument("--backend", default="container", choices=["container", "sim"])
     up.add_argument("--concurrency", type=int, default=8)

@@ -52,7 +52,8 @@ from .handoff import HandoffInbox, Handoffs
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
 from .kv import KV, Claim, Versioned, Watch, kv_erase, kv_keys
 from .publisher import (
-    ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, publisher_for, release_publisher, subscribe_sync, unsubscribe_quietly,
+    ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, no_responders,
+    publisher_for, release_publisher, subscribe_sync, unsubscribe_quietly,
 )
 from .metrics import Exposition, consumer_collector, endpoint_collector, expose, instance_of, scrape_all, scrape_one, stream_collector
 from .service import Service
@@ -93,6 +94,7 @@ __all__ = [
     "PubAck",
     "Publisher",
     "StoreError",
+    "no_responders",
     "decode_puback",
     "nc_of",
     "publisher_for",
