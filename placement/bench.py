@@ -31,9 +31,9 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType
 from bus import codec
 from bus import subjects as S
 from bus.messages import LayerRef, SandboxEvent, TemplateManifest
-from bus.natsd import NatsServer
+from bus.natsd import NatsCluster
 from bus.runtime import connect
-from bus.streams import StreamOptions, ensure_all, ensure_kv
+from bus.streams import REPLICAS_ENV, StreamOptions, ensure_all, ensure_kv
 
 
 def register(subparsers: Any) -> None:
@@ -49,6 +49,8 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--count", type=int, default=20000, help="sandboxes to create (after warm-up)")
     c.add_argument("--batch", type=int, default=1, help="1: single creates; B>1: create_batch(B)")
     c.add_argument("--replicas", type=int, default=1, help="placement replicas")
+    c.add_argument("--cluster", type=int, default=1, choices=[1, 3, 5], help="nats-server nodes (3: a JetStream cluster on loopback)")
+    c.add_argument("--stream-replicas", type=int, default=0, choices=[0, 1, 3, 5], help="copies of every stream and bucket (0: 3 on a cluster, else 1)")
     c.add_argument("--clients", type=int, default=2, help="client processes")
     c.add_argument("--concurrency", type=int, default=200, help="sandboxes in flight per client")
     c.add_argument("--sim-procs", type=int, default=0, help="processes the simulated hosts are spread over (0: auto)")
@@ -109,6 +111,18 @@ def _cpu_s(pid: int | None) -> float:
         return 0.0
 
 
+def _rss_mb(pid: int | None) -> float:
+    """Resident memory of a process in MiB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return 0.0
+
+
 def _pct(sorted_vals: list[float], q: float) -> float:
     if not sorted_vals:
         return 0.0
@@ -120,12 +134,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-create-"))
     logs = tmp / "logs"
     logs.mkdir()
-    srv = NatsServer(tmp / "nats", port=0)
+    size = getattr(args, "cluster", 1)
+    reps = getattr(args, "stream_replicas", 0) or (3 if size > 1 else 1)
+    os.environ[REPLICAS_ENV] = str(reps)  # this process and every child set the streams up alike
+    srv = NatsCluster(tmp / "nats", size=size) if size > 1 else NatsCluster(tmp / "nats", size=1)
+    if size == 1:  # one node: no routes
+        srv.nodes[0].cluster_port = None
     procs: list[_Proc] = []
     keep = args.keep
     try:
         srv.start()
-        return asyncio.run(_run(args, srv.url, tmp, logs, procs, srv.pid, srv.monitor_port))
+        return asyncio.run(_run(args, srv.url, tmp, logs, procs, srv.nodes, srv.nodes[0].monitor_port))
     except BaseException:
         keep = True  # the logs say why
         raise
@@ -230,7 +249,7 @@ def per_op(before: dict[str, int], after: dict[str, int], n: int) -> dict[str, f
 
 
 async def _run(
-    args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs: list[_Proc], nats_pid: int | None, monitor_port: int
+    args: argparse.Namespace, url: str, tmp: Path, logs: Path, procs: list[_Proc], nodes: list[Any], monitor_port: int
 ) -> dict[str, Any]:
     storage = StorageType.MEMORY if args.storage == "memory" else StorageType.FILE
     nc = await connect(url, name="dsec-bench")
@@ -281,7 +300,7 @@ async def _run(
     loop = asyncio.get_running_loop()
 
     def cpu_by_role() -> dict[str, float]:
-        out = {"nats": _cpu_s(nats_pid)}
+        out = {"nats": sum(_cpu_s(n.pid) for n in nodes)}
         for p in procs:
             role = p.name.rsplit("-", 1)[0]
             out[role] = out.get(role, 0.0) + _cpu_s(p.proc.pid)
@@ -353,6 +372,10 @@ async def _run(
         "cpu_us_per_create_by_process": {k: round(v / n_ok * 1e6, 1) for k, v in cpu_s.items()} if n_ok else {},
         # measured from the go message to the first client's end: the other client's tail is not in it
         "nats_per_create": per_op(counters0, counters1, n_ok),
+        "nats_nodes": len(nodes),
+        "stream_replicas": int(os.environ.get(REPLICAS_ENV, "1")),
+        # resident memory at the end, the sandboxes still held: each nats-server node and each process
+        "rss_mb": {**{f"nats-n{i}": _rss_mb(n.pid) for i, n in enumerate(nodes)}, **{p.name: _rss_mb(p.proc.pid) for p in procs if p.alive()}},
         "cpus": os.cpu_count(),
     }
 

@@ -45,7 +45,12 @@ async def connect(
 ) -> NATS:
     """Connect to NATS, retrying the first connect a bounded number of times (in attempts and time)."""
     servers = split_urls(nats_url(url))
-    user = kwargs.get("user") or urlsplit(servers[0]).username
+    first = urlsplit(servers[0])
+    if first.username and first.password is not None and "user" not in kwargs and "password" not in kwargs:
+        # A cluster's nodes tell the client of each other (their URLs, without credentials): a reconnect
+        # to one it learnt of that way must present the seed list's credentials too.
+        kwargs.update(user=unquote(first.username), password=unquote(first.password))
+    user = kwargs.get("user") or first.username
     user = unquote(user) if user else ANONYMOUS_USER
     if valid_token(user):  # each user may only receive under its own prefix (bus.auth): replies must come back there
         kwargs.setdefault("inbox_prefix", inbox_prefix(user))

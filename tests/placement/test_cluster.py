@@ -17,6 +17,7 @@ import pytest
 
 from bus import subjects as S
 from bus.auth import split_urls, with_credentials
+from bus.errors import Unavailable
 from bus.natsd import NatsCluster, NatsServer
 from bus.runtime import connect
 from bus.streams import REPLICAS_ENV
@@ -118,3 +119,37 @@ async def test_nats_node_killed_mid_burst_loses_nothing_and_rejoins(cluster, tmp
             stop_process(p)
         with contextlib.suppress(Exception):
             await nc.close()
+
+
+async def test_a_reconnect_to_a_node_learnt_from_the_cluster_presents_the_credentials(tmp_path) -> None:
+    """A client given one node's URL (with credentials) learns the others from it, without credentials;
+    when its node dies it moves to one of those and must log in there too. Control: a client without
+    credentials is refused by each node (the server's authorization violation)."""
+    auth = 'authorization { users: [{user: "svc", password: "pw-1"}] }'
+    c = NatsCluster(tmp_path / "nats", size=3, extra_config=auth).start()
+    nc = None
+    try:
+        seed0 = with_credentials(c.nodes[0].url, "svc", "pw-1")
+        nc = await connect(seed0, name="one-seed", max_reconnect_attempts=-1)
+        await eventually(lambda: len(nc.discovered_servers) >= 2, timeout=20, what="the other nodes learnt from the first")
+        got: list[bytes] = []
+
+        async def on(m) -> None:
+            got.append(m.data)
+
+        sub = await nc.subscribe("probe.x", cb=on)
+        c.nodes[0].kill()
+        await eventually(lambda: nc.is_connected and nc.connected_url is not None and nc.connected_url.port != c.nodes[0].port,
+                         timeout=30, what="the client on another node")
+        assert not nc.is_closed
+        await nc.publish("probe.x", b"still here")
+        await eventually(lambda: got == [b"still here"], timeout=10, what="a message through the new node")
+        await sub.unsubscribe()
+        for n in c.nodes[1:]:
+            with pytest.raises(Unavailable, match="(?i)authorization violation"):
+                await connect(n.url, name="anon", connect_attempts=1, connect_timeout_s=5)
+    finally:
+        if nc is not None:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        c.stop()
