@@ -5,6 +5,7 @@
 #   bash compose/stack.sh down    stop it and remove its containers, network and volumes
 # DSEC_COMPOSE_PROJECT names the stack (default dsec); DSEC_NATS_PORT / DSEC_HTTP_PORT are the ports
 # published on 127.0.0.1 (default 4222 / 3000). The engine must run (dockerd --iptables=false is enough).
+# DSEC_CLUSTER=3 runs NATS as a 3-node JetStream cluster, every stream R3 (compose/cluster.yml).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$here"
@@ -12,6 +13,9 @@ project="${DSEC_COMPOSE_PROJECT:-dsec}"
 cache="${DSEC_CACHE_DIR:-/var/cache/dsec}"
 py="${DSEC_PYTHON:-python3}"
 compose=(docker-compose -p "$project" -f compose/docker-compose.yml)
+if [ "${DSEC_CLUSTER:-1}" = 3 ]; then
+  compose+=(-f compose/cluster.yml)
+fi
 
 wheels() {
   # Every Python dependency as a wheel, keyed on pyproject.toml: the image build installs offline.

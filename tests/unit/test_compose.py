@@ -66,3 +66,20 @@ def test_dockerfile_copies_only_what_exists() -> None:
     build = services["nats"]["build"]
     assert (COMPOSE.parent / build["context"] / build["dockerfile"]).resolve() == DOCKERFILE
     assert {svc["image"] for svc in services.values()} == {"dsec:dev"}  # one image, built once
+
+
+def test_the_cluster_overlay_gives_every_service_the_seed_list_and_r3() -> None:
+    """compose/cluster.yml over the stack: three nodes routed to each other, and every dsec service
+    (all of them: one left on the single URL would set the streams up R1) with the seed list and R3."""
+    overlay = yaml.safe_load((ROOT / "compose" / "cluster.yml").read_text())["services"]
+    nodes = {"nats", "nats-2", "nats-3"}
+    assert nodes <= set(overlay)
+    for n in nodes:
+        cmd = " ".join(overlay[n]["command"])
+        assert all(f"nats-route://{m}:6222" in cmd for m in nodes) and "-js" in cmd
+    dsec = set(_compose()["services"]) - {"nats"}
+    assert dsec <= set(overlay), dsec - set(overlay)
+    for name in dsec:
+        env = overlay[name]["environment"]
+        assert env["DSEC_NATS_URL"].split(",") == ["nats://nats:4222", "nats://nats-2:4222", "nats://nats-3:4222"], name
+        assert env["DSEC_NATS_REPLICAS"] == "3"
