@@ -32,7 +32,7 @@ from bus import codec
 from bus import subjects as S
 from bus.messages import LayerRef, SandboxEvent, TemplateManifest
 from bus.natsd import NatsCluster
-from bus.runtime import connect
+from bus.runtime import connect, scrape_all
 from bus.streams import REPLICAS_ENV, StreamOptions, ensure_all, ensure_kv
 
 
@@ -109,6 +109,28 @@ def _cpu_s(pid: int | None) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+async def _placement_quantiles(nc: Any) -> dict[float, float | None]:
+    """p50 and p99 of ``dsec_placement_seconds`` over every placement replica, in ms, as the upper bound
+    of the histogram bucket each falls in (None: no replica answered)."""
+    cum: dict[float, float] = {}
+    for r in await scrape_all(nc, timeout=5.0):
+        if r.service != "placement":
+            continue
+        for line in r.text.splitlines():
+            if line.startswith("dsec_placement_seconds_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                bound = math.inf if le == "+Inf" else float(le)
+                cum[bound] = cum.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    if not cum or not cum.get(math.inf):
+        return {0.5: None, 0.99: None}
+    total = cum[math.inf]
+    out: dict[float, float | None] = {}
+    for q in (0.5, 0.99):
+        b = next(b for b in sorted(cum) if cum[b] >= q * total)
+        out[q] = None if math.isinf(b) else round(b * 1000, 1)
+    return out
 
 
 def _rss_mb(pid: int | None) -> float:
@@ -321,6 +343,7 @@ async def _run(
             counters1 = await loop.run_in_executor(None, server_counters, monitor_port)
         await loop.run_in_executor(None, c.proc.wait)
     cpu_s = {k: round(cpu1.get(k, 0.0) - v, 2) for k, v in cpu0.items()}
+    placed = await _placement_quantiles(nc)
 
     results = [json.loads((tmp / f"client-{i}.json").read_text()) for i in range(len(clients))]
     lat = sorted(x for r in results for x in r["latencies_ms"])
@@ -372,6 +395,9 @@ async def _run(
         "cpu_us_per_create_by_process": {k: round(v / n_ok * 1e6, 1) for k, v in cpu_s.items()} if n_ok else {},
         # measured from the go message to the first client's end: the other client's tail is not in it
         "nats_per_create": per_op(counters0, counters1, n_ok),
+        # placement's own histogram (request stored -> handed to a host: queueing and the decision),
+        # as bucket upper bounds over every replica
+        "placement_p50_ms": placed.get(0.5), "placement_p99_ms": placed.get(0.99),
         "nats_nodes": len(nodes),
         "stream_replicas": int(os.environ.get(REPLICAS_ENV, "1")),
         # resident memory at the end, the sandboxes still held: each nats-server node and each process
