@@ -74,8 +74,7 @@ async def stack():
         if child.alive():
             child.signal(signal.SIGKILL)
             await child.wait(10)
-        if not os.environ.get("DSEC_KEEP_TEST_DATA"):
-            shutil.rmtree(data, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
         for p in (pointer, data.parent / f"{data.name}.log"):
             p.unlink(missing_ok=True)
 

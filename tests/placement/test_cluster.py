@@ -245,9 +245,9 @@ async def test_a_partitioned_node_the_majority_writes_on_and_nothing_acked_is_lo
     n0, n1, n2 = c.nodes
     run_as_nobody(n2)
     table = PART_TABLE + uuid.uuid4().hex[:6]
-    c.start()
     majority = minority = None
     try:
+        c.start()
         majority = await connect(",".join([n0.url, n1.url]), name="majority", max_reconnect_attempts=-1)
         minority = await connect(n2.url, name="minority", max_reconnect_attempts=-1)
         js = majority.jetstream(timeout=10)
