@@ -82,9 +82,12 @@ class StoreError(Exception):
         self.err_code = err_code
 
 
+ERR_JS_UNAVAILABLE = 10008  # JetStream: "JetStream system temporarily unavailable" (a cluster between meta leaders)
+
+
 def no_responders(exc: StoreError) -> bool:
     """Nothing stored: no stream (or no stream leader, in a cluster) took the write; safe to send again."""
-    return exc.status == 503 and not exc.err_code
+    return exc.status == 503 and exc.err_code in (0, ERR_JS_UNAVAILABLE)
 
 
 def decode_puback(data: bytes) -> PubAck:

@@ -221,18 +221,27 @@ async def write_until_acked(pub: Publisher, i: int, acked: list[str]) -> None:
             continue
 
 
+async def succeeds(call, into: list | None = None) -> bool:
+    """Whether ``call`` (a coroutine) went through; its result into ``into``. JetStream API calls fail
+    for a moment while a cluster elects a leader (503, 10008): the caller asks again."""
+    try:
+        out = await call
+    except Exception:  # noqa: BLE001 - an election under way
+        return False
+    if into is not None:
+        into[:] = out
+    return True
+
+
 async def msg_ids(js, stream: str) -> list[str]:
-    """The Nats-Msg-Id of every message ``stream`` holds."""
-    seen: list[str] = []
-    sub = await js.pull_subscribe("part.>", stream=stream)
-    while True:
-        try:
-            msgs = await sub.fetch(500, timeout=2)
-        except Exception:  # noqa: BLE001 - nothing left
-            return seen
-        for m in msgs:
-            seen.append((m.headers or {}).get(S.HDR_MSG_ID, ""))
-            await m.ack()
+    """The Nats-Msg-Id of every message ``stream`` holds, read by sequence (no consumer: right after a
+    heal the cluster may be electing its meta leader, and a consumer cannot be made meanwhile)."""
+    info = await js.stream_info(stream)
+    out = []
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        m = await js.get_msg(stream, seq)
+        out.append((m.headers or {}).get(S.HDR_MSG_ID, ""))
+    return out
 
 
 async def test_a_partitioned_node_the_majority_writes_on_and_nothing_acked_is_lost(tmp_path) -> None:
@@ -251,10 +260,14 @@ async def test_a_partitioned_node_the_majority_writes_on_and_nothing_acked_is_lo
         majority = await connect(",".join([n0.url, n1.url]), name="majority", max_reconnect_attempts=-1)
         minority = await connect(n2.url, name="minority", max_reconnect_attempts=-1)
         js = majority.jetstream(timeout=10)
-        await js.add_stream(name="PART", subjects=["part.>"], num_replicas=3, duplicate_window=600)
+        await eventually(lambda: succeeds(js.add_stream(name="PART", subjects=["part.>"], num_replicas=3, duplicate_window=600)),
+                         timeout=60, interval=0.5, what="the R3 stream made")
 
         async def n2_leads() -> bool:
-            si = await js.stream_info("PART")
+            try:
+                si = await js.stream_info("PART")
+            except Exception:  # noqa: BLE001 - an election under way
+                return False
             if si.cluster is not None and si.cluster.leader == n2.server_name:
                 return True
             with contextlib.suppress(Exception):
@@ -298,7 +311,8 @@ async def test_a_partitioned_node_the_majority_writes_on_and_nothing_acked_is_lo
             return all(r.current and not r.offline for r in reps.values()) and len(reps) == 2 and mine.get("PART") == si.state.messages
 
         await eventually(n2_current, timeout=120, interval=0.5, what="n2 caught up after the heal")
-        seen = await msg_ids(js, "PART")
+        seen: list[str] = []
+        await eventually(lambda: succeeds(msg_ids(js, "PART"), into=seen), timeout=60, interval=0.5, what="the stream read back")
         missing = set(acked) - set(seen)
         assert not missing, f"{len(missing)} acked writes lost: {sorted(missing)[:10]}"
         twice = [m for m in acked if seen.count(m) > 1]
