@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import inspect
 import time
@@ -40,7 +41,7 @@ from bus.runtime import KV, PubAck, StoreError, connect, nats_url, publisher_for
 
 from . import _display
 from . import _snapshots as _snap
-from . import _trajectory as _traj
+from . import _trajectory
 from ._commands import AsyncCommands
 from ._display import AsyncInput
 from ._files import AsyncFilesystem
@@ -459,8 +460,16 @@ class AsyncSandbox:
         self._nc = nc
         self.commands = AsyncCommands(self)
         self.files = AsyncFilesystem(self)
-        self.input = AsyncInput(self)  # keyboard and mouse of a sandbox with a screen (backend="vm")
-        self._traj = _traj.TrajClient()
+
+    # Made on first use: a batch create makes thousands of handles that never exec or type.
+    @functools.cached_property
+    def input(self) -> "AsyncInput":
+        """Keyboard and mouse of a sandbox with a screen (``backend="vm"``)."""
+        return AsyncInput(self)
+
+    @functools.cached_property
+    def _traj(self) -> _trajectory.TrajClient:
+        return _trajectory.TrajClient()
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
@@ -578,13 +587,13 @@ class AsyncSandbox:
         (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory)."""
         sb = await cls._connect(sandbox_id, nats_url)
         if replay or client_id is not None:
-            log = await _traj.read_log(_js(sb._nc), sandbox_id) if replay else []
+            log = await _trajectory.read_log(_js(sb._nc), sandbox_id) if replay else []
             sb._traj.start_replay(log, client_id)
         return sb
 
-    async def trajectory(self) -> list[_traj.TrajectoryStep]:
+    async def trajectory(self) -> list[_trajectory.TrajectoryStep]:
         """Every logged step of this sandbox, in the order its host answered them."""
-        return await _traj.steps(_js(self._nc), self.sandbox_id, until=(self._traj.client_id, self._traj.answered))
+        return await _trajectory.steps(_js(self._nc), self.sandbox_id, until=(self._traj.client_id, self._traj.answered))
 
     @classmethod
     async def _connect(cls, sandbox_id: str, nats_url: str | None) -> "AsyncSandbox":
@@ -660,7 +669,7 @@ class AsyncSandbox:
     async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
         logged = self._traj.stamp(req)
         if logged is not None:
-            return _traj.replayed(logged, result_type)
+            return _trajectory.replayed(logged, result_type)
         try:
             msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op, self.tenant), codec.encode(req), timeout)
         except nats.errors.NoRespondersError:
@@ -676,9 +685,9 @@ class AsyncSandbox:
         try:
             out = decode_reply(msg.data, result_type)
         except DsecError as exc:
-            _traj.note_reply(self._traj, req, exc)
+            _trajectory.note_reply(self._traj, req, exc)
             raise
-        _traj.note_reply(self._traj, req)
+        _trajectory.note_reply(self._traj, req)
         return out
 
     async def kill(self, *, timeout: float = 300.0) -> None:
