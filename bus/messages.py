@@ -234,6 +234,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
     disk_free_mb: int = 0  # free space in the data dir; 0: not reported (older hosts), a full disk reports 1
     storage_limits: dict[str, int] = {}  # what a sandbox may make this host store, by the names quota_exceeded gives them (0: none)
+    upload_bytes: dict[str, int] = {}  # tenant -> bytes its file uploads hold in its sandboxes here (hostagent._uploads)
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
