@@ -78,6 +78,9 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     snapshot: str = ""  # restore: this snapshot's layers (KV dsec_snapshots) go over the template's, under a fresh upper dir
     generation: int = 0  # a persisted pause's resume starts the same id again one generation up (see bus.subjects.incarnation)
     client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
+    # A service tenant that operates the sandbox for its owner (the rollout workers run a tenant's job in
+    # a sandbox of that tenant's): its ops are served too. Set by placement's binding only (bus.auth).
+    delegate: str = ""
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------

@@ -3,7 +3,8 @@
 nats-server already keeps a client credential under its own tenant token (bus.auth); the host
 agent serves each sandbox on every tenant's subject (``dsec.sbx.*.<id>.*``) and refuses here, with a
 typed ``permission_denied`` and a ``control-plane`` guard violation event, any op whose tenant is
-neither the sandbox's owner (``spec.client``) nor the operator's: it never runs. A restore from a
+neither the sandbox's owner (``spec.client``), its ``delegate`` (the rollout workers on a job's
+sandbox, bound by placement: bus.auth.bind_tenant) nor the operator's: it never runs. A restore from a
 snapshot of another tenant's sandbox fails the same way (its files are that tenant's), and so does a
 create from another tenant's private template (``bus.rules.template_refusal``; placement refuses it
 first).
@@ -35,8 +36,8 @@ async def check_tenant(nc: NATS | None, host_id: str, ls: LocalSandbox | None, t
         return  # not held here: the op's own lookup answers not-found
     sandbox_id = ls.spec.sandbox_id
     owner = S.tenant(ls.spec.client)
-    if tenant in (owner, S.OPERATOR_TENANT):
-        return
+    if tenant in (owner, S.OPERATOR_TENANT) or (ls.spec.delegate and tenant == ls.spec.delegate):
+        return  # (a delegate: the rollout workers, on the sandbox of a job they run; set by placement only)
     await _violation(nc, host_id, sandbox_id, tenant, op, f"{op} by another tenant refused")
     raise PermissionDenied(f"sandbox {sandbox_id} does not belong to tenant {tenant}")
 
