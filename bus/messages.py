@@ -294,6 +294,9 @@ class TemplateManifest(Struct, kw_only=True, tag=True):
     description: str = ""
     defaults: ImageDefaults | None = None
     owner: str = ""  # the client that built it through the gateway's template API ("" = the operator's)
+    # Tenants that pulled it from a registry (a ``FROM <image>`` pull cache entry, ``--from REF``): its
+    # layers count against each one's template bytes, however many others share them (imaged._quota).
+    pulled_by: list[str] = []
 
 
 class Lease(Struct, kw_only=True, tag=True):
