@@ -579,6 +579,10 @@ class FileWrite(Struct, kw_only=True, tag=True):
     # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
     step: int = -1
     client_id: str = ""
+    # The size the whole upload reaches, when the writer knows it (-1: not known): the first chunk
+    # reserves it under the tenant's upload bound (hostagent._uploads), so an upload over the bound
+    # is refused before any of it is written.
+    size: int = -1
 
 
 class FileRead(Struct, kw_only=True, tag=True):

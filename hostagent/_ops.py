@@ -204,7 +204,7 @@ class OpsEndpoint:
             return await self.backend.files(handle, req)
         sid = ls.spec.sandbox_id
         if isinstance(req, FileWrite):  # counted before it is written: an upload in flight is held too
-            added = up.charge(S.tenant(ls.spec.client), sid, req.path, req.offset, len(req.data), req.truncate)
+            added = up.charge(S.tenant(ls.spec.client), sid, req.path, req.offset, len(req.data), req.truncate, req.size)
             try:
                 return await self.backend.files(handle, req)
             except BaseException:

@@ -4,8 +4,10 @@ Every upload path (the SDK's ``files.write`` and ``write_files`` over the bus, t
 envd and signed upload URLs) ends as ``FileWrite`` ops on the sandbox's host agent, so the bound is
 kept here: the bytes of a tenant's uploads held in its sandboxes on this host, counted when a write
 arrives (before it is written: what is in flight counts), by the size each uploaded path reaches
-(a chunk at an offset extends it; a write that truncates replaces it), so rewriting a file does not
-count twice. An upload that would take the tenant past ``HostAgentConfig.upload_max_bytes_per_tenant``
+(a chunk at an offset extends it; a write that truncates replaces it; the first chunk of an upload
+whose writer knows its size, ``FileWrite.size``: the SDK's ``files.write``, the gateway's uploads
+with a Content-Length, reserves all of it, so such an upload is refused whole or not at all), so
+rewriting a file does not count twice. An upload that would take the tenant past ``HostAgentConfig.upload_max_bytes_per_tenant``
 (flag ``--upload-max-bytes-per-tenant``, env ``DSEC_UPLOAD_MAX_BYTES_PER_TENANT``; 0: no limit) is
 refused with ``quota_exceeded`` naming the limit, and nothing is written. A path's bytes are given
 back when it is removed or renamed over through the files API, a write fails, or its sandbox ends
@@ -33,13 +35,14 @@ class Uploads:
         self._used: dict[str, int] = {}  # tenant -> bytes
         self.refused = 0
 
-    def charge(self, tenant: str, sandbox_id: str, path: str, offset: int, nbytes: int, truncate: bool) -> int:
-        """Count a write of ``nbytes`` at ``offset`` of ``path``; the bytes it added (give them back
-        with ``refund`` when the write fails). Raises QuotaExceeded, counting nothing."""
+    def charge(self, tenant: str, sandbox_id: str, path: str, offset: int, nbytes: int, truncate: bool, size: int = -1) -> int:
+        """Count a write of ``nbytes`` at ``offset`` of ``path`` (``size``: the whole upload's, when
+        known, reserved at its first chunk); the bytes it added (give them back with ``refund`` when
+        the write fails). Raises QuotaExceeded, counting nothing."""
         paths = self._paths.get(sandbox_id)
         old = paths.get(path, 0) if paths is not None else 0
         end = offset + nbytes
-        new = end if truncate else max(old, end)
+        new = max(end, size) if truncate else max(old, end)
         delta = new - old
         used = self._used.get(tenant, 0)
         if delta > 0 and self.limit and used + delta > self.limit:

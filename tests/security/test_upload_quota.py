@@ -82,6 +82,13 @@ async def test_uploads_are_bounded_per_tenant(stack: SecStack, redteam: RedTeam)
         # Another tenant's bound is its own.
         await sb.files.write("/tmp/b", b"b" * (400 * KiB))
         redteam.allowed("tenant b: its own 400 KiB while A is at its bound")
+        # An upload of several chunks that would pass it is refused whole: its size is reserved at the first chunk.
+        chunk = sb.files._chunk()
+        with pytest.raises(QuotaExceeded) as exc:
+            await sb.files.write("/tmp/many", b"m" * (3 * chunk))
+        assert exc.value.context["wanted"] == str(3 * chunk), exc.value.context
+        assert not await sb.files.exists("/tmp/many")
+        redteam.blocked("tenant b: a multi-chunk upload past its bound [quota_exceeded at the first chunk, nothing written]")
 
         # The figures: heartbeat (dsec status) and /metrics.
         async def in_heartbeat() -> bool:

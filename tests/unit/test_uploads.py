@@ -46,6 +46,17 @@ def test_failed_writes_removes_renames_and_ended_sandboxes_give_bytes_back() -> 
     assert up.by_tenant() == {"a": 1000}
 
 
+def test_an_upload_of_known_size_is_reserved_at_its_first_chunk() -> None:
+    up = Uploads(1000, lambda _sid: True)
+    up.charge("a", "s1", "/f", 0, 100, True, size=600)  # the first of six chunks
+    assert up.by_tenant() == {"a": 600}
+    up.charge("a", "s1", "/f", 100, 100, False)  # the next ones add nothing
+    assert up.by_tenant() == {"a": 600}
+    with pytest.raises(QuotaExceeded):
+        up.charge("a", "s1", "/g", 0, 100, True, size=401)  # refused whole, at its first chunk
+    assert up.by_tenant() == {"a": 600}
+
+
 def test_no_limit_counts_and_refuses_nothing() -> None:
     up = Uploads(0, lambda _sid: True)
     up.charge("a", "s1", "/f", 0, 10 << 30, True)
