@@ -21,8 +21,11 @@ from bus.messages import (
     Done,
     ExecRequest,
     ExecResult,
+    FileRemove,
+    FileRename,
     FileUnwatch,
     FileWatch,
+    FileWrite,
     InfoRequest,
     KillRequest,
     NetworkSpec,
@@ -56,6 +59,7 @@ from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
 from ._trajectory import Trajectory
 from ._tenancy import check_tenant
+from ._uploads import Uploads
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -80,6 +84,7 @@ class OpsEndpoint:
         self.endpoint: Endpoint | None = None
         self.trajectory: Trajectory | None = None
         self.inflight = 0  # requests being answered now
+        self.uploads: Uploads | None = None  # the per-tenant bound on uploaded bytes (hostagent._uploads)
 
     def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
         """The parts that kill and snapshot sandboxes (made after this endpoint: they unserve through it)."""
@@ -167,7 +172,7 @@ class OpsEndpoint:
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:
-                return await self._screen_or_files(handle, req)
+                return await self._screen_or_files(handle, req, ls)
 
     async def _settings(self, ls: LocalSandbox, handle: Handle, req: SetTimeout | SetNetwork) -> Done:
         assert self.reaper is not None
@@ -191,10 +196,26 @@ class OpsEndpoint:
         await self.reaper.records.record(ls, ls.state)
         return Done()
 
-    async def _screen_or_files(self, handle: Handle, req: Any) -> Any:
+    async def _screen_or_files(self, handle: Handle, req: Any, ls: LocalSandbox) -> Any:
         if isinstance(req, DisplayRequest):
             return await display(self.execio.caps, handle, req)
-        return await self.backend.files(handle, req)
+        up = self.uploads
+        if up is None:
+            return await self.backend.files(handle, req)
+        sid = ls.spec.sandbox_id
+        if isinstance(req, FileWrite):  # counted before it is written: an upload in flight is held too
+            added = up.charge(S.tenant(ls.spec.client), sid, req.path, req.offset, len(req.data), req.truncate, req.size)
+            try:
+                return await self.backend.files(handle, req)
+            except BaseException:
+                up.refund(sid, req.path, added)
+                raise
+        out = await self.backend.files(handle, req)
+        if isinstance(req, FileRemove):
+            up.removed(sid, req.path)
+        elif isinstance(req, FileRename):
+            up.renamed(sid, req.path, req.new_path)
+        return out
 
     async def _while_stopping(self, sid: str, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
         """A sandbox being stopped answers only a (repeated) kill and info."""

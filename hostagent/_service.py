@@ -35,6 +35,7 @@ from ._reconcile import Reconciler
 from ._records import Records
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
+from ._uploads import LIMIT as UPLOAD_LIMIT, Uploads, register_metrics as register_upload_metrics
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -88,6 +89,8 @@ class HostAgent(Service):
             self.metrics, self.data_dir, host_id=self.host_id, js=self._jetstream if self.caps.freezer is not None else None,
             limits=lambda: self.snapshots.limits,
         )
+        self.ops.uploads = Uploads(config.upload_max_bytes_per_tenant, self.registry.__contains__)
+        register_upload_metrics(self.metrics, self.ops.uploads)
         self.snapshots.stored = self._stored
         self.ops.bind(self.reaper, self.snapshots)  # (they unserve through it: bound once both exist)
         self.intake = Intake(
@@ -223,7 +226,8 @@ class HostAgent(Service):
             cpu_alloc_ls=reg.alloc.cpu_ls,
             backends=self._backends(),
             disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
-            storage_limits=self.snapshots.limits.named(),
+            storage_limits={**self.snapshots.limits.named(), UPLOAD_LIMIT: self.ops.uploads.limit if self.ops.uploads is not None else 0},
+            upload_bytes=self.ops.uploads.by_tenant() if self.ops.uploads is not None else {},
         )
 
     def _backends(self) -> list[HostBackend]:

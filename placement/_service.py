@@ -22,7 +22,7 @@ from bus.errors import (
     BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, QuotaExceeded, SandboxTimeout, Unavailable, UnknownTemplate, UnsupportedBackend,
 )
 from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, TemplateManifest
-from bus.rules import validate_spec
+from bus.rules import template_refusal, validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
 from bus.streams import ensure_all
@@ -68,6 +68,7 @@ class Placement(Service):
         self.handoff_timeout_s = cfg.handoff_timeout_s
         self.templates: dict[str, TemplateManifest] = {}
         self._template_layers: dict[str, frozenset[str]] = {}
+        self._template_owners: dict[str, str] = {}  # template -> its owner tenant ("": shared)
         self.placed = 0
         self.consumer: PullConsumer | None = None
         self.acks: Publisher | None = None
@@ -115,10 +116,12 @@ class Placement(Service):
     def _on_template(self, key: str, t: TemplateManifest, _rev: int) -> None:
         self.templates[key] = t
         self._template_layers[key] = frozenset(layer.digest for layer in t.layers)
+        self._template_owners[key] = t.owner
 
     def _on_template_gone(self, key: str) -> None:
         self.templates.pop(key, None)
         self._template_layers.pop(key, None)
+        self._template_owners.pop(key, None)
 
     async def template(self, name: str) -> TemplateManifest | None:
         t = self.templates.get(name)
@@ -387,6 +390,14 @@ class Placement(Service):
         layers = await self._layers_of(spec.template)
         if layers is None:
             return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), frozenset()
+        owner = self._template_owners.get(spec.template)
+        if owner is None:  # not seen by the watch yet: _layers_of found it in KV
+            t = await self.template(spec.template)
+            owner = t.owner if t is not None else ""
+        refused = template_refusal(spec.template, owner, spec.client)
+        if refused is not None:
+            log.warning("tenant_violation", sandbox_id=spec.sandbox_id, tenant=spec.client, op="create", template=spec.template, owner=owner)
+            return refused, frozenset()
         return None, layers
 
     def _unsupported(self, spec: SandboxSpec, now: float | None) -> UnsupportedBackend | None:

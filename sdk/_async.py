@@ -16,6 +16,7 @@ from nats.aio.client import Client as NATS
 
 from bus import codec
 from bus import subjects as S
+from bus.auth import ROLLOUTS_ROLE
 from bus.codec import decode_reply
 from bus.errors import (
     BadRequest, DsecError, ErrorReply, InvalidArgument, KillPending, PermissionDenied, SandboxNotFound, SandboxTimeout, Unavailable, from_reply,
@@ -536,8 +537,8 @@ class AsyncSandbox:
     ) -> list["AsyncSandbox"]:
         nc = nc or await _nc(url)
         tenant = tenant_of(nc)
-        for s in specs:  # placement binds a client's creates to its tenant; the operator's keep the client they name
-            s.client = s.client if s.client and tenant == S.OPERATOR_TENANT else tenant
+        for s in specs:  # placement binds a client's creates to its tenant; the operator's (and the rollout workers') keep the client they name
+            s.client = s.client if s.client and tenant in (S.OPERATOR_TENANT, ROLLOUTS_ROLE) else tenant
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
         heard: dict[str, float] = {}
@@ -581,13 +582,15 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(
-        cls, sandbox_id: str, *, nats_url: str | None = None, replay: bool = False, client_id: str | None = None,
+        cls, sandbox_id: str, *, nats_url: str | None = None, replay: bool = False, client_id: str | None = None, owner: str | None = None,
     ) -> "AsyncSandbox":
         """Talk to a running sandbox. ``replay``: start at step 0 of the trajectory log's last client
-        (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory)."""
+        (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory).
+        ``owner``: the tenant whose log that is, when not the connection's (the rollout workers
+        operate their jobs' sandboxes, which are the jobs' tenants')."""
         sb = await cls._connect(sandbox_id, nats_url)
         if replay or client_id is not None:
-            log = await _trajectory.read_log(_js(sb._nc), sandbox_id) if replay else []
+            log = await _trajectory.read_log(_js(sb._nc), sandbox_id, owner) if replay else []
             sb._traj.start_replay(log, client_id)
         return sb
 

@@ -76,15 +76,18 @@ def _plain(v: Any) -> Any:
     return d
 
 
-def log_subject(nc: Any, sandbox_id: str) -> str:
+def log_subject(nc: Any, sandbox_id: str, owner: str | None = None) -> str:
     """Where ``nc`` reads a sandbox's log: a client tenant under its own tenant (the only logs its
-    credential may read: bus.auth); the operator and services whoever owns it."""
-    return S.traj_any(sandbox_id) if reads_records(nc) else S.traj(sandbox_id, tenant_of(nc))
+    credential may read: bus.auth), or ``owner``'s (the rollout workers, of their jobs' sandboxes);
+    the operator and services whoever owns it."""
+    if reads_records(nc):
+        return S.traj_any(sandbox_id)
+    return S.traj(sandbox_id, owner or tenant_of(nc))
 
 
-async def read_log(js: Any, sandbox_id: str) -> list[tuple[int, TrajStep]]:
+async def read_log(js: Any, sandbox_id: str, owner: str | None = None) -> list[tuple[int, TrajStep]]:
     """Every step logged for ``sandbox_id``, in the log's order, with its stream sequence."""
-    subject = log_subject(connection_of(js), sandbox_id)
+    subject = log_subject(connection_of(js), sandbox_id, owner)
     try:  # direct gets and a consumer named with its filter: the server checks both subjects against the tenant's prefix
         last = await js.get_last_msg(S.STREAM_TRAJ, subject, direct=True)
     except NotFoundError:

@@ -118,6 +118,12 @@ def _print_storage(use: dict[str, Any]) -> None:
           f"(per sandbox: {lim(limits.get('snapshot_bytes_per_sandbox', 0))})")
     for t, u in use["tenants"].items():
         print(f"  tenant {t or '(operator)':<24} {u['used_bytes']}/{lim(u['limit_bytes'])} bytes")
+    uploads = use.get("uploads") or {}
+    if uploads:
+        print(f"uploads (per tenant on each host: {lim(limits.get('upload_bytes_per_tenant', 0))}):")
+        for host, by in uploads.items():
+            for t, b in by.items():
+                print(f"  {host:<24} tenant {t:<24} {b} bytes")
 
 
 # --- sandbox -----------------------------------------------------------------------------
