@@ -72,7 +72,8 @@ async def gw() -> Any:
     context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer: other stacks run too
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
     # DSEC_TEMPLATE_FILES_MAX_MB: a per-tenant bound on template build sources small enough to test (test_templates)
-    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), DSEC_TEMPLATE_FILES_MAX_MB="8", **net.env())
+    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), DSEC_TEMPLATE_FILES_MAX_MB="8",
+                         DSEC_TEMPLATE_READY_TIMEOUT_S="30", **net.env())  # a readyCmd that never succeeds fails in 30 s (test_e2b_start_cmd)
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                 "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240", "--fn-pool", "base=2"], env, data.parent / f"{data.name}.log").start()
     try:
