@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -40,6 +41,7 @@ async def _kill_quietly(sb: AsyncSandbox) -> None:
         pass  # gone already: nothing is left either way
 
 
+_KV_KEY = re.compile(r"[-/_=.A-Za-z0-9]{1,255}")  # what a template's catalogue entry can be named
 CREATE_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 300.0  # a VM boots its own kernel: seconds under KVM, minutes under TCG on a busy host
 BACKEND_KEY = "dsec.backend"  # the create metadata entry that picks the backend
@@ -184,7 +186,7 @@ class E2BApi:
         """The template's E2B start command, and its ready command until it succeeds, before the create
         is answered (``sdk._startcmd``: E2B snapshots them running; dsec starts them at each create).
         A sandbox that does not come up is removed: the create fails with ``create_failed``."""
-        m = await template_manifest(tenant.nc.jetstream(), template)
+        m = await template_manifest(tenant.nc.jetstream(), template) if _KV_KEY.fullmatch(template) else None
         d = m.defaults if m is not None else None
         if d is None or not d.start_cmd:
             return
