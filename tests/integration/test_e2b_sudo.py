@@ -29,7 +29,7 @@ from .test_gateway import DSEC, Gw, gw  # noqa: F401 - gw is the module's stack 
 
 TEMPLATE = "e2b-sudo"
 SUDO_CACHE = Path("/tmp/dsec-e2b-sudo-deb")  # the downloaded .deb, kept across runs (2 MB)
-CAP_SYS_ADMIN = 21
+CAP_SYS_ADMIN = 21  # linux/capability.h
 
 
 def _sudo_deb() -> Path:
@@ -100,11 +100,9 @@ def _caps(status: str, field: str) -> int:
 
 def _profile_caps() -> int:
     from bus.profiles import e2b_profile
-    from hostagent._profiles import compile_profile
+    from hostagent._profiles import CAP_NUMBERS, compile_profile
 
-    numbers = {"CAP_CHOWN": 0, "CAP_DAC_OVERRIDE": 1, "CAP_FOWNER": 3, "CAP_FSETID": 4, "CAP_KILL": 5, "CAP_SETGID": 6, "CAP_SETUID": 7,
-               "CAP_SETPCAP": 8, "CAP_NET_BIND_SERVICE": 10, "CAP_SYS_CHROOT": 18, "CAP_AUDIT_WRITE": 29, "CAP_SETFCAP": 31}
-    return sum(1 << numbers[c] for c in compile_profile(e2b_profile()).capabilities)
+    return sum(1 << CAP_NUMBERS[c] for c in compile_profile(e2b_profile()).capabilities)
 
 
 def _e2b_sudo(gw: Gw) -> None:
