@@ -78,3 +78,38 @@ def _ready_never_succeeds(gw: Gw) -> None:
 
 async def test_ready_cmd_that_never_succeeds_fails_the_build_and_leaves_nothing(gw: Gw) -> None:
     await asyncio.to_thread(_ready_never_succeeds, gw)
+
+
+def _create_not_ready(gw: Gw, name: str) -> None:
+    from e2b import Sandbox, SandboxException
+
+    with pytest.raises(SandboxException) as exc:
+        Sandbox.create(name, timeout=120, **{**gw.sdk(), "request_timeout": 240})
+    text = str(exc.value)
+    assert text.startswith("500:") and f"template '{name}': the ready command `exit 7` did not succeed within 30s" in text, text
+    assert "last exit code 7" in text and "the start command `exec sleep 1000` still running" in text, text
+    status, body, _ = http(gw, "GET", "/v2/sandboxes")
+    assert status == 200 and [s["sandboxID"] for s in body if s["templateID"] == name] == []  # the sandbox was removed
+
+
+async def test_create_whose_ready_cmd_fails_is_refused_and_the_sandbox_removed(gw: Gw) -> None:
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import BuildImage, ImageBuilt, ImageDefaults
+    from bus.runtime import connect, tenant_of
+    from sdk.gateway._keys import parse_key
+    from sdk.gateway._tenants import url_with_user
+
+    # A template whose ready command cannot succeed at create (a build would have refused it: this
+    # one is written to the catalogue as its owner, with those defaults).
+    user, password = parse_key(gw.key_a)
+    nc = await connect(url_with_user(gw.nats_url, user, password), name="test-start-cmd")
+    name = f"e2bnotready-{uuid.uuid4().hex[:8]}"
+    try:
+        req = BuildImage(name=name, base="", from_template="base", owner=user,
+                         defaults=ImageDefaults(start_cmd="exec sleep 1000", ready_cmd="exit 7"))
+        msg = await nc.request(S.img_build(tenant_of(nc)), codec.encode(req), timeout=300)
+        codec.decode_reply(msg.data, ImageBuilt)
+        await asyncio.to_thread(_create_not_ready, gw, name)
+    finally:
+        await nc.close()
