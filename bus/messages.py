@@ -282,6 +282,10 @@ class ImageDefaults(Struct, kw_only=True, tag=True):
     entrypoint: list[str] = []
     cmd: list[str] = []
     source: str = ""  # where they came from: the image reference with its manifest digest
+    # E2B's startCmd / readyCmd (``Template().set_start_cmd``): a create through the gateway starts
+    # start_cmd and is answered once ready_cmd exits 0 (sdk._startcmd); "" = none
+    start_cmd: str = ""
+    ready_cmd: str = ""
 
 
 class TemplateManifest(Struct, kw_only=True, tag=True):

@@ -14,6 +14,12 @@
  *   --seccomp-bpf HEX     a classic-BPF seccomp program (struct sock_filter, native byte order,
  *                         hex) installed with SECCOMP_FILTER_FLAG_LOG on top of the runtime's
  *                         filter, so the calls it refuses are reported to the kernel audit log
+ *   --allow-setuid        do not set no_new_privs: setuid programs (sudo) keep working in the commands.
+ *                         Installing our filter (and Landlock) without it needs CAP_SYS_ADMIN, which
+ *                         the host then lends us for that alone:
+ *   --setup-cap N         capability N is dropped from every set, the bounding set included, once we
+ *                         are confined and before we serve anything (we exit if that fails), so no
+ *                         command can ever hold it
  *   --audit-loginuid N    set our audit login uid (only possible while it is unset): the kernel
  *                         then gives this sandbox its own audit session id, inherited by every
  *                         process in it and unchangeable from inside, which is how the host maps
@@ -2303,6 +2309,16 @@ static struct {
 static int n_fs_rules, landlock_required;
 static const char *seccomp_hex;
 static long audit_loginuid = -1;
+static int allow_setuid;
+static uint64_t setup_caps; /* bit N: --setup-cap N */
+
+/* no_new_privs, unless --allow-setuid: then the filters below are installed on CAP_SYS_ADMIN
+ * (refused without it: the sandbox does not start rather than run without them). */
+static void set_no_new_privs(void)
+{
+    if (!allow_setuid && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("PR_SET_NO_NEW_PRIVS");
+}
 
 static void add_fs_rule(const char *path, int kind)
 {
@@ -2397,8 +2413,7 @@ static void apply_landlock(void)
             die("landlock_add_rule");
         close(fd);
     }
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
-        die("PR_SET_NO_NEW_PRIVS");
+    set_no_new_privs();
     unsigned flags = abi >= 7 ? LL_RESTRICT_SELF_LOG_NEW_EXEC_ON : 0;
     if (syscall(SYS_landlock_restrict_self, rs, flags) < 0)
         die("landlock_restrict_self");
@@ -2433,8 +2448,7 @@ static void apply_seccomp_log_filter(void)
         buf[i] = (unsigned char)(hi << 4 | lo);
     }
     struct sock_fprog prog = {.len = (unsigned short)(n / 2 / sizeof(struct sock_filter)), .filter = (struct sock_filter *)buf};
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
-        die("PR_SET_NO_NEW_PRIVS");
+    set_no_new_privs();
     /* FLAG_LOG: the kernel audits every non-allow action of this filter (runc 1.1 cannot ask
      * for that on its own filter); being the newest filter, ours decides ties, so its
      * refusals are the ones logged. */
@@ -2462,13 +2476,41 @@ static void set_audit_session(void)
         close(fd);
 }
 
+#include <linux/capability.h>
+
+/* Drop the --setup-cap capabilities from every set: the bounding set first (so no execve can give
+ * them back), then permitted, effective and inheritable (ambient ones go with those). */
+static void drop_setup_caps(void)
+{
+    if (!setup_caps)
+        return;
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        die("capget");
+    for (int cap = 0; cap < 64; cap++) {
+        if (!(setup_caps >> cap & 1))
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0)
+            die("PR_CAPBSET_DROP");
+        uint32_t bit = 1u << (cap % 32);
+        data[cap / 32].permitted &= ~bit;
+        data[cap / 32].effective &= ~bit;
+        data[cap / 32].inheritable &= ~bit;
+    }
+    if (syscall(SYS_capset, &hdr, data) < 0)
+        die("capset");
+}
+
 /* Order matters: the session id first (Landlock then forbids writing /proc), Landlock next,
- * the seccomp filter last (it may refuse calls the steps before need). */
+ * the seccomp filter last (it may refuse calls the steps before need), then the capabilities
+ * lent for them go. */
 static void apply_confinement(void)
 {
     set_audit_session();
     apply_landlock();
     apply_seccomp_log_filter();
+    drop_setup_caps();
 }
 
 
@@ -3046,18 +3088,22 @@ int main(int argc, char **argv)
             landlock_required = 1;
         else if (!strcmp(argv[i], "--seccomp-bpf") && i + 1 < argc)
             seccomp_hex = argv[++i];
+        else if (!strcmp(argv[i], "--allow-setuid"))
+            allow_setuid = 1;
+        else if (!strcmp(argv[i], "--setup-cap") && i + 1 < argc && atoi(argv[i + 1]) >= 0 && atoi(argv[i + 1]) < 64)
+            setup_caps |= 1ull << atoi(argv[++i]);
         else if (!strcmp(argv[i], "--audit-loginuid") && i + 1 < argc)
             audit_loginuid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--version")) {
             printf("dsec-agent protocol %d\n", PROTO_VERSION);
             return 0;
         } else {
-            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
+            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
             return 2;
         }
     }
     if (!path) {
-        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
+        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
         return 2;
     }
 

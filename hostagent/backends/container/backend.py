@@ -243,6 +243,7 @@ class ContainerBackend:
                 masked_paths=security.masked_paths,
                 readonly_paths=security.readonly_paths,
                 no_new_privileges=security.no_new_privileges,
+                setup_capabilities=security.setup_capabilities,
                 restore_from=restore[0],
                 restore_work=restore[1],
             ))
