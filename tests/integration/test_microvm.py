@@ -156,6 +156,74 @@ async def test_heartbeat_names_the_accelerator_the_probe_found(mhost: MicroHost)
     assert f"microvm: accel={b.detail['accel']} kernel={b.detail['kernel']}" in out, (out, err)
 
 
+async def test_template_layers_are_one_host_copy_read_in_place_with_dax(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    """virtio-pmem with DAX (the cloud kernel has it): the guest maps the template's EROFS blob from
+    the host's page cache instead of copying it into its RAM, and says so; the heartbeat names the
+    mode. The region is read-only: the guest's root cannot change the blob every VM shares."""
+    from hostagent.backends.microvm.kernel import ensure_kernel, has_pmem_dax
+
+    assert has_pmem_dax(ensure_kernel(KERNEL_CACHE))  # the premise: CONFIG_VIRTIO_PMEM, FS_DAX, EROFS...
+
+    async def layers() -> str:
+        st = await mhost.status()
+        return next((b.detail.get("layers", "") for b in st.backends if b.name == "microvm"), "") if st else ""
+
+    async def confirmed() -> bool:  # by the first guest's report, in the next heartbeat
+        return await layers() == "virtio-pmem+dax"
+
+    await eventually(confirmed, timeout=60, interval=0.5, what="the heartbeat to name virtio-pmem+dax")
+    assert (await vm.commands.run("cat /run/dsec/layers")).stdout == "layer0 dax\n"
+    r = await vm.commands.run("grep -c ' /dev/pmem' /proc/mounts; ls /sys/bus/nd/devices | grep -c ^namespace")
+    assert r.stdout.split() == ["0", "1"]  # mounted in the initramfs (not in the root's view), one region
+    cmd = Path(f"/proc/{int((mhost.vm_dir(vm.sandbox_id) / 'qemu.pid').read_text())}/cmdline").read_bytes().split(b"\0")
+    (backend,) = [a.decode() for a in cmd if a.startswith(b"memory-backend-file,id=l0,")]
+    assert "share=on" in backend and "readonly=on" in backend, backend  # one host copy, never written
+    blob = backend.split("mem-path=", 1)[1].split(",", 1)[0]
+    assert os.path.getsize(blob) % (2 << 20) == 0
+    before = await asyncio.to_thread(_sha256, blob)
+    # The guest's root writes zeros over its view of the layer: the writes land (dd succeeds, it is a
+    # block device) and are dropped by the read-only region, so neither the blob nor the guest's view changes.
+    r = await vm.commands.run("sha256sum /dev/pmem0; dd if=/dev/zero of=/dev/pmem0 bs=4096 count=64 conv=fsync 2>&1; echo rc=$?; "
+                              "echo 3 > /proc/sys/vm/drop_caches; sha256sum /dev/pmem0; ls /bin/sh")
+    lines = r.stdout.splitlines()
+    assert "64+0 records out" in r.stdout and "rc=0" in lines, r.stdout  # positive control: the writes were made
+    assert lines[0].split()[0] == lines[-2].split()[0] == before and lines[-1] == "/bin/sh", (r.stdout, before)
+    assert await asyncio.to_thread(_sha256, blob) == before
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+async def test_layers_fall_back_to_virtio_blk_when_dax_is_not_there(tmp_path: Path) -> None:
+    """Where a guest found no DAX (its report leaves a note per kernel) or the operator asks for it
+    (DSEC_MICROVM_LAYERS=blk), the layers are virtio-blk disks on the microvm machine; pmem overrides the note."""
+    from hostagent.backends.microvm import MicroVMBackend, qemu
+    from hostagent.backends.microvm.kernel import ensure_kernel
+
+    def mode(layers: str | None) -> str:
+        b = MicroVMBackend(str(tmp_path), kernel_cache=KERNEL_CACHE, layers=layers)
+        b.kernel = ensure_kernel(KERNEL_CACHE)
+        return b._layer_mode()
+
+    (tmp_path / "mvm").mkdir()
+    assert mode(None) == "virtio-pmem"  # positive control: this kernel has what DAX needs
+    assert mode("blk") == "virtio-blk"
+    (tmp_path / "mvm" / f"layers-{ensure_kernel(KERNEL_CACHE).release}").write_text("virtio-blk")
+    assert mode(None) == "virtio-blk" and mode("pmem") == "virtio-pmem"
+    blob = tmp_path / "l.erofs"
+    blob.write_bytes(b"\0" * (2 << 20))
+    spec = qemu.VMSpec(str(tmp_path), "vmlinuz", "initrd", "tcg", layers=[str(blob)], upper="upper.img")
+    argv = " ".join(spec.argv())
+    assert "microvm" in argv and "virtio-blk-device,drive=l0" in argv and "pmem" not in argv
+    spec.pmem = True
+    argv = " ".join(spec.argv())
+    assert "-M q35" in argv and "virtio-pmem-pci,memdev=l0" in argv and "dsec_pmem=1" in argv and "drive=l0" not in argv
+
+
 async def test_exec_streams_output_and_reports_exit_codes(vm: AsyncSandbox) -> None:
     got: list[str] = []
     r = await vm.commands.run("for i in 1 2 3; do echo line$i; done; echo oops >&2", on_stdout=got.append)

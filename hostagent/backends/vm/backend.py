@@ -1,6 +1,8 @@
 """``VMBackend``: the microvm backend on a q35 PC with a standard VGA display, a virtio tablet for
-absolute pointer events, and a shell on the first virtual terminal (the screen the display shows).
-Screenshots are QMP ``screendump`` (PNG); keys and clicks are QMP ``input-send-event``."""
+absolute pointer events, booted with Debian's generic kernel (its bochs DRM driver gives the display
+a framebuffer). On the screen: the template's desktop when it has one (``/usr/local/bin/dsec-desktop``,
+as the GUI template from ``compose/gui-rootfs.sh`` does: Xorg, twm, xterm), else a shell on the first
+virtual terminal. Screenshots are QMP ``screendump`` (PNG); keys and clicks are QMP ``input-send-event``."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from bus.messages import BackendName, ExecRequest
 from ..._backend import Handle
 from ..microvm import qemu
 from ..microvm.backend import MicroVMBackend
-from ..microvm.kernel import GUEST_MODULES
+from ..microvm.kernel import GENERIC_PACKAGE, GUEST_MODULES
 
-# a login-less shell on tty1, its controlling terminal (what a user at the screen would type into)
-CONSOLE_SHELL = "setsid -c sh -c 'exec sh -i <>/dev/tty1 >&0 2>&0' >/dev/null 2>&1 &"
+DESKTOP = "/usr/local/bin/dsec-desktop"
+# the template's desktop, else a login-less shell on tty1, its controlling terminal (what a user at
+# the screen would type into)
+CONSOLE_SHELL = (f"if [ -x {DESKTOP} ]; then setsid {DESKTOP} </dev/null >/dev/null 2>&1 & "
+                 "else setsid -c sh -c 'exec sh -i <>/dev/tty1 >&0 2>&0' >/dev/null 2>&1 & fi")
 
 _NAMED = {
     " ": "spc", "\n": "ret", "\t": "tab", "-": "minus", "=": "equal", ".": "dot", ",": "comma", "/": "slash",
@@ -34,7 +39,7 @@ KEYS = {"enter": "ret", "return": "ret", "escape": "esc", "esc": "esc", "backspa
         **{f"f{i}": f"f{i}" for i in range(1, 13)}}
 MODIFIERS = {"ctrl": "ctrl", "shift": "shift", "alt": "alt", "meta": "meta_l", "super": "meta_l"}
 KEY_INTERVAL_S = 0.02  # a typist's pace the emulated keyboard's small queue keeps up with
-SCREEN = (720, 400)  # VGA text mode as screendump renders it; clicks are scaled from it to the tablet's range
+SCREEN = (1024, 768)  # the bochs DRM driver's default mode; clicks are scaled from it to the tablet's range
 
 
 def _qcodes(ch: str) -> list[str]:
@@ -62,7 +67,10 @@ class VMBackend(MicroVMBackend):
 
     name: BackendName = "vm"
     machine: qemu.Machine = "q35"
-    modules = (*GUEST_MODULES, "virtio_pci", "virtio_input", "evdev")  # the tablet, and its /dev/input/event node
+    kernel_package = GENERIC_PACKAGE
+    # the tablet and its /dev/input/event node; the display's DRM driver (a framebuffer for fbcon and Xorg)
+    # (the generic kernel builds as modules what the cloud one has built in: ext4, and the crc32c EROFS asks for)
+    modules = ("crc32c_generic", "ext4", *GUEST_MODULES, "virtio_pci", "virtio_input", "evdev", "bochs")
 
     async def _booted(self, sid: str) -> None:
         await self.exec(Handle(sid), ExecRequest(cmd=CONSOLE_SHELL), None)
@@ -112,4 +120,4 @@ class VMBackend(MicroVMBackend):
         await qemu.qmp(self._qmp_sock(handle), ("input-send-event", {"events": move + btn}))
 
 
-__all__ = ["CONSOLE_SHELL", "KEYS", "VMBackend"]
+__all__ = ["CONSOLE_SHELL", "DESKTOP", "KEYS", "VMBackend"]
