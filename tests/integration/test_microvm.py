@@ -499,3 +499,81 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
         await b.stop()
         assert not processes_mentioning(str(data))
         shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="the GUI template (debootstrap, then Xorg under TCG): set DSEC_SLOW=1")
+async def test_gui_template_desktop_takes_typed_input_and_forks_running(mhost: MicroHost) -> None:
+    """The GUI template (``compose/gui-rootfs.sh``: Xorg, twm, xterm; built once, cached) on the
+    full-VM backend: the screen shows the desktop, keys typed into its terminal run there and change
+    the frame; a memory snapshot of the running desktop forks into a VM whose desktop runs on."""
+    from bus.messages import ExecRequest, LayerRef, SandboxSpec
+    from hostagent._backend import Handle
+    from hostagent.backends.vm import VMBackend
+
+    rc, out, err = await run_process("bash", str(REPO / "compose" / "gui-rootfs.sh"), env=dict(os.environ), timeout=1800)
+    assert rc == 0, err[-2000:]
+    rootfs = out.strip().splitlines()[-1]
+    st = await mhost.status()
+    assert st is not None
+    accel = next(b.detail["accel"] for b in st.backends if b.name == "microvm")
+    data = Path(tempfile.mkdtemp(prefix="dsec-gui-", dir="/tmp"))
+    b = VMBackend(str(data), kernel_cache=KERNEL_CACHE, accel=accel)
+    sids = ["desk", "desk-fork"]
+    try:
+        await b.start()
+        assert b.kernel is not None and not b.kernel.release.endswith("-cloud-amd64")  # the generic kernel: DRM, fbdev
+        base = LayerRef(role="base", digest="sha256:" + "9" * 64, kind="dir", path=rootfs)
+        h = await b.create(SandboxSpec(sandbox_id="desk", template="gui", backend="vm", cpu=1, memory_mb=512, disk_mb=512), [base])
+
+        async def desktop_up(handle: Handle) -> bool:  # the terminal's shell runs: X is up, its input enabled
+            r = await b.exec(handle, ExecRequest(cmd="test -e /run/dsec-desktop && pgrep -x Xorg >/dev/null && pgrep -x twm >/dev/null"), None)
+            return r.exit_code == 0
+
+        await eventually(lambda: desktop_up(h), timeout=600, interval=1, what="Xorg, twm and xterm")
+        first = await b.screenshot(h)
+        w, hh = await b.screen_size(h)
+        assert first.startswith(b"\x89PNG") and (w, hh) >= (800, 600)  # the DRM mode, not the 720x400 text screen
+        await b.input_click(h, 100, 100)  # into the terminal (at +20+20): twm's focus follows the pointer
+        await b.input_type(h, "echo typed-in-xterm > /tmp/typed")
+        await b.input_key(h, "enter")
+
+        async def typed(handle: Handle) -> bool:
+            r = await b.exec(handle, ExecRequest(cmd="cat /tmp/typed 2>/dev/null || true"), None)
+            return r.stdout == b"typed-in-xterm\n"
+
+        await eventually(lambda: typed(h), timeout=120, interval=1, what="the keys typed into xterm to run")
+        after = await b.screenshot(h)
+        assert after != first  # the frame shows the typed line
+
+        # Fork of the running desktop: its memory snapshot restored as a new VM.
+        img = data / "img"
+        img.mkdir()
+        await b.before_freeze(h)
+        await b.freeze(h)
+        await b.checkpoint(h, str(img), str(data))
+        await b.thaw(h)
+        mem_blob = data / "mem.erofs"
+        rc, _, err = await run_process("mkfs.erofs", "--quiet", str(mem_blob), str(img), env=dict(os.environ), timeout=600)
+        assert rc == 0, err
+        mem = LayerRef(role="memory", digest="sha256:" + "8" * 64, kind="erofs", path=str(mem_blob))
+        f = await b.create(SandboxSpec(sandbox_id="desk-fork", template="gui", backend="vm", cpu=1, memory_mb=512), [base], memory=mem)
+        assert await desktop_up(f) and await typed(f)  # the same desktop, running, with what was typed
+        await b.input_click(f, 100, 100)
+        await b.input_type(f, "echo in-fork > /tmp/fork")
+        await b.input_key(f, "enter")
+
+        async def fork_typed() -> bool:
+            r = await b.exec(f, ExecRequest(cmd="cat /tmp/fork 2>/dev/null || true"), None)
+            return r.stdout == b"in-fork\n"
+
+        await eventually(fork_typed, timeout=120, interval=1, what="the fork's desktop to take input")
+        r = await b.exec(h, ExecRequest(cmd="test -e /tmp/fork; echo $?"), None)
+        assert r.stdout == b"1\n"  # the source's desktop is its own
+    finally:
+        for sid in sids:
+            await b.destroy(sid)
+            assert await b.leftovers(sid) == []
+        await b.stop()
+        assert not processes_mentioning(str(data))
+        shutil.rmtree(data, ignore_errors=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import tempfile
 from typing import Any
 
@@ -39,7 +40,6 @@ KEYS = {"enter": "ret", "return": "ret", "escape": "esc", "esc": "esc", "backspa
         **{f"f{i}": f"f{i}" for i in range(1, 13)}}
 MODIFIERS = {"ctrl": "ctrl", "shift": "shift", "alt": "alt", "meta": "meta_l", "super": "meta_l"}
 KEY_INTERVAL_S = 0.02  # a typist's pace the emulated keyboard's small queue keeps up with
-SCREEN = (1024, 768)  # the bochs DRM driver's default mode; clicks are scaled from it to the tablet's range
 
 
 def _qcodes(ch: str) -> list[str]:
@@ -111,11 +111,18 @@ class VMBackend(MicroVMBackend):
             codes.append(code)
         await qemu.qmp(self._qmp_sock(handle), ("input-send-event", {"events": _press(codes)}))
 
+    async def screen_size(self, handle: Handle) -> tuple[int, int]:
+        """The display's mode now (a text console, the desktop's: the guest sets it), from a screenshot's PNG header."""
+        png = await self.screenshot(handle)
+        width, height = struct.unpack(">II", png[16:24])
+        return width, height
+
     async def input_click(self, handle: Handle, x: int, y: int, button: str = "left") -> None:
-        if not (0 <= x < SCREEN[0] and 0 <= y < SCREEN[1]):
-            raise InvalidArgument(f"({x}, {y}) is off the {SCREEN[0]}x{SCREEN[1]} screen")
-        move = [{"type": "abs", "data": {"axis": "x", "value": x * 32767 // (SCREEN[0] - 1)}},
-                {"type": "abs", "data": {"axis": "y", "value": y * 32767 // (SCREEN[1] - 1)}}]
+        w, h = await self.screen_size(handle)  # clicks are scaled from it to the tablet's range
+        if not (0 <= x < w and 0 <= y < h):
+            raise InvalidArgument(f"({x}, {y}) is off the {w}x{h} screen")
+        move = [{"type": "abs", "data": {"axis": "x", "value": x * 32767 // (w - 1)}},
+                {"type": "abs", "data": {"axis": "y", "value": y * 32767 // (h - 1)}}]
         btn = [{"type": "btn", "data": {"down": d, "button": button}} for d in (True, False)]
         await qemu.qmp(self._qmp_sock(handle), ("input-send-event", {"events": move + btn}))
 
