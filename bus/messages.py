@@ -78,6 +78,9 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     snapshot: str = ""  # restore: this snapshot's layers (KV dsec_snapshots) go over the template's, under a fresh upper dir
     generation: int = 0  # a persisted pause's resume starts the same id again one generation up (see bus.subjects.incarnation)
     client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
+    # When its host is declared down (placement: heartbeats stopped past the grace period), start it again
+    # elsewhere from its latest snapshot (same id, one generation up); else it just becomes ``lost``.
+    restore_on_host_loss: bool = False
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------

@@ -254,11 +254,33 @@ class HostAgent(Service):
         await self.records.publisher.store(S.EVT_GUARD_VIOLATION, codec.encode(v))
 
     async def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        reconnects = self._reconnects()
+        fence: asyncio.Task[Any] | None = None
         while not await self.pause(self.config.heartbeat_s):
             try:
                 await self._heartbeat()
             except Exception as exc:  # noqa: BLE001
                 log.warning("heartbeat_failed", error=str(exc))
+                continue
+            # Back after a silence (a cut link, NATS away): the cluster may have declared this host down
+            # and its sandboxes lost meanwhile; those must go before they answer anyone (fencing).
+            now, n = time.monotonic(), self._reconnects()
+            away = now - last_ok > 3 * self.config.heartbeat_s or n != reconnects
+            last_ok, reconnects = now, n
+            if away and self.registry.persist and (fence is None or fence.done()):
+                log.info("back_after_silence", reconnects=n)
+                fence = self.spawn(self._fence(), name="fence")
+
+    async def _fence(self) -> int:
+        try:
+            return await self.reconciler.sweep_records()
+        except Exception as exc:  # noqa: BLE001 - NATS away again: the periodic sweep checks later
+            log.warning("fence_failed", error=f"{type(exc).__name__}: {exc}")
+            return 0
+
+    def _reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0)) if self.nc is not None else 0
 
 
 __all__ = ["HostAgent", "LocalSandbox"]
