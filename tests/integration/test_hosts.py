@@ -327,3 +327,52 @@ def _fresh(h: Hosts, j: int) -> bool:
     now = time.time()
     return all(h.ids[j] in p.table.hosts and now - p.table.hosts[h.ids[j]].seen_at < 5 for p in h.placements)
 
+
+
+async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> None:
+    """``dsec up --hosts 2`` as a user runs it: two hosts behind their links, creates spread over both,
+    and SIGTERM leaves no namespace, link, containerd or mount behind."""
+    import ipaddress
+    import os
+    import signal
+    import sys
+
+    from bus.natsd import free_port
+    from sdk._up import host_data
+
+    from .conftest import REPO
+
+    claim = await asyncio.to_thread(claim_net)
+    data = Path(tempfile.mkdtemp(prefix="dsec-uphosts-", dir="/tmp"))
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST") and k not in ("DSEC_NATS_URL", "DSEC_NATS_CREDS")}
+    env.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", **claim.env())
+    argv = [sys.executable, "-m", "sdk.cli", "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(free_port()), "--host-id", "uph",
+            "--no-auth", "--reclaim", "off", "--hosts", "2", "--hosts-prefix", claim.prefix, "--hosts-net", claim.pool,
+            "--context", f"{data}.ctx", "--ready-timeout", "240"]
+    up = Child(argv, env, f"{data}.log").start()
+    gateway = list(ipaddress.ip_network(claim.pool).subnets(new_prefix=24))[-1][1]
+    url = f"nats://{gateway}:{port}"
+    try:
+        await eventually(lambda: "dsec up: ready" in up.log() or not up.alive(), timeout=300, interval=0.5, what="dsec up --hosts 2 ready")
+        assert up.alive(), up.log()
+        assert "ready: 2 host(s)" in up.log()
+        sbs = [await AsyncSandbox.create(nats_url=url, memory_mb=64) for _ in range(4)]
+        assert {sb.host_id for sb in sbs} == {"uph-0", "uph-1"}
+        assert (await sbs[0].commands.run("echo hi")).stdout == "hi\n"
+        for sb in sbs:
+            await sb.kill()
+    finally:
+        from sdk._async import close_connections
+
+        with contextlib.suppress(Exception):
+            await close_connections()
+        up.signal(signal.SIGTERM)
+        rc = await up.wait(300)
+        left = claim.in_kernel() + [x for i in range(2) for x in data_dir_leftovers(host_data(data, i))]
+        claim.release()
+        if not left:
+            shutil.rmtree(data, ignore_errors=True)
+            Path(f"{data}.log").unlink(missing_ok=True)
+    assert rc == 0, up.log()
+    assert left == [], left
