@@ -57,6 +57,9 @@ class Reconciler:
         self.last: dict[str, Any] = {}  # what the last pass did and cost (benchmarks, dsec status)
         self.also_holds: Callable[[str], bool] = lambda sid: False  # sandboxes held outside the registry (fn pools)
         self.fenced = 0  # sandboxes removed because the cluster declared them lost while we were away
+        self.suspect = False  # cut off from NATS lately and not swept since: ops check the record first (gave_up)
+        self.last_beat = time.monotonic()  # the last heartbeat stored (the service sets it)
+        self.silence_s = 6.0  # a heartbeat older than this: suspect too (a put may hang for its whole timeout)
 
     # --- at start ------------------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -144,21 +147,32 @@ class Reconciler:
         await asyncio.gather(*(one(k) for k in await kv.keys()))
         return marked
 
-    async def _fence(self, sid: str) -> None:
-        """Remove a held sandbox whose record says the cluster gave it up (see the module note)."""
+    async def _fence(self, sid: str) -> str:
+        """Remove a held sandbox whose record says the cluster gave it up (see the module note). Returns
+        "" (ours: nothing done), "lost" (declared lost: being removed) or "elsewhere" (another host or a
+        later incarnation holds the id: being removed, and that one answers for it)."""
         assert self.records.kv is not None
         ls = self.registry.get(sid)
         if ls is None or ls.state == "stopping" or sid in self.creating:
-            return
+            return ""
         rec = await self.records.kv.get(sid)
         if rec is None:
-            return
+            return ""
         mine = rec.host_id == self.host_id and rec.spec.generation == ls.spec.generation
         if mine and rec.state != "lost":
-            return
+            return ""
         log.warning("sandbox_fenced", sandbox_id=sid, record_state=rec.state, record_host=rec.host_id, generation=rec.spec.generation)
         self.fenced += 1
         self.reaper.begin(sid, FENCED)
+        await self.ops.unserve(sid)  # at once: the sandbox's owner (if any) answers alone from now on
+        return "lost" if mine else "elsewhere"
+
+    async def gave_up(self, sid: str) -> str:
+        """Before an op, while ``suspect`` or the heartbeat is late: what ``_fence`` says (between a cut
+        link's return and the sweep, a sandbox restored elsewhere must not answer here too)."""
+        if not self.suspect and time.monotonic() - self.last_beat <= self.silence_s:
+            return ""
+        return await self._fence(sid)
 
 
 __all__ = ["Reconciler"]

@@ -29,6 +29,7 @@ from bus.natsd import NatsServer
 from bus.runtime import KV
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox
+from sdk.errors import DsecError
 from sdk._hostnet import HostNet
 from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
@@ -228,6 +229,25 @@ async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts)
     finally:
         h.net.set_link(vi, True)
     print(f"\nhost marked down and its sandboxes lost {marked_s:.1f}s after the cut (grace {HOST_DOWN_S:.0f}s)")
+
+    # Back on the link, the host answers for a lost sandbox only that it has none: no op runs on it
+    # (until it is swept, each op checks the record first). Until the host is heard, ops time out.
+    lost_sb = on[victim][0]
+    answer: DsecError | None = None
+
+    async def answered() -> bool:
+        nonlocal answer
+        try:
+            await lost_sb.commands.run("true", timeout=5)
+        except DsecError as exc:
+            if exc.code in ("timeout", "unavailable", "host_unreachable", "sandbox_timeout"):
+                return False
+            answer = exc
+            return True
+        raise AssertionError("an op ran on a sandbox the cluster declared lost")
+
+    await eventually(answered, timeout=120, interval=0.5, what="the returning host to answer")
+    assert answer is not None and answer.code == "sandbox_not_found", answer
 
     # Link back: the host fences what the cluster gave up -- removed locally, nothing written, nothing twice.
     async def fenced() -> bool:
