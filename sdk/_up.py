@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bus.auth import ENV_MONITOR_URL, MONITOR_ROLE, OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
-from bus.errors import DsecError
+from bus.errors import DsecError, InvalidArgument
 from bus.natsd import NatsServer, NatsServerError
 from bus.sign import ENV_CONTROL_KEY
 from bus.subjects import METRICS_SCRAPE
@@ -384,13 +384,13 @@ def host_net(args: argparse.Namespace) -> HostNet | None:
     try:
         subnets = list(ipaddress.ip_network(args.hosts_net).subnets(new_prefix=24))
     except ValueError as exc:
-        raise DsecError(f"--hosts-net: {exc}") from None
+        raise InvalidArgument(f"--hosts-net: {exc}") from None
     if len(subnets) < n + 1:
-        raise DsecError(f"--hosts-net {args.hosts_net} holds {len(subnets)} /24s: {n} hosts need {n + 1}")
+        raise InvalidArgument(f"--hosts-net {args.hosts_net} holds {len(subnets)} /24s: {n} hosts need {n + 1}")
     try:
         return HostNet(prefix=args.hosts_prefix, count=n, link_net=str(subnets[-1]), pools=tuple(str(p) for p in subnets[:n]))
     except ValueError as exc:
-        raise DsecError(f"--hosts-prefix: {exc}") from None
+        raise InvalidArgument(f"--hosts-prefix: {exc}") from None
 
 
 async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
@@ -481,7 +481,11 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     if hosts is not None:
         hosts.destroy()  # a crashed earlier run's links
-        hosts.create()
+        try:
+            hosts.create()
+        except RuntimeError as exc:
+            print(f"dsec up: {exc}", file=sys.stderr)
+            return 2
         for i in range(hosts.count):
             host_data(data, i).mkdir(parents=True, exist_ok=True)
         _say(f"{hosts.count} hosts, each in netns {hosts.netns(0)[:-1]}<i> behind link {hosts.link(0)[:-1]}<i>; NATS on {hosts.gateway}")
