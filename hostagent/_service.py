@@ -106,7 +106,8 @@ class HostAgent(Service):
             starts=config.fn_starts,
         )
         self.reconciler.also_holds = self.fncalls.holds
-        self.ops.fenced = self.reconciler.gave_up
+        if self.registry.persist:  # simulated hosts keep no state and never fence
+            self.ops.fenced = self.reconciler.gave_up
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0

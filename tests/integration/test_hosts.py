@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -140,7 +141,7 @@ async def hosts() -> AsyncIterator[Hosts]:
         claim.release()
         if h is not None:
             shutil.rmtree(h.extra["rootfs_dir"], ignore_errors=True)
-        for lg in root.glob("*.log"):  # the agents' logs outlive the run (next to it) for a post-mortem
+        for lg in root.glob("*.log") if problems or os.environ.get("DSEC_KEEP_LOGS") else ():  # kept next to it for a post-mortem
             shutil.copy(lg, root.parent / f"{root.name}-{lg.name}")
         if not mounts_mentioning(str(root)):
             shutil.rmtree(root, ignore_errors=True)
