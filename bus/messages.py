@@ -81,6 +81,9 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     # A service tenant that operates the sandbox for its owner (the rollout workers run a tenant's job in
     # a sandbox of that tenant's): its ops are served too. Set by placement's binding only (bus.auth).
     delegate: str = ""
+    # When its host is declared down (placement: heartbeats stopped past the grace period), start it again
+    # elsewhere from its latest snapshot (same id, one generation up); else it just becomes ``lost``.
+    restore_on_host_loss: bool = False
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------

@@ -4,6 +4,7 @@ for every sandbox this host holds, one subscription per sandbox, each request an
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -46,7 +47,7 @@ from bus.messages import (
     SetTimeout,
     StreamAck,
 )
-from bus.runtime import Endpoint
+from bus.runtime import Endpoint, NotMine
 
 from ._backend import Backend, Handle, Networked
 from ._display import display
@@ -85,6 +86,9 @@ class OpsEndpoint:
         self.trajectory: Trajectory | None = None
         self.inflight = 0  # requests being answered now
         self.uploads: Uploads | None = None  # the per-tenant bound on uploaded bytes (hostagent._uploads)
+        # True when the cluster gave the sandbox up while this host was cut off (hostagent._reconcile:
+        # fencing); asked before each op only while the host is back from a silence and not yet swept.
+        self.fenced: Callable[[str], Awaitable[str]] | None = None
 
     def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
         """The parts that kill and snapshot sandboxes (made after this endpoint: they unserve through it)."""
@@ -114,6 +118,12 @@ class OpsEndpoint:
         if parts is None:
             raise BadRequest(f"not a sandbox operation subject: {msg.subject}")
         tenant, sid, op = parts
+        if self.fenced is not None and sid in self.registry:  # nothing logged nor run for a sandbox the cluster gave up
+            fenced = await self.fenced(sid)
+            if fenced == "elsewhere":
+                raise NotMine(sid)  # no answer at all: the host that holds it now answers
+            if fenced:
+                raise SandboxNotFound(f"sandbox {sid} is not running on this host (declared lost while this host was cut off)")
         self.inflight += 1
         t0 = time.perf_counter()
         code = "ok"

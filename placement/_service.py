@@ -21,13 +21,16 @@ from bus.auth import bind_tenant
 from bus.errors import (
     BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, QuotaExceeded, SandboxTimeout, Unavailable, UnknownTemplate, UnsupportedBackend,
 )
-from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, TemplateManifest
+from bus.messages import (
+    CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, SnapshotRecord, TemplateManifest,
+)
 from bus.rules import template_refusal, validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
 from bus.streams import ensure_all
 
 from ._config import PlacementConfig
+from ._hostloss import HostLoss
 from ._metrics import PlacementMetrics
 from ._quota import Quotas
 from ._table import HostTable, Policy
@@ -79,6 +82,7 @@ class Placement(Service):
         self._kv_images: KV[TemplateManifest] | None = None
         self._kv_sbx: KV[SandboxRecord] | None = None
         self.quotas = Quotas(grace_s=cfg.quota_grace_s)
+        self.hostloss: HostLoss | None = None
         self.m = PlacementMetrics(self)
 
     async def setup(self) -> None:
@@ -90,6 +94,11 @@ class Placement(Service):
         kv_hosts: KV[HostStatus] = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        kv_snaps: KV[SnapshotRecord] = await KV.open(self.js, S.KV_SNAPSHOTS, codec.SNAPSHOT)
+        self.hostloss = HostLoss(
+            self.table, kv_hosts, self._kv_sbx, kv_snaps, self.events, self._store,
+            grace_s=self.config.host_down_s, replica_id=self.replica_id,
+        )
         self._hosts_watch = await kv_hosts.watch(self._on_host, self.table.remove)
         self._watches = [
             self._hosts_watch, await self._kv_images.watch(self._on_template, self._on_template_gone), await self.quotas.start(self.js, self._kv_sbx),
@@ -108,10 +117,13 @@ class Placement(Service):
             max_ack_pending=max(self.capacity * 16, 4096),  # shared by every replica
             name=f"placement-{self.replica_id}",
         )
+        self.spawn(self.hostloss.loop(self._stopped), name="host-loss")
 
     # --- watches -------------------------------------------------------------------
-    def _on_host(self, key: str, st: HostStatus, _rev: int) -> None:
+    def _on_host(self, key: str, st: HostStatus, rev: int) -> None:
         self.table.update(st)
+        if self.hostloss is not None:
+            self.hostloss.seen(key, st, rev)
 
     def _on_template(self, key: str, t: TemplateManifest, _rev: int) -> None:
         self.templates[key] = t
@@ -365,6 +377,10 @@ class Placement(Service):
         assert self.handoffs is not None
         subject = S.host_create(host)
         return await self.handoffs.send(subject, data, sign_headers(self.control_key, subject, data))
+
+    async def _store(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        assert self.publisher is not None
+        await (await self.publisher.publish(subject, data, headers))
 
     async def teardown(self) -> None:
         for w in self._watches:

@@ -207,8 +207,12 @@ def build_spec(
     sandbox_id: str | None = None,
     client: str = "",
     snapshot: str | None = None,
+    restore_on_host_loss: bool = False,
 ) -> SandboxSpec:
-    """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
+    """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast.
+
+    ``restore_on_host_loss``: when the sandbox's host is declared down, start it again on another host
+    from its latest snapshot (same id); else it just becomes ``lost``."""
     _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
     net = _network_spec(network)
     if lease is not None:
@@ -220,7 +224,7 @@ def build_spec(
         sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
         priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout, client=client,
-        snapshot=snapshot or "",
+        snapshot=snapshot or "", restore_on_host_loss=bool(restore_on_host_loss),
     )
     validate_spec(spec)
     spec.cpu, spec.timeout_s, spec.lease_s = float(cpu), float(timeout), float(spec.lease_s)

@@ -170,16 +170,22 @@ class ContainerBackend:
             assert spec.network is not None
             net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
+        # A later incarnation (a resumed pause, a restore after its host was lost) gets a container id,
+        # and so cgroups and scratch, of its own: the earlier one may still linger on a host that was cut
+        # off, and hosts sharing a kernel (dsec up --hosts) must not touch each other's.
+        cid = sid if spec.generation <= 0 else f"{sid}-g{spec.generation}"
+        self.t.cid[sid] = cid  # before the start: a failed one's teardown (destroy) removes this container
         if memory is None:
-            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, priority=spec.priority)
+            pid, sdir, group, info = await self._start(cid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, priority=spec.priority)
         else:
             async with criu.restore_work_dir(self.data_dir, sid) as work:
                 restore = (await self.layers.path(memory), work)
                 pid, sdir, group, info = await self._start(
-                    sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore, priority=spec.priority,
+                    cid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore, priority=spec.priority,
                 )
-        self.t.cid[sid] = sid
-        return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
+        if cid != sid:
+            self.t.clients[sid] = self.t.clients.pop(cid)  # ops find a sandbox's agent by its id
+        return Handle(sid, pid, self._extra(cid, sdir, group, security, info, net))
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
         await asyncio.to_thread(set_limits, w.cid, spec.cpu, spec.memory_mb)
