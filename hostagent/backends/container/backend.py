@@ -36,7 +36,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
+from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, park, remove_cgroups, set_class, set_cpu, set_limits, unpark
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .fnreset import NsResetters
@@ -452,7 +452,20 @@ class ContainerBackend:
 
     async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
         """CRIU-dump the sandbox's processes into ``image_dir``; the sandbox runs on (or stays frozen)."""
-        await criu.checkpoint(self.rt, self.t.cid.get(handle.sandbox_id, handle.sandbox_id), image_dir, work_dir)
+        cid = self.t.cid.get(handle.sandbox_id, handle.sandbox_id)
+        # CRIU records each process's cgroups under the container's own: a best-effort one's processes
+        # come back from the idle class first, and go there again after (the restore re-classes its own).
+        parked = cpu_class(cid) == "best-effort"
+        if parked:
+            await asyncio.to_thread(unpark, cid)
+        try:
+            await criu.checkpoint(self.rt, cid, image_dir, work_dir)
+        finally:
+            if parked and await asyncio.to_thread(cpu_class, cid) is not None:
+                try:
+                    await asyncio.to_thread(park, cid)
+                except OSError:  # a dump that stopped the processes leaves nothing to move
+                    pass
 
 
 __all__ = ["AGENT_DIR_IN_SANDBOX", "ContainerBackend", "DEFAULT_ENV", "RUN_DIR_IN_SANDBOX"]
