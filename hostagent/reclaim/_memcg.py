@@ -83,12 +83,12 @@ def cpu_class(cgroup: str) -> str:
     (``/dsec-idle/<id>`` beside ``/dsec/<id>``) or, as it did earlier, flagged its own cgroup idle."""
     cpu = Path("/sys/fs/cgroup/cpu")
     parent, _, name = cgroup.strip("/").rpartition("/")
-    if parent and (cpu / f"{parent}-idle" / name).is_dir():
-        return "best-effort"
     try:
-        return "best-effort" if (cpu / cgroup.lstrip("/") / "cpu.idle").read_text().strip() == "1" else "latency-sensitive"
+        idle = (cpu / cgroup.lstrip("/") / "cpu.idle").read_text().strip() == "1"
+        parked = not (cpu / cgroup.lstrip("/") / "cgroup.procs").read_text().split() and (cpu / f"{parent}-idle" / name).is_dir()
     except OSError:
         return ""
+    return "best-effort" if idle or parked else "latency-sensitive"
 
 
 def merged_bytes(cgroup: str) -> int:

@@ -4,6 +4,7 @@ The class composes its parts: layer mounts, shim groups, warm pool, CRIU, cgroup
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -336,6 +337,10 @@ class ContainerBackend:
         self.shims.leave(cid)
         # Nothing below while the task may still run (a delete that failed: containerd slow or down):
         # a scratch fs unmounted under a live task would only be detached, its loop device kept.
+        # A best-effort sandbox's processes die at its own cgroup's weight: in the idle class on a busy
+        # host even their exit would wait for cycles no other work wants.
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(unpark, cid)
         await self.rt.delete(cid)
         await asyncio.to_thread(remove_cgroups, cid)
         if sandbox_id is not None:
@@ -462,10 +467,8 @@ class ContainerBackend:
             await criu.checkpoint(self.rt, cid, image_dir, work_dir)
         finally:
             if parked and await asyncio.to_thread(cpu_class, cid) is not None:
-                try:
+                with contextlib.suppress(OSError):  # a dump that stopped the processes leaves nothing to move
                     await asyncio.to_thread(park, cid)
-                except OSError:  # a dump that stopped the processes leaves nothing to move
-                    pass
 
 
 __all__ = ["AGENT_DIR_IN_SANDBOX", "ContainerBackend", "DEFAULT_ENV", "RUN_DIR_IN_SANDBOX"]

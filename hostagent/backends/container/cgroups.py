@@ -76,10 +76,12 @@ def _idle_parent() -> Path:
 
 
 def _move(src: Path, dst: Path) -> None:
-    """Every process of cgroup ``src`` into ``dst`` (cpu hierarchy; threads follow their process)."""
+    """Every process of cgroup ``src`` into ``dst`` (cpu hierarchy; threads follow their process). A
+    process that is exiting stays listed but cannot move (the kernel skips it quietly): tried once."""
+    tried: set[str] = set()
     for _ in range(_MOVE_PASSES):
         try:
-            pids = (src / "cgroup.procs").read_text().split()
+            pids = set((src / "cgroup.procs").read_text().split()) - tried
         except FileNotFoundError:
             return
         if not pids:
@@ -89,6 +91,7 @@ def _move(src: Path, dst: Path) -> None:
                 (dst / "cgroup.procs").write_text(pid)
             except ProcessLookupError:
                 pass
+        tried |= pids
     raise OSError(f"processes keep appearing in {src}")
 
 
@@ -119,19 +122,24 @@ def unpark(cid: str) -> None:
     parked = IDLE_PARENT / cid
     if parked.is_dir():
         _move(parked, CPU_ROOT / _REL / cid)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             parked.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:  # EBUSY: a process killed in the idle class is still dying there; remove_cgroups takes it
+            log.info("idle_cgroup_busy", cgroup=str(parked))
 
 
 def cpu_class(cid: str) -> Priority | None:
-    """The class the container's processes are in (None: no cgroup)."""
-    if (IDLE_PARENT / cid).is_dir():
-        return "best-effort"
+    """The class the container's processes are in (None: no cgroup). Parked: its own cgroup is empty
+    and its idle one there (one that was unparked may keep its idle one a while, with a dying process)."""
+    base = CPU_ROOT / _REL / cid
     try:
-        idle = (CPU_ROOT / _REL / cid / "cpu.idle").read_text().strip()
+        idle = (base / "cpu.idle").read_text().strip()
+        procs = (base / "cgroup.procs").read_text().split()
     except OSError:
         return None
-    return "best-effort" if idle == "1" else "latency-sensitive"
+    return "best-effort" if idle == "1" or (not procs and (IDLE_PARENT / cid).is_dir()) else "latency-sensitive"
 
 
 def set_limits(cid: str, cpu: float, memory_mb: int) -> None:
