@@ -287,6 +287,36 @@ async def test_pageout_takes_idle_processes_not_the_agent(stack: Stack, tmp_path
             await svc.stop()
 
 
+async def test_limit_step_leaves_the_agent_hot(stack: Stack, tmp_path: Path) -> None:
+    """A limit step takes a cgroup's least recently used pages, the in-sandbox agent's too: with
+    nothing kept (keep 0) and the agent left alone (the control) its pages go to the swap; by default
+    the step faults them back in after, so the sandbox's next operation starts in a resident agent.
+    (Steps called here, on the sandbox's real cgroup; the service, told never to reclaim, only
+    provides the swap.)"""
+    from hostagent.reclaim import _memcg
+    from tests.conftest import eventually
+
+    svc = reclaim_child(stack, tmp_path, "--idle", "100000", "--no-ksm")
+    try:
+        await eventually(lambda: bool(swap_devices()), timeout=60, what="a swap device")
+        async with stack.sandbox(memory_mb=128) as sb:
+            cgroup = f"/dsec/{stack.cid(sb.sandbox_id)}"
+            hold = await sb.commands.run(HOLD.format(n=8 << 20), background=True, timeout=0)
+            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > 8 << 20, timeout=180,
+                             what="the shell to hold its memory")
+            await asyncio.to_thread(_memcg.reclaim_step, cgroup, 256 << 20, 0, False, False)
+            assert agent_swap_kb(stack, sb.sandbox_id) > 0  # the control: the step took the agent's pages
+            await asyncio.to_thread(_memcg.reclaim_step, cgroup, 256 << 20, 0, False, True)
+            assert agent_swap_kb(stack, sb.sandbox_id) == 0
+            assert mem_file(stack, sb.sandbox_id, "memory.limit_in_bytes") == 128 << 20
+            assert any(p.pid == hold.pid for p in await sb.commands.list())
+            assert (await sb.commands.run("echo awake")).stdout == "awake\n"
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
+        if svc.alive():
+            await svc.stop()
+
+
 async def test_reclaim_faults(stack: Stack, tmp_path: Path) -> None:
     """A swap beyond the host is refused with a clear message; with swap in play a sandbox's own
     limit still holds; a malformed or foreign target list changes nothing; the service killed
