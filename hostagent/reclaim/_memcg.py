@@ -79,16 +79,10 @@ def stat(cgroup: str) -> dict[str, int]:
 
 
 def cpu_class(cgroup: str) -> str:
-    """best-effort: the host agent moved the sandbox's processes under the top-level idle parent
-    (``/dsec-idle/<id>`` beside ``/dsec/<id>``) or, as it did earlier, flagged its own cgroup idle."""
-    cpu = Path("/sys/fs/cgroup/cpu")
-    parent, _, name = cgroup.strip("/").rpartition("/")
     try:
-        idle = (cpu / cgroup.lstrip("/") / "cpu.idle").read_text().strip() == "1"
-        parked = not (cpu / cgroup.lstrip("/") / "cgroup.procs").read_text().split() and (cpu / f"{parent}-idle" / name).is_dir()
+        return "best-effort" if (Path("/sys/fs/cgroup/cpu") / cgroup.lstrip("/") / "cpu.idle").read_text().strip() == "1" else "latency-sensitive"
     except OSError:
         return ""
-    return "best-effort" if idle or parked else "latency-sensitive"
 
 
 def merged_bytes(cgroup: str) -> int:

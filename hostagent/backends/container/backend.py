@@ -4,7 +4,6 @@ The class composes its parts: layer mounts, shim groups, warm pool, CRIU, cgroup
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,7 @@ from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
 from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
 from . import criu
-from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, park, remove_cgroups, set_class, set_cpu, set_limits, unpark
+from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
 from .daemon import ContainerdDaemon
 from .fnreset import NsResetters
@@ -337,10 +336,6 @@ class ContainerBackend:
         self.shims.leave(cid)
         # Nothing below while the task may still run (a delete that failed: containerd slow or down):
         # a scratch fs unmounted under a live task would only be detached, its loop device kept.
-        # A best-effort sandbox's processes die at its own cgroup's weight: in the idle class on a busy
-        # host even their exit would wait for cycles no other work wants.
-        with contextlib.suppress(OSError):
-            await asyncio.to_thread(unpark, cid)
         await self.rt.delete(cid)
         await asyncio.to_thread(remove_cgroups, cid)
         if sandbox_id is not None:
@@ -457,18 +452,7 @@ class ContainerBackend:
 
     async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
         """CRIU-dump the sandbox's processes into ``image_dir``; the sandbox runs on (or stays frozen)."""
-        cid = self.t.cid.get(handle.sandbox_id, handle.sandbox_id)
-        # CRIU records each process's cgroups under the container's own: a best-effort one's processes
-        # come back from the idle class first, and go there again after (the restore re-classes its own).
-        parked = cpu_class(cid) == "best-effort"
-        if parked:
-            await asyncio.to_thread(unpark, cid)
-        try:
-            await criu.checkpoint(self.rt, cid, image_dir, work_dir)
-        finally:
-            if parked and await asyncio.to_thread(cpu_class, cid) is not None:
-                with contextlib.suppress(OSError):  # a dump that stopped the processes leaves nothing to move
-                    await asyncio.to_thread(park, cid)
+        await criu.checkpoint(self.rt, self.t.cid.get(handle.sandbox_id, handle.sandbox_id), image_dir, work_dir)
 
 
 __all__ = ["AGENT_DIR_IN_SANDBOX", "ContainerBackend", "DEFAULT_ENV", "RUN_DIR_IN_SANDBOX"]

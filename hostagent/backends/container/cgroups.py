@@ -19,8 +19,6 @@ log = structlog.get_logger("dsec.hostagent.container")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 MEM_CGROUP = CGROUP_ROOT / "memory"
 _REL = CGROUP_PARENT.lstrip("/")
-CPU_ROOT = CGROUP_ROOT / "cpu"
-IDLE_PARENT = CPU_ROOT / f"{_REL}-idle"  # the best-effort class (see set_class)
 
 # Every container starts with at least this CPU share (runc init, the agent's start-up), and gets
 # its own once its agent answers: a small share (0.02 is 2 ms per 100 ms) must not slow its start.
@@ -33,30 +31,32 @@ def cgroup_path(cid: str) -> str:
 
 
 def set_cpu(cid: str, cpu: float) -> None:
-    """Apply a CPU share straight to the container's cgroup v1 files (no runc round trip), and to its
-    idle-class cgroup if it is best-effort."""
+    """Apply a CPU share straight to the container's cgroup v1 files (no runc round trip)."""
+    base = CGROUP_ROOT / "cpu" / _REL / cid
     shares, quota = cpu_limits(cpu)
-    parked = IDLE_PARENT / cid
-    for base in (CPU_ROOT / _REL / cid, *([parked] if parked.is_dir() else [])):
-        (base / "cpu.shares").write_text(str(shares))
-        (base / "cpu.cfs_quota_us").write_text(str(quota))
+    (base / "cpu.shares").write_text(str(shares))
+    (base / "cpu.cfs_quota_us").write_text(str(quota))
 
 
-# CPU classes. A latency-sensitive sandbox keeps its own cgroup under ``/dsec`` with a weight of its
-# CPU share times LATENCY_WEIGHT. A best-effort sandbox's processes are moved (cpu hierarchy only)
-# into ``/<parent>-idle/<container id>``: a parent beside ``/dsec`` at the top of the hierarchy with
-# ``cpu.idle=1`` (SCHED_IDLE). At the top is what counts: an idle group is idle only against its own
-# siblings, and a best-effort cgroup idle inside ``/dsec`` (the earlier layout) still made ``/dsec``
-# a busy, full-weight group against the host agent, NATS and every other task at the top, so their
-# wake-ups waited behind best-effort spinners (+7% at 50% load, +49% at 100% on this machine). Under
-# the top-level idle parent best-effort work gets the kernel's minimum weight against everything
-# else and never preempts it on wake-up: it runs on the cycles the rest leaves. Moved, not created
-# there: a warm container's cgroup path is fixed when it is pre-started, before the class of the
-# sandbox that claims it is known; the processes the sandbox's agent forks later inherit the moved
-# cgroup. The quota (its CPU share) stays an upper bound in either class.
+# CPU classes. A latency-sensitive sandbox's weight is its CPU share times this; a best-effort one's
+# cgroup is SCHED_IDLE (``cpu.idle``): against any non-idle sibling (a latency-sensitive sandbox) it
+# gets the kernel's minimum weight and never preempts it on wake-up, so it runs on the cycles the
+# others leave. Set on the sandbox's own cgroup, not a shared class parent: a warm container's
+# cgroup path is fixed when it is pre-started, before the class of the sandbox that claims it is
+# known. The quota (its CPU share) stays only an upper bound.
+#
+# An idle cgroup is idle only against its siblings: ``/dsec`` itself, where best-effort work runs,
+# is a plain busy group against the host agent, NATS and every other task at the top, so their
+# wake-ups waited out a best-effort spinner's slice (the latency-sensitive exec path crosses a few:
+# +7% at 50% load, more at 100%). So the best-effort sandbox's threads are SCHED_IDLE tasks as well
+# (what its agent forks inherits the policy; without CAP_SYS_NICE nothing inside can leave it): the
+# kernel lets any other task that wakes preempt an idle-policy one at once, whatever its cgroup, and
+# counts a core running only those as idle when it places a wake-up. Host services sit outside
+# ``/dsec`` with the normal weight of one group: best-effort work still gets its fair share against
+# the rest of the host's work (a top-level idle parent would starve it, its agent too, on a busy host).
 LATENCY_WEIGHT = 8
 MAX_SHARES = 262144
-_MOVE_PASSES = 20  # a process forking while it is moved leaves a child behind: move again
+_POLICY_PASSES = 5  # a thread started while the policy is set is caught by the next pass
 
 
 def class_shares(cpu: float, priority: str) -> int:
@@ -64,82 +64,60 @@ def class_shares(cpu: float, priority: str) -> int:
     return min(MAX_SHARES, shares * LATENCY_WEIGHT) if priority == "latency-sensitive" else shares
 
 
-def _idle_parent() -> Path:
-    """The best-effort class parent, made idle once (a weight is refused on an idle group: EINVAL,
-    so the low weight goes first, and a concurrent host agent may have made it idle already)."""
-    IDLE_PARENT.mkdir(exist_ok=True)
-    if (IDLE_PARENT / "cpu.idle").read_text().strip() != "1":
-        with contextlib.suppress(OSError):
-            (IDLE_PARENT / "cpu.shares").write_text("2")
-        (IDLE_PARENT / "cpu.idle").write_text("1")
-    return IDLE_PARENT
-
-
-def _move(src: Path, dst: Path) -> None:
-    """Every process of cgroup ``src`` into ``dst`` (cpu hierarchy; threads follow their process). A
-    process that is exiting stays listed but cannot move (the kernel skips it quietly): tried once."""
-    tried: set[str] = set()
-    for _ in range(_MOVE_PASSES):
-        try:
-            pids = set((src / "cgroup.procs").read_text().split()) - tried
-        except FileNotFoundError:
-            return
-        if not pids:
-            return
-        for pid in pids:
-            try:
-                (dst / "cgroup.procs").write_text(pid)
-            except ProcessLookupError:
-                pass
-        tried |= pids
-    raise OSError(f"processes keep appearing in {src}")
-
-
 def set_class(cid: str, cpu: float, priority: str) -> None:
-    """Put the container's processes in the CPU class of ``priority`` (see above); idempotent."""
-    base, parked = CPU_ROOT / _REL / cid, IDLE_PARENT / cid
-    if (base / "cpu.idle").exists():  # the earlier layout's flag on the sandbox's own cgroup
-        (base / "cpu.idle").write_text("0")
+    """Put the container's cgroup in the CPU class of ``priority``, and its threads in the class's
+    scheduling policy. The kernel refuses a weight on an idle group (EINVAL), so the idle flag is
+    cleared first and set last."""
+    base = CGROUP_ROOT / "cpu" / _REL / cid
+    idle = base / "cpu.idle"
+    if idle.exists():
+        idle.write_text("0")
     (base / "cpu.shares").write_text(str(class_shares(cpu, priority)))
-    if priority == "best-effort":
-        park(cid)
-    elif parked.is_dir():
-        unpark(cid)
+    if priority == "best-effort" and idle.exists():
+        idle.write_text("1")
+    set_policy(base / "tasks", priority == "best-effort")
 
 
-def park(cid: str) -> None:
-    """Move the container's processes into the best-effort class, with its own cgroup's weight and quota."""
-    base, parked = CPU_ROOT / _REL / cid, _idle_parent() / cid
-    parked.mkdir(exist_ok=True)
-    for name in ("cpu.shares", "cpu.cfs_quota_us"):
-        (parked / name).write_text((base / name).read_text().strip())
-    _move(base, parked)
+def set_policy(tasks: Path, idle: bool) -> None:
+    """Every thread listed in ``tasks`` SCHED_IDLE (``idle``) or, if it is SCHED_IDLE, SCHED_OTHER."""
+    want = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    param = os.sched_param(0)
+    for _ in range(_POLICY_PASSES):
+        changed = 0
+        for tid in tasks.read_text().split():
+            try:
+                now = os.sched_getscheduler(int(tid))
+                if now != want and (idle or now == os.SCHED_IDLE):
+                    os.sched_setscheduler(int(tid), want, param)
+                    changed += 1
+            except ProcessLookupError:  # exited meanwhile
+                pass
+        if not changed:
+            return
 
 
-def unpark(cid: str) -> None:
-    """Move a best-effort container's processes back into its own cgroup and drop the idle one (before
-    a CRIU dump, which records each process's cgroups under the container's; or a class change)."""
-    parked = IDLE_PARENT / cid
-    if parked.is_dir():
-        _move(parked, CPU_ROOT / _REL / cid)
+def task_policy_idle(cid: str) -> bool:
+    """Whether every thread of the container runs SCHED_IDLE (for tests and the dashboard's word)."""
+    try:
+        tids = (CGROUP_ROOT / "cpu" / _REL / cid / "tasks").read_text().split()
+    except OSError:
+        return False
+    out = True
+    for tid in tids:
         try:
-            parked.rmdir()
-        except FileNotFoundError:
+            out = out and os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+        except ProcessLookupError:
             pass
-        except OSError:  # EBUSY: a process killed in the idle class is still dying there; remove_cgroups takes it
-            log.info("idle_cgroup_busy", cgroup=str(parked))
+    return bool(tids) and out
 
 
 def cpu_class(cid: str) -> Priority | None:
-    """The class the container's processes are in (None: no cgroup). Parked: its own cgroup is empty
-    and its idle one there (one that was unparked may keep its idle one a while, with a dying process)."""
-    base = CPU_ROOT / _REL / cid
+    """The class the container's cgroup is in (None: no cgroup)."""
     try:
-        idle = (base / "cpu.idle").read_text().strip()
-        procs = (base / "cgroup.procs").read_text().split()
+        idle = (CGROUP_ROOT / "cpu" / _REL / cid / "cpu.idle").read_text().strip()
     except OSError:
         return None
-    return "best-effort" if idle == "1" or (not procs and (IDLE_PARENT / cid).is_dir()) else "latency-sensitive"
+    return "best-effort" if idle == "1" else "latency-sensitive"
 
 
 def set_limits(cid: str, cpu: float, memory_mb: int) -> None:
@@ -156,7 +134,7 @@ def set_limits(cid: str, cpu: float, memory_mb: int) -> None:
 
 
 def cgroups_of(cid: str) -> list[Path]:
-    return [p for p in [*CGROUP_ROOT.glob(f"*/{_REL}/{cid}"), IDLE_PARENT / cid] if p.is_dir()]
+    return [p for p in CGROUP_ROOT.glob(f"*/{_REL}/{cid}") if p.is_dir()]
 
 
 def remove_cgroups(cid: str) -> None:
@@ -275,5 +253,5 @@ class Meter:
 
 __all__ = [
     "CGROUP_ROOT", "LATENCY_WEIGHT", "MEM_CGROUP", "START_CPU", "Meter", "cgroup_path", "cgroups_of", "children", "class_shares", "cpu_class",
-    "IDLE_PARENT", "in_cgroup", "kill", "memory_bytes", "park", "remove_cgroups", "set_class", "set_cpu", "set_limits", "unpark",
+    "in_cgroup", "kill", "memory_bytes", "remove_cgroups", "set_class", "set_cpu", "set_limits", "set_policy", "task_policy_idle",
 ]

@@ -82,8 +82,7 @@ async def _containers(data_dir: str, network: Any) -> None:
 
 
 def _sandbox_cgroups(pid: int) -> set[Path]:
-    """The per-sandbox cgroup dirs (``<controller>/dsec/<id>``, and ``cpu/dsec-idle/<id>`` of a
-    best-effort one) ``pid`` is in."""
+    """The per-sandbox cgroup dirs (``<controller>/dsec/<id>``) ``pid`` is in."""
     out: set[Path] = set()
     try:
         with open(f"/proc/{pid}/cgroup") as f:
@@ -92,7 +91,7 @@ def _sandbox_cgroups(pid: int) -> set[Path]:
         return out
     for ln in lines:
         _, controllers, path = ln.split(":", 2)
-        if path.startswith((CGROUP_PARENT + "/", CGROUP_PARENT + "-idle/")) and controllers:
+        if path.startswith(CGROUP_PARENT + "/") and controllers:
             for c in controllers.split(","):
                 out.add(CGROUP_ROOT / c.removeprefix("name=") / path.lstrip("/"))
     return out
