@@ -246,6 +246,10 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
               f"OOM kills {oom_kills(stack, sids)}")
     finally:
         stop(svc)
+        # Which swap the service used (its own zram, or one another user of this machine set up and may take away).
+        for ln in (stack.dir / "reclaim.log").read_text(errors="replace").splitlines():
+            if "reclaim_started" in ln or "reclaim_pass_failed" in ln:
+                print(f"    service: {ln[:300]}")
         await asyncio.gather(*(sb.kill() for sb in sbs))
     print(f"    (a) took {time.monotonic() - t_start:.0f} s")
 
