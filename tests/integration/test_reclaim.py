@@ -525,7 +525,10 @@ async def test_memory_and_class_on_dashboard_and_metrics(stack: Stack, tmp_path:
                     rows = [s for s in (await r.json())["sandboxes"] if s["sandbox_id"] == sb.sandbox_id]
                 return rows[0] if rows and rows[0].get("mem_resident_bytes", 0) > 0 else None
 
-            await eventually(row, timeout=60, what="the sandbox's memory on the dashboard")
+            async def shown() -> bool:
+                return await row() is not None
+
+            await eventually(shown, timeout=60, what="the sandbox's memory on the dashboard")
             got = await row()
             assert got is not None and got["cpu_class"] == "best-effort" and "mem_reclaimed_bytes" in got and "mem_merged_bytes" in got, got
             async with http.get(f"{base}/metrics", params={"service": "reclaim"}) as r:
