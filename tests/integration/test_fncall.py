@@ -249,6 +249,137 @@ async def test_sysv_ipc_and_cgroup_counters_start_fresh(fn: Fn) -> None:
     assert planter in seen, (planter, seen)
 
 
+# ------------------------------------------------------------------------------------------ started interpreters
+PY_MEMBER = (
+    "import os as _o\n"
+    "print('cg=' + [ln for ln in open('/proc/self/cgroup') if 'memory' in ln][0].strip())\n"
+    # a started interpreter runs as ``python3 -c <zygote>``; an ordinary run as ``python3 main.py``
+    "print('started=' + str(open('/proc/self/cmdline').read().split('\\0')[1] == '-c'))\n"
+)
+
+
+def _started(stdout: str) -> bool:
+    return "started=True" in stdout.splitlines()
+
+
+async def _on_started(c: Any, code: str, tries: int = 8, **kw: Any) -> Any:
+    """``code`` run until a started interpreter served it (the first call of a shape teaches the pool
+    that shape: the members reset after it start interpreters for it)."""
+    for _ in range(tries):
+        r = await c.run_code(code, **kw)
+        if _started(r.stdout):
+            return r
+    raise AssertionError(f"no started interpreter served {tries} calls in a row: {r}")
+
+
+async def test_python_calls_on_started_interpreters_see_nothing_of_earlier_ones(fn: Fn) -> None:
+    """`run_code` python runs on an interpreter started in the member right after its reset
+    (hostagent._fnzygote). A call served that way plants state in its interpreter (builtins, a
+    module's attribute, sys.modules, os.environ), a usercustomize.py in the user site (which every
+    later interpreter start would run), files in /tmp, /dev/shm and the working directory, and a
+    process in a session of its own. Later calls, on started interpreters too and also on the very
+    member that served the plant, see none of it."""
+    fn.needs_debian()
+    c = fn.client()
+    check = PY_MEMBER + (
+        "import builtins, json, os, sys\n"
+        "procs = [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print('seen', hasattr(builtins, 'PLANTED'), getattr(json, 'PLANTED', None), 'planted_mod' in sys.modules,"
+        " os.environ.get('PLANTED'), sorted(n for d in ('/tmp', '/dev/shm', '/workspace') for n in os.listdir(d) if 'plant' in n),"
+        " any(p.startswith('sleep') for p in procs))\n"
+    )
+    plant = PY_MEMBER + (
+        "import builtins, json, os, site, subprocess, sys, types\n"
+        "builtins.PLANTED = 1; json.PLANTED = 1; sys.modules['planted_mod'] = types.ModuleType('planted_mod')\n"
+        "os.environ['PLANTED'] = '1'\n"
+        "for d in ('/tmp', '/dev/shm', '/workspace'): open(d + '/plant', 'w').write('x')\n"
+        "us = site.getusersitepackages(); os.makedirs(us, exist_ok=True)\n"
+        "open(us + '/usercustomize.py', 'w').write('print(\"HIJACK\")')\n"
+        "subprocess.Popen(['sleep', '1000'], start_new_session=True)\n"
+        # positive control for the startup file: an interpreter started now runs it
+        "sys.stdout.flush(); subprocess.run([sys.executable, '-c', 'pass'])\n"
+    ) + check.split("\n", 3)[3]
+    base = fn.host.fncalls.zygote_calls
+    r = await _on_started(c, plant)
+    assert r.stdout.splitlines()[-2:] == ["HIJACK", "seen True 1 True 1 ['plant', 'plant', 'plant'] True"], r  # positive control
+    planter = _member(r.stdout)
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    while not any(m == planter and s for m, s in seen):
+        assert time.monotonic() < deadline, f"the planting member {planter} was not served again by a started interpreter: {seen}"
+        r = await c.run_code(check)
+        assert r.exit_code == 0 and "HIJACK" not in r.stdout, r
+        assert r.stdout.splitlines()[-1] == "seen False None False None [] False", r.stdout
+        seen.append((_member(r.stdout), _started(r.stdout)))
+    assert fn.host.fncalls.zygote_calls - base >= 2
+
+
+async def test_a_started_interpreter_runs_the_script_as_python3_does(fn: Fn) -> None:
+    """The same scripts, once on a started interpreter and once as an ordinary ``python3 main.py``
+    (the command written so it is not of the started interpreter's shape), give the same stdout,
+    stderr, exit code and files: argv, __file__, sys.path[0], stdin, an uncaught exception's
+    traceback, sys.exit with a message or a number, a syntax error, atexit, a thread still running
+    at the end, an unclosed file's buffered writes."""
+    fn.needs_debian()
+    from bus.messages import FnCallRequest, FnFile
+
+    c = fn.client()
+    scripts = {
+        "argv": "import sys\nprint(sys.argv, __file__, __name__, sys.path[0], __spec__, __package__, repr(sys.stdin.read()))\n",
+        "raise": "def f():\n    raise ValueError('boom')\nf()\n",
+        "exit-msg": "import sys\nsys.exit('bye')\n",
+        "exit-3": "raise SystemExit(3)\n",
+        "syntax": "print(\n",
+        "atexit": (
+            "import atexit, threading, time\n"
+            "atexit.register(lambda: print('atexit'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread'))).start()\n"
+            "f = open('out.txt', 'w'); f.write('unclosed')\n"
+        ),
+    }
+    for name, code in scripts.items():
+        for stdin in (b"", b"given"):
+            def req(cmd: str, code: str = code, stdin: bytes = stdin) -> FnCallRequest:
+                return FnCallRequest(cmd=cmd, files=[FnFile(path="main.py", data=code.encode())], stdin=stdin, fetch_files=["out.txt"], queue_s=60)
+
+            plain = await c.call("python", req("exec python3 main.py"))
+            for _ in range(8):
+                before = fn.host.fncalls.zygote_calls
+                started = await c.call("python", req("python3 main.py"))
+                if fn.host.fncalls.zygote_calls > before:
+                    break
+            else:
+                raise AssertionError(f"{name}: no started interpreter served it")
+            assert plain.run is not None and started.run is not None
+            got = [(x.run.stdout, x.run.stderr, x.run.exit_code, x.files) for x in (plain, started)]  # type: ignore[union-attr]
+            assert got[0] == got[1], (name, stdin, got)
+            if name == "atexit":
+                assert got[1][0] == b"thread\natexit\n" and got[1][3] == {"out.txt": b"unclosed"}, got  # (and not vacuously)
+            if name == "raise":
+                assert b"ValueError: boom" in got[1][1] and b"<string>" not in got[1][1], got
+
+
+async def test_a_started_interpreter_past_its_timeout(fn: Fn) -> None:
+    """A call on a started interpreter that runs past its timeout answers on time, timed out, with
+    its output so far; the next call runs."""
+    fn.needs_debian()
+    c = fn.client()
+    await _on_started(c, PY_MEMBER)
+    for _ in range(8):
+        before = fn.host.fncalls.zygote_calls
+        t0 = time.monotonic()
+        r = await c.run_code("import time\nprint('started', flush=True)\ntime.sleep(30)\n", timeout=1)
+        took = time.monotonic() - t0
+        if fn.host.fncalls.zygote_calls > before:
+            break
+    else:
+        raise AssertionError("no started interpreter served the call")
+    assert r.error is not None and "timed out" in r.error and r.stdout == "started\n", r
+    assert took < 8, took
+    r = await c.run_code("print('after')")
+    assert r.stdout == "after\n" and r.exit_code == 0, r
+
+
 # ------------------------------------------------------------------------------------------ limits
 async def test_timeout_answers_on_time_and_the_next_call_runs(fn: Fn) -> None:
     c = fn.client()
