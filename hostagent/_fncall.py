@@ -217,6 +217,9 @@ class FnPool:
     async def _recycle(self, m: Member) -> None:
         ok = False
         try:
+            # The call's reply was handed to NATS in the step that released ``m``; its flusher was
+            # woken then, after this task was made: one turn lets the reply leave before the reset.
+            await asyncio.sleep(0)
             ok = await self.reset(m)
         finally:
             self.resetting -= 1
@@ -331,6 +334,7 @@ class FnCalls:
         # call starts an interpreter of that shape in it (_fnzygote), off the hot path.
         self._zkeys: dict[str, zygote.ZygoteKey] = {}
         self.zygote_calls = 0  # calls served by a pre-started interpreter (benchmarks, tests)
+        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one (until the agent started it), part of reset_ms
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
 
@@ -419,7 +423,9 @@ class FnCalls:
         """A Python interpreter in ``m`` for a next call shaped like the template's last one (if it ran one)."""
         key = self._zkeys.get(m.template)
         if key is not None and m.writable is not None:
+            t0 = time.perf_counter()
             m.zygote = await zygote.start(self.backend, m.handle, key)
+            self.zygote_ms.append((time.perf_counter() - t0) * 1000)
 
     async def _destroy(self, m: Member) -> None:
         sid = m.sid

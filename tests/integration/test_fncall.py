@@ -34,18 +34,22 @@ pytestmark = [pytest.mark.containerd, needs_stack]
 
 DEBIAN_CACHE = os.environ.get("DSEC_FNCALL_CACHE", "/var/cache/dsec-fncall")
 SLOW = os.environ.get("DSEC_SLOW") == "1"
+JUPYTER_CACHE = os.environ.get("DSEC_FNCALL_JUPYTER_CACHE", "/var/cache/dsec-fncall-jupyter")
+JUPYTER_PACKAGES = ("python3-ipykernel", "python3-jupyter-client")
 
 
-async def debian_rootfs() -> Path | None:
-    """The cached Debian rootfs with python3, bash and g++; built here only with DSEC_SLOW=1."""
+async def debian_rootfs(jupyter: bool = False) -> Path | None:
+    """The cached Debian rootfs with python3, bash and g++ (``jupyter``: and Debian's ipykernel and
+    jupyter_client, in a cache of its own); built here only with DSEC_SLOW=1."""
     from imaged._debootstrap import _DONE, DEFAULT_MIRROR, DEFAULT_PACKAGES, DEFAULT_SUITE, python_rootfs
 
-    packages = (*DEFAULT_PACKAGES, "g++")
+    packages = (*DEFAULT_PACKAGES, "g++", *JUPYTER_PACKAGES) if jupyter else (*DEFAULT_PACKAGES, "g++")
+    cache = JUPYTER_CACHE if jupyter else DEBIAN_CACHE
     key = hashlib.sha256(f"{DEFAULT_SUITE}\0{DEFAULT_MIRROR}\0{','.join(sorted(packages))}".encode()).hexdigest()[:12]
-    done = Path(DEBIAN_CACHE) / "images" / "rootfs" / f"debian-{DEFAULT_SUITE}-{key}{_DONE}"
+    done = Path(cache) / "images" / "rootfs" / f"debian-{DEFAULT_SUITE}-{key}{_DONE}"
     if not done.exists() and not SLOW:
         return None
-    return await python_rootfs(DEBIAN_CACHE, packages=packages)
+    return await python_rootfs(cache, packages=packages)
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Fn:
     backend: Any
     data_dir: Path
     debian: Path | None
+    jupyter: bool = False  # the python template has ipykernel and jupyter_client
 
     def client(self, **kw: Any) -> Any:
         from sdk import AsyncFnCall
@@ -112,9 +117,10 @@ async def fn(nats_server: Any) -> AsyncIterator[Fn]:
     await _register(js, "base", str(rootfs), replaced)
     await _register(js, "tiny", str(rootfs), replaced)  # a pool of one member (no_capacity)
     debian = await debian_rootfs()
+    jupyter = await debian_rootfs(jupyter=True)  # (a superset of the other: the python template when it is there)
     pools = "base=4,tiny=1"
     if debian is not None:
-        await _register(js, "python", str(debian), replaced)
+        await _register(js, "python", str(jupyter or debian), replaced)
         await _register(js, "cpp", str(debian), replaced)
         pools += ",python=2,cpp=1"
     net = await asyncio.to_thread(claim_net)
@@ -126,7 +132,7 @@ async def fn(nats_server: Any) -> AsyncIterator[Fn]:
     try:
         await host.start()
         await eventually(lambda: all(len(p.idle) >= min(p.size, 2) for p in host.fncalls.pools.values()), timeout=120, what="the fn pools to fill")
-        yield Fn(nats_server.url, host, backend, data_dir, debian)
+        yield Fn(nats_server.url, host, backend, data_dir, debian, jupyter is not None)
     finally:
         with contextlib.suppress(Exception):
             await sdk._async.close_connections()
@@ -710,6 +716,29 @@ async def test_run_jupyter_over_http(fn: Fn, gateway: str) -> None:
         assert st == 400 and out["status"] == "SandboxError" and out["message"] and out["cells"] == [], (bad, st, out)
     st, out = await _post(f"{gateway}/k/not-a-key/run_jupyter", {"cells": ["1"]})
     assert st == 401 and out["status"] == "SandboxError", out
+
+
+async def test_run_jupyter_on_a_real_kernel(fn: Fn, gateway: str) -> None:
+    """Where the python template has Debian's ipykernel and jupyter_client, the cells run on a real
+    IPython kernel: magics, ``get_ipython()``, rich display data, and a cell past its timeout is
+    interrupted while the kernel (and its namespace) lives on for the next cell."""
+    fn.needs_debian()
+    if not fn.jupyter:
+        pytest.skip(f"needs the Debian rootfs with python3-ipykernel in {JUPYTER_CACHE} (DSEC_SLOW=1 builds it: minutes)")
+    url = f"{gateway}/k/{KEY}/run_jupyter"
+    cells = ["x = 6 * 7", "get_ipython().__class__.__name__", "%time y = x + 1", "from IPython.display import HTML; HTML('<b>hi</b>')",
+             "import time\ntime.sleep(30)", "y"]
+    st, out = await _post(url, {"cells": cells, "cell_timeout": 5})
+    assert st == 200 and out["status"] == "Success", out
+    c = out["cells"]
+    assert c[1]["display"] == [{"text/plain": "'ZMQInteractiveShell'"}], c
+    assert "Wall time" in c[2]["stdout"], c
+    assert c[3]["display"] and c[3]["display"][0]["text/html"] == "<b>hi</b>", c
+    assert [e["ename"] for e in c[4]["error"]] == ["TimeoutError"], c
+    assert c[5]["display"] == [{"text/plain": "43"}] and not c[5]["error"], c
+    # control: a magic is not Python (a plain interpreter refuses it): the kernel above ran it
+    r = await fn.client().run_code("%time y = 1")
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr, r
 
 
 async def test_unmodified_sandbox_fusion_client_run_jupyter(fn: Fn, gateway: str) -> None:
