@@ -487,7 +487,9 @@ class FnCalls:
         if script is not None:
             key = zygote.key_of(req)
             self._zkeys[m.template] = key
-            if z is not None and z.alive() and z.key == key:
+            if z is not None and zygote.missing(z):
+                self._zkeys.pop(m.template, None)  # no python3 in this template: start no more
+            elif z is not None and z.alive() and z.key == key:
                 out.run = await zygote.run(b, h, z, script, bool(req.stdin), req.timeout_s)
                 self.zygote_calls += out.run is not None
         if out.run is None:

@@ -153,6 +153,12 @@ class Zygote:
         self.task.cancel()
 
 
+def missing(z: Zygote) -> bool:
+    """``z`` ended before its call because the template has no ``python3`` (the shell's 127)."""
+    t = z.task
+    return t.done() and not t.cancelled() and t.exception() is None and t.result().exit_code == 127
+
+
 def _consume(t: asyncio.Future[Any]) -> None:
     if not t.cancelled():
         t.exception()  # an interpreter killed unused by a reset or a destroy ends in an error: expected
@@ -217,4 +223,4 @@ async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_std
     return res
 
 
-__all__ = ["ZYGOTE", "Zygote", "ZygoteKey", "key_of", "run", "script_of", "start"]
+__all__ = ["ZYGOTE", "Zygote", "ZygoteKey", "key_of", "missing", "run", "script_of", "start"]
