@@ -334,7 +334,7 @@ class FnCalls:
         # call starts an interpreter of that shape in it (_fnzygote), off the hot path.
         self._zkeys: dict[str, zygote.ZygoteKey] = {}
         self.zygote_calls = 0  # calls served by a pre-started interpreter (benchmarks, tests)
-        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one (until the agent started it), part of reset_ms
+        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one, until the agent started its process (after the reset)
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
 
@@ -393,7 +393,7 @@ class FnCalls:
                 # Fresh layers over the writable paths before the first call: their original
                 # directories (which the Landlock rules name) are then never written.
                 m.writable, m.oom_base = await self.resets.fn_reset(handle, paths, self.disk_mb, True)
-                await self._prime(m)
+                self._prime(m)
         except BaseException:
             await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
             raise
@@ -412,20 +412,25 @@ class FnCalls:
                 m.own_limit = False
             _, m.oom_base = await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
             m.zygote = None  # (the reset killed it, if the call left it unused)
-            await self._prime(m)
+            self._prime(m)
         except Exception as exc:  # noqa: BLE001 - the member is replaced; the next call never sees it
             log.warning("fn_member_reset_failed", sandbox_id=m.sid, error=str(exc))
             return False
         self.reset_ms.append((time.perf_counter() - t0) * 1000)
         return True
 
-    async def _prime(self, m: Member) -> None:
-        """A Python interpreter in ``m`` for a next call shaped like the template's last one (if it ran one)."""
+    def _prime(self, m: Member) -> None:
+        """A Python interpreter starting in ``m`` for a next call shaped like the template's last one
+        (if it ran one); ``m`` serves meanwhile."""
         key = self._zkeys.get(m.template)
         if key is not None and m.writable is not None:
             t0 = time.perf_counter()
-            m.zygote = await zygote.start(self.backend, m.handle, key)
-            self.zygote_ms.append((time.perf_counter() - t0) * 1000)
+            m.zygote = z = zygote.start(self.backend, m.handle, key)
+            if z is not None:
+                def took(f: asyncio.Future[int]) -> None:
+                    if not f.cancelled():
+                        self.zygote_ms.append((time.perf_counter() - t0) * 1000)
+                z.started.add_done_callback(took)
 
     async def _destroy(self, m: Member) -> None:
         sid = m.sid

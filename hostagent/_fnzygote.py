@@ -142,7 +142,7 @@ class Zygote:
     """One started interpreter, waiting for its call."""
 
     key: ZygoteKey
-    pid: int  # in the member's pid namespace (the agent signals its process group)
+    started: asyncio.Future[int]  # its pid in the member's pid namespace (the agent signals its process group)
     task: asyncio.Future[ExecResult]
 
     def alive(self) -> bool:
@@ -164,9 +164,9 @@ def _consume(t: asyncio.Future[Any]) -> None:
         t.exception()  # an interpreter killed unused by a reset or a destroy ends in an error: expected
 
 
-async def start(backend: Backend, handle: Handle, key: ZygoteKey) -> Zygote | None:
-    """An interpreter started in ``handle`` for calls of ``key``; None when the backend has no agent
-    channel or the agent did not start it (the call then runs the ordinary way)."""
+def start(backend: Backend, handle: Handle, key: ZygoteKey) -> Zygote | None:
+    """An interpreter being started in ``handle`` for calls of ``key`` (the member serves meanwhile:
+    a call that comes first waits for the start); None when the backend has no agent channel."""
     if not isinstance(backend, AgentChannel):
         return None
     loop = asyncio.get_running_loop()
@@ -182,12 +182,7 @@ async def start(backend: Backend, handle: Handle, key: ZygoteKey) -> Zygote | No
     )
     task = asyncio.ensure_future(backend.exec(handle, er, None, on_start=on_start))
     task.add_done_callback(_consume)
-    either: set[asyncio.Future[Any]] = {started, task}
-    done, _ = await asyncio.wait(either, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-    if started not in done:
-        task.cancel()
-        return None
-    return Zygote(key, started.result(), task)
+    return Zygote(key, started, task)
 
 
 async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_stdin: bool, timeout_s: float) -> ExecResult | None:
@@ -196,9 +191,15 @@ async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_std
     its start; past it the process group is killed, as the agent does for an exec."""
     assert isinstance(backend, AgentChannel)
     client = backend.agent_client(handle)
+    either: set[asyncio.Future[Any]] = {z.started, z.task}
+    done, _ = await asyncio.wait(either, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+    if z.started not in done:  # (the agent did not start it, or not in time)
+        z.cancel()
+        return None
+    pid = z.started.result()
     t0 = time.perf_counter()
     try:
-        await client.send_stdin(z.pid, (b"1" if with_stdin else b"0") + script.encode(), close=True)
+        await client.send_stdin(pid, (b"1" if with_stdin else b"0") + script.encode(), close=True)
     except AgentError:
         z.cancel()
         return None
@@ -210,7 +211,7 @@ async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_std
         raise
     except TimeoutError:
         try:
-            await client.signal(z.pid, signal.SIGKILL)
+            await client.signal(pid, signal.SIGKILL)
         except AgentError:
             z.cancel()  # (closing the exec's connection kills the process group too)
         try:

@@ -200,7 +200,7 @@ async def main(args: argparse.Namespace) -> None:
         if helpers is not None:
             print(line("  of which: waiting for a reset helper", list(helpers.wait_ms)))
             print(line("  of which: the helper's work (files, IPC)", list(helpers.work_ms)))
-        print(line("  of which: starting the Python interpreter", list(fc.zygote_ms)))
+        print(line("Python interpreter start (after a reset, to its pid)", list(fc.zygote_ms)))
         print(line("member start (off the hot path)", starts))
         print(line("member destroy (off the hot path)", destroys))
         served = sum(p.served for p in fc.pools.values())

@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.containerd, needs_stack]
 DEBIAN_CACHE = os.environ.get("DSEC_FNCALL_CACHE", "/var/cache/dsec-fncall")
 SLOW = os.environ.get("DSEC_SLOW") == "1"
 JUPYTER_CACHE = os.environ.get("DSEC_FNCALL_JUPYTER_CACHE", "/var/cache/dsec-fncall-jupyter")
-JUPYTER_PACKAGES = ("python3-ipykernel", "python3-jupyter-client")
+# (debootstrap resolves no virtual packages: python3-zmq needs the cffi backend, gdb (via debugpy) boost-regex named)
+JUPYTER_PACKAGES = ("python3-ipykernel", "python3-jupyter-client", "python3-cffi-backend", "libboost-regex1.74.0")
 
 
 async def debian_rootfs(jupyter: bool = False) -> Path | None:
