@@ -89,7 +89,7 @@ def _kernel_cell(km, kc, src, timeout):
     import queue
     import time
 
-    out = {"stdout": "", "stderr": "", "display": [], "error": []}
+    out: dict = {"stdout": "", "stderr": "", "display": [], "error": []}
     msg_id = kc.execute(src, allow_stdin=False)
     deadline = time.monotonic() + timeout if timeout > 0 else None
     interrupted = False

@@ -310,7 +310,7 @@ async def test_python_calls_on_started_interpreters_see_nothing_of_earlier_ones(
     r = await _on_started(c, plant)
     assert r.stdout.splitlines()[-2:] == ["HIJACK", "seen True 1 True 1 ['plant', 'plant', 'plant'] True"], r  # positive control
     planter = _member(r.stdout)
-    seen: list[str] = []
+    seen: list[tuple[str, bool]] = []
     deadline = time.monotonic() + 120
     while not any(m == planter and s for m, s in seen):
         assert time.monotonic() < deadline, f"the planting member {planter} was not served again by a started interpreter: {seen}"
@@ -358,7 +358,7 @@ async def test_a_started_interpreter_runs_the_script_as_python3_does(fn: Fn) -> 
             else:
                 raise AssertionError(f"{name}: no started interpreter served it")
             assert plain.run is not None and started.run is not None
-            got = [(x.run.stdout, x.run.stderr, x.run.exit_code, x.files) for x in (plain, started)]  # type: ignore[union-attr]
+            got = [(x.run.stdout, x.run.stderr, x.run.exit_code, x.files) for x in (plain, started) if x.run is not None]
             assert got[0] == got[1], (name, stdin, got)
             if name == "atexit":
                 assert got[1][0] == b"thread\natexit\n" and got[1][3] == {"out.txt": b"unclosed"}, got  # (and not vacuously)
