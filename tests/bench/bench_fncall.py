@@ -130,11 +130,11 @@ async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, 
         await hot_path("POST /run_code sh 'true'", fc.pools["base"], lambda: post("true", "sh"), args.n)
         if python:
             await hot_path("POST /run_code python print(1)", fc.pools["python"], lambda: post("print(1)", "python"), args.n, fc)
-        for callers in (16, 64, 256):
+        for callers in args.callers:
             await throughput(f"FnCall.run('true') x{callers} callers", lambda: c.run("true"), callers, args.per_caller)
             await throughput(f"POST /run_code sh x{callers} callers", lambda: post("true", "sh"), callers, args.per_caller)
         if python:
-            for callers in (16, 64, 256):
+            for callers in args.callers:
                 z0 = fc.zygote_calls
                 await throughput(f"FnCall.run_code('print(1)') x{callers} callers", lambda: c.run_code("print(1)"), callers, args.per_caller)
                 await throughput(f"POST /run_code python x{callers} callers", lambda: post("print(1)", "python"), callers, args.per_caller)
@@ -223,5 +223,7 @@ if __name__ == "__main__":
     ap.add_argument("-n", type=int, default=50, help="sequential calls per hot-path figure")
     ap.add_argument("--per-caller", type=int, default=2, help="calls per caller in the throughput runs")
     ap.add_argument("--pool", type=int, default=8, help="members per fn pool")
+    ap.add_argument("--callers", type=lambda v: [int(x) for x in v.split(",") if x], default=[16, 64, 256],
+                    help="concurrent callers of the throughput runs, comma-separated ('': none)")
     ap.add_argument("--long", type=float, default=0.0, help="seconds of 256 callers through /run_code (0: skip)")
     asyncio.run(main(ap.parse_args()))
