@@ -4,7 +4,9 @@ The class composes its parts: layer mounts, shim groups, warm pool, CRIU, cgroup
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +46,9 @@ from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
 from .shims import ShimGroups, reap_idle_shims
-from .warmpool import Recipe, Warm, WarmKey, WarmPool
+from .warmpool import Recipe, Warm, WarmKey, WarmPool, takes_restore
+from .warmroot import HELPER as WARMROOT
+from .warmroot import STAGE_NAME, WARM_OLD, fresh_upper
 
 log = structlog.get_logger("dsec.hostagent.container")
 
@@ -90,6 +94,7 @@ class ContainerBackend:
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
         self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
         self.fnreset = NsResetters()
+        self.warmroot = NsResetters(helper=WARMROOT)  # gives a warm container a restore's root
         self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
 
     @property
@@ -115,6 +120,7 @@ class ContainerBackend:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.fnreset.stop()
+        await self.warmroot.stop()
         if self._rt is not None:
             # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
             for c in await self.rt.list():
@@ -162,9 +168,12 @@ class ContainerBackend:
                 lambda w: self._configure_warm(w, spec),
             )
             if warm is not None:
-                self.t.cid[sid] = warm.cid
-                self.t.clients[sid] = self.t.clients.pop(warm.cid)
-                return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+                return self._serve_warm(sid, warm, security)
+        elif self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
+            # A restore (a fork's child): a warm container of its template, given the restore's root.
+            warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
+            if warm is not None:
+                return self._serve_warm(sid, warm, security)
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
@@ -180,6 +189,24 @@ class ContainerBackend:
                 )
         self.t.cid[sid] = sid
         return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
+
+    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement) -> Handle:
+        self.t.cid[sid] = warm.cid
+        self.t.clients[sid] = self.t.clients.pop(warm.cid)
+        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+
+    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str]) -> None:
+        """The warm container's root becomes the restore's: its lowers over a fresh upper (``warmroot``)."""
+        layout = RootfsLayout(w.sdir)
+        old = os.path.join(w.sdir, WARM_OLD)
+        await asyncio.to_thread(fresh_upper, layout, old)
+        try:
+            await self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(layout.run, STAGE_NAME))
+        await asyncio.to_thread(shutil.rmtree, old, True)  # the old root is detached: what its upper held goes
+        await self._configure_warm(w, spec)
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
         await asyncio.to_thread(set_limits, w.cid, spec.cpu, spec.memory_mb)

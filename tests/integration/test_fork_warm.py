@@ -1,0 +1,111 @@
+"""Fork children served by warm containers of their template (``warmroot``): a started, never used
+container of the template is given the restore's root (the snapshot's layers over the template's, a
+fresh upper) in its own mount namespace, instead of a cold container start. Profiles without Landlock
+only (``e2b``); the others, and a create that finds no warm container, start cold.
+Real containerd, real overlay mounts, the host's real lazy loader."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from sdk import AsyncSandbox
+from tests.conftest import eventually
+from tests.imaged.conftest import LazyDaemon, needs_fuse
+
+from .conftest import Stack, needs_stack
+from .test_fork import SOURCE_AFTER
+from .test_snapshots import WRITE_1, many, tmpl, tree  # noqa: F401 - tmpl is a fixture
+
+pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse]
+
+PROFILE = "e2b"  # no Landlock: its warm containers may take a restore's root
+ROOT_VIEW = "ls -la / | sed 1d | awk '{print $1, $NF}'; cat /proc/self/mountinfo | awk '{print $5, $9}' | sort"
+
+
+def served_warm(stack: Stack, sb: AsyncSandbox) -> bool:
+    """The sandbox runs in a container started for the warm pool (its id differs from the sandbox's)."""
+    return str(stack.host.handles[sb.sandbox_id].extra["cid"]).startswith("wp-")
+
+
+def waiting(stack: Stack, template_layers: int) -> int:
+    """Warm containers waiting for the template (of ``template_layers`` layers) in the e2b profile."""
+    return sum(len(ws) for k, ws in stack.backend.pool.entries().items() if k.profile == PROFILE and len(k.layers) == template_layers)
+
+
+async def pool_full(stack: Stack, template_layers: int) -> None:
+    await eventually(lambda: waiting(stack, template_layers) >= stack.backend.pool.size, timeout=120, interval=0.1, what="the warm pool refilled")
+
+
+async def test_warm_children_see_the_exact_state_and_diverge_alone(stack: Stack, lazy: LazyDaemon, tmpl: str) -> None:  # noqa: F811
+    async with stack.sandbox(template=tmpl, profile=PROFILE) as sb:
+        await sb.commands.run(WRITE_1)  # contents, modes (setuid), owner, a symlink, a hard link, deleted and replaced template dirs
+        want = (await sb.commands.run(tree())).stdout
+        assert "/root/data/link|symbolic link|" in want and "/workspace/gone.txt" not in want and "|4751|" in want
+        await pool_full(stack, 2)  # the source's create started the pool of its template and profile
+        forks = await sb.fork(stack.backend.pool.size, **stack.kw())
+        async with many(stack, forks):
+            assert all(served_warm(stack, f) for f in forks)
+            await sb.commands.run(SOURCE_AFTER)
+            for f in forks:
+                assert (await f.commands.run(tree())).stdout == want
+            await asyncio.gather(*(f.commands.run(f"echo child{i} > /root/data/t.txt && rm /root/data/bin.hard") for i, f in enumerate(forks)))
+            for i, f in enumerate(forks):
+                assert await f.files.read("/root/data/t.txt") == f"child{i}\n"
+                assert not await f.files.exists("/root/data/bin.hard")
+                assert not await f.files.exists("/root/data/late")
+            assert await sb.files.read("/root/data/t.txt") == "some text\nmore\n"
+            assert await sb.files.exists("/root/data/bin.hard") and not await sb.files.exists("/root/data/link")
+            # A child's own snapshot is what it shows (its upper is the fresh one the swap made).
+            again = await forks[0].fork(1, **stack.kw())
+            async with many(stack, again) as (g,):
+                assert await g.files.read("/root/data/t.txt") == "child0\n"
+                assert (await g.commands.run(tree())).stdout == (await forks[0].commands.run(tree())).stdout
+
+
+async def test_warm_and_cold_children_alike_and_none_shows_the_member_before(stack: Stack, lazy: LazyDaemon) -> None:
+    """More children than warm containers: the rest start cold (the pool is empty for them). Every
+    child, warm or cold, shows the same root, mounts and processes; a mark planted in each waiting
+    member's old root (its upper, before the claim) reaches no child, and a member left running a
+    process besides its agent is not used (removed; its child starts cold)."""
+    async with stack.sandbox(profile=PROFILE) as sb:
+        await sb.commands.run("mkdir -p /root/w && echo state > /root/w/f && chmod 604 /root/w/f && rm /bin/sed && touch /etc/marker")
+        await pool_full(stack, 1)
+        members = [w for k, ws in stack.backend.pool.entries().items() if k.profile == PROFILE and len(k.layers) == 1 for w in ws]
+        for w in members:
+            with open(os.path.join(w.sdir, "upper", "planted"), "w") as f:  # in the member's old root
+                f.write("member's\n")
+            # The control: inside the member, before the claim, the mark is there to be seen.
+            assert (await stack.backend.t.clients[w.cid].exec("cat /planted")).stdout == b"member's\n"
+        busy = members[-1]  # the first one claimed (the pool hands out its newest first)
+        await stack.backend.t.clients[busy.cid].exec("sleep 1000", background=True)
+        n = len(members) + 1
+        forks = await sb.fork(n, **stack.kw())
+        async with many(stack, forks):
+            warm = [f for f in forks if served_warm(stack, f)]
+            cold = [f for f in forks if not served_warm(stack, f)]
+            assert warm and len(cold) >= 2, (len(warm), len(cold))
+            assert busy.cid not in {stack.cid(f.sandbox_id) for f in forks}
+            ref = (await cold[0].commands.run(ROOT_VIEW)).stdout
+            procs = (await cold[0].commands.run("ls /proc | grep -c '^[0-9]'")).stdout
+            assert ".newroot" not in ref and "planted" not in ref and "/proc " in ref
+            for f in forks:
+                what = "warm" if f in warm else "cold"
+                assert (await f.commands.run(ROOT_VIEW)).stdout == ref, f"a {what} child's root differs"
+                assert (await f.commands.run("cat /root/w/f; stat -c %a /root/w/f; ls /etc/marker; ls /bin/sed || echo no-sed")).stdout == \
+                    "state\n604\n/etc/marker\nno-sed\n", what
+                assert not await f.files.exists("/planted")
+                assert (await f.commands.run("ls /proc | grep -c '^[0-9]'")).stdout == procs, f"a {what} child runs other processes"
+
+
+async def test_landlock_profile_children_start_cold(stack: Stack, lazy: LazyDaemon) -> None:
+    """The default profile's agent holds Landlock rules on its root's inodes: its children never take a warm root."""
+    async with stack.sandbox() as sb:
+        await sb.commands.run("mkdir -p /root/l && echo ll > /root/l/f")
+        await eventually(lambda: stack.backend.pool.ready() >= 1, timeout=120, interval=0.1, what="a warm container of the default profile")
+        forks = await sb.fork(1, **stack.kw())
+        async with many(stack, forks) as (f,):
+            assert not served_warm(stack, f)
+            assert await f.files.read("/root/l/f") == "ll\n"
