@@ -95,6 +95,7 @@ class ContainerBackend:
         self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
         self.fnreset = NsResetters()
         self.warmroot = NsResetters(helper=WARMROOT)  # gives a warm container a restore's root
+        self.warm_restores = True  # a restore may take a warm container of its template (off: always cold; benchmarks compare)
         self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
 
     @property
@@ -169,7 +170,7 @@ class ContainerBackend:
             )
             if warm is not None:
                 return self._serve_warm(sid, warm, security)
-        elif self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
+        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
             # A restore (a fork's child): a warm container of its template, given the restore's root.
             warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
             if warm is not None:

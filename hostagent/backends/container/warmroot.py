@@ -14,10 +14,11 @@ already, and only its root is wrong. The helper
   the agent's binary, each with what is mounted under it) into the new root, binds ``/.dsec/run`` (not
   recursively: the new root sits under it), and ``pivot_root``\\ s: every process of the namespace whose
   root or working directory was the old root (the agent, alone in the container) now has the new one;
-* detaches the old root, whose upper the caller removes.
+* detaches the old root from the container's namespace; the caller removes what its upper held.
 
-Nothing of the old root stays reachable in the container: the only process is its agent, which served
-nothing, and the old root is unmounted (lazily: it goes with the last reference). Why a process of its
+Nothing of the old root stays reachable in the container: its only process is its agent, which served
+nothing (a container running anything else is refused), and the old root is gone from its namespace
+(containerd's own mount of it on the host goes when the container is removed). Why a process of its
 own: ``setns(CLONE_NEWNS)`` is refused to a multi-threaded process. Only a container whose profile has
 no Landlock rules may take this (Landlock binds its rules to the old root's inodes) and none whose
 read-only binds show parts of the old root (the caller checks both).
@@ -72,7 +73,7 @@ def overlay(lowers: list[str], upper: str, work: str) -> int:
     fs = _sys(SYS_FSOPEN, b"overlay", ctypes.c_uint(FSOPEN_CLOEXEC), what="fsopen overlay")
     try:
         # One lower per "lowerdir+" (a string parameter holds at most 256 bytes), top-most first.
-        for key, value in [*(("lowerdir+", p) for p in lowers), ("upperdir", upper), ("workdir", work), ("index", "off")]:
+        for key, value in [("source", "overlay"), *(("lowerdir+", p) for p in lowers), ("upperdir", upper), ("workdir", work), ("index", "off")]:
             _sys(SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_SET_STRING), key.encode(), value.encode(), ctypes.c_int(0),
                  what=f"overlay {key}={value}")
         _sys(SYS_FSCONFIG, ctypes.c_int(fs), ctypes.c_uint(FSCONFIG_CMD_CREATE), None, None, ctypes.c_int(0), what="overlay create")
