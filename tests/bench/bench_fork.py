@@ -94,7 +94,8 @@ async def one_count(st: Stack, src: AsyncSandbox, n: int, rounds: int, profile: 
                 rows.setdefault(name, []).append(ms(t0))
                 if paused:
                     await src.resume()
-                seen.setdefault(name, []).append(f"{await check_and_kill(out, state + chr(10))}/{n} ok, {served_warm(st, out)} warm")
+                warm = served_warm(st, out)
+                seen.setdefault(name, []).append(f"{await check_and_kill(out, state + chr(10))}/{n} ok, {warm} warm")
     for name, xs in rows.items():
         print(f"  {n:3d} {name:30s} all ready: " + "  ".join(f"{x:8.1f}" for x in xs) + f"  ms (median {statistics.median(xs):8.1f})"
               f"   [{'; '.join(seen[name])}]")
@@ -119,6 +120,8 @@ async def taken_apart(st: Stack, src: AsyncSandbox, n: int, profile: str) -> Non
         t_create = ms(t1)
         work = sorted(st.backend.warmroot.work_ms)
         helper = f", warmroot helper work per child median {statistics.median(work):.1f} ms (max {work[-1]:.1f})" if work else ""
+        wait = sorted(st.backend.warmroot.wait_ms)[-n:] if work else []
+        helper += f", waiting for a helper median {statistics.median(wait):.1f} ms" if wait else ""
         print(f"  {n:3d} fork {mode}: snapshot call (freeze, diff, copy, record, event) {t_snap:7.1f} ms; "
               f"children created and ready {t_create:7.1f} ms ({served_warm(st, out)} warm){helper}")
         await check_and_kill(out, (await src.files.read("/root/d/state")))

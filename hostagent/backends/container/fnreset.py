@@ -52,6 +52,20 @@ class NsResetters:
         self._all.append(p)
         return p
 
+    async def prestart(self) -> None:
+        """Every helper started now (off the path of the first requests: a Python start on a loaded host
+        takes a second)."""
+        if self._free is None:
+            self._free = asyncio.Queue()
+        free = self._free
+        want = self.n - len(self._all) - self._starting
+        self._starting += want
+        try:
+            for p in await asyncio.gather(*(self._start() for _ in range(want))):
+                free.put_nowait(p)
+        finally:
+            self._starting -= want
+
     async def run(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._free is None:
             self._free = asyncio.Queue()
