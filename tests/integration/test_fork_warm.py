@@ -83,10 +83,18 @@ async def test_warm_and_cold_children_alike_and_none_shows_the_member_before(sta
             assert (await stack.backend.t.clients[w.cid].exec("cat /planted")).stdout == b"member's\n"
         busy = members[-1]  # the first one claimed (the pool hands out its newest first)
         client = stack.backend.t.clients[busy.cid]
-        await asyncio.wait_for(client.exec("sleep 1000 </dev/null >/dev/null 2>&1 &"), 30)
-        assert (await client.exec("cat /proc/[0-9]*/comm | grep -c '^sleep$'")).stdout == b"1\n"  # the control: it runs
+        sleeper = asyncio.ensure_future(client.exec("sleep 1000"))  # runs while the call is open
+
+        async def sleeping() -> bool:
+            return (await client.exec("cat /proc/[0-9]*/comm | grep -c '^sleep$' || true")).stdout == b"1\n"
+
+        await eventually(sleeping, timeout=30, what="the process in the member")  # the control: it runs
         n = len(members) + 2  # more than wait (the pool refills one container at a time, each a cold start)
-        forks = await sb.fork(n, **stack.kw())
+        try:
+            forks = await sb.fork(n, **stack.kw())
+        finally:
+            sleeper.cancel()
+            await asyncio.gather(sleeper, return_exceptions=True)  # its container was removed: the call ends either way
         async with many(stack, forks):
             warm = [f for f in forks if served_warm(stack, f)]
             cold = [f for f in forks if not served_warm(stack, f)]

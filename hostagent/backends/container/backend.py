@@ -8,7 +8,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -208,15 +208,23 @@ class ContainerBackend:
         old = os.path.join(w.sdir, WARM_OLD)
         fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
         t1 = time.perf_counter()
-        try:
-            out = await self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
+        ms: dict[str, float] = {}
+
+        async def timed(name: str, work: Awaitable[Any]) -> Any:
+            t = time.perf_counter()
+            try:
+                return await work
+            finally:
+                ms[name] = round((time.perf_counter() - t) * 1000, 1)
+
+        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
+        try:  # the limits and labels meanwhile: they do not touch the root (either failing, the container is removed)
+            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec)))
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(layout.run, STAGE_NAME))
-        t2 = time.perf_counter()
-        await self._configure_warm(w, spec)
         log.info("warm_restore", sandbox_id=spec.sandbox_id, container=w.cid, upper_ms=round((t1 - t0) * 1000, 1),
-                 root_ms=round((t2 - t1) * 1000, 1), helper_ms=round(float(out.get("ms", 0.0)), 1), limits_ms=round((time.perf_counter() - t2) * 1000, 1))
+                 helper_ms=round(float(out.get("ms", 0.0)), 1), ms=round((time.perf_counter() - t1) * 1000, 1), **ms)
         shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
