@@ -107,7 +107,11 @@ def fresh_upper(layout: Any, old: str) -> None:
 
 
 def _ensure(path: str, is_dir: bool) -> None:
-    """A mount point in the new root (in its upper, as runc makes one in a cold container's)."""
+    """A mount point in the new root (in its upper, as runc makes one in a cold container's). The new
+    root holds what the forked sandbox wrote: a symbolic link on the way is refused (a mount moved
+    through one would land elsewhere)."""
+    if os.path.islink(path):
+        raise ValueError(f"mount point {path[len(STAGE):]!r} of the restore's root is a symbolic link")
     if os.path.lexists(path):
         return
     _ensure(os.path.dirname(path), True)
@@ -123,6 +127,8 @@ def swap_root(mfd: int, mounts: list[tuple[str, bool]]) -> None:
          what="attach the new root")
     for mp, is_dir in mounts:
         target = STAGE + mp
+        for up in range(mp.count("/") - 1, 0, -1):  # its parents first (``_ensure`` checks only what it creates)
+            _ensure(STAGE + mp.rsplit("/", up)[0], True)
         _ensure(target, is_dir)
         # /.dsec/run holds the new root itself: bound without what is under it; every other mount
         # moves with its own submounts (/proc's masked and read-only paths, /dev/pts, ...).
