@@ -194,6 +194,12 @@ class Snapshots:
         self.caps.need_checkpointer()  # before anything is frozen: a backend that dumps no processes
         if not self.caps.enforces_profiles:
             return  # not CRIU: a VM's hypervisor saves its memory, and no profile's Landlock confines that
+        if ls.extra.get("warm_root"):
+            # runc hands CRIU the container's configured root, not the one the warm restore pivoted to
+            raise SnapshotUnsupported(
+                f"sandbox {ls.spec.sandbox_id} was started in a warm container given its snapshot's root, which CRIU cannot "
+                "checkpoint: its files can be snapshotted, not its memory (start it with the host's warm pool off to dump it)",
+            )
         if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
             raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
         prof = self.profiles.get(ls.spec.profile or "default") if self.profiles is not None else None

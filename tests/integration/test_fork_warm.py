@@ -12,6 +12,7 @@ import os
 import pytest
 
 from sdk import AsyncSandbox
+from sdk.errors import DsecError
 from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 
@@ -121,3 +122,28 @@ async def test_landlock_profile_children_start_cold(stack: Stack, lazy: LazyDaem
         async with many(stack, forks) as (f,):
             assert not served_warm(stack, f)
             assert await f.files.read("/root/l/f") == "ll\n"
+
+
+async def test_memory_snapshot_of_a_warm_child_is_refused_typed(stack: Stack, lazy: LazyDaemon) -> None:
+    """CRIU cannot dump a container whose root was swapped (runc gives it the configured one): a memory
+    snapshot of a warm child is refused before anything is frozen, and the child runs on. The control: a
+    cold child of the same source, with warm restores off, is dumped and restored."""
+    async with stack.sandbox(profile=PROFILE) as sb:
+        await sb.commands.run("echo m > /root/m")
+        await pool_full(stack, 1)
+        (c,) = await sb.fork(1, **stack.kw())
+        stack.backend.warm_restores = False
+        try:
+            (cold,) = await sb.fork(1, **stack.kw())
+        finally:
+            stack.backend.warm_restores = True
+        async with many(stack, [c, cold]):
+            assert served_warm(stack, c) and not served_warm(stack, cold)
+            with pytest.raises(DsecError) as ei:
+                await c.fork(1, memory=True, **stack.kw())
+            assert ei.value.code == "snapshot_unsupported" and "warm container" in str(ei.value)
+            await c.commands.run("echo c >> /root/m")  # it runs on, not left frozen
+            assert await c.files.read("/root/m") == "m\nc\n"
+            forks = await cold.fork(1, memory=True, **stack.kw())
+            async with many(stack, forks) as (g,):
+                assert await g.files.read("/root/m") == "m\n"

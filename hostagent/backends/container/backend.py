@@ -179,7 +179,9 @@ class ContainerBackend:
             # A restore (a fork's child): a warm container of its template, given the restore's root.
             warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
             if warm is not None:
-                return self._serve_warm(sid, warm, security)
+                handle = self._serve_warm(sid, warm, security)
+                handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
+                return handle
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
