@@ -433,7 +433,10 @@ async def test_a_fork_bomb_left_running_is_gone_for_the_next_call(fn: Fn) -> Non
     replaced), and the reset's freeze-and-kill leaves none of the bomb to the next call."""
     c = fn.client()
     # (once the bomb holds every pid the cgroup allows, this shell cannot fork: builtins only from there)
-    bomb = "(b() { b | b & }; b) > /dev/null 2>&1 & i=0; while [ $i -lt 50000 ]; do i=$((i+1)); done; set -- /proc/[0-9]*; echo $#; exit 0"
+    bomb = (  # waits (builtins only) until the bomb shows, not a fixed time: on an idle host the loop could end first
+        "(b() { b | b & }; b) > /dev/null 2>&1 & i=0; while [ $i -lt 20000 ]; do i=$((i+1)); set -- /proc/[0-9]*; [ $# -gt 20 ] && break; done;"
+        " echo $#; exit 0"
+    )
     r = await c.run(CGROUP + bomb, template="tiny", timeout=60)
     assert r.exit_code == 0 and int(r.stdout.split()[-1]) > 20 and r.error is None, r  # positive control: the bomb is running
     planter = _member(r.stdout)
