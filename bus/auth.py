@@ -45,8 +45,7 @@ from .sign import new_control_key, parse_key
 # the sandbox and snapshot records and the rollout jobs; clients read their own events only, and no
 # records: a record's spec holds its sandbox's envs; trajectory logs, with every exec's commands, envs
 # and outputs, and rollout jobs, with their conversations and policy URLs, are read per tenant like
-# events). A rollout's sandbox is the rollout workers' tenant's, so its steps are read by the
-# operator, not by a client trainer.
+# events). A rollout's sandbox is the tenant's that submitted the job, so its trainer reads its steps.
 _SHARED_READ_STREAMS = [f"KV_{S.KV_HOSTS}", f"KV_{S.KV_IMAGES}"]
 _MONITOR_READ_STREAMS = [S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}", f"KV_{S.KV_SNAPSHOTS}", f"KV_{S.KV_ROLLOUTS}", *_SHARED_READ_STREAMS]
 
@@ -130,13 +129,20 @@ ENV_MONITOR_URL = "DSEC_MONITOR_NATS_URL"  # the monitor's NATS URL, handed to t
 
 
 def _rollouts_permissions() -> dict[str, Any]:
-    """What a rollout worker uses, and no more: its own sandboxes as the tenant ``rollouts`` (creates,
-    ops, events, trajectory logs, leases), the rollout stream and its consumers, the jobs' records,
-    dead letters, and the model gateway's requests (answered on their reply subjects)."""
+    """What a rollout worker uses, and no more: creates and ops as the tenant ``rollouts`` (a job's
+    sandbox is its submitter's, with the workers as its ``delegate``: bind_tenant; host agents refuse
+    the workers' ops on any other sandbox), the events and trajectory logs of the jobs' sandboxes,
+    which are under their owners' tenants (read, and the policy's turns written), leases, the rollout
+    stream and its consumers, the jobs' records, dead letters, and the model gateway's requests
+    (answered on their reply subjects)."""
     rollouts, records = S.STREAM_ROLLOUTS, f"KV_{S.KV_ROLLOUTS}"
+    any_log, any_evt = f"{S.PREFIX}.traj.*.*", f"{S.PREFIX}.evt.sandbox.*.*.*"
     publish = [
-        S.req_create(ROLLOUTS_ROLE), S.req_create_batch(ROLLOUTS_ROLE), S.sbx_tenant(ROLLOUTS_ROLE), S.traj_tenant(ROLLOUTS_ROLE),
-        *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(ROLLOUTS_ROLE), f"{S.PREFIX}.dlq.>",
+        S.req_create(ROLLOUTS_ROLE), S.req_create_batch(ROLLOUTS_ROLE), S.sbx_tenant(ROLLOUTS_ROLE), any_log,
+        *_CLIENT_COMMON_PUBLISH,
+        f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{any_log}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}.*.{any_log}",
+        f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{any_evt}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{S.evt_tenant(ROLLOUTS_ROLE)}",
+        f"{S.PREFIX}.dlq.>",
         f"$KV.{S.KV_ROLLOUTS}.>", *_read_js_api([records]), f"$JS.API.STREAM.CREATE.{records}", f"$JS.API.STREAM.UPDATE.{records}",
         f"$JS.API.STREAM.INFO.{rollouts}", f"$JS.API.STREAM.CREATE.{rollouts}", f"$JS.API.STREAM.UPDATE.{rollouts}",
         f"$JS.API.CONSUMER.CREATE.{rollouts}.>", f"$JS.API.CONSUMER.DURABLE.CREATE.{rollouts}.>", f"$JS.API.CONSUMER.INFO.{rollouts}.>",
@@ -198,11 +204,16 @@ def client_permissions(user: str) -> dict[str, Any]:
 def bind_tenant(subject: str, specs: list[Any]) -> None:
     """Placement's binding of a client's create to its tenant: a client create names the tenant in
     its subject (the only create subject its credential may publish), and that is the owner of its
-    sandboxes whatever its spec says; the operator's creates keep the ``client`` they name."""
+    sandboxes whatever its spec says (and no ``delegate``); the operator's creates keep the ``client``
+    they name. The rollout workers' creates are the exception: a job's sandbox is the tenant's that
+    submitted it (the worker bound the job to the tenant of its subject, sdk.rollouts), named as its
+    ``client``, with the workers as its ``delegate`` (host agents serve them its ops)."""
     t = S.request_tenant(subject)
     for spec in specs:
-        if t is not None and t != S.OPERATOR_TENANT:
-            spec.client = t
+        if t == ROLLOUTS_ROLE and spec.client and spec.client not in (S.OPERATOR_TENANT, ROLLOUTS_ROLE) and S.valid_token(spec.client):
+            spec.delegate = ROLLOUTS_ROLE  # a job's sandbox: its submitter's (quota, records, events, logs), operated by the workers
+        elif t is not None and t != S.OPERATOR_TENANT:
+            spec.client, spec.delegate = t, ""
         elif not spec.client:
             spec.client = S.OPERATOR_TENANT
 

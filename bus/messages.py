@@ -78,6 +78,12 @@ class SandboxSpec(Struct, kw_only=True, tag=True):
     snapshot: str = ""  # restore: this snapshot's layers (KV dsec_snapshots) go over the template's, under a fresh upper dir
     generation: int = 0  # a persisted pause's resume starts the same id again one generation up (see bus.subjects.incarnation)
     client: str = ""  # the API client (gateway key's NATS identity) that created it; the gateway shows each key only its own
+    # A service tenant that operates the sandbox for its owner (the rollout workers run a tenant's job in
+    # a sandbox of that tenant's): its ops are served too. Set by placement's binding only (bus.auth).
+    delegate: str = ""
+    # When its host is declared down (placement: heartbeats stopped past the grace period), start it again
+    # elsewhere from its latest snapshot (same id, one generation up); else it just becomes ``lost``.
+    restore_on_host_loss: bool = False
 
 
 # --- requests on DSEC_REQ ----------------------------------------------------------
@@ -234,6 +240,7 @@ class HostStatus(Struct, kw_only=True, tag=True):
     backends: list[HostBackend] = []  # every backend this host runs; empty (older hosts): only ``backend``
     disk_free_mb: int = 0  # free space in the data dir; 0: not reported (older hosts), a full disk reports 1
     storage_limits: dict[str, int] = {}  # what a sandbox may make this host store, by the names quota_exceeded gives them (0: none)
+    upload_bytes: dict[str, int] = {}  # tenant -> bytes its file uploads hold in its sandboxes here (hostagent._uploads)
 
 
 class SandboxRecord(Struct, kw_only=True, tag=True):
@@ -278,6 +285,10 @@ class ImageDefaults(Struct, kw_only=True, tag=True):
     entrypoint: list[str] = []
     cmd: list[str] = []
     source: str = ""  # where they came from: the image reference with its manifest digest
+    # E2B's startCmd / readyCmd (``Template().set_start_cmd``): a create through the gateway starts
+    # start_cmd and is answered once ready_cmd exits 0 (sdk._startcmd); "" = none
+    start_cmd: str = ""
+    ready_cmd: str = ""
 
 
 class TemplateManifest(Struct, kw_only=True, tag=True):
@@ -290,6 +301,9 @@ class TemplateManifest(Struct, kw_only=True, tag=True):
     description: str = ""
     defaults: ImageDefaults | None = None
     owner: str = ""  # the client that built it through the gateway's template API ("" = the operator's)
+    # Tenants that pulled it from a registry (a ``FROM <image>`` pull cache entry, ``--from REF``): its
+    # layers count against each one's template bytes, however many others share them (imaged._quota).
+    pulled_by: list[str] = []
 
 
 class Lease(Struct, kw_only=True, tag=True):
@@ -572,6 +586,10 @@ class FileWrite(Struct, kw_only=True, tag=True):
     # The trajectory log (bus.messages.TrajStep): the client's step number (-1: not logged) and who it is.
     step: int = -1
     client_id: str = ""
+    # The size the whole upload reaches, when the writer knows it (-1: not known): the first chunk
+    # reserves it under the tenant's upload bound (hostagent._uploads), so an upload over the bound
+    # is refused before any of it is written.
+    size: int = -1
 
 
 class FileRead(Struct, kw_only=True, tag=True):

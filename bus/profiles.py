@@ -23,7 +23,7 @@ import msgspec
 
 from .messages import AuditPolicy, FsPolicy, SecurityProfile, SyscallArg, SyscallPolicy, SyscallRule
 
-DEFAULT_VERSION = 2
+DEFAULT_VERSION = 3  # 3: e2b without no_new_privileges
 
 # Docker's default allow-list (moby profiles/seccomp/default.json) without the calls we refuse
 # outright below (io_uring, name_to_handle_at, ...), plus a few newer harmless calls.
@@ -240,9 +240,19 @@ def build_profile() -> SecurityProfile:
 def e2b_profile() -> SecurityProfile:
     """What an E2B sandbox is to its root user: every path of its image writable (in the sandbox's own
     upper dir), seccomp and capabilities as ``default``. Harbor and other E2B clients write /etc, /app,
-    /logs, /tests; a gateway started with ``DSEC_GATEWAY_E2B_PROFILE=e2b`` gives its creates this one."""
+    /logs, /tests; a gateway started with ``DSEC_GATEWAY_E2B_PROFILE=e2b`` gives its creates this one.
+
+    And setuid programs work: E2B runs commands as ``user``, and agents run ``sudo apt-get ...``.
+    Only here: no_new_privileges stays on in every other profile, where the user a command runs as
+    is the most it can ever be (a setuid binary a tenant planted in its image, or a bug in one the
+    image ships, is a way to root inside the sandbox). In an E2B sandbox that user may become root
+    by design, and root is still bounded by the same seccomp filter, capability bounding set,
+    cgroups and read-only layers; the host lends the agent CAP_SYS_ADMIN only to install its own
+    filter without no_new_privs, outside the bounding set (``hostagent._profiles``)."""
     p = build_profile()
-    return msgspec.structs.replace(p, name="e2b", description="default, but every path of the image writable (root in an E2B sandbox).")
+    return msgspec.structs.replace(p, name="e2b", no_new_privileges=False,
+                                   description="default, but every path of the image writable and setuid programs (sudo) "
+                                   "working (root in an E2B sandbox, user `user` may sudo).")
 
 
 def builtin_profiles() -> dict[str, SecurityProfile]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import msgspec
 
 from . import subjects as S
-from .errors import InvalidArgument
+from .errors import InvalidArgument, PermissionDenied
 from .messages import BACKENDS, PRIORITIES, BackendName, HostStatus, Priority, SandboxSpec
 
 # name -> (low, high), both inclusive. cpu 0.01: the smallest share a cgroup CPU quota expresses well
@@ -179,7 +179,19 @@ def refusal(cap: Capacity, alloc: Allocation, spec: SandboxSpec) -> str:
     return code
 
 
+
+def template_refusal(template: str, owner: str, client: str) -> PermissionDenied | None:
+    """Why tenant ``client`` (a spec's ``client``) may not start a sandbox from template ``template``
+    of ``owner`` (its manifest's), or None. Shared templates (no owner: the operator's, the pull
+    cache) are everyone's; a tenant's own are its own and the operator's. Placement refuses before
+    placing; host agents check again (defence in depth)."""
+    tenant = S.tenant(client) if client else S.OPERATOR_TENANT
+    if not owner or owner == tenant or tenant == S.OPERATOR_TENANT:
+        return None
+    return PermissionDenied(f"template {template!r} is private to another tenant", template=template, tenant=tenant)
+
+
 __all__ = [
     "Allocation", "BACKENDS", "CREATE_TIMEOUT_S", "Capacity", "LIMITS", "PRIORITIES", "SpecBounds",
-    "admits", "capacity_of", "refusal", "validate_spec",
+    "admits", "capacity_of", "refusal", "template_refusal", "validate_spec",
 ]

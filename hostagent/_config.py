@@ -16,7 +16,7 @@ from bus.messages import BackendName
 DEFAULT_WARM_POOL = 4  # started sandboxes kept ready per template, disk size and profile (container backend)
 GiB = 1 << 30
 # settings a flag sets, else the environment (``DSEC_<NAME>``), else the declared default
-ENV_SETTINGS = ("snapshot_max_bytes_per_sandbox", "snapshot_max_bytes_per_tenant", "write_reserve_mb", "disk_growth_window_s")
+ENV_SETTINGS = ("snapshot_max_bytes_per_sandbox", "snapshot_max_bytes_per_tenant", "write_reserve_mb", "disk_growth_window_s", "upload_max_bytes_per_tenant")
 
 
 def default_host_id() -> str:
@@ -56,6 +56,8 @@ class HostAgentConfig:
     # and CRIU dumps included) put in the blob store, per sandbox and per tenant; 0: no limit.
     snapshot_max_bytes_per_sandbox: int = 16 * GiB
     snapshot_max_bytes_per_tenant: int = 256 * GiB
+    # Bytes a tenant's file uploads may hold in its sandboxes on this host (hostagent._uploads); 0: no limit.
+    upload_max_bytes_per_tenant: int = 64 * GiB
     write_reserve_mb: int = 64  # MiB kept free in the data dir: writes that would use them fail with no_space
     disk_growth_window_s: float = 120.0  # a full disk is blamed on the sandbox whose disk grew most within this long (hostagent._diskwatch)
 
@@ -99,6 +101,8 @@ def add_flags(ap: argparse.ArgumentParser, backends: list[str]) -> None:
                     + env.format("SNAPSHOT_MAX_BYTES_PER_SANDBOX", _D.snapshot_max_bytes_per_sandbox))
     ap.add_argument("--snapshot-max-bytes-per-tenant", type=int, default=None, help="the same for all sandboxes of one tenant"
                     + env.format("SNAPSHOT_MAX_BYTES_PER_TENANT", _D.snapshot_max_bytes_per_tenant))
+    ap.add_argument("--upload-max-bytes-per-tenant", type=int, default=None, help="bytes one tenant's file uploads may hold in its sandboxes here, 0: no limit"
+                    + env.format("UPLOAD_MAX_BYTES_PER_TENANT", _D.upload_max_bytes_per_tenant))
     ap.add_argument("--write-reserve-mb", type=int, default=None, help="MiB kept free in the data dir: writes that would use them fail with no_space"
                     + env.format("WRITE_RESERVE_MB", _D.write_reserve_mb))
     ap.add_argument("--disk-growth-window-s", type=float, default=None, help="a full disk is blamed on the sandbox whose disk grew most within this long"

@@ -55,11 +55,12 @@ from bus.messages import (
 )
 from bus.runtime import Endpoint
 
+from . import _fnzygote as zygote
 from ._backend import Backend, Handle
+from ._fnzygote import STDIN_PATH
 
 log = structlog.get_logger("dsec.hostagent.fncall")
 
-STDIN_PATH = "/tmp/.dsec-fn-stdin"  # outside the working directory: not one of the call's files (/tmp is reset after every call)
 MAINTAIN_S = 1.0  # pools are trimmed and refilled (after a failed start) this often
 FAIL_BACKOFF_S = 2.0  # a pool whose member failed to start waits this long before trying again
 MAX_USES = 1000  # calls one member serves (reset between them) before it is replaced all the same
@@ -118,6 +119,8 @@ class Member:
     uses: int = 0
     oom_base: int = 0  # the cgroup's OOM kill count after the last reset (it cannot be zeroed)
     own_limit: bool = False  # the last call set its own memory limit (the reset puts the pool's back)
+    template: str = ""
+    zygote: zygote.Zygote | None = None  # a Python interpreter started for the next call (_fnzygote)
 
 
 @dataclass
@@ -214,6 +217,9 @@ class FnPool:
     async def _recycle(self, m: Member) -> None:
         ok = False
         try:
+            # The call's reply was handed to NATS in the step that released ``m``; its flusher was
+            # woken then, after this task was made: one turn lets the reply leave before the reset.
+            await asyncio.sleep(0)
             ok = await self.reset(m)
         finally:
             self.resetting -= 1
@@ -324,6 +330,11 @@ class FnCalls:
         self.destroy_ms: deque[float] = deque(maxlen=1000)
         self.reset_ms: deque[float] = deque(maxlen=1000)
         self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
+        # Per template, what the last ``python3 <script>`` call ran with: a member reset for the next
+        # call starts an interpreter of that shape in it (_fnzygote), off the hot path.
+        self._zkeys: dict[str, zygote.ZygoteKey] = {}
+        self.zygote_calls = 0  # calls served by a pre-started interpreter (benchmarks, tests)
+        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one, until the agent started its process (after the reset)
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
 
@@ -376,12 +387,13 @@ class FnCalls:
             security = self.security()
             handle = await self.backend.create(spec, layers, security=security)
             await self.backend.files(handle, FileMakeDir(path=FN_WORKDIR))
-            m = Member(sid, handle)
+            m = Member(sid, handle, template=template)
             paths = reset_paths(security) if self.resets is not None else None
             if paths is not None and self.resets is not None:
                 # Fresh layers over the writable paths before the first call: their original
                 # directories (which the Landlock rules name) are then never written.
                 m.writable, m.oom_base = await self.resets.fn_reset(handle, paths, self.disk_mb, True)
+                self._prime(m)
         except BaseException:
             await asyncio.shield(self._destroy(Member(sid, Handle(sid))))  # a start cut short leaves nothing
             raise
@@ -399,14 +411,31 @@ class FnCalls:
                 await asyncio.to_thread(self.limits.set_memory_limit, m.handle, self.memory_mb)
                 m.own_limit = False
             _, m.oom_base = await self.resets.fn_reset(m.handle, m.writable, self.disk_mb, False)
+            m.zygote = None  # (the reset killed it, if the call left it unused)
+            self._prime(m)
         except Exception as exc:  # noqa: BLE001 - the member is replaced; the next call never sees it
             log.warning("fn_member_reset_failed", sandbox_id=m.sid, error=str(exc))
             return False
         self.reset_ms.append((time.perf_counter() - t0) * 1000)
         return True
 
+    def _prime(self, m: Member) -> None:
+        """A Python interpreter starting in ``m`` for a next call shaped like the template's last one
+        (if it ran one); ``m`` serves meanwhile."""
+        key = self._zkeys.get(m.template)
+        if key is not None and m.writable is not None:
+            t0 = time.perf_counter()
+            m.zygote = z = zygote.start(self.backend, m.handle, key)
+            if z is not None:
+                def took(f: asyncio.Future[int]) -> None:
+                    if not f.cancelled():
+                        self.zygote_ms.append((time.perf_counter() - t0) * 1000)
+                z.started.add_done_callback(took)
+
     async def _destroy(self, m: Member) -> None:
         sid = m.sid
+        if m.zygote is not None:
+            m.zygote.cancel()
         t0 = time.perf_counter()
         try:
             await self.backend.destroy(sid)
@@ -458,7 +487,18 @@ class FnCalls:
         if req.stdin:
             await b.files(h, FileWrite(path=STDIN_PATH, data=req.stdin))
             cmd = f"exec < {STDIN_PATH}\n{cmd}"
-        out.run = await self._exec(h, cmd, req, req.timeout_s)
+        z, m.zygote = m.zygote, None
+        script = zygote.script_of(req) if m.writable is not None else None
+        if script is not None:
+            key = zygote.key_of(req)
+            self._zkeys[m.template] = key
+            if z is not None and zygote.missing(z):
+                self._zkeys.pop(m.template, None)  # no python3 in this template: start no more
+            elif z is not None and z.alive() and z.key == key:
+                out.run = await zygote.run(b, h, z, script, bool(req.stdin), req.timeout_s)
+                self.zygote_calls += out.run is not None
+        if out.run is None:
+            out.run = await self._exec(h, cmd, req, req.timeout_s)
         out.oom = self._oom_kills(h) > m.oom_base
         for p in req.fetch_files:
             try:
@@ -471,7 +511,10 @@ class FnCalls:
 
     async def _exec(self, h: Handle, cmd: str, req: FnCallRequest, timeout_s: float) -> ExecResult:
         er = ExecRequest(cmd=cmd, envs=req.envs, cwd=FN_WORKDIR, timeout_s=timeout_s, output_cap=req.output_cap, trusted=req.trusted)
-        return await self.backend.exec(h, er, None)
+        t0 = time.perf_counter()
+        res = await self.backend.exec(h, er, None)
+        res.duration_ms = (time.perf_counter() - t0) * 1000
+        return res
 
     def _oom_kills(self, h: Handle) -> int:
         return self.limits.oom_kills(h) if self.limits is not None else 0

@@ -15,6 +15,10 @@ A fork directory is removed once its layer is packed and no sandbox on this host
 being created over it): the children keep it, not the source, so the source may be killed while
 they run. Who stacks what is kept in each child's ``LocalSandbox.extra`` (it survives a restart of
 the host agent); ``recover`` packs what a restart interrupted and removes what nothing needs.
+
+The children need not be cold containers: the container backend gives a restore a warm container of
+its template where its profile allows (``backends.container.warmroot``); what this module keeps is
+the same either way (the child stacks the fork directory by path).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from ._reaper import Reaper
 from ._records import Records
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
+from ._tenancy import check_template
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -66,6 +67,7 @@ class Intake:
         self.created = 0
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
+        self._owners: dict[str, str] = {}  # a template's owner tenant ("": shared), read with its layers
         self._defaults: dict[str, ImageDefaults] = {}  # a template's image defaults (OCI config, Dockerfile ENV/WORKDIR/USER)
         self._layers_at: dict[str, float] = {}
         self._layers_reads: dict[str, asyncio.Task[list[LayerRef]]] = {}
@@ -153,6 +155,7 @@ class Intake:
         if manifest is None:
             raise UnknownTemplate(f"unknown template {template!r}", template=template)
         layers = manifest.layers
+        self._owners[template] = manifest.owner
         if manifest.defaults is not None:
             self._defaults[template] = manifest.defaults
         else:
@@ -380,6 +383,7 @@ class Intake:
             layers = self._layers_cache.get(spec.template)
             if layers is None or time.monotonic() - self._layers_at.get(spec.template, 0.0) > LAYERS_TTL_S:
                 layers = await self.layers(spec.template)
+            await check_template(self.records.nc, self.host_id, spec, self._owners.get(spec.template, ""))
             memory = None
             if spec.snapshot:  # a restore: the snapshot's layers over the template's (and its CRIU dump)
                 layers, memory = await self.snapshots.restore_plan(spec, layers)

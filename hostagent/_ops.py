@@ -4,6 +4,7 @@ for every sandbox this host holds, one subscription per sandbox, each request an
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -21,8 +22,11 @@ from bus.messages import (
     Done,
     ExecRequest,
     ExecResult,
+    FileRemove,
+    FileRename,
     FileUnwatch,
     FileWatch,
+    FileWrite,
     InfoRequest,
     KillRequest,
     NetworkSpec,
@@ -43,7 +47,7 @@ from bus.messages import (
     SetTimeout,
     StreamAck,
 )
-from bus.runtime import Endpoint
+from bus.runtime import Endpoint, NotMine
 
 from ._backend import Backend, Handle, Networked
 from ._display import display
@@ -56,6 +60,7 @@ from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
 from ._trajectory import Trajectory
 from ._tenancy import check_tenant
+from ._uploads import Uploads
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -80,6 +85,10 @@ class OpsEndpoint:
         self.endpoint: Endpoint | None = None
         self.trajectory: Trajectory | None = None
         self.inflight = 0  # requests being answered now
+        self.uploads: Uploads | None = None  # the per-tenant bound on uploaded bytes (hostagent._uploads)
+        # True when the cluster gave the sandbox up while this host was cut off (hostagent._reconcile:
+        # fencing); asked before each op only while the host is back from a silence and not yet swept.
+        self.fenced: Callable[[str], Awaitable[str]] | None = None
 
     def bind(self, reaper: Reaper, snapshots: Snapshots) -> None:
         """The parts that kill and snapshot sandboxes (made after this endpoint: they unserve through it)."""
@@ -109,6 +118,12 @@ class OpsEndpoint:
         if parts is None:
             raise BadRequest(f"not a sandbox operation subject: {msg.subject}")
         tenant, sid, op = parts
+        if self.fenced is not None and sid in self.registry:  # nothing logged nor run for a sandbox the cluster gave up
+            fenced = await self.fenced(sid)
+            if fenced == "elsewhere":
+                raise NotMine(sid)  # no answer at all: the host that holds it now answers
+            if fenced:
+                raise SandboxNotFound(f"sandbox {sid} is not running on this host (declared lost while this host was cut off)")
         self.inflight += 1
         t0 = time.perf_counter()
         code = "ok"
@@ -167,7 +182,7 @@ class OpsEndpoint:
             case InfoRequest():
                 return self._info(sid, ls, handle)
             case _:
-                return await self._screen_or_files(handle, req)
+                return await self._screen_or_files(handle, req, ls)
 
     async def _settings(self, ls: LocalSandbox, handle: Handle, req: SetTimeout | SetNetwork) -> Done:
         assert self.reaper is not None
@@ -191,10 +206,26 @@ class OpsEndpoint:
         await self.reaper.records.record(ls, ls.state)
         return Done()
 
-    async def _screen_or_files(self, handle: Handle, req: Any) -> Any:
+    async def _screen_or_files(self, handle: Handle, req: Any, ls: LocalSandbox) -> Any:
         if isinstance(req, DisplayRequest):
             return await display(self.execio.caps, handle, req)
-        return await self.backend.files(handle, req)
+        up = self.uploads
+        if up is None:
+            return await self.backend.files(handle, req)
+        sid = ls.spec.sandbox_id
+        if isinstance(req, FileWrite):  # counted before it is written: an upload in flight is held too
+            added = up.charge(S.tenant(ls.spec.client), sid, req.path, req.offset, len(req.data), req.truncate, req.size)
+            try:
+                return await self.backend.files(handle, req)
+            except BaseException:
+                up.refund(sid, req.path, added)
+                raise
+        out = await self.backend.files(handle, req)
+        if isinstance(req, FileRemove):
+            up.removed(sid, req.path)
+        elif isinstance(req, FileRename):
+            up.renamed(sid, req.path, req.new_path)
+        return out
 
     async def _while_stopping(self, sid: str, ls: LocalSandbox, handle: Handle, req: Any) -> Any:
         """A sandbox being stopped answers only a (repeated) kill and info."""

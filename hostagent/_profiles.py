@@ -11,6 +11,11 @@ so a create never waits on guard and keeps working while guard restarts.
 - ``seccomp``: the OCI ``linux.seccomp`` object for runc (an allow-list; only the native syscall
   ABI, so i386 ``int 0x80`` and x32 calls are killed by the architecture check).
 - ``capabilities``, ``masked_paths``, ``readonly_paths``, ``no_new_privileges`` for the OCI spec.
+  A profile without ``no_new_privileges`` (``e2b``: its ``user`` runs ``sudo``) also gets
+  ``setup_capabilities``: CAP_SYS_ADMIN, which the agent starts with because installing its
+  seccomp filter without no_new_privs needs it, and drops from every set, the bounding set
+  included, before it serves anything (``--allow-setuid --setup-cap 21``; it exits if it cannot,
+  so no command ever runs with it).
   ``readonly_paths`` become read-only mounts (runc's ``linux.readonlyPaths``); a profile whose
   read-only mount would cover one of its writable or device paths is refused.
 - ``agent_args``: the in-sandbox agent's command-line options: its Landlock rules and a second,
@@ -56,6 +61,16 @@ log = structlog.get_logger("dsec.hostagent.profiles")
 AUDIT_LOGINUID = 0x64736563
 
 _PROFILE_DEC = msgspec.msgpack.Decoder(SecurityProfile)
+
+# linux/capability.h, in number order
+CAP_NUMBERS = {name: n for n, name in enumerate((
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID", "CAP_SETUID",
+    "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE", "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK",
+    "CAP_IPC_OWNER", "CAP_SYS_MODULE", "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN",
+    "CAP_SYS_BOOT", "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN", "CAP_SYSLOG", "CAP_WAKE_ALARM",
+    "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ", "CAP_PERFMON", "CAP_BPF", "CAP_CHECKPOINT_RESTORE",
+))}
 
 # --- syscall numbers and architectures ------------------------------------------------------------
 _ARCH = {
@@ -277,6 +292,7 @@ class Enforcement:
     no_new_privileges: bool
     agent_args: tuple[str, ...]
     landlock_required: bool
+    setup_capabilities: tuple[str, ...] = ()
 
     @cached_property
     def fingerprint(self) -> str:
@@ -284,7 +300,7 @@ class Enforcement:
         fingerprint must never serve a sandbox whose profile compiles to another (a profile can
         change under the same name and version)."""
         doc = [self.seccomp, self.capabilities, self.masked_paths, self.readonly_paths, self.no_new_privileges,
-               self.agent_args, self.landlock_required]
+               self.agent_args, self.landlock_required, self.setup_capabilities]
         return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
@@ -292,6 +308,12 @@ def compile_profile(p: SecurityProfile) -> Enforcement:
     caps = tuple(c if c.startswith("CAP_") else f"CAP_{c}" for c in (x.upper() for x in p.capabilities))
     bpf = compile_log_filter(p.syscalls)
     args = [*landlock_args(p.fs), "--seccomp-bpf", bpf.hex(), "--audit-loginuid", str(AUDIT_LOGINUID)]
+    setup: tuple[str, ...] = ()
+    if not p.no_new_privileges:
+        # Without no_new_privs a seccomp filter (and Landlock) can only be installed holding
+        # CAP_SYS_ADMIN: lent to the agent outside the bounding set, dropped by it before it serves.
+        setup = tuple(c for c in ("CAP_SYS_ADMIN",) if c not in caps)
+        args += ["--allow-setuid", *(a for c in setup for a in ("--setup-cap", str(CAP_NUMBERS[c])))]
     return Enforcement(
         profile=p.name,
         version=p.version,
@@ -302,6 +324,7 @@ def compile_profile(p: SecurityProfile) -> Enforcement:
         no_new_privileges=p.no_new_privileges,
         agent_args=tuple(args),
         landlock_required=p.fs.landlock and p.fs.required,
+        setup_capabilities=setup,
     )
 
 
@@ -382,6 +405,7 @@ class ProfileCache:
 
 __all__ = [
     "AUDIT_LOGINUID",
+    "CAP_NUMBERS",
     "Enforcement",
     "ProfileCache",
     "UnknownProfile",

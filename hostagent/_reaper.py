@@ -35,7 +35,10 @@ from ._registry import LocalSandbox, Registry
 log = structlog.get_logger("dsec.hostagent")
 
 LOST = "lost"  # end reason of a sandbox that vanished behind the host agent's back
-QUIET = ("duplicate", "paused")  # end reasons that publish nothing: another host owns the id; a persisted pause writes its own record
+FENCED = "fenced"  # end reason of a sandbox the cluster declared lost while this host was away (placement._hostloss)
+# End reasons that publish nothing: another host owns the id; a persisted pause writes its own record;
+# the cluster already recorded (and announced) the sandbox lost, maybe restored elsewhere.
+QUIET = ("duplicate", "paused", FENCED)
 
 
 class Reaper:
@@ -240,4 +243,4 @@ class Reaper:
                 pass
 
 
-__all__ = ["Reaper", "LOST", "QUIET"]
+__all__ = ["Reaper", "FENCED", "LOST", "QUIET"]

@@ -5,6 +5,11 @@ holds is removed by the backend; a sandbox this host holds whose container is go
 (its leftovers removed, then the record and an event say so); a KV record naming this host for a
 sandbox it does not hold is marked ``lost`` too. Stopping sandboxes whose round of teardown ran out
 get another one.
+
+Fencing: a sandbox this host holds whose record says the cluster moved on without it (placement
+declared it ``lost`` while this host was cut off, or another host took the id over: a restore) is
+removed here without a word (no record, no event: those were written when it was declared lost), so
+it never runs twice. Checked at each KV sweep and at once after the connection to NATS came back.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from bus.errors import InternalError
 
 from ._backend import Backend, Handle
 from ._ops import OpsEndpoint
-from ._reaper import Reaper
+from ._reaper import FENCED, Reaper
 from ._records import Records
 from ._registry import Registry
 
@@ -51,6 +56,10 @@ class Reconciler:
         self.passes = 0
         self.last: dict[str, Any] = {}  # what the last pass did and cost (benchmarks, dsec status)
         self.also_holds: Callable[[str], bool] = lambda sid: False  # sandboxes held outside the registry (fn pools)
+        self.fenced = 0  # sandboxes removed because the cluster declared them lost while we were away
+        self.suspect = False  # cut off from NATS lately and not swept since: ops check the record first (gave_up)
+        self.last_beat = time.monotonic()  # the last heartbeat stored (the service sets it)
+        self.silence_s = 6.0  # a heartbeat older than this: suspect too (a put may hang for its whole timeout)
 
     # --- at start ------------------------------------------------------------------------------------
     async def recover(self) -> None:
@@ -120,6 +129,8 @@ class Reconciler:
         async def one(sid: str) -> None:
             nonlocal marked
             if held(sid):
+                async with sem:
+                    await self._fence(sid)
                 return
             async with sem:
                 e = await kv.entry(sid)
@@ -135,6 +146,33 @@ class Reconciler:
 
         await asyncio.gather(*(one(k) for k in await kv.keys()))
         return marked
+
+    async def _fence(self, sid: str) -> str:
+        """Remove a held sandbox whose record says the cluster gave it up (see the module note). Returns
+        "" (ours: nothing done), "lost" (declared lost: being removed) or "elsewhere" (another host or a
+        later incarnation holds the id: being removed, and that one answers for it)."""
+        assert self.records.kv is not None
+        ls = self.registry.get(sid)
+        if ls is None or ls.state == "stopping" or sid in self.creating:
+            return ""
+        rec = await self.records.kv.get(sid)
+        if rec is None:
+            return ""
+        mine = rec.host_id == self.host_id and rec.spec.generation == ls.spec.generation
+        if mine and rec.state != "lost":
+            return ""
+        log.warning("sandbox_fenced", sandbox_id=sid, record_state=rec.state, record_host=rec.host_id, generation=rec.spec.generation)
+        self.fenced += 1
+        self.reaper.begin(sid, FENCED)
+        await self.ops.unserve(sid)  # at once: the sandbox's owner (if any) answers alone from now on
+        return "lost" if mine else "elsewhere"
+
+    async def gave_up(self, sid: str) -> str:
+        """Before an op, while ``suspect`` or the heartbeat is late: what ``_fence`` says (between a cut
+        link's return and the sweep, a sandbox restored elsewhere must not answer here too)."""
+        if not self.suspect and time.monotonic() - self.last_beat <= self.silence_s:
+            return ""
+        return await self._fence(sid)
 
 
 __all__ = ["Reconciler"]

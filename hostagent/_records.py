@@ -29,7 +29,10 @@ OURS = ("placed", "creating", "running")
 
 
 def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
-    """True when ``spec`` is the resume of the persisted pause ``cur`` records (so it may take the id)."""
+    """True when ``spec`` is the resume of the persisted pause ``cur`` records, or the restore of a
+    sandbox lost with its host (placement._hostloss), so it may take the id."""
+    if cur.state == "lost" and cur.spec.restore_on_host_loss:
+        return bool(spec.snapshot) and spec.generation > cur.spec.generation and spec.client == cur.spec.client
     return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
 
 

@@ -35,6 +35,7 @@ from ._reconcile import Reconciler
 from ._records import Records
 from ._registry import LocalSandbox, Registry
 from ._snapshots import Snapshots
+from ._uploads import LIMIT as UPLOAD_LIMIT, Uploads, register_metrics as register_upload_metrics
 
 log = structlog.get_logger("dsec.hostagent")
 
@@ -88,6 +89,8 @@ class HostAgent(Service):
             self.metrics, self.data_dir, host_id=self.host_id, js=self._jetstream if self.caps.freezer is not None else None,
             limits=lambda: self.snapshots.limits,
         )
+        self.ops.uploads = Uploads(config.upload_max_bytes_per_tenant, self.registry.__contains__)
+        register_upload_metrics(self.metrics, self.ops.uploads)
         self.snapshots.stored = self._stored
         self.ops.bind(self.reaper, self.snapshots)  # (they unserve through it: bound once both exist)
         self.intake = Intake(
@@ -106,6 +109,8 @@ class HostAgent(Service):
             starts=config.fn_starts,
         )
         self.reconciler.also_holds = self.fncalls.holds
+        if self.registry.persist:  # simulated hosts keep no state and never fence
+            self.ops.fenced = self.reconciler.gave_up
         self._kv_hosts: KV[HostStatus] | None = None
         self._resident_mb = 0
         self._cpu_busy = 0.0
@@ -223,7 +228,8 @@ class HostAgent(Service):
             cpu_alloc_ls=reg.alloc.cpu_ls,
             backends=self._backends(),
             disk_free_mb=storage.heartbeat_free_mb(self.data_dir),
-            storage_limits=self.snapshots.limits.named(),
+            storage_limits={**self.snapshots.limits.named(), UPLOAD_LIMIT: self.ops.uploads.limit if self.ops.uploads is not None else 0},
+            upload_bytes=self.ops.uploads.by_tenant() if self.ops.uploads is not None else {},
         )
 
     def _backends(self) -> list[HostBackend]:
@@ -254,11 +260,39 @@ class HostAgent(Service):
         await self.records.publisher.store(S.EVT_GUARD_VIOLATION, codec.encode(v))
 
     async def _heartbeat_loop(self) -> None:
+        last_ok = time.monotonic()
+        reconnects = self._reconnects()
+        self.reconciler.silence_s = 3 * self.config.heartbeat_s
+        fence: asyncio.Task[Any] | None = None
         while not await self.pause(self.config.heartbeat_s):
             try:
                 await self._heartbeat()
             except Exception as exc:  # noqa: BLE001
                 log.warning("heartbeat_failed", error=str(exc))
+                self.reconciler.suspect = self.registry.persist  # the cluster may be deciding without us
+                continue
+            # Back after a silence (a cut link, NATS away): the cluster may have declared this host down
+            # and its sandboxes lost meanwhile; those must go before they answer anyone (fencing).
+            now, n = time.monotonic(), self._reconnects()
+            away = now - last_ok > 3 * self.config.heartbeat_s or n != reconnects or self.reconciler.suspect
+            last_ok, reconnects = now, n
+            if away and self.registry.persist and (fence is None or fence.done()):
+                log.info("back_after_silence", reconnects=n)
+                self.reconciler.suspect = True  # until the sweep is done, each op checks its record first
+                fence = self.spawn(self._fence(), name="fence")
+            self.reconciler.last_beat = now
+
+    async def _fence(self) -> int:
+        try:
+            n = await self.reconciler.sweep_records()
+        except Exception as exc:  # noqa: BLE001 - NATS away again: the periodic sweep checks later
+            log.warning("fence_failed", error=f"{type(exc).__name__}: {exc}")
+            return 0
+        self.reconciler.suspect = False
+        return n
+
+    def _reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0)) if self.nc is not None else 0
 
 
 __all__ = ["HostAgent", "LocalSandbox"]

@@ -161,7 +161,7 @@ class Snapshots:
         ls.extra[LAST] = spec.snapshot
         self.forks.hold(ls)
         self.registry.save(ls)
-        await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)})
+        await self._event(spec.snapshot, "restored", sandbox_id=spec.sandbox_id, detail={"generation": str(spec.generation)}, fire=True)
 
     # --- ops --------------------------------------------------------------------------------------
     def _container(self, handle: "Handle") -> tuple["Handle", str]:
@@ -186,7 +186,7 @@ class Snapshots:
             rec = await self._take(ls, handle, req)
         if req.fork_ids:
             await self._event(rec.snapshot_id, "forked", sandbox_id=ls.spec.sandbox_id, parent_id=rec.parent_id, metadata=rec.metadata,
-                              detail={"count": str(len(req.fork_ids)), "sandboxes": ",".join(req.fork_ids)[:4000]})
+                              detail={"count": str(len(req.fork_ids)), "sandboxes": ",".join(req.fork_ids)[:4000]}, fire=True)
         return rec
 
     def _memory_supported(self, ls: "LocalSandbox") -> None:
@@ -194,6 +194,12 @@ class Snapshots:
         self.caps.need_checkpointer()  # before anything is frozen: a backend that dumps no processes
         if not self.caps.enforces_profiles:
             return  # not CRIU: a VM's hypervisor saves its memory, and no profile's Landlock confines that
+        if ls.extra.get("warm_root"):
+            # runc hands CRIU the container's configured root, not the one the warm restore pivoted to
+            raise SnapshotUnsupported(
+                f"sandbox {ls.spec.sandbox_id} was started in a warm container given its snapshot's root, which CRIU cannot "
+                "checkpoint: its files can be snapshotted, not its memory (start it with the host's warm pool off to dump it)",
+            )
         if not shutil.which("criu", path=os.environ.get("PATH", "") + ":/usr/local/sbin:/usr/sbin"):
             raise SnapshotUnsupported("memory snapshots need CRIU on the host (criu >= 3.19 on this kernel: 3.17 cannot read its vDSO layout)")
         prof = self.profiles.get(ls.spec.profile or "default") if self.profiles is not None else None
@@ -374,11 +380,17 @@ class Snapshots:
 
     # --- events -------------------------------------------------------------------------------------
     async def _event(self, snapshot_id: str, kind: SnapshotEventKind, *, sandbox_id: str = "", parent_id: str = "", metadata: dict[str, str] | None = None,
-                     detail: dict[str, str] | None = None) -> None:
+                     detail: dict[str, str] | None = None, fire: bool = False) -> None:
+        """``fire``: not acked (a fork's events, on the path of its children's start); stored again after
+        a reconnect that may have lost it, the stream dropping a copy it holds (``Publisher.fire``)."""
         ev = SnapshotEvent(snapshot_id=snapshot_id, kind=kind, at=time.time(), sandbox_id=sandbox_id, parent_id=parent_id,
                            host_id=self.host_id, metadata=metadata or {}, detail=detail or {})
         try:
             assert self.records.publisher is not None
+            if fire:
+                await self.records.publisher.fire(S.evt_snapshot(snapshot_id, kind), codec.encode(ev),
+                                                  headers={S.HDR_MSG_ID: f"snap.{snapshot_id}.{kind}.{sandbox_id}.{ev.detail.get('generation', '')}"})
+                return
             await self.records.publisher.store(S.evt_snapshot(snapshot_id, kind), codec.encode(ev))
         except Exception as exc:  # noqa: BLE001 - StoreError, timeout  # the snapshot stands; its provenance event is what is missing
             log.warning("snapshot_event_not_stored", snapshot_id=snapshot_id, kind=kind, error=str(exc))

@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from msgspec import structs
@@ -26,7 +27,8 @@ from bus.messages import ImageDefaults, LayerRef, TemplateManifest
 
 from ._build import BuildResult, ImageBuilder, LayerBuild
 from ._gc import guard_reuse
-from ._manifests import check_name, publish_event, put_manifest
+from ._manifests import check_name, get_manifest, publish_event, put_manifest
+from ._quota import check_pull, check_template_quota
 from ._registry import ImageRef, Manifest, Registry, parse_ref
 from ._sources import apply_tar
 from ._store import chunk_key, layer_key
@@ -117,16 +119,22 @@ async def _convert(builder: ImageBuilder, reg: Registry, ref: ImageRef, desc: di
     return lb
 
 
-async def pull_image(builder: ImageBuilder, image: str, *, platform: str = "", registry: Registry | None = None) -> PulledImage:
-    """Resolve ``image`` in its registry (or its mirror) and make sure every layer is converted and stored."""
+async def pull_image(
+    builder: ImageBuilder, image: str, *, platform: str = "", registry: Registry | None = None,
+    before_fetch: Callable[[int], Awaitable[None]] | None = None,
+) -> PulledImage:
+    """Resolve ``image`` in its registry (or its mirror) and make sure every layer is converted and stored.
+    ``before_fetch`` is told the registry's sizes of the layers to fetch (the quota's first look) and may raise."""
     ref = parse_ref(image)
     async with registry or Registry() as reg:
         manifest = await reg.manifest(ref, platform)
         layers: list[LayerBuild] = []
         fetched: list[str] = []
-        for desc in manifest.layers:
+        knowns = [await _known_layer(builder, desc["digest"]) for desc in manifest.layers]
+        if before_fetch is not None:
+            await before_fetch(sum(int(d.get("size", 0)) for d, k in zip(manifest.layers, knowns, strict=True) if k is None))
+        for desc, known in zip(manifest.layers, knowns, strict=True):
             _check_media_type(desc, ref)
-            known = await _known_layer(builder, desc["digest"])
             if known is not None:
                 local = builder.blob_path(known.digest)
                 known = structs.replace(known, role="base", path=str(local) if local.is_file() else "")
@@ -139,16 +147,26 @@ async def pull_image(builder: ImageBuilder, image: str, *, platform: str = "", r
 
 async def build_from_image(
     builder: ImageBuilder, name: str, image: str, *, platform: str = "", description: str = "", registry: Registry | None = None,
-    owner: str = "",
+    owner: str = "", charge: str = "", max_bytes_per_tenant: int = 0,
 ) -> tuple[BuildResult, PulledImage]:
-    """Template ``name`` = the layers of ``image`` (lowest first, all ``base``) + its config as defaults."""
+    """Template ``name`` = the layers of ``image`` (lowest first, all ``base``) + its config as defaults.
+    ``charge``: the tenant that asked for the pull (named in ``pulled_by``; its template bytes are
+    checked against ``max_bytes_per_tenant`` before a layer is fetched and before the manifest is
+    written: imaged._quota)."""
     check_name(name)
-    if builder.js is None:
+    js = builder.js
+    if js is None:
         raise ImageError("building a template needs NATS (the manifest lives in KV)")
     t0 = time.monotonic()
-    pulled = await pull_image(builder, image, platform=platform, registry=registry)
+
+    async def before_fetch(nbytes: int) -> None:
+        await check_pull(js, name, charge, nbytes, max_bytes_per_tenant)
+
+    pulled = await pull_image(builder, image, platform=platform, registry=registry, before_fetch=before_fetch if charge else None)
     if not pulled.layers:
         raise ImageError(f"{pulled.ref} has no layers", ref=str(pulled.ref))
+    before = await get_manifest(js, name)
+    pulled_by = set(before.pulled_by) if before is not None and before.owner == owner else set()  # charges stay while the entry does
     manifest = TemplateManifest(
         name=name,
         layers=[lb.ref for lb in pulled.layers],
@@ -156,8 +174,11 @@ async def build_from_image(
         description=description or str(pulled.ref),
         defaults=image_defaults(pulled.manifest.config, pulled.pinned),
         owner=owner,
+        pulled_by=sorted(pulled_by | ({charge} if charge else set())),
     )
-    await put_manifest(builder.js, manifest)
+    if charge:
+        await check_template_quota(js, manifest, max_bytes_per_tenant, tenant=charge)
+    await put_manifest(js, manifest)
     result = BuildResult(manifest=manifest, layers=pulled.layers, seconds=time.monotonic() - t0)
     await publish_event(
         builder.js, name, "built", image=pulled.pinned, fetched=str(len(pulled.fetched)), uploaded_bytes=str(result.uploaded_bytes),

@@ -33,7 +33,7 @@ from ._messages import (
     ImageStats,
 )
 from ._snapshots import remove_snapshot
-from ._tenancy import check_build, check_remove
+from ._tenancy import check_build, check_remove, is_operator
 from ._store import BlobStore, open_blob_store
 from ._util import data_dir as _data_dir
 
@@ -123,7 +123,10 @@ class ImagedService(Service):
             elif req.from_ref:
                 if req.base or req.workspace or req.toolkit:
                     raise InvalidArgument("from_ref builds the whole template: leave base, workspace and toolkit empty")
-                res, _ = await build_from_image(builder, req.name, req.from_ref, platform=req.platform, description=req.description, owner=owner)
+                res, _ = await build_from_image(
+                    builder, req.name, req.from_ref, platform=req.platform, description=req.description, owner=owner,
+                    charge="" if is_operator(tenant) else tenant, max_bytes_per_tenant=self.template_max_bytes_per_tenant,
+                )
             else:
                 res = await builder.build_template(
                     req.name, req.base, req.workspace or None, req.toolkit or None, description=req.description, owner=owner,

@@ -30,6 +30,9 @@ class PlacementConfig:
     quota_grace_s: float = field(
         default=60.0, metadata=setting("seconds a tenant's quota holds a create that has no sandbox record yet", flag="--quota-grace"),
     )
+    host_down_s: float = field(
+        default=60.0, metadata=setting("seconds without a heartbeat before a host is marked down and its sandboxes lost", flag="--host-down"),
+    )
     grace_s: float = field(default=10.0, metadata=setting("seconds to finish held requests on SIGTERM", flag="--grace"))
     stream_storage: Literal["file", "memory"] = field(
         default="file", metadata=setting("storage of the streams this replica creates (memory: scale benchmarks)"),

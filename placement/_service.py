@@ -21,13 +21,16 @@ from bus.auth import bind_tenant
 from bus.errors import (
     BadRequest, DsecError, HostUnreachable, InvalidArgument, NoCapacity, QuotaExceeded, SandboxTimeout, Unavailable, UnknownTemplate, UnsupportedBackend,
 )
-from bus.messages import CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, TemplateManifest
-from bus.rules import validate_spec
+from bus.messages import (
+    CreateBatch, CreateSandbox, HostStatus, PlaceBatch, PlaceSandbox, SandboxEventKind, SandboxRecord, SandboxSpec, SnapshotRecord, TemplateManifest,
+)
+from bus.rules import template_refusal, validate_spec
 from bus.runtime import KV, Events, Handoffs, PubAck, PullConsumer, Publisher, Service, Watch, dead_letter, deliveries
 from bus.sign import sign_headers
 from bus.streams import ensure_all
 
 from ._config import PlacementConfig
+from ._hostloss import HostLoss
 from ._metrics import PlacementMetrics
 from ._quota import Quotas
 from ._table import HostTable, Policy
@@ -68,6 +71,7 @@ class Placement(Service):
         self.handoff_timeout_s = cfg.handoff_timeout_s
         self.templates: dict[str, TemplateManifest] = {}
         self._template_layers: dict[str, frozenset[str]] = {}
+        self._template_owners: dict[str, str] = {}  # template -> its owner tenant ("": shared)
         self.placed = 0
         self.consumer: PullConsumer | None = None
         self.acks: Publisher | None = None
@@ -78,6 +82,7 @@ class Placement(Service):
         self._kv_images: KV[TemplateManifest] | None = None
         self._kv_sbx: KV[SandboxRecord] | None = None
         self.quotas = Quotas(grace_s=cfg.quota_grace_s)
+        self.hostloss: HostLoss | None = None
         self.m = PlacementMetrics(self)
 
     async def setup(self) -> None:
@@ -89,6 +94,11 @@ class Placement(Service):
         kv_hosts: KV[HostStatus] = await KV.open(self.js, S.KV_HOSTS, codec.HOST_STATUS)
         self._kv_images = await KV.open(self.js, S.KV_IMAGES, codec.TEMPLATE)
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
+        kv_snaps: KV[SnapshotRecord] = await KV.open(self.js, S.KV_SNAPSHOTS, codec.SNAPSHOT)
+        self.hostloss = HostLoss(
+            self.table, kv_hosts, self._kv_sbx, kv_snaps, self.events, self._store,
+            grace_s=self.config.host_down_s, replica_id=self.replica_id,
+        )
         self._hosts_watch = await kv_hosts.watch(self._on_host, self.table.remove)
         self._watches = [
             self._hosts_watch, await self._kv_images.watch(self._on_template, self._on_template_gone), await self.quotas.start(self.js, self._kv_sbx),
@@ -107,18 +117,23 @@ class Placement(Service):
             max_ack_pending=max(self.capacity * 16, 4096),  # shared by every replica
             name=f"placement-{self.replica_id}",
         )
+        self.spawn(self.hostloss.loop(self._stopped), name="host-loss")
 
     # --- watches -------------------------------------------------------------------
-    def _on_host(self, key: str, st: HostStatus, _rev: int) -> None:
+    def _on_host(self, key: str, st: HostStatus, rev: int) -> None:
         self.table.update(st)
+        if self.hostloss is not None:
+            self.hostloss.seen(key, st, rev)
 
     def _on_template(self, key: str, t: TemplateManifest, _rev: int) -> None:
         self.templates[key] = t
         self._template_layers[key] = frozenset(layer.digest for layer in t.layers)
+        self._template_owners[key] = t.owner
 
     def _on_template_gone(self, key: str) -> None:
         self.templates.pop(key, None)
         self._template_layers.pop(key, None)
+        self._template_owners.pop(key, None)
 
     async def template(self, name: str) -> TemplateManifest | None:
         t = self.templates.get(name)
@@ -363,6 +378,10 @@ class Placement(Service):
         subject = S.host_create(host)
         return await self.handoffs.send(subject, data, sign_headers(self.control_key, subject, data))
 
+    async def _store(self, subject: str, data: bytes, headers: dict[str, str]) -> None:
+        assert self.publisher is not None
+        await (await self.publisher.publish(subject, data, headers))
+
     async def teardown(self) -> None:
         for w in self._watches:
             await w.stop()
@@ -387,6 +406,14 @@ class Placement(Service):
         layers = await self._layers_of(spec.template)
         if layers is None:
             return UnknownTemplate(f"unknown template {spec.template!r}; see `dsec image ls`", template=spec.template), frozenset()
+        owner = self._template_owners.get(spec.template)
+        if owner is None:  # not seen by the watch yet: _layers_of found it in KV
+            t = await self.template(spec.template)
+            owner = t.owner if t is not None else ""
+        refused = template_refusal(spec.template, owner, spec.client)
+        if refused is not None:
+            log.warning("tenant_violation", sandbox_id=spec.sandbox_id, tenant=spec.client, op="create", template=spec.template, owner=owner)
+            return refused, frozenset()
         return None, layers
 
     def _unsupported(self, spec: SandboxSpec, now: float | None) -> UnsupportedBackend | None:

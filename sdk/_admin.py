@@ -82,6 +82,8 @@ async def _storage(nc: Any, hosts: list[dict[str, Any]]) -> dict[str, Any]:
         "snapshot_bytes": use["bytes"], "snapshots": use["snapshots"], "limits": limits,
         "tenants": {t: {"used_bytes": b, "limit_bytes": per_tenant} for t, b in sorted(use["tenants"].items())},
         "disk_free_mb": {h["host_id"]: h.get("disk_free_mb", 0) for h in hosts},
+        # file uploads held in sandboxes, per host and tenant (the limit is per tenant on each host)
+        "uploads": {h["host_id"]: dict(sorted((h.get("upload_bytes") or {}).items())) for h in hosts if h.get("upload_bytes")},
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import inspect
 import random
@@ -16,6 +17,7 @@ from nats.aio.client import Client as NATS
 
 from bus import codec
 from bus import subjects as S
+from bus.auth import ROLLOUTS_ROLE
 from bus.codec import decode_reply
 from bus.errors import (
     BadRequest, DsecError, ErrorReply, InvalidArgument, KillPending, PermissionDenied, SandboxNotFound, SandboxTimeout, Unavailable, from_reply,
@@ -41,7 +43,7 @@ from bus.runtime import KV, PubAck, StoreError, connect, nats_url, no_responders
 
 from . import _display
 from . import _snapshots as _snap
-from . import _trajectory as _traj
+from . import _trajectory
 from ._commands import AsyncCommands
 from ._display import AsyncInput
 from ._files import AsyncFilesystem
@@ -206,8 +208,12 @@ def build_spec(
     sandbox_id: str | None = None,
     client: str = "",
     snapshot: str | None = None,
+    restore_on_host_loss: bool = False,
 ) -> SandboxSpec:
-    """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast."""
+    """Validate create arguments client-side (bus.rules, as placement does) so mistakes fail fast.
+
+    ``restore_on_host_loss``: when the sandbox's host is declared down, start it again on another host
+    from its latest snapshot (same id); else it just becomes ``lost``."""
     _check_positive("create_timeout", create_timeout, lo=CREATE_TIMEOUT_S[0], hi=CREATE_TIMEOUT_S[1])
     net = _network_spec(network)
     if lease is not None:
@@ -219,7 +225,7 @@ def build_spec(
         sandbox_id=sandbox_id or f"sb-{uuid.uuid4().hex[:20]}", template=template, backend=backend, cpu=cpu, memory_mb=memory_mb,
         disk_mb=disk_mb, timeout_s=timeout, envs=envs if envs is not None else {}, metadata=metadata if metadata is not None else {},
         priority=priority, pool=pool, profile=profile, network=net, lease_s=lease or 0.0, requested_at=now, create_deadline=now + create_timeout, client=client,
-        snapshot=snapshot or "",
+        snapshot=snapshot or "", restore_on_host_loss=bool(restore_on_host_loss),
     )
     validate_spec(spec)
     spec.cpu, spec.timeout_s, spec.lease_s = float(cpu), float(timeout), float(spec.lease_s)
@@ -477,8 +483,16 @@ class AsyncSandbox:
         self._nc = nc
         self.commands = AsyncCommands(self)
         self.files = AsyncFilesystem(self)
-        self.input = AsyncInput(self)  # keyboard and mouse of a sandbox with a screen (backend="vm")
-        self._traj = _traj.TrajClient()
+
+    # Made on first use: a batch create makes thousands of handles that never exec or type.
+    @functools.cached_property
+    def input(self) -> "AsyncInput":
+        """Keyboard and mouse of a sandbox with a screen (``backend="vm"``)."""
+        return AsyncInput(self)
+
+    @functools.cached_property
+    def _traj(self) -> _trajectory.TrajClient:
+        return _trajectory.TrajClient()
 
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.sandbox_id!r}, host={self.host_id!r})"
@@ -545,8 +559,8 @@ class AsyncSandbox:
     ) -> list["AsyncSandbox"]:
         nc = nc or await _nc(url)
         tenant = tenant_of(nc)
-        for s in specs:  # placement binds a client's creates to its tenant; the operator's keep the client they name
-            s.client = s.client if s.client and tenant == S.OPERATOR_TENANT else tenant
+        for s in specs:  # placement binds a client's creates to its tenant; the operator's (and the rollout workers') keep the client they name
+            s.client = s.client if s.client and tenant in (S.OPERATOR_TENANT, ROLLOUTS_ROLE) else tenant
         waiter = _Waiter([s.sandbox_id for s in specs])
         pending_seen: set[str] = set()
         heard: dict[str, float] = {}
@@ -590,19 +604,21 @@ class AsyncSandbox:
 
     @classmethod
     async def connect(
-        cls, sandbox_id: str, *, nats_url: str | None = None, replay: bool = False, client_id: str | None = None,
+        cls, sandbox_id: str, *, nats_url: str | None = None, replay: bool = False, client_id: str | None = None, owner: str | None = None,
     ) -> "AsyncSandbox":
         """Talk to a running sandbox. ``replay``: start at step 0 of the trajectory log's last client
-        (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory)."""
+        (or ``client_id``): logged steps are answered from the log, not run again (sdk/_trajectory).
+        ``owner``: the tenant whose log that is, when not the connection's (the rollout workers
+        operate their jobs' sandboxes, which are the jobs' tenants')."""
         sb = await cls._connect(sandbox_id, nats_url)
         if replay or client_id is not None:
-            log = await _traj.read_log(_js(sb._nc), sandbox_id) if replay else []
+            log = await _trajectory.read_log(_js(sb._nc), sandbox_id, owner) if replay else []
             sb._traj.start_replay(log, client_id)
         return sb
 
-    async def trajectory(self) -> list[_traj.TrajectoryStep]:
+    async def trajectory(self) -> list[_trajectory.TrajectoryStep]:
         """Every logged step of this sandbox, in the order its host answered them."""
-        return await _traj.steps(_js(self._nc), self.sandbox_id, until=(self._traj.client_id, self._traj.answered))
+        return await _trajectory.steps(_js(self._nc), self.sandbox_id, until=(self._traj.client_id, self._traj.answered))
 
     @classmethod
     async def _connect(cls, sandbox_id: str, nats_url: str | None) -> "AsyncSandbox":
@@ -678,7 +694,7 @@ class AsyncSandbox:
     async def _request(self, op: str, req: Any, result_type: Any, *, timeout: float = 30.0) -> Any:
         logged = self._traj.stamp(req)
         if logged is not None:
-            return _traj.replayed(logged, result_type)
+            return _trajectory.replayed(logged, result_type)
         try:
             msg = await (await requests_for(self._nc)).request(S.sbx(self.sandbox_id, op, self.tenant), codec.encode(req), timeout)
         except nats.errors.NoRespondersError:
@@ -694,9 +710,9 @@ class AsyncSandbox:
         try:
             out = decode_reply(msg.data, result_type)
         except DsecError as exc:
-            _traj.note_reply(self._traj, req, exc)
+            _trajectory.note_reply(self._traj, req, exc)
             raise
-        _traj.note_reply(self._traj, req)
+        _trajectory.note_reply(self._traj, req)
         return out
 
     async def kill(self, *, timeout: float = 300.0) -> None:

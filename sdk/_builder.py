@@ -12,7 +12,13 @@ A build sandbox is only created when a step misses the cache, from the last hit'
 
 A failing ``RUN`` fails the build with ``BuildFailed`` (its step, exit code and output tail); no
 template is written; build sandboxes are killed in every case. The snapshots of the steps that
-succeeded stay: they are the cache (``dsec snapshot rm`` removes them)."""
+succeeded stay: they are the cache (``dsec snapshot rm`` removes them).
+
+E2B's start and ready commands (``start_cmd``/``ready_cmd`` of ``build``): after the last step the
+build starts the start command in a sandbox of the result and waits for the ready command (at most
+``ready_timeout`` s); one that never succeeds fails the build (``BuildFailed``, the step after the
+last) and no template is written. The template keeps both in its defaults; creates through the
+gateway run them again (``sdk._startcmd`` says why there is no running-state snapshot)."""
 
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ from bus.runtime import KV, tenant_of
 from . import _snapshots as _snap
 from ._async import AsyncSandbox, _nc
 from ._dockerfile import Step, parse_dockerfile
+from ._startcmd import start_and_wait_ready
 from .errors import CommandExitError
 
 LogFn = Callable[[str], Any]
@@ -89,6 +96,8 @@ class _State:
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
     shell: list[str] = field(default_factory=list)
+    start_cmd: str = ""
+    ready_cmd: str = ""
 
 
 def _sha(*parts: str) -> str:
@@ -106,13 +115,14 @@ class TemplateBuilder:
     def __init__(
         self, *, nats_url: str | None = None, on_log: LogFn | None = None, network: dict[str, list[str]] | None = None,
         cpu: float = 1.0, memory_mb: int = 1024, disk_mb: int = 4096, run_timeout: float = 1800.0, no_cache: bool = False,
-        pool: str = "default", profile: str = "build", client: str = "",
+        pool: str = "default", profile: str = "build", client: str = "", ready_timeout: float = 300.0,
     ) -> None:
         self.nats_url = nats_url
         self.on_log = on_log or (lambda line: None)
         self.network = network
         self.shape: dict[str, Any] = {"cpu": cpu, "memory_mb": memory_mb, "disk_mb": disk_mb, "pool": pool, "profile": profile, "client": client}
         self.run_timeout = run_timeout
+        self.ready_timeout = ready_timeout
         self.no_cache = no_cache
         self._sb: AsyncSandbox | None = None
         self._sb_at = ""  # the snapshot the build sandbox stands on ("" = the bare template)
@@ -166,7 +176,7 @@ class TemplateBuilder:
             seed = _sha(seed, *[lay.digest for lay in rec.layers])
         d = m.defaults or ImageDefaults()
         return _State(template=name, key=seed, snapshot=snapshot, env=dict(d.env), workdir=d.workdir, user=d.user,
-                      entrypoint=list(d.entrypoint), cmd=list(d.cmd))
+                      entrypoint=list(d.entrypoint), cmd=list(d.cmd), start_cmd=d.start_cmd, ready_cmd=d.ready_cmd)
 
     # --- the build sandbox ----------------------------------------------------------------------
     async def _sandbox(self, st: _State) -> AsyncSandbox:
@@ -192,8 +202,10 @@ class TemplateBuilder:
     # --- steps --------------------------------------------------------------------------------
     async def build(
         self, name: str, steps: list[Step], context: str | os.PathLike[str] | None = None, *, description: str = "", owner: str = "",
+        start_cmd: str | None = None, ready_cmd: str | None = None,
     ) -> BuildReport:
-        """Run ``steps`` (the first FROM, after any ARGs) and write template ``name``."""
+        """Run ``steps`` (the first FROM, after any ARGs) and write template ``name``. ``start_cmd`` and
+        ``ready_cmd`` (E2B's; None: the base template's) must come up before the template is written."""
         if not name or len(name) > 128 or any(c not in _TEMPLATE_NAME for c in name):
             raise InvalidArgument(f"bad template name {name!r}: use letters, digits, '-' and '_' (max 128)")
         ctx = Path(context).resolve() if context is not None else None
@@ -214,8 +226,12 @@ class TemplateBuilder:
             reports.append(StepReport(1, steps[0].text, seconds=time.monotonic() - t0))
             for i, step in enumerate(steps[1:], 2):
                 reports.append(await self._step(i, total, step, st, ctx))
+            if start_cmd is not None:
+                st.start_cmd, st.ready_cmd = start_cmd, ready_cmd or ""
+            if st.start_cmd:
+                reports.append(await self._start(total + 1, st))
             defaults = ImageDefaults(env=dict(st.env), workdir=st.workdir, user=st.user, entrypoint=st.entrypoint, cmd=st.cmd,
-                                     source=f"build {st.key[:16]}")
+                                     source=f"build {st.key[:16]}", start_cmd=st.start_cmd, ready_cmd=st.ready_cmd)
             req = BuildImage(name=name, base="", description=description, defaults=defaults, owner=owner,
                              **({"from_snapshot": st.snapshot} if st.snapshot else {"from_template": st.template}))
             built = await self._image_request(req)
@@ -283,6 +299,25 @@ class TemplateBuilder:
         self._sb_at = rec.snapshot_id
         rep.snapshot, rep.seconds = rec.snapshot_id, time.monotonic() - t0
         return rep
+
+    async def _start(self, i: int, st: _State) -> StepReport:
+        """The start command, and the ready command until it succeeds, in a sandbox of the result;
+        its files are not kept (each create starts the command afresh)."""
+        t0 = time.monotonic()
+        text = f"startCmd {st.start_cmd}" + (f" readyCmd {st.ready_cmd}" if st.ready_cmd else "")
+        self.log(f"[{i}/{i}] {text}")
+        sb = await self._sandbox(st)
+        try:
+            res = await start_and_wait_ready(sb, st.start_cmd, st.ready_cmd, timeout_s=self.ready_timeout, user=st.user or None,
+                                             cwd=st.workdir or None, envs={**st.env} or None)
+        finally:
+            await self._drop_sandbox()  # running: a later step could not use it, and its files are not the template's
+        if not res.ready:
+            message = res.describe(st.start_cmd, st.ready_cmd, self.ready_timeout)
+            raise BuildFailed(f"step {i}/{i} `{text}` failed: {message}", step=i, instruction=text,
+                              exit_code=-1 if res.last_exit is None else res.last_exit, output=res.start_output)
+        self.log(f"  ready after {res.seconds:.1f}s ({res.attempts} tries of the ready command)")
+        return StepReport(i, text, seconds=time.monotonic() - t0)
 
     async def _cached(self, snap_id: str, template: str) -> SnapshotRecord | None:
         try:

@@ -144,7 +144,8 @@ class AsyncFilesystem:
         size = 0
         while True:
             piece = bytes(view[off:off + chunk])
-            w = await self._sb._request("files", FileWrite(path=path, data=piece, offset=off, truncate=off == 0, mode=mode), FileWritten)
+            req = FileWrite(path=path, data=piece, offset=off, truncate=off == 0, mode=mode, size=len(view) if off == 0 else -1)
+            w = await self._sb._request("files", req, FileWritten)
             size = w.size
             off += len(piece)
             if off >= len(view):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import argparse
 import asyncio
+import ipaddress
 import json
 import os
 import random
@@ -28,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from bus.auth import ENV_MONITOR_URL, MONITOR_ROLE, OPERATOR_ROLE, AuthConfig, default_context_path, remove_client_context, write_client_context
-from bus.errors import DsecError
+from bus.errors import DsecError, InvalidArgument
 from bus.natsd import NatsCluster, NatsServer, NatsServerError
 from bus.streams import REPLICAS_ENV
 from bus.sign import ENV_CONTROL_KEY
 from bus.subjects import METRICS_SCRAPE
+
+from ._hostnet import HostNet
 
 SERVICES_FILE = "services.json"
 
@@ -53,22 +56,23 @@ class Service:
     control_key: bool = False  # placement signs host work with it; host agents run nothing else (bus.sign)
     replicas: str = ""
     enabled_by: str = ""  # the on|off option that turns it off
+    per_host: bool = False  # one per host (``--hosts N``: in each host's network namespace, with its data dir and id)
 
 
 # Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
 # lazy loader and NATS are still there). Adding a service is one line here.
 SERVICES: tuple[Service, ...] = (
     Service("imaged", "imaged", ("imaged", "serve", "--data-dir", "{data}")),
-    Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}")),
-    Service("placement", "placement", ("placement",), control_key=True, replicas="placement_replicas"),
+    Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}"), per_host=True),
+    Service("placement", "placement", ("placement", "--host-down", "{host_down}"), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("rollouts", "rollouts", ("sdk.rollouts",)),
     # Stopped after the host agent: its swap is taken away once the sandboxes are gone (no pages to bring back).
-    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim"),
+    Service("reclaim", "hostagent", ("hostagent.reclaim", "--data-dir", "{data}", "--host-id", "{host_id}"), enabled_by="reclaim", per_host=True),
     Service("hostagent", "hostagent", ("hostagent", "--data-dir", "{data}", "--host-id", "{host_id}", "--backend", "{backend}",
                                        "--concurrency", "{concurrency}", "--destroy-on-shutdown", "--fn-pool", "{fn_pool}"),
-            grace_s=60, control_key=True),
+            grace_s=60, control_key=True, per_host=True),
 )
 
 BACKOFF_BASE_S = 0.5
@@ -227,8 +231,11 @@ class NatsChild(Supervised):
 
 
 class Supervisor:
-    def __init__(self, data: Path, nats: list[NatsChild], children: list[Child], backend: str, cluster: NatsCluster | None = None) -> None:
+    def __init__(
+        self, data: Path, nats: list[NatsChild], children: list[Child], backend: str, hosts: HostNet | None = None, cluster: NatsCluster | None = None,
+    ) -> None:
         self.data = data
+        self.hosts = hosts
         self.nats = nats  # one nats-server, or the nodes of ``cluster``
         self.cluster = cluster
         self.children = children
@@ -315,17 +322,23 @@ class Supervisor:
             await asyncio.to_thread(n.stop)
         self.write_view()
         if self.backend == "container":
-            await self.sweep()
+            if self.hosts is None:
+                await self.sweep(self.data)
+            else:
+                for i in range(self.hosts.count):
+                    await self.sweep(host_data(self.data, i), self.hosts.enter(i), self.hosts.env(i))
+        if self.hosts is not None:
+            await asyncio.to_thread(self.hosts.destroy)
         self.view_path.unlink(missing_ok=True)
 
-    async def sweep(self) -> None:
+    async def sweep(self, data: Path, enter: list[str] | None = None, env: dict[str, str] | None = None) -> None:
         """Whatever a crash earlier left (a host agent killed with its sandboxes, a stray shim, a FUSE
-        holder): the host agent's own clean-up entry point removes it."""
+        holder): the host agent's own clean-up entry point removes it (in the host's namespace)."""
         log_path = self.data / "logs" / "cleanup.log"
         with open(log_path, "ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "hostagent", "--cleanup", "--data-dir", str(self.data),
-                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                *(enter or []), sys.executable, "-m", "hostagent", "--cleanup", "--data-dir", str(data),
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
             )
         try:
             rc = await asyncio.wait_for(proc.wait(), 180)
@@ -343,7 +356,7 @@ async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict[str, A
     while time.monotonic() < deadline and not sup.stopping.is_set():
         try:
             last = await cluster_status(url, timeout=2)
-            if last["ready_hosts"] > 0 and "base" in last["templates"]:
+            if last["ready_hosts"] >= (sup.hosts.count if sup.hosts else 1) and "base" in last["templates"]:
                 return last
         except DsecError:
             pass
@@ -357,13 +370,20 @@ async def _wait_ready(url: str, deadline: float, sup: Supervisor) -> dict[str, A
     raise DsecError(f"stack not ready in time (last status: {last}; restarts: {restarts or 'none'}); logs in {sup.data / 'logs'}")
 
 
-def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> list[Child]:
+def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any, hosts: HostNet | None = None) -> list[Child]:
     # Every `dsec up` option by its name, plus the resolved data dir and host id.
     settings = {k: str(v) for k, v in vars(args).items()}
-    settings.update(data=str(data), host_id=args.host_id or socket.gethostname().split(".")[0])
+    host_id = args.host_id or socket.gethostname().split(".")[0]
+    settings.update(data=str(data), host_id=host_id)
     out = []
     for svc in SERVICES:
         if svc.enabled_by and getattr(args, svc.enabled_by, "on") == "off":
+            continue
+        if svc.per_host and hosts is not None:
+            for i in range(hosts.count):  # host i: its namespace, data dir, id and kernel names
+                each = {**settings, "data": str(host_data(data, i)), "host_id": f"{host_id}-{i}"}
+                argv = [*hosts.enter(i), sys.executable, "-m", *(a.format(**each) for a in svc.argv)]
+                out.append(Child(f"{svc.name}-{i}", argv, {**env_of(svc), **hosts.env(i)}, logs / f"{svc.name}-{i}.log", svc.grace_s))
             continue
         n = getattr(args, svc.replicas) if svc.replicas else 1
         for i in range(n):
@@ -371,6 +391,28 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any) -> 
             argv = [sys.executable, "-m", *(a.format(**settings) for a in svc.argv)]
             out.append(Child(name, argv, env_of(svc), logs / f"{name}.log", svc.grace_s))
     return out
+
+
+def host_data(data: Path, i: int) -> Path:
+    """Host ``i``'s data dir under a ``--hosts`` stack's."""
+    return data / "hosts" / str(i)
+
+
+def host_net(args: argparse.Namespace) -> HostNet | None:
+    """The hosts' links of ``--hosts N`` (None: one host on this machine's own network)."""
+    n = getattr(args, "hosts", 0)
+    if not n:
+        return None
+    try:
+        subnets = list(ipaddress.ip_network(args.hosts_net).subnets(new_prefix=24))
+    except ValueError as exc:
+        raise InvalidArgument(f"--hosts-net: {exc}") from None
+    if len(subnets) < n + 1:
+        raise InvalidArgument(f"--hosts-net {args.hosts_net} holds {len(subnets)} /24s: {n} hosts need {n + 1}")
+    try:
+        return HostNet(prefix=args.hosts_prefix, count=n, link_net=str(subnets[-1]), pools=tuple(str(p) for p in subnets[:n]))
+    except ValueError as exc:
+        raise InvalidArgument(f"--hosts-prefix: {exc}") from None
 
 
 async def _reload_users(sup: Supervisor, auth_file: Path) -> None:
@@ -454,16 +496,33 @@ def run_up(args: argparse.Namespace) -> int:
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     auth = None if args.no_auth else AuthConfig.load_or_create(data / "auth.json")
+    try:
+        hosts = host_net(args)
+    except DsecError as exc:
+        print(f"dsec up: {exc.description}", file=sys.stderr)
+        return 2
+    if hosts is not None:
+        hosts.destroy()  # a crashed earlier run's links
+        try:
+            hosts.create()
+        except RuntimeError as exc:
+            print(f"dsec up: {exc}", file=sys.stderr)
+            return 2
+        for i in range(hosts.count):
+            host_data(data, i).mkdir(parents=True, exist_ok=True)
+        _say(f"{hosts.count} hosts, each in netns {hosts.netns(0)[:-1]}<i> behind link {hosts.link(0)[:-1]}<i>; NATS on {hosts.gateway}")
+    # With --hosts, NATS listens on the hosts' bridge: they reach it over their links, as remote machines would.
+    nats_host = hosts.gateway if hosts else "127.0.0.1"
     extra = auth.config_block() if auth else ""
     size = getattr(args, "cluster", 1)
     cluster: NatsCluster | None = None
     if size > 1:
         # Every node carries the same users and permissions (bus.auth); every stream and bucket R3.
         cluster = NatsCluster(data / "nats", size=size, ports=[args.port + i for i in range(size)],
-                              route_ports=[args.cluster_port + i for i in range(size)], extra_config=extra, log_dir=logs)
+                              route_ports=[args.cluster_port + i for i in range(size)], host=nats_host, extra_config=extra, log_dir=logs)
         nodes = [NatsChild(n, f"nats-server-n{i}") for i, n in enumerate(cluster.nodes)]
     else:
-        nodes = [NatsChild(NatsServer(data / "nats", port=args.port, log_file=str(logs / "nats-server.log"), extra_config=extra))]
+        nodes = [NatsChild(NatsServer(data / "nats", port=args.port, host=nats_host, log_file=str(logs / "nats-server.log"), extra_config=extra))]
     seeds = ",".join(n.server.url for n in nodes)
     base_env = {k: v for k, v in os.environ.items() if k not in (ENV_CONTROL_KEY, "DSEC_NATS_CREDS")}
     base_env["PYTHONUNBUFFERED"] = "1"
@@ -479,5 +538,9 @@ def run_up(args: argparse.Namespace) -> int:
         return e
 
     pointer = Path(args.context) if args.context else default_context_path()
-    sup = Supervisor(data, nodes, _children(args, data, logs, env_of), args.backend, cluster)
-    return asyncio.run(_run(args, data, sup, pointer, auth))
+    sup = Supervisor(data, nodes, _children(args, data, logs, env_of, hosts), args.backend, hosts, cluster)
+    try:
+        return asyncio.run(_run(args, data, sup, pointer, auth))
+    finally:
+        if hosts is not None:
+            hosts.destroy()  # stop_all did, unless it never ran

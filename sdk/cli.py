@@ -118,6 +118,12 @@ def _print_storage(use: dict[str, Any]) -> None:
           f"(per sandbox: {lim(limits.get('snapshot_bytes_per_sandbox', 0))})")
     for t, u in use["tenants"].items():
         print(f"  tenant {t or '(operator)':<24} {u['used_bytes']}/{lim(u['limit_bytes'])} bytes")
+    uploads = use.get("uploads") or {}
+    if uploads:
+        print(f"uploads (per tenant on each host: {lim(limits.get('upload_bytes_per_tenant', 0))}):")
+        for host, by in uploads.items():
+            for t, b in by.items():
+                print(f"  {host:<24} tenant {t:<24} {b} bytes")
 
 
 # --- sandbox -----------------------------------------------------------------------------
@@ -403,6 +409,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ready-timeout", type=float, default=300.0)
     up.add_argument("--no-auth", action="store_true", help="run NATS without authentication (tests only)")
     up.add_argument("--http-port", type=int, default=3000, help="the HTTP gateway's port (E2B API, envd, REST)")
+    up.add_argument("--hosts", type=int, default=0, help="run N hosts, each in a network namespace of its own behind a veth "
+                    "(its own agent, lazy loader, containerd, data dir <data-dir>/hosts/<i> and host id <host-id>-<i>); 0: one host on this machine's network")
+    up.add_argument("--hosts-net", default="10.199.0.0/16", help="with --hosts: a /24 per host for its sandboxes, the last /24 for the links")
+    up.add_argument("--hosts-prefix", default="dsh", help="with --hosts: names the hosts' netns, links and kernel objects (2-5 of [a-z0-9], starting ds)")
+    up.add_argument("--host-down", type=float, default=60.0, help="seconds without a heartbeat before placement marks a host down and its sandboxes lost")
     up.add_argument("--fn-pool", default="", help="FnCall warm pools on the host, <template>=<members>,... e.g. base=8,python=8 (default: none)")
     up.add_argument("--context", default=None, help="where to point clients at this stack (default: $DSEC_CONTEXT, else /run/dsec/context.json as root)")
     up.set_defaults(func=_up)

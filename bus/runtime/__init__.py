@@ -47,7 +47,7 @@ Services build on these pieces (a test, tests/unit/test_runtime_rule.py, keeps i
 from .connection import DEFAULT_URL, connect, connection_of, nats_url, reads_records, tenant_of
 from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_config, deliveries
 from .deadletter import dead_letter, dead_letter_headers
-from .endpoint import Endpoint, EndpointStats, error_of
+from .endpoint import Endpoint, EndpointStats, NotMine, error_of
 from .handoff import HandoffInbox, Handoffs
 from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
 from .kv import KV, Claim, Versioned, Watch, kv_erase, kv_keys
@@ -75,6 +75,7 @@ __all__ = [
     "dead_letter_headers",
     "Endpoint",
     "EndpointStats",
+    "NotMine",
     "error_of",
     "HandoffInbox",
     "Handoffs",

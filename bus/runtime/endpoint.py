@@ -59,6 +59,11 @@ class EndpointStats(msgspec.Struct, kw_only=True):
     refused: int = 0  # stream-delivered requests refused unanswered
 
 
+class NotMine(Exception):
+    """Raised by a handler for a request it must not answer at all: another responder on the same
+    subject owns it (a sandbox restored on another host while this one was cut off)."""
+
+
 class Endpoint:
     """Answers requests on any number of subjects with one handler and one set of stats.
 
@@ -145,6 +150,8 @@ class Endpoint:
         try:
             try:
                 result = await self.handler(msg, self._decode(msg))
+            except NotMine:
+                return  # another responder owns the request: its answer is the one
             except DsecError as exc:
                 result = exc.to_reply()
             except Exception as exc:  # noqa: BLE001 - every request gets an answer
@@ -182,4 +189,4 @@ class Endpoint:
             logger.warning("reply_failed", endpoint=self.name, subject=msg.subject, error=str(exc))
 
 
-__all__ = ["Endpoint", "EndpointStats", "error_of"]
+__all__ = ["Endpoint", "EndpointStats", "NotMine", "error_of"]

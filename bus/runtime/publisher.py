@@ -125,6 +125,35 @@ class _Sink:
         self.fn(msg)
 
 
+_NO_QUEUE: "asyncio.Queue[Msg]" = asyncio.Queue()  # never put to: a sink's messages are handed over, not queued
+
+
+class _SinkSubscription(Subscription):
+    """A ``Subscription`` whose messages go to a ``_Sink``: without the pending queue nats-py makes
+    for every subscription (an ``asyncio.Queue`` each, a tenth of a host's work per sandbox in a
+    batch of creates), which a sink never uses. The fields are those ``Subscription.__init__`` sets
+    (nats-py 2.x); ``test_runtime_publisher`` runs messages and unsubscribes through one."""
+
+    def __init__(self, conn: NATS, sid: int, subject: str, queue: str, sink: _Sink) -> None:
+        self._conn = conn
+        self._id = sid
+        self._subject = subject
+        self._queue = queue
+        self._max_msgs = 0
+        self._received = 0
+        self._cb = None
+        self._future = sink  # type: ignore[assignment]  # a Future stand-in: nats-py hands it each message (set_result)
+        self._closed = False
+        self._pending_msgs_limit = 0
+        self._pending_bytes_limit = 0
+        self._pending_queue = _NO_QUEUE
+        self._pending_next_msgs_calls = {}
+        self._pending_size = 0
+        self._wait_for_msgs_task = None
+        self._message_iterator = None
+        self._jsi = None
+
+
 async def subscribe_sync(nc: NATS, subject: str, fn: Callable[[Msg], None], *, queue: str = "") -> Subscription:
     """Subscribe ``fn`` (a plain function, called in the reading task: schedule, don't block) to ``subject``.
 
@@ -142,7 +171,7 @@ async def subscribe_sync(nc: NATS, subject: str, fn: Callable[[Msg], None], *, q
     if nc.is_draining:
         raise nats.errors.ConnectionDrainingError
     nc._sid += 1
-    sub = Subscription(nc, nc._sid, subject, queue=queue, future=_Sink(fn))  # type: ignore[arg-type]  # a Future stand-in: nats-py hands it each message (set_result)
+    sub = _SinkSubscription(nc, nc._sid, subject, queue, _Sink(fn))
     nc._subs[nc._sid] = sub
     await nc._send_command(sub_cmd(subject, queue, nc._sid))
     if nc._flush_queue is not None and nc._flush_queue.empty():

@@ -14,6 +14,12 @@
  *   --seccomp-bpf HEX     a classic-BPF seccomp program (struct sock_filter, native byte order,
  *                         hex) installed with SECCOMP_FILTER_FLAG_LOG on top of the runtime's
  *                         filter, so the calls it refuses are reported to the kernel audit log
+ *   --allow-setuid        do not set no_new_privs: setuid programs (sudo) keep working in the commands.
+ *                         Installing our filter (and Landlock) without it needs CAP_SYS_ADMIN, which
+ *                         the host then lends us for that alone:
+ *   --setup-cap N         capability N is dropped from every set, the bounding set included, once we
+ *                         are confined and before we serve anything (we exit if that fails), so no
+ *                         command can ever hold it
  *   --audit-loginuid N    set our audit login uid (only possible while it is unset): the kernel
  *                         then gives this sandbox its own audit session id, inherited by every
  *                         process in it and unchangeable from inside, which is how the host maps
@@ -2303,6 +2309,16 @@ static struct {
 static int n_fs_rules, landlock_required;
 static const char *seccomp_hex;
 static long audit_loginuid = -1;
+static int allow_setuid;
+static uint64_t setup_caps; /* bit N: --setup-cap N */
+
+/* no_new_privs, unless --allow-setuid: then the filters below are installed on CAP_SYS_ADMIN
+ * (refused without it: the sandbox does not start rather than run without them). */
+static void set_no_new_privs(void)
+{
+    if (!allow_setuid && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("PR_SET_NO_NEW_PRIVS");
+}
 
 static void add_fs_rule(const char *path, int kind)
 {
@@ -2397,8 +2413,7 @@ static void apply_landlock(void)
             die("landlock_add_rule");
         close(fd);
     }
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
-        die("PR_SET_NO_NEW_PRIVS");
+    set_no_new_privs();
     unsigned flags = abi >= 7 ? LL_RESTRICT_SELF_LOG_NEW_EXEC_ON : 0;
     if (syscall(SYS_landlock_restrict_self, rs, flags) < 0)
         die("landlock_restrict_self");
@@ -2433,8 +2448,7 @@ static void apply_seccomp_log_filter(void)
         buf[i] = (unsigned char)(hi << 4 | lo);
     }
     struct sock_fprog prog = {.len = (unsigned short)(n / 2 / sizeof(struct sock_filter)), .filter = (struct sock_filter *)buf};
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
-        die("PR_SET_NO_NEW_PRIVS");
+    set_no_new_privs();
     /* FLAG_LOG: the kernel audits every non-allow action of this filter (runc 1.1 cannot ask
      * for that on its own filter); being the newest filter, ours decides ties, so its
      * refusals are the ones logged. */
@@ -2462,13 +2476,41 @@ static void set_audit_session(void)
         close(fd);
 }
 
+#include <linux/capability.h>
+
+/* Drop the --setup-cap capabilities from every set: the bounding set first (so no execve can give
+ * them back), then permitted, effective and inheritable (ambient ones go with those). */
+static void drop_setup_caps(void)
+{
+    if (!setup_caps)
+        return;
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3];
+    if (syscall(SYS_capget, &hdr, data) < 0)
+        die("capget");
+    for (int cap = 0; cap < 64; cap++) {
+        if (!(setup_caps >> cap & 1))
+            continue;
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0)
+            die("PR_CAPBSET_DROP");
+        uint32_t bit = 1u << (cap % 32);
+        data[cap / 32].permitted &= ~bit;
+        data[cap / 32].effective &= ~bit;
+        data[cap / 32].inheritable &= ~bit;
+    }
+    if (syscall(SYS_capset, &hdr, data) < 0)
+        die("capset");
+}
+
 /* Order matters: the session id first (Landlock then forbids writing /proc), Landlock next,
- * the seccomp filter last (it may refuse calls the steps before need). */
+ * the seccomp filter last (it may refuse calls the steps before need), then the capabilities
+ * lent for them go. */
 static void apply_confinement(void)
 {
     set_audit_session();
     apply_landlock();
     apply_seccomp_log_filter();
+    drop_setup_caps();
 }
 
 
@@ -2750,6 +2792,38 @@ static void vm_mount(const char *src, const char *dst, const char *type, unsigne
         vm_die(dst);
 }
 
+/* /dev/pmemN of the virtio-pmem device in PCI slot `slot` (the host gives layer i slot 0x10+i: pmem
+ * numbers follow probe order, which the async nvdimm bus does not keep); waits for it a while. */
+static void vm_find_pmem(int slot, char *out, size_t n)
+{
+    char want[32];
+    snprintf(want, sizeof want, ":%02x.0/", slot);
+    for (int tries = 0; tries < 2000; tries++) {
+        DIR *d = opendir("/sys/block");
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            char p[300], link[600];
+            if (strncmp(e->d_name, "pmem", 4))
+                continue;
+            snprintf(p, sizeof p, "/sys/block/%s", e->d_name);
+            ssize_t k = readlink(p, link, sizeof link - 1);
+            if (k <= 0)
+                continue;
+            link[k] = 0;
+            snprintf(out, n, "/dev/%s", e->d_name);
+            if (strstr(link, want) && access(out, F_OK) == 0) {
+                closedir(d);
+                return;
+            }
+        }
+        if (d)
+            closedir(d);
+        usleep(10000);
+    }
+    errno = ENODEV;
+    vm_die("pmem layer");
+}
+
 static void vm_loopback_up(void)
 {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
@@ -2979,12 +3053,28 @@ static const char *vm_boot(void)
     mkdir("/mnt/rw/upper", 0755);
     mkdir("/mnt/rw/work", 0755);
     int layers = getenv("dsec_layers") ? atoi(getenv("dsec_layers")) : 0;
+    /* dsec_pmem: the layers are virtio-pmem regions; with DAX the guest reads the host's page cache
+     * in place (no copy in guest RAM). What each layer got is left in /run/dsec/layers for the host. */
+    int pmem = getenv("dsec_pmem") != NULL;
+    char report[1024] = "";
     for (int i = 0; i < layers; i++) {
         char want[32];
-        snprintf(want, sizeof want, "layer%d", i);
-        vm_find("/sys/block", "serial", want, dev, sizeof dev);
+        const char *how = "blk";
         snprintf(dst, sizeof dst, "/mnt/l%d", i);
-        vm_mount(dev, dst, "erofs", MS_RDONLY, NULL);
+        if (pmem && i < 15) {
+            vm_find_pmem(0x10 + i, dev, sizeof dev);
+            mkdir(dst, 0755);
+            how = "dax";
+            if (mount(dev, dst, "erofs", MS_RDONLY, "dax=always") < 0) {
+                how = "pmem"; /* no DAX: still the host's one copy, read into the guest's cache */
+                vm_mount(dev, dst, "erofs", MS_RDONLY, NULL);
+            }
+        } else {
+            snprintf(want, sizeof want, "layer%d", i);
+            vm_find("/sys/block", "serial", want, dev, sizeof dev);
+            vm_mount(dev, dst, "erofs", MS_RDONLY, NULL);
+        }
+        snprintf(report + strlen(report), sizeof report - strlen(report), "layer%d %s\n", i, how);
     }
     char opts[4200] = "lowerdir=";
     for (int i = layers - 1; i >= 0; i--) /* overlay wants the top layer first */
@@ -3002,6 +3092,12 @@ static const char *vm_boot(void)
     vm_mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, NULL);
     vm_mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
     mkdir("/run/dsec", 0700);
+    int rf = open("/run/dsec/layers", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (rf >= 0) {
+        if (write(rf, report, strlen(report)) < 0) {
+        }
+        close(rf);
+    }
     mkdir("/tmp", 01777);
     sethostname("sandbox", 7);
     vm_loopback_up();
@@ -3046,18 +3142,22 @@ int main(int argc, char **argv)
             landlock_required = 1;
         else if (!strcmp(argv[i], "--seccomp-bpf") && i + 1 < argc)
             seccomp_hex = argv[++i];
+        else if (!strcmp(argv[i], "--allow-setuid"))
+            allow_setuid = 1;
+        else if (!strcmp(argv[i], "--setup-cap") && i + 1 < argc && atoi(argv[i + 1]) >= 0 && atoi(argv[i + 1]) < 64)
+            setup_caps |= 1ull << atoi(argv[++i]);
         else if (!strcmp(argv[i], "--audit-loginuid") && i + 1 < argc)
             audit_loginuid = strtol(argv[++i], NULL, 10);
         else if (!strcmp(argv[i], "--version")) {
             printf("dsec-agent protocol %d\n", PROTO_VERSION);
             return 0;
         } else {
-            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
+            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
             return 2;
         }
     }
     if (!path) {
-        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--audit-loginuid N]\n");
+        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
         return 2;
     }
 

@@ -23,6 +23,9 @@ class ReclaimConfig:
     pageout: bool = field(default=True, metadata=setting(
         "first page out an idle sandbox's own processes, all but its agent (process_madvise MADV_PAGEOUT): their pages "
         "go, below keep-mb, while the agent's and the pages other processes share stay"))
+    agent_hot: bool = field(default=True, metadata=setting(
+        "after a limit step, fault the in-sandbox agent's pages (about 1.6 MiB, mostly shared) back in: the "
+        "sandbox's next operation starts there, and does not wait on the swap", flag="--agent-hot"))
     swap_mb: int = field(default=-1, metadata=setting(
         "size of the zram swap the service sets up when the host has no swap (0: none, page cache only; "
         "-1: a quarter of the host's memory, at most 4096)"))

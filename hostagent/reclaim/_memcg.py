@@ -116,10 +116,11 @@ def repair(cgroup: str) -> bool:
     return True
 
 
-def reclaim_step(cgroup: str, want: int, keep: int, pageout: bool = False) -> int:
+def reclaim_step(cgroup: str, want: int, keep: int, pageout: bool = False, agent_hot: bool = True) -> int:
     """Take up to ``want`` bytes from the cgroup, leaving at least ``keep``; the bytes it freed.
     ``pageout``: first page out the sandbox's own processes but its agent (``_pageout``), which
-    goes below ``keep`` where the pages are theirs alone."""
+    goes below ``keep`` where the pages are theirs alone. ``agent_hot``: after a limit step (which
+    takes the least recently used pages, the agent's too), fault the agent's pages back in."""
     d = _mem(cgroup)
     before, own = usage(cgroup), _own_limit(d)
     if before is None or own is None:
@@ -152,6 +153,9 @@ def reclaim_step(cgroup: str, want: int, keep: int, pageout: bool = False) -> in
         (d / "memory.limit_in_bytes").write_text(str(own))
         swappiness.write_text(was)
         oom.write_text("0")
+    if agent_hot:
+        for pid in _pageout.agent_processes(d / "cgroup.procs"):
+            _pageout.touch(pid, "/" + cgroup.lstrip("/"))
     after = usage(cgroup)
     return freed + (max(0, before - after) if after is not None else 0)
 

@@ -43,15 +43,16 @@ def available() -> bool:
         os.close(fd)
 
 
-def _ranges(pid: int) -> list[tuple[int, int]]:
+def _ranges(pid: int, files: bool = False) -> list[tuple[int, int]]:
     """The process's anonymous mappings (heap, stack, its allocator's): a file mapping's pages are
-    page cache, the binaries and libraries the next exec runs; the limit step's to take."""
+    page cache, the binaries and libraries the next exec runs; the limit step's to take. ``files``:
+    its readable file mappings too."""
     out = []
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split(maxsplit=5)
             path = parts[5].strip() if len(parts) > 5 else ""
-            if path and (not path.startswith("[") or path.startswith(_SPECIAL)):
+            if path.startswith(_SPECIAL) or (path and not path.startswith("[") and not files) or not parts[1].startswith("r"):
                 continue
             lo, _, hi = parts[0].partition("-")
             out.append((int(lo, 16), int(hi, 16)))
@@ -91,8 +92,7 @@ def page_out(pid: int, cgroup: str) -> int:
     return done
 
 
-def sandbox_processes(procs: Path) -> list[int]:
-    """The pids in a cgroup's ``cgroup.procs`` but the agent's."""
+def _processes(procs: Path, agent: bool) -> list[int]:
     try:
         pids = [int(p) for p in procs.read_text().split()]
     except (OSError, ValueError):
@@ -103,9 +103,51 @@ def sandbox_processes(procs: Path) -> list[int]:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if comm != AGENT_COMM:
+        if (comm == AGENT_COMM) == agent:
             out.append(pid)
     return out
 
 
-__all__ = ["AGENT_COMM", "available", "page_out", "sandbox_processes"]
+def sandbox_processes(procs: Path) -> list[int]:
+    """The pids in a cgroup's ``cgroup.procs`` but the agent's."""
+    return _processes(procs, agent=False)
+
+
+def agent_processes(procs: Path) -> list[int]:
+    """The in-sandbox agent's pid(s) in a cgroup's ``cgroup.procs``."""
+    return _processes(procs, agent=True)
+
+
+# What one touch reads at most: the agent maps about 1.6 MiB; anything far bigger is not the agent.
+_TOUCH_MAX = 64 << 20
+
+
+def touch(pid: int, cgroup: str) -> int:
+    """Fault ``pid``'s pages back in by reading its memory (``/proc/<pid>/mem``), if it is (still) in
+    memory cgroup ``cgroup``; the bytes read. For the agent after a limit step, which takes the
+    cgroup's least recently used pages whoever's they are: the sandbox's next operation starts in
+    the agent, and must not wait for its pages to come back from the swap or the disk. A page it
+    never touched reads as the zero page: nothing is allocated."""
+    fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+    if fd < 0:
+        return 0
+    done = 0
+    try:
+        if not _in_cgroup(pid, cgroup):
+            return 0
+        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+            for lo, hi in _ranges(pid, files=True):
+                if done + (hi - lo) > _TOUCH_MAX:
+                    break
+                try:
+                    done += len(os.pread(mem.fileno(), hi - lo, lo))
+                except OSError:  # a guard page or a mapping gone meanwhile
+                    continue
+    except OSError:  # it exited
+        pass
+    finally:
+        os.close(fd)
+    return done
+
+
+__all__ = ["AGENT_COMM", "agent_processes", "available", "page_out", "sandbox_processes", "touch"]

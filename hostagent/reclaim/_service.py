@@ -128,7 +128,8 @@ class ReclaimService(Service):
             seen.cpu_ns, seen.at = cpu, now
             idle = t.state == "running" and t.idle_s >= self.config.idle_s and busy < self.config.idle_cpu
             if idle and self.config.enabled and not seen.exhausted:
-                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB, self.pageout)
+                got = memcg.reclaim_step(t.cgroup, self.config.step_mb * MIB, self.config.keep_mb * MIB, self.pageout,
+                                         self.config.agent_hot)
                 seen.reclaimed += got
                 seen.exhausted = got < MIB
             st = memcg.stat(t.cgroup)

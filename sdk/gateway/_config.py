@@ -20,6 +20,9 @@ class GatewayConfig:
     template_files_max_mb: int = field(default=4096, metadata=setting(
         "MiB of template build sources (COPY uploads) kept per tenant; older ones are dropped to make room, else quota_exceeded (0: no limit)",
         env="DSEC_TEMPLATE_FILES_MAX_MB"))
+    template_ready_timeout_s: float = field(default=300.0, metadata=setting(
+        "seconds an E2B template's readyCmd may take to succeed after its startCmd, at build and at each create",
+        env="DSEC_TEMPLATE_READY_TIMEOUT_S"))
     e2b_profile: str = field(default="default", metadata=setting(
         "the security profile of sandboxes created through E2B's API (a create's metadata `dsec.profile` picks another); "
         "`e2b`: every path writable, as E2B clients such as Harbor expect", env="DSEC_GATEWAY_E2B_PROFILE"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,17 +21,27 @@ from urllib.parse import parse_qsl
 
 from aiohttp import web
 
-from bus.errors import DsecError, InvalidArgument, SandboxNotFound, SandboxNotRunning
+from bus.errors import CreateFailed, DsecError, InvalidArgument, SandboxNotFound, SandboxNotRunning
 from bus.messages import SandboxRecord
 
 from .._async import AsyncSandbox
+from .._builder import template_manifest
 from .._snapshots import SnapshotInfo
+from .._startcmd import start_and_wait_ready
 from ._network import allow_out
 from ._tenants import Tenant
 
 ENVD_VERSION = "0.6.4"  # the envd API level the gateway speaks (the e2b SDK gates features on it)
 DEFAULT_TIMEOUT_S = 15  # E2B's default sandbox timeout
 MAX_TIMEOUT_S = 30 * 86400
+async def _kill_quietly(sb: AsyncSandbox) -> None:
+    try:
+        await sb.kill()
+    except DsecError:
+        pass  # gone already: nothing is left either way
+
+
+_KV_KEY = re.compile(r"[-/_=.A-Za-z0-9]{1,255}")  # what a template's catalogue entry can be named
 CREATE_TIMEOUT_S = 60.0
 VM_CREATE_TIMEOUT_S = 300.0  # a VM boots its own kernel: seconds under KVM, minutes under TCG on a busy host
 BACKEND_KEY = "dsec.backend"  # the create metadata entry that picks the backend
@@ -166,8 +177,28 @@ class E2BApi:
             create_timeout=CREATE_TIMEOUT_S if backend == "container" else VM_CREATE_TIMEOUT_S, pool=self.gw.pool, snapshot=snapshot,
             network={"allow_out": allow} if allow else None, profile=profile,
         )
+        if snapshot is None:
+            await self._start(tenant, sb, template)
         rec = await tenant.own_record(sb.sandbox_id)
         return web.json_response(self._sandbox(rec, tenant, key), status=201)
+
+    async def _start(self, tenant: Tenant, sb: AsyncSandbox, template: str) -> None:
+        """The template's E2B start command, and its ready command until it succeeds, before the create
+        is answered (``sdk._startcmd``: E2B snapshots them running; dsec starts them at each create).
+        A sandbox that does not come up is removed: the create fails with ``create_failed``."""
+        m = await template_manifest(tenant.nc.jetstream(), template) if _KV_KEY.fullmatch(template) else None
+        d = m.defaults if m is not None else None
+        if d is None or not d.start_cmd:
+            return
+        timeout = self.gw.cfg.template_ready_timeout_s
+        try:
+            res = await start_and_wait_ready(sb, d.start_cmd, d.ready_cmd, timeout_s=timeout, user=d.user or None, cwd=d.workdir or None)
+        except BaseException:
+            await _kill_quietly(sb)
+            raise
+        if not res.ready:
+            await _kill_quietly(sb)
+            raise CreateFailed(f"template {template!r}: {res.describe(d.start_cmd, d.ready_cmd, timeout)}", template=template)
 
     async def get(self, request: web.Request) -> web.Response:
         tenant, key = await self.gw.tenant(request)

@@ -10,6 +10,7 @@ resolve against the requesting user's home.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import posixpath
 import re
@@ -22,7 +23,7 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from bus.errors import DsecError, FileNotFound, InvalidArgument
+from bus.errors import DsecError, FileNotFound, InvalidArgument, QuotaExceeded
 from bus.messages import (
     DirMade,
     Done,
@@ -318,9 +319,9 @@ class Filesystem:
         meta = metadata_of(request)
         written: list[dict[str, Any]] = []
 
-        async def one(name: str, chunks: AsyncIterator[bytes]) -> None:
+        async def one(name: str, chunks: AsyncIterator[bytes], size: int = -1) -> None:
             path = resolve(name, acct.home)
-            if not await self._write(sb, path, chunks, acct, meta):
+            if not await self._write(sb, path, chunks, acct, meta, size):
                 await self._chown(sb, acct, path)  # an agent from before owners and metadata
             written.append({"name": posixpath.basename(path), "type": "file", "path": path, **({"metadata": meta} if meta else {})})
 
@@ -339,11 +340,13 @@ class Filesystem:
         else:
             if not qpath:
                 raise InvalidArgument("?path= is required")
-            await one(qpath, _body_chunks(request, sb.files._chunk()))
+            # the body's length is the file's: the tenant's upload bound reserves it at the first chunk (hostagent._uploads)
+            await one(qpath, _body_chunks(request, sb.files._chunk()), request.content_length if request.content_length is not None else -1)
         return written
 
-    async def _write(self, sb: AsyncSandbox, path: str, chunks: AsyncIterator[bytes], acct: Account, meta: dict[str, str]) -> bool:
-        """Write the file; the first request carries its owner and metadata. True when the host applied them."""
+    async def _write(self, sb: AsyncSandbox, path: str, chunks: AsyncIterator[bytes], acct: Account, meta: dict[str, str], size: int = -1) -> bool:
+        """Write the file; the first request carries its owner, metadata and ``size`` (when known). True
+        when the host applied them."""
         off = 0
         attrs = True
         first = True
@@ -353,8 +356,14 @@ class Filesystem:
                 raise PayloadTooLarge(self.max_upload)
             req = FileWrite(path=path, data=piece, offset=off, truncate=first)
             if first:
-                req.uid, req.gid, req.metadata = owner[0], owner[1], meta
-            w: FileWritten = await sb._request("files", req, FileWritten)
+                req.uid, req.gid, req.metadata, req.size = owner[0], owner[1], meta, size
+            try:
+                w: FileWritten = await sb._request("files", req, FileWritten)
+            except QuotaExceeded:
+                if off:  # refused mid-way (a multipart part: its size was not known): no half file is left
+                    with contextlib.suppress(DsecError):
+                        await sb.files.remove(path)
+                raise
             if first:
                 attrs = w.attrs
             first = False

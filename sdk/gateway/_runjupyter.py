@@ -7,9 +7,10 @@ bad input), ``message``, ``driver`` (the run of the notebook as a whole, as ``ru
 ``/run_code``), ``cells`` (per cell ``stdout``, ``stderr``, ``display``: the values shown,
 ``{"text/plain": repr}``, ``error``: ``{ename, evalue, traceback}``), ``files`` (base64).
 
-The cells run in one call on a member of the python template (``jupyter_driver``): one Python
-process, one namespace, the cells in order, as a kernel runs them; the template needs no Jupyter. The
-key rides in the URL as for ``/run_code``.
+The cells run in one call on a member of the python template (``jupyter_driver``): on a real IPython
+kernel started for the call where the template has ipykernel and jupyter_client, else in one Python
+process, one namespace, the cells in order, as a kernel runs them. The key rides in the URL as for
+``/run_code``.
 """
 
 from __future__ import annotations

@@ -101,6 +101,17 @@ def _positive(doc: dict[str, Any], key: str, default: int, hi: int) -> int:
     return v
 
 
+def _start_ready(doc: dict[str, Any]) -> tuple[str | None, str | None]:
+    """A build's ``startCmd``/``readyCmd`` (None: the base template's); a ready command alone is refused."""
+    start, ready = doc.get("startCmd"), doc.get("readyCmd")
+    for key, v in (("startCmd", start), ("readyCmd", ready)):
+        if v is not None and (not isinstance(v, str) or len(v) > 65536 or "\0" in v):
+            raise InvalidArgument(f"{key} must be a command line (a string without NUL, at most 64 KiB)")
+    if ready and not start:
+        raise InvalidArgument("readyCmd needs a startCmd")
+    return (start, ready) if start else (None, None)
+
+
 def _touch(path: Path) -> bool:
     """Mark a COPY source as used now (what ``_room_for`` drops last); False when it is not there."""
     try:
@@ -303,11 +314,12 @@ class TemplateApi:
             raise InvalidArgument(f"build {b.build_id} was started already ({b.status})")
         doc = await json_object(request)
         steps, hashes = self._steps(doc, b)
+        start, ready = _start_ready(doc)
         missing = [h for h in hashes if not _touch(self._file(tenant.user, h))]
         if missing:
             raise InvalidArgument(f"files of COPY steps were not uploaded: {', '.join(missing)}")
         b.status = "building"
-        b.task = asyncio.create_task(self._run(b, tenant, steps, hashes, force=bool(doc.get("force"))))
+        b.task = asyncio.create_task(self._run(b, tenant, steps, hashes, force=bool(doc.get("force")), start=start, ready=ready))
         return web.Response(status=202)
 
     def _steps(self, doc: dict[str, Any], b: Build) -> tuple[list[Step], list[str]]:
@@ -352,14 +364,16 @@ class TemplateApi:
             steps.append(Step("CMD", [start]))
         return steps, hashes
 
-    async def _run(self, b: Build, tenant: Tenant, steps: list[Step], hashes: list[str], *, force: bool) -> None:
+    async def _run(self, b: Build, tenant: Tenant, steps: list[Step], hashes: list[str], *, force: bool, start: str | None = None,
+                   ready: str | None = None) -> None:
         ctx = Path(tempfile.mkdtemp(prefix="dsec-gw-ctx-"))
         try:
             for h in dict.fromkeys(hashes):  # the SDK tars each COPY's sources relative to one context: they merge
                 await asyncio.to_thread(tar_context, self._file(tenant.user, h).read_bytes(), ctx)
             builder = TemplateBuilder(nats_url=tenant.url, on_log=b.log, pool=self.gw.pool, client=tenant.user, cpu=float(b.cpu),
-                                      memory_mb=b.memory_mb, no_cache=force)
-            await builder.build(b.template_id, steps, ctx, owner=tenant.user, description=f"e2b template {b.template_id}:{b.tag}")
+                                      memory_mb=b.memory_mb, no_cache=force, ready_timeout=self.gw.cfg.template_ready_timeout_s)
+            await builder.build(b.template_id, steps, ctx, owner=tenant.user, description=f"e2b template {b.template_id}:{b.tag}",
+                                start_cmd=start, ready_cmd=ready)
             b.status = "ready"
         except DsecError as exc:
             step = exc.context.get("step")

@@ -1,20 +1,27 @@
-"""Runs a notebook's cells for ``POST /run_jupyter``, inside an fn pool member of the python template
-(Python 3's standard library only: the template has no Jupyter kernel).
+"""Runs a notebook's cells for ``POST /run_jupyter``, inside an fn pool member of the python template.
 
     python3 jupyter_driver.py IN.json OUT.json
 
-IN: ``{"cells": [...], "cell_timeout": seconds (0: none)}``. The cells run one after the other in one
-namespace, as in a kernel: a cell whose last statement is an expression shows its value (an
-``execute_result``, ``{"text/plain": repr}``), output is caught at the file descriptors (so a child
-process's output lands in its cell too), and a cell that raises records the error and the next cell
-runs. OUT: ``{"status": "Finished", "cells": [{stdout, stderr, display, error}]}`` in SandboxFusion's
-shape (an error is ``{ename, evalue, traceback}``, as a kernel reports it).
+IN: ``{"cells": [...], "cell_timeout": seconds (0: none)}``. OUT: ``{"status": "Finished", "kernel":
+"ipykernel" | "inline", "cells": [{stdout, stderr, display, error}]}`` in SandboxFusion's shape
+(``display``: the data of each ``execute_result`` and ``display_data``; an error is ``{ename,
+evalue, traceback}``, as a kernel reports it).
+
+Where the template has ``jupyter_client`` and ``ipykernel`` (Debian's ``python3-jupyter-client``
+and ``python3-ipykernel``), the cells run on a real IPython kernel started for this call (over
+unix sockets in a private directory: the member has no network), one after the other; a cell past
+``cell_timeout`` is interrupted (its error is a ``TimeoutError``) and the next one runs. Elsewhere
+(Python 3's standard library only) they run inline, one namespace, as a kernel runs them: a cell
+whose last statement is an expression shows its value (``{"text/plain": repr}``), output is caught
+at the file descriptors (so a child process's output lands in its cell too), and a cell that raises
+records the error and the next cell runs.
 """
 
 import ast
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -72,14 +79,75 @@ def cell(src, index, ns, timeout):
     return out
 
 
+def inline(cfg):
+    signal.signal(signal.SIGALRM, _alarm)
+    ns = {"__name__": "__main__", "__builtins__": __builtins__}
+    return [cell(src, i + 1, ns, float(cfg.get("cell_timeout") or 0)) for i, src in enumerate(cfg["cells"])]
+
+
+def _kernel_cell(km, kc, src, timeout):
+    import queue
+    import time
+
+    out: dict = {"stdout": "", "stderr": "", "display": [], "error": []}
+    msg_id = kc.execute(src, allow_stdin=False)
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    interrupted = False
+    while True:
+        wait = 3600.0 if deadline is None else max(0.05, deadline - time.monotonic())
+        try:
+            msg = kc.get_iopub_msg(timeout=wait)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() >= deadline and not interrupted:
+                km.interrupt_kernel()
+                out["error"].append({"ename": "TimeoutError", "evalue": f"the cell ran past its timeout of {timeout:g}s", "traceback": []})
+                interrupted, deadline = True, time.monotonic() + 30  # (the interrupt's own answer)
+                continue
+            raise RuntimeError("the kernel stopped answering") from None
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        kind, content = msg["msg_type"], msg["content"]
+        if kind == "stream" and content.get("name") in ("stdout", "stderr"):
+            out[content["name"]] += content["text"]
+        elif kind in ("execute_result", "display_data"):
+            out["display"].append(content["data"])
+        elif kind == "error" and not interrupted:
+            out["error"].append({"ename": content["ename"], "evalue": content["evalue"], "traceback": content["traceback"]})
+        elif kind == "status" and content.get("execution_state") == "idle":
+            return out
+
+
+def kernel(cfg):
+    from jupyter_client.manager import KernelManager
+
+    timeout = float(cfg.get("cell_timeout") or 0)
+    with tempfile.TemporaryDirectory() as d:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(d, "kernel"),
+                           connection_file=os.path.join(d, "kernel.json"))
+        # (the kernel's own output is its business: what a cell prints reaches the cell over the kernel's channels)
+        km.start_kernel(cwd=os.getcwd(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        kc = km.client()
+        try:
+            kc.start_channels()
+            kc.wait_for_ready(timeout=60)
+            return [_kernel_cell(km, kc, src, timeout) for src in cfg["cells"]]
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+
+
 def main(argv):
     with open(argv[1]) as f:
         cfg = json.load(f)
-    signal.signal(signal.SIGALRM, _alarm)
-    ns = {"__name__": "__main__", "__builtins__": __builtins__}
-    cells = [cell(src, i + 1, ns, float(cfg.get("cell_timeout") or 0)) for i, src in enumerate(cfg["cells"])]
+    try:
+        import ipykernel  # noqa: F401 - only whether the template has them
+        import jupyter_client  # noqa: F401
+    except ImportError:
+        kind, cells = "inline", inline(cfg)
+    else:
+        kind, cells = "ipykernel", kernel(cfg)
     with open(argv[2], "w") as f:
-        json.dump({"status": "Finished", "cells": cells}, f)
+        json.dump({"status": "Finished", "kernel": kind, "cells": cells}, f)
 
 
 if __name__ == "__main__":

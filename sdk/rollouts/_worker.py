@@ -11,7 +11,11 @@ no step runs twice. The message is acked once the job is done or failed, its err
 A job is its tenant's (bus.subjects.rollout_job): nats-server lets a client submit and read only under
 its own tenant token, and a worker binds each job to the tenant of its subject, refusing (to the dead
 letters, ``permission_denied``) one whose body names another tenant; its state is kept under
-``<tenant>.<job>`` and the model gateway answers a tenant about its own jobs only.
+``<tenant>.<job>`` and the model gateway answers a tenant about its own jobs only. Its sandbox is the
+tenant's too (created with the tenant as ``client``: placement binds it so, with the workers as its
+``delegate``, bus.auth.bind_tenant): charged to the tenant's quota, from templates the tenant may use,
+its events and trajectory log under the tenant (the trainer reads its steps), and reached by no
+other tenant.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from bus.errors import (
     BadRequest, DsecError, InternalError, PermissionDenied, PolicyTimeout, SandboxNotFound, SandboxNotRunning, SandboxTimeout, Unavailable, UnknownJob,
 )
 from bus.messages import SANDBOX_ENDED, ModelAnswer, ModelCall, RolloutJob, RolloutRecord, TrajStep
-from bus.runtime import KV, Endpoint, Service, dead_letter, tenant_of
+from bus.runtime import KV, Endpoint, Service, dead_letter
 from bus.streams import ensure_kv, ensure_stream, stream_configs
 
 from .. import _snapshots as _snap
@@ -222,7 +226,7 @@ class RolloutWorker(Service):
             await self._put(rec)
             return await self._create(rec)
         try:
-            sb = await AsyncSandbox.connect(rec.sandbox_id, nats_url=self.nats_url, replay=True, client_id=job.job_id)
+            sb = await AsyncSandbox.connect(rec.sandbox_id, nats_url=self.nats_url, replay=True, client_id=job.job_id, owner=job.tenant)
         except SandboxNotFound:
             if rec.turns == 0 and rec.sandbox_steps == 0:
                 return await self._create(rec)  # the worker before died before its sandbox was up
@@ -237,7 +241,7 @@ class RolloutWorker(Service):
             size["cpu"] = job.cpu
         sb = await AsyncSandbox.create(
             job.template, sandbox_id=rec.sandbox_id, pool=job.pool, timeout=job.sandbox_timeout_s,
-            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url, **size,
+            metadata={**job.metadata, "rollout": job.job_id}, nats_url=self.nats_url, client=job.tenant, **size,
         )
         sb._traj = TrajClient(job.job_id)
         return sb
@@ -299,9 +303,8 @@ class RolloutWorker(Service):
             policy_version=c.policy_version,
         )
         msg_id = S.traj_msg_id(rec.sandbox_id, client, turn) if turn >= 0 else f"{rec.sandbox_id}:{client}:{digest[:32]}"
-        # the job's sandbox is this worker's (its connection's tenant made it): its log is under that tenant
-        assert self.nc is not None
-        await self.publisher.store(S.traj(rec.sandbox_id, tenant_of(self.nc)), codec.encode(step), {S.HDR_MSG_ID: msg_id})
+        # the job's sandbox is its tenant's (bus.auth.bind_tenant): its log is under that tenant
+        await self.publisher.store(S.traj(rec.sandbox_id, rec.job.tenant), codec.encode(step), {S.HDR_MSG_ID: msg_id})
 
     # --- the model gateway -------------------------------------------------------------------------
     async def _on_model(self, msg: Msg, call: ModelCall) -> ModelAnswer:

@@ -6,13 +6,17 @@ Starts, in this process, nats-server, a host agent (container backend) with fn p
 when the Debian rootfs with python3 and g++ is cached (tests/integration/test_fncall.py builds it),
 ``python``, and the HTTP gateway; then measures:
 
-* ``FnCall.run("true")`` and ``run_code("print(1)")``: p50 / p99 of the hot path (a member is ready:
-  the call is the NATS round trip, the file writes and the exec), sequential;
-* calls/s with 16, 64 and 256 concurrent callers (``--per-caller`` calls each), through the SDK and
-  through ``POST /run_code``: a member is reset between calls (its processes killed, its writable
-  paths and IPC objects put back), so this is bounded by the calls themselves and the resets;
-* the reset between calls (off the hot path), and a member's start and destroy (only for members
-  replaced: at start, after a timeout or an out-of-memory, and every ``MAX_USES`` calls);
+* ``FnCall.run("true")`` and ``run_code("print(1)")``, ordinary and trusted: p50 / p99 of the hot
+  path (a member is ready: the call is the NATS round trip, the file writes and the exec; for
+  Python, the run on the interpreter started in the member after its last reset), sequential; the
+  same through ``POST /run_code`` (which runs trusted, as a grader's run);
+* calls/s with 16, 64 and 256 concurrent callers (``--per-caller`` calls each), ``true`` and
+  ``print(1)``, through the SDK and through ``POST /run_code``: a member is reset between calls (its
+  processes killed, its writable paths and IPC objects put back, a Python interpreter started
+  again), so this is bounded by the calls themselves and the resets;
+* the reset between calls (off the hot path: the helper's part, starting the interpreter), and a
+  member's start and destroy (only for members replaced: at start, after a timeout or an
+  out-of-memory, and every ``MAX_USES`` calls);
 * ``--long S``: 256 callers for S seconds through ``/run_code``, counting errors and timeouts.
 
 Everything it starts is stopped and its data dir removed at the end.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -56,14 +61,21 @@ async def wait_idle(pool: Any, timeout: float = 300.0) -> None:
         await asyncio.sleep(0.005)  # poll interval: the measurement starts once a member is ready
 
 
-async def hot_path(label: str, pool: Any, call: Any, n: int) -> None:
+async def hot_path(label: str, pool: Any, call: Any, n: int, fc: Any = None) -> None:
+    """``n`` sequential calls, each once a member is idle; ``fc``: also how many a started Python
+    interpreter served (the first calls of a new shape teach the pool: they are warm-up, not counted)."""
+    for _ in range(3 if fc is not None else 0):
+        await wait_idle(pool)
+        await call()
     xs = []
+    z0 = fc.zygote_calls if fc is not None else 0
     for _ in range(n):
         await wait_idle(pool)
+        await asyncio.sleep(0.01)  # (the previous call's reset and interpreter start run meanwhile, as between real calls)
         t0 = time.perf_counter()
         await call()
         xs.append((time.perf_counter() - t0) * 1000)
-    print(line(label, xs))
+    print(line(label, xs) + (f"   on a started interpreter: {fc.zygote_calls - z0}/{n}" if fc is not None else ""))
 
 
 async def throughput(label: str, call: Any, callers: int, per_caller: int) -> None:
@@ -83,8 +95,59 @@ async def throughput(label: str, call: Any, callers: int, per_caller: int) -> No
     print(f"{label:<44} {n / dt:8.1f} calls/s   ({n} calls in {dt:.1f}s, errors {len(errors)}{': ' + errors[0] if errors else ''})")
 
 
-async def main(args: argparse.Namespace) -> None:
+async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, python: bool) -> None:
+    """The figures (see the top); ``c`` calls ordinary, ``ct`` trusted, ``url`` is ``/run_code``'s."""
     import aiohttp
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+
+    async def trusted(cmd: str, template: str = "base") -> None:
+        req = ct._request(cmd, None, None, 30, 0, b"", None)
+        req.trusted = True
+        r = await ct.call(template, req)
+        assert r.run is not None and r.run.exit_code == 0, r
+
+    async def trusted_code(code: str) -> None:
+        template, req = ct.code_request(code, "python", None, None, 30)
+        req.trusted = True
+        r = await ct.call(template, req)
+        assert r.run is not None and r.run.stdout == b"1\n", r
+
+    await hot_path("FnCall.run('true')", fc.pools["base"], lambda: c.run("true"), args.n)
+    await hot_path("FnCall.run('true') trusted", fc.pools["base"], lambda: trusted("true"), args.n)
+    if python:
+        await hot_path("FnCall.run_code('print(1)')", fc.pools["python"], lambda: c.run_code("print(1)"), args.n, fc)
+        await hot_path("FnCall.run_code('print(1)') trusted", fc.pools["python"], lambda: trusted_code("print(1)"), args.n, fc)
+
+    async with aiohttp.ClientSession() as http:
+        async def post(code: str, language: str) -> None:
+            async with http.post(url, json={"code": code, "language": language}, timeout=aiohttp.ClientTimeout(total=600)) as r:
+                body = await r.json()
+                if r.status != 200 or body["status"] != "Success":
+                    run = body.get("run_result") or {}
+                    raise RuntimeError(f"{r.status} {body.get('status')} {body.get('message')} {run.get('status')} {run.get('stderr', '')[-200:]!r}")
+
+        await hot_path("POST /run_code sh 'true'", fc.pools["base"], lambda: post("true", "sh"), args.n)
+        if python:
+            await hot_path("POST /run_code python print(1)", fc.pools["python"], lambda: post("print(1)", "python"), args.n, fc)
+        for callers in args.callers:
+            await throughput(f"FnCall.run('true') x{callers} callers", lambda: c.run("true"), callers, args.per_caller)
+            await throughput(f"POST /run_code sh x{callers} callers", lambda: post("true", "sh"), callers, args.per_caller)
+        if python:
+            for callers in args.callers:
+                z0 = fc.zygote_calls
+                await throughput(f"FnCall.run_code('print(1)') x{callers} callers", lambda: c.run_code("print(1)"), callers, args.per_caller)
+                await throughput(f"POST /run_code python x{callers} callers", lambda: post("print(1)", "python"), callers, args.per_caller)
+                print(f"{'  on a started interpreter':<44} {fc.zygote_calls - z0}/{2 * callers * args.per_caller}")
+        if args.long:
+            deadline = time.monotonic() + args.long
+
+            async def until() -> None:
+                if time.monotonic() < deadline:
+                    await post("true", "sh")
+            await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
+
+async def main(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     import sdk._async
@@ -130,40 +193,19 @@ async def main(args: argparse.Namespace) -> None:
         c = AsyncFnCall(nats_url=nats.url, queue_timeout=290)
         print(f"pools: {pools}   (python: {'yes' if debian else 'no: the Debian rootfs is not cached'})")
 
-        await hot_path("FnCall.run('true')", fc.pools["base"], lambda: c.run("true"), args.n)
-        if debian is not None:
-            await hot_path("FnCall.run_code('print(1)')", fc.pools["python"], lambda: c.run_code("print(1)"), args.n)
-
-        async with aiohttp.ClientSession() as http:
-            async def post(code: str, language: str) -> None:
-                async with http.post(url, json={"code": code, "language": language}, timeout=aiohttp.ClientTimeout(total=600)) as r:
-                    body = await r.json()
-                    if r.status != 200 or body["status"] != "Success":
-                        raise RuntimeError(f"{r.status} {body.get('message')}")
-
-            await hot_path("POST /run_code sh 'true'", fc.pools["base"], lambda: post("true", "sh"), args.n)
-            if debian is not None:
-                await hot_path("POST /run_code python print(1)", fc.pools["python"], lambda: post("print(1)", "python"), args.n)
-            for callers in (16, 64, 256):
-                await throughput(f"FnCall.run('true') x{callers} callers", lambda: c.run("true"), callers, args.per_caller)
-                await throughput(f"POST /run_code sh x{callers} callers", lambda: post("true", "sh"), callers, args.per_caller)
-            if args.long:
-                deadline = time.monotonic() + args.long
-
-                async def until() -> None:
-                    if time.monotonic() < deadline:
-                        await post("true", "sh")
-                await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
+        await measure(args, fc, c, AsyncFnCall(nats_url=nats.url, queue_timeout=290), url, debian is not None)
         starts, destroys, resets = list(fc.start_ms), list(fc.destroy_ms), list(fc.reset_ms)
         print(line("reset between calls (off the hot path)", resets))
         helpers = getattr(backend, "fnreset", None)
         if helpers is not None:
             print(line("  of which: waiting for a reset helper", list(helpers.wait_ms)))
             print(line("  of which: the helper's work (files, IPC)", list(helpers.work_ms)))
+        print(line("Python interpreter start (after a reset, to its pid)", list(fc.zygote_ms)))
         print(line("member start (off the hot path)", starts))
         print(line("member destroy (off the hot path)", destroys))
         served = sum(p.served for p in fc.pools.values())
         print(f"{'calls served / members started':<44} {served} / {len(starts)}")
+        print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -181,5 +223,7 @@ if __name__ == "__main__":
     ap.add_argument("-n", type=int, default=50, help="sequential calls per hot-path figure")
     ap.add_argument("--per-caller", type=int, default=2, help="calls per caller in the throughput runs")
     ap.add_argument("--pool", type=int, default=8, help="members per fn pool")
+    ap.add_argument("--callers", type=lambda v: [int(x) for x in v.split(",") if x], default=[16, 64, 256],
+                    help="concurrent callers of the throughput runs, comma-separated ('': none)")
     ap.add_argument("--long", type=float, default=0.0, help="seconds of 256 callers through /run_code (0: skip)")
     asyncio.run(main(ap.parse_args()))

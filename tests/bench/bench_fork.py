@@ -1,20 +1,24 @@
 """Benchmark of fork on one host (a script, not a test).
 
-    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--mib 1] [--warm-pool 0]
+    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--mib 1] [--profile e2b]
 
 A fresh stack in this process (``bench_sandboxes.Stack``: embedded NATS JetStream, a placement
-replica, a host agent with the container backend) plus this host's real lazy loader. Through the
-real SDK, for each count it prints the time until every child is ready for
+replica, a host agent with the container backend, a warm pool as large as the largest count) plus
+this host's real lazy loader. Through the real SDK, for each count it prints the time until every
+child is ready, from a running source and from a (frozen) paused one, side by side:
 
-* ``fork`` from a running source and from a (frozen) paused one: the children stack a copy of the
-  source's frozen upper; the pack to the chunk store runs after (its time is printed too);
-* the path fork took before (a snapshot packed and uploaded first, then a batched create from it);
-* a batched create of as many plain sandboxes from the template: the cold-start floor that fork's
-  children start at.
+* ``warm``: the children take warm containers of the template, each given the fork's root in its own
+  mount namespace (``warmroot``); the pool is refilled before each fork (it is not timed);
+* ``cold``: the same fork with warm restores off: a cold container start per child (the path fork
+  took before).
 
-The source holds ``--mib`` MiB of random data (1: the pack is quick anyway; 100: the pack is what the
-fork used to wait for) and a small state file; every child is checked to see it.
-Everything it starts is stopped by pid and its data dir removed at the end.
+Both stack a copy of the source's frozen upper; the pack to the chunk store runs after. One fork of
+the first count is then taken apart: the snapshot call (freeze, diff, copy, record, event) and the
+children's creates, and the warm helper's own work per child. The load average is printed with the
+figures. The source holds ``--mib`` MiB of random data and a small state file; every child is
+checked to see it. Everything it starts is stopped by pid and its data dir removed at the end.
+Warm restores need a profile without Landlock (``e2b``, ``build``); with ``default`` both columns
+are cold.
 """
 
 from __future__ import annotations
@@ -24,15 +28,14 @@ import asyncio
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bus import codec  # noqa: E402
-from bus import subjects as S  # noqa: E402
-from bus.runtime import connect  # noqa: E402
-from bus.streams import ensure_kv  # noqa: E402
 from sdk import AsyncSandbox  # noqa: E402
+from sdk._snapshots import create_snapshot  # noqa: E402
 from tests.bench._common import stop_lazy_stack  # noqa: E402
 from tests.bench.bench_sandboxes import Stack  # noqa: E402
 from tests.imaged.conftest import LazyDaemon  # noqa: E402
@@ -42,66 +45,86 @@ def ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-async def until_packed(js: object, snapshot_id: str, t0: float, timeout: float = 600.0) -> float:
-    """Milliseconds from ``t0`` until the snapshot's record names packed layers only."""
-    kv = await ensure_kv(js, S.KV_SNAPSHOTS)
+def load() -> str:
+    return " ".join(open("/proc/loadavg").read().split()[:3])
+
+
+def waiting(st: Stack, profile: str) -> int:
+    assert st.backend is not None
+    return sum(len(ws) for k, ws in st.backend.pool.entries().items() if k.profile == profile)
+
+
+async def until_warm(st: Stack, profile: str, n: int, timeout: float = 900.0) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        rec = codec.SNAPSHOT.decode((await kv.get(snapshot_id)).value)
-        if all(lay.kind == "erofs" for lay in rec.layers):
-            return ms(t0)
-        await asyncio.sleep(0.01)  # poll the record: the host rewrites it once the pack is in
-    return float("nan")
+    while waiting(st, profile) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the warm pool did not reach {n} within {timeout:g}s")
+        await asyncio.sleep(0.1)  # poll: the pool refills one container at a time
 
 
-async def newest_snapshot(url: str, source: str) -> str:
-    snaps = await AsyncSandbox.list_snapshots(nats_url=url, sandbox_id=source)
-    return max(snaps, key=lambda s: s.created_at).snapshot_id
+def served_warm(st: Stack, sbs: list[AsyncSandbox]) -> int:
+    assert st.host is not None
+    return sum(str(st.host.handles[f.sandbox_id].extra.get("cid", "")).startswith("wp-") for f in sbs)
 
 
-async def check_and_kill(sbs: list[AsyncSandbox]) -> int:
-    ok = sum([(await f.files.read("/root/d/state")) == "step-k\n" for f in sbs])
+async def check_and_kill(sbs: list[AsyncSandbox], want: str) -> int:
+    ok = sum([(await f.files.read("/root/d/state")) == want for f in sbs])
     await asyncio.gather(*(f.kill() for f in sbs))
     return ok
 
 
-async def one_count(st: Stack, js: object, src: AsyncSandbox, n: int, rounds: int) -> None:
-    kw = {"nats_url": st.url, "memory_mb": 32, "timeout": 3600, "create_timeout": 600}
-    rows: dict[str, list[float]] = {"fork (running source)": [], "fork (paused source)": [], "snapshot+create (fork before)": [],
-                                    "plain create_batch (floor)": []}
-    packs: list[float] = []
-    seen: list[str] = []
-    for r in range(rounds):
-        await src.commands.run(f"echo {r} >> /root/d/log && printf x >> /root/d/f")  # the big file changed: copied (and packed) again
-        t0 = time.perf_counter()
-        out = await src.fork(n, **kw)
-        rows["fork (running source)"].append(ms(t0))
-        packs.append(await until_packed(js, await newest_snapshot(st.url, src.sandbox_id), t0))
-        seen.append(f"{await check_and_kill(out)}/{n}")
-
-        await src.commands.run(f"echo p{r} >> /root/d/log && printf x >> /root/d/f")
-        await src.pause()
-        t0 = time.perf_counter()
-        out = await src.fork(n, **kw)
-        rows["fork (paused source)"].append(ms(t0))
-        await src.resume()
-        seen.append(f"{await check_and_kill(out)}/{n}")
-
-        await src.commands.run(f"echo s{r} >> /root/d/log && printf x >> /root/d/f")
-        t0 = time.perf_counter()
-        s = await src.create_snapshot()
-        again = await AsyncSandbox.create_batch(n, snapshot=s.snapshot_id, **kw)
-        rows["snapshot+create (fork before)"].append(ms(t0))
-        seen.append(f"{await check_and_kill(again)}/{n}")
-
-        t0 = time.perf_counter()
-        plain = await AsyncSandbox.create_batch(n, **kw)
-        rows["plain create_batch (floor)"].append(ms(t0))
-        await asyncio.gather(*(p.kill() for p in plain))
+async def one_count(st: Stack, src: AsyncSandbox, n: int, rounds: int, profile: str) -> None:
+    assert st.backend is not None
+    kw = {"nats_url": st.url, "timeout": 3600, "create_timeout": 600}
+    rows: dict[str, list[float]] = {}
+    seen: dict[str, list[str]] = {}
+    for mode in ("warm", "cold"):
+        st.backend.warm_restores = mode == "warm"
+        for r in range(rounds):
+            for paused in (False, True):
+                name = f"fork {mode} ({'paused' if paused else 'running'} source)"
+                state = f"{mode}-{r}-{paused}"
+                await src.commands.run(f"echo {state} > /root/d/state && printf x >> /root/d/f")  # the big file changed: copied again
+                if paused:
+                    await src.pause()
+                if mode == "warm":
+                    await until_warm(st, profile, n)
+                t0 = time.perf_counter()
+                out = await src.fork(n, **kw)
+                rows.setdefault(name, []).append(ms(t0))
+                if paused:
+                    await src.resume()
+                warm = served_warm(st, out)
+                seen.setdefault(name, []).append(f"{await check_and_kill(out, state + chr(10))}/{n} ok, {warm} warm")
     for name, xs in rows.items():
-        print(f"  {n:3d} {name:32s} all ready: " + "  ".join(f"{x:8.1f}" for x in xs) + f"  ms (median {statistics.median(xs):8.1f})")
-    print(f"  {n:3d} {'fork: its layer packed after':32s}            " + "  ".join(f"{x:8.1f}" for x in packs) + " ms from the fork call")
-    print(f"      children that saw the source's state: {', '.join(seen)}")
+        print(f"  {n:3d} {name:30s} all ready: " + "  ".join(f"{x:8.1f}" for x in xs) + f"  ms (median {statistics.median(xs):8.1f})"
+              f"   [{'; '.join(seen[name])}]")
+    print(f"      load average now: {load()}")
+
+
+async def taken_apart(st: Stack, src: AsyncSandbox, n: int, profile: str) -> None:
+    """One fork of ``n``, in its two halves as ``AsyncSandbox.fork`` makes them."""
+    assert st.backend is not None
+    kw: dict[str, Any] = {"nats_url": st.url, "timeout": 3600, "profile": src.spec.profile if src.spec else profile}
+    for mode in ("warm", "cold"):
+        st.backend.warm_restores = mode == "warm"
+        if mode == "warm":
+            await until_warm(st, profile, n)
+        st.backend.warmroot.work_ms.clear()
+        ids = [f"sb-{uuid.uuid4().hex[:20]}" for _ in range(n)]
+        t0 = time.perf_counter()
+        info = await create_snapshot(src, None, False, {}, fork_ids=ids)
+        t_snap = ms(t0)
+        t1 = time.perf_counter()
+        out = await AsyncSandbox.create_batch(n, info.template, create_timeout=600, snapshot=info.snapshot_id, sandbox_ids=ids, **kw)
+        t_create = ms(t1)
+        work = sorted(st.backend.warmroot.work_ms)
+        helper = f", warmroot helper work per child median {statistics.median(work):.1f} ms (max {work[-1]:.1f})" if work else ""
+        wait = sorted(st.backend.warmroot.wait_ms)[-n:] if work else []
+        helper += f", waiting for a helper median {statistics.median(wait):.1f} ms" if wait else ""
+        print(f"  {n:3d} fork {mode}: snapshot call (freeze, diff, copy, record, event) {t_snap:7.1f} ms; "
+              f"children created and ready {t_create:7.1f} ms ({served_warm(st, out)} warm){helper}")
+        await check_and_kill(out, (await src.files.read("/root/d/state")))
 
 
 async def main() -> int:
@@ -109,25 +132,25 @@ async def main() -> int:
     ap.add_argument("--counts", default="8,64")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1, help="random data in the source (what the fork copies and packs)")
-    ap.add_argument("--warm-pool", type=int, default=0, help="warm containers per template (fork children never take one)")
+    ap.add_argument("--profile", default="e2b", help="the source's profile (its children's too)")
     args = ap.parse_args()
-    st = Stack(argparse.Namespace(shim_group=16, warm_pool=args.warm_pool, concurrency=64, memory_mb=32, disk_mb=1024, cpu=1.0,
+    counts = [int(c) for c in args.counts.split(",") if c]
+    st = Stack(argparse.Namespace(shim_group=16, warm_pool=max(counts), concurrency=64, memory_mb=32, disk_mb=1024, cpu=1.0,
                                   cpu_overcommit=100.0, reconcile_s=10.0))
     await st.start()
     lazy = LazyDaemon(data_dir=st.dir, mount=st.dir / "lazy", nats_url=st.url, host_id="bench")
     lazy.start()
-    nc = await connect(st.url)
     try:
-        src = await AsyncSandbox.create(nats_url=st.url, memory_mb=32, disk_mb=max(1024, 4 * args.mib + 256), timeout=3600)
+        src = await AsyncSandbox.create(nats_url=st.url, memory_mb=32, disk_mb=max(1024, 4 * args.mib + 256), timeout=3600, profile=args.profile)
         try:
             await src.commands.run(f"mkdir -p /root/d && head -c {args.mib << 20} /dev/urandom > /root/d/f && echo step-k > /root/d/state", timeout=600)
-            print("fork N from one sandbox, time until every child is ready (each round: running, paused, the path before, plain creates):")
-            for n in [int(c) for c in args.counts.split(",") if c]:
-                await one_count(st, nc.jetstream(), src, n, args.rounds)
+            print(f"fork N from one sandbox (profile {args.profile}), time until every child is ready; load average at start: {load()}")
+            await taken_apart(st, src, counts[0], args.profile)
+            for n in counts:
+                await one_count(st, src, n, args.rounds, args.profile)
         finally:
             await src.kill()
     finally:
-        await nc.close()
         await stop_lazy_stack(st, lazy)
     return 0
 

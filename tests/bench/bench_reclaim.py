@@ -16,7 +16,9 @@ container backend, the busybox ``base`` template):
     command (``ls -l /bin``) in each, before and after reclaim (also against the warm exec right
     after it, which takes out the machine's drift), the holders alive and the OOM kills.
 (b) A latency-sensitive shell loop alone, and with best-effort sandboxes spinning on 50% and 100%
-    of the host's CPU; then the same without the classes (both at their plain weight).
+    of the host's CPU, in interleaved rounds (each loaded figure against the alone one of its round),
+    with the cores the spinners got (best-effort runs on what the rest leaves: on a shared, busy
+    machine that is little); then the same without the classes (all at their plain weight).
 (c) ``--readers`` sandboxes on one template whose ``--read-mb`` of files come through the lazy loader
     (EROFS over its FUSE files) read them all: page cache they are charged, plus what stays cached of
     the loader's FUSE files and chunk files, against the bytes read.
@@ -244,6 +246,10 @@ async def bench_memory(stack: Stack, args: argparse.Namespace) -> None:
               f"OOM kills {oom_kills(stack, sids)}")
     finally:
         stop(svc)
+        # Which swap the service used (its own zram, or one another user of this machine set up and may take away).
+        for ln in (stack.dir / "reclaim.log").read_text(errors="replace").splitlines():
+            if "reclaim_started" in ln or "reclaim_pass_failed" in ln:
+                print(f"    service: {ln[:300]}")
         await asyncio.gather(*(sb.kill() for sb in sbs))
     print(f"    (a) took {time.monotonic() - t_start:.0f} s")
 
@@ -268,7 +274,8 @@ def oom_kills(stack: Stack, sids: list[str]) -> int:
 async def bench_cpu(stack: Stack, args: argparse.Namespace) -> None:
     from hostagent.backends.container.cgroups import cgroup_path, set_class
 
-    print("(b) a latency-sensitive shell loop, best-effort sandboxes spinning")
+    print(f"(b) a latency-sensitive shell loop, best-effort sandboxes spinning; {args.rounds} rounds, each alone / 50% / 100% "
+          f"(median of {args.runs} loops each), interleaved; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     # Created best-effort, then classed as a latency-sensitive create is: placement admits those only
     # on idle cores, and this machine may be shared.
     ls, be1, be2 = await create(stack, 3, cpu=1.0)
@@ -276,26 +283,40 @@ async def bench_cpu(stack: Stack, args: argparse.Namespace) -> None:
     cid = {sb.sandbox_id: stack.host.handles[sb.sandbox_id].extra.get("cid", sb.sandbox_id) for sb in (ls, be1, be2)}
     set_class(cid[ls.sandbox_id], 1.0, "latency-sensitive")
 
-    async def loop_ms() -> float:
-        return statistics.median([await timed(ls, LOOP) for _ in range(args.runs)]) * 1000
+    def used_s() -> float:
+        return sum(int(Path("/sys/fs/cgroup/cpuacct", cgroup_path(cid[sb.sandbox_id]).lstrip("/"), "cpuacct.usage").read_text())
+                   for sb in (be1, be2)) / 1e9
 
-    async def with_load(spinners: int) -> float:
+    async def figure(spinners: int) -> tuple[float, float]:
+        """The loop's median time (ms) with ``spinners`` best-effort cores spinning, and the cores they used meanwhile."""
         hs = [await sb.commands.run("while :; do :; done", background=True, timeout=0) for sb in (be1, be2)[:spinners]]
         try:
-            return await loop_ms()
+            u0, t0 = used_s(), time.monotonic()
+            ms = statistics.median([await timed(ls, LOOP) for _ in range(args.runs)]) * 1000
+            return ms, (used_s() - u0) / (time.monotonic() - t0)
         finally:
             for h in hs:
                 await h.kill()
 
-    alone = await loop_ms()
-    half, full = await with_load(1), await with_load(2)
-    print(f"    with classes:    alone {alone:.0f} ms; 50% load {half:.0f} ms ({pct(alone, half)}); 100% load {full:.0f} ms ({pct(alone, full)})")
-    for sb in (ls, be1, be2):  # the control: no classes, plain weights (what main did)
+    async def series(label: str) -> None:
+        got: dict[int, list[tuple[float, float]]] = {0: [], 1: [], 2: []}
+        for _ in range(args.rounds):
+            for n in got:
+                got[n].append(await figure(n))
+        alone = [ms for ms, _ in got[0]]
+        parts = [f"alone {statistics.median(alone):.0f} ms"]
+        for n, name in ((1, "50%"), (2, "100%")):
+            # Each loaded figure against the alone figure of its own round: the machine's drift between rounds cancels.
+            ratio = statistics.median([ms / a for (ms, _), a in zip(got[n], alone, strict=True)])
+            parts.append(f"{name} load {statistics.median(ms for ms, _ in got[n]):.0f} ms ({(ratio - 1) * 100:+.1f}%; "
+                         f"the spinners used {statistics.median(c for _, c in got[n]):.2f} cores)")
+        print(f"    {label}: " + "; ".join(parts) + f"; load average {os.getloadavg()[0]:.1f}")
+
+    await series("with classes   ")
+    for sb in (ls, be1, be2):  # the control: no classes, plain weights (what main did before the classes)
         set_class(cid[sb.sandbox_id], 1.0, "latency-sensitive")
         Path("/sys/fs/cgroup/cpu", cgroup_path(cid[sb.sandbox_id]).lstrip("/"), "cpu.shares").write_text("1024")
-    alone2 = await loop_ms()
-    half2, full2 = await with_load(1), await with_load(2)
-    print(f"    without classes: alone {alone2:.0f} ms; 50% load {half2:.0f} ms ({pct(alone2, half2)}); 100% load {full2:.0f} ms ({pct(alone2, full2)})")
+    await series("without classes")
     await asyncio.gather(*(sb.kill() for sb in (ls, be1, be2)))
 
 
@@ -398,7 +419,8 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=20, help="(a) idle sandboxes")
     ap.add_argument("--hold-mb", type=int, default=32, help="(a) anonymous memory each holds")
     ap.add_argument("--idle-s", type=float, default=5.0, help="(a) idle time before the first exec, and the service's --idle")
-    ap.add_argument("--runs", type=int, default=7, help="(b) loop runs per figure (median)")
+    ap.add_argument("--runs", type=int, default=3, help="(b) loop runs per figure (median)")
+    ap.add_argument("--rounds", type=int, default=7, help="(b) rounds of alone / 50%% / 100%% figures, interleaved (median of the ratios)")
     ap.add_argument("--readers", type=int, default=16, help="(c) sandboxes reading the files")
     ap.add_argument("--read-mb", type=int, default=64, help="(c) template files each reads")
     ap.add_argument("--template", choices=("python", "base"), default="python" if debian_rootfs() else "base",

@@ -157,3 +157,29 @@ async def test_core_publishes_lost_before_a_reconnect_are_stored_again(tmp_path,
         await release_publisher(nc)
         await nc.close()
         srv.stop()
+
+
+async def test_sync_subscriptions_take_messages_until_unsubscribed(nc, uid) -> None:
+    """A sink subscription (no pending queue) gets every message in order, answers requests, and
+    after its unsubscribe gets nothing and is forgotten by the connection."""
+    from bus.runtime.publisher import subscribe_sync, unsubscribe_answering
+
+    got: list[bytes] = []
+    sub = await subscribe_sync(nc, f"sink{uid}.*", lambda m: got.append(m.data))
+    answering = await subscribe_sync(nc, f"ask{uid}", lambda m: asyncio.ensure_future(m.respond(b"pong:" + m.data)))
+    for i in range(100):
+        await nc.publish(f"sink{uid}.{i % 3}", str(i).encode())
+    reply = await nc.request(f"ask{uid}", b"1", timeout=10)
+    assert reply.data == b"pong:1"
+    await eventually(lambda: len(got) == 100, timeout=10)
+    assert got == [str(i).encode() for i in range(100)]
+    await unsubscribe_answering(sub)
+    assert sub._id not in nc._subs
+    await nc.publish(f"sink{uid}.0", b"late")
+    await nc.flush()
+    control: list[bytes] = []  # a message published after the unsubscribe still reaches a live subscriber
+    await subscribe_sync(nc, f"sink{uid}.9", lambda m: control.append(m.data))
+    await nc.publish(f"sink{uid}.9", b"seen")
+    await eventually(lambda: control == [b"seen"], timeout=10)
+    assert got[-1] == b"99" and len(got) == 100
+    await unsubscribe_answering(answering)

@@ -138,6 +138,7 @@ class LazyDaemon:
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     host_id: str = "testhost"
+    wrap: list[str] = field(default_factory=list)  # argv before the daemon's (nsenter into a host's netns: tests/integration/test_hosts.py)
     proc: subprocess.Popen | None = None
     log: Path | None = None
 
@@ -147,7 +148,7 @@ class LazyDaemon:
         self.log = self.data_dir / f"lazy-{time.monotonic_ns()}.log"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         cmd = [
-            sys.executable, "-m", "imaged.lazy",
+            *self.wrap, sys.executable, "-m", "imaged.lazy",
             "--data-dir", str(self.data_dir), "--mount", str(self.mount),
             "--nats-url", self.nats_url, "--host-id", self.host_id, *self.args,
         ]

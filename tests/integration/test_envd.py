@@ -42,7 +42,7 @@ from tests.netclaim import claim_net
 
 from .conftest import PY, Child, processes_mentioning, run_process, subprocess_env
 from .test_microvm import KERNEL_CACHE, NO_QEMU
-from .test_gateway import DSEC, Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
+from .test_gateway import DSEC, UPLOAD_BOUND, Gw, gw, http  # noqa: F401 - gw is the module's stack fixture
 
 TEMPLATE = "e2b-busybox"
 
@@ -207,6 +207,39 @@ def _signed(gw: Gw) -> None:
 
 async def test_signed_urls(gw: Gw) -> None:
     await asyncio.to_thread(_signed, gw)
+
+
+# --------------------------------------------------------------------------------------------- upload bound
+def _upload_bound(gw: Gw) -> None:
+    """The host's per-tenant bound on uploads (``--upload-max-bytes-per-tenant``, set to UPLOAD_BOUND for
+    this stack) through envd: the e2b SDK gets E2B's 429 (``RateLimitException``) with the limit named,
+    and no half file is left; another key's sandbox is not bound by this one's uploads."""
+    from e2b import RateLimitException
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    sb, other = _sandbox(gw, gw.key_b), _sandbox(gw, gw.key_a)
+    try:
+        big = UPLOAD_BOUND // 2
+        sb.files.write("big1.bin", b"x" * big)  # positive control: half the bound
+        with pytest.raises(RateLimitException, match=f"per-tenant upload limit of {UPLOAD_BOUND} bytes"):
+            sb.files.write("big2.bin", b"y" * (big + 1_000_000))
+        assert not sb.files.exists("big2.bin")
+        # write_files (one multipart request; a part's size is not known): the part that passes is refused and removed.
+        quarter = UPLOAD_BOUND // 4
+        with pytest.raises(RateLimitException):
+            sb.files.write_files([WriteEntry(path="w1.bin", data=b"1" * quarter), WriteEntry(path="w2.bin", data=b"2" * (quarter + 1_000_000))])
+        assert sb.files.get_info("w1.bin").size == quarter and not sb.files.exists("w2.bin")
+        other.files.write("a.bin", b"a" * big)  # another tenant: its own bound
+        # Room again once a file is removed.
+        sb.files.remove("big1.bin")
+        assert sb.files.write("big2.bin", b"y" * (big + 1_000_000)).path.endswith("big2.bin")
+    finally:
+        sb.kill()
+        other.kill()
+
+
+async def test_uploads_are_bounded_per_tenant(gw: Gw) -> None:
+    await asyncio.to_thread(_upload_bound, gw)
 
 
 # --------------------------------------------------------------------------------------------- watches

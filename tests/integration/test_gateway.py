@@ -48,6 +48,9 @@ pytestmark = [pytest.mark.containerd, needs_stack]
 DSEC = [PY, "-m", "sdk.cli"]
 
 
+UPLOAD_BOUND = 64_000_000  # bytes of file uploads a tenant's sandboxes may hold on the stack's host
+
+
 @dataclass
 class Gw:
     url: str  # the gateway
@@ -71,8 +74,11 @@ async def gw() -> Any:
     nats_url = f"nats://127.0.0.1:{port}"
     context = data.parent / f"{data.name}.context.json"  # not the machine's default pointer: other stacks run too
     net = await asyncio.to_thread(claim_net)  # network names of its own: not the default ones other stacks share
-    # DSEC_TEMPLATE_FILES_MAX_MB: a per-tenant bound on template build sources small enough to test (test_templates)
-    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), DSEC_TEMPLATE_FILES_MAX_MB="8", **net.env())
+    # DSEC_TEMPLATE_FILES_MAX_MB: a per-tenant bound on template build sources small enough to test (test_templates);
+    # DSEC_UPLOAD_MAX_BYTES_PER_TENANT: the host's per-tenant bound on file uploads, likewise (test_envd);
+    # DSEC_TEMPLATE_READY_TIMEOUT_S: a readyCmd that never succeeds fails in 30 s (test_e2b_start_cmd)
+    env = subprocess_env(nats_url, DSEC_CONTEXT=str(context), DSEC_TEMPLATE_FILES_MAX_MB="8", DSEC_UPLOAD_MAX_BYTES_PER_TENANT=str(UPLOAD_BOUND),
+                         DSEC_TEMPLATE_READY_TIMEOUT_S="30", **net.env())
     up = Child([*DSEC, "up", "--data-dir", str(data), "--port", str(port), "--http-port", str(http_port),
                 "--host-id", f"gw-{uuid.uuid4().hex[:6]}", "--ready-timeout", "240", "--fn-pool", "base=2"], env, data.parent / f"{data.name}.log").start()
     try:

@@ -156,6 +156,74 @@ async def test_heartbeat_names_the_accelerator_the_probe_found(mhost: MicroHost)
     assert f"microvm: accel={b.detail['accel']} kernel={b.detail['kernel']}" in out, (out, err)
 
 
+async def test_template_layers_are_one_host_copy_read_in_place_with_dax(vm: AsyncSandbox, mhost: MicroHost) -> None:
+    """virtio-pmem with DAX (the cloud kernel has it): the guest maps the template's EROFS blob from
+    the host's page cache instead of copying it into its RAM, and says so; the heartbeat names the
+    mode. The region is read-only: the guest's root cannot change the blob every VM shares."""
+    from hostagent.backends.microvm.kernel import ensure_kernel, has_pmem_dax
+
+    assert has_pmem_dax(ensure_kernel(KERNEL_CACHE))  # the premise: CONFIG_VIRTIO_PMEM, FS_DAX, EROFS...
+
+    async def layers() -> str:
+        st = await mhost.status()
+        return next((b.detail.get("layers", "") for b in st.backends if b.name == "microvm"), "") if st else ""
+
+    async def confirmed() -> bool:  # by the first guest's report, in the next heartbeat
+        return await layers() == "virtio-pmem+dax"
+
+    await eventually(confirmed, timeout=60, interval=0.5, what="the heartbeat to name virtio-pmem+dax")
+    assert (await vm.commands.run("cat /run/dsec/layers")).stdout == "layer0 dax\n"
+    r = await vm.commands.run("grep -c ' /dev/pmem' /proc/mounts; ls /sys/bus/nd/devices | grep -c ^namespace")
+    assert r.stdout.split() == ["0", "1"]  # mounted in the initramfs (not in the root's view), one region
+    cmd = Path(f"/proc/{int((mhost.vm_dir(vm.sandbox_id) / 'qemu.pid').read_text())}/cmdline").read_bytes().split(b"\0")
+    (backend,) = [a.decode() for a in cmd if a.startswith(b"memory-backend-file,id=l0,")]
+    assert "share=on" in backend and "readonly=on" in backend, backend  # one host copy, never written
+    blob = backend.split("mem-path=", 1)[1].split(",", 1)[0]
+    assert os.path.getsize(blob) % (2 << 20) == 0
+    before = await asyncio.to_thread(_sha256, blob)
+    # The guest's root writes zeros over its view of the layer: the writes land (dd succeeds, it is a
+    # block device) and are dropped by the read-only region, so neither the blob nor the guest's view changes.
+    r = await vm.commands.run("sha256sum /dev/pmem0; dd if=/dev/zero of=/dev/pmem0 bs=4096 count=64 conv=fsync 2>&1; echo rc=$?; "
+                              "echo 3 > /proc/sys/vm/drop_caches; sha256sum /dev/pmem0; ls /bin/sh")
+    lines = r.stdout.splitlines()
+    assert "64+0 records out" in r.stdout and "rc=0" in lines, r.stdout  # positive control: the writes were made
+    assert lines[0].split()[0] == lines[-2].split()[0] == before and lines[-1] == "/bin/sh", (r.stdout, before)
+    assert await asyncio.to_thread(_sha256, blob) == before
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+async def test_layers_fall_back_to_virtio_blk_when_dax_is_not_there(tmp_path: Path) -> None:
+    """Where a guest found no DAX (its report leaves a note per kernel) or the operator asks for it
+    (DSEC_MICROVM_LAYERS=blk), the layers are virtio-blk disks on the microvm machine; pmem overrides the note."""
+    from hostagent.backends.microvm import MicroVMBackend, qemu
+    from hostagent.backends.microvm.kernel import ensure_kernel
+
+    def mode(layers: str | None) -> str:
+        b = MicroVMBackend(str(tmp_path), kernel_cache=KERNEL_CACHE, layers=layers)
+        b.kernel = ensure_kernel(KERNEL_CACHE)
+        return b._layer_mode()
+
+    (tmp_path / "mvm").mkdir()
+    assert mode(None) == "virtio-pmem"  # positive control: this kernel has what DAX needs
+    assert mode("blk") == "virtio-blk"
+    (tmp_path / "mvm" / f"layers-{ensure_kernel(KERNEL_CACHE).release}").write_text("virtio-blk")
+    assert mode(None) == "virtio-blk" and mode("pmem") == "virtio-pmem"
+    blob = tmp_path / "l.erofs"
+    blob.write_bytes(b"\0" * (2 << 20))
+    spec = qemu.VMSpec(str(tmp_path), "vmlinuz", "initrd", "tcg", layers=[str(blob)], upper="upper.img")
+    argv = " ".join(spec.argv())
+    assert "microvm" in argv and "virtio-blk-device,drive=l0" in argv and "pmem" not in argv
+    spec.pmem = True
+    argv = " ".join(spec.argv())
+    assert "-M q35" in argv and "virtio-pmem-pci,memdev=l0" in argv and "dsec_pmem=1" in argv and "drive=l0" not in argv
+
+
 async def test_exec_streams_output_and_reports_exit_codes(vm: AsyncSandbox) -> None:
     got: list[str] = []
     r = await vm.commands.run("for i in 1 2 3; do echo line$i; done; echo oops >&2", on_stdout=got.append)
@@ -428,6 +496,84 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
     finally:
         await b.destroy(sid)
         assert await b.leftovers(sid) == []
+        await b.stop()
+        assert not processes_mentioning(str(data))
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="the GUI template (debootstrap, then Xorg under TCG): set DSEC_SLOW=1")
+async def test_gui_template_desktop_takes_typed_input_and_forks_running(mhost: MicroHost) -> None:
+    """The GUI template (``compose/gui-rootfs.sh``: Xorg, twm, xterm; built once, cached) on the
+    full-VM backend: the screen shows the desktop, keys typed into its terminal run there and change
+    the frame; a memory snapshot of the running desktop forks into a VM whose desktop runs on."""
+    from bus.messages import ExecRequest, LayerRef, SandboxSpec
+    from hostagent._backend import Handle
+    from hostagent.backends.vm import VMBackend
+
+    rc, out, err = await run_process("bash", str(REPO / "compose" / "gui-rootfs.sh"), env=dict(os.environ), timeout=1800)
+    assert rc == 0, err[-2000:]
+    rootfs = out.strip().splitlines()[-1]
+    st = await mhost.status()
+    assert st is not None
+    accel = next(b.detail["accel"] for b in st.backends if b.name == "microvm")
+    data = Path(tempfile.mkdtemp(prefix="dsec-gui-", dir="/tmp"))
+    b = VMBackend(str(data), kernel_cache=KERNEL_CACHE, accel=accel)
+    sids = ["desk", "desk-fork"]
+    try:
+        await b.start()
+        assert b.kernel is not None and not b.kernel.release.endswith("-cloud-amd64")  # the generic kernel: DRM, fbdev
+        base = LayerRef(role="base", digest="sha256:" + "9" * 64, kind="dir", path=rootfs)
+        h = await b.create(SandboxSpec(sandbox_id="desk", template="gui", backend="vm", cpu=1, memory_mb=512, disk_mb=512), [base])
+
+        async def desktop_up(handle: Handle) -> bool:  # the terminal's shell runs: X is up, its input enabled
+            r = await b.exec(handle, ExecRequest(cmd="test -e /run/dsec-desktop && pgrep -x Xorg >/dev/null && pgrep -x twm >/dev/null"), None)
+            return r.exit_code == 0
+
+        await eventually(lambda: desktop_up(h), timeout=600, interval=1, what="Xorg, twm and xterm")
+        first = await b.screenshot(h)
+        w, hh = await b.screen_size(h)
+        assert first.startswith(b"\x89PNG") and (w, hh) >= (800, 600)  # the DRM mode, not the 720x400 text screen
+        await b.input_click(h, 100, 100)  # into the terminal (at +20+20): twm's focus follows the pointer
+        await b.input_type(h, "echo typed-in-xterm > /tmp/typed")
+        await b.input_key(h, "enter")
+
+        async def typed(handle: Handle) -> bool:
+            r = await b.exec(handle, ExecRequest(cmd="cat /tmp/typed 2>/dev/null || true"), None)
+            return r.stdout == b"typed-in-xterm\n"
+
+        await eventually(lambda: typed(h), timeout=120, interval=1, what="the keys typed into xterm to run")
+        after = await b.screenshot(h)
+        assert after != first  # the frame shows the typed line
+
+        # Fork of the running desktop: its memory snapshot restored as a new VM.
+        img = data / "img"
+        img.mkdir()
+        await b.before_freeze(h)
+        await b.freeze(h)
+        await b.checkpoint(h, str(img), str(data))
+        await b.thaw(h)
+        mem_blob = data / "mem.erofs"
+        rc, _, err = await run_process("mkfs.erofs", "--quiet", str(mem_blob), str(img), env=dict(os.environ), timeout=600)
+        assert rc == 0, err
+        mem = LayerRef(role="memory", digest="sha256:" + "8" * 64, kind="erofs", path=str(mem_blob))
+        f = await b.create(SandboxSpec(sandbox_id="desk-fork", template="gui", backend="vm", cpu=1, memory_mb=512), [base], memory=mem)
+        assert await desktop_up(f) and await typed(f)  # the same desktop, running, with what was typed
+        await b.input_click(f, 100, 100)
+        await b.input_type(f, "echo in-fork > /tmp/fork")
+        await b.input_key(f, "enter")
+
+        async def fork_typed() -> bool:
+            r = await b.exec(f, ExecRequest(cmd="cat /tmp/fork 2>/dev/null || true"), None)
+            return r.stdout == b"in-fork\n"
+
+        await eventually(fork_typed, timeout=120, interval=1, what="the fork's desktop to take input")
+        r = await b.exec(h, ExecRequest(cmd="test -e /tmp/fork; echo $?"), None)
+        assert r.stdout == b"1\n"  # the source's desktop is its own
+    finally:
+        for sid in sids:
+            await b.destroy(sid)
+            assert await b.leftovers(sid) == []
         await b.stop()
         assert not processes_mentioning(str(data))
         shutil.rmtree(data, ignore_errors=True)

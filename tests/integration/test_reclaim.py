@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -38,32 +40,65 @@ async def loop_time(sb: object, runs: int = 3) -> float:
     return best
 
 
+def host_idle_s() -> float:
+    """CPU-seconds the host's cores have been idle (/proc/stat, all cores together)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def policies(stack: Stack, sid: str) -> set[int]:
+    """The scheduling policies of every thread of the sandbox."""
+    out = set()
+    for tid in (CPU / stack.cid(sid) / "tasks").read_text().split():
+        try:
+            out.add(os.sched_getscheduler(int(tid)))
+        except ProcessLookupError:
+            pass
+    return out
+
+
 async def test_classes_placed_in_cgroups(stack: Stack) -> None:
-    """latency-sensitive: a weight 8x its share, not idle; best-effort: SCHED_IDLE (the kernel shows
-    an idle group's weight as its minimum, 3). Warm-pool claims and cold starts (another disk size: no warm container fits) alike."""
-    from hostagent.backends.container.cgroups import cpu_class
+    """latency-sensitive: a weight 8x its share, not idle, its threads SCHED_OTHER; best-effort: an
+    idle cgroup (the kernel shows an idle group's weight as its minimum, 3) and every thread
+    SCHED_IDLE, what its agent runs later too (any other task that wakes preempts it at once, whatever
+    its cgroup). Warm-pool claims and cold starts (another disk size: no warm container fits) alike."""
+    from hostagent.backends.container.cgroups import cpu_class, set_class
 
     async with stack.sandbox(priority="latency-sensitive", cpu=1.0) as ls, stack.sandbox(priority="best-effort", cpu=1.0) as be, \
             stack.sandbox(priority="best-effort", cpu=0.5, disk_mb=512) as cold:
         assert cpu_file(stack, ls.sandbox_id, "cpu.idle") == "0"
         assert cpu_file(stack, ls.sandbox_id, "cpu.shares") == str(1024 * 8)
         assert cpu_class(stack.cid(ls.sandbox_id)) == "latency-sensitive"
+        assert policies(stack, ls.sandbox_id) == {os.SCHED_OTHER}  # the control
         for sb in (be, cold):
             assert cpu_file(stack, sb.sandbox_id, "cpu.idle") == "1"
             assert cpu_file(stack, sb.sandbox_id, "cpu.shares") == "3"
             assert cpu_class(stack.cid(sb.sandbox_id)) == "best-effort"
+            assert policies(stack, sb.sandbox_id) == {os.SCHED_IDLE}
         # The quota stays the upper bound the caller asked for (a class changes weights only).
         assert cpu_file(stack, cold.sandbox_id, "cpu.cfs_quota_us") == "50000"
         assert cpu_file(stack, be.sandbox_id, "cpu.cfs_quota_us") == "100000"
-        # The sandbox still answers while it is idle-class (its agent lives in its cgroup).
-        assert (await cold.commands.run("echo ok")).stdout == "ok\n"
+        # What the agent runs later inherits the policy; the sandbox still answers while it is idle-class.
+        bg = await cold.commands.run("sleep 1000", background=True, timeout=0)
+        try:
+            assert (await cold.commands.run("echo ok")).stdout == "ok\n"
+            assert len((CPU / stack.cid(cold.sandbox_id) / "tasks").read_text().split()) >= 2
+            assert policies(stack, cold.sandbox_id) == {os.SCHED_IDLE}
+            # A class change takes every thread along, the command's too.
+            set_class(stack.cid(cold.sandbox_id), 0.5, "latency-sensitive")
+            assert policies(stack, cold.sandbox_id) == {os.SCHED_OTHER}
+        finally:
+            await bg.kill()
 
 
 async def test_best_effort_load_barely_slows_latency_sensitive(stack: Stack) -> None:
-    """Best-effort spinners, two per core, slow a latency-sensitive loop hardly at all; positive
-    control: the load is real (the spinners use the cores whenever the loop leaves them). (A timing
-    control at plain weights was tried: on this machine it showed no slowdown in about half the runs,
-    so it proved nothing; the bench, tests/bench/bench_reclaim.py, measures that comparison.)"""
+    """Best-effort spinners, two per core, slow a latency-sensitive loop hardly at all: the loop
+    timed alone (the spinners' sandbox frozen) and under the load (thawed), interleaved three times,
+    so that the other engineers' work on this machine weighs on both alike. Positive control: the
+    load is real (the spinners run, and take every cycle the host's other work leaves: on this shared
+    machine that may be little, as their class says). (A timing control at plain weights was tried: on
+    this machine it showed no slowdown in about half the runs, so it proved nothing; the bench,
+    tests/bench/bench_reclaim.py, measures that comparison.)"""
     from hostagent.backends.container.cgroups import set_class
 
     # Both created best-effort and ``ls`` then put in the latency-sensitive class as a create does
@@ -71,19 +106,29 @@ async def test_best_effort_load_barely_slows_latency_sensitive(stack: Stack) -> 
     # this machine's other work may leave none.
     async with stack.sandbox(priority="best-effort", cpu=1.0) as ls, stack.sandbox(priority="best-effort", cpu=2.0) as be:
         set_class(stack.cid(ls.sandbox_id), 1.0, "latency-sensitive")
-        alone = await loop_time(ls)
+        freezer = Path("/sys/fs/cgroup/freezer/dsec") / stack.cid(be.sandbox_id) / "freezer.state"
         load = await be.commands.run(SPIN4, background=True, timeout=0)
         usage = Path("/sys/fs/cgroup/cpuacct/dsec") / stack.cid(be.sandbox_id) / "cpuacct.usage"
+        alone: list[float] = []
+        loaded: list[float] = []
         try:
-            with_classes = await loop_time(ls)
-            u0, t0 = int(usage.read_text()), time.monotonic()
+            for _ in range(3):
+                freezer.write_text("FROZEN")
+                alone.append(await loop_time(ls, runs=2))
+                freezer.write_text("THAWED")
+                loaded.append(await loop_time(ls, runs=2))
+            u0, i0, t0 = int(usage.read_text()), host_idle_s(), time.monotonic()
             await asyncio.sleep(0.5)  # a measuring window, not a wait for an event
             busy = (int(usage.read_text()) - u0) / 1e9 / (time.monotonic() - t0)
+            left = (host_idle_s() - i0) / (time.monotonic() - t0)
         finally:
+            freezer.write_text("THAWED")
             await load.kill()
-        print(f"loop alone {alone * 1000:.0f} ms; with the best-effort load {with_classes * 1000:.0f} ms; the load used {busy:.2f} cores")
-        assert busy > 1.0, busy  # positive control: the spinners really run on the cores
-        assert with_classes < alone * 1.5, (alone, with_classes)
+        a, w = statistics.median(alone), statistics.median(loaded)
+        print(f"loop alone {a * 1000:.0f} ms; with the best-effort load {w * 1000:.0f} ms; the load used {busy:.2f} cores, "
+              f"{left:.2f} stayed idle")
+        assert busy > 0 and left < 0.1, (busy, left)  # positive control: the spinners run on whatever the cores have left
+        assert w < a * 1.5, (alone, loaded)
 
 
 # ----------------------------------------------------------------------------------------------- reclaim
@@ -246,6 +291,36 @@ async def test_pageout_takes_idle_processes_not_the_agent(stack: Stack, tmp_path
         assert (await svc.stop()) == 0, svc.log()
     finally:
         await sub.unsubscribe()
+        if svc.alive():
+            await svc.stop()
+
+
+async def test_limit_step_leaves_the_agent_hot(stack: Stack, tmp_path: Path) -> None:
+    """A limit step takes a cgroup's least recently used pages, the in-sandbox agent's too: with
+    nothing kept (keep 0) and the agent left alone (the control) its pages go to the swap; by default
+    the step faults them back in after, so the sandbox's next operation starts in a resident agent.
+    (Steps called here, on the sandbox's real cgroup; the service, told never to reclaim, only
+    provides the swap.)"""
+    from hostagent.reclaim import _memcg
+    from tests.conftest import eventually
+
+    svc = reclaim_child(stack, tmp_path, "--idle", "100000", "--no-ksm")
+    try:
+        await eventually(lambda: bool(swap_devices()), timeout=60, what="a swap device")
+        async with stack.sandbox(memory_mb=128) as sb:
+            cgroup = f"/dsec/{stack.cid(sb.sandbox_id)}"
+            hold = await sb.commands.run(HOLD.format(n=8 << 20), background=True, timeout=0)
+            await eventually(lambda: mem_file(stack, sb.sandbox_id, "memory.usage_in_bytes") > 8 << 20, timeout=180,
+                             what="the shell to hold its memory")
+            await asyncio.to_thread(_memcg.reclaim_step, cgroup, 256 << 20, 0, False, False)
+            assert agent_swap_kb(stack, sb.sandbox_id) > 0  # the control: the step took the agent's pages
+            await asyncio.to_thread(_memcg.reclaim_step, cgroup, 256 << 20, 0, False, True)
+            assert agent_swap_kb(stack, sb.sandbox_id) == 0
+            assert mem_file(stack, sb.sandbox_id, "memory.limit_in_bytes") == 128 << 20
+            assert any(p.pid == hold.pid for p in await sb.commands.list())
+            assert (await sb.commands.run("echo awake")).stdout == "awake\n"
+        assert (await svc.stop()) == 0, svc.log()
+    finally:
         if svc.alive():
             await svc.stop()
 
@@ -419,16 +494,17 @@ async def test_best_effort_load_leaves_cores_idle_for_admission(stack: Stack) ->
         spin = await be.commands.run("for n in 1 2; do (while :; do :; done) & done; wait", background=True, timeout=0)
         try:
             plain, classed = Meter(), Meter()
-            u0, t0 = used_ns(cid), time.monotonic()
+            u0, i0, t0 = used_ns(cid), host_idle_s(), time.monotonic()
             plain.host_busy(), classed.host_busy([cid])
             while time.monotonic() - t0 < 3.0:
                 await asyncio.sleep(0.2)  # a measuring window, not synchronisation
             all_busy, ls_busy = plain.host_busy(), classed.host_busy([cid])
             spun = (used_ns(cid) - u0) / 1e9 / (time.monotonic() - t0)
+            left = (host_idle_s() - i0) / (time.monotonic() - t0)
         finally:
             await spin.kill()
-        print(f"busy cores: {all_busy:.2f} counting best-effort work, {ls_busy:.2f} not; the spinners used {spun:.2f}")
-        assert spun > 0.05, spun
+        print(f"busy cores: {all_busy:.2f} counting best-effort work, {ls_busy:.2f} not; the spinners used {spun:.2f}, {left:.2f} stayed idle")
+        assert spun > 0 and left < 0.1, (spun, left)  # they ran, on every cycle the machine's other work left
         assert abs((all_busy - ls_busy) - spun) < 0.25 + 0.1 * spun, (all_busy, ls_busy, spun)
 
 
@@ -449,7 +525,10 @@ async def test_memory_and_class_on_dashboard_and_metrics(stack: Stack, tmp_path:
                     rows = [s for s in (await r.json())["sandboxes"] if s["sandbox_id"] == sb.sandbox_id]
                 return rows[0] if rows and rows[0].get("mem_resident_bytes", 0) > 0 else None
 
-            await eventually(row, timeout=60, what="the sandbox's memory on the dashboard")
+            async def shown() -> bool:
+                return await row() is not None
+
+            await eventually(shown, timeout=60, what="the sandbox's memory on the dashboard")
             got = await row()
             assert got is not None and got["cpu_class"] == "best-effort" and "mem_reclaimed_bytes" in got and "mem_merged_bytes" in got, got
             async with http.get(f"{base}/metrics", params={"service": "reclaim"}) as r:

@@ -22,10 +22,10 @@ from nats.js.errors import NotFoundError
 from bus import codec
 from bus import subjects as S
 from bus.auth import ROLLOUTS_ROLE
-from bus.errors import UnknownJob
-from bus.messages import CreateSandbox, ExecRequest, ModelAnswer, ModelCall, RolloutJob
-from bus.runtime import kv_keys
-from sdk import build_spec
+from bus.errors import PermissionDenied, QuotaExceeded, UnknownJob
+from bus.messages import CreateSandbox, ExecRequest, ExecResult, ModelAnswer, ModelCall, RolloutJob, TenantLimits
+from bus.runtime import KV, kv_keys
+from sdk import AsyncSandbox, build_spec
 from sdk.rollouts import AsyncRollouts, RolloutWorker
 from sdk.rollouts._worker import sandbox_id_of
 from tests.conftest import eventually
@@ -138,7 +138,7 @@ async def test_a_tenant_reaches_only_its_own_rollout_jobs(stack: SecStack, worke
             (S.model_tenant(a.user), "A's model gateway calls"), (f"$KV.{S.KV_ROLLOUTS}.>", "job record writes"),
         ):
             await b.denied_subscribe(redteam, subject, f"listen on {what}")
-        # The rollout's sandbox is the workers' tenant's: not B's to reach.
+        # The rollout's sandbox is A's (operated by the workers): not B's to reach.
         sid = sandbox_id_of(job, a.user)
         await b.denied_publish(redteam, S.sbx(sid, "exec", ROLLOUTS_ROLE), codec.encode(ExecRequest(cmd="id")), "exec in a rollout's sandbox")
         assert b.nc.is_connected and a.no_violations(), a.errs
@@ -194,8 +194,6 @@ async def test_the_rollouts_role_has_only_what_it_uses(stack: SecStack, worker: 
         res = await AsyncRollouts(nats_url=a.url, queue=worker.queue).wait(sa, timeout=120, with_steps=False)
         assert res.state == "done", res
         redteam.allowed("rollouts role: the worker runs a tenant's job end to end")
-        from sdk import AsyncSandbox
-
         sb = await AsyncSandbox.create(nats_url=a.url, sandbox_id=f"sb-{stack.uid}-ro")
         stack.sandboxes.append(sb)
         exec_req = codec.encode(ExecRequest(cmd="id"))
@@ -216,8 +214,81 @@ async def test_the_rollouts_role_has_only_what_it_uses(stack: SecStack, worker: 
         for subject, what in (("dsec.sbx.>", "sandbox ops"), (S.EVT_ALL, "every event"), ("_INBOX.>", "every inbox"),
                               (S.evt_tenant(a.user), "a tenant's events"), ("$KV.>", "KV writes"), ("dsec.host.>", "host work")):
             await ro.denied_subscribe(redteam, subject, f"listen on {what}")
+        # On its own subject, a tenant's sandbox that no job of it runs in: the host agent refuses (no delegate).
+        with pytest.raises(PermissionDenied) as exc:
+            codec.decode_reply((await ro.nc.request(S.sbx(sb.sandbox_id, "exec", ROLLOUTS_ROLE), exec_req, timeout=30)).data, ExecResult)
+        assert exc.value.code == "permission_denied"
+        redteam.blocked("rollouts role: exec in a tenant's sandbox no job runs in, on its own subject [permission_denied at the host]")
         assert (await sb.commands.run("echo mine")).stdout == "mine\n"  # the tenant's own sandbox untouched
     finally:
         await ro.close()
         await a.close()
 
+
+
+async def test_a_rollouts_sandbox_is_its_submitters(stack: SecStack, worker: RolloutWorker, policy: Policy, redteam: RedTeam) -> None:
+    """A job's sandbox belongs to the tenant that submitted it, not to the workers: it starts from A's
+    private template, counts against A's quota, A reaches it and reads its steps; B reaches none of it
+    (the host agent's ``permission_denied`` on B's own subject, the server's violation on A's and the
+    workers'), and A's quota is free again once the job is done."""
+    from tests.security.test_tenant_templates import private_template
+
+    a, b = await tenants(stack, "a", "b")
+    release = asyncio.Event()
+
+    async def held() -> dict[str, Any]:
+        await release.wait()  # the job's sandbox stays up while it is tried
+        return answer("bye")
+
+    try:
+        template = await private_template(stack, a)
+        limits = await KV.open(stack.nc.jetstream(), S.KV_TENANTS, codec.TENANT_LIMITS)
+        await limits.put(a.user, TenantLimits(max_sandboxes=1))
+        await eventually(lambda: stack.placement.quotas.limits_for(a.user) is not None, timeout=15, what="placement to see A's limits")
+        ra = AsyncRollouts(nats_url=a.url, queue=worker.queue)
+        job = await ra.submit(task="t", template=template, policy_url=policy.url("a", [answer(None, call("exec", cmd="echo own > /tmp/o; cat /tmp/o")), held]))
+        await eventually(lambda: len(policy.requests["a"]) == 2, timeout=120, what="A's job at its second turn")
+        sid = sandbox_id_of(job, a.user)
+        rec = await (await KV.open(stack.nc.jetstream(), S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sid)
+        assert rec is not None and rec.spec.client == a.user and rec.spec.delegate == ROLLOUTS_ROLE and rec.spec.template == template, rec
+
+        # A reaches its rollout's sandbox; its one sandbox place is the rollout's (quota charged to A).
+        mine = await AsyncSandbox.connect(sid, nats_url=a.url)
+        assert (await mine.commands.run("cat /tmp/o")).stdout == "own\n"
+        with pytest.raises(QuotaExceeded) as qe:
+            await AsyncSandbox.create(nats_url=a.url, sandbox_id=f"sb-{stack.uid}-a2", create_timeout=60)
+        assert qe.value.code == "quota_exceeded" and "1 of max 1" in qe.value.description, qe.value
+        redteam.allowed("tenant a: exec in its rollout's sandbox (from its private template, on its quota)")
+
+        # B: the SDK and a raw request on its own subject (the host agent refuses), A's and the workers' subjects (the server).
+        with pytest.raises(PermissionDenied):
+            await AsyncSandbox.connect(sid, nats_url=b.url)
+        exec_req = codec.encode(ExecRequest(cmd="cat /tmp/o"))
+        with pytest.raises(PermissionDenied) as exc:
+            codec.decode_reply((await b.nc.request(S.sbx(sid, "exec", b.user), exec_req, timeout=30)).data, ExecResult)
+        assert exc.value.code == "permission_denied"
+        redteam.blocked("tenant b: connect / exec in A's rollout sandbox under its own tenant [permission_denied at the host]")
+        await b.denied_publish(redteam, S.sbx(sid, "exec", a.user), exec_req, "exec in A's rollout sandbox in A's name")
+        await b.denied_publish(redteam, S.sbx(sid, "exec", ROLLOUTS_ROLE), exec_req, "exec in A's rollout sandbox as the workers")
+        await b.denied_subscribe(redteam, S.evt_tenant(a.user), "listen on A's rollout sandbox's events")
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{S.traj(sid, a.user)}", b"", "read A's rollout's trajectory log")
+        sb_b = await AsyncSandbox.create(nats_url=b.url, sandbox_id=f"sb-{stack.uid}-b1")
+        stack.sandboxes.append(sb_b)
+        redteam.allowed("tenant b: its own sandbox while A's quota is full")
+
+        # Done: A reads its rollout's steps (the log is under A), and its place is free again.
+        release.set()
+        res = await ra.wait(job, timeout=120, with_steps=True)
+        assert (res.state, res.finish_reason) == ("done", "stop"), res
+        execs = [s for s in res.steps if s.op == "exec"]
+        assert execs and execs[0].result.stdout == b"own\n", res.steps
+        assert any(s.op == "model" for s in res.steps)
+        await eventually(lambda: sid not in stack.host.live, timeout=30, what="the rollout's sandbox killed")
+        a2 = await AsyncSandbox.create(nats_url=a.url, sandbox_id=f"sb-{stack.uid}-a3", create_timeout=60)
+        stack.sandboxes.append(a2)
+        redteam.allowed("tenant a: its rollout's steps; a sandbox once the rollout is done")
+        assert a.no_violations(), a.errs
+    finally:
+        release.set()
+        for t in (a, b):
+            await t.close()

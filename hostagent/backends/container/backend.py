@@ -4,8 +4,11 @@ The class composes its parts: layer mounts, shim groups, warm pool, CRIU, cgroup
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Callable
+import shutil
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -44,12 +47,15 @@ from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
 from .shims import ShimGroups, reap_idle_shims
-from .warmpool import Recipe, Warm, WarmKey, WarmPool
+from .warmpool import Recipe, Warm, WarmKey, WarmPool, takes_restore
+from .warmroot import HELPER as WARMROOT
+from .warmroot import STAGE_NAME, WARM_OLD, fresh_upper
 
 log = structlog.get_logger("dsec.hostagent.container")
 
 AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
 RUN_DIR_IN_SANDBOX = "/.dsec/run"
+WARMROOT_HELPERS = 16  # restores given a warm root at once (a fork of 64 queues on these)
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
 
 
@@ -90,6 +96,10 @@ class ContainerBackend:
         self.net = NetworkManager(network or NetworkConfig.from_env())  # per-sandbox netns + egress allowlist
         self.pool = WarmPool(warm_pool, self._start_warm, lambda cid: self._remove(cid, None))
         self.fnreset = NsResetters()
+        self.warmroot = NsResetters(WARMROOT_HELPERS, helper=WARMROOT)  # gives a warm container a restore's root
+        self._bg: set[asyncio.Future[Any]] = set()  # the helpers' start
+        self._bg_helpers = False
+        self.warm_restores = True  # a restore may take a warm container of its template (off: always cold; benchmarks compare)
         self.recovery = Recovery(self.t, self.scratch, self.shims, self.layers, self.pool, self.net, self._remove)
 
     @property
@@ -115,6 +125,8 @@ class ContainerBackend:
     async def stop(self) -> None:
         await self.pool.stop()
         await self.fnreset.stop()
+        await asyncio.gather(*self._bg, return_exceptions=True)
+        await self.warmroot.stop()
         if self._rt is not None:
             # Warm containers (also one a cancelled refill was starting) serve no sandbox: remove them.
             for c in await self.rt.list():
@@ -162,31 +174,80 @@ class ContainerBackend:
                 lambda w: self._configure_warm(w, spec),
             )
             if warm is not None:
-                self.t.cid[sid] = warm.cid
-                self.t.clients[sid] = self.t.clients.pop(warm.cid)
-                return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+                return self._serve_warm(sid, warm, security)
+        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
+            # A restore (a fork's child): a warm container of its template, given the restore's root.
+            warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
+            if warm is not None:
+                handle = self._serve_warm(sid, warm, security)
+                handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
+                return handle
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
             net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
+        # A later incarnation (a resumed pause, a restore after its host was lost) gets a container id,
+        # and so cgroups and scratch, of its own: the earlier one may still linger on a host that was cut
+        # off, and hosts sharing a kernel (dsec up --hosts) must not touch each other's.
+        cid = sid if spec.generation <= 0 else f"{sid}-g{spec.generation}"
+        self.t.cid[sid] = cid  # before the start: a failed one's teardown (destroy) removes this container
         if memory is None:
-            pid, sdir, group, info = await self._start(sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, priority=spec.priority)
+            pid, sdir, group, info = await self._start(cid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, priority=spec.priority)
         else:
             async with criu.restore_work_dir(self.data_dir, sid) as work:
                 restore = (await self.layers.path(memory), work)
                 pid, sdir, group, info = await self._start(
-                    sid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore, priority=spec.priority,
+                    cid, lowers, spec.disk_mb, spec.cpu, spec.memory_mb, security, net, labels, restore, priority=spec.priority,
                 )
-        self.t.cid[sid] = sid
-        return Handle(sid, pid, self._extra(sid, sdir, group, security, info, net))
+        if cid != sid:
+            self.t.clients[sid] = self.t.clients.pop(cid)  # ops find a sandbox's agent by its id
+        return Handle(sid, pid, self._extra(cid, sdir, group, security, info, net))
+
+    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement) -> Handle:
+        self.t.cid[sid] = warm.cid
+        self.t.clients[sid] = self.t.clients.pop(warm.cid)
+        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+
+    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str]) -> None:
+        """The warm container's root becomes the restore's: its lowers over a fresh upper (``warmroot``)."""
+        t0 = time.perf_counter()
+        layout = RootfsLayout(w.sdir)
+        old = os.path.join(w.sdir, WARM_OLD)
+        fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
+        t1 = time.perf_counter()
+        ms: dict[str, float] = {}
+
+        async def timed(name: str, work: Awaitable[Any]) -> Any:
+            t = time.perf_counter()
+            try:
+                return await work
+            finally:
+                ms[name] = round((time.perf_counter() - t) * 1000, 1)
+
+        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
+        try:  # the limits and labels meanwhile: they do not touch the root (either failing, the container is removed)
+            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec)))
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(layout.run, STAGE_NAME))
+        log.info("warm_restore", sandbox_id=spec.sandbox_id, container=w.cid, upper_ms=round((t1 - t0) * 1000, 1),
+                 helper_ms=round(float(out.get("ms", 0.0)), 1), ms=round((time.perf_counter() - t1) * 1000, 1), **ms)
+        shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
-        await asyncio.to_thread(set_limits, w.cid, spec.cpu, spec.memory_mb)
-        await asyncio.to_thread(set_class, w.cid, spec.cpu, spec.priority)
+        # A few small cgroupfs writes, inline (as a cold start's): a hop to the default executor (a few
+        # threads) queues behind a burst's, and a fork of 64 claims 64 at once.
+        set_limits(w.cid, spec.cpu, spec.memory_mb)
+        set_class(w.cid, spec.cpu, spec.priority)
         await self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
 
     async def _start_warm(self, cid: str, r: Recipe) -> Warm:
+        if self.warm_restores and takes_restore(r.security) and not self._bg_helpers:
+            self._bg_helpers = True  # the helpers that give restores a root, started before the first one
+            task = asyncio.ensure_future(self.warmroot.prestart())
+            self._bg.add(task)
+            task.add_done_callback(self._bg.discard)
         pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None)
         return Warm(cid, pid, sdir, info)
 
@@ -243,6 +304,7 @@ class ContainerBackend:
                 masked_paths=security.masked_paths,
                 readonly_paths=security.readonly_paths,
                 no_new_privileges=security.no_new_privileges,
+                setup_capabilities=security.setup_capabilities,
                 restore_from=restore[0],
                 restore_work=restore[1],
             ))

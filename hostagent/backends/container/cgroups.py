@@ -43,10 +43,20 @@ def set_cpu(cid: str, cpu: float) -> None:
 # gets the kernel's minimum weight and never preempts it on wake-up, so it runs on the cycles the
 # others leave. Set on the sandbox's own cgroup, not a shared class parent: a warm container's
 # cgroup path is fixed when it is pre-started, before the class of the sandbox that claims it is
-# known. The quota (its CPU share) stays only an upper bound. Host services (the host agent, NATS)
-# sit outside ``/dsec`` and meet it with the normal weight of one group.
+# known. The quota (its CPU share) stays only an upper bound.
+#
+# An idle cgroup is idle only against its siblings: ``/dsec`` itself, where best-effort work runs,
+# is a plain busy group against the host agent, NATS and every other task at the top, so their
+# wake-ups waited out a best-effort spinner's slice (the latency-sensitive exec path crosses a few:
+# +7% at 50% load, more at 100%). So the best-effort sandbox's threads are SCHED_IDLE tasks as well
+# (what its agent forks inherits the policy; without CAP_SYS_NICE nothing inside can leave it): the
+# kernel lets any other task that wakes preempt an idle-policy one at once, whatever its cgroup, and
+# counts a core running only those as idle when it places a wake-up. Host services sit outside
+# ``/dsec`` with the normal weight of one group: best-effort work still gets its fair share against
+# the rest of the host's work (a top-level idle parent would starve it, its agent too, on a busy host).
 LATENCY_WEIGHT = 8
 MAX_SHARES = 262144
+_POLICY_PASSES = 5  # a thread started while the policy is set is caught by the next pass
 
 
 def class_shares(cpu: float, priority: str) -> int:
@@ -55,8 +65,9 @@ def class_shares(cpu: float, priority: str) -> int:
 
 
 def set_class(cid: str, cpu: float, priority: str) -> None:
-    """Put the container's cgroup in the CPU class of ``priority``. The kernel refuses a weight on an
-    idle group (EINVAL), so the idle flag is cleared first and set last."""
+    """Put the container's cgroup in the CPU class of ``priority``, and its threads in the class's
+    scheduling policy. The kernel refuses a weight on an idle group (EINVAL), so the idle flag is
+    cleared first and set last."""
     base = CGROUP_ROOT / "cpu" / _REL / cid
     idle = base / "cpu.idle"
     if idle.exists():
@@ -64,6 +75,40 @@ def set_class(cid: str, cpu: float, priority: str) -> None:
     (base / "cpu.shares").write_text(str(class_shares(cpu, priority)))
     if priority == "best-effort" and idle.exists():
         idle.write_text("1")
+    set_policy(base / "tasks", priority == "best-effort")
+
+
+def set_policy(tasks: Path, idle: bool) -> None:
+    """Every thread listed in ``tasks`` SCHED_IDLE (``idle``) or, if it is SCHED_IDLE, SCHED_OTHER."""
+    want = os.SCHED_IDLE if idle else os.SCHED_OTHER
+    param = os.sched_param(0)
+    for _ in range(_POLICY_PASSES):
+        changed = 0
+        for tid in tasks.read_text().split():
+            try:
+                now = os.sched_getscheduler(int(tid))
+                if now != want and (idle or now == os.SCHED_IDLE):
+                    os.sched_setscheduler(int(tid), want, param)
+                    changed += 1
+            except ProcessLookupError:  # exited meanwhile
+                pass
+        if not changed:
+            return
+
+
+def task_policy_idle(cid: str) -> bool:
+    """Whether every thread of the container runs SCHED_IDLE (for tests and the dashboard's word)."""
+    try:
+        tids = (CGROUP_ROOT / "cpu" / _REL / cid / "tasks").read_text().split()
+    except OSError:
+        return False
+    out = True
+    for tid in tids:
+        try:
+            out = out and os.sched_getscheduler(int(tid)) == os.SCHED_IDLE
+        except ProcessLookupError:
+            pass
+    return bool(tids) and out
 
 
 def cpu_class(cid: str) -> Priority | None:
@@ -208,5 +253,5 @@ class Meter:
 
 __all__ = [
     "CGROUP_ROOT", "LATENCY_WEIGHT", "MEM_CGROUP", "START_CPU", "Meter", "cgroup_path", "cgroups_of", "children", "class_shares", "cpu_class",
-    "in_cgroup", "kill", "memory_bytes", "remove_cgroups", "set_class", "set_cpu", "set_limits",
+    "in_cgroup", "kill", "memory_bytes", "remove_cgroups", "set_class", "set_cpu", "set_limits", "set_policy", "task_policy_idle",
 ]

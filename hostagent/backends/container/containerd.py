@@ -185,6 +185,7 @@ class ContainerSpec:
     masked_paths: Sequence[str] = MASKED_PATHS
     readonly_paths: Sequence[str] = READONLY_PATHS
     no_new_privileges: bool = True
+    setup_capabilities: Sequence[str] = ()  # the agent's alone, never in the bounding set (see build_spec)
     restore_from: str = ""
     restore_work: str = ""
 
@@ -294,11 +295,18 @@ def build_spec(
     masked_paths: Sequence[str] = MASKED_PATHS,
     readonly_paths: Sequence[str] = READONLY_PATHS,
     no_new_privileges: bool = True,
+    setup_capabilities: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The OCI runtime spec (as a dict) for one sandbox container.
 
     `seccomp_profile`: the OCI `linux.seccomp` object to use (from the sandbox's guard profile);
     None with `seccomp=True` uses the built-in default profile's.
+
+    `setup_capabilities`: capabilities the first process (the agent) holds on top of `capabilities`
+    only while it confines itself: it drops them from every set, the bounding set included, before
+    it serves (``--setup-cap``; it exits if it cannot). They have to be in the bounding set at its
+    start: runc drops the bounding set before it sets the others, and the kernel then refuses any
+    capability outside it (and no execve would carry one over).
     """
     if not args:
         raise ValueError("args must not be empty")
@@ -308,13 +316,14 @@ def build_spec(
         if not k or "=" in k or "\0" in k:
             raise ValueError(f"invalid env name {k!r}")
     caps = list(capabilities)
+    extra = [c for c in setup_capabilities if c not in caps]
     process: dict[str, Any] = {
         "terminal": False,
         "user": {"uid": 0, "gid": 0},
         "args": list(args),
         "env": [f"{k}={v}" for k, v in envd.items()],
         "cwd": cwd,
-        "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+        "capabilities": {"bounding": caps + extra, "effective": caps + extra, "permitted": caps + extra},
         "rlimits": [{"type": "RLIMIT_NOFILE", "hard": (n := _max_nofile(nofile)), "soft": n}],
         "noNewPrivileges": bool(no_new_privileges),
     }
@@ -557,6 +566,7 @@ class ContainerRuntime:
             masked_paths=c.masked_paths,
             readonly_paths=c.readonly_paths,
             no_new_privileges=c.no_new_privileges,
+            setup_capabilities=c.setup_capabilities,
         )
         containers, tasks = self._stubs()
         runtime = containers_pb2.Container.Runtime(name=RUNTIME)

@@ -34,8 +34,9 @@ class ResetFailed(RuntimeError):
 class NsResetters:
     """The helper processes (``nsreset``), started on first use and kept."""
 
-    def __init__(self, n: int = HELPERS) -> None:
+    def __init__(self, n: int = HELPERS, helper: Path = HELPER) -> None:
         self.n = n
+        self.helper = helper  # the script (warm restores use another one of the same protocol: ``warmroot``)
         self._free: asyncio.Queue[asyncio.subprocess.Process] | None = None
         self._all: list[asyncio.subprocess.Process] = []
         self._starting = 0
@@ -46,10 +47,24 @@ class NsResetters:
     async def _start(self) -> asyncio.subprocess.Process:
         # -I -S: the helper needs the standard library only, and runs as root: no site, no env.
         p = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", str(HELPER), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            sys.executable, "-I", "-S", str(self.helper), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         )
         self._all.append(p)
         return p
+
+    async def prestart(self) -> None:
+        """Every helper started now (off the path of the first requests: a Python start on a loaded host
+        takes a second)."""
+        if self._free is None:
+            self._free = asyncio.Queue()
+        free = self._free
+        want = self.n - len(self._all) - self._starting
+        self._starting += want
+        try:
+            for p in await asyncio.gather(*(self._start() for _ in range(want))):
+                free.put_nowait(p)
+        finally:
+            self._starting -= want
 
     async def run(self, req: dict[str, Any]) -> dict[str, Any]:
         if self._free is None:

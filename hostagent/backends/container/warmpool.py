@@ -58,6 +58,17 @@ class Warm:
     info: AgentInfo
 
 
+def takes_restore(security: Enforcement) -> bool:
+    """Whether a warm container of this profile may be given a restore's root (``warmroot``): not when
+    the agent holds Landlock rules (bound to the old root's inodes) nor when a read-only bind shows a
+    directory of the old root (only /proc and /sys, kernel file systems moved whole, may have them)."""
+    kernel = ("/proc", "/sys")
+    binds = [*security.readonly_paths, *security.masked_paths]
+    return not any(a.startswith("--landlock") for a in security.agent_args) and all(
+        any(p == k or p.startswith(k + "/") for k in kernel) for p in binds
+    )
+
+
 StartFn = Callable[[str, Recipe], Awaitable[Warm]]
 RemoveFn = Callable[[str], Awaitable[None]]
 ClaimFn = Callable[[Warm], Awaitable[None]]
@@ -113,6 +124,26 @@ class WarmPool:
                 self._waiting.discard(w.cid)
             return w
         return None
+
+    def base_of(self, key: WarmKey) -> WarmKey | None:
+        """The pool with a container waiting whose layers ``key``'s start with (its template's: a
+        restore stacks its snapshot's layers over them), of the same disk size and compiled profile."""
+        for k, entries in self._entries.items():
+            if entries and len(k.layers) < len(key.layers) and key.layers[: len(k.layers)] == k.layers \
+                    and (k.disk_mb, k.profile, k.fingerprint) == (key.disk_mb, key.profile, key.fingerprint):
+                return k
+        return None
+
+    async def claim_under(self, key: WarmKey, configure: ClaimFn) -> Warm | None:
+        """A waiting container of the template ``key`` is a restore over, given the restore's root by
+        ``configure``; None when none waits (the restore starts cold). Its pool refills."""
+        base = self.base_of(key)
+        if base is None:
+            return None
+        try:
+            return await self._claim(base, configure)
+        finally:
+            self._refill(base)
 
     def _retire_stale(self, key: WarmKey) -> None:
         """Drop the pools started for an earlier content of the same profile (same image and disk):
@@ -187,4 +218,4 @@ class WarmPool:
                 pass
 
 
-__all__ = ["Recipe", "Warm", "WarmKey", "WarmPool"]
+__all__ = ["Recipe", "Warm", "WarmKey", "WarmPool", "takes_restore"]

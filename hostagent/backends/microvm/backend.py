@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import structlog
 
@@ -29,7 +29,7 @@ from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement
 from ...network import NetworkConfig, NetworkManager
 from . import net, qemu, snapshot
-from .kernel import GUEST_MODULES, Kernel, build_initramfs, ensure_kernel
+from .kernel import GUEST_MODULES, PACKAGE, PMEM_MODULES, Kernel, build_initramfs, ensure_kernel, has_pmem_dax
 from .serialmux import SerialMux
 
 log = structlog.get_logger("dsec.hostagent.microvm")
@@ -37,6 +37,10 @@ log = structlog.get_logger("dsec.hostagent.microvm")
 BOOT_TIMEOUT_S = 90.0  # TCG on a busy host; KVM boots in a fraction of it
 MIN_MEMORY_MB = 160  # the cloud kernel and its initramfs
 DEFAULT_DISK_MB = 1024
+# How the template's layers reach the guest: virtio-pmem regions it reads in place with DAX (one copy
+# in the host's page cache for every VM on the host), or read-only virtio-blk disks (each guest
+# caches what it reads in its own RAM). "virtio-pmem" is the choice before a guest confirmed DAX.
+LayerMode = Literal["virtio-pmem+dax", "virtio-pmem", "virtio-blk"]
 
 
 class MicroVMBackend:
@@ -45,10 +49,11 @@ class MicroVMBackend:
     name: BackendName = "microvm"
     machine: qemu.Machine = "microvm"
     modules: tuple[str, ...] = GUEST_MODULES
+    kernel_package = PACKAGE
 
     def __init__(
         self, data_dir: str, *, kernel_cache: str | None = None, accel: str | None = None, lazy_mount: str | None = None,
-        network: NetworkConfig | None = None,
+        network: NetworkConfig | None = None, layers: str | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.root = self.data_dir / "mvm"  # short: the VM's unix socket paths must fit in 107 bytes
@@ -56,6 +61,8 @@ class MicroVMBackend:
         self.kernel_cache = kernel_cache or str(self.root / "kernel")
         self.lazy_mount = lazy_mount or str(self.data_dir / "lazy")
         self.forced_accel = accel
+        self.forced_layers = layers  # "blk": never virtio-pmem; "pmem": even if a guest found no DAX before
+        self.layer_mode: LayerMode = "virtio-blk"
         self.accel: qemu.Accel = "tcg"
         self.kernel: Kernel | None = None
         self.initrd = ""
@@ -70,15 +77,45 @@ class MicroVMBackend:
         if qemu.qemu_binary() is None:
             raise CreateFailed("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86)")
         self.vms.mkdir(parents=True, exist_ok=True)
-        self.kernel = await asyncio.to_thread(ensure_kernel, self.kernel_cache)
+        self.kernel = await asyncio.to_thread(ensure_kernel, self.kernel_cache, self.kernel_package)
         agent = await asyncio.to_thread(ensure_agent_binary, str(self.data_dir))
-        self.initrd = await asyncio.to_thread(build_initramfs, agent, self.kernel, str(self.root), self.modules)
+        self.layer_mode = self._layer_mode()
+        modules = self.modules + (PMEM_MODULES if self.layer_mode != "virtio-blk" else ())
+        self.initrd = await asyncio.to_thread(build_initramfs, agent, self.kernel, str(self.root), tuple(dict.fromkeys(modules)))
         if self.forced_accel in ("kvm", "tcg"):
             self.accel = "kvm" if self.forced_accel == "kvm" else "tcg"
         else:
             self.accel = await self._probe()
         await self.net.start()
-        log.info("microvm_backend", accel=self.accel, kernel=self.kernel.release)
+        log.info("microvm_backend", accel=self.accel, kernel=self.kernel.release, layers=self.layer_mode)
+
+    def _layer_mode(self) -> LayerMode:
+        """virtio-pmem when the guest kernel has what DAX needs, unless a guest here found otherwise."""
+        assert self.kernel is not None
+        if self.forced_layers == "blk" or not has_pmem_dax(self.kernel):
+            return "virtio-blk"
+        try:
+            if self.forced_layers != "pmem" and self._layers_memo().read_text().strip() == "virtio-blk":
+                return "virtio-blk"
+        except OSError:
+            pass
+        return "virtio-pmem"
+
+    def _layers_memo(self) -> Path:
+        assert self.kernel is not None
+        return self.root / f"layers-{self.kernel.release}"
+
+    async def _check_dax(self, sid: str) -> None:
+        """The first guest's report of how it mounted its layers (``/run/dsec/layers``): all DAX
+        confirms virtio-pmem; anything else falls back to virtio-blk for the VMs that follow."""
+        res = await self.exec(Handle(sid), ExecRequest(cmd="cat /run/dsec/layers"), None)
+        got = {ln.split()[-1] for ln in res.stdout.decode(errors="replace").splitlines() if ln.strip()}
+        if res.exit_code == 0 and got == {"dax"}:
+            self.layer_mode = "virtio-pmem+dax"
+            return
+        log.warning("microvm_no_dax", sandbox_id=sid, report=res.stdout.decode(errors="replace").strip())
+        self.layer_mode = "virtio-blk"
+        self._layers_memo().write_text("virtio-blk")
 
     async def _probe(self) -> qemu.Accel:
         """The probe's answer, kept per kernel in the data dir (a restart does not boot it again)."""
@@ -114,7 +151,8 @@ class MicroVMBackend:
 
     def advertise(self) -> HostBackend:
         kernel = self.kernel.release if self.kernel else ""
-        return HostBackend(name=self.name, max_cpu=float(os.cpu_count() or 1), detail={"accel": self.accel, "kernel": kernel})
+        detail = {"accel": self.accel, "kernel": kernel, "layers": self.layer_mode}
+        return HostBackend(name=self.name, max_cpu=float(os.cpu_count() or 1), detail=detail)
 
     # --- create / destroy -------------------------------------------------------------------
     def _dir(self, sid: str) -> str:
@@ -141,6 +179,28 @@ class MicroVMBackend:
                 if r.returncode != 0:
                     os.unlink(tmp)
                     raise ImageError(f"cannot pack layer {ref.digest} as EROFS: {r.stderr.strip()}")
+                _pad(tmp)
+                os.rename(tmp, out)
+        return str(out)
+
+    async def _pmem_blob(self, ref: LayerRef) -> str:
+        """The layer's blob with a size virtio-pmem can map: the blob itself when it has one, else
+        one zero-padded copy per host (EROFS ignores what follows its last block)."""
+        blob = await self._blob(ref)
+        if os.path.getsize(blob) % qemu.PMEM_ALIGN == 0:
+            return blob
+        key = hashlib.sha256(f"{ref.digest}\0{blob}".encode()).hexdigest()[:24]
+        out = self.root / "layers" / f"{key}.pmem"
+        async with self._layer_locks.setdefault(f"pmem-{key}", asyncio.Lock()):
+            if not out.exists():
+                out.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".pad-")
+                os.close(fd)
+                r = await asyncio.to_thread(subprocess.run, ["cp", "--reflink=auto", blob, tmp], capture_output=True, text=True)
+                if r.returncode != 0:
+                    os.unlink(tmp)
+                    raise ImageError(f"cannot copy layer {ref.digest}: {r.stderr.strip()}")
+                _pad(tmp)
                 os.rename(tmp, out)
         return str(out)
 
@@ -169,18 +229,21 @@ class MicroVMBackend:
                 att = await self.net.setup(sid, spec.network)  # torn down by _remove() if anything below fails
                 nic = await asyncio.to_thread(net.plumb, att, sid)
             vcpus, memory_mb = max(1, math.ceil(spec.cpu)), max(MIN_MEMORY_MB, spec.memory_mb)
+            pmem = self.layer_mode != "virtio-blk" and len(layers) <= qemu.PMEM_MAX_LAYERS
             if memory is not None:
                 mem_dir = await self._mount_memory(memory)
                 meta = snapshot.read_meta(mem_dir)
                 # The snapshot's own file layers are in its disk already: the VM gets the devices it had.
                 layers, vcpus, memory_mb = layers[:int(meta["layers"])], int(meta["vcpus"]), int(meta["memory_mb"])
+                pmem = bool(meta.get("pmem", False))
                 await asyncio.to_thread(snapshot.restore_disk, mem_dir, upper)
             else:
                 await asyncio.to_thread(_make_disk, upper, spec.disk_mb or DEFAULT_DISK_MB)
-            blobs = [await self._blob(layer) for layer in layers]  # bottom first, as the guest's init numbers them
+            # bottom first, as the guest's init numbers them
+            blobs = [await (self._pmem_blob(layer) if pmem else self._blob(layer)) for layer in layers]
             vm = qemu.VMSpec(
                 d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=vcpus, memory_mb=memory_mb, layers=blobs, upper=upper,
-                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine, net=nic,
+                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine, net=nic, pmem=pmem,
             )
             pid = await qemu.launch(vm)
             if mem_dir:
@@ -189,6 +252,8 @@ class MicroVMBackend:
             if att is not None and att.hosts:
                 await self.exec(Handle(sid), ExecRequest(cmd=net.hosts_script(att.hosts)), None)
             if not mem_dir:
+                if pmem and self.layer_mode == "virtio-pmem":
+                    await self._check_dax(sid)
                 await self._booted(sid)
         except (OSError, RuntimeError, AgentError, asyncio.TimeoutError) as exc:
             console = _tail(os.path.join(d, "console.log"))
@@ -200,7 +265,7 @@ class MicroVMBackend:
         finally:
             if memory is not None:
                 await self._unmount_memory(memory)
-        extra = {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs)}
+        extra = {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs), "pmem": pmem}
         return Handle(sid, pid, extra | ({"net": att.to_extra()} if att is not None else {}))
 
     async def _booted(self, sid: str) -> None:
@@ -349,7 +414,8 @@ class MicroVMBackend:
     async def checkpoint(self, handle: Handle, image_dir: str, work_dir: str) -> None:
         """QEMU's migration stream of the stopped VM, and its disk, into ``image_dir``."""
         x = handle.extra
-        meta = {"layers": x.get("layers", 1), "vcpus": x.get("vcpus", 1), "memory_mb": x.get("memory_mb", MIN_MEMORY_MB), "accel": self.accel}
+        meta = {"layers": x.get("layers", 1), "vcpus": x.get("vcpus", 1), "memory_mb": x.get("memory_mb", MIN_MEMORY_MB), "accel": self.accel,
+                "pmem": bool(x.get("pmem", False))}
         await snapshot.checkpoint(self._dir(handle.sandbox_id), image_dir, meta)
 
 
@@ -361,6 +427,12 @@ def _make_disk(path: str, size_mb: int) -> None:
     r = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "lazy_itable_init=1", path], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"mkfs.ext4: {r.stderr.strip()}")
+
+
+def _pad(path: str) -> None:
+    """Grow the file with zeros to a whole number of virtio-pmem pages (sparse: no disk used)."""
+    size = os.path.getsize(path)
+    os.truncate(path, -(-size // qemu.PMEM_ALIGN) * qemu.PMEM_ALIGN)
 
 
 def _tail(path: str, n: int = 1500) -> str:

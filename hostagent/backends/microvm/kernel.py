@@ -17,9 +17,14 @@ from pathlib import Path
 from bus.errors import CreateFailed
 
 PACKAGE = "linux-image-cloud-amd64"
+GENERIC_PACKAGE = "linux-image-amd64"  # the full VM's: it has DRM (bochs, virtio-gpu) and fbdev drivers for a display
 # what vm_boot (dsec-agent.c) needs that this kernel builds as modules; dependencies are added
 # (virtio_net: the NIC of a VM with a network)
 GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
+# the template's layers as virtio-pmem regions (PCI devices; nd_pmem makes their block devices)
+PMEM_MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem")
+# what a guest needs to read a layer in place over virtio-pmem (EROFS's DAX support is under FS_DAX)
+PMEM_OPTIONS = ("CONFIG_VIRTIO_PMEM", "CONFIG_LIBNVDIMM", "CONFIG_BLK_DEV_PMEM", "CONFIG_ZONE_DEVICE", "CONFIG_FS_DAX", "CONFIG_EROFS_FS")
 
 
 @dataclass(frozen=True)
@@ -36,23 +41,27 @@ def _run(argv: list[str], cwd: str) -> str:
     return r.stdout
 
 
-def ensure_kernel(cache_dir: str) -> Kernel:
-    """The cached kernel, fetched on first use: the meta package names the versioned image package
-    (``Depends: linux-image-<release> (= ...)``) whose files are extracted into ``<cache>/<release>``."""
+def ensure_kernel(cache_dir: str, package: str = PACKAGE) -> Kernel:
+    """The cached kernel, fetched on first use: the meta package (``linux-image-<flavour>``) names
+    the versioned image package (``Depends: linux-image-<release> (= ...)``) whose files are
+    extracted into ``<cache>/<release>``; releases of other flavours in the cache are not taken."""
     cache = Path(cache_dir)
+    flavour = package.removeprefix("linux-image-")
     for d in sorted(cache.glob("*/boot"), reverse=True) if cache.exists() else []:
+        if d.parent.name.split("-", 2)[-1] != flavour:  # 6.1.0-57-cloud-amd64: cloud-amd64
+            continue
         found = _kernel_in(d.parent)
         if found is not None:
             return found
     cache.mkdir(parents=True, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".fetch-", dir=cache)
     try:
-        _run(["apt-get", "download", PACKAGE], work)
+        _run(["apt-get", "download", package], work)
         meta = next(Path(work).glob("*.deb"))
         depends = _run(["dpkg-deb", "-f", str(meta), "Depends"], work)
         m = re.search(r"(linux-image-[0-9][^\s,(]*)", depends)
         if m is None:
-            raise CreateFailed(f"{PACKAGE} names no kernel image package: {depends!r}")
+            raise CreateFailed(f"{package} names no kernel image package: {depends!r}")
         _run(["apt-get", "download", m.group(1)], work)
         image = next(p for p in Path(work).glob("*.deb") if p.name.startswith(m.group(1) + "_"))
         release = m.group(1).removeprefix("linux-image-")
@@ -77,10 +86,29 @@ def _kernel_in(root: Path) -> Kernel | None:
     return Kernel(str(vmlinuz), str(root / "lib" / "modules" / release), release)
 
 
+def config(kernel: Kernel) -> dict[str, str]:
+    """The kernel's build options (``boot/config-<release>`` of the extracted package)."""
+    path = Path(kernel.vmlinuz).parent / f"config-{kernel.release}"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    return dict(ln.split("=", 1) for ln in lines if "=" in ln and not ln.startswith("#"))
+
+
+def has_pmem_dax(kernel: Kernel) -> bool:
+    opts = config(kernel)
+    return all(opts.get(o) in ("y", "m") for o in PMEM_OPTIONS)
+
+
 def module_order(modules_dir: str, wanted: tuple[str, ...] = GUEST_MODULES) -> list[str]:
     """Paths of ``wanted`` and what they depend on (from each module's ``depends=``), dependencies
     first: the order ``finit_module`` needs them in."""
     by_name = {p.name[:-3].replace("-", "_"): p for p in Path(modules_dir).rglob("*.ko")}
+    try:  # what this kernel has built in (the generic kernel builds in some the cloud one has as modules)
+        builtin = {ln.rsplit("/", 1)[-1].removesuffix(".ko").replace("-", "_") for ln in Path(modules_dir, "modules.builtin").read_text().split()}
+    except OSError:
+        builtin = set()
     out: list[str] = []
     seen: set[str] = set()
 
@@ -89,6 +117,8 @@ def module_order(modules_dir: str, wanted: tuple[str, ...] = GUEST_MODULES) -> l
             return
         seen.add(name)
         path = by_name.get(name)
+        if path is None and name in builtin:
+            return
         if path is None:
             raise CreateFailed(f"kernel module {name} is not in {modules_dir}")
         m = re.search(rb"depends=([A-Za-z0-9_,-]*)\0", path.read_bytes())
@@ -136,4 +166,4 @@ def build_initramfs(agent_bin: str, kernel: Kernel, out_dir: str, wanted: tuple[
     return str(path)
 
 
-__all__ = ["GUEST_MODULES", "Kernel", "build_initramfs", "ensure_kernel", "module_order"]
+__all__ = ["GENERIC_PACKAGE", "GUEST_MODULES", "PMEM_MODULES", "Kernel", "config", "has_pmem_dax", "build_initramfs", "ensure_kernel", "module_order"]

@@ -16,6 +16,9 @@ from typing import Any, Literal
 Accel = Literal["kvm", "tcg"]
 Machine = Literal["microvm", "q35"]
 QEMU = "qemu-system-x86_64"
+PMEM_ALIGN = 2 << 20  # a virtio-pmem region's size: whole 2 MiB pages (the guest maps it with ZONE_DEVICE)
+PMEM_SLOT = 0x10  # layer i's virtio-pmem device sits in PCI slot PMEM_SLOT + i: how the guest tells them apart
+PMEM_MAX_LAYERS = 15  # slots 0x10..0x1e; a template with more layers gets virtio-blk disks
 PROBE_TIMEOUT_S = 8.0  # KVM boots the probe in well under a second; a PVM host's /dev/kvm hangs it
 
 
@@ -69,17 +72,28 @@ class VMSpec:
     cmdline_extra: str = ""
     machine: Machine = "microvm"  # q35: the full-VM backend's PC with a display (PCI devices)
     net: NetSpec | None = None  # a NIC: QEMU runs in the sandbox's netns, on its tap
-
+    # layers as virtio-pmem regions mapping the blobs read-only and shared (each blob's size a
+    # multiple of PMEM_ALIGN): every VM's guest reads the host's one page-cache copy, with DAX in place
+    pmem: bool = False
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
     def argv(self, daemonize: bool = True) -> list[str]:
         cpu = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
-        bus = "device" if self.machine == "microvm" else "pci"  # virtio-mmio or virtio-pci devices
+        # virtio-pmem needs the PC machine: QEMU's microvm has no device-memory area to map a region in
+        # (it plugs one at guest address 0, which the guest cannot claim), so a microVM with pmem
+        # layers is a q35 without a display.
+        pc = self.machine == "q35" or self.pmem
+        bus = "pci" if pc else "device"  # virtio-pci or virtio-mmio devices
         # microvm: ACPI stays on, it is how this kernel finds the virtio-mmio devices (no cmdline devices)
-        machine = ["-M", "microvm,acpi=on,rtc=on"] if self.machine == "microvm" else ["-M", "q35", "-vga", "std"]
+        machine = ["-M", "microvm,acpi=on,rtc=on"] if not pc else ["-M", "q35", "-vga", "std" if self.machine == "q35" else "none"]
         extra = self.cmdline_extra if self.machine == "microvm" else f"console=tty0 {self.cmdline_extra}"
+        memory = str(self.memory_mb)
+        if self.pmem:
+            extra = f"{extra} dsec_pmem=1"
+            regions = sum(os.path.getsize(b) for b in self.layers) >> 20
+            memory = f"{self.memory_mb},slots={len(self.layers)},maxmem={self.memory_mb + regions}M"
         if self.net is not None:
             extra = f"{extra} dsec_ip={self.net.ip} dsec_gw={self.net.gateway}"
         # With a NIC, QEMU itself runs in the sandbox's netns: it opens the tap there, and it can
@@ -87,7 +101,7 @@ class VMSpec:
         a = ["nsenter", f"--net={self.net.netns}", "--"] if self.net is not None else []
         a += [
             QEMU, "-name", self.name or "dsec-microvm",
-            *machine, *cpu, "-m", str(self.memory_mb), "-smp", str(self.vcpus),
+            *machine, *cpu, "-m", memory, "-smp", str(self.vcpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", self.kernel, "-initrd", self.initrd, "-append", kernel_cmdline(len(self.layers), extra),
             "-serial", f"file:{self.path('console.log')}",
@@ -101,6 +115,10 @@ class VMSpec:
                   "-drive", f"id=upper,file={self.upper},format=raw,if=none,cache=unsafe,discard=unmap",
                   "-device", f"virtio-blk-{bus},drive=upper,serial=upper"]
         for i, blob in enumerate(self.layers):
+            if self.pmem:
+                a += ["-object", f"memory-backend-file,id=l{i},mem-path={blob},size={os.path.getsize(blob)},share=on,readonly=on",
+                      "-device", f"virtio-pmem-pci,memdev=l{i},id=layer{i},addr={PMEM_SLOT + i:#x}"]
+                continue
             a += ["-drive", f"id=l{i},file={blob},format=raw,if=none,readonly=on",
                   "-device", f"virtio-blk-{bus},drive=l{i},serial=layer{i}"]
         if self.net is not None:
@@ -218,4 +236,7 @@ async def probe_accel(kernel: str, initrd: str, timeout_s: float = PROBE_TIMEOUT
     return "kvm" if ok else "tcg"
 
 
-__all__ = ["Accel", "Machine", "NetSpec", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary", "qmp", "read_pid", "rss_mb"]
+__all__ = [
+    "PMEM_ALIGN", "PMEM_MAX_LAYERS", "Accel", "Machine", "NetSpec", "QMPError", "VMSpec", "kill", "launch", "probe_accel", "qemu_binary",
+    "qmp", "read_pid", "rss_mb",
+]

@@ -51,7 +51,7 @@ class SerialMux:
             self._server.close()
         if self._pump is not None:
             self._pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, OSError):  # QEMU gone: the link's reset is no news
                 await self._pump
         self._drop_all()
         if self._w is not None:

@@ -24,6 +24,9 @@ STATE = "vm.state"
 DISK = "upper.qcow2"
 META = "vm.json"
 MIGRATE_TIMEOUT_S = 600.0
+# The layers of a VM with virtio-pmem layers are RAM to QEMU: the stream leaves them out (they are the
+# template's blobs, mapped shared and read-only by the restored VM too).
+IGNORE_SHARED = ("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -74,7 +77,8 @@ async def checkpoint(vm_dir: str, image_dir: str, meta: dict[str, Any]) -> None:
     """The (stopped) VM's RAM and devices, its disk and ``meta`` into ``image_dir``; it stays stopped."""
     qmp = os.path.join(vm_dir, "qmp.sock")
     state = os.path.join(image_dir, STATE)
-    await qemu.qmp(qmp, ("migrate", {"uri": f"exec:cat > {state}"}))
+    first = [IGNORE_SHARED] if meta.get("pmem") else []
+    await qemu.qmp(qmp, *first, ("migrate", {"uri": f"exec:cat > {state}"}))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + MIGRATE_TIMEOUT_S
     while True:
@@ -108,7 +112,8 @@ def restore_disk(image_dir: str, upper: str) -> None:
 async def incoming(vm_dir: str, image_dir: str, timeout_s: float = MIGRATE_TIMEOUT_S) -> None:
     """Feed the saved stream to a QEMU started with ``-incoming defer``; returns once the VM runs."""
     qmp = os.path.join(vm_dir, "qmp.sock")
-    await qemu.qmp(qmp, ("migrate-incoming", {"uri": f"exec:cat {os.path.join(image_dir, STATE)}"}))
+    first = [IGNORE_SHARED] if read_meta(image_dir).get("pmem") else []
+    await qemu.qmp(qmp, *first, ("migrate-incoming", {"uri": f"exec:cat {os.path.join(image_dir, STATE)}"}))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:

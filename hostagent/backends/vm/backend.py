@@ -1,11 +1,14 @@
 """``VMBackend``: the microvm backend on a q35 PC with a standard VGA display, a virtio tablet for
-absolute pointer events, and a shell on the first virtual terminal (the screen the display shows).
-Screenshots are QMP ``screendump`` (PNG); keys and clicks are QMP ``input-send-event``."""
+absolute pointer events, booted with Debian's generic kernel (its bochs DRM driver gives the display
+a framebuffer). On the screen: the template's desktop when it has one (``/usr/local/bin/dsec-desktop``,
+as the GUI template from ``compose/gui-rootfs.sh`` does: Xorg, twm, xterm), else a shell on the first
+virtual terminal. Screenshots are QMP ``screendump`` (PNG); keys and clicks are QMP ``input-send-event``."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import struct
 import tempfile
 from typing import Any
 
@@ -15,10 +18,13 @@ from bus.messages import BackendName, ExecRequest
 from ..._backend import Handle
 from ..microvm import qemu
 from ..microvm.backend import MicroVMBackend
-from ..microvm.kernel import GUEST_MODULES
+from ..microvm.kernel import GENERIC_PACKAGE, GUEST_MODULES
 
-# a login-less shell on tty1, its controlling terminal (what a user at the screen would type into)
-CONSOLE_SHELL = "setsid -c sh -c 'exec sh -i <>/dev/tty1 >&0 2>&0' >/dev/null 2>&1 &"
+DESKTOP = "/usr/local/bin/dsec-desktop"
+# the template's desktop, else a login-less shell on tty1, its controlling terminal (what a user at
+# the screen would type into)
+CONSOLE_SHELL = (f"if [ -x {DESKTOP} ]; then setsid {DESKTOP} </dev/null >/dev/null 2>&1 & "
+                 "else setsid -c sh -c 'exec sh -i <>/dev/tty1 >&0 2>&0' >/dev/null 2>&1 & fi")
 
 _NAMED = {
     " ": "spc", "\n": "ret", "\t": "tab", "-": "minus", "=": "equal", ".": "dot", ",": "comma", "/": "slash",
@@ -34,7 +40,6 @@ KEYS = {"enter": "ret", "return": "ret", "escape": "esc", "esc": "esc", "backspa
         **{f"f{i}": f"f{i}" for i in range(1, 13)}}
 MODIFIERS = {"ctrl": "ctrl", "shift": "shift", "alt": "alt", "meta": "meta_l", "super": "meta_l"}
 KEY_INTERVAL_S = 0.02  # a typist's pace the emulated keyboard's small queue keeps up with
-SCREEN = (720, 400)  # VGA text mode as screendump renders it; clicks are scaled from it to the tablet's range
 
 
 def _qcodes(ch: str) -> list[str]:
@@ -62,7 +67,10 @@ class VMBackend(MicroVMBackend):
 
     name: BackendName = "vm"
     machine: qemu.Machine = "q35"
-    modules = (*GUEST_MODULES, "virtio_pci", "virtio_input", "evdev")  # the tablet, and its /dev/input/event node
+    kernel_package = GENERIC_PACKAGE
+    # the tablet and its /dev/input/event node; the display's DRM driver (a framebuffer for fbcon and Xorg)
+    # (the generic kernel builds as modules what the cloud one has built in: ext4, and the crc32c EROFS asks for)
+    modules = ("crc32c_generic", "ext4", *GUEST_MODULES, "virtio_pci", "virtio_input", "evdev", "bochs")
 
     async def _booted(self, sid: str) -> None:
         await self.exec(Handle(sid), ExecRequest(cmd=CONSOLE_SHELL), None)
@@ -103,13 +111,20 @@ class VMBackend(MicroVMBackend):
             codes.append(code)
         await qemu.qmp(self._qmp_sock(handle), ("input-send-event", {"events": _press(codes)}))
 
+    async def screen_size(self, handle: Handle) -> tuple[int, int]:
+        """The display's mode now (a text console, the desktop's: the guest sets it), from a screenshot's PNG header."""
+        png = await self.screenshot(handle)
+        width, height = struct.unpack(">II", png[16:24])
+        return width, height
+
     async def input_click(self, handle: Handle, x: int, y: int, button: str = "left") -> None:
-        if not (0 <= x < SCREEN[0] and 0 <= y < SCREEN[1]):
-            raise InvalidArgument(f"({x}, {y}) is off the {SCREEN[0]}x{SCREEN[1]} screen")
-        move = [{"type": "abs", "data": {"axis": "x", "value": x * 32767 // (SCREEN[0] - 1)}},
-                {"type": "abs", "data": {"axis": "y", "value": y * 32767 // (SCREEN[1] - 1)}}]
+        w, h = await self.screen_size(handle)  # clicks are scaled from it to the tablet's range
+        if not (0 <= x < w and 0 <= y < h):
+            raise InvalidArgument(f"({x}, {y}) is off the {w}x{h} screen")
+        move = [{"type": "abs", "data": {"axis": "x", "value": x * 32767 // (w - 1)}},
+                {"type": "abs", "data": {"axis": "y", "value": y * 32767 // (h - 1)}}]
         btn = [{"type": "btn", "data": {"down": d, "button": button}} for d in (True, False)]
         await qemu.qmp(self._qmp_sock(handle), ("input-send-event", {"events": move + btn}))
 
 
-__all__ = ["CONSOLE_SHELL", "KEYS", "VMBackend"]
+__all__ = ["CONSOLE_SHELL", "DESKTOP", "KEYS", "VMBackend"]

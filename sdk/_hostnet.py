@@ -1,0 +1,132 @@
+"""Many hosts on one machine, each behind a network link of its own (``dsec up --hosts N``, the tests).
+
+Host ``i`` lives in network namespace ``dsec-<prefix>-host<i>``, joined to a bridge in the root
+namespace by a veth pair (``<prefix>h<i>`` in the root namespace, ``uplink`` inside): it reaches NATS
+over that link as a remote machine would (nats-server listens on the bridge's address, and every
+process of the stack uses that address), so cutting the link (``ip link set <prefix>h<i> down``) or
+shaping it (``tc qdisc ... tbf``) is what a real network fault does to that host. Only the network is
+separate: the host's processes (its agent, lazy loader and private containerd) are started with
+``nsenter --net``, sharing the machine's mounts, cgroups and /run/netns with the rest; each host's
+agent gets a net prefix of its own (``<prefix><i>``: its sandboxes' veths, netns and nft table) and a
+sandbox address pool of its own.
+
+Sandboxes on these hosts have no egress to the outside (the root namespace does not route for them).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import subprocess
+from dataclasses import dataclass
+
+NETNS_DIR = "/run/netns"
+UPLINK = "uplink"
+
+
+def _ip(*args: str, netns: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    argv = ["ip", *(("-n", netns) if netns else ()), *args]
+    return subprocess.run(argv, capture_output=True, text=True, check=check)
+
+
+@dataclass(frozen=True)
+class HostNet:
+    """The links of ``count`` hosts. ``prefix``: 2-5 of [a-z0-9] starting with ``ds`` (kernel names);
+    ``link_net``: the /24 of the bridge and the hosts' uplinks; ``pools``: one sandbox pool per host."""
+
+    prefix: str
+    count: int
+    link_net: str
+    pools: tuple[str, ...]
+    log_group: int = -1  # the NFLOG group each host's agent logs dropped packets to (-1: none)
+
+    def __post_init__(self) -> None:
+        if len(self.pools) < self.count:
+            raise ValueError(f"{self.count} hosts need {self.count} sandbox pools, got {len(self.pools)}")
+        if not (2 <= len(self.prefix) <= 5 and self.prefix.isalnum() and self.prefix.startswith("ds")):
+            raise ValueError(f"host net prefix must be 2-5 of [a-z0-9] starting with 'ds', got {self.prefix!r}")
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}br"
+
+    @property
+    def gateway(self) -> str:
+        """The bridge's address: where nats-server listens for the hosts (and everything else)."""
+        return str(ipaddress.ip_network(self.link_net)[1])
+
+    def address(self, i: int) -> str:
+        return str(ipaddress.ip_network(self.link_net)[10 + i])
+
+    def netns(self, i: int) -> str:
+        return f"dsec-{self.prefix}-host{i}"
+
+    def link(self, i: int) -> str:
+        """Host ``i``'s end of its link in the root namespace (what a fault cuts or shapes)."""
+        return f"{self.prefix}h{i}"
+
+    def net_prefix(self, i: int) -> str:
+        """Names host ``i``'s agent gives its sandboxes' kernel objects (apart from every other host's)."""
+        return f"{self.prefix}{i}"
+
+    def env(self, i: int) -> dict[str, str]:
+        """For host ``i``'s agent (hostagent's network config from the environment)."""
+        env = {"DSEC_NET_PREFIX": self.net_prefix(i), "DSEC_NET_POOL": self.pools[i]}
+        if self.log_group >= 0:
+            env["DSEC_NFLOG_GROUP"] = str(self.log_group)
+        return env
+
+    def enter(self, i: int) -> list[str]:
+        """The argv prefix that runs a command in host ``i``'s network namespace (nothing else changes)."""
+        return ["nsenter", f"--net={os.path.join(NETNS_DIR, self.netns(i))}", "--"]
+
+    def create(self) -> None:
+        """The bridge and every host's namespace and link; on failure, what was made is removed again."""
+        plen = ipaddress.ip_network(self.link_net).prefixlen
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/{plen}", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i in range(self.count):
+                ns = self.netns(i)
+                _ip("netns", "add", ns)
+                _ip("link", "add", self.link(i), "type", "veth", "peer", "name", UPLINK, "netns", ns)
+                _ip("link", "set", self.link(i), "master", self.bridge)
+                _ip("link", "set", self.link(i), "up")
+                _ip("link", "set", "lo", "up", netns=ns)
+                _ip("addr", "add", f"{self.address(i)}/{plen}", "dev", UPLINK, netns=ns)
+                _ip("link", "set", UPLINK, "up", netns=ns)
+                _ip("route", "add", "default", "via", self.gateway, netns=ns)
+        except subprocess.CalledProcessError as exc:
+            self.destroy()
+            raise RuntimeError(f"host network {self.prefix}: {' '.join(exc.cmd)}: {exc.stderr.strip()}") from None
+
+    def set_link(self, i: int, up: bool) -> None:
+        _ip("link", "set", self.link(i), "up" if up else "down")
+
+    def shape(self, i: int, rate: str, burst: str = "32kbit", latency: str = "400ms") -> None:
+        """Limit host ``i``'s link to ``rate`` both ways (tbf on each end: netem is not in this kernel)."""
+        for netns, dev in ((None, self.link(i)), (self.netns(i), UPLINK)):
+            args = ("qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", latency)
+            subprocess.run(["tc", *(("-n", netns) if netns else ()), *args], capture_output=True, text=True, check=True)
+
+    def unshape(self, i: int) -> None:
+        for netns, dev in ((None, self.link(i)), (self.netns(i), UPLINK)):
+            subprocess.run(["tc", *(("-n", netns) if netns else ()), "qdisc", "del", "dev", dev, "root"], capture_output=True, text=True)
+
+    def destroy(self) -> None:
+        """Remove every namespace and link of these hosts (deleting a namespace deletes its veth pair)."""
+        for i in range(self.count):
+            _ip("netns", "delete", self.netns(i), check=False)
+            _ip("link", "delete", self.link(i), check=False)
+        _ip("link", "delete", self.bridge, check=False)
+
+    def leftovers(self) -> list[str]:
+        """These hosts' names still in the kernel (empty after ``destroy``)."""
+        left = [f"link {n}" for n in os.listdir("/sys/class/net") if n == self.bridge or n.startswith(f"{self.prefix}h")]
+        if os.path.isdir(NETNS_DIR):
+            left += [f"netns {n}" for n in os.listdir(NETNS_DIR) if n.startswith(f"dsec-{self.prefix}-host")]
+        return left
+
+
+__all__ = ["HostNet"]
