@@ -33,6 +33,7 @@ from nats.aio.subscription import Subscription
 from nats.protocol.command import sub_cmd
 
 from .. import subjects as S
+from ..streams import default_replicas
 
 DEFAULT_MAX_INFLIGHT = 8192
 REFIRE_WINDOW_S = 10.0  # a core publish older than this before a disconnect was surely delivered
@@ -214,8 +215,12 @@ async def unsubscribe_answering(sub: Subscription | None, *, timeout_s: int = 2)
 class Publisher:
     """Acked writes to JetStream on one connection, pipelined; one per connection (``publisher_for``)."""
 
-    def __init__(self, nc: NATS, *, timeout_s: float = 30.0, max_inflight: int = DEFAULT_MAX_INFLIGHT) -> None:
+    def __init__(self, nc: NATS, *, timeout_s: float = 30.0, max_inflight: int = DEFAULT_MAX_INFLIGHT, acked_fires: bool | None = None) -> None:
         self.nc = nc
+        # On replicated streams a core publish can also be lost without the connection dropping: the
+        # node it reached stays up while the stream's leader is lost and a new one is elected. There
+        # ``fire`` waits for no ack but takes one (a callback, not a round trip on the caller's path).
+        self.acked_fires = default_replicas() > 1 if acked_fires is None else acked_fires
         self.timeout_s = timeout_s
         self.max_inflight = max(1, max_inflight)
         self.prefix = ""
@@ -299,9 +304,24 @@ class Publisher:
         after a reconnect, in case this one was lost with the connection (see the module note)."""
         if self._sub is None:
             await self.start()
+        if self.acked_fires and headers and S.HDR_MSG_ID in headers:
+            fut = await self.publish(subject, data, headers)
+            fut.add_done_callback(lambda f: self._fire_answered(f, subject, data, headers))
+            return
         await self.nc.publish(subject, data, headers=headers)
         if headers and S.HDR_MSG_ID in headers:
             self._fired.append((time.monotonic(), subject, data, headers))
+
+    def _fire_answered(self, fut: "asyncio.Future[PubAck]", subject: str, data: bytes, headers: dict[str, str]) -> None:
+        """A replicated stream's answer to a fired publish: one it did not store (no leader while the
+        node that led it was lost, an election, a timeout) is stored again, acked, until it is."""
+        if not fut.cancelled() and fut.exception() is None:
+            return
+        if self.nc.is_closed:
+            return
+        self._fired.append((time.monotonic(), subject, data, headers))
+        if self._refire is None or self._refire.done():
+            self._refire = asyncio.ensure_future(self._refire_lost())
 
     async def _refire_lost(self) -> None:
         """Store again, acked, every remembered core publish; retried while the server loads its

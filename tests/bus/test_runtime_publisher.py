@@ -183,3 +183,33 @@ async def test_sync_subscriptions_take_messages_until_unsubscribed(nc, uid) -> N
     await eventually(lambda: control == [b"seen"], timeout=10)
     assert got[-1] == b"99" and len(got) == 100
     await unsubscribe_answering(answering)
+
+
+async def test_acked_fires_not_stored_are_stored_again_without_a_reconnect(nc, uid) -> None:
+    """On replicated streams (``acked_fires``) a fired publish the stream did not take, with the
+    connection up all along (a stream without a leader answers nothing, as no stream does here), is
+    stored again until the stream takes it, each id once. Control: the same publishes fired without
+    acks stay lost."""
+    from bus.runtime import Publisher
+
+    js = nc.jetstream()
+    acked, plain = Publisher(nc, acked_fires=True), Publisher(nc, acked_fires=False)
+    try:
+        for i in range(20):
+            await acked.fire(f"f{uid}.a", b"x", {S.HDR_MSG_ID: f"a-{i}"})
+            await plain.fire(f"f{uid}.p", b"y", {S.HDR_MSG_ID: f"p-{i}"})
+        await nc.flush()
+        await eventually(lambda: acked._refire is not None and len(acked._fired) == 20, timeout=10, what="the refusals to come back")
+        await js.add_stream(name=f"F_{uid}", subjects=[f"f{uid}.>"])
+
+        async def stored() -> bool:
+            return (await js.stream_info(f"F_{uid}")).state.messages >= 20
+
+        await eventually(stored, timeout=30, what="the fired publishes stored again")
+        await eventually(lambda: not acked._fired, timeout=10, what="the refire round to finish")
+        info = await js.stream_info(f"F_{uid}", subjects_filter=f"f{uid}.>")
+        assert info.state.messages == 20 and info.state.subjects == {f"f{uid}.a": 20}  # each acked id once, none of the plain ones
+    finally:
+        await acked.stop()
+        await plain.stop()
+        await js.delete_stream(f"F_{uid}")

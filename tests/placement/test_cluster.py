@@ -91,12 +91,6 @@ def cluster(tmp_path, monkeypatch):
     c.stop()
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap, not a timing flake: when the killed node also leads DSEC_EVT, ready events the hosts fired "
-    "(core publishes, Publisher.fire) into the election can be missing from the stream (seen once: 1,725 of 2,000 "
-    "not read back, every record running; dropped or a stalled reader, not settled);"
-    " fire() stores again only after its own connection reconnects, and the hosts' "
-    "connections were on surviving nodes. Sandboxes and records are not lost (clients read the record)."))
 async def test_nats_node_killed_mid_burst_loses_nothing_and_rejoins(cluster, tmp_path) -> None:
     """The node leading DSEC_REQ is SIGKILLed during a burst of 2,000 creates; clients and services
     move to the other two (seed list), the streams elect new leaders. Every create becomes ready
