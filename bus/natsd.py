@@ -267,6 +267,8 @@ class NatsCluster:
 
     def wait_meta_leader(self, timeout: float) -> None:
         """Until the nodes that run agree on a JetStream meta leader (before that, stream API calls fail)."""
+        if all(n.cluster_port is None for n in self.nodes):
+            return  # one node without routes: not clustered, it has no meta group (its leader reads "")
         deadline = time.monotonic() + timeout
         while True:
             leaders = set()
