@@ -11,9 +11,11 @@ so nothing can be OOM-killed by it."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # x86_64 and aarch64 alike (the generic syscall table numbers these the same since 5.x).
@@ -67,28 +69,37 @@ def _in_cgroup(pid: int, cgroup: str) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _pinned(pid: int, cgroup: str) -> Iterator[int | None]:
+    """A pidfd of ``pid`` while it is in memory cgroup ``cgroup`` (None when it is gone or elsewhere).
+    The cgroup is checked with the pidfd held: the pid cannot be reused for another process from then on."""
+    fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
+    if fd < 0:
+        yield None
+        return
+    try:
+        yield fd if _in_cgroup(pid, cgroup) else None
+    finally:
+        os.close(fd)
+
+
 def page_out(pid: int, cgroup: str) -> int:
     """Ask the kernel to page out ``pid``'s memory if it is (still) in memory cgroup ``cgroup``; the
     bytes of the ranges it took the advice on (what it really freed is less: shared and locked pages
     stay). 0 for a process that is gone or elsewhere."""
-    fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
-    if fd < 0:
-        return 0
     done = 0
-    try:
-        # Checked with the pidfd held: the pid cannot be reused for another process from here on.
-        if not _in_cgroup(pid, cgroup):
+    with _pinned(pid, cgroup) as fd:
+        if fd is None:
             return 0
-        for lo, hi in _ranges(pid):
-            iov = _IoVec(lo, hi - lo)
-            n = _libc.syscall(_SYS_PROCESS_MADVISE, fd, ctypes.byref(iov), 1, MADV_PAGEOUT, 0)
-            if n < 0 and ctypes.get_errno() == errno.ESRCH:
-                break  # it exited
-            done += max(n, 0)
-    except OSError:  # /proc/<pid>/maps gone: it exited
-        pass
-    finally:
-        os.close(fd)
+        try:
+            for lo, hi in _ranges(pid):
+                iov = _IoVec(lo, hi - lo)
+                n = _libc.syscall(_SYS_PROCESS_MADVISE, fd, ctypes.byref(iov), 1, MADV_PAGEOUT, 0)
+                if n < 0 and ctypes.get_errno() == errno.ESRCH:
+                    break  # it exited
+                done += max(n, 0)
+        except OSError:  # /proc/<pid>/maps gone: it exited
+            pass
     return done
 
 
@@ -128,25 +139,21 @@ def touch(pid: int, cgroup: str) -> int:
     cgroup's least recently used pages whoever's they are: the sandbox's next operation starts in
     the agent, and must not wait for its pages to come back from the swap or the disk. A page it
     never touched reads as the zero page: nothing is allocated."""
-    fd = _libc.syscall(_SYS_PIDFD_OPEN, pid, 0)
-    if fd < 0:
-        return 0
     done = 0
-    try:
-        if not _in_cgroup(pid, cgroup):
+    with _pinned(pid, cgroup) as fd:
+        if fd is None:
             return 0
-        with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
-            for lo, hi in _ranges(pid, files=True):
-                if done + (hi - lo) > _TOUCH_MAX:
-                    break
-                try:
-                    done += len(os.pread(mem.fileno(), hi - lo, lo))
-                except OSError:  # a guard page or a mapping gone meanwhile
-                    continue
-    except OSError:  # it exited
-        pass
-    finally:
-        os.close(fd)
+        try:
+            with open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+                for lo, hi in _ranges(pid, files=True):
+                    if done + (hi - lo) > _TOUCH_MAX:
+                        break
+                    try:
+                        done += len(os.pread(mem.fileno(), hi - lo, lo))
+                    except OSError:  # a guard page or a mapping gone meanwhile
+                        continue
+        except OSError:  # it exited
+            pass
     return done
 
 
