@@ -10,6 +10,13 @@ then writes the script's name on the pipe and closes it; the interpreter becomes
 ``/dev/null``) and runs it. Its output, exit status, signal and the agent's process-group kill on
 timeout are those of the exec, as for any command.
 
+Why the interpreter says when it is ready (one ``READY`` byte on stdout, taken off the output before
+anyone sees it): the call's ``run_timeout`` covers the code's own run, as ``execution_time`` does in
+SandboxFusion, not the interpreter's start. The agent reports the pid at the fork; on a loaded host
+the start (site, ``.pth`` files: tens of milliseconds of CPU) may take seconds after that, and a
+clock started at the hand-over counted them: calls of ``print(1)`` answered ``TimeLimitExceeded``.
+A call waits (bounded, off its clock) for the byte, and hands the script over only then.
+
 Why one interpreter per call and not a long-lived zygote that forks: a forked child is root in the
 same sandbox as its zygote, so it could signal, trace or otherwise change the process every later
 call is forked from; an interpreter that serves one call and is killed by the reset (which kills
@@ -40,8 +47,12 @@ from ._agent import AgentError
 from ._backend import AgentChannel, Backend, Handle
 
 STDIN_PATH = "/tmp/.dsec-fn-stdin"  # (hostagent._fncall writes a call's stdin there)
-START_WAIT_S = 10.0  # for the agent to start the interpreter's process (not for the interpreter itself)
-KILL_WAIT_S = 10.0  # for the exec to end once its process group was killed at the call's timeout
+# For the interpreter to be ready (not on the call's clock; the call runs the ordinary way after it).
+# With KILL_WAIT_S, what a call on an interpreter may add to its own timeouts: less than the SDK's
+# reply margin (sdk._fncall.REPLY_MARGIN_S), so the caller hears the host's answer, never its own timeout.
+START_WAIT_S = 5.0
+KILL_WAIT_S = 3.0  # for the exec to end once its process group was killed at the call's timeout
+READY = b"\0"  # the interpreter's first output: it is loaded and waits for its script
 _SCRIPT = re.compile(r"python3 ([A-Za-z0-9_][A-Za-z0-9_.-]*\.py)")
 
 # Runs as ``python3 -c``: everything it defines is local to _z, and __main__'s namespace is then made
@@ -54,6 +65,7 @@ _SCRIPT = re.compile(r"python3 ([A-Za-z0-9_][A-Za-z0-9_.-]*\.py)")
 ZYGOTE = f"""
 def _z():
     import os, sys
+    os.write(1, {READY!r})
     msg = b""
     while True:
         b = os.read(0, 4096)
@@ -143,6 +155,7 @@ class Zygote:
 
     key: ZygoteKey
     started: asyncio.Future[int]  # its pid in the member's pid namespace (the agent signals its process group)
+    ready: asyncio.Future[None]  # it wrote READY: loaded, waiting for its script
     task: asyncio.Future[ExecResult]
 
     def alive(self) -> bool:
@@ -171,29 +184,43 @@ def start(backend: Backend, handle: Handle, key: ZygoteKey) -> Zygote | None:
         return None
     loop = asyncio.get_running_loop()
     started: asyncio.Future[int] = loop.create_future()
+    ready: asyncio.Future[None] = loop.create_future()
 
     def on_start(pid: int) -> None:
         if not started.done():
             started.set_result(pid)
 
+    def on_output(stream: int, data: bytes) -> None:
+        if stream == 1 and not ready.done():
+            ready.set_result(None)
+
     er = ExecRequest(
         cmd=f"exec python3 -c {shlex.quote(ZYGOTE)}", envs=dict(key.envs), cwd=FN_WORKDIR, timeout_s=0.0,
-        output_cap=key.output_cap, trusted=key.trusted, stdin=True,
+        output_cap=key.output_cap + len(READY) if key.output_cap >= 0 else key.output_cap, trusted=key.trusted, stdin=True,
     )
-    task = asyncio.ensure_future(backend.exec(handle, er, None, on_start=on_start))
+    task = asyncio.ensure_future(backend.exec(handle, er, on_output, on_start=on_start))
     task.add_done_callback(_consume)
-    return Zygote(key, started, task)
+    return Zygote(key, started, ready, task)
+
+
+def _unmarked(res: ExecResult) -> ExecResult:
+    """``res`` without the interpreter's READY byte: the script's output as ``python3 <script>`` gives it."""
+    if res.stdout.startswith(READY):
+        res.stdout = res.stdout[len(READY):]
+        res.stdout_bytes = max(0, res.stdout_bytes - len(READY))
+    return res
 
 
 async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_stdin: bool, timeout_s: float) -> ExecResult | None:
-    """The call's run on ``z``; None when ``z`` could not take it (gone before the call reached it:
-    the caller runs it the ordinary way). The timeout counts from the hand-over, as an exec's from
-    its start; past it the process group is killed, as the agent does for an exec."""
+    """The call's run on ``z``; None when ``z`` could not take it (gone before the call reached it,
+    or not ready within START_WAIT_S: the caller runs it the ordinary way). The timeout counts from
+    the hand-over to the loaded interpreter, as the code's own run; past it the process group is
+    killed, as the agent does for an exec."""
     assert isinstance(backend, AgentChannel)
     client = backend.agent_client(handle)
-    either: set[asyncio.Future[Any]] = {z.started, z.task}
+    either: set[asyncio.Future[Any]] = {z.ready, z.task}
     done, _ = await asyncio.wait(either, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
-    if z.started not in done:  # (the agent did not start it, or not in time)
+    if z.ready not in done or not z.started.done():  # (it ended, or did not load in time)
         z.cancel()
         return None
     pid = z.started.result()
@@ -219,6 +246,7 @@ async def run(backend: Backend, handle: Handle, z: Zygote, script: str, with_std
         except (TimeoutError, asyncio.CancelledError, DsecError):
             res = ExecResult(exit_code=128 + signal.SIGKILL, signal=signal.SIGKILL)
         timed_out = True
+    res = _unmarked(res)
     res.timed_out = res.timed_out or timed_out
     res.duration_ms = (time.perf_counter() - t0) * 1000
     return res
