@@ -531,6 +531,87 @@ async def test_concurrent_callers(fn: Fn, callers: int) -> None:
     await eventually(lambda: all(p.busy == 0 and not p.waiters for p in fn.host.fncalls.pools.values()), timeout=30, what="pools idle")
 
 
+@pytest.mark.parametrize("via", ["sdk", "http"])
+async def test_256_callers_of_print_on_a_small_pool_get_its_output_or_no_capacity(fn: Fn, gateway: str, via: str) -> None:
+    """Issue 19's reliability item: 256 concurrent callers of Python ``print(1)`` (run_timeout 10 s,
+    as SandboxFusion's default) on the python pool (2 members, 8 at most): each call answers the
+    code's own result, or ``no_capacity`` and then only once it waited out its queue deadline; never
+    ``TimeLimitExceeded`` (the run's clock covers the code's run only, not the wait for a member, the
+    reset or the interpreter's start), never a hang or another error."""
+    import aiohttp
+
+    from sdk import NoCapacity
+    from sdk.gateway._runcode import QUEUE_S
+
+    fn.needs_debian()
+    c = fn.client(queue_timeout=QUEUE_S)
+    ok: list[float] = []
+    refused: list[float] = []
+    other: list[Any] = []
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        t0 = time.monotonic()
+        if via == "sdk":
+            try:
+                r = await c.run_code("print(1)", timeout=10)
+            except NoCapacity:
+                refused.append(time.monotonic() - t0)
+                return
+            good = (r.stdout, r.exit_code, r.error) == ("1\n", 0, None)
+        else:
+            async with http.post(f"{gateway}/k/{KEY}/run_code", json={"code": "print(1)", "language": "python", "run_timeout": 10},
+                                 timeout=aiohttp.ClientTimeout(total=600)) as resp:
+                r = await resp.json()
+            if resp.status == 503 and r.get("code") == "no_capacity":
+                refused.append(time.monotonic() - t0)
+                return
+            run = r.get("run_result") or {}
+            good = resp.status == 200 and r["status"] == "Success" and (run.get("status"), run.get("stdout")) == ("Finished", "1\n")
+        (ok.append(time.monotonic() - t0) if good else other.append(r))
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        await asyncio.gather(*(one(http) for _ in range(256)))
+    print(f"256 callers via {via}: {len(ok)} ran, {len(refused)} no_capacity, in {time.monotonic() - t0:.1f}s")
+    assert not other, other[:3]
+    assert len(ok) + len(refused) == 256 and ok, (len(ok), len(refused))
+    assert all(t >= QUEUE_S * 0.9 for t in refused), sorted(refused)[:5]  # refused only past the queue deadline
+    pool = fn.host.fncalls.pools["python"]
+    assert pool.members() <= pool.max_members
+    await eventually(lambda: pool.busy == 0 and not pool.waiters, timeout=60, what="the python pool idle again")
+
+
+async def test_a_call_past_its_run_timeout_answers_on_time_and_its_member_is_replaced(fn: Fn, gateway: str) -> None:
+    """A Python call that really runs past its run_timeout answers ``TimeLimitExceeded`` about then
+    (the SDK's error, and /run_code's status), and the member it ran in is destroyed, not reset for
+    the next call; control: the member of a call that ended within its timeout is kept (reset)."""
+    fn.needs_debian()
+    c = fn.client()
+    slow = PY_MEMBER + "import sys, time\nsys.stdout.flush()\ntime.sleep(60)\n"
+
+    def cgroup_dir(stdout: str) -> Path:
+        return Path("/sys/fs/cgroup/memory") / _member(stdout).split(":", 2)[2].lstrip("/")
+
+    r = await c.run_code(PY_MEMBER, timeout=10)  # positive control: kept
+    assert r.exit_code == 0 and r.error is None, r
+    kept = cgroup_dir(r.stdout)
+    assert kept.is_dir(), kept
+    t0 = time.monotonic()
+    r = await c.run_code(slow, timeout=2)
+    took = time.monotonic() - t0
+    assert r.error is not None and "timed out" in r.error, r
+    assert took < 12, took  # 2 s and the kill; a loaded host adds seconds, never the sleep's 60
+    gone = cgroup_dir(r.stdout)
+    assert gone != kept or gone.is_dir()
+    await eventually(lambda: not gone.is_dir(), timeout=60, what=f"the timed-out member's cgroup {gone} removed")
+    assert kept.is_dir() or kept == gone, kept  # (the kept member served on, unless it is the one that timed out)
+    status, body = await _post(f"{gateway}/k/{KEY}/run_code", {"code": "import time\ntime.sleep(60)", "language": "python", "run_timeout": 2})
+    assert status == 200 and body["status"] == "Failed" and body["run_result"]["status"] == "TimeLimitExceeded", body
+    assert 2 <= body["run_result"]["execution_time"] < 12, body
+    r = await c.run_code("print('after')")
+    assert r.stdout == "after\n" and r.error is None, r
+
+
 # ------------------------------------------------------------------------------------------ POST /run_code
 # A Python with the `sandbox-fusion` client (a dev dependency; else $DSEC_SANDBOX_FUSION_PYTHON, a venv of its own)
 SF_PYTHON = os.environ.get("DSEC_SANDBOX_FUSION_PYTHON") or (
