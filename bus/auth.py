@@ -102,7 +102,7 @@ def _tenant_jobs_and_images(tenant: str) -> list[str]:
 
 # Leases are the one KV write a client makes (the SDK renews its owner key; hosts only read revisions).
 _CLIENT_COMMON_PUBLISH = [
-    S.FN_CALL_WILDCARD, S.STATUS, S.IMG_LIST, S.IMG_STATS,
+    S.STATUS, S.IMG_LIST, S.IMG_STATS,
     f"$KV.{S.KV_LEASES}.>", f"$JS.API.STREAM.INFO.KV_{S.KV_LEASES}", *_read_js_api(_SHARED_READ_STREAMS),
 ]
 
@@ -138,7 +138,7 @@ def _rollouts_permissions() -> dict[str, Any]:
     rollouts, records = S.STREAM_ROLLOUTS, f"KV_{S.KV_ROLLOUTS}"
     any_log, any_evt = f"{S.PREFIX}.traj.*.*", f"{S.PREFIX}.evt.sandbox.*.*.*"
     publish = [
-        S.req_create(ROLLOUTS_ROLE), S.req_create_batch(ROLLOUTS_ROLE), S.sbx_tenant(ROLLOUTS_ROLE), any_log,
+        S.req_create(ROLLOUTS_ROLE), S.req_create_batch(ROLLOUTS_ROLE), S.sbx_tenant(ROLLOUTS_ROLE), S.fn_tenant(ROLLOUTS_ROLE), any_log,
         *_CLIENT_COMMON_PUBLISH,
         f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{any_log}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}.*.{any_log}",
         f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{any_evt}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{S.evt_tenant(ROLLOUTS_ROLE)}",
@@ -192,11 +192,13 @@ def sandbox_permissions(sandbox_id: str, tenant: str = S.OPERATOR_TENANT) -> dic
 
 
 def client_permissions(user: str) -> dict[str, Any]:
-    """A tenant (the NATS user ``user``): creates, ops, events, logs, rollout jobs, image requests and
-    inboxes under its own token only."""
+    """A tenant (the NATS user ``user``): creates, ops, fn calls, events, logs, rollout jobs, image
+    requests and inboxes under its own token only."""
     return {
-        "publish": {"allow": [S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user),
-                             *_tenant_jobs_and_images(user)]},
+        "publish": {"allow": [
+            S.req_create(user), S.req_create_batch(user), S.sbx_tenant(user), S.fn_tenant(user), *_CLIENT_COMMON_PUBLISH, *_tenant_js_api(user),
+            *_tenant_jobs_and_images(user),
+        ]},
         "subscribe": {"allow": [f"{inbox_prefix(user)}.>"]},
     }
 

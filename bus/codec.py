@@ -127,7 +127,7 @@ IMG_LIST_REQ = Decoder(ListImages)  # dsec.img.list
 IMG_BUILD_REQ = Decoder(BuildImage)  # dsec.img.build
 IMG_REMOVE_REQ = Decoder(RemoveImage)  # dsec.img.rm
 IMG_STATS_REQ = Decoder(ImageStatsRequest)  # dsec.img.stats
-FN_CALL = Decoder(FnCallRequest)  # dsec.fn.<template>.call
+FN_CALL = Decoder(FnCallRequest)  # dsec.fn.<tenant>.<template>.call
 
 SBX_REQUEST_DECODERS = {
     "exec": SBX_EXEC,

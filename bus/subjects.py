@@ -165,13 +165,33 @@ SBX_WILDCARD = f"{PREFIX}.sbx.*.*.*"
 FN_QUEUE = "fn"  # the queue group of every host serving a template's calls
 
 
-def fn_call(template: str) -> str:
-    """Stateless calls of ``template``: every host with a warm pool of it subscribes in queue group
-    ``FN_QUEUE``, so NATS hands each call to one of them (no placement round trip)."""
-    return f"{PREFIX}.fn.{_tok(template)}.call"
+def fn_call(template: str, tenant: str = OPERATOR_TENANT) -> str:
+    """``dsec.fn.<tenant>.<template>.call``: a stateless call of ``template`` by ``tenant`` (the
+    caller's own token: its credential may publish under no other, ``fn_tenant``). Every host with a
+    warm pool of it serves ``fn_call_all`` in queue group ``FN_QUEUE``, so NATS hands each call to
+    one of them (no placement round trip), and refuses a tenant the template is private from."""
+    return f"{PREFIX}.fn.{_tok(tenant)}.{_tok(template)}.call"
 
 
-FN_CALL_WILDCARD = f"{PREFIX}.fn.*.call"
+def fn_call_all(template: str) -> str:
+    """What a host with a pool of ``template`` serves: every tenant's calls of it."""
+    return f"{PREFIX}.fn.*.{_tok(template)}.call"
+
+
+def fn_tenant(tenant: str) -> str:
+    """Every call of one tenant: what its credential may publish."""
+    return f"{PREFIX}.fn.{_tok(tenant)}.*.call"
+
+
+def parse_fn(subject: str) -> tuple[str, str] | None:
+    """(tenant, template) of a call's subject; None for anything else."""
+    t = subject.split(".")
+    if len(t) != 5 or t[0] != PREFIX or t[1] != "fn" or t[4] != "call":
+        return None
+    return t[2], t[3]
+
+
+FN_CALL_WILDCARD = f"{PREFIX}.fn.*.*.call"
 
 
 # --- events (JetStream, DSEC_EVT) ----------------------------------------------

@@ -1,5 +1,5 @@
 """FnCall on a host: per-template pools of started sandboxes that each serve exactly one stateless
-call, answered on ``dsec.fn.<template>.call``.
+call, answered on ``dsec.fn.<tenant>.<template>.call``.
 
 Why a queue group and not placement: a call is a core request every host with a pool of the template
 takes in queue group ``fn``, so NATS spreads calls over those hosts with no placement round trip and
@@ -58,6 +58,7 @@ from bus.runtime import Endpoint
 from . import _fnzygote as zygote
 from ._backend import Backend, Handle
 from ._fnzygote import STDIN_PATH
+from ._tenancy import check_fn_call
 
 log = structlog.get_logger("dsec.hostagent.fncall")
 
@@ -308,13 +309,15 @@ class FnCalls:
 
     def __init__(
         self, host_id: str, backend: Backend, pools: dict[str, int], *, layers: Callable[[str], Awaitable[list[LayerRef]]],
-        security: Callable[[], Any], max_members: int = 0, memory_mb: int = 512, disk_mb: int = 256, queue_max: int = 4096,
+        security: Callable[[], Any], owner: Callable[[str], str | None] = lambda _t: "", max_members: int = 0, memory_mb: int = 512,
+        disk_mb: int = 256, queue_max: int = 4096,
         idle_s: float = 30.0, starts: int = 4,
     ) -> None:
         self.host_id = host_id
         self.backend = backend
         self.limits = backend if isinstance(backend, CallLimits) else None
         self.layers = layers
+        self.owner = owner  # a template's owner tenant as its layers were last read ("": shared; None: not read)
         self.security = security
         self.memory_mb = memory_mb
         self.disk_mb = disk_mb
@@ -337,6 +340,7 @@ class FnCalls:
         self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one, until the agent started its process (after the reset)
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
+        self.nc: NATS | None = None
 
     def holds(self, sid: str) -> bool:
         """A sandbox of a pool (reconcile leaves it alone)."""
@@ -346,11 +350,12 @@ class FnCalls:
     async def start(self, nc: NATS) -> None:
         if not self.pools:
             return
+        self.nc = nc
         for p in self.pools.values():
             p.fill()
         self.endpoint = Endpoint(nc, "fn", self.handle, decoder=codec.FN_CALL, bind=_bind)
         for t in self.pools:
-            await self.endpoint.serve(S.fn_call(t), queue=S.FN_QUEUE)
+            await self.endpoint.serve(S.fn_call_all(t), queue=S.FN_QUEUE)
         self._maintain = asyncio.ensure_future(self._maintain_loop())
 
     async def stop(self, grace_s: float = 10.0) -> None:
@@ -450,11 +455,18 @@ class FnCalls:
 
     # --- a call -------------------------------------------------------------------------------------
     async def handle(self, msg: Msg, req: FnCallRequest) -> FnCallResult:
-        template = msg.subject.split(".")[2]
+        tenant, template = S.parse_fn(msg.subject) or ("", "")
         pool = self.pools.get(template)
         if pool is None:
             raise UnknownTemplate(f"this host keeps no fn pool of {template!r}", template=template)
         check_call(req)
+        # Defence in depth: nats-server lets a client credential publish under its own tenant only
+        # (bus.auth); a pool of a tenant's private template serves that tenant and the operator.
+        owner = self.owner(template)
+        if owner is None:
+            await self.layers(template)  # (a member's start reads them; before the first, this call does)
+            owner = self.owner(template) or ""
+        await check_fn_call(self.nc, self.host_id, template, owner, tenant)
         t0 = time.perf_counter()
         m = await pool.acquire(req.queue_s)
         queued_ms = (time.perf_counter() - t0) * 1000

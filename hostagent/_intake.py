@@ -149,6 +149,10 @@ class Intake:
             task.add_done_callback(done)
         return await asyncio.shield(task)
 
+    def owner(self, template: str) -> str | None:
+        """The owner tenant of ``template`` ("": shared) as its layers were last read; None: not read yet."""
+        return self._owners.get(template)
+
     async def _read_layers(self, template: str) -> list[LayerRef]:
         assert self.kv_images is not None
         manifest = await self.kv_images.get(template)

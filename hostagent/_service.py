@@ -103,7 +103,7 @@ class HostAgent(Service):
         )
         self.registry.observers.append(self.reaper.observe)
         self.fncalls = FnCalls(  # FnCall's warm pools (none unless configured)
-            self.host_id, backend, parse_pools(config.fn_pools), layers=self.intake.layers,
+            self.host_id, backend, parse_pools(config.fn_pools), layers=self.intake.layers, owner=self.intake.owner,
             security=lambda: self.profiles.enforcement("default") if self.profiles is not None else None,
             max_members=config.fn_pool_max, memory_mb=config.fn_memory_mb, disk_mb=config.fn_disk_mb,
             starts=config.fn_starts,

@@ -65,6 +65,18 @@ async def _violation(nc: NATS | None, host_id: str, sandbox_id: str, tenant: str
             await nc.publish(S.EVT_GUARD_VIOLATION, codec.encode(v))
 
 
+async def check_fn_call(nc: NATS | None, host_id: str, template: str, owner: str, tenant: str) -> None:
+    """Raise PermissionDenied (after recording the violation) when ``tenant`` (the token in the
+    call's subject, which nats-server holds a client credential to) calls the fn pool of another
+    tenant's private template (``owner``: its manifest's). Shared templates' pools serve everyone."""
+    refused = template_refusal(template, owner, tenant)
+    if refused is None:
+        return
+    await _violation(nc, host_id, f"fn-{template}", S.tenant(tenant), "fn_call", f"fn call on tenant {owner}'s template {template!r} refused",
+                     template=template, owner=owner)
+    raise refused
+
+
 def check_restore(snapshot: SnapshotRecord, spec: SandboxSpec) -> None:
     """A snapshot restores (and forks) only into a sandbox of the tenant whose sandbox it was taken
     of, or the operator's: its files are that tenant's."""
@@ -74,4 +86,4 @@ def check_restore(snapshot: SnapshotRecord, spec: SandboxSpec) -> None:
         raise PermissionDenied(f"snapshot {snapshot.snapshot_id} does not belong to tenant {S.tenant(spec.client)}")
 
 
-__all__ = ["check_restore", "check_template", "check_tenant"]
+__all__ = ["check_fn_call", "check_restore", "check_template", "check_tenant"]

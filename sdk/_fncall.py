@@ -1,6 +1,6 @@
 """FnCall: stateless calls served from the hosts' warm pools (``dsec up --fn-pool base=8,python=8``).
 
-Each call is one core request on ``dsec.fn.<template>.call``; every host keeping a pool of the
+Each call is one core request on ``dsec.fn.<tenant>.<template>.call`` (the connection's tenant); every host keeping a pool of the
 template takes it in one queue group, so the call goes straight to a host with members, with no
 sandbox created on the way. Each call starts from its template's state: between calls the host
 resets the member (or replaces it), so nothing a call leaves (files, processes, shared memory,
@@ -29,6 +29,7 @@ from bus.codec import decode_reply
 from bus.errors import InvalidArgument, SandboxTimeout, UnknownTemplate
 from bus.fncall import check_call
 from bus.messages import ExecResult, FnCallRequest, FnCallResult, FnFile
+from bus.runtime import tenant_of
 
 from ._async import _nc
 from ._commands import _result
@@ -108,7 +109,7 @@ class AsyncFnCall:
         nc = await self._conn()
         wait = req.queue_s + req.timeout_s + (req.compile_timeout_s if req.compile_cmd else 0.0) + REPLY_MARGIN_S
         try:
-            msg = await (await requests_for(nc)).request(S.fn_call(template), codec.encode(req), wait)
+            msg = await (await requests_for(nc)).request(S.fn_call(template, tenant_of(nc)), codec.encode(req), wait)
         except nats.errors.NoRespondersError:
             raise UnknownTemplate(f"no host keeps an fn pool of template {template!r} (dsec up --fn-pool {template}=N)", template=template) from None
         except nats.errors.TimeoutError:

@@ -493,7 +493,7 @@ async def test_bad_input_is_refused_and_the_service_keeps_serving(fn: Fn) -> Non
 
     nc = await _nc(fn.url)
     bad = FnCallRequest(cmd="true", files=[FnFile(path="../x", data=b"")])
-    msg = await (await requests_for(nc)).request(S.fn_call("base"), codec.encode(bad), 10)
+    msg = await (await requests_for(nc)).request(S.fn_call("base", "cli-fntest"), codec.encode(bad), 10)
     with pytest.raises(InvalidArgument):
         codec.decode_reply(msg.data, FnCallResult)
     assert (await c.run("echo still")).stdout == "still\n"
