@@ -15,7 +15,8 @@ permissions ``dsec up`` configures: each service connects as its role, ``stack.n
 ``hostagent.network.NetworkConfig`` overrides, e.g. nameservers), ``nats_host`` (the address NATS
 listens on), ``guard`` (also run the guard service: profiles in KV, audit watcher, this host's
 kernel audit reader and the reader of the stack's dropped packets; ``stack.guard``), ``warm_pool``
-(started containers the host agent keeps ready per image and profile). Each stack claims its own nft
+(started containers the host agent keeps ready per image and profile), ``fn_pools`` (the host agent's
+FnCall pools, ``base=1,...``). Each stack claims its own nft
 table, veth prefix, netns prefix, /22 address pool and NFLOG group (tests/netclaim.py), so stacks
 never touch each other's (or a real host agent's) network state, in this run or a concurrent one.
 """
@@ -127,13 +128,15 @@ class SecStack:
         return network_leftovers(self.net, warm_ok=warm_ok)
 
 
-def _hostagent(backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None, control_key: bytes | None = None) -> Any:
+def _hostagent(
+    backend: Any, url: str, host_id: str, data_dir: Path, stream_options: Any = None, control_key: bytes | None = None, fn_pools: str = "",
+) -> Any:
     from bus.streams import StreamOptions
     from hostagent import HostAgent, HostAgentConfig
 
     cfg = HostAgentConfig(
         nats_url=url, host_id=host_id, data_dir=str(data_dir), concurrency=8, heartbeat_s=1.0, destroy_on_shutdown=True, grace_s=20.0,
-        control_key=control_key,
+        control_key=control_key, fn_pools=fn_pools,
     )
     return HostAgent(backend, cfg, stream_options=stream_options or StreamOptions())
 
@@ -202,7 +205,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
 
     async def make(
         *, network: dict[str, Any] | None = None, nats_host: str = "127.0.0.1", guard: bool = False, warm_pool: int = 0,
-        auth: bool = False, dedup_window_s: float | None = None,
+        auth: bool = False, dedup_window_s: float | None = None, fn_pools: str = "",
     ) -> SecStack:
         uid = uuid.uuid4().hex[:8]
         data_dir = Path(tempfile.mkdtemp(prefix=f"dsec-sec-{uid}-", dir="/tmp"))
@@ -247,7 +250,7 @@ async def make_stack() -> AsyncIterator[Callable[..., Awaitable[SecStack]]]:
         backend = ContainerBackend(str(data_dir), scratch_size_gb=16, network=net, warm_pool=warm_pool)
         host_id = f"sec-{uid}"
         st = SecStack(
-            url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts, key), backend, placement, nc, nats,
+            url, uid, data_dir, host_id, net, _hostagent(backend, url_as("hostagent"), host_id, data_dir, opts, key, fn_pools), backend, placement, nc, nats,
             auth=authcfg, stream_options=opts, control_key=key, claim=claim, client_user=f"cli-sec{uid}" if authcfg else "",
         )
 
