@@ -337,7 +337,7 @@ class FnCalls:
         # call starts an interpreter of that shape in it (_fnzygote), off the hot path.
         self._zkeys: dict[str, zygote.ZygoteKey] = {}
         self.zygote_calls = 0  # calls served by a pre-started interpreter (benchmarks, tests)
-        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one, until the agent started its process (after the reset)
+        self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one (after the reset) until it is loaded
         self._maintain: asyncio.Task[None] | None = None
         self.endpoint: Endpoint | None = None
         self.nc: NATS | None = None
@@ -436,10 +436,10 @@ class FnCalls:
             t0 = time.perf_counter()
             m.zygote = z = zygote.start(self.backend, m.handle, key)
             if z is not None:
-                def took(f: asyncio.Future[int]) -> None:
+                def took(f: asyncio.Future[None]) -> None:
                     if not f.cancelled():
                         self.zygote_ms.append((time.perf_counter() - t0) * 1000)
-                z.started.add_done_callback(took)
+                z.ready.add_done_callback(took)
 
     async def _destroy(self, m: Member) -> None:
         sid = m.sid

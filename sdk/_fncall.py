@@ -37,7 +37,9 @@ from ._models import CommandResult
 from ._requests import requests_for
 from ._sync import _run
 
-REPLY_MARGIN_S = 15.0  # beyond the call's own timeouts: writing its files, fetching them, the reply
+# Beyond the call's own timeouts: writing its files, waiting for a started interpreter to load and
+# killing it at the timeout (hostagent._fnzygote: 20 s at most), fetching files, the reply.
+REPLY_MARGIN_S = 30.0
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,11 @@ when the Debian rootfs with python3 and g++ is cached (tests/integration/test_fn
 * the reset between calls (off the hot path: the helper's part, starting the interpreter), and a
   member's start and destroy (only for members replaced: at start, after a timeout or an
   out-of-memory, and every ``MAX_USES`` calls);
-* ``--long S``: 256 callers for S seconds through ``/run_code``, counting errors and timeouts.
+* ``--long S``: 256 callers for S seconds of ``POST /run_code`` python ``print(1)`` (run_timeout 10 s):
+  calls/s, p50/p99 and the count of each status (``ok``, ``TimeLimitExceeded``, ``503 SandboxError
+  no_capacity``...), and how late this process's event loop ran meanwhile.
+
+Every throughput line counts each status, so a ``TimeLimitExceeded`` shows as such, not as a pass.
 
 Everything it starts is stopped and its data dir removed at the end.
 """
@@ -73,26 +77,75 @@ async def hot_path(label: str, pool: Any, call: Any, n: int, fc: Any = None) -> 
         await wait_idle(pool)
         await asyncio.sleep(0.01)  # (the previous call's reset and interpreter start run meanwhile, as between real calls)
         t0 = time.perf_counter()
-        await call()
+        r = await call()
         xs.append((time.perf_counter() - t0) * 1000)
+        if isinstance(r, str) and r != "ok":
+            raise SystemExit(f"{label}: {r}")
     print(line(label, xs) + (f"   on a started interpreter: {fc.zygote_calls - z0}/{n}" if fc is not None else ""))
 
 
-async def throughput(label: str, call: Any, callers: int, per_caller: int) -> None:
-    errors: list[str] = []
+async def throughput(label: str, call: Any, callers: int, per_caller: int, until: float = 0.0) -> None:
+    """``callers`` concurrent callers, ``per_caller`` calls each (or, with ``until``, calls until that
+    monotonic time): calls/s, p50/p99 of a call, and how many answered each status (``call`` returns
+    it: ``ok``, ``TimeLimitExceeded``, ``no_capacity``...; an exception counts as its type)."""
+    statuses: dict[str, int] = {}
+    xs: list[float] = []
+    first: dict[str, str] = {}
 
     async def one() -> None:
-        for _ in range(per_caller):
+        n = 0
+        while (time.monotonic() < until) if until else n < per_caller:
+            n += 1
+            t0 = time.perf_counter()
             try:
-                await call()
+                st = await call()
             except Exception as exc:  # noqa: BLE001 - counted and shown
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                st = type(exc).__name__
+                first.setdefault(st, f"{exc}"[:200])
+            xs.append((time.perf_counter() - t0) * 1000)
+            statuses[st] = statuses.get(st, 0) + 1
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(callers)))
     dt = time.perf_counter() - t0
-    n = callers * per_caller
-    print(f"{label:<44} {n / dt:8.1f} calls/s   ({n} calls in {dt:.1f}s, errors {len(errors)}{': ' + errors[0] if errors else ''})")
+    n = len(xs)
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(statuses.items(), key=lambda kv: -kv[1]))
+    print(f"{label:<44} {n / dt:8.1f} calls/s   p50 {pct(xs, 50):7.1f} ms   p99 {pct(xs, 99):8.1f} ms   ({n} calls in {dt:.1f}s: {counts})")
+    for k, v in first.items():
+        print(f"{'':<44} first {k}: {v}")
+
+
+class LoopLag:
+    """How late this process's event loop (host agent, gateway and callers alike) runs a timer: a
+    blocked loop shows here."""
+
+    def __init__(self, period_s: float = 0.05) -> None:
+        self.period_s = period_s
+        self.lag_ms: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self.period_s)
+            self.lag_ms.append((time.perf_counter() - t0 - self.period_s) * 1000)
+
+    def __enter__(self) -> "LoopLag":
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+def status_of(r: Any) -> str:
+    """A ``CommandResult``'s status as /run_code would name it."""
+    if r.error and "timed out" in r.error:
+        return "TimeLimitExceeded"
+    if r.error:
+        return "Error"
+    return "ok" if r.exit_code == 0 else f"exit {r.exit_code}"
 
 
 async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, python: bool) -> None:
@@ -119,33 +172,52 @@ async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, 
         await hot_path("FnCall.run_code('print(1)')", fc.pools["python"], lambda: c.run_code("print(1)"), args.n, fc)
         await hot_path("FnCall.run_code('print(1)') trusted", fc.pools["python"], lambda: trusted_code("print(1)"), args.n, fc)
 
-    async with aiohttp.ClientSession() as http:
-        async def post(code: str, language: str) -> None:
-            async with http.post(url, json={"code": code, "language": language}, timeout=aiohttp.ClientTimeout(total=600)) as r:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:  # (256 callers: 256 connections)
+        async def post(code: str, language: str) -> str:
+            async with http.post(url, json={"code": code, "language": language, "run_timeout": 10},
+                                 timeout=aiohttp.ClientTimeout(total=600)) as r:
                 body = await r.json()
-                if r.status != 200 or body["status"] != "Success":
-                    run = body.get("run_result") or {}
-                    raise RuntimeError(f"{r.status} {body.get('status')} {body.get('message')} {run.get('status')} {run.get('stderr', '')[-200:]!r}")
+            run = body.get("run_result") or {}
+            if r.status == 200 and body["status"] == "Success":
+                return "ok"
+            if run.get("status") in ("TimeLimitExceeded", "Error"):
+                return str(run["status"])
+            return f"{r.status} {body.get('status')} {body.get('code', '')}".strip()
+
+        async def sdk_code(code: str) -> str:
+            from sdk import NoCapacity
+
+            try:
+                return status_of(await c.run_code(code, timeout=10))
+            except NoCapacity:
+                return "no_capacity"
+
+        async def sdk_run(cmd: str) -> str:
+            return status_of(await c.run(cmd))
 
         await hot_path("POST /run_code sh 'true'", fc.pools["base"], lambda: post("true", "sh"), args.n)
         if python:
             await hot_path("POST /run_code python print(1)", fc.pools["python"], lambda: post("print(1)", "python"), args.n, fc)
         for callers in args.callers:
-            await throughput(f"FnCall.run('true') x{callers} callers", lambda: c.run("true"), callers, args.per_caller)
+            await throughput(f"FnCall.run('true') x{callers} callers", lambda: sdk_run("true"), callers, args.per_caller)
             await throughput(f"POST /run_code sh x{callers} callers", lambda: post("true", "sh"), callers, args.per_caller)
         if python:
             for callers in args.callers:
                 z0 = fc.zygote_calls
-                await throughput(f"FnCall.run_code('print(1)') x{callers} callers", lambda: c.run_code("print(1)"), callers, args.per_caller)
+                await throughput(f"FnCall.run_code('print(1)') x{callers} callers", lambda: sdk_code("print(1)"), callers, args.per_caller)
                 await throughput(f"POST /run_code python x{callers} callers", lambda: post("print(1)", "python"), callers, args.per_caller)
                 print(f"{'  on a started interpreter':<44} {fc.zygote_calls - z0}/{2 * callers * args.per_caller}")
         if args.long:
-            deadline = time.monotonic() + args.long
+            code, lang = ("print(1)", "python") if python else ("true", "sh")
+            print(f"long run: 256 callers of POST /run_code {lang} {code!r} for {args.long:g}s, load average {os.getloadavg()[0]:.2f}")
+            z0 = fc.zygote_calls
+            with LoopLag() as lag:
+                await throughput(f"POST /run_code x256 for {args.long:g}s", lambda: post(code, lang), 256, 0,
+                                 until=time.monotonic() + args.long)
+            print(f"{'  on a started interpreter':<44} {fc.zygote_calls - z0}")
+            print(line("  event loop lag (this process)", lag.lag_ms) + f"   max {max(lag.lag_ms, default=0):.0f} ms")
+            print(f"load average after the long run: {os.getloadavg()[0]:.2f}")
 
-            async def until() -> None:
-                if time.monotonic() < deadline:
-                    await post("true", "sh")
-            await throughput(f"POST /run_code x256 for {args.long}s", until, 256, 10**6 // 256)
 
 async def main(args: argparse.Namespace) -> None:
     from aiohttp import web
@@ -200,7 +272,7 @@ async def main(args: argparse.Namespace) -> None:
         if helpers is not None:
             print(line("  of which: waiting for a reset helper", list(helpers.wait_ms)))
             print(line("  of which: the helper's work (files, IPC)", list(helpers.work_ms)))
-        print(line("Python interpreter start (after a reset, to its pid)", list(fc.zygote_ms)))
+        print(line("Python interpreter start (after a reset, until loaded)", list(fc.zygote_ms)))
         print(line("member start (off the hot path)", starts))
         print(line("member destroy (off the hot path)", destroys))
         served = sum(p.served for p in fc.pools.values())
