@@ -145,3 +145,16 @@ async def _deadline(pool: FnPool) -> None:
         await pool.acquire(0.05)
     finally:
         pool.queue_max -= 1
+
+
+def test_a_call_subject_names_the_callers_tenant_and_a_client_may_publish_its_own_only() -> None:
+    from bus import subjects as S
+    from bus.auth import client_permissions
+
+    assert S.fn_call("python", "cli-a") == "dsec.fn.cli-a.python.call"
+    assert S.fn_call("python") == f"dsec.fn.{S.OPERATOR_TENANT}.python.call"
+    assert S.parse_fn(S.fn_call("python", "cli-a")) == ("cli-a", "python")
+    assert S.parse_fn("dsec.fn.python.call") is None and S.parse_fn("dsec.sbx.cli-a.x.exec") is None
+    allowed = client_permissions("cli-a")["publish"]["allow"]
+    assert S.fn_tenant("cli-a") in allowed and S.fn_call_all("python") not in allowed and S.FN_CALL_WILDCARD not in allowed
+    assert S.fn_tenant("cli-b") not in allowed
