@@ -1,6 +1,6 @@
 """Benchmark of FnCall (a script, not a test):
 
-    python tests/bench/bench_fncall.py [-n 50] [--per-caller 2] [--pool 8] [--long 60]
+    python tests/bench/bench_fncall.py [-n 50] [--per-caller 2] [--pool 8] [--long 120] [--spin 2]
 
 Starts, in this process, nats-server, a host agent (container backend) with fn pools ``base`` and,
 when the Debian rootfs with python3 and g++ is cached (tests/integration/test_fncall.py builds it),
@@ -219,6 +219,42 @@ async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, 
             print(f"load average after the long run: {os.getloadavg()[0]:.2f}")
 
 
+class Spinners:
+    """``n`` busy loops in a cgroup of their own beside the sandboxes' (``cpu:/<CGROUP_PARENT>/``),
+    not idle, with a best-effort-sized weight: other busy work in the sandboxes' share of the host,
+    as other tenants' sandboxes make it (``--spin``). Bounded by that share: the rest of the host
+    hardly feels them."""
+
+    def __init__(self, n: int, uid: str) -> None:
+        from hostagent.backends.container.cgroups import CGROUP_ROOT, _REL
+
+        self.n = n
+        self.dir = CGROUP_ROOT / "cpu" / _REL / f"fnbench-spin-{uid}"
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> "Spinners":
+        import subprocess
+
+        if not self.n:
+            return self
+        self.dir.mkdir()
+        if (self.dir / "cpu.idle").exists():
+            (self.dir / "cpu.idle").write_text("0")
+        (self.dir / "cpu.shares").write_text("1024")
+        for _ in range(self.n):
+            p = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+            self.procs.append(p)
+            (self.dir / "cgroup.procs").write_text(str(p.pid))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        if self.procs:
+            self.dir.rmdir()
+
+
 async def main(args: argparse.Namespace) -> None:
     from aiohttp import web
 
@@ -265,7 +301,10 @@ async def main(args: argparse.Namespace) -> None:
         c = AsyncFnCall(nats_url=nats.url, queue_timeout=290)
         print(f"pools: {pools}   (python: {'yes' if debian else 'no: the Debian rootfs is not cached'})")
 
-        await measure(args, fc, c, AsyncFnCall(nats_url=nats.url, queue_timeout=290), url, debian is not None)
+        with Spinners(args.spin, uid):
+            if args.spin:
+                print(f"{args.spin} busy loops in a cgroup beside the sandboxes' (not idle, 1024 shares)")
+            await measure(args, fc, c, AsyncFnCall(nats_url=nats.url, queue_timeout=290), url, debian is not None)
         starts, destroys, resets = list(fc.start_ms), list(fc.destroy_ms), list(fc.reset_ms)
         print(line("reset between calls (off the hot path)", resets))
         helpers = getattr(backend, "fnreset", None)
@@ -298,4 +337,5 @@ if __name__ == "__main__":
     ap.add_argument("--callers", type=lambda v: [int(x) for x in v.split(",") if x], default=[16, 64, 256],
                     help="concurrent callers of the throughput runs, comma-separated ('': none)")
     ap.add_argument("--long", type=float, default=0.0, help="seconds of 256 callers through /run_code (0: skip)")
+    ap.add_argument("--spin", type=int, default=0, help="busy loops beside the sandboxes (other tenants' busy sandboxes)")
     asyncio.run(main(ap.parse_args()))
