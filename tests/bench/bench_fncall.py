@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bus.natsd import NatsServer, free_port  # noqa: E402 - after the repo is on sys.path
+from tests.busy import BusyNeighbours  # noqa: E402
 from tests.netclaim import claim_net  # noqa: E402
 
 KEY = "dsec_bench.secret"  # the bench's NATS runs without authentication: any well-formed key connects
@@ -219,42 +220,6 @@ async def measure(args: argparse.Namespace, fc: Any, c: Any, ct: Any, url: str, 
             print(f"load average after the long run: {os.getloadavg()[0]:.2f}")
 
 
-class Spinners:
-    """``n`` busy loops in a cgroup of their own beside the sandboxes' (``cpu:/<CGROUP_PARENT>/``),
-    not idle, with a best-effort-sized weight: other busy work in the sandboxes' share of the host,
-    as other tenants' sandboxes make it (``--spin``). Bounded by that share: the rest of the host
-    hardly feels them."""
-
-    def __init__(self, n: int, uid: str) -> None:
-        from hostagent.backends.container.cgroups import CGROUP_ROOT, _REL
-
-        self.n = n
-        self.dir = CGROUP_ROOT / "cpu" / _REL / f"fnbench-spin-{uid}"
-        self.procs: list[Any] = []
-
-    def __enter__(self) -> "Spinners":
-        import subprocess
-
-        if not self.n:
-            return self
-        self.dir.mkdir()
-        if (self.dir / "cpu.idle").exists():
-            (self.dir / "cpu.idle").write_text("0")
-        (self.dir / "cpu.shares").write_text("1024")
-        for _ in range(self.n):
-            p = subprocess.Popen(["sh", "-c", "while :; do :; done"])
-            self.procs.append(p)
-            (self.dir / "cgroup.procs").write_text(str(p.pid))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for p in self.procs:
-            p.kill()
-            p.wait()
-        if self.procs:
-            self.dir.rmdir()
-
-
 async def main(args: argparse.Namespace) -> None:
     from aiohttp import web
 
@@ -301,7 +266,7 @@ async def main(args: argparse.Namespace) -> None:
         c = AsyncFnCall(nats_url=nats.url, queue_timeout=290)
         print(f"pools: {pools}   (python: {'yes' if debian else 'no: the Debian rootfs is not cached'})")
 
-        with Spinners(args.spin, uid):
+        with BusyNeighbours(args.spin, uid):
             if args.spin:
                 print(f"{args.spin} busy loops in a cgroup beside the sandboxes' (not idle, 1024 shares)")
             await measure(args, fc, c, AsyncFnCall(nats_url=nats.url, queue_timeout=290), url, debian is not None)
