@@ -47,11 +47,11 @@ from ._agent import AgentError
 from ._backend import AgentChannel, Backend, Handle
 
 STDIN_PATH = "/tmp/.dsec-fn-stdin"  # (hostagent._fncall writes a call's stdin there)
-# For the interpreter to be ready (not on the call's clock; the call runs the ordinary way after it).
-# With KILL_WAIT_S, what a call on an interpreter may add to its own timeouts: less than the SDK's
-# reply margin (sdk._fncall.REPLY_MARGIN_S), so the caller hears the host's answer, never its own timeout.
-# An interpreter still loading is waited for rather than given up: another one started for the call
-# would load no faster on a host that slow, and on the call's clock.
+# How long a call waits, off its clock, for its started interpreter to be loaded (after that it runs
+# the ordinary way): one still loading is waited for, as another started for the call would load no
+# faster on a host that slow, and on the call's clock. With KILL_WAIT_S, what a call on an interpreter
+# may add to its own timeouts: less than the SDK's reply margin (sdk._fncall.REPLY_MARGIN_S), so the
+# caller hears the host's answer, never its own timeout.
 START_WAIT_S = 15.0
 KILL_WAIT_S = 5.0  # for the exec to end once its process group was killed at the call's timeout
 READY = b"\0"  # the interpreter's first output: it is loaded and waits for its script

@@ -1,8 +1,9 @@
 """FnCall: stateless calls served from the hosts' warm pools (``dsec up --fn-pool base=8,python=8``).
 
-Each call is one core request on ``dsec.fn.<tenant>.<template>.call`` (the connection's tenant); every host keeping a pool of the
-template takes it in one queue group, so the call goes straight to a host with members, with no
-sandbox created on the way. Each call starts from its template's state: between calls the host
+Each call is one core request on ``dsec.fn.<tenant>.<template>.call`` (the connection's tenant:
+its credential may publish under no other); every host keeping a pool of the template takes it in
+one queue group, so the call goes straight to a host with members, with no sandbox created on the
+way, and serves a tenant's private template to that tenant and the operator only. Each call starts from its template's state: between calls the host
 resets the member (or replaces it), so nothing a call leaves (files, processes, shared memory,
 environment) is seen by another.
 
