@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -29,7 +30,8 @@ class BusyNeighbours:
         (self.dir / "cpu.shares").write_text("1024")
         try:
             for _ in range(self.n):
-                p = subprocess.Popen(["sh", "-c", "while :; do :; done"])
+                # (busy while this process lives: a run killed before its cleanup leaves no loop behind)
+                p = subprocess.Popen(["sh", "-c", f"while kill -0 {os.getpid()} 2>/dev/null; do :; done"])
                 self.procs.append(p)
                 (self.dir / "cgroup.procs").write_text(str(p.pid))
         except BaseException:
