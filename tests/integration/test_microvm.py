@@ -11,10 +11,8 @@ import asyncio
 import os
 import signal
 import shutil
-import struct
 import tempfile
 import time
-import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from tests.conftest import eventually, needs
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.integration.conftest import PY, REPO, Child, Stack, answers_again, needs_stack, pid_alive, processes_mentioning, run_process, subprocess_env
 from tests.netclaim import NetClaim, claim_net
+from tests.pngpixels import png_pixels
 from tests.security.test_network import TestHost, counters
 
 NO_QEMU = None if shutil.which("qemu-system-x86_64") else "qemu-system-x86_64 not installed (compose/dev.sh installs it)"
@@ -536,42 +535,6 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
         await b.stop()
         assert not processes_mentioning(str(data))
         shutil.rmtree(data, ignore_errors=True)
-
-
-def png_pixels(png: bytes, rgb: tuple[int, int, int]) -> int:
-    """How many pixels of the (8-bit RGB or RGBA, non-interlaced) PNG are exactly ``rgb``."""
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, w, h, bpp = 8, bytearray(), 0, 0, 3
-    while pos < len(png):
-        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
-        body = png[pos + 8:pos + 8 + n]
-        if kind == b"IHDR":
-            w, h, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", body)
-            assert depth == 8 and ctype in (2, 6) and interlace == 0, (depth, ctype, interlace)
-            bpp = 3 if ctype == 2 else 4
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + n
-    raw, stride = zlib.decompress(bytes(idat)), w * bpp
-    prev, found = bytearray(stride), 0
-    for y in range(h):
-        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
-        for x in range(stride) if kind else ():  # undo the row's filter (PNG spec, 9.2)
-            a = line[x - bpp] if x >= bpp else 0
-            b, c = prev[x], prev[x - bpp] if x >= bpp else 0
-            if kind == 1:
-                line[x] = (line[x] + a) & 255
-            elif kind == 2:
-                line[x] = (line[x] + b) & 255
-            elif kind == 3:
-                line[x] = (line[x] + (a + b) // 2) & 255
-            else:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                line[x] = (line[x] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        found += sum(1 for px in zip(line[0::bpp], line[1::bpp], line[2::bpp], strict=True) if px == rgb)
-        prev = line
-    return found
 
 
 needs_slow = pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="the GUI template (debootstrap, then Xorg under TCG): set DSEC_SLOW=1")
