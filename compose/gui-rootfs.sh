@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The root filesystem of the GUI template for backend="vm": Debian with Xorg (fbdev and modesetting
-# drivers, evdev input), the twm window manager and xterm, from debootstrap, cached as a directory
-# keyed on suite, mirror and package list. The VM backend boots it with Debian's generic kernel
+# drivers, evdev input), the twm window manager, xterm and the Dillo browser (FLTK: it renders a local
+# page in seconds under TCG, where a WebKit or Chromium browser takes minutes to start), from debootstrap,
+# cached as a directory keyed on suite, mirror and package list. The VM backend boots it with Debian's generic kernel
 # (linux-image-amd64: bochs DRM, fbdev), which it fetches itself.
 #   bash compose/gui-rootfs.sh     print the rootfs directory, building it when missing
 set -euo pipefail
 suite="${DSEC_GUI_SUITE:-bookworm}"
 mirror="${DSEC_GUI_MIRROR:-http://deb.debian.org/debian}"
 cache="${DSEC_CACHE_DIR:-/var/cache/dsec}"
-pkgs="xserver-xorg-core,xserver-xorg-video-fbdev,xserver-xorg-input-evdev,xinit,x11-xkb-utils,xkb-data,twm,xterm,xfonts-base,procps"
+pkgs="xserver-xorg-core,xserver-xorg-video-fbdev,xserver-xorg-input-evdev,xinit,x11-xkb-utils,xkb-data,twm,xterm,xfonts-base,procps,dillo,fonts-dejavu-core"
 key="$(printf '%s\n%s\n%s\n%s\n' "$suite" "$mirror" "$pkgs" "$(sha256sum < "$0")" | sha256sum | cut -c1-12)"  # (and this script)
 root="$cache/dsec-gui-$suite-$key"
 

@@ -64,6 +64,43 @@ def smaps_mb(pid: int) -> dict[str, int]:
     return out
 
 
+def anon_parts_mb(pid: int, memory_mb: int) -> dict[str, int]:
+    """Where the QEMU's anonymous memory is, MiB: the guest's RAM (the mapping of its size), TCG's
+    translation cache (the executable mapping) and the rest (QEMU's own: devices, TCG's tables, heap)."""
+    parts = {"guest RAM": 0, "TCG code": 0, "QEMU": 0}
+    size, perms = 0, ""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for ln in f:
+                head = ln.split()
+                if not head[0].endswith(":"):
+                    lo, hi = (int(x, 16) for x in head[0].split("-"))
+                    size, perms = hi - lo, head[1]
+                elif head[0] == "Anonymous:":
+                    kind = "guest RAM" if size == memory_mb << 20 else "TCG code" if "x" in perms else "QEMU"
+                    parts[kind] += int(head[1])
+    except OSError:
+        pass
+    return {k: v >> 10 for k, v in parts.items()}
+
+
+async def settled_anon_mb(pids: list[int], timeout_s: float = 60.0) -> int:
+    """The QEMUs' anonymous memory once it stops falling: the idle guests' free page reporting
+    (virtio-balloon) hands back what they freed a couple of seconds after they freed it."""
+    def total() -> int:
+        return sum(smaps_mb(p).get("Pss_Anon", 0) for p in pids)
+
+    loop = asyncio.get_running_loop()
+    deadline, last = loop.time() + timeout_s, total()
+    while loop.time() < deadline:
+        await asyncio.sleep(3)  # a few reporting periods (2 s in the guest)
+        now = total()
+        if now >= last - 1:
+            return now
+        last = now
+    return last
+
+
 def cached_mb(paths: list[str]) -> int:
     """Pages of ``paths`` in the host's page cache (util-linux fincore): what the layers cost the host."""
     r = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths], capture_output=True, text=True)
@@ -113,8 +150,8 @@ async def round_(mode: str, data: Path, rootfs: str, args: argparse.Namespace) -
         for p in set(blobs):
             drop_cached_pages(p)
         boots, handles = await boot_many(b, "v", layers, args.memory_mb)
-        await asyncio.sleep(2)  # the guests go idle before memory is read
         pids = [qemu.read_pid(b._dir(h.sandbox_id)) or 0 for h in handles]
+        await settled_anon_mb(pids)  # the guests idle, what they freed handed back
         figs = [smaps_mb(p) for p in pids]
         private = sum(f.get("Pss_Anon", 0) + f.get("Pss_Shmem", 0) for f in figs)
         cache = cached_mb(sorted(set(blobs)))
@@ -122,6 +159,11 @@ async def round_(mode: str, data: Path, rootfs: str, args: argparse.Namespace) -
         print(f"{mode} ({b.layer_mode}): boot to ready median {statistics.median(boots):.2f}s min {min(boots):.2f}s "
               f"max {max(boots):.2f}s; per idle VM: RSS median {statistics.median(rss)} MB, anon+shmem PSS {private / args.vms:.0f} MB; "
               f"{args.vms} VMs: host {private + cache} MB (PSS {private} + layer page cache {cache}); load {load()}")
+        parts = [anon_parts_mb(p, args.memory_mb) for p in pids]
+        mem = await b.exec(handles[0], ExecRequest(cmd="grep -E '^(MemTotal|MemFree|Cached):' /proc/meminfo"), None)
+        guest = ", ".join(f"{ln.split()[0]} {int(ln.split()[1]) >> 10}" for ln in mem.stdout.decode().splitlines())
+        print("  per VM (median MB) anonymous: " + ", ".join(f"{k} {statistics.median(p[k] for p in parts):.0f}" for k in parts[0])
+              + f"; guest {guest} MB")
         out = {"host": private + cache, "boot": statistics.median(boots)}
         if mode == "pmem" and not args.no_snapshot:
             await snapshot(b, handles[0], layers[0], d, args.memory_mb)

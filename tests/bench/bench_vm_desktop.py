@@ -2,7 +2,7 @@
 
     python tests/bench/bench_vm_desktop.py [--forks 8] [--memory-mb 512]
 
-It builds (or reuses) the GUI template's rootfs (``compose/gui-rootfs.sh``: Xorg, twm, xterm), boots
+It builds (or reuses) the GUI template's rootfs (``compose/gui-rootfs.sh``: Xorg, twm, xterm, Dillo), boots
 it on the full-VM backend (``VMBackend``, driven directly: no NATS), waits for the desktop, and reports
 
 * boot to ready (agent answers) and to a desktop taking input (the terminal's shell runs);
@@ -10,6 +10,8 @@ it on the full-VM backend (``VMBackend``, driven directly: no NATS), waits for t
   out: they are virtio-pmem regions every VM maps) plus the disk, and its packing as a layer;
 * ``--forks`` VMs restored from it at once: time until every fork's agent answers with the desktop
   running, and each fork's own restore time; host memory of the forks (anonymous PSS);
+* the template's browser (Dillo) opened in the first desktop on a local page: time until the
+  screenshot shows the page (its colour over most of the browser's window);
 
 with the host's load average (the machine is shared). Everything it starts is stopped by pid and its
 data dir removed at the end.
@@ -34,6 +36,7 @@ from hostagent._backend import Handle  # noqa: E402
 from hostagent.backends.microvm import qemu  # noqa: E402
 from hostagent.backends.vm import VMBackend  # noqa: E402
 from tests.bench.bench_microvm import KERNEL_CACHE, load, smaps_mb  # noqa: E402
+from tests.pngpixels import png_pixels  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +44,17 @@ REPO = Path(__file__).resolve().parents[2]
 async def desktop_up(b: VMBackend, h: Handle) -> bool:
     r = await b.exec(h, ExecRequest(cmd="test -e /run/dsec-desktop && pgrep -x Xorg >/dev/null && pgrep -x twm >/dev/null"), None)
     return r.exit_code == 0
+
+
+async def browse(b: VMBackend, h: Handle) -> float:
+    """Seconds from starting the browser on a local magenta page until the screen shows it."""
+    page = '<html><body bgcolor="#ff00ff"><h1>dsec</h1></body></html>'
+    await b.exec(h, ExecRequest(cmd=f"cat > /tmp/page.html <<'EOF'\n{page}\nEOF"), None)
+    t = time.perf_counter()
+    await b.exec(h, ExecRequest(cmd="DISPLAY=:0 HOME=/root setsid dillo -g 640x480+300+100 file:///tmp/page.html </dev/null >/dev/null 2>&1 &"), None)
+    while png_pixels(await b.screenshot(h), (255, 0, 255)) < 100_000:  # most of the 640x480 window
+        await asyncio.sleep(0.5)  # poll interval while the browser starts
+    return time.perf_counter() - t
 
 
 async def main() -> int:
@@ -96,6 +110,7 @@ async def main() -> int:
         anon = [smaps_mb(qemu.read_pid(b._dir(f"fork{i}")) or 0).get("Pss_Anon", 0) for i in range(args.forks)]
         print(f"fork {args.forks} of the running desktop: all ready in {total:.1f}s; each {statistics.median(each):.1f}s median, "
               f"{max(each):.1f}s max; anonymous PSS {statistics.median(anon)} MB per fork; load {load()}")
+        print(f"browser (Dillo) shows a local page in {await browse(b, h):.1f}s; load {load()}")
     finally:
         for v in (b.vms.iterdir() if b.vms.exists() else []):
             await b.destroy(v.name)

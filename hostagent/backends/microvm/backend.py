@@ -50,6 +50,7 @@ class MicroVMBackend:
     machine: qemu.Machine = "microvm"
     modules: tuple[str, ...] = GUEST_MODULES
     kernel_package = PACKAGE
+    tcg_tb_mb = 32  # TCG's translation cache per VM: the boot of the cloud kernel and agent fits (qemu.VMSpec)
 
     def __init__(
         self, data_dir: str, *, kernel_cache: str | None = None, accel: str | None = None, lazy_mount: str | None = None,
@@ -230,12 +231,14 @@ class MicroVMBackend:
                 nic = await asyncio.to_thread(net.plumb, att, sid)
             vcpus, memory_mb = max(1, math.ceil(spec.cpu)), max(MIN_MEMORY_MB, spec.memory_mb)
             pmem = self.layer_mode != "virtio-blk" and len(layers) <= qemu.PMEM_MAX_LAYERS
+            balloon = True
             if memory is not None:
                 mem_dir = await self._mount_memory(memory)
                 meta = snapshot.read_meta(mem_dir)
                 # The snapshot's own file layers are in its disk already: the VM gets the devices it had.
                 layers, vcpus, memory_mb = layers[:int(meta["layers"])], int(meta["vcpus"]), int(meta["memory_mb"])
                 pmem = bool(meta.get("pmem", False))
+                balloon = bool(meta.get("balloon", False))  # a snapshot from before the device had none
                 await asyncio.to_thread(snapshot.restore_disk, mem_dir, upper)
             else:
                 await asyncio.to_thread(_make_disk, upper, spec.disk_mb or DEFAULT_DISK_MB)
@@ -243,7 +246,8 @@ class MicroVMBackend:
             blobs = [await (self._pmem_blob(layer) if pmem else self._blob(layer)) for layer in layers]
             vm = qemu.VMSpec(
                 d, self.kernel.vmlinuz, self.initrd, self.accel, vcpus=vcpus, memory_mb=memory_mb, layers=blobs, upper=upper,
-                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine, net=nic, pmem=pmem,
+                name=f"dsec-{sid}", incoming=mem_dir, machine=self.machine, net=nic, pmem=pmem, balloon=balloon,
+                tcg_tb_mb=self.tcg_tb_mb,
             )
             pid = await qemu.launch(vm)
             if mem_dir:
@@ -265,7 +269,7 @@ class MicroVMBackend:
         finally:
             if memory is not None:
                 await self._unmount_memory(memory)
-        extra = {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs), "pmem": pmem}
+        extra = {"dir": d, "accel": self.accel, "vcpus": vcpus, "memory_mb": memory_mb, "layers": len(blobs), "pmem": pmem, "balloon": balloon}
         return Handle(sid, pid, extra | ({"net": att.to_extra()} if att is not None else {}))
 
     async def _booted(self, sid: str) -> None:
@@ -415,7 +419,7 @@ class MicroVMBackend:
         """QEMU's migration stream of the stopped VM, and its disk, into ``image_dir``."""
         x = handle.extra
         meta = {"layers": x.get("layers", 1), "vcpus": x.get("vcpus", 1), "memory_mb": x.get("memory_mb", MIN_MEMORY_MB), "accel": self.accel,
-                "pmem": bool(x.get("pmem", False))}
+                "pmem": bool(x.get("pmem", False)), "balloon": bool(x.get("balloon", False))}
         await snapshot.checkpoint(self._dir(handle.sandbox_id), image_dir, meta)
 
 

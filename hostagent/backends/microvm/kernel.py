@@ -19,8 +19,9 @@ from bus.errors import CreateFailed
 PACKAGE = "linux-image-cloud-amd64"
 GENERIC_PACKAGE = "linux-image-amd64"  # the full VM's: it has DRM (bochs, virtio-gpu) and fbdev drivers for a display
 # what vm_boot (dsec-agent.c) needs that this kernel builds as modules; dependencies are added
-# (virtio_net: the NIC of a VM with a network)
-GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "erofs", "overlay")
+# (virtio_net: the NIC of a VM with a network; virtio_balloon: free page reporting, the guest hands
+# the pages it frees back to the host)
+GUEST_MODULES = ("virtio_mmio", "virtio_blk", "virtio_console", "virtio_net", "virtio_balloon", "erofs", "overlay")
 # the template's layers as virtio-pmem regions (PCI devices; nd_pmem makes their block devices)
 PMEM_MODULES = ("virtio_pci", "virtio_pmem", "nd_pmem")
 # what a guest needs to read a layer in place over virtio-pmem (EROFS's DAX support is under FS_DAX)

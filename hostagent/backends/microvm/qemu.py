@@ -75,12 +75,21 @@ class VMSpec:
     # layers as virtio-pmem regions mapping the blobs read-only and shared (each blob's size a
     # multiple of PMEM_ALIGN): every VM's guest reads the host's one page-cache copy, with DAX in place
     pmem: bool = False
+    # virtio-balloon with free page reporting (never inflated): the guest reports the 2 MiB blocks
+    # it has freed (the initramfs, boot-time allocations, page cache it dropped) and QEMU drops
+    # them from its RAM. Off only for a snapshot saved without the device (the stream must match).
+    balloon: bool = True
+    # TCG's translation cache, MiB (0: QEMU's default, up to 1 GiB). It is QEMU's anonymous memory and
+    # grows with the guest code translated: an idle microVM's boot fills ~55 MiB of it; capped, TCG
+    # flushes and translates again, which a booted, mostly idle sandbox seldom needs.
+    tcg_tb_mb: int = 0
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
     def argv(self, daemonize: bool = True) -> list[str]:
-        cpu = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+        tcg = f"tcg,tb-size={self.tcg_tb_mb}" if self.tcg_tb_mb else "tcg"
+        cpu = ["-accel", "kvm", "-cpu", "host"] if self.accel == "kvm" else ["-accel", tcg, "-cpu", "max"]
         # virtio-pmem needs the PC machine: QEMU's microvm has no device-memory area to map a region in
         # (it plugs one at guest address 0, which the guest cannot claim), so a microVM with pmem
         # layers is a q35 without a display.
@@ -89,6 +98,13 @@ class VMSpec:
         # microvm: ACPI stays on, it is how this kernel finds the virtio-mmio devices (no cmdline devices)
         machine = ["-M", "microvm,acpi=on,rtc=on"] if not pc else ["-M", "q35", "-vga", "std" if self.machine == "q35" else "none"]
         extra = self.cmdline_extra if self.machine == "microvm" else f"console=tty0 {self.cmdline_extra}"
+        if pc:
+            # The PC's memory-hotplug range (the pmem regions' device memory, above 4 GiB) makes the
+            # kernel expect RAM beyond 32-bit DMA and set aside 64 MiB of bounce buffers (SWIOTLB),
+            # zeroed at boot: 64 MiB less for the guest and 64 MiB more of QEMU's RAM touched. No
+            # device here bounces: virtio without VIRTIO_F_ACCESS_PLATFORM bypasses the DMA API,
+            # and the VGA framebuffer is not DMA.
+            extra = f"swiotlb=noforce {extra}"
         memory = str(self.memory_mb)
         if self.pmem:
             extra = f"{extra} dsec_pmem=1"
@@ -121,6 +137,8 @@ class VMSpec:
                 continue
             a += ["-drive", f"id=l{i},file={blob},format=raw,if=none,readonly=on",
                   "-device", f"virtio-blk-{bus},drive=l{i},serial=layer{i}"]
+        if self.balloon:
+            a += ["-device", f"virtio-balloon-{bus},free-page-reporting=on"]
         if self.net is not None:
             a += ["-netdev", f"tap,id=n0,ifname={self.net.tap},script=no,downscript=no",
                   "-device", f"virtio-net-{bus},netdev=n0,mac={self.net.mac}"]

@@ -68,6 +68,7 @@ class VMBackend(MicroVMBackend):
     name: BackendName = "vm"
     machine: qemu.Machine = "q35"
     kernel_package = GENERIC_PACKAGE
+    tcg_tb_mb = 0  # QEMU's default: a desktop (Xorg, a browser) runs far more code than an idle microVM
     # the tablet and its /dev/input/event node; the display's DRM driver (a framebuffer for fbcon and Xorg)
     # (the generic kernel builds as modules what the cloud one has built in: ext4, and the crc32c EROFS asks for)
     modules = ("crc32c_generic", "ext4", *GUEST_MODULES, "virtio_pci", "virtio_input", "evdev", "bochs")
