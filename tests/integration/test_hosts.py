@@ -179,6 +179,123 @@ async def _lost_events(h: Hosts, sid: str) -> list[Any]:
     return (await ready_counts(h.js, ("lost",))).get(sid, [])
 
 
+@dataclass
+class Outside:
+    """The network beyond this machine, as far as a host can tell: a namespace behind a veth of the
+    root namespace's (198.19.<n>.2/30, RFC 2544 space, with no route to the hosts' addresses: only
+    the root namespace's masquerade gets its answers back), serving HTTP on two ports; and an HTTP
+    server of the root namespace's own, on its end of that veth (198.19.<n>.1)."""
+
+    netns: str
+    link: str
+    ip: str
+    root_ip: str
+    ports: dict[str, int]
+    procs: list[Any] = field(default_factory=list)
+
+
+def _serve_http(enter: list[str], ip: str, port: int, d: Path) -> Any:
+    import subprocess
+
+    return subprocess.Popen([*enter, PY, "-m", "http.server", str(port), "--bind", ip, "--directory", str(d)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+@contextlib.contextmanager
+def _outside(net: HostNet, root: Path) -> Any:
+    import ipaddress
+    import subprocess
+    import urllib.request
+
+    from bus.natsd import free_port
+
+    n = ipaddress.ip_network(net.link_net).network_address.packed[2]  # the claim's: unique on this machine
+    o = Outside(f"dsec-{net.prefix}-out", f"{net.prefix}o", f"198.19.{n}.2", f"198.19.{n}.1",
+                {"allowed": free_port(), "other_port": free_port(), "machine": free_port()})
+    ip = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
+    d = root / "www"
+    d.mkdir(exist_ok=True)
+    (d / "token").write_text(f"outside {net.prefix}\n")
+    try:
+        ip("netns", "add", o.netns)
+        ip("link", "add", o.link, "type", "veth", "peer", "name", "eth0", "netns", o.netns)
+        ip("addr", "add", f"{o.root_ip}/30", "dev", o.link)
+        ip("link", "set", o.link, "up")
+        ip("-n", o.netns, "addr", "add", f"{o.ip}/30", "dev", "eth0")
+        ip("-n", o.netns, "link", "set", "eth0", "up")
+        ip("-n", o.netns, "link", "set", "lo", "up")
+        enter = ["nsenter", f"--net=/run/netns/{o.netns}", "--"]
+        o.procs += [_serve_http(enter, o.ip, o.ports["allowed"], d), _serve_http(enter, o.ip, o.ports["other_port"], d),
+                    _serve_http([], o.root_ip, o.ports["machine"], d)]
+
+        def up() -> bool:  # the positive control: every server answers from the root namespace
+            try:
+                return all(urllib.request.urlopen(f"http://{a}:{o.ports[k]}/token", timeout=2).read() == (d / "token").read_bytes()
+                           for k, a in (("allowed", o.ip), ("other_port", o.ip), ("machine", o.root_ip)))
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 60
+        while not up():
+            assert time.monotonic() < deadline, "the test's HTTP servers did not answer"
+            time.sleep(0.2)  # poll interval
+        yield o
+    finally:
+        for p in o.procs:
+            p.terminate()
+            p.wait(10)
+        subprocess.run(["ip", "netns", "delete", o.netns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", o.link], capture_output=True)
+
+
+def _counter(enter: list[str] | None, table: str, name: str) -> int:
+    import re
+    import subprocess
+
+    out = subprocess.run([*(enter or []), "nft", "list", "counter", "inet", table, name], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"packets (\d+)", out)
+    assert m, out
+    return int(m.group(1))
+
+
+async def test_a_hosts_sandboxes_get_the_network_their_allowlist_opens(hosts: Hosts) -> None:
+    """A sandbox on a host in its namespace reaches an allowed server beyond the machine (the host's
+    masquerade, then the root namespace's forwarding and masquerade); the same server on a port its
+    allowlist does not name is refused by its host's agent (``not_allowed``), and this machine's own
+    address is refused by the root namespace (``to_machine``) even when the allowlist names it."""
+    h = hosts
+    with _outside(h.net, h.root) as o:
+        allow = [f"{o.ip}:{o.ports['allowed']}", f"{o.root_ip}:{o.ports['machine']}"]
+        sb = await AsyncSandbox.create(**h.kw(network={"allow_out": allow}))
+        try:
+            i = h.index(sb.host_id)
+            host_table = f"dsec_{h.net.net_prefix(i)}"
+
+            async def get(ip: str, port: int) -> str:  # busybox nc: an HTTP GET, and its exit status
+                r = await sb.commands.run(f"printf 'GET /token HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {ip} {port} 2>&1; echo rc=$?", timeout=60)
+                return r.stdout
+
+            got = await get(o.ip, o.ports["allowed"])
+            assert got.startswith("HTTP/1.0 200") and got.endswith(f"\r\n\r\noutside {h.net.prefix}\nrc=0\n"), got
+
+            before = _counter(h.net.enter(i), host_table, "not_allowed")
+            got = await get(o.ip, o.ports["other_port"])
+            assert "Connection refused" in got and "rc=1" in got, got
+            assert _counter(h.net.enter(i), host_table, "not_allowed") > before
+
+            before = _counter(None, h.net.table, "to_machine")
+            got = await get(o.root_ip, o.ports["machine"])
+            assert "Connection refused" in got and "rc=1" in got, got
+            assert _counter(None, h.net.table, "to_machine") > before
+
+            # NATS (the bridge's address) is each agent's control plane: not even nameable.
+            with pytest.raises(DsecError) as ei:
+                await AsyncSandbox.create(**h.kw(network={"allow_out": [f"{h.net.gateway}:4222"]}))
+            assert ei.value.code == "invalid_argument", ei.value
+        finally:
+            await sb.kill()
+
+
 async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts) -> None:
     h = hosts
     sbs = [await AsyncSandbox.create(**h.kw()) for _ in range(6)]
