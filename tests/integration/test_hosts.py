@@ -201,8 +201,8 @@ def _serve_http(enter: list[str], ip: str, port: int, d: Path) -> Any:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-@contextlib.contextmanager
-def _outside(net: HostNet, root: Path) -> Any:
+@contextlib.asynccontextmanager
+async def _outside(net: HostNet, root: Path) -> AsyncIterator[Outside]:
     import ipaddress
     import subprocess
     import urllib.request
@@ -235,15 +235,12 @@ def _outside(net: HostNet, root: Path) -> Any:
             except OSError:
                 return False
 
-        deadline = time.monotonic() + 60
-        while not up():
-            assert time.monotonic() < deadline, "the test's HTTP servers did not answer"
-            time.sleep(0.2)  # poll interval
+        await eventually(lambda: asyncio.to_thread(up), timeout=60, interval=0.2, what="the test's HTTP servers to answer")
         yield o
     finally:
         for p in o.procs:
             p.terminate()
-            p.wait(10)
+            await asyncio.to_thread(p.wait, 10)
         subprocess.run(["ip", "netns", "delete", o.netns], capture_output=True)
         subprocess.run(["ip", "link", "delete", o.link], capture_output=True)
 
@@ -264,7 +261,7 @@ async def test_a_hosts_sandboxes_get_the_network_their_allowlist_opens(hosts: Ho
     allowlist does not name is refused by its host's agent (``not_allowed``), and this machine's own
     address is refused by the root namespace (``to_machine``) even when the allowlist names it."""
     h = hosts
-    with _outside(h.net, h.root) as o:
+    async with _outside(h.net, h.root) as o:
         allow = [f"{o.ip}:{o.ports['allowed']}", f"{o.root_ip}:{o.ports['machine']}"]
         sb = await AsyncSandbox.create(**h.kw(network={"allow_out": allow}))
         try:
