@@ -9,7 +9,8 @@ Two backends behind one small async interface:
 Keys: ``chunks/<sha256 hex>`` (raw chunk bytes) and ``layers/<sha256 hex>`` (a msgpack ``LayerRef``).
 
 A store that cannot be reached (refused, timed out, 5xx, no JetStream responder) raises
-``BlobStoreUnavailable`` from ``get``/``exists``/``get_layer``: the lazy loader waits for it or fails
+``BlobStoreUnavailable`` from ``get``/``exists``/``get_layer``/``put`` (so a snapshot or a build fails
+typed too): the lazy loader waits for it or fails
 at once by its configuration (``imaged._cache``), and never mistakes it for a missing object.
 
 S3 configuration (first one set wins):
@@ -120,6 +121,9 @@ class NatsBlobStore(BlobStore):
         self._obs: Any = None
         self._lock = asyncio.Lock()
 
+    def _away(self, exc: BaseException) -> BlobStoreUnavailable:
+        return BlobStoreUnavailable(f"object store {self.bucket}: {type(exc).__name__}: {exc}", store=self.url)
+
     async def _store(self) -> Any:
         if self._obs is None:
             async with self._lock:
@@ -143,7 +147,7 @@ class NatsBlobStore(BlobStore):
         except (ObjectNotFoundError, NotFoundError):
             return False
         except _NATS_AWAY as exc:
-            raise BlobStoreUnavailable(f"object store {self.bucket}: {type(exc).__name__}: {exc}", store=self.url) from None
+            raise self._away(exc) from None
 
     def _max_msg(self) -> int:
         try:
@@ -153,11 +157,16 @@ class NatsBlobStore(BlobStore):
 
     async def put(self, key: str, data: bytes) -> None:
         """Store one object; a chunk that fits in one NATS message is stored as one message."""
-        obs = await self._store()
+        try:
+            obs = await self._store()
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
         size = min(max(len(data), 1), self._max_msg())
         meta = ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=max(size, 128 * 1024)))
         try:
             await obs.put(key, bytes(data), meta=meta)
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
         except APIError as exc:
             # JetStream refuses a full bucket (its max_bytes) or a server out of storage: a typed
             # no_space for the caller, not an unexplained internal error
@@ -172,7 +181,7 @@ class NatsBlobStore(BlobStore):
         try:
             return await self._get(key)
         except _NATS_AWAY as exc:
-            raise BlobStoreUnavailable(f"object store {self.bucket}: {type(exc).__name__}: {exc}", store=self.url) from None
+            raise self._away(exc) from None
 
     async def _get(self, key: str) -> bytes:
         obs = await self._store()
@@ -309,7 +318,10 @@ class S3BlobStore(BlobStore):
 
     async def put(self, key: str, data: bytes) -> None:
         await self._ensure()
-        await self._run(self._client.put_object, Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data))
+        try:
+            await self._run(self._client.put_object, Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data))
+        except Exception as exc:  # noqa: BLE001 - botocore's
+            raise self._away(exc) or exc from None
 
     async def get(self, key: str) -> bytes:
         await self._ensure()

@@ -2,7 +2,8 @@
 SeaweedFS, stopped by pid and started again on its ports and data). The host's lazy loader either
 fails a read of an uncached chunk at once (``--store-wait-s 0``) -- the create that needed it fails
 with ``blob_store_unavailable`` -- or waits for the store (``--store-wait-s N``) and the create
-succeeds once the store is back. A template whose layers the host has cached starts throughout."""
+succeeds once the store is back. A template whose layers the host has cached starts throughout; a
+snapshot (a layer to store) fails typed while the store is away and is stored once it is back."""
 
 from __future__ import annotations
 
@@ -73,9 +74,14 @@ async def test_uncached_create_fails_typed_or_waits_cached_proceeds(stack: Stack
             info = loader.info()
             assert info["store_available"] is False and info["store_error"], info
             assert not await stack.leftovers(sid)
-            # The cached template proceeds during the outage (its reads are served from the host's cache).
+            # The cached template proceeds during the outage (its reads are served from the host's cache);
+            # a snapshot of it, which must store a layer, fails typed.
             async with stack.sandbox(template=warm) as sb:
-                assert (await sb.commands.run("cat /work/hello")).stdout == "warm\n"
+                assert (await sb.commands.run("cat /work/hello && echo changed > /root/f")).stdout == "warm\n"
+                with pytest.raises(BlobStoreUnavailable) as ei:
+                    await sb.create_snapshot()
+                assert ei.value.code == "blob_store_unavailable", ei.value
+                assert (await sb.commands.run("cat /root/f")).stdout == "changed\n"  # the sandbox runs on
 
             # Wait mode: the create waits for the store, and succeeds once it is back.
             loader.stop()
@@ -91,6 +97,9 @@ async def test_uncached_create_fails_typed_or_waits_cached_proceeds(stack: Stack
             r = await sb.commands.run("cat /work/hello && sha256sum /work/data.bin")
             assert r.stdout.splitlines() == [f"cold {tag}", f"{hashlib.sha256(blob).hexdigest()}  /work/data.bin"]
             await eventually(lambda: loader.info()["store_available"] is True, timeout=30, interval=0.2, what="the loader to see the store back")
+            # The positive control of the snapshot: with the store back, the same kind of snapshot is stored.
+            await sb.commands.run("echo changed > /root/f")
+            assert (await sb.create_snapshot()).snapshot_id
         finally:
             for sb in sbs:
                 await sb.kill()
