@@ -256,41 +256,49 @@ def _counter(enter: list[str] | None, table: str, name: str) -> int:
 
 
 async def test_a_hosts_sandboxes_get_the_network_their_allowlist_opens(hosts: Hosts) -> None:
-    """A sandbox on a host in its namespace reaches an allowed server beyond the machine (the host's
+    """A sandbox on each host in its namespace reaches an allowed server beyond the machine (the host's
     masquerade, then the root namespace's forwarding and masquerade); the same server on a port its
     allowlist does not name is refused by its host's agent (``not_allowed``), and this machine's own
     address is refused by the root namespace (``to_machine``) even when the allowlist names it."""
     h = hosts
     async with _outside(h.net, h.root) as o:
         allow = [f"{o.ip}:{o.ports['allowed']}", f"{o.root_ip}:{o.ports['machine']}"]
-        sb = await AsyncSandbox.create(**h.kw(network={"allow_out": allow}))
+        made: list[AsyncSandbox] = []
+        on: dict[str, AsyncSandbox] = {}
         try:
-            i = h.index(sb.host_id)
-            host_table = f"dsec_{h.net.net_prefix(i)}"
+            while len(on) < N and len(made) < 4 * N:  # one sandbox on every host (placement spreads)
+                sb = await AsyncSandbox.create(**h.kw(network={"allow_out": allow}))
+                made.append(sb)
+                on.setdefault(sb.host_id, sb)
+            assert len(on) == N, {k: v.sandbox_id for k, v in on.items()}
+            for host_id, sb in sorted(on.items()):
+                i = h.index(host_id)
+                host_table = f"dsec_{h.net.net_prefix(i)}"
 
-            async def get(ip: str, port: int) -> str:  # busybox nc: an HTTP GET, and its exit status
-                r = await sb.commands.run(f"printf 'GET /token HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {ip} {port} 2>&1; echo rc=$?", timeout=60)
-                return r.stdout
+                async def get(ip: str, port: int, sb: AsyncSandbox = sb) -> str:  # busybox nc: an HTTP GET, and its exit status
+                    r = await sb.commands.run(f"printf 'GET /token HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {ip} {port} 2>&1; echo rc=$?", timeout=60)
+                    return r.stdout
 
-            got = await get(o.ip, o.ports["allowed"])
-            assert got.startswith("HTTP/1.0 200") and got.endswith(f"\r\n\r\noutside {h.net.prefix}\nrc=0\n"), got
+                got = await get(o.ip, o.ports["allowed"])
+                assert got.startswith("HTTP/1.0 200") and got.endswith(f"\r\n\r\noutside {h.net.prefix}\nrc=0\n"), (host_id, got)
 
-            before = _counter(h.net.enter(i), host_table, "not_allowed")
-            got = await get(o.ip, o.ports["other_port"])
-            assert "Connection refused" in got and "rc=1" in got, got
-            assert _counter(h.net.enter(i), host_table, "not_allowed") > before
+                before = _counter(h.net.enter(i), host_table, "not_allowed")
+                got = await get(o.ip, o.ports["other_port"])
+                assert "Connection refused" in got and "rc=1" in got, (host_id, got)
+                assert _counter(h.net.enter(i), host_table, "not_allowed") > before
 
-            before = _counter(None, h.net.table, "to_machine")
-            got = await get(o.root_ip, o.ports["machine"])
-            assert "Connection refused" in got and "rc=1" in got, got
-            assert _counter(None, h.net.table, "to_machine") > before
+                before = _counter(None, h.net.table, "to_machine")
+                got = await get(o.root_ip, o.ports["machine"])
+                assert "Connection refused" in got and "rc=1" in got, (host_id, got)
+                assert _counter(None, h.net.table, "to_machine") > before
 
             # NATS (the bridge's address) is each agent's control plane: not even nameable.
             with pytest.raises(DsecError) as ei:
                 await AsyncSandbox.create(**h.kw(network={"allow_out": [f"{h.net.gateway}:4222"]}))
             assert ei.value.code == "invalid_argument", ei.value
         finally:
-            await sb.kill()
+            for sb in made:
+                await sb.kill()
 
 
 async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts) -> None:
