@@ -478,6 +478,7 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
     import ipaddress
     import os
     import signal
+    import subprocess
     import sys
 
     from bus.natsd import free_port
@@ -503,6 +504,11 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         sbs = [await AsyncSandbox.create(nats_url=url, memory_mb=64) for _ in range(4)]
         assert {sb.host_id for sb in sbs} == {"uph-0", "uph-1"}
         assert (await sbs[0].commands.run("echo hi")).stdout == "hi\n"
+        # A sandbox with a network: its host's agent takes the hosts' deny list, and the root
+        # namespace's table for the hosts is there (and gone after the stop, below).
+        sbs.append(await AsyncSandbox.create(nats_url=url, memory_mb=64, network={"allow_out": ["192.0.2.1/32"]}))
+        assert (await sbs[-1].commands.run("ip -o addr show eth0")).exit_code == 0
+        assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0
         for sb in sbs:
             await sb.kill()
     finally:
@@ -513,6 +519,8 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         up.signal(signal.SIGTERM)
         rc = await up.wait(300)
         left = claim.in_kernel() + [x for i in range(2) for x in data_dir_leftovers(host_data(data, i))]
+        if subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0:
+            left.append(f"nft table dsec_{claim.prefix}_hosts")
         claim.release()
         if not left:
             shutil.rmtree(data, ignore_errors=True)
