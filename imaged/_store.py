@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
-from nats import errors as nats_errors
+import nats.errors as nats_errors
 from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectNotFoundError, ServiceUnavailableError
 
 from bus import subjects as S
