@@ -165,15 +165,17 @@ class NatsBlobStore(BlobStore):
         meta = ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=max(size, 128 * 1024)))
         try:
             await obs.put(key, bytes(data), meta=meta)
-        except _NATS_AWAY as exc:
-            raise self._away(exc) from None
         except APIError as exc:
-            # JetStream refuses a full bucket (its max_bytes) or a server out of storage: a typed
-            # no_space for the caller, not an unexplained internal error
+            # JetStream refuses a full bucket (its max_bytes) or a server out of storage -- with a 503,
+            # like a stream that is away: a typed no_space for the caller, not "unavailable"
             why = exc.description or ""
             if "maximum bytes" in why or "insufficient resources" in why:
                 raise NoSpace(f"object store {self.bucket} is full: {why}", bucket=self.bucket) from None
+            if isinstance(exc, _NATS_AWAY):
+                raise self._away(exc) from None
             raise
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
 
     async def get(self, key: str) -> bytes:
         """The object's bytes. Single-message objects take two direct gets (meta, data) instead of an
