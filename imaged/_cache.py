@@ -15,8 +15,8 @@ used chunks that no read is using are evicted when the total passes ``max_bytes`
 
 The blob store away (``BlobStoreUnavailable``, or an attempt that timed out) is not a bad chunk: a
 fetch waits for the store to come back for up to ``store_wait_s`` seconds (trying again every
-``STORE_PROBE_S`` at most), or with ``store_wait_s`` = 0 fails at once -- and while the store is known
-to be away, later fetches fail without trying it, but for one probe every ``STORE_PROBE_S``. Either
+``store_probe_s`` at most), or with ``store_wait_s`` = 0 fails at once -- and while the store is known
+to be away, later fetches fail without trying it, but for one probe every ``store_probe_s``. Either
 way a failed read is EIO, and ``daemon.json`` says why (``store_available``, ``store_error``,
 ``store_unavailable_since``), written before the read is answered: the host agent reads it to give
 the create that needed the chunk its typed error (``blob_store_unavailable``). Cached chunks are
@@ -117,6 +117,7 @@ class ChunkCache:
         fetch_concurrency: int = 8,
         fault_delay_s: float = 0.0,
         store_wait_s: float = 30.0,
+        store_probe_s: float = STORE_PROBE_S,
     ) -> None:
         self.root = Path(root)
         self.chunks_dir = self.root / "chunks"
@@ -134,6 +135,7 @@ class ChunkCache:
         self.backoff_s = backoff_s
         self.fault_delay_s = fault_delay_s
         self.store_wait_s = max(0.0, store_wait_s)  # 0: a fetch the store cannot serve fails at once
+        self.store_probe_s = max(0.1, store_probe_s)  # the store away: how often it is tried again
         self.store_down_at: float | None = None  # monotonic time of the last failure while away
         self.store_down_since: float | None = None  # wall time the store went away (None: available)
         self.store_error = ""
@@ -376,8 +378,8 @@ class ChunkCache:
             logger.warning("daemon_info_write_failed", error=str(exc))
 
     def _known_away(self) -> bool:
-        """Fail-at-once mode, the store away and probed less than STORE_PROBE_S ago: do not try it."""
-        return self.store_wait_s <= 0 and self.store_down_at is not None and time.monotonic() - self.store_down_at < STORE_PROBE_S
+        """Fail-at-once mode, the store away and probed less than ``store_probe_s`` ago: do not try it."""
+        return self.store_wait_s <= 0 and self.store_down_at is not None and time.monotonic() - self.store_down_at < self.store_probe_s
 
     async def _fetch(self, meta: LayerMeta, idx: int) -> None:
         c = meta.chunks[idx]
@@ -432,7 +434,7 @@ class ChunkCache:
                     break
                 if wait_until is None:
                     wait_until = time.monotonic() + self.store_wait_s
-                delay = min(delay, STORE_PROBE_S)  # notice the store's return soon
+                delay = min(delay, self.store_probe_s)  # notice the store's return soon
                 if time.monotonic() + delay >= wait_until:
                     break
                 await asyncio.sleep(delay)  # waiting for the store, as configured

@@ -97,7 +97,8 @@ async def test_a_hung_store_fails_reads_at_once_or_is_waited_for(js, tmp_path: P
             await store.close()
         layer = res.manifest.layers[0]
         hexd = digest_hex(layer.digest)
-        d = lazy_daemons(env=sw.env(bucket), args=["--store-wait-s", "0", "--attempt-timeout", "3"])
+        # a long probe interval: "the next read does not try the store" must not depend on how fast it comes
+        d = lazy_daemons(env=sw.env(bucket), args=["--store-wait-s", "0", "--attempt-timeout", "3", "--store-probe-s", "600"])
         mnt = tmp_path / "layer"
         await asyncio.to_thread(mount_erofs, d.mount / hexd, mnt)
         mounts.append(mnt)
