@@ -233,11 +233,7 @@ class ChunkCache:
         fut = asyncio.get_running_loop().create_future()
         self._lookups[hexd] = fut
         try:
-            try:
-                ref, users = await asyncio.wait_for(find_layer(self.js, self.store, hexd), self.attempt_timeout_s)
-            except (BlobStoreUnavailable, asyncio.TimeoutError) as exc:
-                self._store_away(exc)
-                raise
+            ref, users = await self._find_layer(hexd)
             if ref is None or not ref.chunks or ref.chunk_size <= 0:
                 self._negative[hexd] = time.monotonic()
                 fut.set_result(None)
@@ -353,6 +349,19 @@ class ChunkCache:
             return p.stat().st_size == expected_len and sha256_file(p) == c
         except OSError:
             return False
+
+    async def _find_layer(self, hexd: str) -> tuple[Any, list[str]]:
+        """The layer's record, waiting for a store that is away as a chunk fetch does (a layer in no
+        manifest -- a snapshot's -- is known to the store only)."""
+        wait_until = time.monotonic() + self.store_wait_s
+        while True:
+            try:
+                return await asyncio.wait_for(find_layer(self.js, self.store, hexd), self.attempt_timeout_s)
+            except (BlobStoreUnavailable, asyncio.TimeoutError) as exc:
+                self._store_away(exc)
+                if time.monotonic() + self.store_probe_s >= wait_until:
+                    raise
+            await asyncio.sleep(self.store_probe_s)  # waiting for the store, as configured
 
     # --- the store's availability -----------------------------------------------------------------
     def _store_away(self, exc: BaseException) -> None:

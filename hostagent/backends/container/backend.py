@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import structlog
 
-from bus.errors import BlobStoreUnavailable, CreateFailed, ImageError, SandboxNotFound
+from bus.errors import BlobStoreUnavailable, CreateFailed, DsecError, ImageError, SandboxNotFound
 from bus.messages import (
     BackendName,
     ExecRequest,
@@ -171,6 +171,8 @@ class ContainerBackend:
         except BlobStoreUnavailable:
             raise
         except Exception as exc:
+            if isinstance(exc, DsecError) and not isinstance(exc, (ImageError, CreateFailed)):
+                raise  # a refusal of its own (bad input, quota, no space): not the store's doing
             away = self.layers.store_unavailable([*layers, *([memory] if memory else [])])
             if away is None:
                 raise
