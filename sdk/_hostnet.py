@@ -24,9 +24,11 @@ then only the hosts' and sandboxes' traffic is forwarded), and put back by ``des
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -87,6 +89,11 @@ class HostNet:
         """The root namespace's nft table for these hosts (forwarding, masquerade, the machine's guard)."""
         return f"dsec_{self.prefix}_hosts"
 
+    def state_dir(self, i: int) -> str:
+        """Host ``i``'s agent's network state (what its namespace's ``ip_forward`` was): it lives and dies
+        with the namespace, apart from the root namespace's agents' (whose state outlives them)."""
+        return os.path.join(STATE_DIR, "hostns", self.net_prefix(i))
+
     def deny(self) -> list[str]:
         """What no host's sandbox may reach: every link address and every host's sandbox pool."""
         return [self.link_net, *self.pools]
@@ -94,7 +101,8 @@ class HostNet:
     def env(self, i: int) -> dict[str, str]:
         """For host ``i``'s agent (hostagent's network config from the environment)."""
         deny = [d for d in os.environ.get("DSEC_NET_DENY", "").split(",") if d.strip()] + self.deny()
-        env = {"DSEC_NET_PREFIX": self.net_prefix(i), "DSEC_NET_POOL": self.pools[i], "DSEC_NET_DENY": ",".join(deny)}
+        env = {"DSEC_NET_PREFIX": self.net_prefix(i), "DSEC_NET_POOL": self.pools[i], "DSEC_NET_DENY": ",".join(deny),
+               "DSEC_NET_STATE_DIR": self.state_dir(i)}
         if self.log_group >= 0:
             env["DSEC_NFLOG_GROUP"] = str(self.log_group)
         return env
@@ -203,6 +211,9 @@ class HostNet:
         for i in range(self.count):
             _ip("netns", "delete", self.netns(i), check=False)
             _ip("link", "delete", self.link(i), check=False)
+            shutil.rmtree(self.state_dir(i), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(STATE_DIR, "hostns"))  # when no other hosts' state is left
         _ip("link", "delete", self.bridge, check=False)
         subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
         self._restore_forwarding()
@@ -214,6 +225,7 @@ class HostNet:
             left += [f"netns {n}" for n in os.listdir(NETNS_DIR) if n.startswith(f"dsec-{self.prefix}-host")]
         if subprocess.run(["nft", "list", "table", "inet", self.table], capture_output=True).returncode == 0:
             left.append(f"nft table {self.table}")
+        left += [f"state {self.state_dir(i)}" for i in range(self.count) if os.path.exists(self.state_dir(i))]
         return left
 
 

@@ -74,6 +74,8 @@ def test_hosts_sandboxes_are_denied_every_host_and_the_root_namespace_rules_pars
     for i in range(3):
         deny = net.env(i)["DSEC_NET_DENY"].split(",")
         assert deny == ["203.0.113.0/24", net.link_net, *net.pools]
+        assert net.env(i)["DSEC_NET_STATE_DIR"] == f"/run/dsec/hostns/dsh{i}"  # apart from the root namespace's agents'
+    assert len({net.state_dir(i) for i in range(3)}) == 3
     for guard in (False, True):
         text = net.ruleset(guard)
         assert f"ip saddr {net.link_net} oifname != \"{net.bridge}\" masquerade" in text
