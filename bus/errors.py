@@ -146,6 +146,15 @@ class RegistryUnavailable(ImageError):
     http_status = 502
 
 
+class BlobStoreUnavailable(ImageError):
+    """The blob store (image chunks, snapshot layers) could not be reached and the host does not hold
+    what the work needs; layers the host has cached keep working, and trying again once the store is
+    back will."""
+
+    code = "blob_store_unavailable"
+    http_status = 503
+
+
 class BuildFailed(ImageError):
     """A build step failed (a RUN exited non-zero); the context names the step, its exit code and output tail."""
 

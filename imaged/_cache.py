@@ -12,6 +12,15 @@ On disk, under ``D/cache/``:
 Chunks are verified against their sha256 when fetched, and once more on first use after a restart
 (a chunk file damaged on disk is dropped and fetched again). The cache is bounded: least recently
 used chunks that no read is using are evicted when the total passes ``max_bytes``.
+
+The blob store away (``BlobStoreUnavailable``, or an attempt that timed out) is not a bad chunk: a
+fetch waits for the store to come back for up to ``store_wait_s`` seconds (trying again every
+``store_probe_s`` at most), or with ``store_wait_s`` = 0 fails at once -- and while the store is known
+to be away, later fetches fail without trying it, but for one probe every ``store_probe_s``. Either
+way a failed read is EIO, and ``daemon.json`` says why (``store_available``, ``store_error``,
+``store_unavailable_since``), written before the read is answered: the host agent reads it to give
+the create that needed the chunk its typed error (``blob_store_unavailable``). Cached chunks are
+served throughout.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from bus import log as _log
+from bus.errors import BlobStoreUnavailable
 
 from ._manifests import find_layer, publish_event
 from ._messages import HostImageStats, LayerCacheStats
@@ -34,6 +44,9 @@ from ._store import BlobStore, chunk_key
 from ._util import atomic_write_json, digest_hex, is_hex_digest, read_json, sha256_bytes, sha256_file
 
 logger = _log.get_logger("dsec.imaged.cache")
+
+
+STORE_PROBE_S = 2.0  # while the store is away: how often a fetch tries it again
 
 
 class FetchFailed(Exception):
@@ -103,6 +116,8 @@ class ChunkCache:
         backoff_s: float = 0.2,
         fetch_concurrency: int = 8,
         fault_delay_s: float = 0.0,
+        store_wait_s: float = 30.0,
+        store_probe_s: float = STORE_PROBE_S,
     ) -> None:
         self.root = Path(root)
         self.chunks_dir = self.root / "chunks"
@@ -119,6 +134,11 @@ class ChunkCache:
         self.total_timeout_s = total_timeout_s
         self.backoff_s = backoff_s
         self.fault_delay_s = fault_delay_s
+        self.store_wait_s = max(0.0, store_wait_s)  # 0: a fetch the store cannot serve fails at once
+        self.store_probe_s = max(0.1, store_probe_s)  # the store away: how often it is tried again
+        self.store_down_at: float | None = None  # monotonic time of the last failure while away
+        self.store_down_since: float | None = None  # wall time the store went away (None: available)
+        self.store_error = ""
         self._fetch_sem = asyncio.Semaphore(max(1, fetch_concurrency))
         self.lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # chunk hex -> size
         self.cache_bytes = 0
@@ -213,7 +233,7 @@ class ChunkCache:
         fut = asyncio.get_running_loop().create_future()
         self._lookups[hexd] = fut
         try:
-            ref, users = await asyncio.wait_for(find_layer(self.js, self.store, hexd), self.attempt_timeout_s)
+            ref, users = await self._find_layer(hexd)
             if ref is None or not ref.chunks or ref.chunk_size <= 0:
                 self._negative[hexd] = time.monotonic()
                 fut.set_result(None)
@@ -330,24 +350,74 @@ class ChunkCache:
         except OSError:
             return False
 
+    async def _find_layer(self, hexd: str) -> tuple[Any, list[str]]:
+        """The layer's record, waiting for a store that is away as a chunk fetch does (a layer in no
+        manifest -- a snapshot's -- is known to the store only)."""
+        wait_until = time.monotonic() + self.store_wait_s
+        while True:
+            try:
+                return await asyncio.wait_for(find_layer(self.js, self.store, hexd), self.attempt_timeout_s)
+            except (BlobStoreUnavailable, asyncio.TimeoutError) as exc:
+                self._store_away(exc)
+                if time.monotonic() + self.store_probe_s >= wait_until:
+                    raise
+            await asyncio.sleep(self.store_probe_s)  # waiting for the store, as configured
+
+    # --- the store's availability -----------------------------------------------------------------
+    def _store_away(self, exc: BaseException) -> None:
+        """Record that the store could not be reached; daemon.json says so before any read fails."""
+        self.store_down_at = time.monotonic()
+        self.store_error = f"{type(exc).__name__}: {exc}"[:500]
+        if self.store_down_since is None:
+            self.store_down_since = time.time()
+            logger.error("blob_store_unavailable", store=self.store.url, error=self.store_error, wait_s=self.store_wait_s)
+            self._write_daemon_info_now()
+
+    def _store_back(self) -> None:
+        if self.store_down_since is not None:
+            logger.info("blob_store_available", store=self.store.url, away_s=round(time.time() - self.store_down_since, 3))
+            self.store_down_since = self.store_down_at = None
+            self.store_error = ""
+            self._write_daemon_info_now()
+
+    def _write_daemon_info_now(self) -> None:
+        try:
+            self.write_daemon_info()
+        except OSError as exc:
+            logger.warning("daemon_info_write_failed", error=str(exc))
+
+    def _known_away(self) -> bool:
+        """Fail-at-once mode, the store away and probed less than ``store_probe_s`` ago: do not try it."""
+        return self.store_wait_s <= 0 and self.store_down_at is not None and time.monotonic() - self.store_down_at < self.store_probe_s
+
     async def _fetch(self, meta: LayerMeta, idx: int) -> None:
         c = meta.chunks[idx]
         want = meta.chunk_len(idx)
-        deadline = time.monotonic() + self.total_timeout_s
+        deadline = time.monotonic() + self.total_timeout_s  # bad chunks and other failures
+        wait_until: float | None = None  # the store away: how long this fetch waits for it
         attempt = 0
         last: BaseException | None = None
         while True:
             attempt += 1
-            remaining = deadline - time.monotonic()
+            remaining = max(deadline, wait_until or 0.0) - time.monotonic()
+            away = False
             try:
                 if remaining <= 0:
                     raise asyncio.TimeoutError("fetch deadline passed")
+                if self._known_away():
+                    raise BlobStoreUnavailable(f"the blob store is away ({self.store_error}); not waiting for it (store_wait_s=0)")
                 async with self._fetch_sem:
                     if self.fault_delay_s:
                         await asyncio.sleep(self.fault_delay_s)  # test knob: a slow store
                     t0 = time.monotonic()
-                    data = await asyncio.wait_for(self.store.get(chunk_key(c)), min(self.attempt_timeout_s, remaining))
+                    try:
+                        data = await asyncio.wait_for(self.store.get(chunk_key(c)), min(self.attempt_timeout_s, remaining))
+                    except (BlobStoreUnavailable, asyncio.TimeoutError) as exc:
+                        away = True
+                        self._store_away(exc)
+                        raise
                     self.counters.fetch_seconds += time.monotonic() - t0
+                self._store_back()
                 self.counters.fetches += 1
                 self.counters.downloaded_bytes += len(data)
                 if len(data) != want or sha256_bytes(data) != c:
@@ -363,9 +433,21 @@ class ChunkCache:
                 return
             except asyncio.CancelledError:
                 raise
+            except BlobStoreUnavailable as exc:
+                last, away = exc, True
             except Exception as exc:  # noqa: BLE001 - every failure is retried within the bounds
                 last = exc
             delay = self.backoff_s * (2 ** (attempt - 1))
+            if away:
+                if self.store_wait_s <= 0:
+                    break
+                if wait_until is None:
+                    wait_until = time.monotonic() + self.store_wait_s
+                delay = min(delay, self.store_probe_s)  # notice the store's return soon
+                if time.monotonic() + delay >= wait_until:
+                    break
+                await asyncio.sleep(delay)  # waiting for the store, as configured
+                continue
             if attempt >= self.attempts or time.monotonic() + delay >= deadline:
                 break
             await asyncio.sleep(delay)  # retry back-off
@@ -382,6 +464,7 @@ class ChunkCache:
             error=f"{type(last).__name__}: {last}",
             host_id=self.host_id,
             templates=",".join(meta.templates),
+            code="blob_store_unavailable" if away else "fetch_failed",
         )
         raise FetchFailed(f"chunk {c} of layer {meta.hex}: {last}")
 
@@ -468,6 +551,11 @@ class ChunkCache:
             "evicted_bytes": c.evicted_bytes,
             "fetch_failures": c.fetch_failures,
             "corrupt_chunks": c.corrupt_chunks,
+            "store": self.store.url,
+            "store_available": self.store_down_since is None,
+            "store_unavailable_since": self.store_down_since,
+            "store_error": self.store_error,
+            "store_wait_s": self.store_wait_s,
             "fetches": c.fetches,
             "reads": c.reads,
             "fetch_seconds": round(c.fetch_seconds, 3),

@@ -12,7 +12,7 @@ from nats.js.kv import KeyValue
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, ImageError, InvalidArgument, UnknownTemplate
+from bus.errors import BadRequest, BlobStoreUnavailable, ImageError, InvalidArgument, UnknownTemplate
 from bus.messages import ImageEvent, ImageEventKind, LayerRef, TemplateManifest
 from bus.runtime import best_effort_event, kv_keys
 from bus.streams import ensure_kv
@@ -89,11 +89,17 @@ async def find_layer(js: JetStreamContext | None, store: BlobStore | None, diges
     """The layer's metadata (chunk list) by digest: the store's layer record first, else a scan of the
     manifests. Returns (layer or None, names of templates seen using it - only filled by the scan)."""
     hexd = digest_hex(digest)
+    away: BlobStoreUnavailable | None = None
     if store is not None:
-        ref = await store.get_layer(hexd)
+        try:
+            ref = await store.get_layer(hexd)
+        except BlobStoreUnavailable as exc:  # a template's layer is in its manifest too
+            ref, away = None, exc
         if ref is not None:
             return ref, []
     if js is None:
+        if away is not None:
+            raise away
         return None, []
     found: LayerRef | None = None
     users: list[str] = []
@@ -103,6 +109,8 @@ async def find_layer(js: JetStreamContext | None, store: BlobStore | None, diges
                 users.append(m.name)
                 if found is None and layer.chunks:
                     found = layer
+    if found is None and away is not None:
+        raise away  # not "no such layer": the store that may hold its record is away
     return found, users
 
 

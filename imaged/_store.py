@@ -8,6 +8,11 @@ Two backends behind one small async interface:
 
 Keys: ``chunks/<sha256 hex>`` (raw chunk bytes) and ``layers/<sha256 hex>`` (a msgpack ``LayerRef``).
 
+A store that cannot be reached (refused, timed out, 5xx, no JetStream responder) raises
+``BlobStoreUnavailable`` from ``get``/``exists``/``get_layer``/``put`` (so a snapshot or a build fails
+typed too): the lazy loader waits for it or fails
+at once by its configuration (``imaged._cache``), and never mistakes it for a missing object.
+
 S3 configuration (first one set wins):
   endpoint    DSEC_S3_ENDPOINT, AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL
   access key  DSEC_S3_ACCESS_KEY, AWS_ACCESS_KEY_ID          (default "dsec")
@@ -25,10 +30,11 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectNotFoundError
+import nats.errors as nats_errors
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ObjectNotFoundError, ServiceUnavailableError
 
 from bus import subjects as S
-from bus.errors import ImageError, NoSpace
+from bus.errors import BlobStoreUnavailable, ImageError, NoSpace
 from bus.messages import LayerRef
 from bus.runtime import nc_of
 
@@ -94,6 +100,14 @@ class BlobStore:
             return None
 
 
+# What a JetStream object store that is away looks like (its stream has no leader, the connection is
+# gone or reconnecting): nothing says the object is missing.
+_NATS_AWAY = (
+    nats_errors.TimeoutError, nats_errors.NoRespondersError, nats_errors.ConnectionClosedError,
+    nats_errors.ConnectionReconnectingError, nats_errors.StaleConnectionError, ServiceUnavailableError, asyncio.TimeoutError,
+)
+
+
 class NatsBlobStore(BlobStore):
     """Chunks as objects in a JetStream object store."""
 
@@ -106,6 +120,9 @@ class NatsBlobStore(BlobStore):
         self.url = f"nats-obj://{bucket}"
         self._obs: Any = None
         self._lock = asyncio.Lock()
+
+    def _away(self, exc: BaseException) -> BlobStoreUnavailable:
+        return BlobStoreUnavailable(f"object store {self.bucket}: {type(exc).__name__}: {exc}", store=self.url)
 
     async def _store(self) -> Any:
         if self._obs is None:
@@ -123,12 +140,14 @@ class NatsBlobStore(BlobStore):
         return self._obs
 
     async def exists(self, key: str) -> bool:
-        obs = await self._store()
         try:
+            obs = await self._store()
             await obs.get_info(key)
             return True
         except (ObjectNotFoundError, NotFoundError):
             return False
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
 
     def _max_msg(self) -> int:
         try:
@@ -138,22 +157,35 @@ class NatsBlobStore(BlobStore):
 
     async def put(self, key: str, data: bytes) -> None:
         """Store one object; a chunk that fits in one NATS message is stored as one message."""
-        obs = await self._store()
+        try:
+            obs = await self._store()
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
         size = min(max(len(data), 1), self._max_msg())
         meta = ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=max(size, 128 * 1024)))
         try:
             await obs.put(key, bytes(data), meta=meta)
         except APIError as exc:
-            # JetStream refuses a full bucket (its max_bytes) or a server out of storage: a typed
-            # no_space for the caller, not an unexplained internal error
+            # JetStream refuses a full bucket (its max_bytes) or a server out of storage -- with a 503,
+            # like a stream that is away: a typed no_space for the caller, not "unavailable"
             why = exc.description or ""
             if "maximum bytes" in why or "insufficient resources" in why:
                 raise NoSpace(f"object store {self.bucket} is full: {why}", bucket=self.bucket) from None
+            if isinstance(exc, _NATS_AWAY):
+                raise self._away(exc) from None
             raise
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
 
     async def get(self, key: str) -> bytes:
         """The object's bytes. Single-message objects take two direct gets (meta, data) instead of an
         ordered consumer; callers verify content against the chunk digest anyway."""
+        try:
+            return await self._get(key)
+        except _NATS_AWAY as exc:
+            raise self._away(exc) from None
+
+    async def _get(self, key: str) -> bytes:
         obs = await self._store()
         try:
             info = await obs.get_info(key)
@@ -244,6 +276,17 @@ class S3BlobStore(BlobStore):
         status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return code in ("404", "NoSuchKey", "NotFound", "NoSuchBucket") or status == 404
 
+    def _away(self, exc: Exception) -> BlobStoreUnavailable | None:
+        """The typed error when ``exc`` says the store is away (refused, timed out, 5xx, throttled)."""
+        import botocore.exceptions as bx
+
+        resp = getattr(exc, "response", None) or {}
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        code = str(resp.get("Error", {}).get("Code", ""))
+        if isinstance(exc, (bx.HTTPClientError, bx.ConnectionError, OSError)) or status >= 500 or code in ("SlowDown", "ServiceUnavailable"):
+            return BlobStoreUnavailable(f"{self.url} ({self.endpoint or 'AWS'}): {type(exc).__name__}: {exc}", store=self.url)
+        return None
+
     async def _ensure(self) -> None:
         if self._ready:
             return
@@ -253,6 +296,9 @@ class S3BlobStore(BlobStore):
             try:
                 await self._run(self._client.head_bucket, Bucket=self.bucket)
             except Exception as exc:  # noqa: BLE001 - botocore's ClientError
+                away = self._away(exc)
+                if away is not None:
+                    raise away from None
                 if not (self._create_bucket and self._is_missing(exc)):
                     raise ImageError(f"S3 bucket {self.bucket} not reachable: {exc}") from exc
                 try:
@@ -270,11 +316,14 @@ class S3BlobStore(BlobStore):
         except Exception as exc:  # noqa: BLE001
             if self._is_missing(exc):
                 return False
-            raise
+            raise self._away(exc) or exc from None
 
     async def put(self, key: str, data: bytes) -> None:
         await self._ensure()
-        await self._run(self._client.put_object, Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data))
+        try:
+            await self._run(self._client.put_object, Bucket=self.bucket, Key=self.prefix + key, Body=bytes(data))
+        except Exception as exc:  # noqa: BLE001 - botocore's
+            raise self._away(exc) or exc from None
 
     async def get(self, key: str) -> bytes:
         await self._ensure()
@@ -290,7 +339,7 @@ class S3BlobStore(BlobStore):
         except Exception as exc:  # noqa: BLE001
             if self._is_missing(exc):
                 raise BlobNotFound(f"not in {self.url}: {key}", key=key) from None
-            raise
+            raise self._away(exc) or exc from None
 
     async def delete(self, key: str) -> None:
         await self._ensure()

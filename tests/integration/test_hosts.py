@@ -179,6 +179,128 @@ async def _lost_events(h: Hosts, sid: str) -> list[Any]:
     return (await ready_counts(h.js, ("lost",))).get(sid, [])
 
 
+@dataclass
+class Outside:
+    """The network beyond this machine, as far as a host can tell: a namespace behind a veth of the
+    root namespace's (198.19.<n>.2/30, RFC 2544 space, with no route to the hosts' addresses: only
+    the root namespace's masquerade gets its answers back), serving HTTP on two ports; and an HTTP
+    server of the root namespace's own, on its end of that veth (198.19.<n>.1)."""
+
+    netns: str
+    link: str
+    ip: str
+    root_ip: str
+    ports: dict[str, int]
+    procs: list[Any] = field(default_factory=list)
+
+
+def _serve_http(enter: list[str], ip: str, port: int, d: Path) -> Any:
+    import subprocess
+
+    return subprocess.Popen([*enter, PY, "-m", "http.server", str(port), "--bind", ip, "--directory", str(d)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+@contextlib.asynccontextmanager
+async def _outside(net: HostNet, root: Path) -> AsyncIterator[Outside]:
+    import ipaddress
+    import subprocess
+    import urllib.request
+
+    from bus.natsd import free_port
+
+    n = ipaddress.ip_network(net.link_net).network_address.packed[2]  # the claim's: unique on this machine
+    o = Outside(f"dsec-{net.prefix}-out", f"{net.prefix}o", f"198.19.{n}.2", f"198.19.{n}.1",
+                {"allowed": free_port(), "other_port": free_port(), "machine": free_port()})
+    ip = lambda *a: subprocess.run(["ip", *a], check=True, capture_output=True)  # noqa: E731
+    d = root / "www"
+    d.mkdir(exist_ok=True)
+    (d / "token").write_text(f"outside {net.prefix}\n")
+    try:
+        ip("netns", "add", o.netns)
+        ip("link", "add", o.link, "type", "veth", "peer", "name", "eth0", "netns", o.netns)
+        ip("addr", "add", f"{o.root_ip}/30", "dev", o.link)
+        ip("link", "set", o.link, "up")
+        ip("-n", o.netns, "addr", "add", f"{o.ip}/30", "dev", "eth0")
+        ip("-n", o.netns, "link", "set", "eth0", "up")
+        ip("-n", o.netns, "link", "set", "lo", "up")
+        enter = ["nsenter", f"--net=/run/netns/{o.netns}", "--"]
+        o.procs += [_serve_http(enter, o.ip, o.ports["allowed"], d), _serve_http(enter, o.ip, o.ports["other_port"], d),
+                    _serve_http([], o.root_ip, o.ports["machine"], d)]
+
+        def up() -> bool:  # the positive control: every server answers from the root namespace
+            try:
+                return all(urllib.request.urlopen(f"http://{a}:{o.ports[k]}/token", timeout=2).read() == (d / "token").read_bytes()
+                           for k, a in (("allowed", o.ip), ("other_port", o.ip), ("machine", o.root_ip)))
+            except OSError:
+                return False
+
+        await eventually(lambda: asyncio.to_thread(up), timeout=60, interval=0.2, what="the test's HTTP servers to answer")
+        yield o
+    finally:
+        for p in o.procs:
+            p.terminate()
+            await asyncio.to_thread(p.wait, 10)
+        subprocess.run(["ip", "netns", "delete", o.netns], capture_output=True)
+        subprocess.run(["ip", "link", "delete", o.link], capture_output=True)
+
+
+def _counter(enter: list[str] | None, table: str, name: str) -> int:
+    import re
+    import subprocess
+
+    out = subprocess.run([*(enter or []), "nft", "list", "counter", "inet", table, name], check=True, capture_output=True, text=True).stdout
+    m = re.search(r"packets (\d+)", out)
+    assert m, out
+    return int(m.group(1))
+
+
+async def test_a_hosts_sandboxes_get_the_network_their_allowlist_opens(hosts: Hosts) -> None:
+    """A sandbox on each host in its namespace reaches an allowed server beyond the machine (the host's
+    masquerade, then the root namespace's forwarding and masquerade); the same server on a port its
+    allowlist does not name is refused by its host's agent (``not_allowed``), and this machine's own
+    address is refused by the root namespace (``to_machine``) even when the allowlist names it."""
+    h = hosts
+    async with _outside(h.net, h.root) as o:
+        allow = [f"{o.ip}:{o.ports['allowed']}", f"{o.root_ip}:{o.ports['machine']}"]
+        made: list[AsyncSandbox] = []
+        on: dict[str, AsyncSandbox] = {}
+        try:
+            while len(on) < N and len(made) < 4 * N:  # one sandbox on every host (placement spreads)
+                sb = await AsyncSandbox.create(**h.kw(network={"allow_out": allow}))
+                made.append(sb)
+                on.setdefault(sb.host_id, sb)
+            assert len(on) == N, {k: v.sandbox_id for k, v in on.items()}
+            for host_id, sb in sorted(on.items()):
+                i = h.index(host_id)
+                host_table = f"dsec_{h.net.net_prefix(i)}"
+
+                async def get(ip: str, port: int, sb: AsyncSandbox = sb) -> str:  # busybox nc: an HTTP GET, and its exit status
+                    r = await sb.commands.run(f"printf 'GET /token HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {ip} {port} 2>&1; echo rc=$?", timeout=60)
+                    return r.stdout
+
+                got = await get(o.ip, o.ports["allowed"])
+                assert got.startswith("HTTP/1.0 200") and got.endswith(f"\r\n\r\noutside {h.net.prefix}\nrc=0\n"), (host_id, got)
+
+                before = _counter(h.net.enter(i), host_table, "not_allowed")
+                got = await get(o.ip, o.ports["other_port"])
+                assert "Connection refused" in got and "rc=1" in got, (host_id, got)
+                assert _counter(h.net.enter(i), host_table, "not_allowed") > before
+
+                before = _counter(None, h.net.table, "to_machine")
+                got = await get(o.root_ip, o.ports["machine"])
+                assert "Connection refused" in got and "rc=1" in got, (host_id, got)
+                assert _counter(None, h.net.table, "to_machine") > before
+
+            # NATS (the bridge's address) is each agent's control plane: not even nameable.
+            with pytest.raises(DsecError) as ei:
+                await AsyncSandbox.create(**h.kw(network={"allow_out": [f"{h.net.gateway}:4222"]}))
+            assert ei.value.code == "invalid_argument", ei.value
+        finally:
+            for sb in made:
+                await sb.kill()
+
+
 async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts) -> None:
     h = hosts
     sbs = [await AsyncSandbox.create(**h.kw()) for _ in range(6)]
@@ -356,6 +478,7 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
     import ipaddress
     import os
     import signal
+    import subprocess
     import sys
 
     from bus.natsd import free_port
@@ -381,6 +504,11 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         sbs = [await AsyncSandbox.create(nats_url=url, memory_mb=64) for _ in range(4)]
         assert {sb.host_id for sb in sbs} == {"uph-0", "uph-1"}
         assert (await sbs[0].commands.run("echo hi")).stdout == "hi\n"
+        # A sandbox with a network: its host's agent takes the hosts' deny list, and the root
+        # namespace's table for the hosts is there (and gone after the stop, below).
+        sbs.append(await AsyncSandbox.create(nats_url=url, memory_mb=64, network={"allow_out": ["192.0.2.1/32"]}))
+        assert (await sbs[-1].commands.run("ip -o addr show eth0")).exit_code == 0
+        assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0
         for sb in sbs:
             await sb.kill()
     finally:
@@ -391,6 +519,8 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         up.signal(signal.SIGTERM)
         rc = await up.wait(300)
         left = claim.in_kernel() + [x for i in range(2) for x in data_dir_leftovers(host_data(data, i))]
+        if subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0:
+            left.append(f"nft table dsec_{claim.prefix}_hosts")
         claim.release()
         if not left:
             shutil.rmtree(data, ignore_errors=True)

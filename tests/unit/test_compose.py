@@ -83,3 +83,46 @@ def test_the_cluster_overlay_gives_every_service_the_seed_list_and_r3() -> None:
         env = overlay[name]["environment"]
         assert env["DSEC_NATS_URL"].split(",") == ["nats://nats:4222", "nats://nats-2:4222", "nats://nats-3:4222"], name
         assert env["DSEC_NATS_REPLICAS"] == "3"
+
+
+def _merged(*files: str, env: dict[str, str] | None = None) -> dict:
+    """What docker-compose itself makes of the files (skipped where it is not installed)."""
+    import os
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if not shutil.which("docker-compose"):
+        pytest.skip("docker-compose not installed")
+    argv = ["docker-compose", "-p", "dsec-unit", *(a for f in files for a in ("-f", str(ROOT / "compose" / f))), "config"]
+    r = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(r.stdout)
+
+
+def test_the_hosts_overlay_makes_three_hosts_apart() -> None:
+    """compose/hosts.yml: three host agents, each with its lazy loader in its network namespace, its
+    own host id, data dir and sandbox pool; on the cluster overlay they get the seed list and R3."""
+    svc = _merged("docker-compose.yml", "hosts.yml")["services"]
+    agents = [svc["hostagent"], svc["hostagent-2"], svc["hostagent-3"]]
+
+    def opt(cmd: list[str], flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert len({opt(a["command"], "--host-id") for a in agents}) == 3
+    assert len({opt(a["command"], "--data-dir") for a in agents}) == 3
+    assert len({a.get("environment", {}).get("DSEC_NET_POOL", "10.200.0.0/16") for a in agents}) == 3
+    for i in (2, 3):
+        lz, ha = svc[f"lazy-loader-{i}"], svc[f"hostagent-{i}"]
+        assert lz["network_mode"] == f"service:hostagent-{i}"  # one host: one network namespace
+        assert opt(lz["command"], "--host-id") == opt(ha["command"], "--host-id")
+        assert opt(lz["command"], "--data-dir") == opt(ha["command"], "--data-dir")
+        assert opt(lz["command"], "--mount") == opt(ha["command"], "--data-dir") + "/lazy"  # where the agent looks
+        assert {"SYS_ADMIN", "NET_ADMIN"} <= set(ha["cap_add"]) and ha["depends_on"]["nats"]["condition"] == "service_healthy"
+    seeds = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
+    svc = _merged("docker-compose.yml", "cluster.yml", "hosts.yml", env={"DSEC_HOSTS_NATS_URL": seeds, "DSEC_NATS_REPLICAS": "3"})["services"]
+    for name in ("hostagent-2", "lazy-loader-2", "hostagent-3", "lazy-loader-3"):
+        assert svc[name]["environment"]["DSEC_NATS_URL"] == seeds and svc[name]["environment"]["DSEC_NATS_REPLICAS"] == "3", name
+    stack = (ROOT / "compose" / "stack.sh").read_text()
+    assert "compose/hosts.yml" in stack and f'DSEC_HOSTS_NATS_URL="{seeds}"' in stack

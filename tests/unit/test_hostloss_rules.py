@@ -60,3 +60,26 @@ def test_bad_hosts_options_are_refused(kw: dict[str, object], code_text: str) ->
     with pytest.raises(InvalidArgument) as ei:
         host_net(args(**kw))
     assert ei.value.code == "invalid_argument" and code_text in ei.value.description
+
+
+def test_hosts_sandboxes_are_denied_every_host_and_the_root_namespace_rules_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host's agent denies every link address and every host's pool (on top of a deny list of
+    its own); the root namespace's ruleset is one nft transaction that nft accepts (checked, not applied)."""
+    import shutil
+    import subprocess
+
+    monkeypatch.setenv("DSEC_NET_DENY", "203.0.113.0/24")
+    net = host_net(args())
+    assert net is not None
+    for i in range(3):
+        deny = net.env(i)["DSEC_NET_DENY"].split(",")
+        assert deny == ["203.0.113.0/24", net.link_net, *net.pools]
+        assert net.env(i)["DSEC_NET_STATE_DIR"] == f"/run/dsec/hostns/dsh{i}"  # apart from the root namespace's agents'
+    assert len({net.state_dir(i) for i in range(3)}) == 3
+    for guard in (False, True):
+        text = net.ruleset(guard)
+        assert f"ip saddr {net.link_net} oifname != \"{net.bridge}\" masquerade" in text
+        assert f"ip daddr != {net.gateway}" in text and ("forward iifname != \"ds*\"" in text) == guard
+        if shutil.which("nft") and subprocess.run(["nft", "list", "tables"], capture_output=True).returncode == 0:
+            r = subprocess.run(["nft", "-c", "-f", "-"], input=text, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr

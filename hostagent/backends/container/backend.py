@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import structlog
 
-from bus.errors import CreateFailed, ImageError, SandboxNotFound
+from bus.errors import BlobStoreUnavailable, CreateFailed, DsecError, ImageError, SandboxNotFound
 from bus.messages import (
     BackendName,
     ExecRequest,
@@ -161,7 +161,24 @@ class ContainerBackend:
         self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
     ) -> Handle:
         """Start the sandbox confined by ``security`` (the built-in default profile when None); with
-        ``memory`` (a snapshot's CRIU dump, packed as a layer) its processes are restored instead."""
+        ``memory`` (a snapshot's CRIU dump, packed as a layer) its processes are restored instead.
+
+        A start that failed while the blob store is away, on layers this host does not hold (a read
+        of an uncached chunk failed: the mount, or the sandbox's first exec), is
+        ``blob_store_unavailable``, whatever step noticed it."""
+        try:
+            return await self._create(spec, layers, security, memory)
+        except BlobStoreUnavailable:
+            raise
+        except Exception as exc:
+            if isinstance(exc, DsecError) and not isinstance(exc, (ImageError, CreateFailed)):
+                raise  # a refusal of its own (bad input, quota, no space): not the store's doing
+            away = self.layers.store_unavailable([*layers, *([memory] if memory else [])])
+            if away is None:
+                raise
+            raise away from exc
+
+    async def _create(self, spec: SandboxSpec, layers: list[LayerRef], security: Enforcement | None, memory: LayerRef | None) -> Handle:
         sid = spec.sandbox_id
         if security is None:
             security = self._default_security()

@@ -11,7 +11,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from bus.errors import ImageError
+from bus.errors import BlobStoreUnavailable, ImageError
 from bus.messages import LayerRef
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -39,6 +39,18 @@ def mount_erofs(blob: str, target: str) -> None:
     r = subprocess.run(["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
     if r.returncode != 0:
         raise ImageError(f"cannot mount layer {blob} at {target}: {r.stderr.strip()}")
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 class LayerMounts:
@@ -78,6 +90,9 @@ class LayerMounts:
                 try:
                     await asyncio.to_thread(mount_erofs, blob, target)
                 except ImageError as exc:
+                    away = self.store_unavailable([ref])
+                    if away is not None:
+                        raise away from None
                     raise ImageError(f"layer {ref.digest} ({ref.role}): {exc}") from None
             self._mounts[hexd] = target
             return target
@@ -91,6 +106,31 @@ class LayerMounts:
         except (OSError, ValueError, AttributeError):
             pass  # no lazy loader on this host (yet)
         return sorted(held)
+
+    def store_unavailable(self, refs: list[LayerRef]) -> BlobStoreUnavailable | None:
+        """Why a create on ``refs`` failed, when the lazy loader says the blob store is away and some of
+        them come through it without being all on this host; None otherwise. The loader writes its
+        ``daemon.json`` before it fails the read, so a failure caused by the store finds it here."""
+        cache = self.data_dir / "cache"
+        try:
+            info = json.loads((cache / "daemon.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or info.get("store_available", True) or not _alive(info.get("pid")):
+            return None
+        try:
+            index = json.loads((cache / "index.json").read_text())
+        except (OSError, ValueError):
+            index = {}
+        lazy = [r.digest for r in refs if r.kind == "erofs" and not (r.path and os.path.exists(r.path))]
+        missing = [d for d in lazy if not (index.get(d) or {}).get("complete")]
+        if not missing:
+            return None
+        return BlobStoreUnavailable(
+            f"the blob store {info.get('store', '')} is unavailable ({info.get('store_error') or 'unreachable'}) and this host does not "
+            f"hold layer(s) {', '.join(missing)}; cached templates still start",
+            layers=",".join(missing), store=str(info.get("store", "")), wait_s=info.get("store_wait_s"),
+        )
 
     def forget(self, hexd: str) -> bool:
         """Drop a layer's mount from the table (its caller unmounts it); whether it was mounted."""
