@@ -47,7 +47,7 @@ from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
 from .shims import ShimGroups, reap_idle_shims
-from .warmpool import Recipe, Warm, WarmKey, WarmPool, takes_restore
+from .warmpool import Recipe, Warm, WarmKey, WarmPool, rebinds, takes_restore
 from .warmroot import HELPER as WARMROOT
 from .warmroot import STAGE_NAME, WARM_OLD, fresh_upper
 
@@ -171,13 +171,15 @@ class ContainerBackend:
         if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
             warm = await self.pool.claim(
                 WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
-                lambda w: self._configure_warm(w, spec),
+                lambda w: self._configure_warm(w, spec, security),
             )
             if warm is not None:
                 return self._serve_warm(sid, warm, security)
         elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
             # A restore (a fork's child): a warm container of its template, given the restore's root.
-            warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
+            warm = await self.pool.claim_under(
+                WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers, security),
+            )
             if warm is not None:
                 handle = self._serve_warm(sid, warm, security)
                 handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
@@ -204,13 +206,23 @@ class ContainerBackend:
             self.t.clients[sid] = self.t.clients.pop(cid)  # ops find a sandbox's agent by its id
         return Handle(sid, pid, self._extra(cid, sdir, group, security, info, net))
 
+    async def _confine(self, w: Warm, security: Enforcement) -> None:
+        """A claimed warm container's agent applies its confinement now (its root final), as a cold
+        start's agent does before it serves (``--confine-on-claim``)."""
+        info = await self.t.clients[w.cid].confine()
+        if security.landlock_required and not info.landlock:
+            raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
+        w.info = info
+
     def _serve_warm(self, sid: str, warm: Warm, security: Enforcement) -> Handle:
         self.t.cid[sid] = warm.cid
         self.t.clients[sid] = self.t.clients.pop(warm.cid)
         return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
 
-    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str]) -> None:
-        """The warm container's root becomes the restore's: its lowers over a fresh upper (``warmroot``)."""
+    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement) -> None:
+        """The warm container's root becomes the restore's: its lowers over a fresh upper, the profile's
+        read-only binds of its directories made again in it (``warmroot``); then its agent confines itself
+        there (Landlock's rules bind to the new root's inodes)."""
         t0 = time.perf_counter()
         layout = RootfsLayout(w.sdir)
         old = os.path.join(w.sdir, WARM_OLD)
@@ -225,9 +237,11 @@ class ContainerBackend:
             finally:
                 ms[name] = round((time.perf_counter() - t) * 1000, 1)
 
-        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
+        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work,
+                                  "rebind": rebinds(security)})
         try:  # the limits and labels meanwhile: they do not touch the root (either failing, the container is removed)
-            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec)))
+            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec, None)))
+            await timed("confine_ms", self._confine(w, security))
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(layout.run, STAGE_NAME))
@@ -235,12 +249,18 @@ class ContainerBackend:
                  helper_ms=round(float(out.get("ms", 0.0)), 1), ms=round((time.perf_counter() - t1) * 1000, 1), **ms)
         shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
-    async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
+    async def _configure_warm(self, w: Warm, spec: SandboxSpec, security: Enforcement | None) -> None:
+        """Limits, class and labels; with ``security`` (a plain create: its root is the one it started
+        with) the agent's confinement too."""
         # A few small cgroupfs writes, inline (as a cold start's): a hop to the default executor (a few
         # threads) queues behind a burst's, and a fork of 64 claims 64 at once.
         set_limits(w.cid, spec.cpu, spec.memory_mb)
         set_class(w.cid, spec.cpu, spec.priority)
-        await self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
+        labels = self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
+        if security is None:
+            await labels
+        else:
+            await asyncio.gather(labels, self._confine(w, security))
 
     async def _start_warm(self, cid: str, r: Recipe) -> Warm:
         if self.warm_restores and takes_restore(r.security) and not self._bg_helpers:
@@ -248,7 +268,7 @@ class ContainerBackend:
             task = asyncio.ensure_future(self.warmroot.prestart())
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
-        pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None)
+        pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None, confine_on_claim=True)
         return Warm(cid, pid, sdir, info)
 
     @staticmethod
@@ -262,18 +282,21 @@ class ContainerBackend:
     async def _start(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
         labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""), *, priority: str = "latency-sensitive",
+        confine_on_claim: bool = False,
     ) -> tuple[int, str, str, AgentInfo]:
         """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready; its CPU class
-        once the agent answers (a warm container starts latency-sensitive: its claim sets the class)."""
+        once the agent answers (a warm container starts latency-sensitive: its claim sets the class).
+        ``confine_on_claim``: a warm container's: its agent confines itself only when it is claimed
+        (``_confine``), and serves nothing before."""
         self.t.starting.add(cid)
         try:
-            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore, priority)
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore, priority, confine_on_claim)
         finally:
             self.t.starting.discard(cid)
 
     async def _start_once(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
-        labels: dict[str, str] | None, restore: tuple[str, str], priority: str,
+        labels: dict[str, str] | None, restore: tuple[str, str], priority: str, confine_on_claim: bool = False,
     ) -> tuple[int, str, str, AgentInfo]:
         storage.ensure_room(self.data_dir, 0, "create", self.write_reserve_mb)  # no_space, typed, before the scratch image and its mkfs
         try:
@@ -288,7 +311,8 @@ class ContainerBackend:
             pid = await self.rt.create_and_start(ContainerSpec(
                 cid,
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
-                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
+                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args,
+                      *(["--confine-on-claim"] if confine_on_claim else [])],
                 env=DEFAULT_ENV,
                 cpu=max(cpu, START_CPU),  # its own share once its agent answers (below)
                 memory_mb=memory_mb,
@@ -332,7 +356,7 @@ class ContainerBackend:
             set_class(cid, cpu, priority)
         except OSError as exc:
             raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
-        if security.landlock_required and not info.landlock:
+        if security.landlock_required and not info.landlock and not confine_on_claim:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self.t.clients[cid] = client
         return pid, sdir, group or "", info
