@@ -15,10 +15,13 @@ import os
 import pytest
 
 from hostagent._agent import AgentError
+from hostagent.backends.container.warmpool import Warm
 from sdk import AsyncSandbox
-from sdk.errors import DsecError
+from sdk.errors import DsecError, InvalidArgument
 from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
+from tests.security.conftest import RedTeam
+from tests.security.test_network import TestHost, blocked, netprobe_bin, reach, testhost, with_probe  # noqa: F401 - fixtures
 from tests.security.test_fs_syscalls import EACCES, EROFS, EXDEV, assert_errno, nr, progs, push, sysx  # noqa: F401 - progs is a fixture
 
 from .conftest import Stack, needs_stack
@@ -38,7 +41,7 @@ def served_warm(stack: Stack, sb: AsyncSandbox) -> bool:
     return str(stack.host.handles[sb.sandbox_id].extra["cid"]).startswith("wp-")
 
 
-def members(stack: Stack, template_layers: int, profile: str) -> list[object]:
+def members(stack: Stack, template_layers: int, profile: str) -> list[Warm]:
     """Warm containers waiting for the template (of ``template_layers`` layers) in ``profile``."""
     return [w for k, ws in stack.backend.pool.entries().items() if k.profile == profile and len(k.layers) == template_layers for w in ws]
 
@@ -233,3 +236,46 @@ async def test_memory_snapshot_of_a_warm_child_is_refused_typed(stack: Stack, la
             forks = await cold.fork(1, memory=True, **stack.kw())
             async with many(stack, forks) as (g,):
                 assert await g.files.read("/root/m") == "m\n"
+
+
+async def test_warm_children_with_a_network_as_cold_ones(
+    stack: Stack, lazy: LazyDaemon, testhost: TestHost, netprobe_bin: bytes,  # noqa: F811
+) -> None:
+    """A fork child with an allowlist takes a warm container too: the container's own (empty) netns gets
+    the sandbox's veth, address, route and rules, pinned at the sandbox's netns path, as a cold child's
+    pre-made one has them. Both reach the allowlisted port and are refused another port of the same
+    host by the same rule, have no IPv6, and leave no network state. A bad allowlist is the typed error
+    a cold create gives, and costs no warm container."""
+    rt = RedTeam("test_warm_children_with_a_network_as_cold_ones")
+    lis, other = await testhost.listen(), await testhost.listen()
+    net = {"allow_out": [f"{testhost.ip}:{lis.port}"]}
+    async with stack.sandbox() as sb:
+        await sb.commands.run("echo n > /workspace/n")
+        await pool_full(stack, 1, "default")
+        before = {w.cid for w in members(stack, 1, "default")}
+        with pytest.raises(InvalidArgument, match="not a host!"):
+            await sb.fork(1, network={"allow_out": ["not a host!"]}, **stack.kw())
+        assert {w.cid for w in members(stack, 1, "default")} == before
+        (warm,) = await sb.fork(1, network=net, **stack.kw())
+        stack.backend.warm_restores = False
+        try:
+            (cold,) = await sb.fork(1, network=net, **stack.kw())
+        finally:
+            stack.backend.warm_restores = True
+        async with many(stack, [warm, cold]):
+            assert served_warm(stack, warm) and not served_warm(stack, cold)
+            for tag, f in (("warm", warm), ("cold", cold)):
+                att = stack.backend.net.attachment(f.sandbox_id)
+                assert att is not None and stack.host.handles[f.sandbox_id].extra["net"]["ip"] == att.ip, tag
+                # The sandbox's netns is the one its processes are in (the warm container's own).
+                assert os.stat(att.netns).st_ino == os.stat(f"/proc/{stack.pid_of(f.sandbox_id)}/ns/net").st_ino, tag
+                assert await f.files.read("/workspace/n") == "n\n"
+                await with_probe(f, netprobe_bin)
+                await reach(f, testhost.ip, lis.port, rt, f"{tag} child -> its allowlisted port")
+                await blocked(rt, stack.backend.net.cfg.table, f, f"{tag} child -> another port", "not_allowed", "tcp", testhost.ip, other.port, "x")
+                out = await f.commands.run(f"cat /proc/net/if_inet6; ip -4 -o addr show eth0 | grep -c ' {att.ip}/30 '")
+                assert out.stdout == "1\n", (tag, out)
+            assert other.hits == 0
+        for f in (warm, cold):
+            assert stack.backend.net.attachment(f.sandbox_id) is None
+            assert not os.path.lexists(stack.backend.net.netns_path(f.sandbox_id))

@@ -37,7 +37,7 @@ from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement, compile_profile
 from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
-from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
+from ...network import Attachment, NetworkConfig, NetworkManager, Prepared, write_hosts_file
 from . import criu
 from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
@@ -168,6 +168,7 @@ class ContainerBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
+        prepared: Prepared | None = None
         if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
             warm = await self.pool.claim(
                 WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
@@ -175,19 +176,21 @@ class ContainerBackend:
             )
             if warm is not None:
                 return self._serve_warm(sid, warm, security)
-        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
-            # A restore (a fork's child): a warm container of its template, given the restore's root.
+        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and takes_restore(security):
+            # A restore (a fork's child): a warm container of its template, given the restore's root (and
+            # its network: the allowlist checked and resolved first, so a bad one costs no warm container).
+            prepared = await self.net.prepare(spec.network) if self.net.wanted(spec.network) and spec.network is not None else None
             warm = await self.pool.claim_under(
-                WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers, security),
+                WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers, security, prepared),
             )
             if warm is not None:
-                handle = self._serve_warm(sid, warm, security)
+                handle = self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
                 handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
                 return handle
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
-            net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
+            net = await self.net.setup(sid, spec.network, prepared=prepared)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
         # A later incarnation (a resumed pause, a restore after its host was lost) gets a container id,
         # and so cgroups and scratch, of its own: the earlier one may still linger on a host that was cut
@@ -214,19 +217,34 @@ class ContainerBackend:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         w.info = info
 
-    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement) -> Handle:
+    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement, net: Attachment | None = None) -> Handle:
         self.t.cid[sid] = warm.cid
         self.t.clients[sid] = self.t.clients.pop(warm.cid)
-        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, net))
 
-    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement) -> None:
+    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement, net: Prepared | None) -> None:
         """The warm container's root becomes the restore's: its lowers over a fresh upper, the profile's
         read-only binds of its directories made again in it (``warmroot``); then its agent confines itself
-        there (Landlock's rules bind to the new root's inodes)."""
+        there (Landlock's rules bind to the new root's inodes). With ``net`` (the restore's allowlist,
+        prepared) the container's own empty netns gets the sandbox's veth, addresses and rules, as a
+        cold start's pre-made one has them, and the fresh upper its /etc/hosts."""
+        try:
+            await self._configure_restore_once(w, spec, lowers, security, net)
+        except BaseException:
+            if net is not None:
+                await self.net.teardown(spec.sandbox_id)  # the next warm container, or the cold start, makes it again
+            raise
+
+    async def _configure_restore_once(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement, net: Prepared | None) -> None:
         t0 = time.perf_counter()
         layout = RootfsLayout(w.sdir)
         old = os.path.join(w.sdir, WARM_OLD)
         fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
+        if net is not None:
+            assert spec.network is not None
+            att = await self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
+            if att.hosts:
+                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)  # before the root is mounted
         t1 = time.perf_counter()
         ms: dict[str, float] = {}
 
