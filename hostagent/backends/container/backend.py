@@ -169,7 +169,9 @@ class ContainerBackend:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
         prepared: Prepared | None = None
-        if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
+        # A restore's layers are its own: no pool for them. A profile guard acts on never takes a warm
+        # container (guard finds a sandbox by its container's id: see Enforcement.guard_acts).
+        if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot and not security.guard_acts:
             warm = await self.pool.claim(
                 WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
                 lambda w: self._configure_warm(w, spec, security),

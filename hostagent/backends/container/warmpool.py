@@ -77,8 +77,9 @@ def takes_restore(security: Enforcement) -> bool:
     """Whether a warm container of this profile may be given a restore's root (``warmroot``). Its
     agent confines itself (Landlock too) only when claimed, in the new root; read-only binds of the
     image's directories are made again there; a masked path outside /proc and /sys (runc's /dev/null
-    or tmpfs over a path of the old root) is not, so such a profile starts its restores cold."""
-    return all(_in_kernel_fs(p) for p in security.masked_paths)
+    or tmpfs over a path of the old root) is not, so such a profile starts its restores cold, as does
+    one whose violations guard acts on (``Enforcement.guard_acts``: ``strict``)."""
+    return all(_in_kernel_fs(p) for p in security.masked_paths) and not security.guard_acts
 
 
 StartFn = Callable[[str, Recipe], Awaitable[Warm]]
