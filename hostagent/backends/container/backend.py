@@ -259,9 +259,10 @@ class ContainerBackend:
 
         root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work,
                                   "rebind": rebinds(security)})
-        try:  # the limits and labels meanwhile: they do not touch the root (either failing, the container is removed)
-            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec, None)))
+        try:  # the labels meanwhile: they do not touch the root (either failing, the container is removed)
+            out, _ = await asyncio.gather(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)))
             await timed("confine_ms", self._confine(w, security))
+            self._share(w, spec)
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(layout.run, STAGE_NAME))
@@ -270,17 +271,23 @@ class ContainerBackend:
         shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
     async def _configure_warm(self, w: Warm, spec: SandboxSpec, security: Enforcement | None) -> None:
-        """Limits, class and labels; with ``security`` (a plain create: its root is the one it started
-        with) the agent's confinement too."""
-        # A few small cgroupfs writes, inline (as a cold start's): a hop to the default executor (a few
-        # threads) queues behind a burst's, and a fork of 64 claims 64 at once.
-        set_limits(w.cid, spec.cpu, spec.memory_mb)
-        set_class(w.cid, spec.cpu, spec.priority)
+        """Labels; with ``security`` (a plain create: its root is the one it started with) the agent's
+        confinement, then the sandbox's limits and CPU class (without: the caller does those)."""
         labels = self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
         if security is None:
             await labels
-        else:
-            await asyncio.gather(labels, self._confine(w, security))
+            return
+        await asyncio.gather(labels, self._confine(w, security))
+        self._share(w, spec)
+
+    @staticmethod
+    def _share(w: Warm, spec: SandboxSpec) -> None:
+        """The sandbox's limits and CPU class, once its agent is confined (as at a cold start: a small
+        share, or best-effort's SCHED_IDLE, would leave the agent confining itself behind every busy
+        sandbox). A few small cgroupfs writes, inline: a hop to the default executor (a few threads)
+        queues behind a burst's, and a fork of 64 claims 64 at once."""
+        set_limits(w.cid, spec.cpu, spec.memory_mb)
+        set_class(w.cid, spec.cpu, spec.priority)
 
     async def _start_warm(self, cid: str, r: Recipe) -> Warm:
         if self.warm_restores and takes_restore(r.security) and not self._bg_helpers:
