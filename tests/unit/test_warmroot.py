@@ -34,6 +34,10 @@ def test_builtin_profiles_take_a_restore_and_the_image_dirs_are_bound_again() ->
     masked = msgspec.structs.replace(builtin_profiles()["default"], fs=msgspec.structs.replace(
         builtin_profiles()["default"].fs, masked_paths=["/proc/kcore", "/opt/secret"]))
     assert not takes_restore(compile_profile(masked))
+    for bad in (["/"], ["/.dsec/run"]):  # no writable paths, or a read-only / would cover them
+        ro = msgspec.structs.replace(builtin_profiles()["build"], fs=msgspec.structs.replace(
+            builtin_profiles()["build"].fs, readonly_paths=bad, writable=[], devices=[]))
+        assert not takes_restore(compile_profile(ro)), bad
 
 
 async def test_a_restore_takes_from_the_pool_of_its_template_only() -> None:

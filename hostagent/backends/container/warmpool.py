@@ -60,7 +60,7 @@ class Warm:
     info: AgentInfo
 
 
-KERNEL_FS = ("/proc", "/sys")  # moved whole into a restore's root, with the masks and read-only binds under them
+KERNEL_FS = ("/proc", "/sys", "/dev")  # moved whole into a restore's root, with the masks and read-only binds under them
 
 
 def _in_kernel_fs(path: str) -> bool:
@@ -75,11 +75,13 @@ def rebinds(security: Enforcement) -> list[str]:
 
 def takes_restore(security: Enforcement) -> bool:
     """Whether a warm container of this profile may be given a restore's root (``warmroot``). Its
-    agent confines itself (Landlock too) only when claimed, in the new root; read-only binds of the
-    image's directories are made again there; a masked path outside /proc and /sys (runc's /dev/null
-    or tmpfs over a path of the old root) is not, so such a profile starts its restores cold, as does
-    one whose violations guard acts on (``Enforcement.guard_acts``: ``strict``)."""
-    return all(_in_kernel_fs(p) for p in security.masked_paths) and not security.guard_acts
+    agent confines itself (Landlock too) only when claimed, in the new root, and read-only binds of
+    the image's directories are made again there. Not: a read-only ``/`` or bind under ``/.dsec``
+    (the helper refuses them), a masked path outside /proc, /sys and /dev (runc's /dev/null or tmpfs
+    over a path of the old root: not made again), nor a profile whose violations guard acts on
+    (``Enforcement.guard_acts``: ``strict``). Those start their restores cold."""
+    return not security.guard_acts and all(_in_kernel_fs(p) for p in security.masked_paths) and \
+        all(p != "/" and p.split("/")[1] != ".dsec" for p in rebinds(security))
 
 
 StartFn = Callable[[str, Recipe], Awaitable[Warm]]

@@ -205,7 +205,7 @@ def serve(inp: Any, out: Any) -> None:
             if any(not p.startswith("/") or "\0" in p or ":" in p or "," in p for p in [*lowers, upper, work]):
                 raise ValueError("bad overlay paths")
             rebind = [str(p) for p in req.get("rebind", [])]
-            if any(not p.startswith("/") or "\0" in p or os.path.normpath(p) != p or p == "/" or p.split("/")[1] in ("proc", "sys", ".dsec")
+            if any(not p.startswith("/") or "\0" in p or os.path.normpath(p) != p or p == "/" or p.split("/")[1] in ("proc", "sys", "dev", ".dsec")
                    for p in rebind):
                 raise ValueError("bad read-only paths")
             fds.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
