@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.security.conftest import RedTeam
 from tests.security.test_network import TestHost, blocked, netprobe_bin, reach, testhost, with_probe  # noqa: F401 - fixtures
-from tests.security.test_fs_syscalls import EACCES, EROFS, EXDEV, assert_errno, nr, progs, push, sysx  # noqa: F401 - progs is a fixture
+from tests.security.test_fs_syscalls import EACCES, EROFS, EXDEV, _merged_usr_rootfs, assert_errno, nr, progs, push, sysx  # noqa: F401 - progs is a fixture
 
 from .conftest import Stack, needs_stack
 from .test_fork import SOURCE_AFTER
@@ -30,6 +31,7 @@ from .test_snapshots import WRITE_1, many, tmpl, tree  # noqa: F401 - tmpl is a 
 
 pytestmark = [pytest.mark.containerd, needs_stack, needs_fuse]
 
+BASE = "sha256:" + "0" * 64  # the ``base`` template's layer (tests.integration.conftest)
 PROFILES = ["e2b", "default"]  # no Landlock and every path writable; Landlock and read-only system dirs
 # The root's entries, and every mount: its point, options, type and source (a loop device's number aside)
 ROOT_VIEW = ("ls -la / | sed 1d | awk '{print $1, $NF}'; sed 's/^[^ ]* [^ ]* [^ ]* [^ ]* \\([^ ]*\\) \\([^ ]*\\).* - \\([^ ]*\\) \\([^ ]*\\) .*/"
@@ -41,13 +43,15 @@ def served_warm(stack: Stack, sb: AsyncSandbox) -> bool:
     return str(stack.host.handles[sb.sandbox_id].extra["cid"]).startswith("wp-")
 
 
-def members(stack: Stack, template_layers: int, profile: str) -> list[Warm]:
-    """Warm containers waiting for the template (of ``template_layers`` layers) in ``profile``."""
-    return [w for k, ws in stack.backend.pool.entries().items() if k.profile == profile and len(k.layers) == template_layers for w in ws]
+def members(stack: Stack, template_layers: int, profile: str, base: str = "") -> list[Warm]:
+    """Warm containers waiting for the template (of ``template_layers`` layers; ``base``: its first
+    layer's digest) in ``profile``."""
+    return [w for k, ws in stack.backend.pool.entries().items()
+            if k.profile == profile and len(k.layers) == template_layers and k.layers[0].startswith(base) for w in ws]
 
 
-async def pool_full(stack: Stack, template_layers: int, profile: str) -> None:
-    await eventually(lambda: len(members(stack, template_layers, profile)) >= stack.backend.pool.size, timeout=120, interval=0.1,
+async def pool_full(stack: Stack, template_layers: int, profile: str, base: str = "") -> None:
+    await eventually(lambda: len(members(stack, template_layers, profile, base)) >= stack.backend.pool.size, timeout=120, interval=0.1,
                      what=f"the warm pool of profile {profile} refilled")
 
 
@@ -98,8 +102,8 @@ async def test_warm_and_cold_children_alike_and_none_shows_the_member_before(sta
     change, show, shown = STATE[profile]
     async with stack.sandbox(profile=profile) as sb:
         await sb.commands.run(change)
-        await pool_full(stack, 1, profile)
-        waiting = members(stack, 1, profile)
+        await pool_full(stack, 1, profile, BASE)
+        waiting = members(stack, 1, profile, BASE)
         for w in waiting:
             with open(os.path.join(w.sdir, "upper", "planted"), "w") as f:  # in the member's old root
                 f.write("member's\n")
@@ -183,7 +187,7 @@ async def test_default_profile_warm_children_are_confined_as_cold_ones(stack: St
     child of the same source; the agent's own file ops are confined too."""
     async with stack.sandbox() as sb:
         await sb.commands.run("mkdir -p /workspace/d && echo src > /workspace/d/f")
-        await pool_full(stack, 1, "default")
+        await pool_full(stack, 1, "default", BASE)
         (warm,) = await sb.fork(1, **stack.kw())
         stack.backend.warm_restores = False
         try:
@@ -219,7 +223,7 @@ async def test_memory_snapshot_of_a_warm_child_is_refused_typed(stack: Stack, la
     cold child of the same source, with warm restores off, is dumped and restored."""
     async with stack.sandbox(profile="e2b") as sb:
         await sb.commands.run("echo m > /root/m")
-        await pool_full(stack, 1, "e2b")
+        await pool_full(stack, 1, "e2b", BASE)
         (c,) = await sb.fork(1, **stack.kw())
         stack.backend.warm_restores = False
         try:
@@ -251,11 +255,11 @@ async def test_warm_children_with_a_network_as_cold_ones(
     net = {"allow_out": [f"{testhost.ip}:{lis.port}"]}
     async with stack.sandbox() as sb:
         await sb.commands.run("echo n > /workspace/n")
-        await pool_full(stack, 1, "default")
-        before = {w.cid for w in members(stack, 1, "default")}
+        await pool_full(stack, 1, "default", BASE)
+        before = {w.cid for w in members(stack, 1, "default", BASE)}
         with pytest.raises(InvalidArgument, match="not a host!"):
             await sb.fork(1, network={"allow_out": ["not a host!"]}, **stack.kw())
-        assert {w.cid for w in members(stack, 1, "default")} == before
+        assert {w.cid for w in members(stack, 1, "default", BASE)} == before
         (warm,) = await sb.fork(1, network=net, **stack.kw())
         stack.backend.warm_restores = False
         try:
@@ -279,3 +283,38 @@ async def test_warm_children_with_a_network_as_cold_ones(
         for f in (warm, cold):
             assert stack.backend.net.attachment(f.sandbox_id) is None
             assert not os.path.lexists(stack.backend.net.netns_path(f.sandbox_id))
+
+
+async def test_merged_usr_warm_children_bind_what_the_links_lead_to(stack: Stack, lazy: LazyDaemon, progs: dict[str, bytes]) -> None:  # noqa: F811
+    """An image whose /bin, /sbin, /lib are symbolic links into /usr (and whose /lib64 dangles): runc's
+    read-only binds landed where the links lead, and a warm child's are made again the same way in its
+    new root: the same mounts as a cold child's, and what the links lead to is read-only."""
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import LayerRef, TemplateManifest
+
+    name = f"merged-{stack.uid}"
+    rootfs = stack.data_dir / f"rootfs-{name}"
+    await asyncio.to_thread(_merged_usr_rootfs, stack.rootfs, rootfs)
+    kv = await stack.js.key_value(S.KV_IMAGES)
+    await kv.put(name, codec.encode(TemplateManifest(name=name, created_at=time.time(), layers=[
+        LayerRef(role="base", digest="sha256:" + "7" * 64, kind="dir", path=str(rootfs))])))
+    async with stack.sandbox(template=name) as sb:
+        await sb.commands.run("echo m > /workspace/m")
+        await pool_full(stack, 1, "default", base="sha256:" + "7" * 64)
+        (warm,) = await sb.fork(1, **stack.kw())
+        stack.backend.warm_restores = False
+        try:
+            (cold,) = await sb.fork(1, **stack.kw())
+        finally:
+            stack.backend.warm_restores = True
+        async with many(stack, [warm, cold]):
+            assert served_warm(stack, warm) and not served_warm(stack, cold)
+            assert (await warm.commands.run(ROOT_VIEW)).stdout == (await cold.commands.run(ROOT_VIEW)).stdout
+            for tag, f in (("warm", warm), ("cold", cold)):
+                assert (await f.commands.run("readlink /bin; cat /workspace/m")).stdout == "usr/bin\nm\n", tag
+                await push(f, progs, "sysx")
+                assert (await sysx(f, nr("chmod"), "s:/workspace/m", 0o600)).code == 0, tag  # the control
+                assert_errno(await sysx(f, nr("chmod"), "s:/bin/busybox", 0o4755), EROFS, what=f"chmod /bin/busybox ({tag})")
+                assert_errno(await sysx(f, nr("chown"), "s:/lib/libc.so.6", 1000, 1000), EROFS, what=f"chown /lib/libc.so.6 ({tag})")
+                assert_errno(await sysx(f, nr("unlink"), "s:/lib"), EACCES, what=f"unlink the /lib link ({tag})")
