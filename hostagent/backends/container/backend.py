@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 
@@ -242,11 +242,15 @@ class ContainerBackend:
         layout = RootfsLayout(w.sdir)
         old = os.path.join(w.sdir, WARM_OLD)
         fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
+        wire: Awaitable[Any] | None = None
         if net is not None:
             assert spec.network is not None
-            att = await self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
-            if att.hosts:
-                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)  # before the root is mounted
+            wire = self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
+            if any(e.is_domain for e in net.entries):  # names for /etc/hosts: in the fresh upper before the root is mounted
+                att = await wire
+                wire = None
+                if att.hosts:
+                    await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)
         t1 = time.perf_counter()
         ms: dict[str, float] = {}
 
@@ -259,8 +263,13 @@ class ContainerBackend:
 
         root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work,
                                   "rebind": rebinds(security)})
-        try:  # the labels meanwhile: they do not touch the root (either failing, the container is removed)
-            out, _ = await asyncio.gather(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)))
+        try:  # the labels (and network) meanwhile: they do not touch the root (any failing, the container is removed)
+            done = await asyncio.gather(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)),
+                                        *([timed("net_ms", wire)] if wire is not None else []), return_exceptions=True)
+            for r in done:  # all ended first: a network made after the caller's teardown would be left behind
+                if isinstance(r, BaseException):
+                    raise r
+            out = cast(dict[str, Any], done[0])
             await timed("confine_ms", self._confine(w, security))
             self._share(w, spec)
         finally:
