@@ -42,6 +42,11 @@ class Prepared:
     entries: list[Entry]
     resolved: dict[str, list[str]]
 
+    @property
+    def names(self) -> bool:
+        """Whether it names hosts (lines for the sandbox's /etc/hosts)."""
+        return any(e.is_domain for e in self.entries)
+
 
 class NetworkManager:
     """Owns this host agent's sandbox networks: pool, netns, veths, nft table. Kernel state is only

@@ -245,9 +245,10 @@ async def test_memory_snapshot_of_a_warm_child_is_refused_typed(stack: Stack, la
 async def test_warm_children_with_a_network_as_cold_ones(
     stack: Stack, lazy: LazyDaemon, testhost: TestHost, netprobe_bin: bytes,  # noqa: F811
 ) -> None:
-    """A fork child with an allowlist takes a warm container too: the container's own (empty) netns gets
-    the sandbox's veth, address, route and rules, pinned at the sandbox's netns path, as a cold child's
-    pre-made one has them. Both reach the allowlisted port and are refused another port of the same
+    """A fork child with an allowlist takes a warm container too (and so does a plain create whose
+    allowlist names no host: nothing for /etc/hosts): the container's own (empty) netns gets the
+    sandbox's veth, address, route and rules, pinned at the sandbox's netns path, as a cold child's
+    pre-made one has them. All reach the allowlisted port and are refused another port of the same
     host by the same rule, have no IPv6, and leave no network state. A bad allowlist is the typed error
     a cold create gives, and costs no warm container."""
     rt = RedTeam("test_warm_children_with_a_network_as_cold_ones")
@@ -266,21 +267,24 @@ async def test_warm_children_with_a_network_as_cold_ones(
             (cold,) = await sb.fork(1, network=net, **stack.kw())
         finally:
             stack.backend.warm_restores = True
-        async with many(stack, [warm, cold]):
-            assert served_warm(stack, warm) and not served_warm(stack, cold)
-            for tag, f in (("warm", warm), ("cold", cold)):
+        await pool_full(stack, 1, "default", BASE)
+        plain = await AsyncSandbox.create(network=net, create_timeout=120, **stack.kw())
+        async with many(stack, [warm, cold, plain]):
+            assert served_warm(stack, warm) and not served_warm(stack, cold) and served_warm(stack, plain)
+            for tag, f in (("warm", warm), ("cold", cold), ("plain warm", plain)):
                 att = stack.backend.net.attachment(f.sandbox_id)
                 assert att is not None and stack.host.handles[f.sandbox_id].extra["net"]["ip"] == att.ip, tag
                 # The sandbox's netns is the one its processes are in (the warm container's own).
                 assert os.stat(att.netns).st_ino == os.stat(f"/proc/{stack.pid_of(f.sandbox_id)}/ns/net").st_ino, tag
-                assert await f.files.read("/workspace/n") == "n\n"
+                if f is not plain:
+                    assert await f.files.read("/workspace/n") == "n\n"
                 await with_probe(f, netprobe_bin)
                 await reach(f, testhost.ip, lis.port, rt, f"{tag} child -> its allowlisted port")
                 await blocked(rt, stack.backend.net.cfg.table, f, f"{tag} child -> another port", "not_allowed", "tcp", testhost.ip, other.port, "x")
                 out = await f.commands.run(f"cat /proc/net/if_inet6; ip -4 -o addr show eth0 | grep -c ' {att.ip}/30 '")
                 assert out.stdout == "1\n", (tag, out)
             assert other.hits == 0
-        for f in (warm, cold):
+        for f in (warm, cold, plain):
             assert stack.backend.net.attachment(f.sandbox_id) is None
             assert not os.path.lexists(stack.backend.net.netns_path(f.sandbox_id))
 

@@ -59,6 +59,16 @@ WARMROOT_HELPERS = 16  # restores given a warm root at once (a fork of 64 queues
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
 
 
+async def _all(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather`` that lets every part end before it raises the first failure: a part still
+    running (a network being made) would outlive the caller's clean-up."""
+    done = await asyncio.gather(*aws, return_exceptions=True)
+    for r in done:
+        if isinstance(r, BaseException):
+            raise r
+    return done
+
+
 class ContainerBackend:
     """Sandboxes as runc containers driven through containerd's gRPC API."""
 
@@ -169,19 +179,23 @@ class ContainerBackend:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
         prepared: Prepared | None = None
-        # A restore's layers are its own: no pool for them. A profile guard acts on never takes a warm
-        # container (guard finds a sandbox by its container's id: see Enforcement.guard_acts).
-        if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot and not security.guard_acts:
+        # A profile guard acts on never takes a warm container (guard finds a sandbox by its container's
+        # id: see Enforcement.guard_acts). A restore takes one of its template only where the profile lets
+        # its root be swapped (``takes_restore``); a plain create's names for /etc/hosts would have to go
+        # into a mounted root's upper dir, so such a create starts cold.
+        plain = self.pool.size > 0 and not spec.snapshot and not security.guard_acts
+        warm_root = self.warm_restores and self.pool.size > 0 and bool(spec.snapshot) and memory is None and takes_restore(security)
+        if (plain or warm_root) and self.net.wanted(spec.network) and spec.network is not None:
+            prepared = await self.net.prepare(spec.network)  # checked and resolved first: a bad allowlist costs no warm container
+        if plain and not (prepared is not None and prepared.names):
             warm = await self.pool.claim(
                 WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
-                lambda w: self._configure_warm(w, spec, security),
+                lambda w: self._configure_warm(w, spec, security, prepared),
             )
             if warm is not None:
-                return self._serve_warm(sid, warm, security)
-        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and takes_restore(security):
-            # A restore (a fork's child): a warm container of its template, given the restore's root (and
-            # its network: the allowlist checked and resolved first, so a bad one costs no warm container).
-            prepared = await self.net.prepare(spec.network) if self.net.wanted(spec.network) and spec.network is not None else None
+                return self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
+        elif warm_root:
+            # A restore (a fork's child): a warm container of its template, given the restore's root.
             warm = await self.pool.claim_under(
                 WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers, security, prepared),
             )
@@ -242,15 +256,12 @@ class ContainerBackend:
         layout = RootfsLayout(w.sdir)
         old = os.path.join(w.sdir, WARM_OLD)
         fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
-        wire: Awaitable[Any] | None = None
-        if net is not None:
-            assert spec.network is not None
-            wire = self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
-            if any(e.is_domain for e in net.entries):  # names for /etc/hosts: in the fresh upper before the root is mounted
-                att = await wire
-                wire = None
-                if att.hosts:
-                    await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)
+        wire = self._wire(w, spec, net) if net is not None else None
+        if net is not None and net.names and wire is not None:  # lines for /etc/hosts: in the fresh upper before the root is mounted
+            att = await wire
+            wire = None
+            if att.hosts:
+                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)
         t1 = time.perf_counter()
         ms: dict[str, float] = {}
 
@@ -264,11 +275,8 @@ class ContainerBackend:
         root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work,
                                   "rebind": rebinds(security)})
         try:  # the labels (and network) meanwhile: they do not touch the root (any failing, the container is removed)
-            done = await asyncio.gather(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)),
-                                        *([timed("net_ms", wire)] if wire is not None else []), return_exceptions=True)
-            for r in done:  # all ended first: a network made after the caller's teardown would be left behind
-                if isinstance(r, BaseException):
-                    raise r
+            done = await _all(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)),
+                              *([timed("net_ms", wire)] if wire is not None else []))
             out = cast(dict[str, Any], done[0])
             await timed("confine_ms", self._confine(w, security))
             self._share(w, spec)
@@ -279,15 +287,27 @@ class ContainerBackend:
                  helper_ms=round(float(out.get("ms", 0.0)), 1), ms=round((time.perf_counter() - t1) * 1000, 1), **ms)
         shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
-    async def _configure_warm(self, w: Warm, spec: SandboxSpec, security: Enforcement | None) -> None:
+    async def _configure_warm(self, w: Warm, spec: SandboxSpec, security: Enforcement | None, net: Prepared | None = None) -> None:
         """Labels; with ``security`` (a plain create: its root is the one it started with) the agent's
-        confinement, then the sandbox's limits and CPU class (without: the caller does those)."""
+        confinement and the network ``net`` asks for (in the container's own netns), then the sandbox's
+        limits and CPU class (without: the caller does those)."""
         labels = self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
         if security is None:
             await labels
             return
-        await asyncio.gather(labels, self._confine(w, security))
+        try:
+            await _all(labels, self._confine(w, security), *([self._wire(w, spec, net)] if net is not None else []))
+        except BaseException:
+            if net is not None:
+                await self.net.teardown(spec.sandbox_id)  # the next warm container, or the cold start, makes it again
+            raise
         self._share(w, spec)
+
+    def _wire(self, w: Warm, spec: SandboxSpec, net: Prepared) -> Awaitable[Attachment]:
+        """The sandbox's veth, address, route and rules in the warm container's own (empty) netns, pinned
+        at the sandbox's netns path as a cold start's network is."""
+        assert spec.network is not None
+        return self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
 
     @staticmethod
     def _share(w: Warm, spec: SandboxSpec) -> None:
