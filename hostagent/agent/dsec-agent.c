@@ -241,6 +241,7 @@ static int conf_landlock_abi;
 static uint32_t conf_flags;
 static int confine_deferred; /* --confine-on-claim, until the host's 'c' */
 static void apply_confinement(void);
+static void die(const char *what);
 static struct watch w_listen = {W_LISTEN, NULL, NULL}, w_signal = {W_SIGNAL, NULL, NULL};
 static struct conn *graveyard;
 static struct proc *procs, *proc_graveyard;
@@ -1987,11 +1988,30 @@ static void op_ping(struct conn *c, struct rd *r)
     frame_end(c, f);
 }
 
+/* Threads of this process (Landlock and seccomp restrict only the calling thread; -1: unknown). */
+static int thread_count(void)
+{
+    FILE *f = fopen("/proc/self/status", "re");
+    int n = -1;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "Threads: %d", &n) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return n;
+}
+
 static void op_confine(struct conn *c, struct rd *r)
 {
     if (!rd_done(c, r, 0))
         return;
     if (confine_deferred) {
+        /* What we restrict now is all there is: this one thread, and no child (nothing ran). */
+        if (procs || thread_count() != 1) {
+            errno = EBUSY;
+            die("confine: the agent has another thread or a child");
+        }
         apply_confinement(); /* exits on failure: the host removes the container */
         confine_deferred = 0;
     }
