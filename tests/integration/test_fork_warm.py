@@ -22,7 +22,7 @@ from sdk.errors import DsecError, InvalidArgument
 from tests.conftest import eventually
 from tests.imaged.conftest import LazyDaemon, needs_fuse
 from tests.security.conftest import RedTeam
-from tests.security.test_network import TestHost, blocked, netprobe_bin, reach, testhost, with_probe  # noqa: F401 - fixtures
+from tests.security.test_network import DnsServer, TestHost, blocked, netprobe_bin, reach, testhost, with_probe  # noqa: F401 - fixtures
 from tests.security.test_fs_syscalls import EACCES, EROFS, EXDEV, _merged_usr_rootfs, assert_errno, nr, progs, push, sysx  # noqa: F401 - progs is a fixture
 
 from .conftest import Stack, needs_stack
@@ -322,3 +322,56 @@ async def test_merged_usr_warm_children_bind_what_the_links_lead_to(stack: Stack
                 assert_errno(await sysx(f, nr("chmod"), "s:/bin/busybox", 0o4755), EROFS, what=f"chmod /bin/busybox ({tag})")
                 assert_errno(await sysx(f, nr("chown"), "s:/lib/libc.so.6", 1000, 1000), EROFS, what=f"chown /lib/libc.so.6 ({tag})")
                 assert_errno(await sysx(f, nr("unlink"), "s:/lib"), EACCES, what=f"unlink the /lib link ({tag})")
+
+
+async def test_warm_child_with_allowlisted_names_has_them_in_its_hosts_file(stack: Stack, lazy: LazyDaemon, testhost: TestHost) -> None:  # noqa: F811
+    """An allowlist of names: the host agent resolves them, and a warm child's /etc/hosts (written into
+    its fresh upper before its root is mounted; /etc is a read-only bind of the new root) holds them, so
+    it reaches the name by name. A plain create with names starts cold (its /etc/hosts would have to go
+    into a mounted root's upper dir)."""
+    from hostagent.network import Resolver
+
+    lis = await testhost.listen()
+    dns = await DnsServer({"svc.dsec.test": [testhost.ip]}).start()
+    backend = stack.backend
+    before = backend.net.resolver
+    backend.net.resolver = Resolver([f"127.0.0.1:{dns.port}"], 2.0)  # the host agent's resolver: a real one, on loopback
+    try:
+        async with stack.sandbox() as sb:
+            await sb.commands.run("echo named > /workspace/n")  # (a fork of an unchanged sandbox needs no new root)
+            await pool_full(stack, 1, "default", BASE)
+            net = {"allow_out": [f"svc.dsec.test:{lis.port}"]}
+            (warm,) = await sb.fork(1, network=net, **stack.kw())
+            plain = await AsyncSandbox.create(network=net, create_timeout=120, **stack.kw())
+            async with many(stack, [warm, plain]):
+                assert served_warm(stack, warm) and not served_warm(stack, plain)
+                assert "svc.dsec.test" in dns.queries
+                assert await warm.files.read("/workspace/n") == "named\n"
+                for f in (warm, plain):
+                    assert f"{testhost.ip}\tsvc.dsec.test" in await f.files.read("/etc/hosts")
+                    out = await f.commands.run(f"nc -w 3 svc.dsec.test {lis.port} </dev/null")
+                    assert "hello-from-testhost" in out.stdout, out
+    finally:
+        backend.net.resolver = before
+        dns.close()
+
+
+async def test_fork_of_an_unchanged_sandbox_takes_a_plain_warm_container(stack: Stack, lazy: LazyDaemon) -> None:
+    """A snapshot that added nothing has its template's very layers: its children take warm containers
+    of the template as they are (no root to swap), confined as any claimed one; with warm restores off
+    (the control) they start cold."""
+    async with stack.sandbox() as sb:
+        await pool_full(stack, 1, "default", BASE)
+        (f,) = await sb.fork(1, **stack.kw())
+        stack.backend.warm_restores = False
+        try:
+            (cold,) = await sb.fork(1, **stack.kw())
+        finally:
+            stack.backend.warm_restores = True
+        async with many(stack, [f, cold]):
+            assert served_warm(stack, f) and not served_warm(stack, cold)
+            assert "warm_root" not in stack.host.handles[f.sandbox_id].extra
+            assert stack.host.handles[f.sandbox_id].extra["landlock_abi"] >= 1
+            for g in (f, cold):
+                out = await g.commands.run("touch /evil 2>&1; echo x > /workspace/ok && cat /workspace/ok")
+                assert "Permission denied" in out.stdout and out.stdout.endswith("x\n"), out

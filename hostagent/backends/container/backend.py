@@ -182,23 +182,22 @@ class ContainerBackend:
         # A profile guard acts on never takes a warm container (guard finds a sandbox by its container's
         # id: see Enforcement.guard_acts). A restore takes one of its template only where the profile lets
         # its root be swapped (``takes_restore``); a plain create's names for /etc/hosts would have to go
-        # into a mounted root's upper dir, so such a create starts cold.
-        plain = self.pool.size > 0 and not spec.snapshot and not security.guard_acts
+        # into a mounted root's upper dir, so such a create starts cold. A restore of a snapshot that added
+        # nothing to its template (a fork of an unchanged sandbox) has the template's very layers: a warm
+        # container of them is that sandbox already.
+        key = WarmKey.of(layers, spec.disk_mb, security)
+        unchanged = self.warm_restores and bool(spec.snapshot) and memory is None and bool(self.pool.entries().get(key))
+        plain = self.pool.size > 0 and (not spec.snapshot or unchanged) and not security.guard_acts
         warm_root = self.warm_restores and self.pool.size > 0 and bool(spec.snapshot) and memory is None and takes_restore(security)
         if (plain or warm_root) and self.net.wanted(spec.network) and spec.network is not None:
             prepared = await self.net.prepare(spec.network)  # checked and resolved first: a bad allowlist costs no warm container
         if plain and not (prepared is not None and prepared.names):
-            warm = await self.pool.claim(
-                WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
-                lambda w: self._configure_warm(w, spec, security, prepared),
-            )
+            warm = await self.pool.claim(key, Recipe(tuple(lowers), spec.disk_mb, security), lambda w: self._configure_warm(w, spec, security, prepared))
             if warm is not None:
                 return self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
         elif warm_root:
             # A restore (a fork's child): a warm container of its template, given the restore's root.
-            warm = await self.pool.claim_under(
-                WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers, security, prepared),
-            )
+            warm = await self.pool.claim_under(key, lambda w: self._configure_restore(w, spec, lowers, security, prepared))
             if warm is not None:
                 handle = self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
                 handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
