@@ -487,7 +487,15 @@ class AgentClient:
     # -- operations ------------------------------------------------------------------
 
     async def ping(self) -> AgentInfo:
-        kind, body = await self._call(_frame(b"P"))
+        return await self._info(b"P")
+
+    async def confine(self) -> AgentInfo:
+        """An agent started with ``--confine-on-claim`` (a warm container's) applies its confinement now
+        (idempotent): what it applied, as ``ping`` tells it. It serves nothing else before."""
+        return await self._info(b"c")
+
+    async def _info(self, request: bytes) -> AgentInfo:
+        kind, body = await self._call(_frame(request))
         if kind != ord("K"):
             raise _unexpected(kind)
         version = _U32.unpack_from(body)[0] if len(body) >= 4 else 0

@@ -17,8 +17,9 @@ they run. Who stacks what is kept in each child's ``LocalSandbox.extra`` (it sur
 the host agent); ``recover`` packs what a restart interrupted and removes what nothing needs.
 
 The children need not be cold containers: the container backend gives a restore a warm container of
-its template where its profile allows (``backends.container.warmroot``); what this module keeps is
-the same either way (the child stacks the fork directory by path).
+its template and profile (``backends.container.warmroot``; its agent confines itself, Landlock
+included, only once it has the restore's root); what this module keeps is the same either way (the
+child stacks the fork directory by path).
 """
 
 from __future__ import annotations

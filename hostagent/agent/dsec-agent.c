@@ -24,6 +24,15 @@
  *                         then gives this sandbox its own audit session id, inherited by every
  *                         process in it and unchangeable from inside, which is how the host maps
  *                         an audit record of an already-exited process back to its sandbox
+ *   --confine-on-claim    a warm container's agent (started ahead of the sandbox it will serve):
+ *                         everything above is applied only when the host sends 'c' (confine), after
+ *                         it has given the container its final root (a fork's child gets the
+ *                         restore's root by pivot_root: Landlock rules bind to the inodes of the
+ *                         root the paths resolve in when they are applied). Until then the agent
+ *                         answers nothing but 'P' and 'c' (EACCES): nothing runs in the container
+ *                         and no file is touched before it is confined. The agent is single-threaded
+ *                         and has no children then, so restricting itself restricts everything it
+ *                         will ever start, exactly as at a cold start.
  * Landlock uses the best ABI the kernel offers (2: REFER, 3: TRUNCATE, 5: IOCTL_DEV, 6: signal and
  * abstract-socket scoping, 7: audit logging of denials of exec'd programs). The ping reply reports
  * what was applied.
@@ -48,6 +57,9 @@
  *   'P' ping                                            -> 'K' u32 protocol_version
  *              | u32 landlock_abi (0: none) | u32 confinement flags (1 Landlock enforced,
  *                2 seccomp log filter installed, 4 audit session set)   (older agents: version only)
+ *   'c' confine (--confine-on-claim only)               -> 'K' as 'P', after applying the
+ *              confinement; again once confined: 'K' at once (idempotent). An agent that cannot
+ *              apply it exits, as it would at a cold start.
  *   'X' exec   u32 timeout_ms (0 = none) | str cmd | str cwd ("" = agent's cwd, or the user's home)
  *              | u32 n | n * str "KEY=VALUE"   (n = 0: PATH and HOME defaults)
  *              | u8 flags (1 background, 2 stdin pipe, 4 buffered: output may wait for the exit, a
@@ -227,6 +239,9 @@ static int ep = -1, lfd = -1, sfd = -1, devnull = -1, reserve_fd = -1;
 #define CONF_AUDIT_SESSION 4u
 static int conf_landlock_abi;
 static uint32_t conf_flags;
+static int confine_deferred; /* --confine-on-claim, until the host's 'c' */
+static void apply_confinement(void);
+static void die(const char *what);
 static struct watch w_listen = {W_LISTEN, NULL, NULL}, w_signal = {W_SIGNAL, NULL, NULL};
 static struct conn *graveyard;
 static struct proc *procs, *proc_graveyard;
@@ -1973,10 +1988,46 @@ static void op_ping(struct conn *c, struct rd *r)
     frame_end(c, f);
 }
 
+/* Threads of this process (Landlock and seccomp restrict only the calling thread; -1: unknown). */
+static int thread_count(void)
+{
+    FILE *f = fopen("/proc/self/status", "re");
+    int n = -1;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "Threads: %d", &n) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return n;
+}
+
+static void op_confine(struct conn *c, struct rd *r)
+{
+    if (!rd_done(c, r, 0))
+        return;
+    if (confine_deferred) {
+        /* What we restrict now is all there is: this one thread, and no child (nothing ran). */
+        if (procs || thread_count() != 1) {
+            errno = EBUSY;
+            die("confine: the agent has another thread or a child");
+        }
+        apply_confinement(); /* exits on failure: the host removes the container */
+        confine_deferred = 0;
+    }
+    op_ping(c, r);
+}
+
 static void dispatch(struct conn *c)
 {
     struct rd r = {c->req + 1, c->req_len - 1, 0, 0};
+    if (confine_deferred && c->req[0] != 'P' && c->req[0] != 'c') {
+        reply_err(c, EACCES, "not confined yet: a warm container serves only after its claim");
+        finish(c);
+        return;
+    }
     switch (c->req[0]) {
+    case 'c': op_confine(c, &r); break;
     case 'X': op_exec(c, &r, 0); return; /* finishes itself: it may keep the connection */
     case 'T': op_exec(c, &r, 1); return;
     case 'P': op_ping(c, &r); break;
@@ -3148,16 +3199,18 @@ int main(int argc, char **argv)
             setup_caps |= 1ull << atoi(argv[++i]);
         else if (!strcmp(argv[i], "--audit-loginuid") && i + 1 < argc)
             audit_loginuid = strtol(argv[++i], NULL, 10);
+        else if (!strcmp(argv[i], "--confine-on-claim"))
+            confine_deferred = 1;
         else if (!strcmp(argv[i], "--version")) {
             printf("dsec-agent protocol %d\n", PROTO_VERSION);
             return 0;
         } else {
-            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
+            fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N] [--confine-on-claim]\n");
             return 2;
         }
     }
     if (!path) {
-        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N]\n");
+        fprintf(stderr, "usage: dsec-agent --socket PATH [--heartbeat-ms N] [--landlock-ro|-rw|-dev PATH]... [--landlock-required] [--seccomp-bpf HEX] [--allow-setuid] [--setup-cap N]... [--audit-loginuid N] [--confine-on-claim]\n");
         return 2;
     }
 
@@ -3220,7 +3273,8 @@ int main(int argc, char **argv)
         die("signalfd");
 
     setup_socket(path);
-    apply_confinement();
+    if (!confine_deferred)
+        apply_confinement();
 
     ep = epoll_create1(EPOLL_CLOEXEC);
     if (ep < 0)

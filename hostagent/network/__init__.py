@@ -79,7 +79,7 @@ set elements), ``warm`` (pre-made networks), ``forwarding`` (ip_forward and its 
 
 from .allowlist import AllowPlan, compile_allowlist, parse_allow_out, write_hosts_file
 from .config import COUNTERS, DEFAULT_DENY, WARM_TAG, NetworkConfig, network_config
-from .manager import Attachment, NetworkManager
+from .manager import Attachment, NetworkManager, Prepared
 from .resolver import DnsQueryError, Resolver, ResolveFailed
 
 __all__ = [
@@ -87,6 +87,7 @@ __all__ = [
     "network_config",
     "NetworkManager",
     "Attachment",
+    "Prepared",
     "AllowPlan",
     "parse_allow_out",
     "compile_allowlist",

@@ -10,6 +10,7 @@ import asyncio
 import ipaddress
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -31,7 +32,20 @@ from .worker import Worker
 
 log = structlog.get_logger("dsec.hostagent.network")
 
-__all__ = ["NetworkManager", "Attachment"]
+__all__ = ["NetworkManager", "Attachment", "Prepared"]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """An allowlist parsed, its names resolved (``NetworkManager.prepare``)."""
+
+    entries: list[Entry]
+    resolved: dict[str, list[str]]
+
+    @property
+    def names(self) -> bool:
+        """Whether it names hosts (lines for the sandbox's /etc/hosts)."""
+        return any(e.is_domain for e in self.entries)
 
 
 class NetworkManager:
@@ -126,9 +140,9 @@ class NetworkManager:
                 self._worker.shutdown()
 
     # --- setup ------------------------------------------------------------------------------------
-    async def setup(self, sid: str, network: NetworkSpec) -> Attachment:
-        """Create the sandbox's netns, veth, addresses and allowlist. Raises InvalidArgument for a
-        bad allowlist, CreateFailed (ResolveFailed: no nameserver answered) when the host cannot do it."""
+    async def prepare(self, network: NetworkSpec) -> Prepared:
+        """The allowlist parsed and its names resolved: InvalidArgument for a bad allowlist, CreateFailed
+        (ResolveFailed: no nameserver answered) when the host cannot do it."""
         if self.unavailable:
             raise CreateFailed(f"network isolation is unavailable on this host ({self.unavailable}); sandboxes with a network cannot be created here")
         entries = parse_allow_out(network.allow_out, self.cfg.max_entries)
@@ -137,8 +151,17 @@ class NetworkManager:
         if domains:
             res = await asyncio.gather(*(self.resolver.resolve(d) for d in domains))
             resolved = {d: ips[: self.cfg.max_ips_per_domain] for d, ips in zip(domains, res, strict=True)}
+        return Prepared(entries, resolved)
+
+    async def setup(self, sid: str, network: NetworkSpec, *, prepared: Prepared | None = None, netns_of: str = "") -> Attachment:
+        """Create the sandbox's netns, veth, addresses and allowlist. Raises InvalidArgument for a
+        bad allowlist, CreateFailed (ResolveFailed: no nameserver answered) when the host cannot do it.
+        ``prepared``: ``prepare``'s answer for ``network`` (given: no second look-up). ``netns_of``: the
+        netns to use (a warm container's own, ``/proc/<pid>/ns/net``) instead of a new or pre-made one."""
+        if prepared is None:
+            prepared = await self.prepare(network)
         try:
-            return await self._worker.run(self._w_setup, sid, entries, resolved)
+            return await self._worker.run(self._w_setup, sid, prepared.entries, prepared.resolved, netns_of)
         except (InvalidArgument, CreateFailed):
             raise
         except Exception as exc:  # noqa: BLE001
@@ -147,7 +170,7 @@ class NetworkManager:
         finally:
             self._warm.kick()
 
-    def _w_setup(self, sid: str, entries: list[Entry], resolved: dict[str, list[str]]) -> Attachment:
+    def _w_setup(self, sid: str, entries: list[Entry], resolved: dict[str, list[str]], netns_of: str = "") -> Attachment:
         t0 = time.perf_counter()
         self._kernel.init()
         self._kernel.check_root_ns()
@@ -155,7 +178,7 @@ class NetworkManager:
         if sid in self._att:
             return self._att[sid]  # redelivered create
         plan = compile_allowlist(entries, resolved, self.deny, self._kernel.host_addrs())
-        warm = self._warm.take()
+        warm = self._warm.take() if not netns_of else None
         if warm is not None:
             att = warm
             att.elements, att.hosts = plan.elements(att.ifname), plan.hosts
@@ -172,7 +195,7 @@ class NetworkManager:
                 self._att[sid] = att
             else:
                 t1 = time.perf_counter()
-                self._kernel.make_netns(att, alias=sid)
+                self._kernel.make_netns(att, alias=sid, existing=netns_of)
                 self.stats["make_ms"].append((time.perf_counter() - t1) * 1000)
             self._rules.add(att.elements)
         except BaseException:

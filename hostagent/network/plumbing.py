@@ -124,16 +124,25 @@ class Plumbing:
                 log.warning("veth_delete_failed", ifname=name, error=str(exc))
 
     # --- making and handing over networks --------------------------------------------------------
-    def make_netns(self, att: Attachment, alias: str) -> None:
+    def make_netns(self, att: Attachment, alias: str, existing: str = "") -> None:
         """netns + veth + addresses + route: 3 netlink round trips, raw (pyroute2 serves the rare
-        paths: dumps, recovery, deletes -- its per-call overhead is most of the cost here)."""
+        paths: dumps, recovery, deletes -- its per-call overhead is most of the cost here).
+        ``existing``: a netns to use instead of a new one (a warm container's own, empty one, as
+        ``/proc/<pid>/ns/net``), pinned at the attachment's path as a new one is."""
         path = att.netns
         netns.mountpoint(path)  # (a leftover of a crashed create of this very sandbox goes first)
         ns_nl: Rtnl | None = None
         try:
-            netns.unshare_net()
+            if existing:
+                if os.stat(existing).st_ino == self._root_ns_ino:
+                    raise OSError(errno.EINVAL, f"{existing} is the host's netns")
+                netns.bind_mount(existing, path)
             try:
-                netns.bind_mount("/proc/thread-self/ns/net", path)
+                if existing:
+                    self._enter(path)
+                else:
+                    netns.unshare_net()
+                    netns.bind_mount("/proc/thread-self/ns/net", path)
                 # Inside the new netns: unprivileged ICMP echo sockets (no CAP_NET_RAW needed for
                 # ping), no IPv6 anywhere; a netlink socket that stays bound to this netns.
                 for key, val in (("ipv4/ping_group_range", "0 2147483647"), ("ipv6/conf/all/disable_ipv6", "1"), ("ipv6/conf/default/disable_ipv6", "1")):
@@ -163,6 +172,16 @@ class Plumbing:
         finally:
             if ns_nl is not None:
                 ns_nl.close()
+
+    @staticmethod
+    def _enter(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            err = netns.setns_net(fd)
+        finally:
+            os.close(fd)
+        if err:
+            raise OSError(err, f"setns into {path}: {os.strerror(err)}")
 
     def rename(self, att: Attachment, path: str, sid: str) -> None:
         """Give a pre-made network to a sandbox: its netns gets the sandbox's name, its veth the

@@ -1,6 +1,6 @@
 """Benchmark of fork on one host (a script, not a test).
 
-    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--mib 1] [--profile e2b]
+    python tests/bench/bench_fork.py [--counts 8,64] [--rounds 2] [--mib 1] [--profile e2b|default] [--network]
 
 A fresh stack in this process (``bench_sandboxes.Stack``: embedded NATS JetStream, a placement
 replica, a host agent with the container backend, a warm pool as large as the largest count) plus
@@ -17,8 +17,10 @@ the first count is then taken apart: the snapshot call (freeze, diff, copy, reco
 children's creates, and the warm helper's own work per child. The load average is printed with the
 figures. The source holds ``--mib`` MiB of random data and a small state file; every child is
 checked to see it. Everything it starts is stopped by pid and its data dir removed at the end.
-Warm restores need a profile without Landlock (``e2b``, ``build``); with ``default`` both columns
-are cold.
+Every built-in profile takes the warm path: with ``default`` (Landlock, read-only system dirs: the
+gateway's E2B default) a warm child's agent confines itself when claimed, after the root swap, and
+the read-only binds are made again over the new root. ``--network``: the children get an allowlist
+(``192.0.2.1/32``, nothing is sent): a warm child's container's own netns gets its veth and rules.
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ async def check_and_kill(sbs: list[AsyncSandbox], want: str) -> int:
     return ok
 
 
-async def one_count(st: Stack, src: AsyncSandbox, n: int, rounds: int, profile: str) -> None:
+NETWORK = {"allow_out": ["192.0.2.1/32"]}  # TEST-NET-1: a network of their own, nothing sent
+
+
+async def one_count(st: Stack, src: AsyncSandbox, n: int, rounds: int, profile: str, network: bool) -> None:
     assert st.backend is not None
-    kw = {"nats_url": st.url, "timeout": 3600, "create_timeout": 600}
+    kw: dict[str, Any] = {"nats_url": st.url, "timeout": 3600, "create_timeout": 600, **({"network": NETWORK} if network else {})}
     rows: dict[str, list[float]] = {}
     seen: dict[str, list[str]] = {}
     for mode in ("warm", "cold"):
@@ -102,10 +107,11 @@ async def one_count(st: Stack, src: AsyncSandbox, n: int, rounds: int, profile: 
     print(f"      load average now: {load()}")
 
 
-async def taken_apart(st: Stack, src: AsyncSandbox, n: int, profile: str) -> None:
+async def taken_apart(st: Stack, src: AsyncSandbox, n: int, profile: str, network: bool) -> None:
     """One fork of ``n``, in its two halves as ``AsyncSandbox.fork`` makes them."""
     assert st.backend is not None
-    kw: dict[str, Any] = {"nats_url": st.url, "timeout": 3600, "profile": src.spec.profile if src.spec else profile}
+    kw: dict[str, Any] = {"nats_url": st.url, "timeout": 3600, "profile": src.spec.profile if src.spec else profile,
+                          **({"network": NETWORK} if network else {})}
     for mode in ("warm", "cold"):
         st.backend.warm_restores = mode == "warm"
         if mode == "warm":
@@ -133,6 +139,7 @@ async def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1, help="random data in the source (what the fork copies and packs)")
     ap.add_argument("--profile", default="e2b", help="the source's profile (its children's too)")
+    ap.add_argument("--network", action="store_true", help="the children get an allowlist (a network of their own)")
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",") if c]
     st = Stack(argparse.Namespace(shim_group=16, warm_pool=max(counts), concurrency=64, memory_mb=32, disk_mb=1024, cpu=1.0,
@@ -144,10 +151,11 @@ async def main() -> int:
         src = await AsyncSandbox.create(nats_url=st.url, memory_mb=32, disk_mb=max(1024, 4 * args.mib + 256), timeout=3600, profile=args.profile)
         try:
             await src.commands.run(f"mkdir -p /root/d && head -c {args.mib << 20} /dev/urandom > /root/d/f && echo step-k > /root/d/state", timeout=600)
-            print(f"fork N from one sandbox (profile {args.profile}), time until every child is ready; load average at start: {load()}")
-            await taken_apart(st, src, counts[0], args.profile)
+            net = ", children with a network" if args.network else ""
+            print(f"fork N from one sandbox (profile {args.profile}{net}), time until every child is ready; load average at start: {load()}")
+            await taken_apart(st, src, counts[0], args.profile, args.network)
             for n in counts:
-                await one_count(st, src, n, args.rounds, args.profile)
+                await one_count(st, src, n, args.rounds, args.profile, args.network)
         finally:
             await src.kill()
     finally:

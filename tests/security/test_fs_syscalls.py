@@ -1015,6 +1015,34 @@ async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: d
     assert (await sh(relaxed, "echo still-here")).out == "still-here"
 
 
+async def test_strict_profile_sandboxes_never_come_from_the_warm_pool(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
+    """Guard finds a sandbox by its cgroup, named after its container: a warm-pool container's id is not
+    the sandbox's, so guard's kill would miss a strict sandbox served by one. Strict sandboxes start cold
+    (their container is named after them) and the kill lands; the control: a default-profile create on
+    the same stack is served by the warm pool."""
+    st = await make_stack(guard=True, warm_pool=1)
+    if st.guard.kernel is None:
+        cannot_run("kernel audit not readable here")
+    await st.create()
+    await until(lambda: st.backend.pool.ready() >= 1, timeout=60, what="a warm container for the default profile")
+    warm = await st.create()
+    assert st.handle(warm).extra["cid"].startswith("wp-")  # the control: the pool serves the default profile
+    first = await st.create(profile="strict")
+    strict = await st.create(profile="strict")  # a second one: a pool of strict would have one ready by now
+    assert [st.handle(sb).extra["cid"] for sb in (first, strict)] == [first.sandbox_id, strict.sandbox_id]
+    assert not [k for k in st.backend.pool.entries() if k.profile == "strict"]
+    await push(strict, progs, "sysx")
+    await sysx(strict, nr("bpf"), 0, "buf:128", 128)
+
+    async def killed() -> bool:
+        return (await _sandbox_record(st, strict.sandbox_id)).state == "gone"
+
+    await until(killed, timeout=20, what="guard to kill the strict sandbox")
+    assert (await _sandbox_record(st, strict.sandbox_id)).end_reason.startswith("guard-kill: seccomp bpf")
+    redteam.blocked("strict profile: never served by a warm container, so guard's kill finds it")
+    assert (await sh(warm, "echo still-here")).out == "still-here"
+
+
 async def _sandbox_record(st: Any, sid: str) -> Any:
     from bus import codec
     from bus import subjects as S

@@ -243,6 +243,35 @@ async def test_ping_and_peer_pid(agent):
     assert stat_mod.S_IMODE(os.stat(agent.sock).st_mode) == 0o600
 
 
+async def test_warm_agent_serves_nothing_until_confined_then_is_confined_as_at_a_cold_start(own_agent, tmp_path):
+    """``--confine-on-claim`` (a warm container's agent): before the host's confine it answers only
+    ping (EACCES for an exec or a file op); confine applies the Landlock rules to the agent and so to
+    every command it starts, and a second confine changes nothing."""
+    rw = tmp_path / "rw"
+    a = await own_agent("--confine-on-claim", "--landlock-ro", "/", "--landlock-rw", str(rw), "--landlock-required")
+    assert not (await a.client.ping()).landlock
+    for refused in (a.client.exec(f"touch {tmp_path}/early"), a.client.write_file(str(tmp_path / "early"), b"x"), a.client.exists("/")):
+        with pytest.raises(AgentError) as ei:
+            await refused
+        assert ei.value.errno == errno.EACCES and "not confined yet" in ei.value.message
+    assert not (tmp_path / "early").exists()
+    info = await a.client.confine()
+    assert info.landlock and info.landlock_abi >= 1 and (await a.client.ping()).landlock
+    assert await a.client.confine() == info
+    # The control: where the rules allow it, a command and the agent's own file ops work ...
+    ok = await a.client.exec(f"echo cmd > {rw}/f && cat {rw}/f")
+    assert (ok.exit_code, ok.stdout) == (0, b"cmd\n")
+    await a.client.write_file(str(rw / "g"), b"agent")
+    assert (rw / "g").read_bytes() == b"agent"
+    # ... and outside them Landlock refuses both (the same path is writable to this unconfined test).
+    out = await a.client.exec(f"touch {tmp_path}/outside")
+    assert out.exit_code != 0 and b"Permission denied" in out.stderr, out
+    with pytest.raises(AgentError) as ei:
+        await a.client.write_file(str(tmp_path / "outside"), b"x")
+    assert ei.value.errno == errno.EACCES
+    (tmp_path / "outside").write_bytes(b"host")
+
+
 async def test_expected_pid_mismatch_is_refused(agent):
     impostor = AgentClient(agent.sock, expected_pid=agent.proc.pid + 100000)
     with pytest.raises(AgentError) as ei:

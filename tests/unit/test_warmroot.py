@@ -9,10 +9,12 @@ import os
 import subprocess
 import sys
 
+import msgspec
+
 from bus.messages import LayerRef
 from bus.profiles import builtin_profiles
 from hostagent._profiles import compile_profile
-from hostagent.backends.container.warmpool import Warm, WarmKey, WarmPool, takes_restore
+from hostagent.backends.container.warmpool import Warm, WarmKey, WarmPool, rebinds, takes_restore
 from hostagent.backends.container.warmroot import HELPER
 
 
@@ -20,9 +22,22 @@ def layer(n: int, role: str = "base") -> LayerRef:
     return LayerRef(role=role, digest=f"sha256:{n:064x}", kind="dir", path=f"/l/{n}")
 
 
-def test_only_profiles_without_landlock_or_root_binds_take_a_restore() -> None:
-    got = {name: takes_restore(compile_profile(p)) for name, p in builtin_profiles().items()}
-    assert got == {"default": False, "strict": False, "build": True, "e2b": True}
+def test_builtin_profiles_take_a_restore_and_the_image_dirs_are_bound_again() -> None:
+    """Landlock is applied at the claim, in the new root; the read-only binds of the image's own dirs are
+    made again there (those under /proc and /sys move with them); a masked path of the image is not.
+    ``strict`` (guard kills) starts cold: guard finds a sandbox by its container's id."""
+    built = {name: compile_profile(p) for name, p in builtin_profiles().items()}
+    assert {name: takes_restore(e) for name, e in built.items()} == {"default": True, "strict": False, "build": True, "e2b": True}
+    assert [name for name, e in built.items() if e.guard_acts] == ["strict"]
+    assert rebinds(built["default"]) == ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
+    assert rebinds(built["e2b"]) == []
+    masked = msgspec.structs.replace(builtin_profiles()["default"], fs=msgspec.structs.replace(
+        builtin_profiles()["default"].fs, masked_paths=["/proc/kcore", "/opt/secret"]))
+    assert not takes_restore(compile_profile(masked))
+    for bad in (["/"], ["/.dsec/run"]):  # no writable paths, or a read-only / would cover them
+        ro = msgspec.structs.replace(builtin_profiles()["build"], fs=msgspec.structs.replace(
+            builtin_profiles()["build"].fs, readonly_paths=bad, writable=[], devices=[]))
+        assert not takes_restore(compile_profile(ro)), bad
 
 
 async def test_a_restore_takes_from_the_pool_of_its_template_only() -> None:
@@ -54,6 +69,8 @@ def test_helper_refuses_what_is_not_a_warm_container_and_serves_on() -> None:
         base = {"pid": os.getpid(), "lowers": ["/l/1"], "upper": "/s/upper", "work": "/s/work"}
         assert ask({**base, "cgroup": "dsec/../../x"}) == {"ok": False, "error": "ValueError: bad cgroup 'dsec/../../x'"}
         assert ask({**base, "cgroup": "dsec/c", "lowers": ["/l/1,upperdir=/etc"]}) == {"ok": False, "error": "ValueError: bad overlay paths"}
+        for bad in (["usr"], ["/usr/../proc"], ["/proc/sys"], ["/.dsec/run"], ["/"]):
+            assert ask({**base, "cgroup": "dsec/c", "rebind": bad}) == {"ok": False, "error": "ValueError: bad read-only paths"}
         # not a container's cgroup
         out = ask({**base, "cgroup": "dsec/none-such-container"})
         assert out["ok"] is False and "FileNotFoundError" in str(out["error"])

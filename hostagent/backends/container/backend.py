@@ -10,7 +10,7 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import structlog
 
@@ -37,7 +37,7 @@ from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
 from ..._profiles import Enforcement, compile_profile
 from ..._quota import ScratchError, ScratchFS
 from ..._rootfs import RootfsLayout, overlay_mount
-from ...network import Attachment, NetworkConfig, NetworkManager, write_hosts_file
+from ...network import Attachment, NetworkConfig, NetworkManager, Prepared, write_hosts_file
 from . import criu
 from .cgroups import MEM_CGROUP, START_CPU, Meter, cgroup_path, cpu_class, memory_bytes, remove_cgroups, set_class, set_cpu, set_limits
 from .containerd import ContainerdError, ContainerRuntime, ContainerSpec
@@ -47,7 +47,7 @@ from .freezer import freeze, frozen, thaw
 from .layers import LayerMounts
 from .reconcile import LABEL_CONTAINER, LABEL_SANDBOX, Recovery, Tables
 from .shims import ShimGroups, reap_idle_shims
-from .warmpool import Recipe, Warm, WarmKey, WarmPool, takes_restore
+from .warmpool import Recipe, Warm, WarmKey, WarmPool, rebinds, takes_restore
 from .warmroot import HELPER as WARMROOT
 from .warmroot import STAGE_NAME, WARM_OLD, fresh_upper
 
@@ -57,6 +57,16 @@ AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
 RUN_DIR_IN_SANDBOX = "/.dsec/run"
 WARMROOT_HELPERS = 16  # restores given a warm root at once (a fork of 64 queues on these)
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
+
+
+async def _all(*aws: Awaitable[Any]) -> list[Any]:
+    """``asyncio.gather`` that lets every part end before it raises the first failure: a part still
+    running (a network being made) would outlive the caller's clean-up."""
+    done = await asyncio.gather(*aws, return_exceptions=True)
+    for r in done:
+        if isinstance(r, BaseException):
+            raise r
+    return done
 
 
 class ContainerBackend:
@@ -185,24 +195,34 @@ class ContainerBackend:
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
-        if self.pool.size > 0 and not self.net.wanted(spec.network) and not spec.snapshot:  # a restore's layers are its own: no pool for them
-            warm = await self.pool.claim(
-                WarmKey.of(layers, spec.disk_mb, security), Recipe(tuple(lowers), spec.disk_mb, security),
-                lambda w: self._configure_warm(w, spec),
-            )
+        prepared: Prepared | None = None
+        # A profile guard acts on never takes a warm container (guard finds a sandbox by its container's
+        # id: see Enforcement.guard_acts). A restore takes one of its template only where the profile lets
+        # its root be swapped (``takes_restore``); a plain create's names for /etc/hosts would have to go
+        # into a mounted root's upper dir, so such a create starts cold. A restore of a snapshot that added
+        # nothing to its template (a fork of an unchanged sandbox) has the template's very layers: a warm
+        # container of them is that sandbox already.
+        key = WarmKey.of(layers, spec.disk_mb, security)
+        unchanged = self.warm_restores and bool(spec.snapshot) and memory is None and bool(self.pool.entries().get(key))
+        plain = self.pool.size > 0 and (not spec.snapshot or unchanged) and not security.guard_acts
+        warm_root = self.warm_restores and self.pool.size > 0 and bool(spec.snapshot) and memory is None and takes_restore(security)
+        if (plain or warm_root) and self.net.wanted(spec.network) and spec.network is not None:
+            prepared = await self.net.prepare(spec.network)  # checked and resolved first: a bad allowlist costs no warm container
+        if plain and not (prepared is not None and prepared.names):
+            warm = await self.pool.claim(key, Recipe(tuple(lowers), spec.disk_mb, security), lambda w: self._configure_warm(w, spec, security, prepared))
             if warm is not None:
-                return self._serve_warm(sid, warm, security)
-        elif self.warm_restores and self.pool.size > 0 and spec.snapshot and memory is None and not self.net.wanted(spec.network) and takes_restore(security):
+                return self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
+        elif warm_root:
             # A restore (a fork's child): a warm container of its template, given the restore's root.
-            warm = await self.pool.claim_under(WarmKey.of(layers, spec.disk_mb, security), lambda w: self._configure_restore(w, spec, lowers))
+            warm = await self.pool.claim_under(key, lambda w: self._configure_restore(w, spec, lowers, security, prepared))
             if warm is not None:
-                handle = self._serve_warm(sid, warm, security)
+                handle = self._serve_warm(sid, warm, security, self.net.attachment(sid) if prepared is not None else None)
                 handle.extra["warm_root"] = True  # (no memory snapshot of it: see Snapshots._memory_supported)
                 return handle
         net = None
         if self.net.wanted(spec.network):
             assert spec.network is not None
-            net = await self.net.setup(sid, spec.network)  # torn down by destroy() if anything below fails
+            net = await self.net.setup(sid, spec.network, prepared=prepared)  # torn down by destroy() if anything below fails
         labels = {LABEL_SANDBOX: sid, "dsec.template": spec.template}
         # A later incarnation (a resumed pause, a restore after its host was lost) gets a container id,
         # and so cgroups and scratch, of its own: the earlier one may still linger on a host that was cut
@@ -221,17 +241,43 @@ class ContainerBackend:
             self.t.clients[sid] = self.t.clients.pop(cid)  # ops find a sandbox's agent by its id
         return Handle(sid, pid, self._extra(cid, sdir, group, security, info, net))
 
-    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement) -> Handle:
+    async def _confine(self, w: Warm, security: Enforcement) -> None:
+        """A claimed warm container's agent applies its confinement now (its root final), as a cold
+        start's agent does before it serves (``--confine-on-claim``)."""
+        info = await self.t.clients[w.cid].confine()
+        if security.landlock_required and not info.landlock:
+            raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
+        w.info = info
+
+    def _serve_warm(self, sid: str, warm: Warm, security: Enforcement, net: Attachment | None = None) -> Handle:
         self.t.cid[sid] = warm.cid
         self.t.clients[sid] = self.t.clients.pop(warm.cid)
-        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, None))
+        return Handle(sid, warm.pid, self._extra(warm.cid, warm.sdir, self.shims.group_of(warm.cid), security, warm.info, net))
 
-    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str]) -> None:
-        """The warm container's root becomes the restore's: its lowers over a fresh upper (``warmroot``)."""
+    async def _configure_restore(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement, net: Prepared | None) -> None:
+        """The warm container's root becomes the restore's: its lowers over a fresh upper, the profile's
+        read-only binds of its directories made again in it (``warmroot``); then its agent confines itself
+        there (Landlock's rules bind to the new root's inodes). With ``net`` (the restore's allowlist,
+        prepared) the container's own empty netns gets the sandbox's veth, addresses and rules, as a
+        cold start's pre-made one has them, and the fresh upper its /etc/hosts."""
+        try:
+            await self._configure_restore_once(w, spec, lowers, security, net)
+        except BaseException:
+            if net is not None:
+                await self.net.teardown(spec.sandbox_id)  # the next warm container, or the cold start, makes it again
+            raise
+
+    async def _configure_restore_once(self, w: Warm, spec: SandboxSpec, lowers: list[str], security: Enforcement, net: Prepared | None) -> None:
         t0 = time.perf_counter()
         layout = RootfsLayout(w.sdir)
         old = os.path.join(w.sdir, WARM_OLD)
         fresh_upper(layout, old)  # two renames and three mkdirs on the container's own disk: inline
+        wire = self._wire(w, spec, net) if net is not None else None
+        if net is not None and net.names and wire is not None:  # lines for /etc/hosts: in the fresh upper before the root is mounted
+            att = await wire
+            wire = None
+            if att.hosts:
+                await asyncio.to_thread(write_hosts_file, layout.upper, lowers, att.hosts)
         t1 = time.perf_counter()
         ms: dict[str, float] = {}
 
@@ -242,9 +288,14 @@ class ContainerBackend:
             finally:
                 ms[name] = round((time.perf_counter() - t) * 1000, 1)
 
-        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work})
-        try:  # the limits and labels meanwhile: they do not touch the root (either failing, the container is removed)
-            out, _ = await asyncio.gather(timed("root_ms", root), timed("limits_ms", self._configure_warm(w, spec)))
+        root = self.warmroot.run({"pid": w.pid, "cgroup": cgroup_path(w.cid), "lowers": lowers, "upper": layout.upper, "work": layout.work,
+                                  "rebind": rebinds(security)})
+        try:  # the labels (and network) meanwhile: they do not touch the root (any failing, the container is removed)
+            done = await _all(timed("root_ms", root), timed("labels_ms", self._configure_warm(w, spec, None)),
+                              *([timed("net_ms", wire)] if wire is not None else []))
+            out = cast(dict[str, Any], done[0])
+            await timed("confine_ms", self._confine(w, security))
+            self._share(w, spec)
         finally:
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(layout.run, STAGE_NAME))
@@ -252,12 +303,36 @@ class ContainerBackend:
                  helper_ms=round(float(out.get("ms", 0.0)), 1), ms=round((time.perf_counter() - t1) * 1000, 1), **ms)
         shutil.rmtree(old, True)  # the old root is detached: what its upper held (next to nothing: it served nothing) goes
 
-    async def _configure_warm(self, w: Warm, spec: SandboxSpec) -> None:
-        # A few small cgroupfs writes, inline (as a cold start's): a hop to the default executor (a few
-        # threads) queues behind a burst's, and a fork of 64 claims 64 at once.
+    async def _configure_warm(self, w: Warm, spec: SandboxSpec, security: Enforcement | None, net: Prepared | None = None) -> None:
+        """Labels; with ``security`` (a plain create: its root is the one it started with) the agent's
+        confinement and the network ``net`` asks for (in the container's own netns), then the sandbox's
+        limits and CPU class (without: the caller does those)."""
+        labels = self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
+        if security is None:
+            await labels
+            return
+        try:
+            await _all(labels, self._confine(w, security), *([self._wire(w, spec, net)] if net is not None else []))
+        except BaseException:
+            if net is not None:
+                await self.net.teardown(spec.sandbox_id)  # the next warm container, or the cold start, makes it again
+            raise
+        self._share(w, spec)
+
+    def _wire(self, w: Warm, spec: SandboxSpec, net: Prepared) -> Awaitable[Attachment]:
+        """The sandbox's veth, address, route and rules in the warm container's own (empty) netns, pinned
+        at the sandbox's netns path as a cold start's network is."""
+        assert spec.network is not None
+        return self.net.setup(spec.sandbox_id, spec.network, prepared=net, netns_of=f"/proc/{w.pid}/ns/net")
+
+    @staticmethod
+    def _share(w: Warm, spec: SandboxSpec) -> None:
+        """The sandbox's limits and CPU class, once its agent is confined (as at a cold start: a small
+        share, or best-effort's SCHED_IDLE, would leave the agent confining itself behind every busy
+        sandbox). A few small cgroupfs writes, inline: a hop to the default executor (a few threads)
+        queues behind a burst's, and a fork of 64 claims 64 at once."""
         set_limits(w.cid, spec.cpu, spec.memory_mb)
         set_class(w.cid, spec.cpu, spec.priority)
-        await self.rt.set_labels(w.cid, {LABEL_SANDBOX: spec.sandbox_id, "dsec.template": spec.template})
 
     async def _start_warm(self, cid: str, r: Recipe) -> Warm:
         if self.warm_restores and takes_restore(r.security) and not self._bg_helpers:
@@ -265,7 +340,7 @@ class ContainerBackend:
             task = asyncio.ensure_future(self.warmroot.prestart())
             self._bg.add(task)
             task.add_done_callback(self._bg.discard)
-        pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None)
+        pid, sdir, _, info = await self._start(cid, list(r.lowers), r.disk_mb, START_CPU, 64, r.security, None, confine_on_claim=True)
         return Warm(cid, pid, sdir, info)
 
     @staticmethod
@@ -279,18 +354,21 @@ class ContainerBackend:
     async def _start(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
         labels: dict[str, str] | None = None, restore: tuple[str, str] = ("", ""), *, priority: str = "latency-sensitive",
+        confine_on_claim: bool = False,
     ) -> tuple[int, str, str, AgentInfo]:
         """Cold start of one container ``cid``: scratch disk, overlay, runc, agent ready; its CPU class
-        once the agent answers (a warm container starts latency-sensitive: its claim sets the class)."""
+        once the agent answers (a warm container starts latency-sensitive: its claim sets the class).
+        ``confine_on_claim``: a warm container's: its agent confines itself only when it is claimed
+        (``_confine``), and serves nothing before."""
         self.t.starting.add(cid)
         try:
-            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore, priority)
+            return await self._start_once(cid, lowers, disk_mb, cpu, memory_mb, security, net, labels, restore, priority, confine_on_claim)
         finally:
             self.t.starting.discard(cid)
 
     async def _start_once(
         self, cid: str, lowers: list[str], disk_mb: int, cpu: float, memory_mb: int, security: Enforcement, net: Attachment | None,
-        labels: dict[str, str] | None, restore: tuple[str, str], priority: str,
+        labels: dict[str, str] | None, restore: tuple[str, str], priority: str, confine_on_claim: bool = False,
     ) -> tuple[int, str, str, AgentInfo]:
         storage.ensure_room(self.data_dir, 0, "create", self.write_reserve_mb)  # no_space, typed, before the scratch image and its mkfs
         try:
@@ -305,7 +383,8 @@ class ContainerBackend:
             pid = await self.rt.create_and_start(ContainerSpec(
                 cid,
                 rootfs_mounts=[overlay_mount(lowers, layout.upper, layout.work)],
-                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args],
+                args=[f"{AGENT_DIR_IN_SANDBOX}/dsec-agent", "--socket", f"{RUN_DIR_IN_SANDBOX}/agent.sock", *security.agent_args,
+                      *(["--confine-on-claim"] if confine_on_claim else [])],
                 env=DEFAULT_ENV,
                 cpu=max(cpu, START_CPU),  # its own share once its agent answers (below)
                 memory_mb=memory_mb,
@@ -349,7 +428,7 @@ class ContainerBackend:
             set_class(cid, cpu, priority)
         except OSError as exc:
             raise CreateFailed(f"cannot apply the sandbox's CPU share: {exc}") from None
-        if security.landlock_required and not info.landlock:
+        if security.landlock_required and not info.landlock and not confine_on_claim:
             raise CreateFailed(f"sandbox agent runs without the Landlock rules profile {security.profile!r} requires")
         self.t.clients[cid] = client
         return pid, sdir, group or "", info

@@ -22,8 +22,9 @@ log = structlog.get_logger("dsec.hostagent.container")
 @dataclass(frozen=True)
 class WarmKey:
     """Keyed by what the profile compiles to, not its name and version: a pooled container's seccomp
-    filter, capabilities, read-only mounts and Landlock rules were fixed when it started, so it may
-    only serve a sandbox whose profile compiles to the very same."""
+    filter, capabilities, read-only mounts and Landlock rules (its agent's arguments, applied when it is
+    claimed) were fixed when it started, so it may only serve a sandbox whose profile compiles to the
+    very same."""
 
     layers: tuple[str, ...]
     disk_mb: int
@@ -48,9 +49,10 @@ class Recipe:
     security: Enforcement
 
 
-@dataclass(frozen=True)
+@dataclass
 class Warm:
-    """A started container waiting in the pool."""
+    """A started container waiting in the pool (``info``: what its agent applied; a claim's confine
+    replaces it)."""
 
     cid: str
     pid: int
@@ -58,15 +60,28 @@ class Warm:
     info: AgentInfo
 
 
+KERNEL_FS = ("/proc", "/sys", "/dev")  # moved whole into a restore's root, with the masks and read-only binds under them
+
+
+def _in_kernel_fs(path: str) -> bool:
+    return any(path == k or path.startswith(k + "/") for k in KERNEL_FS)
+
+
+def rebinds(security: Enforcement) -> list[str]:
+    """The profile's read-only binds of the image's own directories (/usr, /etc, ...), in the order
+    runc made them: a restore's root gets them made again over its own directories (``warmroot``)."""
+    return [p for p in security.readonly_paths if not _in_kernel_fs(p)]
+
+
 def takes_restore(security: Enforcement) -> bool:
-    """Whether a warm container of this profile may be given a restore's root (``warmroot``): not when
-    the agent holds Landlock rules (bound to the old root's inodes) nor when a read-only bind shows a
-    directory of the old root (only /proc and /sys, kernel file systems moved whole, may have them)."""
-    kernel = ("/proc", "/sys")
-    binds = [*security.readonly_paths, *security.masked_paths]
-    return not any(a.startswith("--landlock") for a in security.agent_args) and all(
-        any(p == k or p.startswith(k + "/") for k in kernel) for p in binds
-    )
+    """Whether a warm container of this profile may be given a restore's root (``warmroot``). Its
+    agent confines itself (Landlock too) only when claimed, in the new root, and read-only binds of
+    the image's directories are made again there. Not: a read-only ``/`` or bind under ``/.dsec``
+    (the helper refuses them), a masked path outside /proc, /sys and /dev (runc's /dev/null or tmpfs
+    over a path of the old root: not made again), nor a profile whose violations guard acts on
+    (``Enforcement.guard_acts``: ``strict``). Those start their restores cold."""
+    return not security.guard_acts and all(_in_kernel_fs(p) for p in security.masked_paths) and \
+        all(p != "/" and p.split("/")[1] != ".dsec" for p in rebinds(security))
 
 
 StartFn = Callable[[str, Recipe], Awaitable[Warm]]
@@ -218,4 +233,4 @@ class WarmPool:
                 pass
 
 
-__all__ = ["Recipe", "Warm", "WarmKey", "WarmPool", "takes_restore"]
+__all__ = ["KERNEL_FS", "Recipe", "Warm", "WarmKey", "WarmPool", "rebinds", "takes_restore"]

@@ -14,14 +14,18 @@ already, and only its root is wrong. The helper
   the agent's binary, each with what is mounted under it) into the new root, binds ``/.dsec/run`` (not
   recursively: the new root sits under it), and ``pivot_root``\\ s: every process of the namespace whose
   root or working directory was the old root (the agent, alone in the container) now has the new one;
-* detaches the old root from the container's namespace; the caller removes what its upper held.
+* detaches the old root from the container's namespace; the caller removes what its upper held;
+* makes the profile's read-only binds of the image's directories (``rebind``: /usr, /etc, ...) again,
+  over the new root's own, as runc made them at the start (a recursive bind of the path onto itself,
+  then read-only, resolved in the new root). The old ones (binds of the old root: mounts of its file
+  system) are not moved: they would show the template's directories, not the restore's.
 
 Nothing of the old root stays reachable in the container: its only process is its agent, which served
-nothing (a container running anything else is refused), and the old root is gone from its namespace
-(containerd's own mount of it on the host goes when the container is removed). Why a process of its
-own: ``setns(CLONE_NEWNS)`` is refused to a multi-threaded process. Only a container whose profile has
-no Landlock rules may take this (Landlock binds its rules to the old root's inodes) and none whose
-read-only binds show parts of the old root (the caller checks both).
+nothing (it answers nothing but its confine before it is claimed; a container running anything else is
+refused), and the old root is gone from its namespace (containerd's own mount of it on the host goes
+when the container is removed). Why a process of its own: ``setns(CLONE_NEWNS)`` is refused to a
+multi-threaded process. The agent applies its Landlock rules after this, when the caller sends its
+confine (the rules bind to the inodes of the root they are resolved in).
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from pathlib import Path
 from typing import Any
 
 CLONE_NEWNS = 0x00020000
-MS_BIND, MS_MOVE, MNT_DETACH = 0x1000, 0x2000, 2
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 1, 2, 4, 8, 0x20, 0x1000, 0x2000, 0x4000
+MNT_DETACH = 2
+ENOENT = 2
 SYS_PIVOT_ROOT, SYS_MOVE_MOUNT, SYS_FSOPEN, SYS_FSCONFIG, SYS_FSMOUNT = 155, 429, 430, 431, 432  # x86_64
 FSCONFIG_SET_STRING, FSCONFIG_CMD_CREATE = 1, 6
 FSOPEN_CLOEXEC = FSMOUNT_CLOEXEC = 1
@@ -82,9 +88,10 @@ def overlay(lowers: list[str], upper: str, work: str) -> int:
         os.close(fs)
 
 
-def top_mounts(pid: int) -> list[tuple[str, bool]]:
-    """The mounts right under the process's root (mount point, and whether it is a directory), in the
-    order they were made; read through the host's /proc."""
+def top_mounts(pid: int) -> list[tuple[str, bool, bool]]:
+    """The mounts right under the process's root (mount point, whether it is a directory, and whether
+    it is of the root's own file system: a bind of one of its directories), in the order they were
+    made; read through the host's /proc."""
     with open(f"/proc/{pid}/mountinfo") as f:
         rows = [ln.split() for ln in f.read().splitlines() if ln]
     root = next(r for r in rows if r[4] == "/")
@@ -92,8 +99,43 @@ def top_mounts(pid: int) -> list[tuple[str, bool]]:
     for r in rows:
         if r[1] == root[0] and r[4] != "/":
             mp = r[4].encode().decode("unicode_escape")  # mountinfo escapes spaces and the like as \040
-            out.append((mp, os.path.isdir(f"/proc/{pid}/root{mp}")))
+            out.append((mp, os.path.isdir(f"/proc/{pid}/root{mp}"), r[2] == root[2]))
     return out
+
+
+def resolved(pid: int, path: str) -> str:
+    """``path`` in the process's root with its symbolic links followed (where runc's bind of it landed:
+    /bin -> usr/bin in a merged-/usr image); a few links at most."""
+    for _ in range(8):
+        full = f"/proc/{pid}/root{path}"
+        if not os.path.islink(full):
+            break
+        target = os.readlink(full)
+        path = os.path.normpath(target if target.startswith("/") else os.path.join(os.path.dirname(path), target))
+    return path
+
+
+def old_binds(pid: int, mounts: list[tuple[str, bool, bool]], rebind: list[str]) -> set[str]:
+    """The top mounts that are binds of the old root's directories, each one of ``rebind`` (made again in
+    the new root); ValueError for one that is not (it would be lost, not remade)."""
+    binds = {mp for mp, _, own in mounts if own}
+    expected = {p for r in rebind for p in (r, resolved(pid, r))}
+    stray = sorted(binds - expected)
+    if stray:
+        raise ValueError(f"the container has binds of its old root the profile does not name: {', '.join(stray)}")
+    return binds
+
+
+def readonly_bind(path: str) -> None:
+    """runc's read-only path, in the caller's root: a recursive bind of ``path`` onto itself, remounted
+    read-only with its nosuid/nodev/noexec kept; a path the root lacks is skipped (as runc does)."""
+    if _libc.mount(path.encode(), path.encode(), None, ctypes.c_ulong(MS_BIND | MS_REC), None) < 0:
+        e = ctypes.get_errno()
+        if e == ENOENT:
+            return
+        raise OSError(e, f"bind {path}: {os.strerror(e)}")
+    keep = os.statvfs(path).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)  # ST_* flags are the MS_* values
+    _mount(path, path, MS_BIND | MS_REMOUNT | MS_RDONLY | keep)
 
 
 def fresh_upper(layout: Any, old: str) -> None:
@@ -121,8 +163,9 @@ def _ensure(path: str, is_dir: bool) -> None:
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
 
 
-def swap_root(mfd: int, mounts: list[tuple[str, bool]]) -> None:
-    """In the container's mount namespace: ``mfd`` becomes its root, with the old root's mounts."""
+def swap_root(mfd: int, mounts: list[tuple[str, bool]], rebind: list[str] | None = None) -> None:
+    """In the container's mount namespace: ``mfd`` becomes its root, with the old root's mounts
+    (``mounts``: those to move) and the read-only binds ``rebind`` made again in it."""
     _sys(SYS_MOVE_MOUNT, ctypes.c_int(mfd), b"", ctypes.c_int(AT_FDCWD), STAGE.encode(), ctypes.c_uint(MOVE_MOUNT_F_EMPTY_PATH),
          what="attach the new root")
     for mp, is_dir in mounts:
@@ -137,6 +180,8 @@ def swap_root(mfd: int, mounts: list[tuple[str, bool]]) -> None:
     _sys(SYS_PIVOT_ROOT, b".", b".", what="pivot_root")  # the old root now sits on top of the new one ...
     _check(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "detach the old root")  # ... and goes
     os.chdir("/")
+    for path in rebind or []:  # resolved in the new root (this process's root now), as runc resolves them in its
+        readonly_bind(path)
 
 
 def _procs(cgroup: str) -> set[int]:
@@ -159,6 +204,10 @@ def serve(inp: Any, out: Any) -> None:
             lowers, upper, work = [str(p) for p in req["lowers"]], str(req["upper"]), str(req["work"])
             if any(not p.startswith("/") or "\0" in p or ":" in p or "," in p for p in [*lowers, upper, work]):
                 raise ValueError("bad overlay paths")
+            rebind = [str(p) for p in req.get("rebind", [])]
+            if any(not p.startswith("/") or "\0" in p or os.path.normpath(p) != p or p == "/" or p.split("/")[1] in ("proc", "sys", "dev", ".dsec")
+                   for p in rebind):
+                raise ValueError("bad read-only paths")
             fds.append(os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC))
             # A pid reused by a process outside the container has another cgroup, or the host's namespace.
             procs = _procs(cgroup)
@@ -167,13 +216,15 @@ def serve(inp: Any, out: Any) -> None:
             if procs != {pid}:  # a process but the agent would carry the old state into the restore
                 raise ValueError(f"the container runs {len(procs) - 1} process(es) besides its agent")
             mounts = top_mounts(pid)
+            binds = old_binds(pid, mounts, rebind)
+            moves = [(mp, is_dir) for mp, is_dir, _ in mounts if mp not in binds]
             fds.append(overlay(lowers, upper, work))
             _check(_libc.setns(fds[0], CLONE_NEWNS), "setns")
             try:
-                swap_root(fds[1], mounts)
+                swap_root(fds[1], moves, rebind)
             finally:
                 _check(_libc.setns(host_mnt, CLONE_NEWNS), "setns")
-            answer = {"ok": True, "mounts": [m for m, _ in mounts], "ms": (time.perf_counter() - t0) * 1000}
+            answer = {"ok": True, "mounts": [m for m, _ in moves], "rebound": rebind, "ms": (time.perf_counter() - t0) * 1000}
         except Exception as exc:  # noqa: BLE001 - the caller removes the container and starts a cold one
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
