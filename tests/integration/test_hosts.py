@@ -576,6 +576,29 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         sbs.append(await AsyncSandbox.create(nats_url=url, memory_mb=64, network={"allow_out": ["192.0.2.1/32"]}))
         assert (await sbs[-1].commands.run("ip -o addr show eth0")).exit_code == 0
         assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0
+        # Its host's guard (dsec up runs one in each host's namespace) reports what the host's agent drops.
+        import nats
+
+        from bus.messages import GuardViolation
+
+        seen: list[GuardViolation] = []
+
+        async def on_violation(m: Any) -> None:
+            v = codec.EVENT.decode(m.data)
+            if isinstance(v, GuardViolation) and v.sandbox_id == sbs[-1].sandbox_id:
+                seen.append(v)
+
+        nc = await nats.connect(url)
+        try:
+            await nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation)
+            await nc.flush()
+            got = (await sbs[-1].commands.run("nc -w 5 192.0.2.2 80 </dev/null 2>&1; echo rc=$?", timeout=60)).stdout
+            assert "Connection refused" in got, got  # not in its allowlist: refused by its host's agent
+            await eventually(lambda: bool(seen), timeout=60, interval=0.1, what="the host's guard to report the refused connection")
+            assert (seen[0].kind, seen[0].what, seen[0].host_id, seen[0].detail["rule"]) == (
+                "network", "tcp 192.0.2.2:80", sbs[-1].host_id, "not_allowed"), seen
+        finally:
+            await nc.close()
         for sb in sbs:
             await sb.kill()
     finally:
