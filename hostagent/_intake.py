@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
@@ -25,7 +26,7 @@ from bus.errors import (
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
 from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV
+from bus.runtime import KV, Claim, find_ready_many
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._backend import Backend, Capabilities
@@ -42,6 +43,10 @@ from ._tenancy import check_template
 log = structlog.get_logger("dsec.hostagent")
 
 LAYERS_TTL_S = 10.0
+# Ids announced in a batch ready event, remembered (the latest this many) so a redelivered hand-off
+# that finds one here does not say it again in an event of its own, which the stream could not
+# de-duplicate against the batch's.
+ANNOUNCED_KEPT = 65536
 
 
 class Intake:
@@ -65,6 +70,7 @@ class Intake:
         self.dedup_window_s = dedup_window_s
         self.creating = creating
         self.created = 0
+        self.announced: dict[str, None] = {}  # insertion-ordered: ANNOUNCED_KEPT
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._owners: dict[str, str] = {}  # a template's owner tenant ("": shared), read with its layers
@@ -179,8 +185,12 @@ class Intake:
             elif await self.records.claim(spec, self.records.record_of(ls, "running")):
                 # Redelivery: say it again, its record first. The delivery that created it may have failed
                 # to store the record (the server went away between create and record): the sandbox is held
-                # here, but nothing else knows it exists.
-                await self.records.event(spec, "ready", attempt=attempt)
+                # here, but nothing else knows it exists. One announced in a batch event is only told
+                # its creating client again (an event of its own would be a second one in the stream).
+                if sid in self.announced or await self._in_batch_event(spec, self.host_id, min(spec.requested_at, ls.started_at)):
+                    await self.records.ready_many([spec], attempt, store=False)
+                else:
+                    await self.records.event(spec, "ready", attempt=attempt)
             else:  # that earlier delivery never claimed the id, and another host has it now
                 self.reaper.begin(sid, "duplicate")
                 await self._dropped(spec, attempt)
@@ -232,18 +242,20 @@ class Intake:
         if todo:
             oks = await asyncio.gather(*(self.records.claim(s) for s in todo), return_exceptions=True)
             for s, ok in zip(todo, oks, strict=True):
-                if ok is True:
+                if ok is Claim.WON or ok is Claim.MINE:
                     claimed.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
         # which re-checks the claim and rejects or re-places as a single create would.
         done: list[SandboxSpec] = []
-        await asyncio.gather(*(
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(
             self.create_one(
                 s, work.attempt, [], claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
             )
             for s in work.specs
-        ))
-        await self.records.ready_many(done, work.attempt)
+        ), return_exceptions=True)
+        await self._ready_many(work, done, t0)
+        _raise_first(outcomes)
 
     async def _create_fresh(self, work: PlaceBatch) -> None:
         """First hand-off of a first-time batch, as one piece of work: create first, then claim with the
@@ -256,6 +268,7 @@ class Intake:
         reg = self.registry
         placed = (work.placed_by, work.placed_at)
         now = time.time()
+        t0 = time.perf_counter()
         group: list[SandboxSpec] = []
         alone: list[SandboxSpec] = []
         mine: dict[str, asyncio.Future[None]] = {}  # this call's entries in ``creating``
@@ -282,10 +295,18 @@ class Intake:
                     held.discard(s.sandbox_id)
                     self._hold(s, -1)
             self._settle(mine)
-        await self.records.ready_many(ready, work.attempt)
-        for o in outcomes:
-            if isinstance(o, BaseException):
-                raise o  # not done: the hand-off is redelivered, and each member claimed then
+        await self._ready_many(work, ready, t0)
+        _raise_first(outcomes)
+
+    async def _ready_many(self, work: PlaceBatch, ready: list[SandboxSpec], t0: float) -> None:
+        """One event per tenant names the hand-off's ready members (their records are stored)."""
+        if not ready:
+            return
+        detail = {"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
+        if work.placed_by:
+            detail["placed_by"] = work.placed_by
+            detail["placed_ms"] = f"{max(0.0, work.placed_at - min(s.requested_at for s in ready)) * 1000:.1f}"
+        await self.records.ready_many(ready, work.attempt, batch_id=work.batch_id, detail=detail)
 
     async def _create_group(
         self, group: list[SandboxSpec], held: set[str], mine: dict[str, "asyncio.Future[None]"], attempt: int,
@@ -302,10 +323,10 @@ class Intake:
             got = await self.records.claim_running([self.records.record_of(ls, "running") for ls in live])
             announced: list[SandboxSpec] = []
             for ls, g in zip(live, got, strict=True):
-                if g is True:
-                    await self._announce(ls, attempt, t0, placed, ready, counted=True)
+                if g is Claim.WON or g is Claim.MINE:
+                    await self._announce(ls, attempt, t0, placed, ready, counted=True, again=g is Claim.MINE)
                     announced.append(ls.spec)
-                elif g is False:
+                elif g is Claim.LOST:
                     self.reaper.begin(ls.spec.sandbox_id, "duplicate")
                     await self._dropped(ls.spec, attempt)
                 elif failed is None:  # the sandbox is held here without its record: a redelivery stores it
@@ -336,7 +357,23 @@ class Intake:
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
+        if await self._in_batch_event(spec, rec.host_id, rec.ready_at):
+            # That host announced it in a batch event: told again to its creating client only.
+            await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
+            return
         await self.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": self.host_id})
+
+    def _remember(self, sid: str) -> None:
+        """``sid`` is announced in a batch event (the latest ``ANNOUNCED_KEPT`` are kept)."""
+        self.announced[sid] = None
+        if len(self.announced) > ANNOUNCED_KEPT:
+            del self.announced[next(iter(self.announced))]
+
+    async def _in_batch_event(self, spec: SandboxSpec, host_id: str, ready_at: float) -> bool:
+        """Whether ``host_id`` announced the sandbox in a batch ready event (looked up in the stream:
+        a host that restarted, or another host, does not remember it)."""
+        assert self.records.nc is not None
+        return await find_ready_many(self.records.nc, S.tenant(spec.client), host_id, spec.sandbox_id, ready_at - 1.0) is not None
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)
@@ -364,11 +401,14 @@ class Intake:
         await self.ops.serve(spec.sandbox_id)
         if claimed:
             await self.records.record(ls, "running")
-        elif not await self.records.claim(spec, self.records.record_of(ls, "running")):
-            self.reaper.begin(spec.sandbox_id, "duplicate")
-            await self._dropped(spec, attempt)
-            return
-        await self._announce(ls, attempt, t0, placed, ready)
+        else:
+            got = await self.records.claim(spec, self.records.record_of(ls, "running"))
+            if not got:
+                self.reaper.begin(spec.sandbox_id, "duplicate")
+                await self._dropped(spec, attempt)
+                return
+            claimed = got is Claim.MINE  # made again over this host's own record (it lost the sandbox)
+        await self._announce(ls, attempt, t0, placed, ready, again=claimed)
 
     async def _make(self, spec: SandboxSpec, attempt: int, *, held: set[str] | None = None) -> LocalSandbox | None:
         """The sandbox, made by the backend and held in the registry; None when it could not be made
@@ -421,11 +461,12 @@ class Intake:
 
     async def _announce(
         self, ls: LocalSandbox, attempt: int, t0: float, placed: tuple[str, float], ready: list[SandboxSpec] | None,
-        *, counted: bool = False,
+        *, counted: bool = False, again: bool = True,
     ) -> None:
         """Its record is stored: say ``ready`` (not acked: the record is the durable fact, and a client
         that misses this reads it). It also says who placed the sandbox and when: placement writes no
-        event of its own."""
+        event of its own. A member of a host batch (``ready``) joins the batch's one event instead,
+        unless (``again``: it may have been made and announced before) a batch event names it already."""
         spec = ls.spec
         if spec.snapshot:
             await self.snapshots.restored(ls)
@@ -433,9 +474,16 @@ class Intake:
         if placed[0]:
             detail["placed_by"] = placed[0]
             detail["placed_ms"] = f"{max(0.0, placed[1] - spec.requested_at) * 1000:.1f}"
-        await self.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False, reply=ready is None)
-        if ready is not None:
+        if again and await self._in_batch_event(spec, self.host_id, spec.requested_at):
+            # Made again under its own record (this host lost it in a restart): its batch event stands,
+            # which the stream cannot de-duplicate another against; its creating client is told.
+            self._remember(spec.sandbox_id)
+            await self.records.ready_many([spec], attempt, store=False)
+        elif ready is None:
+            await self.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False)
+        else:  # a member of a host batch: the caller announces the batch in one event (Records.ready_many)
             ready.append(spec)
+            self._remember(spec.sandbox_id)
         self.created += 1
         if not counted:  # else the caller counts its batch at once
             self.m.ready(spec, time.perf_counter() - t0)
@@ -446,6 +494,13 @@ class Intake:
         self.m.creates.inc(result="failed")
         await self.records.event(spec, "failed", attempt=attempt, err=err)
         await self.records.failed(spec, err)
+
+
+def _raise_first(outcomes: list[Any]) -> None:
+    """Members' work not done: the hand-off is redelivered (each member claimed then)."""
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
 
 
 __all__ = ["Intake", "LAYERS_TTL_S"]

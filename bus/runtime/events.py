@@ -17,9 +17,13 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import hashlib
+import json
 import time
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 
@@ -38,6 +42,12 @@ ONCE_PER_ATTEMPT: frozenset[SandboxEventKind] = frozenset({"ready", "failed", "k
 
 def event_msg_id(sandbox_id: str, kind: str, attempt: int = 0) -> str:
     return f"{sandbox_id}:{kind}:{attempt}"
+
+
+def ready_many_msg_id(host_id: str, sandbox_ids: list[str], attempt: int = 0) -> str:
+    """De-duplication id of a batch ready event: its host, attempt and members (a digest)."""
+    digest = hashlib.blake2b(",".join(sandbox_ids).encode(), digest_size=12).hexdigest()
+    return f"ready:{host_id}:{attempt}:{digest}"
 
 
 def sandbox_event(
@@ -88,19 +98,64 @@ class Events:
             return fut
         return await fut
 
-    async def ready_many(self, specs: list[SandboxSpec], attempt: int = 0) -> None:
-        """Tell each creating client, in one message per inbox, which of its sandboxes are ready."""
+    async def ready_many(
+        self, specs: list[SandboxSpec], attempt: int = 0, *, batch_id: str = "", detail: dict[str, str] | None = None, store: bool = True,
+        host_id: str | None = None,
+    ) -> None:
+        """A host batch's ready sandboxes: one event per tenant in DSEC_EVT naming its members (with
+        ``store``; fired like a single ``ready``: the members' records are the durable fact, stored
+        before), then each creating client told in one message per inbox which of its sandboxes are ready."""
+        if not specs:
+            return
+        now = time.time()
+        host = self.host_id if host_id is None else host_id
+        if store:
+            by_tenant: dict[str, list[str]] = {}
+            for s in specs:
+                by_tenant.setdefault(S.tenant(s.client), []).append(s.sandbox_id)
+            for tenant, ids in by_tenant.items():
+                ev = ReadyMany(sandbox_ids=ids, host_id=host, at=now, attempt=attempt, batch_id=batch_id, detail=detail or {})
+                # The same announcement made again (a redelivered hand-off) is stored once.
+                await self.publisher.fire(S.evt_ready(tenant, host), encode(ev), {S.HDR_MSG_ID: ready_many_msg_id(host, ids, attempt)})
         by_inbox: dict[str, list[str]] = {}
         for s in specs:
             if s.reply_to:
                 by_inbox.setdefault(s.reply_to, []).append(s.sandbox_id)
-        now = time.time()
         for inbox, ids in by_inbox.items():
             if S.valid_inbox(inbox):
-                await self.nc.publish(inbox, encode(ReadyMany(sandbox_ids=ids, host_id=self.host_id, at=now, attempt=attempt)))
+                await self.nc.publish(inbox, encode(ReadyMany(sandbox_ids=ids, host_id=host, at=now, attempt=attempt, batch_id=batch_id)))
 
     async def host(self, host_id: str, kind: HostEventKind, detail: dict[str, str] | None = None) -> PubAck:
         return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))
+
+
+async def find_ready_many(nc: NATS, tenant: str, host_id: str, sandbox_id: str, since: float, *, limit: int = 64, timeout_s: float = 2.0) -> ReadyMany | None:
+    """The batch ready event of ``host_id`` that names ``sandbox_id``, among the first ``limit`` that
+    host stored for ``tenant`` from ``since`` on (direct gets, next by subject); None when there is none
+    or the stream does not answer (the caller then says ``ready`` again: twice rather than never)."""
+    subject = S.evt_ready(tenant, host_id)
+    start = dt.datetime.fromtimestamp(max(0.0, since), dt.timezone.utc).isoformat()
+    req: dict[str, Any] = {"start_time": start, "next_by_subj": subject}
+    try:
+        for _ in range(limit):
+            m = await nc.request(f"$JS.API.DIRECT.GET.{S.STREAM_EVT}", json.dumps(req).encode(), timeout=timeout_s)
+            hdr = m.headers or {}
+            seq = hdr.get("Nats-Sequence", "")
+            if not seq.isdigit():  # 404: no more (or another status): not found
+                return None
+            try:
+                ev = READY_MANY.decode(m.data)
+            except msgspec.DecodeError:
+                ev = None
+            if ev is not None and sandbox_id in ev.sandbox_ids:
+                return ev
+            req = {"seq": int(seq) + 1, "next_by_subj": subject}
+    except Exception as exc:  # noqa: BLE001 - the stream is away: not found
+        logger.debug("ready_many_lookup_failed", sandbox_id=sandbox_id, error=repr(exc))
+    return None
+
+
+READY_MANY = msgspec.msgpack.Decoder(ReadyMany)
 
 
 async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, timeout_s: float = 2.0) -> None:
@@ -118,4 +173,4 @@ async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, time
         logger.warning("event_lost", subject=subject, error=str(exc))
 
 
-__all__ = ["Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "sandbox_event"]
+__all__ = ["Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "find_ready_many", "ready_many_msg_id", "sandbox_event"]

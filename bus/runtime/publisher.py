@@ -21,6 +21,7 @@ import itertools
 import logging
 import random
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +46,12 @@ STORE_RETRY_ATTEMPTS = 5
 STORE_RETRY_BASE_S = 0.1
 STORE_RETRY_CAP_S = 1.6
 ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
+# Atomic batch publish (nats-server 2.12+, a stream with allow_atomic): headers, and the server's
+# default largest batch.
+HDR_BATCH_ID = "Nats-Batch-Id"
+HDR_BATCH_SEQUENCE = "Nats-Batch-Sequence"
+HDR_BATCH_COMMIT = "Nats-Batch-Commit"
+ATOMIC_BATCH_MAX = 1000
 
 
 class PubAck(msgspec.Struct):
@@ -288,6 +295,26 @@ class Publisher:
             raise
         return fut
 
+    async def publish_atomic(self, items: list[tuple[str, bytes, dict[str, str] | None]]) -> "asyncio.Future[PubAck]":
+        """An atomic batch (JetStream's atomic batch publish: the stream, made with ``allow_atomic``,
+        stores every one of ``items`` or none; at most ``ATOMIC_BATCH_MAX``): each goes out as a core
+        publish carrying the batch's id and its place, the last one with the commit, whose answer is
+        the future's ``PubAck`` (``seq``: the last one's) or ``StoreError`` (nothing stored: a member's
+        expected sequence did not hold, the stream does not allow it, too many batches in flight)."""
+        if not 0 < len(items) <= ATOMIC_BATCH_MAX:
+            raise ValueError(f"an atomic batch holds 1 to {ATOMIC_BATCH_MAX} messages, not {len(items)}")
+        if self._sub is None:
+            await self.start()
+        bid = uuid.uuid4().hex
+        last = len(items)
+        for i, (subject, data, headers) in enumerate(items, 1):
+            hdr = {**(headers or {}), HDR_BATCH_ID: bid, HDR_BATCH_SEQUENCE: str(i)}
+            if i == last:
+                hdr[HDR_BATCH_COMMIT] = "1"
+                return await self.publish(subject, data, hdr)
+            await self.nc.publish(subject, data, headers=hdr)
+        raise AssertionError("unreachable")
+
     async def store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> PubAck:
         """One acked write, awaited; tried again while no stream answers (``STORE_RETRY_*``)."""
         for attempt in range(STORE_RETRY_ATTEMPTS + 1):
@@ -416,5 +443,5 @@ def nc_of(js: Any) -> NATS:
 
 __all__ = [
     "PubAck", "Publisher", "StoreError", "decode_puback", "no_responders", "nc_of", "publisher_for", "release_publisher", "subscribe_sync",
-    "ERR_WRONG_LAST_SEQUENCE",
+    "ERR_WRONG_LAST_SEQUENCE", "ATOMIC_BATCH_MAX",
 ]

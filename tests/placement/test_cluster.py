@@ -22,14 +22,13 @@ import pytest
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import SandboxEvent
 from bus.auth import split_urls, with_credentials
 from bus.errors import Unavailable
 from bus.natsd import NatsCluster, NatsServer, nats_server_binary
 from bus.runtime import Publisher, StoreError, connect
 from bus.streams import REPLICAS_ENV
 
-from .conftest import eventually, records_of, seed, stop_process
+from .conftest import as_sandbox_events, eventually, records_of, seed, stop_process
 from .test_failures import created, drained, listen_ready, publish_singles, replica, sim_hosts, up
 
 STREAMS = (S.STREAM_REQ, S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}")
@@ -260,7 +259,7 @@ async def succeeds(call, into: list | dict | None = None) -> bool:
 
 
 async def ready_events(js) -> dict[str, list]:
-    """Every ``ready`` event in DSEC_EVT, per sandbox id (ordered consumer on the stream by name)."""
+    """Every ``ready`` in DSEC_EVT, per sandbox id, its own event or a batch's naming it (ordered consumer on the stream by name)."""
     out: dict[str, list] = {}
     last = (await js.stream_info(S.STREAM_EVT)).state.last_seq
     if not last:
@@ -269,9 +268,9 @@ async def ready_events(js) -> dict[str, list]:
     try:
         while True:
             m = await sub.next_msg(timeout=10)
-            ev = codec.EVENT.decode(m.data)
-            if isinstance(ev, SandboxEvent) and ev.kind == "ready":
-                out.setdefault(ev.sandbox_id, []).append(ev)
+            for ev in as_sandbox_events(codec.EVENT.decode(m.data)):
+                if ev.kind == "ready":
+                    out.setdefault(ev.sandbox_id, []).append(ev)
             if m.metadata.sequence.stream >= last:
                 return out
     finally:
