@@ -8,6 +8,12 @@ Rules:
 * an informational event (``acked=False``: exec, ...) is a core publish the stream still records,
   without an ack round trip on the hot path; so is a create's ``ready``, whose durable twin is the
   sandbox record the host stored (acked) just before: a client that misses the event reads the record;
+* the members of a host batch (one hand-off) are announced in ONE event per tenant, ``ReadyMany`` on
+  ``dsec.evt.ready.<tenant>.<host>`` (``ready_many``), not one ``ready`` each: a replicated stream
+  stores one message for the batch. Its msg-id names its host, attempt and members. A sandbox
+  announced there is never announced again in an event of its own (the stream could not
+  de-duplicate the two): a host that says ``ready`` again looks the batch event up first
+  (``find_ready_many``);
 * the events a create waits for (``REPLY_KINDS``) are also sent to the spec's ``reply_to`` inbox,
   so the creating client hears them without a subscription of its own (it finds them in the stream
   if that core message is lost). Only ``_INBOX.`` subjects: a client must not make us publish on
