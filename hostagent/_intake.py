@@ -173,8 +173,10 @@ class Intake:
     # --- create ------------------------------------------------------------------------------------
     async def create_one(
         self, spec: SandboxSpec, attempt: int, excluded: list[str], *, claim: bool = True, held: bool = False,
-        placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None,
+        placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None, again: bool = False,
     ) -> None:
+        """``held``: the caller claimed the id (``again``: over a record of this host's own, so the
+        sandbox may have been announced before)."""
         # (no structlog context binding here: it costs more than the rest of a simulated create;
         # the log lines of this path name the sandbox themselves)
         sid = spec.sandbox_id
@@ -212,9 +214,11 @@ class Intake:
             await self._reject(spec, attempt, excluded, why)
             return
         if claim:
-            if not await self.records.claim(spec):
+            got = await self.records.claim(spec)
+            if not got:
                 await self._dropped(spec, attempt)
                 return
+            again = got is Claim.MINE
             other = self.creating.get(sid)
             if other is not None or sid in self.registry:
                 # Another hand-off of this id (a grouped one, and the re-placed copy of its redelivered
@@ -225,7 +229,7 @@ class Intake:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, claimed=claim or held, placed=placed, ready=ready)
+            await self._do_create(spec, attempt, claimed=claim or held, placed=placed, ready=ready, again=again)
         finally:
             self.creating.pop(sid, None)
             fut.set_result(None)
@@ -239,11 +243,14 @@ class Intake:
         reg = self.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
         claimed: set[str] = set()
+        ours: set[str] = set()  # claimed over a record of this host's own
         if todo:
             oks = await asyncio.gather(*(self.records.claim(s) for s in todo), return_exceptions=True)
             for s, ok in zip(todo, oks, strict=True):
                 if ok is Claim.WON or ok is Claim.MINE:
                     claimed.add(s.sandbox_id)
+                if ok is Claim.MINE:
+                    ours.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
         # which re-checks the claim and rejects or re-places as a single create would.
         done: list[SandboxSpec] = []
@@ -251,6 +258,7 @@ class Intake:
         outcomes = await asyncio.gather(*(
             self.create_one(
                 s, work.attempt, [], claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
+                again=s.sandbox_id in ours,
             )
             for s in work.specs
         ), return_exceptions=True)
@@ -385,11 +393,12 @@ class Intake:
 
     async def _do_create(
         self, spec: SandboxSpec, attempt: int, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0),
-        ready: list[SandboxSpec] | None = None,
+        ready: list[SandboxSpec] | None = None, again: bool = False,
     ) -> None:
         """Create, then store the record and announce ``ready``.
 
-        ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
+        ``claimed``: this host already holds the id's claim (a KV create before creating; ``again``: over
+        a record of its own, so the sandbox may have been announced before). Otherwise the
         record itself is the claim, written with a KV create once the sandbox exists: if another host's
         record is there first, this copy is removed silently and the other host's stands.
         ``ready``: the caller tells the creating client (``Records.ready_many``); the sandbox joins it.
@@ -407,8 +416,8 @@ class Intake:
                 self.reaper.begin(spec.sandbox_id, "duplicate")
                 await self._dropped(spec, attempt)
                 return
-            claimed = got is Claim.MINE  # made again over this host's own record (it lost the sandbox)
-        await self._announce(ls, attempt, t0, placed, ready, again=claimed)
+            again = got is Claim.MINE  # made again over this host's own record (it lost the sandbox)
+        await self._announce(ls, attempt, t0, placed, ready, again=again)
 
     async def _make(self, spec: SandboxSpec, attempt: int, *, held: set[str] | None = None) -> LocalSandbox | None:
         """The sandbox, made by the backend and held in the registry; None when it could not be made
