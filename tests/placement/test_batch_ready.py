@@ -22,6 +22,7 @@ from bus.runtime import KV, Claim, Publisher
 from bus.streams import ensure_kv
 from sdk import AsyncSandbox
 from sdk._admin import replay_events
+from sdk._async import _outcomes_in_batches
 
 from .conftest import eventually, hosts_up, listen_ready, log_lines, records_of, spawn, stop_process
 from .test_failures import assert_exactly_once, drained, kill9, publish_batches
@@ -108,6 +109,10 @@ async def test_a_batch_is_announced_in_one_event_and_each_waiter_gets_its_own_sa
         recs = await records_of(js, [*bids, *sids])
         assert [sid for sid, r in recs.items() if r is None or r.state != "running" or r.host_id != host] == []
 
+        # a waiter whose reply was lost and who reads no records (a client tenant) finds each member's
+        # ready in its tenant's batch events (sdk._async's slow path, through a consumer of its own)
+        found = await _outcomes_in_batches(nc, [sb.spec for sb in batch[:5]] + [lone.spec], {})
+        assert sorted((e.sandbox_id, e.kind, e.host_id) for e in found) == sorted((sid, "ready", host) for sid in bids[:5])
         # dsec audit replay --sandbox <member>: its ready, from the batch event that names it
         got = [d async for d in replay_events(url, sandbox_id=bids[7])]
         ready = [d for d in got if d.get("kind") == "ready"]
