@@ -470,7 +470,7 @@ class Intake:
 
     async def _announce(
         self, ls: LocalSandbox, attempt: int, t0: float, placed: tuple[str, float], ready: list[SandboxSpec] | None,
-        *, counted: bool = False, again: bool = True,
+        *, counted: bool = False, again: bool = False,
     ) -> None:
         """Its record is stored: say ``ready`` (not acked: the record is the durable fact, and a client
         that misses this reads it). It also says who placed the sandbox and when: placement writes no

@@ -56,6 +56,7 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--sim-procs", type=int, default=0, help="processes the simulated hosts are spread over (0: auto)")
     c.add_argument("--host-concurrency", type=int, default=8, help="creates a host handles at once")
     c.add_argument("--placement-capacity", type=int, default=512)
+    c.add_argument("--coalesce", type=int, default=0, help="placement's runs of single creates to one host (0: its default)")
     c.add_argument("--storage", choices=["memory", "file"], default="file", help="JetStream storage of the streams (file: as production runs)")
     c.add_argument("--cpu", type=float, default=1.0)
     c.add_argument("--memory-mb", type=int, default=512)
@@ -290,7 +291,7 @@ async def _run(
     # placement first: its ensure_all() must not race the simulated hosts' consumer creation
     for r in range(args.replicas):
         procs.append(_Proc(f"placement-{r}", [py, "-m", "placement", "--replica-id", f"p{r}", "--capacity", str(args.placement_capacity),
-                                              "--stream-storage", args.storage], env, logs))
+                                              "--stream-storage", args.storage, *(["--coalesce", str(args.coalesce)] if args.coalesce else [])], env, logs))
 
     async def placement_ready() -> bool:
         try:
@@ -380,6 +381,7 @@ async def _run(
         "seconds": round(span, 3),
         "count": args.count,
         "batch": args.batch,
+        "coalesce": args.coalesce,
         "replicas": args.replicas,
         "sim_hosts": args.sim_hosts,
         "sim_procs": n_procs,
