@@ -139,7 +139,8 @@ async def replay_events(
         # read first, merged in by stream sequence. Few: one per host batch.
         batches: list[dict[str, Any]] = []
         if sandbox_id or not operator:
-            async for msg, ev in _events_on(nc, S.evt_ready_tenant(own), start, operator=operator, idle_timeout=idle_timeout):
+            scope, from_ = (own, start) if not (operator and sandbox_id) else await _batch_scope(js, sandbox_id or "", start)
+            async for msg, ev in _events_on(nc, S.evt_ready_tenant(scope), from_, operator=operator, idle_timeout=idle_timeout):
                 if isinstance(ev, ReadyMany) and (not sandbox_id or sandbox_id in ev.sandbox_ids):
                     batches.append(_event_dict(msg, ev, sandbox_id))
         filters = [subject, S.EVT_GUARD_VIOLATION] if operator and sandbox_id else [subject]
@@ -156,6 +157,28 @@ async def replay_events(
                 yield b
     finally:
         await nc.close()
+
+
+# A client's clock may run ahead of the servers': a sandbox's batch event is looked for from this long
+# before its request's time.
+CLOCK_SLACK_S = 300.0
+
+
+async def _batch_scope(js: Any, sandbox_id: str, start: dt.datetime | None) -> tuple[str, dt.datetime | None]:
+    """Where the operator's replay of one sandbox looks for the batch ready events naming it: its
+    tenant's, from its request on when its record says it never ran before (generation 0; a resumed
+    or restored one's earlier generations were announced before that); else every tenant's from ``start``."""
+    try:
+        rec = await (await KV.bind(js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)).get(sandbox_id)
+    except Exception:  # noqa: BLE001 - no records: look everywhere
+        rec = None
+    if rec is None:
+        return "*", start
+    tenant = S.tenant(rec.spec.client) if S.valid_token(rec.spec.client or S.OPERATOR_TENANT) else "*"
+    if rec.spec.generation or not rec.created_at:
+        return tenant, start
+    asked = dt.datetime.fromtimestamp(max(0.0, rec.created_at - CLOCK_SLACK_S), dt.timezone.utc)
+    return tenant, max(start, asked) if start else asked
 
 
 def _event_dict(msg: Any, ev: Any, sandbox_id: str | None) -> dict[str, Any]:
