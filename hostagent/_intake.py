@@ -23,10 +23,10 @@ from bus.errors import (
     UnknownTemplate,
     UnsupportedBackend,
 )
-from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
+from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec
 from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV, Claim, find_ready_many
+from bus.runtime import KV, Claim, find_ready_many, own_ready_since
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._backend import Backend, Capabilities
@@ -47,6 +47,10 @@ LAYERS_TTL_S = 10.0
 # that finds one here does not say it again in an event of its own, which the stream could not
 # de-duplicate against the batch's.
 ANNOUNCED_KEPT = 65536
+# A duplicate create dropped for another host's running record made less than this long ago waits up
+# to this long for that host's batch event naming it before saying ``ready`` itself (the maker died).
+DROPPED_WAIT_S = 10.0
+DROPPED_POLL_S = 0.25
 
 
 class Intake:
@@ -71,6 +75,7 @@ class Intake:
         self.creating = creating
         self.created = 0
         self.announced: dict[str, None] = {}  # insertion-ordered: ANNOUNCED_KEPT
+        self._later: set[asyncio.Task[None]] = set()  # duplicates' ready said from the record, once its maker had its chance
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._owners: dict[str, str] = {}  # a template's owner tenant ("": shared), read with its layers
@@ -80,6 +85,13 @@ class Intake:
         # Admitted, being made by the backend, not in the registry yet: counted by admission too, or
         # creates that wait on the backend together would all be admitted against the same free room.
         self.pending = Allocation()
+
+    async def stop(self) -> None:
+        """Stop saying duplicates' ready from their records (a host going away)."""
+        for t in list(self._later):
+            t.cancel()
+        if self._later:
+            await asyncio.wait(set(self._later), timeout=5.0)
 
     # --- the consumer's handler --------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
@@ -365,10 +377,43 @@ class Intake:
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
-        if await self._in_batch_event(spec, rec.host_id, rec.ready_at):
-            # That host announced it in a batch event: told again to its creating client only.
+        if await self._said(spec, rec):
+            # That host announced it (a batch event, or its own): told again to its creating client only.
             await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
             return
+        if time.time() - rec.ready_at >= DROPPED_WAIT_S:
+            await self._say_from_record(spec, rec, attempt)
+            return
+        # A record made moments ago: its host may still be announcing the rest of its batch (with this
+        # one in the same event, which may wait on this host's own batch: not waited for here, or two
+        # hosts dropping each other's copies would wait on each other). Looked for in the background
+        # until it would have been out; then said from the record (the maker died).
+        task = asyncio.ensure_future(self._said_later(spec, rec, attempt))
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def _said(self, spec: SandboxSpec, rec: SandboxRecord) -> bool:
+        """Whether the record's host announced the sandbox: in a batch event, or in one of its own."""
+        assert self.records.nc is not None
+        return await self._in_batch_event(spec, rec.host_id, rec.ready_at) or await own_ready_since(
+            self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0,
+        )
+
+    async def _said_later(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int) -> None:
+        deadline = time.monotonic() + max(0.0, rec.ready_at + DROPPED_WAIT_S - time.time())
+        try:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(DROPPED_POLL_S)  # the next look (bounded by the deadline)
+                if await self._said(spec, rec):
+                    await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
+                    return
+            await self._say_from_record(spec, rec, attempt)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NATS away: the record stays the fact clients read
+            log.warning("ready_from_record_failed", sandbox_id=spec.sandbox_id, error=repr(exc))
+
+    async def _say_from_record(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int) -> None:
         await self.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": self.host_id})
 
     def _remember(self, sid: str) -> None:

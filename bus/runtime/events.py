@@ -162,6 +162,20 @@ async def find_ready_many(nc: NATS, tenant: str, host_id: str, sandbox_id: str, 
 
 
 READY_MANY = msgspec.msgpack.Decoder(ReadyMany)
+_SANDBOX_EVENT = msgspec.msgpack.Decoder(SandboxEvent)
+
+
+async def own_ready_since(nc: NATS, tenant: str, sandbox_id: str, since: float, *, timeout_s: float = 2.0) -> bool:
+    """Whether the sandbox's own ``ready`` event (on its subject) was stored at ``since`` or later (a
+    direct get of the subject's last message); False when none, or the stream does not answer."""
+    try:
+        m = await nc.request(f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{S.evt_sandbox(sandbox_id, 'ready', tenant)}", b"", timeout=timeout_s)
+        if not (m.headers or {}).get("Nats-Sequence", "").isdigit():
+            return False
+        return _SANDBOX_EVENT.decode(m.data).at >= since
+    except Exception as exc:  # noqa: BLE001 - none, or the stream is away: not found
+        logger.debug("ready_lookup_failed", sandbox_id=sandbox_id, error=repr(exc))
+        return False
 
 
 async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, timeout_s: float = 2.0) -> None:
@@ -179,4 +193,7 @@ async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, time
         logger.warning("event_lost", subject=subject, error=str(exc))
 
 
-__all__ = ["Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "find_ready_many", "ready_many_msg_id", "sandbox_event"]
+__all__ = [
+    "Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "find_ready_many", "own_ready_since", "ready_many_msg_id",
+    "sandbox_event",
+]

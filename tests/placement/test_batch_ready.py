@@ -173,12 +173,21 @@ async def test_a_host_killed_mid_batch_leaves_every_member_ready_once(nats_srv, 
         await eventually(lambda: hosts_up(js, [host], since), timeout=30, what="the host heartbeating")
         ready = await listen_ready(nc)
         ids = [f"bk-{uuid.uuid4().hex[:8]}-{i}" for i in range(400)]
-        for i in range(0, len(ids), 50):  # eight batches, one every 0.25 s: the host has several under way
-            await publish_batches(js, ids[i:i + 50], 50)
-            await asyncio.sleep(0.25)  # spacing the requests out (the load being made), not a synchronisation
+        announced = asyncio.Event()
+
+        async def burst() -> None:
+            for i in range(0, len(ids), 50):  # eight batches, one every 0.25 s: the host has several under way
+                await publish_batches(js, ids[i:i + 50], 50)
+                if i >= 100:  # the rest after the kill: they wait in the stream for the host to come back
+                    await announced.wait()
+                await asyncio.sleep(0.25)  # spacing the requests out (the load being made), not a synchronisation
+
+        sending = asyncio.ensure_future(burst())
         await eventually(lambda: len(ready & set(ids)) >= 1, timeout=60, what="the first batch announced")
         kill9(procs[0])
+        announced.set()
         assert len(ready & set(ids)) < len(ids)  # mid-way: some members were not announced
+        await sending
         since = time.time()
         procs[0] = sim_host(url, prefix, tmp_path / "h", logs[1])
         await eventually(lambda: hosts_up(js, [host], since), timeout=30, what="the host back on its id")
