@@ -407,13 +407,20 @@ class Intake:
                 if await self._said(spec, rec):
                     await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
                     return
-            await self._say_from_record(spec, rec, attempt)
+            await self._say_from_record(spec, rec, attempt, again=True)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - NATS away: the record stays the fact clients read
             log.warning("ready_from_record_failed", sandbox_id=spec.sandbox_id, error=repr(exc))
 
-    async def _say_from_record(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int) -> None:
+    async def _say_from_record(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int, *, again: bool = False) -> None:
+        """``ready``, for the record's host, from the record (``again``: read once more first: it may
+        have changed meanwhile, its host declared down, say)."""
+        if again:
+            assert self.records.kv is not None
+            now = await self.records.kv.get(spec.sandbox_id)
+            if now is None or now.host_id != rec.host_id or now.state not in ("running", "paused") or now.spec.generation != spec.generation:
+                return
         await self.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": self.host_id})
 
     def _remember(self, sid: str) -> None:
