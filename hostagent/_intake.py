@@ -26,7 +26,7 @@ from bus.errors import (
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec
 from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV, Claim, find_ready_many, own_ready_since
+from bus.runtime import KV, Claim, LookupFailed, find_ready_many, own_ready_since
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._backend import Backend, Capabilities
@@ -47,10 +47,12 @@ LAYERS_TTL_S = 10.0
 # that finds one here does not say it again in an event of its own, which the stream could not
 # de-duplicate against the batch's.
 ANNOUNCED_KEPT = 65536
-# A duplicate create dropped for another host's running record made less than this long ago waits up
-# to this long for that host's batch event naming it before saying ``ready`` itself (the maker died).
-DROPPED_WAIT_S = 10.0
-DROPPED_POLL_S = 0.25
+# A duplicate create dropped for another host's running record made less than this long ago: that
+# host's batch event naming it (or its own) is looked for until then before ``ready`` is said from
+# the record (the maker died before announcing it).
+DROPPED_WAIT_S = 30.0  # past a stream leader's election and the maker's storing again of what it fired meanwhile
+DROPPED_MAX_S = 120.0  # while the stream does not answer at all
+DROPPED_POLL_S = 0.5
 
 
 class Intake:
@@ -377,36 +379,47 @@ class Intake:
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
-        if await self._said(spec, rec):
+        said = await self._said(spec, rec)
+        if said:
             # That host announced it (a batch event, or its own): told again to its creating client only.
             await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
             return
-        if time.time() - rec.ready_at >= DROPPED_WAIT_S:
+        if said is False and time.time() - rec.ready_at >= DROPPED_WAIT_S:
             await self._say_from_record(spec, rec, attempt)
             return
-        # A record made moments ago: its host may still be announcing the rest of its batch (with this
-        # one in the same event, which may wait on this host's own batch: not waited for here, or two
-        # hosts dropping each other's copies would wait on each other). Looked for in the background
-        # until it would have been out; then said from the record (the maker died).
+        # A record made moments ago (or the stream not answering): its host may still be announcing the
+        # rest of its batch (with this one in the same event, which may wait on this host's own batch:
+        # not waited for here, or two hosts dropping each other's copies would wait on each other), or
+        # storing again what it fired while the stream was away. Looked for in the background until it
+        # would have been out; then said from the record (the maker died).
         task = asyncio.ensure_future(self._said_later(spec, rec, attempt))
         self._later.add(task)
         task.add_done_callback(self._later.discard)
 
-    async def _said(self, spec: SandboxSpec, rec: SandboxRecord) -> bool:
-        """Whether the record's host announced the sandbox: in a batch event, or in one of its own."""
+    async def _said(self, spec: SandboxSpec, rec: SandboxRecord) -> bool | None:
+        """Whether the record's host announced the sandbox, in a batch event or one of its own (None:
+        unknown, the stream did not answer)."""
         assert self.records.nc is not None
-        return await self._in_batch_event(spec, rec.host_id, rec.ready_at) or await own_ready_since(
-            self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0,
-        )
+        try:
+            return await find_ready_many(self.records.nc, S.tenant(spec.client), rec.host_id, spec.sandbox_id, rec.ready_at - 1.0) is not None or (
+                await own_ready_since(self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0)
+            )
+        except LookupFailed:
+            return None
 
     async def _said_later(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int) -> None:
         deadline = time.monotonic() + max(0.0, rec.ready_at + DROPPED_WAIT_S - time.time())
+        give_up = time.monotonic() + DROPPED_MAX_S
         try:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(DROPPED_POLL_S)  # the next look (bounded by the deadline)
-                if await self._said(spec, rec):
+            while True:
+                await asyncio.sleep(DROPPED_POLL_S)  # the next look (bounded by the deadlines)
+                said = await self._said(spec, rec)
+                if said:
                     await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
                     return
+                now = time.monotonic()
+                if (said is False and now >= deadline) or now >= give_up:
+                    break
             await self._say_from_record(spec, rec, attempt, again=True)
         except asyncio.CancelledError:
             raise
@@ -431,9 +444,13 @@ class Intake:
 
     async def _in_batch_event(self, spec: SandboxSpec, host_id: str, ready_at: float) -> bool:
         """Whether ``host_id`` announced the sandbox in a batch ready event (looked up in the stream:
-        a host that restarted, or another host, does not remember it)."""
+        a host that restarted, or another host, does not remember it); not known (the stream does not
+        answer): False, so it is said again (twice rather than never)."""
         assert self.records.nc is not None
-        return await find_ready_many(self.records.nc, S.tenant(spec.client), host_id, spec.sandbox_id, ready_at - 1.0) is not None
+        try:
+            return await find_ready_many(self.records.nc, S.tenant(spec.client), host_id, spec.sandbox_id, ready_at - 1.0) is not None
+        except LookupFailed:
+            return False
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)

@@ -135,30 +135,45 @@ class Events:
         return await self.publisher.store(S.evt_host(host_id, kind), encode(HostEvent(host_id=host_id, kind=kind, at=time.time(), detail=detail or {})))
 
 
+class LookupFailed(Exception):
+    """The event stream did not answer a look-up (no leader for a moment, a timeout): whether the
+    event is there is unknown."""
+
+
 async def find_ready_many(nc: NATS, tenant: str, host_id: str, sandbox_id: str, since: float, *, limit: int = 64, timeout_s: float = 2.0) -> ReadyMany | None:
     """The batch ready event of ``host_id`` that names ``sandbox_id``, among the first ``limit`` that
-    host stored for ``tenant`` from ``since`` on (direct gets, next by subject); None when there is none
-    or the stream does not answer (the caller then says ``ready`` again: twice rather than never)."""
+    host stored for ``tenant`` from ``since`` on (direct gets, next by subject); None when there is
+    none; ``LookupFailed`` when the stream does not answer."""
     subject = S.evt_ready(tenant, host_id)
     start = dt.datetime.fromtimestamp(max(0.0, since), dt.timezone.utc).isoformat()
     req: dict[str, Any] = {"start_time": start, "next_by_subj": subject}
-    try:
-        for _ in range(limit):
-            m = await nc.request(f"$JS.API.DIRECT.GET.{S.STREAM_EVT}", json.dumps(req).encode(), timeout=timeout_s)
-            hdr = m.headers or {}
-            seq = hdr.get("Nats-Sequence", "")
-            if not seq.isdigit():  # 404: no more (or another status): not found
-                return None
-            try:
-                ev = READY_MANY.decode(m.data)
-            except msgspec.DecodeError:
-                ev = None
-            if ev is not None and sandbox_id in ev.sandbox_ids:
-                return ev
-            req = {"seq": int(seq) + 1, "next_by_subj": subject}
-    except Exception as exc:  # noqa: BLE001 - the stream is away: not found
-        logger.debug("ready_many_lookup_failed", sandbox_id=sandbox_id, error=repr(exc))
+    for _ in range(limit):
+        hdr, data = await _direct_get(nc, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}", json.dumps(req).encode(), timeout_s)
+        if hdr is None:
+            return None
+        try:
+            ev = READY_MANY.decode(data)
+        except msgspec.DecodeError:
+            ev = None
+        if ev is not None and sandbox_id in ev.sandbox_ids:
+            return ev
+        req = {"seq": int(hdr["Nats-Sequence"]) + 1, "next_by_subj": subject}
     return None
+
+
+async def _direct_get(nc: NATS, api: str, body: bytes, timeout_s: float) -> tuple[dict[str, str] | None, bytes]:
+    """A direct get's headers and message; (None, b"") when there is no such message (404);
+    ``LookupFailed`` when the stream does not answer."""
+    try:
+        m = await nc.request(api, body, timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - no responders (no leader), a timeout
+        raise LookupFailed(repr(exc)) from None
+    hdr = m.headers or {}
+    if hdr.get("Nats-Sequence", "").isdigit():
+        return hdr, m.data
+    if hdr.get("Status", "") == "404":
+        return None, b""
+    raise LookupFailed(f"direct get answered {hdr.get('Status', '?')} {hdr.get('Description', '')}")
 
 
 READY_MANY = msgspec.msgpack.Decoder(ReadyMany)
@@ -167,14 +182,13 @@ _SANDBOX_EVENT = msgspec.msgpack.Decoder(SandboxEvent)
 
 async def own_ready_since(nc: NATS, tenant: str, sandbox_id: str, since: float, *, timeout_s: float = 2.0) -> bool:
     """Whether the sandbox's own ``ready`` event (on its subject) was stored at ``since`` or later (a
-    direct get of the subject's last message); False when none, or the stream does not answer."""
+    direct get of the subject's last message); ``LookupFailed`` when the stream does not answer."""
+    hdr, data = await _direct_get(nc, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{S.evt_sandbox(sandbox_id, 'ready', tenant)}", b"", timeout_s)
+    if hdr is None:
+        return False
     try:
-        m = await nc.request(f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{S.evt_sandbox(sandbox_id, 'ready', tenant)}", b"", timeout=timeout_s)
-        if not (m.headers or {}).get("Nats-Sequence", "").isdigit():
-            return False
-        return _SANDBOX_EVENT.decode(m.data).at >= since
-    except Exception as exc:  # noqa: BLE001 - none, or the stream is away: not found
-        logger.debug("ready_lookup_failed", sandbox_id=sandbox_id, error=repr(exc))
+        return _SANDBOX_EVENT.decode(data).at >= since
+    except msgspec.DecodeError:
         return False
 
 
@@ -194,6 +208,6 @@ async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, time
 
 
 __all__ = [
-    "Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "event_msg_id", "find_ready_many", "own_ready_since", "ready_many_msg_id",
-    "sandbox_event",
+    "Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "LookupFailed", "event_msg_id", "find_ready_many", "own_ready_since",
+    "ready_many_msg_id", "sandbox_event",
 ]
