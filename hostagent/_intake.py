@@ -26,7 +26,7 @@ from bus.errors import (
 from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec
 from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV, Claim, LookupFailed, find_ready_many, own_ready_since
+from bus.runtime import KV, Claim, LookupFailed, ReadyScan, find_ready_many, own_ready_since
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._backend import Backend, Capabilities
@@ -379,7 +379,9 @@ class Intake:
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
-        said = await self._said(spec, rec)
+        assert self.records.nc is not None
+        scan = ReadyScan(self.records.nc, S.tenant(spec.client), rec.host_id, spec.sandbox_id, rec.ready_at - 1.0)
+        said = await self._said(spec, rec, scan)
         if said:
             # That host announced it (a batch event, or its own): told again to its creating client only.
             await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
@@ -392,28 +394,26 @@ class Intake:
         # not waited for here, or two hosts dropping each other's copies would wait on each other), or
         # storing again what it fired while the stream was away. Looked for in the background until it
         # would have been out; then said from the record (the maker died).
-        task = asyncio.ensure_future(self._said_later(spec, rec, attempt))
+        task = asyncio.ensure_future(self._said_later(spec, rec, attempt, scan))
         self._later.add(task)
         task.add_done_callback(self._later.discard)
 
-    async def _said(self, spec: SandboxSpec, rec: SandboxRecord) -> bool | None:
-        """Whether the record's host announced the sandbox, in a batch event or one of its own (None:
-        unknown, the stream did not answer)."""
+    async def _said(self, spec: SandboxSpec, rec: SandboxRecord, scan: ReadyScan) -> bool | None:
+        """Whether the record's host announced the sandbox, in a batch event (``scan`` goes on where it
+        stopped) or one of its own (None: unknown, the stream did not answer)."""
         assert self.records.nc is not None
         try:
-            return await find_ready_many(self.records.nc, S.tenant(spec.client), rec.host_id, spec.sandbox_id, rec.ready_at - 1.0) is not None or (
-                await own_ready_since(self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0)
-            )
+            return await scan.look() is not None or await own_ready_since(self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0)
         except LookupFailed:
             return None
 
-    async def _said_later(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int) -> None:
+    async def _said_later(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int, scan: ReadyScan) -> None:
         deadline = time.monotonic() + max(0.0, rec.ready_at + DROPPED_WAIT_S - time.time())
         give_up = time.monotonic() + DROPPED_MAX_S
         try:
             while True:
                 await asyncio.sleep(DROPPED_POLL_S)  # the next look (bounded by the deadlines)
-                said = await self._said(spec, rec)
+                said = await self._said(spec, rec, scan)
                 if said:
                     await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
                     return

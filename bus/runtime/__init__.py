@@ -50,7 +50,7 @@ from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, NotMine, error_of
 from .handoff import HandoffInbox, Handoffs
 from .events import (
-    ONCE_PER_ATTEMPT, REPLY_KINDS, Events, LookupFailed, best_effort_event, event_msg_id, find_ready_many, own_ready_since, ready_many_msg_id,
+    ONCE_PER_ATTEMPT, REPLY_KINDS, Events, LookupFailed, ReadyScan, best_effort_event, event_msg_id, find_ready_many, own_ready_since, ready_many_msg_id,
     sandbox_event,
 )
 from .kv import KV, Claim, Versioned, Watch, kv_erase, kv_keys
@@ -86,6 +86,7 @@ __all__ = [
     "REPLY_KINDS",
     "Events",
     "LookupFailed",
+    "ReadyScan",
     "best_effort_event",
     "event_msg_id",
     "find_ready_many",

@@ -140,25 +140,41 @@ class LookupFailed(Exception):
     event is there is unknown."""
 
 
-async def find_ready_many(nc: NATS, tenant: str, host_id: str, sandbox_id: str, since: float, *, limit: int = 64, timeout_s: float = 2.0) -> ReadyMany | None:
+class ReadyScan:
+    """Looks for the batch ready event of ``host_id`` naming ``sandbox_id`` among those the host stored
+    for ``tenant`` from ``since`` on (direct gets, next by subject), reading each once: a ``look()``
+    goes on from where the last one stopped (an event fired before a stream's election can be stored
+    again after many later ones)."""
+
+    def __init__(self, nc: NATS, tenant: str, host_id: str, sandbox_id: str, since: float, *, timeout_s: float = 2.0) -> None:
+        self.nc = nc
+        self.sandbox_id = sandbox_id
+        self.subject = S.evt_ready(tenant, host_id)
+        self.timeout_s = timeout_s
+        start = dt.datetime.fromtimestamp(max(0.0, since), dt.timezone.utc).isoformat()
+        self._req: dict[str, Any] = {"start_time": start, "next_by_subj": self.subject}
+
+    async def look(self, limit: int = 256) -> ReadyMany | None:
+        """The event, if stored by now (at most ``limit`` more read); ``LookupFailed`` when the stream does not answer."""
+        for _ in range(limit):
+            hdr, data = await _direct_get(self.nc, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}", json.dumps(self._req).encode(), self.timeout_s)
+            if hdr is None:
+                return None
+            self._req = {"seq": int(hdr["Nats-Sequence"]) + 1, "next_by_subj": self.subject}
+            try:
+                ev = READY_MANY.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if self.sandbox_id in ev.sandbox_ids:
+                return ev
+        return None
+
+
+async def find_ready_many(nc: NATS, tenant: str, host_id: str, sandbox_id: str, since: float, *, limit: int = 256, timeout_s: float = 2.0) -> ReadyMany | None:
     """The batch ready event of ``host_id`` that names ``sandbox_id``, among the first ``limit`` that
-    host stored for ``tenant`` from ``since`` on (direct gets, next by subject); None when there is
-    none; ``LookupFailed`` when the stream does not answer."""
-    subject = S.evt_ready(tenant, host_id)
-    start = dt.datetime.fromtimestamp(max(0.0, since), dt.timezone.utc).isoformat()
-    req: dict[str, Any] = {"start_time": start, "next_by_subj": subject}
-    for _ in range(limit):
-        hdr, data = await _direct_get(nc, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}", json.dumps(req).encode(), timeout_s)
-        if hdr is None:
-            return None
-        try:
-            ev = READY_MANY.decode(data)
-        except msgspec.DecodeError:
-            ev = None
-        if ev is not None and sandbox_id in ev.sandbox_ids:
-            return ev
-        req = {"seq": int(hdr["Nats-Sequence"]) + 1, "next_by_subj": subject}
-    return None
+    host stored for ``tenant`` from ``since`` on; None when there is none; ``LookupFailed`` when the
+    stream does not answer."""
+    return await ReadyScan(nc, tenant, host_id, sandbox_id, since, timeout_s=timeout_s).look(limit)
 
 
 async def _direct_get(nc: NATS, api: str, body: bytes, timeout_s: float) -> tuple[dict[str, str] | None, bytes]:
@@ -208,6 +224,6 @@ async def best_effort_event(js: JetStreamContext, subject: str, ev: Any, *, time
 
 
 __all__ = [
-    "Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "LookupFailed", "event_msg_id", "find_ready_many", "own_ready_since",
-    "ready_many_msg_id", "sandbox_event",
+    "Events", "best_effort_event", "ONCE_PER_ATTEMPT", "REPLY_KINDS", "LookupFailed", "ReadyScan", "event_msg_id", "find_ready_many",
+    "own_ready_since", "ready_many_msg_id", "sandbox_event",
 ]
