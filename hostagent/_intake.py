@@ -50,7 +50,7 @@ ANNOUNCED_KEPT = 65536
 # A duplicate create dropped for another host's running record made less than this long ago: that
 # host's batch event naming it (or its own) is looked for until then before ``ready`` is said from
 # the record (the maker died before announcing it).
-DROPPED_WAIT_S = 30.0  # past a stream leader's election and the maker's storing again of what it fired meanwhile
+DROPPED_WAIT_S = 45.0  # past a stream leader's election and the maker's storing again of what it fired meanwhile (bus.runtime.publisher)
 DROPPED_MAX_S = 120.0  # while the stream does not answer at all
 DROPPED_POLL_S = 0.5
 

@@ -43,6 +43,7 @@ REFIRE_ATTEMPTS = 30  # stores again after a reconnect: each attempt waits 0.25-
 # is a stream between leaders (a node lost, an election under way), seconds at most. Bounded so that a
 # subject no stream takes still fails, within ~3 s; jittered so that many writers do not come back together.
 STORE_RETRY_ATTEMPTS = 5
+FIRE_ACK_TIMEOUT_S = 5.0  # an acked fire not answered within this is stored again (see ``fire``)
 STORE_RETRY_BASE_S = 0.1
 STORE_RETRY_CAP_S = 1.6
 ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
@@ -276,8 +277,11 @@ class Publisher:
                 w.set_result(None)
                 return
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> "asyncio.Future[PubAck]":
-        """Send one write; the returned future holds its ``PubAck`` (or ``StoreError`` / ``TimeoutError``)."""
+    async def publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None, *, timeout_s: float | None = None,
+    ) -> "asyncio.Future[PubAck]":
+        """Send one write; the returned future holds its ``PubAck`` (or ``StoreError`` / ``TimeoutError``
+        after ``timeout_s``, default the publisher's)."""
         if self._sub is None:
             await self.start()
         while len(self._futs) >= self.max_inflight:
@@ -286,7 +290,7 @@ class Publisher:
             await w
         token = str(next(self._n))
         fut: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
-        self._futs[token] = (fut, time.monotonic() + self.timeout_s)
+        self._futs[token] = (fut, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
         try:
             await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
         except BaseException:
@@ -332,7 +336,9 @@ class Publisher:
         if self._sub is None:
             await self.start()
         if self.acked_fires and headers and S.HDR_MSG_ID in headers:
-            fut = await self.publish(subject, data, headers)
+            # Not answered soon (its node lost, the stream electing a leader): stored again (de-duplicated
+            # by its msg-id) rather than after the whole publish timeout, so it lands soon after the election.
+            fut = await self.publish(subject, data, headers, timeout_s=min(self.timeout_s, FIRE_ACK_TIMEOUT_S))
             fut.add_done_callback(lambda f: self._fire_answered(f, subject, data, headers))
             return
         await self.nc.publish(subject, data, headers=headers)

@@ -129,7 +129,8 @@ async def test_nats_node_killed_mid_burst_loses_nothing_and_rejoins(cluster, tmp
             recs = await records_of(js, missing[:10])
             raise AssertionError(f"{len(missing)} of {len(ids)} ids without a ready event read back ({len(evs)} read); "
                                  f"records of some: {[(k, v and (v.state, v.host_id)) for k, v in recs.items()]}; last read error: {LAST_ERROR}")
-        assert [(sid, [(e.host_id, round(e.at, 2), e.detail.get("batch"), e.detail.get("from")) for e in evs[sid]]) for sid in ids if len(evs[sid]) != 1][:4] == []
+        said = {sid: [(e.host_id, round(e.at, 2), e.detail.get("batch"), e.detail.get("from")) for e in evs[sid]] for sid in ids}
+        assert [(sid, said[sid]) for sid in ids if len(evs[sid]) != 1][:4] == []
         recs = await records_of(js, ids)
         assert [sid for sid in ids if recs[sid] is None or recs[sid].host_id != evs[sid][0].host_id] == []
         made = created(log)

@@ -103,7 +103,7 @@ async def assert_exactly_once(js, ids: list[str], from_record: set[str] | None =
     with contextlib.suppress(AssertionError):
         # a ready said from the record by another host comes once the maker's own is surely not coming
         # (hostagent._intake.DROPPED_WAIT_S after the record)
-        await eventually(all_there, timeout=45, what="every ready event stored")
+        await eventually(all_there, timeout=70, what="every ready event stored")
     missing = [sid for sid in ids if sid not in evs]
     if missing:
         recs = await records_of(js, missing[:20])
