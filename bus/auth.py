@@ -82,7 +82,7 @@ def _tenant_js_api(tenant: str) -> list[str]:
     the server can check both against the tenant's prefix. (``STREAM.MSG.GET`` and filterless
     creates carry the subject in the body, out of the server's sight: not allowed.)"""
     allow = []
-    for stream, own in ((S.STREAM_EVT, S.evt_tenant(tenant)), (S.STREAM_TRAJ, S.traj_tenant(tenant))):
+    for stream, own in ((S.STREAM_EVT, S.evt_tenant(tenant)), (S.STREAM_EVT, S.evt_ready_tenant(tenant)), (S.STREAM_TRAJ, S.traj_tenant(tenant))):
         allow += [f"$JS.API.DIRECT.GET.{stream}.{own}", f"$JS.API.CONSUMER.CREATE.{stream}.*.{own}"]
     return allow
 
@@ -142,6 +142,8 @@ def _rollouts_permissions() -> dict[str, Any]:
         *_CLIENT_COMMON_PUBLISH,
         f"$JS.API.DIRECT.GET.{S.STREAM_TRAJ}.{any_log}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_TRAJ}.*.{any_log}",
         f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{any_evt}", f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{S.evt_tenant(ROLLOUTS_ROLE)}",
+        # the batch ready events of the jobs' sandboxes (a lost reply's slow path: sdk._async), under their owners' tenants
+        f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.*.{S.evt_ready_tenant()}",
         f"{S.PREFIX}.dlq.>",
         f"$KV.{S.KV_ROLLOUTS}.>", *_read_js_api([records]), f"$JS.API.STREAM.CREATE.{records}", f"$JS.API.STREAM.UPDATE.{records}",
         f"$JS.API.STREAM.INFO.{rollouts}", f"$JS.API.STREAM.CREATE.{rollouts}", f"$JS.API.STREAM.UPDATE.{rollouts}",

@@ -150,13 +150,19 @@ class SandboxEvent(Struct, kw_only=True, tag=True):
 
 
 class ReadyMany(Struct, kw_only=True, tag=True):
-    """Sandboxes of one hand-off to a host that are ready, told the creating client's inbox at once
-    (``reply_to``); the stream still holds one ``ready`` SandboxEvent for each."""
+    """Sandboxes of one hand-off to a host (a host batch) that are ready: told each creating client's
+    inbox at once (``reply_to``: its own members), and stored in DSEC_EVT once per tenant of the batch
+    on ``dsec.evt.ready.<tenant>.<host>`` (bus.subjects.evt_ready) in place of one ``ready``
+    SandboxEvent per member. Each member's record (stored before) is the durable fact; a per-sandbox
+    replay finds the batch events that name it. ``detail``: placed_by, create_ms, placed_ms (of the
+    batch's earliest request)."""
 
     sandbox_ids: list[str]
     host_id: str
     at: float
     attempt: int = 0
+    batch_id: str = ""
+    detail: dict[str, str] = {}
 
 
 CreateReply = SandboxEvent | ReadyMany  # what a create's reply_to inbox receives
@@ -199,7 +205,7 @@ class SnapshotEvent(Struct, kw_only=True, tag=True):
     detail: dict[str, str] = {}
 
 
-EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent | SnapshotEvent
+EventMessage = SandboxEvent | HostEvent | GuardViolation | ImageEvent | SnapshotEvent | ReadyMany
 
 
 # --- KV records ---------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from .messages import (
     BuildImage,
     CreateBatch,
     CreateReply,
+    ReadyMany,
     CreateSandbox,
     Done,
     ExecChunk,
@@ -102,6 +103,9 @@ CHANNELS: list[Channel] = [
             doc="Placement's work for one host (signed; services only): a core hand-off the host answers when it is durable."),
     Channel(f"{S.PREFIX}.evt.sandbox.{{tenant}}.{{id}}.{{kind}}", SandboxEvent, stream=S.STREAM_EVT,
             doc=f"Lifecycle of a sandbox; kind is one of {', '.join(get_args(SandboxEventKind))}."),
+    Channel(f"{S.PREFIX}.evt.ready.{{tenant}}.{{host}}", ReadyMany, stream=S.STREAM_EVT,
+            doc="A host batch's sandboxes of one tenant that became ready (one event naming its members, in place of a "
+                "ready SandboxEvent each); each member's record is stored before it."),
     Channel(f"{S.PREFIX}.evt.host.{{host}}.{{kind}}", HostEvent, stream=S.STREAM_EVT,
             doc=f"A host came up, went down or recovered; kind is one of {', '.join(get_args(HostEventKind))}."),
     Channel(S.EVT_GUARD_VIOLATION, GuardViolation, stream=S.STREAM_EVT, doc="A sandbox tripped a security rule."),

@@ -93,7 +93,7 @@ def _core_streams(opts: StreamOptions) -> list[StreamConfig]:
 
 KV_BUCKETS: dict[str, dict[str, int]] = {
     S.KV_HOSTS: {"history": 1},
-    S.KV_SANDBOXES: {"history": 1},
+    S.KV_SANDBOXES: {"history": 1, "atomic": 1},  # a host batch's records are claimed in atomic batches (KV.claim_atomic)
     S.KV_IMAGES: {"history": 5},
     S.KV_PROFILES: {"history": 10},
     S.KV_ROLLOUTS: {"history": 1, "direct": 1},  # a tenant reads its own jobs by direct gets (bus.auth)
@@ -119,18 +119,24 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, storage: StorageType =
     replicas = default_replicas() if replicas is None else replicas
     opts = KV_BUCKETS.get(bucket, {"history": 1})
     direct = bool(opts.get("direct"))
+    atomic = bool(opts.get("atomic"))
     try:
         kv = await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
-        return await js.create_key_value(
+        kv = await js.create_key_value(
             config=KeyValueConfig(bucket=bucket, history=opts["history"], storage=storage, replicas=replicas, direct=direct or None)
         )
-    if not direct and replicas == 1:  # nothing to compare: spare the extra request on one node
+        if not atomic:
+            return kv
+    if not direct and not atomic and replicas == 1:  # nothing to compare: spare the extra request on one node
         return kv
     si = await js.stream_info(f"KV_{bucket}")
-    # a bucket made before it was read by direct gets, or on one node before the cluster grew
-    if (direct and not si.config.allow_direct) or (si.config.num_replicas or 1) != replicas:
-        await js.update_stream(replace(si.config, allow_direct=si.config.allow_direct or direct, num_replicas=replicas))
+    # a bucket made before it was read by direct gets or written in atomic batches (nats-py's bucket
+    # config has no such setting), or on one node before the cluster grew
+    if (direct and not si.config.allow_direct) or (atomic and not si.config.allow_atomic) or (si.config.num_replicas or 1) != replicas:
+        await js.update_stream(replace(
+            si.config, allow_direct=si.config.allow_direct or direct, allow_atomic=si.config.allow_atomic or atomic or None, num_replicas=replicas,
+        ))
         kv = await js.key_value(bucket)
     return kv
 

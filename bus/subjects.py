@@ -212,6 +212,21 @@ EVT_SANDBOX_ALL = f"{PREFIX}.evt.sandbox.>"
 EVT_ALL = EVT_SUBJECTS[0]
 
 
+# A host batch's ready sandboxes, one event for the members of one tenant (bus.messages.ReadyMany):
+# ``dsec.evt.ready.<tenant>.<host>``. Not under ``dsec.evt.sandbox.``: a per-sandbox replay reads it
+# beside the sandbox's own subject, and a consumer's filters must not overlap.
+def evt_ready(tenant: str, host_id: str) -> str:
+    return f"{PREFIX}.evt.ready.{_tok(tenant)}.{_tok(host_id)}"
+
+
+def evt_ready_tenant(tenant: str = "*") -> str:
+    """Every batch ready event of one tenant (``*``: of every tenant)."""
+    return f"{PREFIX}.evt.ready.{tenant if tenant == '*' else _tok(tenant)}.>"
+
+
+EVT_READY_ALL = f"{PREFIX}.evt.ready.>"
+
+
 def evt_host(host_id: str, kind: str) -> str:
     return f"{PREFIX}.evt.host.{_tok(host_id)}.{kind}"
 

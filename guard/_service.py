@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, SandboxEvent, SandboxRecord, SecurityProfile, ViolationAction
+from bus.messages import AuditPolicy, GuardViolation, KillRequest, ReadyMany, SandboxEvent, SandboxRecord, SecurityProfile, ViolationAction
 from bus.runtime import KV, Service, Watch
 from bus.streams import ensure_all
 
@@ -291,6 +291,9 @@ class Guard(Service):
                     self._forget(ev.sandbox_id)
                 elif ev.kind in ("ready", "recovered"):
                     self._gone.pop(ev.sandbox_id, None)
+            elif isinstance(ev, ReadyMany):  # a host batch's members, ready together
+                for sid in ev.sandbox_ids:
+                    self._gone.pop(sid, None)
             elif isinstance(ev, GuardViolation) and ev.detail.get("source") != SOURCE and ev.sandbox_id not in self._gone:
                 # Reported by another component (say, the network filter): apply the profile.
                 action = self._action(await self._audit_policy(ev.sandbox_id), ev.kind)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 import structlog
 from nats.aio.msg import Msg
 
@@ -22,10 +23,10 @@ from bus.errors import (
     UnknownTemplate,
     UnsupportedBackend,
 )
-from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxSpec
+from bus.messages import CreateSandbox, LayerRef, PlaceBatch, PlaceSandbox, SandboxRecord, SandboxSpec
 from bus.messages import ImageDefaults, TemplateManifest
 from bus.rules import Allocation, Capacity, refusal
-from bus.runtime import KV
+from bus.runtime import KV, Claim, LookupFailed, ReadyScan, find_ready_many, own_ready_since
 from bus.sign import ERR_BAD_SIGNATURE, verify
 
 from ._backend import Backend, Capabilities
@@ -42,6 +43,16 @@ from ._tenancy import check_template
 log = structlog.get_logger("dsec.hostagent")
 
 LAYERS_TTL_S = 10.0
+# Ids announced in a batch ready event, remembered (the latest this many) so a redelivered hand-off
+# that finds one here does not say it again in an event of its own, which the stream could not
+# de-duplicate against the batch's.
+ANNOUNCED_KEPT = 65536
+# A duplicate create dropped for another host's running record made less than this long ago: that
+# host's batch event naming it (or its own) is looked for until then before ``ready`` is said from
+# the record (the maker died before announcing it).
+DROPPED_WAIT_S = 45.0  # past a stream leader's election and the maker's storing again of what it fired meanwhile (bus.runtime.publisher)
+DROPPED_MAX_S = 120.0  # while the stream does not answer at all
+DROPPED_POLL_S = 0.5
 
 
 class Intake:
@@ -65,6 +76,8 @@ class Intake:
         self.dedup_window_s = dedup_window_s
         self.creating = creating
         self.created = 0
+        self.announced: dict[str, None] = {}  # insertion-ordered: ANNOUNCED_KEPT
+        self._later: set[asyncio.Task[None]] = set()  # duplicates' ready said from the record, once its maker had its chance
         self.kv_images: KV[TemplateManifest] | None = None
         self._layers_cache: dict[str, list[LayerRef]] = {}
         self._owners: dict[str, str] = {}  # a template's owner tenant ("": shared), read with its layers
@@ -74,6 +87,13 @@ class Intake:
         # Admitted, being made by the backend, not in the registry yet: counted by admission too, or
         # creates that wait on the backend together would all be admitted against the same free room.
         self.pending = Allocation()
+
+    async def stop(self) -> None:
+        """Stop saying duplicates' ready from their records (a host going away)."""
+        for t in list(self._later):
+            t.cancel()
+        if self._later:
+            await asyncio.wait(set(self._later), timeout=5.0)
 
     # --- the consumer's handler --------------------------------------------------------------
     async def handle(self, msg: Msg) -> None:
@@ -171,8 +191,10 @@ class Intake:
     # --- create ------------------------------------------------------------------------------------
     async def create_one(
         self, spec: SandboxSpec, attempt: int, excluded: list[str], *, claim: bool = True, held: bool = False,
-        placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None,
+        placed: tuple[str, float] = ("", 0.0), ready: list[SandboxSpec] | None = None, again: bool = False,
     ) -> None:
+        """``held``: the caller claimed the id (``again``: over a record of this host's own, so the
+        sandbox may have been announced before)."""
         # (no structlog context binding here: it costs more than the rest of a simulated create;
         # the log lines of this path name the sandbox themselves)
         sid = spec.sandbox_id
@@ -183,8 +205,12 @@ class Intake:
             elif await self.records.claim(spec, self.records.record_of(ls, "running")):
                 # Redelivery: say it again, its record first. The delivery that created it may have failed
                 # to store the record (the server went away between create and record): the sandbox is held
-                # here, but nothing else knows it exists.
-                await self.records.event(spec, "ready", attempt=attempt)
+                # here, but nothing else knows it exists. One announced in a batch event is only told
+                # its creating client again (an event of its own would be a second one in the stream).
+                if sid in self.announced or await self._in_batch_event(spec, self.host_id, min(spec.requested_at, ls.started_at)):
+                    await self.records.ready_many([spec], attempt, store=False)
+                else:
+                    await self.records.event(spec, "ready", attempt=attempt)
             else:  # that earlier delivery never claimed the id, and another host has it now
                 self.reaper.begin(sid, "duplicate")
                 await self._dropped(spec, attempt)
@@ -206,9 +232,11 @@ class Intake:
             await self._reject(spec, attempt, excluded, why)
             return
         if claim:
-            if not await self.records.claim(spec):
+            got = await self.records.claim(spec)
+            if not got:
                 await self._dropped(spec, attempt)
                 return
+            again = got is Claim.MINE
             other = self.creating.get(sid)
             if other is not None or sid in self.registry:
                 # Another hand-off of this id (a grouped one, and the re-placed copy of its redelivered
@@ -219,7 +247,7 @@ class Intake:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.creating[sid] = fut
         try:
-            await self._do_create(spec, attempt, claimed=claim or held, placed=placed, ready=ready)
+            await self._do_create(spec, attempt, claimed=claim or held, placed=placed, ready=ready, again=again)
         finally:
             self.creating.pop(sid, None)
             fut.set_result(None)
@@ -233,21 +261,27 @@ class Intake:
         reg = self.registry
         todo = [s for s in work.specs if s.sandbox_id not in reg and s.sandbox_id not in self.creating and not self.admits(s)]
         claimed: set[str] = set()
+        ours: set[str] = set()  # claimed over a record of this host's own
         if todo:
             oks = await asyncio.gather(*(self.records.claim(s) for s in todo), return_exceptions=True)
             for s, ok in zip(todo, oks, strict=True):
-                if ok is True:
+                if ok is Claim.WON or ok is Claim.MINE:
                     claimed.add(s.sandbox_id)
+                if ok is Claim.MINE:
+                    ours.add(s.sandbox_id)
         # Members not claimed above (taken already, or admission said no) take the one-by-one path,
         # which re-checks the claim and rejects or re-places as a single create would.
         done: list[SandboxSpec] = []
-        await asyncio.gather(*(
+        t0 = time.perf_counter()
+        outcomes = await asyncio.gather(*(
             self.create_one(
                 s, work.attempt, [], claim=s.sandbox_id not in claimed, held=s.sandbox_id in claimed, placed=(work.placed_by, work.placed_at), ready=done,
+                again=s.sandbox_id in ours,
             )
             for s in work.specs
-        ))
-        await self.records.ready_many(done, work.attempt)
+        ), return_exceptions=True)
+        await self._ready_many(work, done, t0)
+        _raise_first(outcomes)
 
     async def _create_fresh(self, work: PlaceBatch) -> None:
         """First hand-off of a first-time batch, as one piece of work: create first, then claim with the
@@ -260,6 +294,7 @@ class Intake:
         reg = self.registry
         placed = (work.placed_by, work.placed_at)
         now = time.time()
+        t0 = time.perf_counter()
         group: list[SandboxSpec] = []
         alone: list[SandboxSpec] = []
         mine: dict[str, asyncio.Future[None]] = {}  # this call's entries in ``creating``
@@ -286,10 +321,18 @@ class Intake:
                     held.discard(s.sandbox_id)
                     self._hold(s, -1)
             self._settle(mine)
-        await self.records.ready_many(ready, work.attempt)
-        for o in outcomes:
-            if isinstance(o, BaseException):
-                raise o  # not done: the hand-off is redelivered, and each member claimed then
+        await self._ready_many(work, ready, t0)
+        _raise_first(outcomes)
+
+    async def _ready_many(self, work: PlaceBatch, ready: list[SandboxSpec], t0: float) -> None:
+        """One event per tenant names the hand-off's ready members (their records are stored)."""
+        if not ready:
+            return
+        detail = {"create_ms": f"{(time.perf_counter() - t0) * 1000:.1f}"}
+        if work.placed_by:
+            detail["placed_by"] = work.placed_by
+            detail["placed_ms"] = f"{max(0.0, work.placed_at - min(s.requested_at for s in ready)) * 1000:.1f}"
+        await self.records.ready_many(ready, work.attempt, batch_id=work.batch_id, detail=detail)
 
     async def _create_group(
         self, group: list[SandboxSpec], held: set[str], mine: dict[str, "asyncio.Future[None]"], attempt: int,
@@ -306,10 +349,10 @@ class Intake:
             got = await self.records.claim_running([self.records.record_of(ls, "running") for ls in live])
             announced: list[SandboxSpec] = []
             for ls, g in zip(live, got, strict=True):
-                if g is True:
-                    await self._announce(ls, attempt, t0, placed, ready, counted=True)
+                if g is Claim.WON or g is Claim.MINE:
+                    await self._announce(ls, attempt, t0, placed, ready, counted=True, again=g is Claim.MINE)
                     announced.append(ls.spec)
-                elif g is False:
+                elif g is Claim.LOST:
                     self.reaper.begin(ls.spec.sandbox_id, "duplicate")
                     await self._dropped(ls.spec, attempt)
                 elif failed is None:  # the sandbox is held here without its record: a redelivery stores it
@@ -340,7 +383,78 @@ class Intake:
             return
         if rec.spec.generation != spec.generation:
             return  # another incarnation of the id (a resumed pause): not this create's outcome
+        assert self.records.nc is not None
+        scan = ReadyScan(self.records.nc, S.tenant(spec.client), rec.host_id, spec.sandbox_id, rec.ready_at - 1.0)
+        said = await self._said(spec, rec, scan)
+        if said:
+            # That host announced it (a batch event, or its own): told again to its creating client only.
+            await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
+            return
+        if said is False and time.time() - rec.ready_at >= DROPPED_WAIT_S:
+            await self._say_from_record(spec, rec, attempt)
+            return
+        # A record made moments ago (or the stream not answering): its host may still be announcing the
+        # rest of its batch (with this one in the same event, which may wait on this host's own batch:
+        # not waited for here, or two hosts dropping each other's copies would wait on each other), or
+        # storing again what it fired while the stream was away. Looked for in the background until it
+        # would have been out; then said from the record (the maker died).
+        task = asyncio.ensure_future(self._said_later(spec, rec, attempt, scan))
+        self._later.add(task)
+        task.add_done_callback(self._later.discard)
+
+    async def _said(self, spec: SandboxSpec, rec: SandboxRecord, scan: ReadyScan) -> bool | None:
+        """Whether the record's host announced the sandbox, in a batch event (``scan`` goes on where it
+        stopped) or one of its own (None: unknown, the stream did not answer)."""
+        assert self.records.nc is not None
+        try:
+            return await scan.look() is not None or await own_ready_since(self.records.nc, S.tenant(spec.client), spec.sandbox_id, rec.ready_at - 1.0)
+        except LookupFailed:
+            return None
+
+    async def _said_later(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int, scan: ReadyScan) -> None:
+        deadline = time.monotonic() + max(0.0, rec.ready_at + DROPPED_WAIT_S - time.time())
+        give_up = time.monotonic() + DROPPED_MAX_S
+        try:
+            while True:
+                await asyncio.sleep(DROPPED_POLL_S)  # the next look (bounded by the deadlines)
+                said = await self._said(spec, rec, scan)
+                if said:
+                    await self.records.ready_many([spec], attempt, store=False, host_id=rec.host_id)
+                    return
+                now = time.monotonic()
+                if (said is False and now >= deadline) or now >= give_up:
+                    break
+            await self._say_from_record(spec, rec, attempt, again=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NATS away: the record stays the fact clients read
+            log.warning("ready_from_record_failed", sandbox_id=spec.sandbox_id, error=repr(exc))
+
+    async def _say_from_record(self, spec: SandboxSpec, rec: SandboxRecord, attempt: int, *, again: bool = False) -> None:
+        """``ready``, for the record's host, from the record (``again``: read once more first: it may
+        have changed meanwhile, its host declared down, say)."""
+        if again:
+            assert self.records.kv is not None
+            now = await self.records.kv.get(spec.sandbox_id)
+            if now is None or now.host_id != rec.host_id or now.state not in ("running", "paused") or now.spec.generation != spec.generation:
+                return
         await self.records.event(spec, "ready", attempt=attempt, host_id=rec.host_id, detail={"from": "record", "seen_by": self.host_id})
+
+    def _remember(self, sid: str) -> None:
+        """``sid`` is announced in a batch event (the latest ``ANNOUNCED_KEPT`` are kept)."""
+        self.announced[sid] = None
+        if len(self.announced) > ANNOUNCED_KEPT:
+            del self.announced[next(iter(self.announced))]
+
+    async def _in_batch_event(self, spec: SandboxSpec, host_id: str, ready_at: float) -> bool:
+        """Whether ``host_id`` announced the sandbox in a batch ready event (looked up in the stream:
+        a host that restarted, or another host, does not remember it); not known (the stream does not
+        answer): False, so it is said again (twice rather than never)."""
+        assert self.records.nc is not None
+        try:
+            return await find_ready_many(self.records.nc, S.tenant(spec.client), host_id, spec.sandbox_id, ready_at - 1.0) is not None
+        except LookupFailed:
+            return False
 
     async def _reject(self, spec: SandboxSpec, attempt: int, excluded: list[str], why: str) -> None:
         err = HostRejected(f"host {self.host_id} is full: {why}", host_id=self.host_id)
@@ -352,11 +466,12 @@ class Intake:
 
     async def _do_create(
         self, spec: SandboxSpec, attempt: int, *, claimed: bool = True, placed: tuple[str, float] = ("", 0.0),
-        ready: list[SandboxSpec] | None = None,
+        ready: list[SandboxSpec] | None = None, again: bool = False,
     ) -> None:
         """Create, then store the record and announce ``ready``.
 
-        ``claimed``: this host already holds the id's claim (a KV create before creating). Otherwise the
+        ``claimed``: this host already holds the id's claim (a KV create before creating; ``again``: over
+        a record of its own, so the sandbox may have been announced before). Otherwise the
         record itself is the claim, written with a KV create once the sandbox exists: if another host's
         record is there first, this copy is removed silently and the other host's stands.
         ``ready``: the caller tells the creating client (``Records.ready_many``); the sandbox joins it.
@@ -368,11 +483,14 @@ class Intake:
         await self.ops.serve(spec.sandbox_id)
         if claimed:
             await self.records.record(ls, "running")
-        elif not await self.records.claim(spec, self.records.record_of(ls, "running")):
-            self.reaper.begin(spec.sandbox_id, "duplicate")
-            await self._dropped(spec, attempt)
-            return
-        await self._announce(ls, attempt, t0, placed, ready)
+        else:
+            got = await self.records.claim(spec, self.records.record_of(ls, "running"))
+            if not got:
+                self.reaper.begin(spec.sandbox_id, "duplicate")
+                await self._dropped(spec, attempt)
+                return
+            again = got is Claim.MINE  # made again over this host's own record (it lost the sandbox)
+        await self._announce(ls, attempt, t0, placed, ready, again=again)
 
     async def _make(self, spec: SandboxSpec, attempt: int, *, held: set[str] | None = None) -> LocalSandbox | None:
         """The sandbox, made by the backend and held in the registry; None when it could not be made
@@ -425,11 +543,12 @@ class Intake:
 
     async def _announce(
         self, ls: LocalSandbox, attempt: int, t0: float, placed: tuple[str, float], ready: list[SandboxSpec] | None,
-        *, counted: bool = False,
+        *, counted: bool = False, again: bool = False,
     ) -> None:
         """Its record is stored: say ``ready`` (not acked: the record is the durable fact, and a client
         that misses this reads it). It also says who placed the sandbox and when: placement writes no
-        event of its own."""
+        event of its own. A member of a host batch (``ready``) joins the batch's one event instead,
+        unless (``again``: it may have been made and announced before) a batch event names it already."""
         spec = ls.spec
         if spec.snapshot:
             await self.snapshots.restored(ls)
@@ -437,9 +556,16 @@ class Intake:
         if placed[0]:
             detail["placed_by"] = placed[0]
             detail["placed_ms"] = f"{max(0.0, placed[1] - spec.requested_at) * 1000:.1f}"
-        await self.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False, reply=ready is None)
-        if ready is not None:
+        if again and await self._in_batch_event(spec, self.host_id, spec.requested_at):
+            # Made again under its own record (this host lost it in a restart): its batch event stands,
+            # which the stream cannot de-duplicate another against; its creating client is told.
+            self._remember(spec.sandbox_id)
+            await self.records.ready_many([spec], attempt, store=False)
+        elif ready is None:
+            await self.records.event(spec, "ready", attempt=attempt, detail=detail, acked=False)
+        else:  # a member of a host batch: the caller announces the batch in one event (Records.ready_many)
             ready.append(spec)
+            self._remember(spec.sandbox_id)
         self.created += 1
         if not counted:  # else the caller counts its batch at once
             self.m.ready(spec, time.perf_counter() - t0)
@@ -450,6 +576,13 @@ class Intake:
         self.m.creates.inc(result="failed")
         await self.records.event(spec, "failed", attempt=attempt, err=err)
         await self.records.failed(spec, err)
+
+
+def _raise_first(outcomes: list[Any]) -> None:
+    """Members' work not done: the hand-off is redelivered (each member claimed then)."""
+    for o in outcomes:
+        if isinstance(o, BaseException):
+            raise o
 
 
 __all__ = ["Intake", "LAYERS_TTL_S"]

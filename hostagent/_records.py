@@ -77,10 +77,11 @@ class Records:
         assert self.kv is not None
         await self.kv.delete(sid)
 
-    async def claim(self, spec: SandboxSpec, rec: SandboxRecord | None = None) -> bool:
+    async def claim(self, spec: SandboxSpec, rec: SandboxRecord | None = None) -> Claim:
         """Claim the sandbox id cluster-wide with ``rec`` (default: a claim record); False when another
-        host owns it. A record this host wrote in one of ``OURS`` is ours (and is then overwritten
-        with ``rec``); an unreadable one is treated as absent (the runtime's one rule)."""
+        host owns it (``Claim.LOST``, falsy). A record this host wrote in one of ``OURS`` is ours
+        (``Claim.MINE``, and is then overwritten with ``rec``); an unreadable one is treated as absent
+        (the runtime's one rule)."""
         assert self.kv is not None
         if rec is None:
             rec = SandboxRecord(spec=spec, state=CLAIM_STATE, host_id=self.host_id, created_at=spec.requested_at)
@@ -88,25 +89,23 @@ class Records:
         got = await self.kv.claim(spec.sandbox_id, rec, mine=functools.partial(self._mine, rec=rec))
         if got is Claim.MINE and rec.state != CLAIM_STATE:
             await self.put(rec)
-        return bool(got)
+        return got
 
-    async def claim_running(self, recs: list[SandboxRecord]) -> list[bool | BaseException]:
-        """``claim`` with each of ``recs`` (records of sandboxes this host just made), written
-        pipelined; per record: claimed (stored), lost to another host, or what storing it raised."""
+    async def claim_running(self, recs: list[SandboxRecord]) -> list[Claim | BaseException]:
+        """``claim`` with each of ``recs`` (records of sandboxes this host just made), written as one
+        atomic batch (each id's record created, or none: then one by one, pipelined); per record:
+        claimed (``WON``; ``MINE``: over a record of this host's own, now stored), lost to another
+        host (``LOST``), or what storing it raised."""
         assert self.kv is not None
-        got = await self.kv.claim_many([(r.spec.sandbox_id, r) for r in recs], mine=self._mine)
-        out: list[bool | BaseException] = []
+        got = await self.kv.claim_atomic([(r.spec.sandbox_id, r) for r in recs], mine=self._mine)
+        out: list[Claim | BaseException] = []
         for rec, g in zip(recs, got, strict=True):
-            if isinstance(g, BaseException):
-                out.append(g)
-            elif g is Claim.MINE:
+            if g is Claim.MINE:
                 try:
                     await self.put(rec)
-                    out.append(True)
                 except InternalError as exc:
-                    out.append(exc)
-            else:
-                out.append(bool(g))
+                    g = exc
+            out.append(g)
         return out
 
     def _mine(self, cur: SandboxRecord, rec: SandboxRecord) -> bool:
@@ -125,11 +124,14 @@ class Records:
         except (StoreError, asyncio.TimeoutError) as exc:
             raise InternalError(f"{kind} event of {spec.sandbox_id} not stored: {exc}") from None
 
-    async def ready_many(self, specs: list[SandboxSpec], attempt: int = 0) -> None:
-        """The creating clients hear of a hand-off's ready sandboxes in one message each (core: a
-        client that misses it finds each one's record or event)."""
+    async def ready_many(
+        self, specs: list[SandboxSpec], attempt: int = 0, *, batch_id: str = "", detail: dict[str, str] | None = None, store: bool = True,
+        host_id: str | None = None,
+    ) -> None:
+        """A hand-off's ready sandboxes: one event per tenant naming them (``store``), and the creating
+        clients told in one message each (core: a client that misses it finds the record or the event)."""
         assert self.events is not None
-        await self.events.ready_many(specs, attempt)
+        await self.events.ready_many(specs, attempt, batch_id=batch_id, detail=detail, store=store, host_id=host_id)
 
     async def host_event(self, kind: HostEventKind) -> None:
         assert self.events is not None

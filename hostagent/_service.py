@@ -179,6 +179,7 @@ class HostAgent(Service):
             if self.reaper.teardowns:
                 await asyncio.wait(set(self.reaper.teardowns.values()), timeout=max(self.grace_s, 60.0))
         await self.reaper.stop()
+        await self.intake.stop()
         await self.snapshots.forks.stop()
         await self.ops.stop()
         await self.execio.stop()

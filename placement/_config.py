@@ -23,6 +23,10 @@ class PlacementConfig:
     capacity: int = field(default=512, metadata=setting("requests held at once by this replica (until their hosts answer)"))
     strategy: Literal["spread", "pack"] = field(default=Policy.strategy, metadata=setting("spread load over hosts, or pack them"))
     sample_k: int = field(default=Policy.sample_k, metadata=setting("candidate hosts scored per decision"))
+    coalesce: int = field(
+        default=Policy.coalesce,
+        metadata=setting("single creates that arrive together go to one host in runs of at least this many (one hand-off, record batch and ready event each)"),
+    )
     ack_wait_s: float = field(default=10.0, metadata=setting("seconds before a dead replica's requests are redelivered", flag="--ack-wait"))
     pending_delay_s: float = field(default=0.5, metadata=setting("first re-try delay of a request no host fits", flag="--pending-delay"))
     max_attempts: int = field(default=5, metadata=setting("hand-offs of one request before it fails (no_capacity)"))
@@ -47,7 +51,7 @@ class PlacementConfig:
     stream_options: StreamOptions | None = None  # None: the defaults, on stream_storage
 
     def placement_policy(self) -> Policy:
-        return self.policy if self.policy is not None else Policy(sample_k=self.sample_k, strategy=self.strategy)
+        return self.policy if self.policy is not None else Policy(sample_k=self.sample_k, strategy=self.strategy, coalesce=max(1, self.coalesce))
 
     def streams(self) -> StreamOptions:
         if self.stream_options is not None:

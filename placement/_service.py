@@ -178,7 +178,7 @@ class Placement(Service):
         # same host (chosen as for any create) in one hand-off, so a host gets one message for several
         # creates. A group is a batch to the host: it claims each id with its record, so a copy re-placed
         # after this replica died cannot be created twice.
-        runs = _Runs(self.table, len(msgs))
+        runs = _Runs(self.table, len(msgs), self.table.policy.coalesce)
         groups: dict[str, list[tuple[Msg, SandboxSpec]]] = {}
         batches: list[asyncio.Task[None]] = []  # each held until its hosts answer, beside the singles
         reqs: list[tuple[Msg, CreateSandbox | CreateBatch]] = []
@@ -553,13 +553,14 @@ _Out = tuple[Msg, asyncio.Future[Any], str, SandboxSpec | None]
 
 class _Runs:
     """Consecutive creates go to the same host in runs of ``per_host`` while they fit there: ``count``
-    creates land on about ``policy.batch_hosts`` hosts, each run's host chosen as a single create's is."""
+    creates land on about ``policy.batch_hosts`` hosts (runs of ``at_least``: fewer), each run's host
+    chosen as a single create's is."""
 
     __slots__ = ("table", "per_host", "cur", "n")
 
-    def __init__(self, table: HostTable, count: int) -> None:
+    def __init__(self, table: HostTable, count: int, at_least: int = 1) -> None:
         self.table = table
-        self.per_host = max(1, -(-count // max(1, table.policy.batch_hosts)))
+        self.per_host = max(1, at_least, -(-count // max(1, table.policy.batch_hosts)))
         self.cur: str | None = None
         self.n = 0
 

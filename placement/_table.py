@@ -111,6 +111,9 @@ class Policy:
     mem_resident_limit: float = 0.95  # resident memory + newcomers must stay under this share of RAM
     locality_weight: float = 0.5
     batch_hosts: int = 32  # a batch spreads over at most about this many hosts (fewer, bigger hand-offs)
+    # First-time single creates that arrive together go to one host in runs of at least this many while
+    # they fit: one hand-off, one atomic batch of records and one ready event for the run, not one each.
+    coalesce: int = 8
     pool_cpu_overcommit: dict[str, float] = field(default_factory=dict)
     min_disk_free_mb: int = 1024  # a host whose data dir has less free gets no creates (snapshots, layers and scratch need room)
 

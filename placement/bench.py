@@ -30,7 +30,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import LayerRef, SandboxEvent, TemplateManifest
+from bus.messages import LayerRef, ReadyMany, SandboxEvent, TemplateManifest
 from bus.natsd import NatsCluster
 from bus.runtime import connect, scrape_all
 from bus.streams import REPLICAS_ENV, StreamOptions, ensure_all, ensure_kv
@@ -56,6 +56,7 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--sim-procs", type=int, default=0, help="processes the simulated hosts are spread over (0: auto)")
     c.add_argument("--host-concurrency", type=int, default=8, help="creates a host handles at once")
     c.add_argument("--placement-capacity", type=int, default=512)
+    c.add_argument("--coalesce", type=int, default=0, help="placement's runs of single creates to one host (0: its default)")
     c.add_argument("--storage", choices=["memory", "file"], default="file", help="JetStream storage of the streams (file: as production runs)")
     c.add_argument("--cpu", type=float, default=1.0)
     c.add_argument("--memory-mb", type=int, default=512)
@@ -290,7 +291,7 @@ async def _run(
     # placement first: its ensure_all() must not race the simulated hosts' consumer creation
     for r in range(args.replicas):
         procs.append(_Proc(f"placement-{r}", [py, "-m", "placement", "--replica-id", f"p{r}", "--capacity", str(args.placement_capacity),
-                                              "--stream-storage", args.storage], env, logs))
+                                              "--stream-storage", args.storage, *(["--coalesce", str(args.coalesce)] if args.coalesce else [])], env, logs))
 
     async def placement_ready() -> bool:
         try:
@@ -380,6 +381,7 @@ async def _run(
         "seconds": round(span, 3),
         "count": args.count,
         "batch": args.batch,
+        "coalesce": args.coalesce,
         "replicas": args.replicas,
         "sim_hosts": args.sim_hosts,
         "sim_procs": n_procs,
@@ -407,7 +409,8 @@ async def _run(
 
 
 async def _count_ready(js: Any) -> tuple[dict[str, int], dict[str, set[str]]]:
-    """Every ``ready`` event in DSEC_EVT, per sandbox id (and the hosts that sent them)."""
+    """Every announcement of ``ready`` in DSEC_EVT, per sandbox id (and the hosts that sent them): a
+    sandbox's own ``ready`` event, or a host batch's event naming it (bus.messages.ReadyMany)."""
     counts: dict[str, int] = {}
     hosts: dict[str, set[str]] = {}
     info = await js.stream_info(S.STREAM_EVT)
@@ -415,8 +418,11 @@ async def _count_ready(js: Any) -> tuple[dict[str, int], dict[str, set[str]]]:
         return counts, hosts
     durable = f"bench-count-{uuid.uuid4().hex[:6]}"
     sub = await js.pull_subscribe(
-        f"{S.PREFIX}.evt.sandbox.*.*.ready", durable=durable, stream=S.STREAM_EVT,
-        config=ConsumerConfig(durable_name=durable, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, max_waiting=4),
+        "", durable=durable, stream=S.STREAM_EVT,
+        config=ConsumerConfig(
+            durable_name=durable, deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, max_waiting=4,
+            filter_subjects=[f"{S.PREFIX}.evt.sandbox.*.*.ready", S.EVT_READY_ALL],
+        ),
     )
     try:
         while True:
@@ -433,11 +439,15 @@ async def _count_ready(js: Any) -> tuple[dict[str, int], dict[str, set[str]]]:
                 except Exception:  # noqa: BLE001
                     continue
             for m in msgs:
-                sid = m.subject.split(".")[4]  # dsec.evt.sandbox.<tenant>.<id>.ready
-                counts[sid] = counts.get(sid, 0) + 1
                 ev = codec.EVENT.decode(m.data)
-                if isinstance(ev, SandboxEvent):
-                    hosts.setdefault(sid, set()).add(ev.host_id)
+                if isinstance(ev, ReadyMany):
+                    named = [(sid, ev.host_id) for sid in ev.sandbox_ids]
+                else:  # dsec.evt.sandbox.<tenant>.<id>.ready
+                    named = [(m.subject.split(".")[4], ev.host_id if isinstance(ev, SandboxEvent) else "")]
+                for sid, host in named:
+                    counts[sid] = counts.get(sid, 0) + 1
+                    if host:
+                        hosts.setdefault(sid, set()).add(host)
     finally:
         await sub.unsubscribe()
         await js.delete_consumer(S.STREAM_EVT, durable)

@@ -49,7 +49,10 @@ from .consumer import BatchHandler, Handler, PullConsumer, PullInbox, consumer_c
 from .deadletter import dead_letter, dead_letter_headers
 from .endpoint import Endpoint, EndpointStats, NotMine, error_of
 from .handoff import HandoffInbox, Handoffs
-from .events import ONCE_PER_ATTEMPT, REPLY_KINDS, Events, best_effort_event, event_msg_id, sandbox_event
+from .events import (
+    ONCE_PER_ATTEMPT, REPLY_KINDS, Events, LookupFailed, ReadyScan, best_effort_event, event_msg_id, find_ready_many, own_ready_since, ready_many_msg_id,
+    sandbox_event,
+)
 from .kv import KV, Claim, Versioned, Watch, kv_erase, kv_keys
 from .publisher import (
     ERR_WRONG_LAST_SEQUENCE, PubAck, Publisher, StoreError, decode_puback, nc_of, no_responders,
@@ -82,8 +85,13 @@ __all__ = [
     "ONCE_PER_ATTEMPT",
     "REPLY_KINDS",
     "Events",
+    "LookupFailed",
+    "ReadyScan",
     "best_effort_event",
     "event_msg_id",
+    "find_ready_many",
+    "own_ready_since",
+    "ready_many_msg_id",
     "sandbox_event",
     "KV",
     "Claim",

@@ -31,7 +31,7 @@ from .. import log as _log
 from ..codec import Decoder, encode
 from ..errors import BadRequest
 from ..streams import ensure_kv
-from .publisher import ERR_WRONG_LAST_SEQUENCE, Publisher, StoreError, nc_of, publisher_for
+from .publisher import ATOMIC_BATCH_MAX, ERR_WRONG_LAST_SEQUENCE, Publisher, StoreError, nc_of, publisher_for
 
 T = TypeVar("T")
 
@@ -325,6 +325,28 @@ class KV(Generic[T]):
                     out.append(again)
             except asyncio.TimeoutError as exc:
                 out.append(exc)
+        return out
+
+    async def claim_atomic(self, items: list[tuple[str, T]], *, mine: Callable[[T, T], bool] | None = None) -> list[Claim | BaseException]:
+        """``claim_many`` written as atomic batches (a bucket made with ``allow_atomic``): each batch
+        of keys that all hold nothing is stored at once, one answer for up to ``ATOMIC_BATCH_MAX``
+        creates (one replicated write instead of one each). A batch the bucket refuses (a key holds a
+        record already, the bucket has no atomic batches, too many in flight) stored nothing: its
+        keys go through ``claim_many``."""
+        if len(items) < 2:
+            return await self.claim_many(items, mine=mine)
+        pub = await self._pub()
+        hdr = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
+        chunks = [items[i:i + ATOMIC_BATCH_MAX] for i in range(0, len(items), ATOMIC_BATCH_MAX)]
+        futs = [await pub.publish_atomic([(self.subject(k), encode(v), hdr) for k, v in c]) for c in chunks]
+        out: list[Claim | BaseException] = []
+        for chunk, fut in zip(chunks, futs, strict=True):
+            try:
+                await fut
+                out += [Claim.WON] * len(chunk)
+            except (StoreError, asyncio.TimeoutError) as exc:
+                logger.debug("atomic_claims_refused", bucket=self.bucket, keys=len(chunk), error=repr(exc))
+                out += await self.claim_many(chunk, mine=mine)
         return out
 
     async def delete(self, key: str) -> None:

@@ -21,6 +21,7 @@ import itertools
 import logging
 import random
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -42,9 +43,16 @@ REFIRE_ATTEMPTS = 30  # stores again after a reconnect: each attempt waits 0.25-
 # is a stream between leaders (a node lost, an election under way), seconds at most. Bounded so that a
 # subject no stream takes still fails, within ~3 s; jittered so that many writers do not come back together.
 STORE_RETRY_ATTEMPTS = 5
+FIRE_ACK_TIMEOUT_S = 5.0  # an acked fire not answered within this is stored again (see ``fire``)
 STORE_RETRY_BASE_S = 0.1
 STORE_RETRY_CAP_S = 1.6
 ERR_WRONG_LAST_SEQUENCE = 10071  # JetStream: "wrong last sequence" (a KV create/update lost its race)
+# Atomic batch publish (nats-server 2.12+, a stream with allow_atomic): headers, and the server's
+# default largest batch.
+HDR_BATCH_ID = "Nats-Batch-Id"
+HDR_BATCH_SEQUENCE = "Nats-Batch-Sequence"
+HDR_BATCH_COMMIT = "Nats-Batch-Commit"
+ATOMIC_BATCH_MAX = 1000
 
 
 class PubAck(msgspec.Struct):
@@ -269,8 +277,11 @@ class Publisher:
                 w.set_result(None)
                 return
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> "asyncio.Future[PubAck]":
-        """Send one write; the returned future holds its ``PubAck`` (or ``StoreError`` / ``TimeoutError``)."""
+    async def publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None, *, timeout_s: float | None = None,
+    ) -> "asyncio.Future[PubAck]":
+        """Send one write; the returned future holds its ``PubAck`` (or ``StoreError`` / ``TimeoutError``
+        after ``timeout_s``, default the publisher's)."""
         if self._sub is None:
             await self.start()
         while len(self._futs) >= self.max_inflight:
@@ -279,7 +290,7 @@ class Publisher:
             await w
         token = str(next(self._n))
         fut: asyncio.Future[PubAck] = asyncio.get_running_loop().create_future()
-        self._futs[token] = (fut, time.monotonic() + self.timeout_s)
+        self._futs[token] = (fut, time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s))
         try:
             await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
         except BaseException:
@@ -287,6 +298,26 @@ class Publisher:
             self._free_slot()
             raise
         return fut
+
+    async def publish_atomic(self, items: list[tuple[str, bytes, dict[str, str] | None]]) -> "asyncio.Future[PubAck]":
+        """An atomic batch (JetStream's atomic batch publish: the stream, made with ``allow_atomic``,
+        stores every one of ``items`` or none; at most ``ATOMIC_BATCH_MAX``): each goes out as a core
+        publish carrying the batch's id and its place, the last one with the commit, whose answer is
+        the future's ``PubAck`` (``seq``: the last one's) or ``StoreError`` (nothing stored: a member's
+        expected sequence did not hold, the stream does not allow it, too many batches in flight)."""
+        if not 0 < len(items) <= ATOMIC_BATCH_MAX:
+            raise ValueError(f"an atomic batch holds 1 to {ATOMIC_BATCH_MAX} messages, not {len(items)}")
+        if self._sub is None:
+            await self.start()
+        bid = uuid.uuid4().hex
+        last = len(items)
+        for i, (subject, data, headers) in enumerate(items, 1):
+            hdr = {**(headers or {}), HDR_BATCH_ID: bid, HDR_BATCH_SEQUENCE: str(i)}
+            if i == last:
+                hdr[HDR_BATCH_COMMIT] = "1"
+                return await self.publish(subject, data, hdr)
+            await self.nc.publish(subject, data, headers=hdr)
+        raise AssertionError("unreachable")
 
     async def store(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> PubAck:
         """One acked write, awaited; tried again while no stream answers (``STORE_RETRY_*``)."""
@@ -305,7 +336,9 @@ class Publisher:
         if self._sub is None:
             await self.start()
         if self.acked_fires and headers and S.HDR_MSG_ID in headers:
-            fut = await self.publish(subject, data, headers)
+            # Not answered soon (its node lost, the stream electing a leader): stored again (de-duplicated
+            # by its msg-id) rather than after the whole publish timeout, so it lands soon after the election.
+            fut = await self.publish(subject, data, headers, timeout_s=min(self.timeout_s, FIRE_ACK_TIMEOUT_S))
             fut.add_done_callback(lambda f: self._fire_answered(f, subject, data, headers))
             return
         await self.nc.publish(subject, data, headers=headers)
@@ -416,5 +449,5 @@ def nc_of(js: Any) -> NATS:
 
 __all__ = [
     "PubAck", "Publisher", "StoreError", "decode_puback", "no_responders", "nc_of", "publisher_for", "release_publisher", "subscribe_sync",
-    "ERR_WRONG_LAST_SEQUENCE",
+    "ERR_WRONG_LAST_SEQUENCE", "ATOMIC_BATCH_MAX",
 ]

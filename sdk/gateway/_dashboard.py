@@ -21,6 +21,7 @@ from aiohttp import web
 
 from bus import codec
 from bus.errors import BadRequest, DsecError
+from bus.messages import ReadyMany
 from bus.log import get_logger
 from bus.metrics import parse
 from bus.runtime import scrape_all
@@ -133,6 +134,10 @@ class Dashboard:
         d = msgspec.to_builtins(ev)
         d["type"] = type(ev).__name__
         d["subject"] = msg.subject
+        if isinstance(ev, ReadyMany):  # a host batch's one ready event: shown as the ready of its members
+            ids = ev.sandbox_ids
+            d["kind"] = "ready"
+            d["sandbox_id"] = ", ".join(ids[:3]) + (f" (+{len(ids) - 3})" if len(ids) > 3 else "")
         self.recent.append(d)
         for q in list(self.listeners):
             if q.full():

@@ -16,7 +16,7 @@ import pytest
 
 from bus import codec
 from bus import subjects as S
-from bus.messages import LayerRef, SandboxEvent, SandboxRecord, TemplateManifest
+from bus.messages import LayerRef, ReadyMany, SandboxEvent, SandboxRecord, TemplateManifest
 from bus.natsd import NatsServer
 from bus.runtime import KV, connect
 from bus.streams import ensure_all, ensure_kv
@@ -55,9 +55,11 @@ async def seed(js) -> None:
     await kv.put("base", codec.encode(TemplateManifest(name="base", layers=[LayerRef(role="base", digest=LAYER)])))
 
 
-def spawn(args: list[str], url: str, log: Path, *, level: str = "WARNING") -> subprocess.Popen:
+def spawn(args: list[str], url: str, log: Path, *, level: str = "WARNING", env_extra: dict[str, str] | None = None) -> subprocess.Popen:
     """``python <args>`` as a child in its own session, logging (JSON lines at ``level``) to ``log``."""
-    env = dict(os.environ, DSEC_NATS_URL=url, DSEC_LOG_LEVEL=level, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, DSEC_NATS_URL=url, DSEC_LOG_LEVEL=level, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env_extra or {}),
+    )
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, *args], env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -93,8 +95,22 @@ async def records_of(js, ids: Iterable[str]) -> dict[str, SandboxRecord | None]:
     return {sid: await kv.get(sid) for sid in ids}
 
 
+def as_sandbox_events(ev: object) -> list[SandboxEvent]:
+    """A sandbox event as itself; a host batch's ready event (ReadyMany) as the ``ready`` of each member
+    it names (``detail["batch"]``: its batch id); anything else as nothing."""
+    if isinstance(ev, SandboxEvent):
+        return [ev]
+    if isinstance(ev, ReadyMany):
+        return [
+            SandboxEvent(sandbox_id=sid, kind="ready", at=ev.at, host_id=ev.host_id, attempt=ev.attempt, detail={**ev.detail, "batch": ev.batch_id})
+            for sid in ev.sandbox_ids
+        ]
+    return []
+
+
 async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, list[SandboxEvent]]:
-    """Every event of ``kinds`` in DSEC_EVT, per sandbox id (read straight from the stream)."""
+    """Every event of ``kinds`` in DSEC_EVT, per sandbox id (read straight from the stream; a batch
+    ready event counts for each member it names)."""
     out: dict[str, list[SandboxEvent]] = {}
     info = await js.stream_info(S.STREAM_EVT)
     last = info.state.last_seq
@@ -104,9 +120,9 @@ async def ready_counts(js, kinds: tuple[str, ...] = ("ready",)) -> dict[str, lis
     try:
         while True:
             m = await sub.next_msg(timeout=5)
-            ev = codec.EVENT.decode(m.data)
-            if isinstance(ev, SandboxEvent) and ev.kind in kinds:
-                out.setdefault(ev.sandbox_id, []).append(ev)
+            for ev in as_sandbox_events(codec.EVENT.decode(m.data)):
+                if ev.kind in kinds:
+                    out.setdefault(ev.sandbox_id, []).append(ev)
             if m.metadata.sequence.stream >= last:
                 break
     finally:
@@ -140,3 +156,18 @@ async def hosts_up(js, host_ids, since: float) -> bool:
             return False
     return True
 
+
+async def listen_ready(nc) -> set[str]:
+    """Ids whose ``ready`` was announced, in an event of their own or a host batch's (core
+    subscriptions: the progress of a burst)."""
+    seen: set[str] = set()
+
+    async def on_ready(msg) -> None:
+        seen.add(msg.subject.split(".")[4])  # dsec.evt.sandbox.<tenant>.<id>.ready
+
+    async def on_batch(msg) -> None:
+        seen.update(e.sandbox_id for e in as_sandbox_events(codec.EVENT.decode(msg.data)))
+
+    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.*.ready", cb=on_ready)
+    await nc.subscribe(S.EVT_READY_ALL, cb=on_batch)
+    return seen

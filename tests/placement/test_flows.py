@@ -21,7 +21,7 @@ from placement import Placement
 from sdk import AsyncSandbox, SandboxTimeout, build_spec
 from sdk.errors import UnsupportedBackend
 
-from .conftest import LAYER, eventually, hosts_up, ready_counts, spawn, stop_process, stored_events
+from .conftest import LAYER, eventually, hosts_up, listen_ready, ready_counts, spawn, stop_process, stored_events
 
 
 
@@ -226,13 +226,8 @@ async def test_placement_replica_killed_mid_burst_loses_nothing(nats_srv, nc, tm
     js = nc.jetstream()
     sim = spawn(["-m", "hostagent", "--backend", "sim", "--sim-hosts", "8", "--data-dir", str(tmp_path)], url, tmp_path / "sim.log")
     reps = [spawn(["-m", "placement", "--replica-id", f"r{i}", "--ack-wait", "2", "--capacity", "64"], url, tmp_path / f"p{i}.log") for i in range(2)]
-    ready: set[str] = set()
     since = time.time()
-
-    async def on_ready(msg) -> None:
-        ready.add(msg.subject.split(".")[4])  # dsec.evt.sandbox.<tenant>.<id>.ready
-
-    await nc.subscribe(f"{S.PREFIX}.evt.sandbox.*.*.ready", cb=on_ready)
+    ready = await listen_ready(nc)
     try:
         async def consumers_ready() -> bool:
             try:

@@ -19,7 +19,7 @@ from bus.messages import CreateSandbox, SandboxRecord, SandboxSpec, SnapshotReco
 from bus.runtime import KV
 from bus.streams import ensure_kv
 
-from .conftest import eventually, hosts_up, ready_counts, records_of, spawn, stop_process
+from .conftest import eventually, hosts_up, ready_counts, records_of, spawn, stop_process, stored_events
 from .test_failures import kill9
 
 GRACE_S = 3.0
@@ -62,6 +62,7 @@ async def test_a_silent_host_is_marked_down_and_its_sandboxes_lost_once(nats_srv
         ids = [f"hl-{uuid.uuid4().hex[:8]}-{i}" for i in range(40)]
         await create(js, ids)
         await eventually(lambda: _all_running(js, ids), timeout=60, what="40 sandboxes running")
+        await stored_events(js, ids)  # and announced (a record is stored before its ready event leaves)
         recs = await records_of(js, ids)
         on_a = sorted(sid for sid, r in recs.items() if r is not None and r.host_id == f"{a}-0")
         on_b = sorted(sid for sid, r in recs.items() if r is not None and r.host_id == f"{b}-0")

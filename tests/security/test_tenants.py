@@ -165,6 +165,11 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
             redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.spy.{S.evt_tenant(a.user)}", consumer, "named consumer on A's events",
         )
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.spy.{S.EVT_ALL}", consumer, "named consumer on every event")
+        # A host batch's ready events name A's sandboxes (dsec.evt.ready.<tenant>.<host>): A's alone.
+        a_ready = S.evt_ready_tenant(a.user)
+        await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.{S.STREAM_EVT}.spy.{a_ready}", consumer, "named consumer on A's batch ready events")
+        await b.denied_publish(redteam, f"$JS.API.DIRECT.GET.{S.STREAM_EVT}.{S.evt_ready(a.user, stack.host_id)}", b"", "read A's batch ready event")
+        await b.denied_subscribe(redteam, a_ready, "listen on A's batch ready events")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_EVT}.spy", consumer, "durable on the event stream")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.CREATE.KV_{S.KV_SANDBOXES}", b"{}", "consumer on the sandbox records")
         await b.denied_publish(redteam, f"$JS.API.CONSUMER.DELETE.{S.STREAM_EVT}.{S.GUARD_AUDIT_DURABLE}", b"", "delete guard's audit consumer")
@@ -189,10 +194,11 @@ async def test_raw_nats_reaches_only_its_own_tenant(stack: SecStack, redteam: Re
         m = await a.nc.jetstream().get_last_msg(S.STREAM_EVT, evt_ready, direct=True)
         assert codec.EVENT.decode(m.data).sandbox_id == aid
         seen: list[str] = []
-        async for ev in replay_events(a.url, idle_timeout=2.0):  # a consumer filtered on its own prefix
-            seen.append(ev["sandbox_id"])
+        # consumers filtered on its own prefixes: its sandboxes' events and its batch ready events
+        async for ev in replay_events(a.url, idle_timeout=2.0):
+            seen += ev.get("sandbox_ids") or [ev["sandbox_id"]]
         assert aid in seen
-        redteam.allowed("tenant a: raw exec, direct get and a filtered consumer on its own prefix")
+        redteam.allowed("tenant a: raw exec, direct get and filtered consumers on its own prefixes")
         assert a.no_violations(), a.errs
     finally:
         for t in (a, b):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +51,10 @@ class SimBackend:
         *,
         resident_fraction: float = 0.25,
         busy_per_sandbox: float = 0.01,
+        create_s: float = 0.0,
     ) -> None:
         self._cap = HostCapacity(cpu_total=cpu_total, mem_total_mb=mem_total_mb, disk_total_mb=disk_total_mb)
+        self.create_s = create_s  # a create takes up to this long (uniform): a batch is then mid-way for a while (tests)
         self._files: dict[str, dict[str, bytes]] = {}
         self._mem: dict[str, int] = {}
         self._resident_mb = 0
@@ -68,6 +72,8 @@ class SimBackend:
     async def create(
         self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
     ) -> Handle:
+        if self.create_s > 0:
+            await asyncio.sleep(random.uniform(0.0, self.create_s))  # the simulated work of a create
         if spec.sandbox_id not in self._mem:
             mb = int(spec.memory_mb * self.resident_fraction)
             self._mem[spec.sandbox_id] = mb
