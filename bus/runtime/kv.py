@@ -167,6 +167,7 @@ class KV(Generic[T]):
         self._publisher: Publisher | None = None  # the connection's, taken at the first write
         self.corrupt = 0  # undecodable records met (read or claimed)
         self._prefix = f"$KV.{self.bucket}."
+        self.atomic: bool | None = None  # does the bucket take atomic batches (None: not asked yet)
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str, type_: Any, **ensure: Any) -> "KV[Any]":
@@ -333,7 +334,7 @@ class KV(Generic[T]):
         creates (one replicated write instead of one each). A batch the bucket refuses (a key holds a
         record already, the bucket has no atomic batches, too many in flight) stored nothing: its
         keys go through ``claim_many``."""
-        if len(items) < 2:
+        if len(items) < 2 or not await self._takes_atomic():
             return await self.claim_many(items, mine=mine)
         pub = await self._pub()
         hdr = {HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"}
@@ -348,6 +349,18 @@ class KV(Generic[T]):
                 logger.debug("atomic_claims_refused", bucket=self.bucket, keys=len(chunk), error=repr(exc))
                 out += await self.claim_many(chunk, mine=mine)
         return out
+
+    async def _takes_atomic(self) -> bool:
+        """Whether the bucket's stream allows atomic batches (bus.streams: replicated buckets only),
+        asked once; a bucket that does not answer is written key by key."""
+        if self.atomic is None:
+            try:
+                si = await self.js.stream_info(f"KV_{self.bucket}")
+                self.atomic = bool(si.config.allow_atomic)
+            except Exception as exc:  # noqa: BLE001 - not allowed to ask, or no answer: key by key is always right
+                logger.debug("atomic_unknown", bucket=self.bucket, error=repr(exc))
+                self.atomic = False
+        return self.atomic
 
     async def delete(self, key: str) -> None:
         await self.raw.delete(key)
