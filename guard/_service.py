@@ -229,6 +229,8 @@ class Guard(Service):
         is claimed, and the watch may lag), then reports what it held back; under the container's id
         when none comes (a warm container serving no sandbox yet)."""
         deadline = time.monotonic() + ALIAS_WAIT_S
+        if not cid.startswith(WARM_CONTAINER_PREFIX) and self._kv_sbx is not None and await self._kv_sbx.get(cid) is not None:
+            deadline = 0.0  # a sandbox's own id that merely looks like a generation's
         while cid not in self._by_container and (left := deadline - time.monotonic()) > 0:
             try:
                 await asyncio.wait_for(self._alias_seen.wait(), left)
