@@ -229,13 +229,16 @@ class Guard(Service):
         is claimed, and the watch may lag), then reports what it held back; under the container's id
         when none comes (a warm container serving no sandbox yet)."""
         deadline = time.monotonic() + ALIAS_WAIT_S
-        if not cid.startswith(WARM_CONTAINER_PREFIX) and self._kv_sbx is not None and await self._kv_sbx.get(cid) is not None:
-            deadline = 0.0  # a sandbox's own id that merely looks like a generation's
-        while cid not in self._by_container and (left := deadline - time.monotonic()) > 0:
-            try:
-                await asyncio.wait_for(self._alias_seen.wait(), left)
-            except asyncio.TimeoutError:
-                break
+        try:
+            if not cid.startswith(WARM_CONTAINER_PREFIX) and self._kv_sbx is not None and await self._kv_sbx.get(cid) is not None:
+                deadline = 0.0  # a sandbox's own id that merely looks like a generation's
+            while cid not in self._by_container and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._alias_seen.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+        except Exception as exc:  # noqa: BLE001 - the KV away: what is known now decides
+            log.warning("container_lookup_failed", container=cid, error=str(exc))
         sid = self._by_container.get(cid)
         if sid is None:
             log.warning("container_of_no_sandbox", container=cid, note="reported under the container's id")
@@ -376,6 +379,9 @@ class Guard(Service):
             del self._last[k]
         if self.kernel is not None:
             self.kernel.forget(sid)
+            cid = self._container_of.get(sid)
+            if cid is not None:
+                self.kernel.forget(cid)  # the kernel reader knows it by its container's name
         if self.nflog is not None:
             self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest
