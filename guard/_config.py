@@ -16,6 +16,9 @@ class GuardConfig:
     host_id: str | None = field(default=None, metadata=setting("reported in violations", default_text="this machine's hostname"))
     kernel_audit: bool = field(default=True, metadata=setting(
         "read this host's kernel audit records and its dropped sandbox packets (run one guard with them per sandbox host)"))
+    drops_only: bool = field(default=False, metadata=setting(
+        "read only the dropped sandbox packets of this network namespace and report them: a host in a namespace of "
+        "its own on a machine whose guard does the rest (dsec up --hosts runs one in each host's namespace)"))
     enable_audit: bool = field(default=True, metadata=setting("switch kernel audit on when it is off (else Landlock denials are not reported)"))
     readonly_audit: bool = field(default=True, metadata=setting(
         "install the kernel audit rules that report writes refused by read-only system paths "

@@ -177,29 +177,82 @@ def config_msg(group: int, seq: int, attrs: list[tuple[int, bytes]]) -> bytes:
     return _NLMSG.pack(_NLMSG.size + len(body), (NFNL_SUBSYS_ULOG << 8) | NFULNL_MSG_CONFIG, NLM_F_REQUEST | NLM_F_ACK, seq, 0) + body
 
 
-class IfaceMap:
-    """ifindex of a veth's host end -> the sandbox id in its alias (sysfs of the host netns)."""
+NETLINK_ROUTE = 0
+RTM_NEWLINK, RTM_GETLINK = 16, 18
+IFLA_IFNAME, IFLA_IFALIAS = 3, 20
+_IFINFO = struct.Struct("=BxHiII")  # family, type, index, flags, change
 
-    def __init__(self, sysfs: str = "/sys/class/net") -> None:
-        self.sysfs = Path(sysfs)
+
+def link_of(ifindex: int) -> tuple[str, str] | None:
+    """(name, alias) of link ``ifindex`` in this thread's network namespace, None when there is none.
+
+    Asked over rtnetlink, not read from sysfs: /sys/class/net shows the namespace that mounted sysfs,
+    so a reader that only entered a host's network namespace (``nsenter --net``) would find there the
+    machine's links, not the host's."""
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, NETLINK_ROUTE) as sock:
+        sock.settimeout(2.0)
+        body = _IFINFO.pack(socket.AF_UNSPEC, 0, ifindex, 0, 0)
+        sock.send(_NLMSG.pack(_NLMSG.size + len(body), RTM_GETLINK, NLM_F_REQUEST, 1, 0) + body)
+        data = sock.recv(65536)
+    pos = 0
+    while pos + _NLMSG.size <= len(data):
+        length, rtype, _, _, _ = _NLMSG.unpack_from(data, pos)
+        if length < _NLMSG.size:
+            break
+        if rtype == NLMSG_ERROR:
+            return None  # ENODEV: gone
+        if rtype == RTM_NEWLINK:
+            a = _attrs(data, pos + _NLMSG.size + _IFINFO.size, pos + length)
+            name = a.get(IFLA_IFNAME, b"").split(b"\0", 1)[0].decode(errors="replace")
+            alias = a.get(IFLA_IFALIAS, b"").split(b"\0", 1)[0].decode(errors="replace")
+            return name, alias.strip()
+        pos += (length + 3) & ~3
+    return None
+
+
+class IfaceMap:
+    """ifindex of a veth's host end -> the sandbox id in its alias, in the reader's network namespace
+    (``sysfs``: read aliases from that directory instead -- tests)."""
+
+    def __init__(self, sysfs: str | None = None) -> None:
+        self.sysfs = Path(sysfs) if sysfs is not None else None
         self.by_index: dict[int, tuple[str, str]] = {}  # ifindex -> (sandbox id, ifname)
+
+    def _link(self, ifindex: int) -> tuple[str, str] | None:
+        if self.sysfs is None:
+            try:
+                return link_of(ifindex)
+            except OSError:
+                return None
+        try:
+            name = socket.if_indextoname(ifindex)
+        except OSError:
+            return None
+        try:
+            return name, (self.sysfs / name / "ifalias").read_text().strip()
+        except OSError:
+            return name, ""
 
     def of_index(self, ifindex: int) -> tuple[str | None, str]:
         hit = self.by_index.get(ifindex)
         if hit is not None:
             return hit
-        try:
-            name = socket.if_indextoname(ifindex)
-        except OSError:
+        link = self._link(ifindex)
+        if link is None:
             return None, ""  # gone already (a sandbox ended between its packet and this lookup)
-        try:
-            alias = (self.sysfs / name / "ifalias").read_text().strip()
-        except OSError:
-            return None, name
+        name, alias = link
         if not _SANDBOX_ID.fullmatch(alias):
             return None, name  # a warm (not yet assigned) network, or not a sandbox veth at all
         self.by_index[ifindex] = (alias, name)
         return alias, name
+
+    def gone(self) -> list[str]:
+        """Sandboxes whose veth is no longer there (or serves another sandbox now), forgotten here:
+        what a reader that sees no lifecycle events uses to keep its memory bounded."""
+        out = [sid for ix, (sid, _) in list(self.by_index.items()) if (self._link(ix) or ("", ""))[1] != sid]
+        for sid in out:
+            self.forget(sid)
+        return out
 
     def forget(self, sandbox_id: str) -> None:
         for k in [k for k, v in self.by_index.items() if v[0] == sandbox_id]:
@@ -299,6 +352,13 @@ class NflogReader:
         self.map.forget(sandbox_id)
         self._limit.forget(sandbox_id)
 
+    def sweep(self) -> list[str]:
+        """Forget the sandboxes whose veth has gone; their ids."""
+        out = self.map.gone()
+        for sid in out:
+            self._limit.forget(sid)
+        return out
+
     # --- messages ---------------------------------------------------------------------------------
     def _readable(self) -> None:
         assert self._sock is not None
@@ -329,4 +389,4 @@ class NflogReader:
         self.on_denial(Denial(kind="network", sandbox_id=sid, what=drop.what, detail=detail))
 
 
-__all__ = ["Drop", "IfaceMap", "NflogError", "NflogReader", "config_msg", "parse_ip", "parse_packet_msg"]
+__all__ = ["Drop", "IfaceMap", "NflogError", "NflogReader", "config_msg", "link_of", "parse_ip", "parse_packet_msg"]

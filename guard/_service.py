@@ -10,6 +10,12 @@
   says what follows: ``record``, ``kill`` (a core request to ``dsec.sbx.<id>.kill``) or
   ``quarantine`` (kill, and the violation is kept in KV ``dsec_quarantine`` under the sandbox id
   so a trainer can discard the episode).
+- ``drops_only``: a guard for one network namespace's dropped packets and nothing else -- a host
+  that has a namespace of its own on a machine (``dsec up --hosts``), where the machine's guard
+  publishes the profiles, consumes the events and reads the kernel audit (which is the machine's,
+  not a namespace's). NFLOG is per network namespace: only a reader inside the host's namespace
+  sees what the host's agent logs. It sees no lifecycle events (the audit consumer is the machine
+  guard's), so it forgets a sandbox when the sandbox's veth is gone (``SWEEP_S``).
 
 The kernel names a process's cgroup, which is named after its container: a sandbox served by a
 warm-pool container or a later generation's runs in one of another name. Its record carries that
@@ -54,6 +60,7 @@ log = structlog.get_logger("dsec.guard")
 _PROFILE_DEC = msgspec.msgpack.Decoder(SecurityProfile)
 AGENT_EXE = "/.dsec/bin/dsec-agent"  # the sandbox's own agent: acts for the host API, never killed for it
 SOURCE = "guard.kernel"
+SWEEP_S = 30.0  # drops_only: how often sandboxes whose veth has gone are forgotten
 ACTIONS: tuple[ViolationAction, ...] = get_args(ViolationAction)
 ALIAS_WAIT_S = 5.0  # how long a denial of a container named for no sandbox waits for the record naming it
 ALIASES_MAX = 100_000  # container -> sandbox entries kept (the oldest go first)
@@ -125,6 +132,7 @@ class Guard(Service):
         self.stream_options = cfg.stream_options
         self.kernel: KernelAudit | None = None
         self.readonly_audit = cfg.readonly_audit  # audit rules for calls refused by read-only mounts (see ReadonlyRules)
+        self.drops_only = cfg.drops_only
         self.nflog_group = cfg.nflog()  # None: don't read dropped packets (run one per sandbox host)
         self.net_report_rate_per_s = cfg.net_report_rate_per_s
         self.net_report_burst = cfg.net_report_burst
@@ -155,10 +163,16 @@ class Guard(Service):
         self._kv_profiles = profiles_kv.raw
         self._kv_sbx = await KV.open(self.js, S.KV_SANDBOXES, codec.SANDBOX_RECORD)
         self._kv_quarantine = await KV.open(self.js, S.KV_QUARANTINE, GuardViolation)
-        self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
-        log.info("profiles_published", **self.published)
+        if not self.drops_only:
+            self.published = await publish_profiles(self._kv_profiles, self.builtin.values())
+            log.info("profiles_published", **self.published)
         # not self.spawn(): it runs until teardown, which shutdown reaches only after spawned work ends
         self._profiles_watch = await profiles_kv.watch(self._on_profile, self._on_profile_gone)
+        if self.drops_only:
+            await self._start_nflog()
+            if self.nflog is not None:
+                self.spawn(self._sweep_loop(), name="guard-sweep")
+            return
         self._records_watch = await self._kv_sbx.watch(self._on_record, self._on_record_gone)
         # The audit consumer starts at new events when first created (no replay of old history).
         await self.add_worker(
@@ -174,13 +188,23 @@ class Guard(Service):
                 self.kernel = k
             except OSError as exc:
                 log.warning("kernel_audit_unavailable", error=str(exc), note="needs root (CAP_AUDIT_READ) on the host")
-        if self.kernel_audit and self.nflog_group is not None:  # the same host-side duty as the audit reader
-            r = NflogReader(self._on_denial, group=self.nflog_group, rate_per_s=self.net_report_rate_per_s, burst=self.net_report_burst)
-            try:
-                await r.start()
-                self.nflog = r
-            except NflogError as exc:
-                log.warning("nflog_unavailable", error=str(exc), note="needs CAP_NET_ADMIN in the host netns; dropped packets go unreported")
+            await self._start_nflog()  # the same host-side duty as the audit reader
+
+    async def _start_nflog(self) -> None:
+        if self.nflog_group is None:
+            return
+        r = NflogReader(self._on_denial, group=self.nflog_group, rate_per_s=self.net_report_rate_per_s, burst=self.net_report_burst)
+        try:
+            await r.start()
+            self.nflog = r
+        except NflogError as exc:
+            log.warning("nflog_unavailable", error=str(exc), note="needs CAP_NET_ADMIN in the host netns; dropped packets go unreported")
+
+    async def _sweep_loop(self) -> None:
+        while not await self.pause(SWEEP_S):
+            if self.nflog is not None:
+                for sid in self.nflog.sweep():  # a look-up per cached veth: a few sandboxes' worth
+                    self._forget_reports(sid)
 
     async def teardown(self) -> None:
         if self.kernel is not None:
@@ -371,12 +395,8 @@ class Guard(Service):
         await msg.ack()
 
     def _forget(self, sid: str) -> None:
-        now = time.monotonic()
-        self._gone[sid] = now
-        self._sandbox_profile.pop(sid, None)
-        self._enforced.discard(sid)
-        for k in [k for k in self._last if k[0] == sid]:
-            del self._last[k]
+        self._gone[sid] = time.monotonic()
+        self._forget_reports(sid)
         if self.kernel is not None:
             self.kernel.forget(sid)
             cid = self._container_of.get(sid)
@@ -387,6 +407,12 @@ class Guard(Service):
         if len(self._gone) > 10000:  # bounded memory: drop the oldest
             for old in sorted(self._gone, key=self._gone.__getitem__)[:5000]:
                 del self._gone[old]
+
+    def _forget_reports(self, sid: str) -> None:
+        self._sandbox_profile.pop(sid, None)
+        self._enforced.discard(sid)
+        for k in [k for k in self._last if k[0] == sid]:
+            del self._last[k]
 
 
 __all__ = ["Guard", "publish_profiles"]

@@ -127,6 +127,8 @@ async def fork(sb: "AsyncSandbox", count: int, kwargs: dict[str, Any]) -> list["
     if spec is not None:  # the forks take the source's shape unless told otherwise
         for key, value in (("cpu", spec.cpu), ("memory_mb", spec.memory_mb), ("disk_mb", spec.disk_mb), ("pool", spec.pool), ("profile", spec.profile)):
             kwargs.setdefault(key, value)
+        if spec.network is not None:  # and its egress allowlist: a child is not cut off (nor widened) by being a child
+            kwargs.setdefault("network", {"allow_out": list(spec.network.allow_out)})
     return await type(sb).create_batch(count, template, snapshot=snapshot_id, sandbox_ids=ids, **kwargs)
 
 

@@ -57,6 +57,7 @@ class Service:
     replicas: str = ""
     enabled_by: str = ""  # the on|off option that turns it off
     per_host: bool = False  # one per host (``--hosts N``: in each host's network namespace, with its data dir and id)
+    hosts_only: bool = False  # only with ``--hosts N`` (a host's share of a machine-wide duty)
 
 
 # Start order; the stack stops in reverse (the host agent first: it removes its sandboxes while the
@@ -66,6 +67,8 @@ SERVICES: tuple[Service, ...] = (
     Service("lazy-loader", "imaged", ("imaged.lazy", "--data-dir", "{data}", "--mount", "{data}/lazy", "--host-id", "{host_id}"), per_host=True),
     Service("placement", "placement", ("placement", "--host-down", "{host_down}"), control_key=True, replicas="placement_replicas"),
     Service("guard", "guard", ("guard",)),
+    # NFLOG is per network namespace: the drops a host's agent logs in its own are read there.
+    Service("guard-drops", "guard", ("guard", "--drops-only", "--host-id", "{host_id}"), per_host=True, hosts_only=True),
     Service("gateway", "", ("sdk.gateway", "--http-port", "{http_port}")),
     Service("rollouts", "rollouts", ("sdk.rollouts",)),
     # Stopped after the host agent: its swap is taken away once the sandboxes are gone (no pages to bring back).
@@ -377,7 +380,7 @@ def _children(args: argparse.Namespace, data: Path, logs: Path, env_of: Any, hos
     settings.update(data=str(data), host_id=host_id)
     out = []
     for svc in SERVICES:
-        if svc.enabled_by and getattr(args, svc.enabled_by, "on") == "off":
+        if (svc.enabled_by and getattr(args, svc.enabled_by, "on") == "off") or (svc.hosts_only and hosts is None):
             continue
         if svc.per_host and hosts is not None:
             for i in range(hosts.count):  # host i: its namespace, data dir, id and kernel names

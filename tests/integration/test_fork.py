@@ -76,6 +76,23 @@ async def test_fork_children_see_the_frozen_state_and_diverge_alone(stack: Stack
         await eventually(lambda: snap.snapshot_id not in fork_dirs(stack), timeout=30, what="the fork's copy removed")
 
 
+async def test_fork_children_keep_the_source_allowlist_unless_told_otherwise(stack: Stack, lazy: LazyDaemon) -> None:
+    """A source with an egress allowlist forks children with the same one (their records and their
+    hosts' network attachments say so); a child given ``network=None`` has none (the control)."""
+    net = {"allow_out": ["192.0.2.7/32", "192.0.2.8:443"]}
+    async with stack.sandbox(network=net) as sb:
+        assert stack.backend.net.attachment(sb.sandbox_id) is not None
+        kept = await sb.fork(2, **stack.kw())
+        (none,) = await sb.fork(1, network=None, **stack.kw())
+        async with many(stack, [*kept, none]):
+            for f in kept:
+                rec = await _record(stack, f.sandbox_id)
+                assert rec.spec.network is not None and rec.spec.network.allow_out == net["allow_out"]
+                assert stack.backend.net.attachment(f.sandbox_id) is not None
+            rec = await _record(stack, none.sandbox_id)
+            assert rec.spec.network is None and stack.backend.net.attachment(none.sandbox_id) is None
+
+
 async def test_fork_of_a_frozen_pause_leaves_it_paused(stack: Stack, lazy: LazyDaemon) -> None:
     async with stack.sandbox() as sb:
         await sb.commands.run("mkdir -p /root/p && echo paused-state > /root/p/f && chmod 640 /root/p/f && ln -s f /root/p/l")

@@ -54,6 +54,7 @@ class Hosts:
     ids: list[str]
     data: list[Path]
     agents: list[Child]
+    guards: list[Child]  # each host's drops-only guard, in its namespace (as dsec up --hosts runs them)
     lazies: list[LazyDaemon]
     placements: list[Any]
     nc: Any
@@ -89,6 +90,11 @@ def _agent(h: HostNet, i: int, url: str, host_id: str, pool: str, data: Path) ->
     return Child(argv, subprocess_env(url, **h.env(i)), data.parent / f"{data.name}.log").start()
 
 
+def _drops_guard(h: HostNet, i: int, url: str, host_id: str, data: Path) -> Child:
+    argv = [*h.enter(i), PY, "-m", "guard", "--drops-only", "--host-id", host_id, "--report-interval", "0"]
+    return Child(argv, subprocess_env(url, **h.env(i)), data.parent / f"{data.name}-guard.log").start()
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def hosts() -> AsyncIterator[Hosts]:
     from placement import Placement
@@ -110,7 +116,7 @@ async def hosts() -> AsyncIterator[Hosts]:
         pool = f"hosts-{uid}"
         ids = [f"h{j}-{uid}" for j in range(N)]
         data = [root / f"host{j}" for j in range(N)]
-        h = Hosts(nats.url, net, pool, ids, data, [], [], [], nc, root, {"rootfs_dir": rootfs_dir})
+        h = Hosts(nats.url, net, pool, ids, data, [], [], [], [], nc, root, {"rootfs_dir": rootfs_dir})
         for j in range(N):
             data[j].mkdir()
             # in the host's namespace: its layers come over its own link
@@ -118,6 +124,7 @@ async def hosts() -> AsyncIterator[Hosts]:
         await asyncio.gather(*(asyncio.to_thread(lz.start, 60) for lz in h.lazies))
         t0 = time.time()
         h.agents = [_agent(net, j, nats.url, ids[j], pool, data[j]) for j in range(N)]
+        h.guards = [_drops_guard(net, j, nats.url, ids[j], data[j]) for j in range(N)]
         h.placements = [Placement(nats.url, replica_id=f"p{j}-{uid}", host_down_s=HOST_DOWN_S) for j in range(2)]
         for p in h.placements:
             await p.start()
@@ -127,6 +134,9 @@ async def hosts() -> AsyncIterator[Hosts]:
             return all(at >= t0 for at in beats) and all(len(p.table.hosts) >= N for p in h.placements)
 
         await eventually(all_up, timeout=120, interval=0.2, what="three hosts heartbeating over their links")
+        await eventually(lambda: all("nflog_reader_started" in g.log(100_000) or not g.alive() for g in h.guards),
+                         timeout=120, interval=0.2, what="each host's guard reading its namespace's drops")
+        assert all(g.alive() for g in h.guards), [g.log() for g in h.guards]
         yield h
     finally:
         if h is not None:
@@ -155,6 +165,10 @@ async def _stop_hosts(h: Hosts) -> list[str]:
         rc = await a.stop(timeout=90)
         if rc != 0:
             problems.append(f"agent exited {rc}: {a.log()[-1500:]}")
+    for g in h.guards:
+        rc = await g.stop(timeout=60)
+        if rc != 0:
+            problems.append(f"guard exited {rc}: {g.log()[-1500:]}")
     for lz in h.lazies:
         with contextlib.suppress(Exception):
             lz.release()
@@ -299,6 +313,59 @@ async def test_a_hosts_sandboxes_get_the_network_their_allowlist_opens(hosts: Ho
         finally:
             for sb in made:
                 await sb.kill()
+
+
+async def test_a_hosts_dropped_packets_are_guard_violations_naming_sandbox_and_host(hosts: Hosts) -> None:
+    """A packet a host's agent drops in the host's own namespace (NFLOG there, not in the root
+    namespace) reaches guard: the host's drops-only guard reports a network violation naming the
+    sandbox and that host. The positive control: the same sandbox's allowed connection, made first,
+    is reported by nobody."""
+    from bus.messages import GuardViolation
+
+    h = hosts
+    target = N - 1  # host 2
+    seen: list[GuardViolation] = []
+
+    async def on_violation(m: Any) -> None:
+        v = codec.EVENT.decode(m.data)
+        if isinstance(v, GuardViolation):
+            seen.append(v)
+
+    sub = await h.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation)
+    async with _outside(h.net, h.root) as o:
+        made: list[AsyncSandbox] = []
+        try:
+            sb: AsyncSandbox | None = None
+            while sb is None and len(made) < 4 * N:  # placement spreads: one lands on host 2
+                made.append(await AsyncSandbox.create(**h.kw(network={"allow_out": [f"{o.ip}:{o.ports['allowed']}"]})))
+                sb = made[-1] if made[-1].host_id == h.ids[target] else None
+            assert sb is not None, [x.host_id for x in made]
+
+            async def get(port: int) -> str:
+                r = await sb.commands.run(f"printf 'GET /token HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {o.ip} {port} 2>&1; echo rc=$?", timeout=60)
+                return r.stdout
+
+            got = await get(o.ports["allowed"])  # allowed: through, and nobody reports it
+            assert got.startswith("HTTP/1.0 200") and got.endswith("rc=0\n"), got
+            got = await get(o.ports["other_port"])  # not in the allowlist: refused in host 2's namespace
+            assert "Connection refused" in got and "rc=1" in got, got
+
+            def mine() -> list[GuardViolation]:
+                return [v for v in seen if v.sandbox_id == sb.sandbox_id]
+
+            await eventually(lambda: any(v.detail.get("dport") == str(o.ports["other_port"]) for v in mine()), timeout=60,
+                             interval=0.1, what=f"the violation of {sb.sandbox_id}'s refused connection")
+            v = next(v for v in mine() if v.detail.get("dport") == str(o.ports["other_port"]))
+            assert (v.kind, v.what, v.host_id) == ("network", f"tcp {o.ip}:{o.ports['other_port']}", h.ids[target]), v
+            assert v.detail["rule"] == "not_allowed" and v.detail["source"] == "guard.kernel", v.detail
+            assert v.detail["ifname"].startswith(h.net.net_prefix(target)), v.detail  # the sandbox's veth, in host 2's namespace
+            # The allowed connection went first, from the same sandbox through the same guard: not reported.
+            assert [x for x in mine() if x.detail.get("dport") == str(o.ports["allowed"])] == [], mine()
+            assert {x.host_id for x in mine()} == {h.ids[target]}, mine()
+        finally:
+            await sub.unsubscribe()
+            for x in made:
+                await x.kill()
 
 
 async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts) -> None:
@@ -509,6 +576,29 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
         sbs.append(await AsyncSandbox.create(nats_url=url, memory_mb=64, network={"allow_out": ["192.0.2.1/32"]}))
         assert (await sbs[-1].commands.run("ip -o addr show eth0")).exit_code == 0
         assert subprocess.run(["nft", "list", "table", "inet", f"dsec_{claim.prefix}_hosts"], capture_output=True).returncode == 0
+        # Its host's guard (dsec up runs one in each host's namespace) reports what the host's agent drops.
+        import nats
+
+        from bus.messages import GuardViolation
+
+        seen: list[GuardViolation] = []
+
+        async def on_violation(m: Any) -> None:
+            v = codec.EVENT.decode(m.data)
+            if isinstance(v, GuardViolation) and v.sandbox_id == sbs[-1].sandbox_id:
+                seen.append(v)
+
+        nc = await nats.connect(url)
+        try:
+            await nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation)
+            await nc.flush()
+            got = (await sbs[-1].commands.run("nc -w 5 192.0.2.2 80 </dev/null 2>&1; echo rc=$?", timeout=60)).stdout
+            assert "Connection refused" in got, got  # not in its allowlist: refused by its host's agent
+            await eventually(lambda: bool(seen), timeout=60, interval=0.1, what="the host's guard to report the refused connection")
+            assert (seen[0].kind, seen[0].what, seen[0].host_id, seen[0].detail["rule"]) == (
+                "network", "tcp 192.0.2.2:80", sbs[-1].host_id, "not_allowed"), seen
+        finally:
+            await nc.close()
         for sb in sbs:
             await sb.kill()
     finally:
