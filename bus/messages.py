@@ -249,6 +249,11 @@ class HostStatus(Struct, kw_only=True, tag=True):
     upload_bytes: dict[str, int] = {}  # tenant -> bytes its file uploads hold in its sandboxes here (hostagent._uploads)
 
 
+# A warm-pool container's id starts with this (``SandboxRecord.container_id``); a later generation's
+# container is ``<sandbox id>-g<generation>``.
+WARM_CONTAINER_PREFIX = "wp-"
+
+
 class SandboxRecord(Struct, kw_only=True, tag=True):
     """The record of one sandbox, kept in KV ``dsec_sandboxes`` under its id.
 
@@ -268,6 +273,10 @@ class SandboxRecord(Struct, kw_only=True, tag=True):
     ended_at: float = 0.0
     end_reason: str = ""
     snapshot_id: str = ""  # state paused with persist: the snapshot a resume starts it from, on any host
+    # The container (and so cgroup) serving it on its host when that is not named after the sandbox: a
+    # warm-pool container (``wp-<hex>``) or a later generation's (``<id>-g<gen>``). Guard maps the
+    # kernel's records, which name the cgroup, back to the sandbox by it. "" = the sandbox id.
+    container_id: str = ""
 
 
 
@@ -1222,4 +1231,5 @@ __all__ = [name for name, obj in list(globals().items()) if isinstance(obj, type
     "SANDBOX_ENDED",
     "KILL_DONE",
     "KILL_PENDING",
+    "WARM_CONTAINER_PREFIX",
 ]

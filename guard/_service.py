@@ -16,10 +16,17 @@
   not a namespace's). NFLOG is per network namespace: only a reader inside the host's namespace
   sees what the host's agent logs. It sees no lifecycle events (the audit consumer is the machine
   guard's), so it forgets a sandbox when the sandbox's veth is gone (``SWEEP_S``).
+
+The kernel names a process's cgroup, which is named after its container: a sandbox served by a
+warm-pool container or a later generation's runs in one of another name. Its record carries that
+name (``SandboxRecord.container_id``); guard watches the records and reports (and acts) under the
+sandbox's id. A denial of such a container whose record has not arrived yet waits for it a little.
 """
 
 from __future__ import annotations
 
+import asyncio
+import re
 import socket
 import time
 from collections.abc import Iterable
@@ -36,7 +43,10 @@ from nats.js.kv import KeyValue
 from bus import codec
 from bus import subjects as S
 from bus.errors import BadRequest, DsecError
-from bus.messages import AuditPolicy, GuardViolation, KillRequest, ReadyMany, SandboxEvent, SandboxRecord, SecurityProfile, ViolationAction
+from bus.messages import (
+    WARM_CONTAINER_PREFIX, AuditPolicy, GuardViolation, KillRequest, ReadyMany, SandboxEvent, SandboxRecord, SecurityProfile,
+    ViolationAction,
+)
 from bus.runtime import KV, Service, Watch
 from bus.streams import ensure_all
 
@@ -52,6 +62,15 @@ AGENT_EXE = "/.dsec/bin/dsec-agent"  # the sandbox's own agent: acts for the hos
 SOURCE = "guard.kernel"
 SWEEP_S = 30.0  # drops_only: how often sandboxes whose veth has gone are forgotten
 ACTIONS: tuple[ViolationAction, ...] = get_args(ViolationAction)
+ALIAS_WAIT_S = 5.0  # how long a denial of a container named for no sandbox waits for the record naming it
+ALIASES_MAX = 100_000  # container -> sandbox entries kept (the oldest go first)
+PENDING_MAX = 64  # denials of one such container held while it waits
+_GENERATION = re.compile(r"-g\d+$")
+
+
+def is_alias(cid: str) -> bool:
+    """A container id that is not its sandbox's own: a warm-pool container's or a later generation's."""
+    return cid.startswith(WARM_CONTAINER_PREFIX) or _GENERATION.search(cid) is not None
 
 
 def _same(a: SecurityProfile, b: SecurityProfile) -> bool:
@@ -126,6 +145,11 @@ class Guard(Service):
         self._kv_sbx: KV[SandboxRecord] | None = None
         self._kv_quarantine: KV[GuardViolation] | None = None
         self._profiles_watch: Watch[SecurityProfile] | None = None
+        self._records_watch: Watch[SandboxRecord] | None = None
+        self._by_container: dict[str, str] = {}  # container id -> sandbox id, for containers not named after theirs
+        self._container_of: dict[str, str] = {}  # the reverse (a deleted record drops its entry)
+        self._alias_seen = asyncio.Event()  # set (and replaced) whenever an entry arrives
+        self._unresolved: dict[str, list[Denial]] = {}  # denials of a container waiting for its record
         self._sandbox_profile: dict[str, str] = {}
         self._enforced: set[str] = set()
         self._gone: dict[str, float] = {}
@@ -149,6 +173,7 @@ class Guard(Service):
             if self.nflog is not None:
                 self.spawn(self._sweep_loop(), name="guard-sweep")
             return
+        self._records_watch = await self._kv_sbx.watch(self._on_record, self._on_record_gone)
         # The audit consumer starts at new events when first created (no replay of old history).
         await self.add_worker(
             stream=S.STREAM_EVT, durable=S.GUARD_AUDIT_DURABLE, filter_subject=f"{S.PREFIX}.evt.>",
@@ -188,12 +213,65 @@ class Guard(Service):
             await self.nflog.stop()
         if self._profiles_watch is not None:
             await self._profiles_watch.stop()
+        if self._records_watch is not None:
+            await self._records_watch.stop()
 
     def _on_profile(self, name: str, p: SecurityProfile, _rev: int) -> None:
         self.profiles[name] = p
 
     def _on_profile_gone(self, name: str) -> None:
         self.profiles.pop(name, None)
+
+    # --- which sandbox a container serves ---------------------------------------------------------
+    def _on_record(self, sid: str, rec: SandboxRecord, _rev: int) -> None:
+        cid = rec.container_id
+        if not cid or cid == sid:
+            return
+        # Kept after the sandbox ended: a late record of its last process still names its sandbox.
+        if self._container_of.get(sid) not in (None, cid):
+            self._by_container.pop(self._container_of[sid], None)
+        self._container_of[sid] = cid
+        self._by_container.pop(cid, None)  # re-inserted last: the oldest entries go first
+        self._by_container[cid] = sid
+        while len(self._by_container) > ALIASES_MAX:
+            old = next(iter(self._by_container))
+            self._container_of.pop(self._by_container.pop(old), None)
+        self._alias_seen.set()
+        self._alias_seen = asyncio.Event()
+
+    def _on_record_gone(self, sid: str) -> None:
+        cid = self._container_of.pop(sid, None)
+        if cid is not None:
+            self._by_container.pop(cid, None)
+
+    def sandbox_of(self, container_id: str) -> str | None:
+        """The sandbox a container serves, when the container is not named after it (None: unknown)."""
+        return self._by_container.get(container_id)
+
+    async def _resolve_later(self, cid: str) -> None:
+        """Waits for the record naming container ``cid`` (a warm container's record is written when it
+        is claimed, and the watch may lag), then reports what it held back; under the container's id
+        when none comes (a warm container serving no sandbox yet)."""
+        deadline = time.monotonic() + ALIAS_WAIT_S
+        try:
+            if not cid.startswith(WARM_CONTAINER_PREFIX) and self._kv_sbx is not None and await self._kv_sbx.get(cid) is not None:
+                deadline = 0.0  # a sandbox's own id that merely looks like a generation's
+            while cid not in self._by_container and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._alias_seen.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+        except Exception as exc:  # noqa: BLE001 - the KV away: what is known now decides
+            log.warning("container_lookup_failed", container=cid, error=str(exc))
+        sid = self._by_container.get(cid)
+        if sid is None:
+            log.warning("container_of_no_sandbox", container=cid, note="reported under the container's id")
+        for d in self._unresolved.pop(cid, []):
+            self._report(d if sid is None else self._as_sandbox(d, sid))
+
+    @staticmethod
+    def _as_sandbox(d: Denial, sid: str) -> Denial:
+        return replace(d, sandbox_id=sid, detail={**d.detail, "container_id": d.sandbox_id})
 
     # --- policy ---------------------------------------------------------------------------------
     async def _audit_policy(self, sid: str) -> AuditPolicy:
@@ -216,9 +294,25 @@ class Guard(Service):
 
     # --- kernel denials ---------------------------------------------------------------------------
     def _on_denial(self, d: Denial) -> None:
-        """Called by the kernel reader for every denial: the same denial of the same sandbox is
-        reported at most once per ``report_interval_s`` (the next report counts the repeats).
-        The first report also carries out the policy, so folding repeats never skips a kill."""
+        """Called by the kernel reader for every denial, named by its container: reported under the
+        sandbox that container serves (see the module's doc)."""
+        sid = self._by_container.get(d.sandbox_id)
+        if sid is not None:
+            d = self._as_sandbox(d, sid)
+        elif is_alias(d.sandbox_id):
+            held = self._unresolved.get(d.sandbox_id)
+            if held is None:
+                self._unresolved[d.sandbox_id] = [d]
+                self.spawn(self._resolve_later(d.sandbox_id))
+            elif len(held) < PENDING_MAX:
+                held.append(d)
+            return
+        self._report(d)
+
+    def _report(self, d: Denial) -> None:
+        """The same denial of the same sandbox is reported at most once per ``report_interval_s``
+        (the next report counts the repeats). The first report also carries out the policy, so
+        folding repeats never skips a kill."""
         if d.sandbox_id in self._gone:
             return
         by_agent = d.detail.get("exe") == AGENT_EXE
@@ -308,6 +402,9 @@ class Guard(Service):
         self._forget_reports(sid)
         if self.kernel is not None:
             self.kernel.forget(sid)
+            cid = self._container_of.get(sid)
+            if cid is not None:
+                self.kernel.forget(cid)  # the kernel reader knows it by its container's name
         if self.nflog is not None:
             self.nflog.forget(sid)
         if len(self._gone) > 10000:  # bounded memory: drop the oldest

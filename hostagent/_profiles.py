@@ -293,10 +293,6 @@ class Enforcement:
     agent_args: tuple[str, ...]
     landlock_required: bool
     setup_capabilities: tuple[str, ...] = ()
-    # Guard acts on this profile's violations (kill, quarantine), not only records them. Guard finds a
-    # sandbox by its cgroup, named after its container: a warm-pool container's id (wp-...) is not the
-    # sandbox's, so such a sandbox never takes a warm container (its act would miss it).
-    guard_acts: bool = False
 
     @cached_property
     def fingerprint(self) -> str:
@@ -329,7 +325,6 @@ def compile_profile(p: SecurityProfile) -> Enforcement:
         agent_args=tuple(args),
         landlock_required=p.fs.landlock and p.fs.required,
         setup_capabilities=setup,
-        guard_acts=any(a != "record" for a in (p.audit.seccomp, p.audit.landlock, p.audit.other)),
     )
 
 

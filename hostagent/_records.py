@@ -36,6 +36,13 @@ def resumes(cur: SandboxRecord, spec: SandboxSpec) -> bool:
     return cur.state == "paused" and bool(cur.snapshot_id) and spec.snapshot == cur.snapshot_id and spec.generation > cur.spec.generation
 
 
+def container_of(ls: LocalSandbox) -> str:
+    """The container serving ``ls`` when it is not named after the sandbox (a warm one, a later
+    generation's): guard finds the sandbox of a kernel record through it."""
+    cid = ls.extra.get("cid")
+    return cid if isinstance(cid, str) and cid != ls.spec.sandbox_id else ""
+
+
 class Records:
     def __init__(self, host_id: str) -> None:
         self.host_id = host_id
@@ -56,6 +63,7 @@ class Records:
             spec=ls.spec, state=state, host_id=self.host_id, created_at=ls.spec.requested_at,
             ready_at=ls.started_at, expires_at=ls.expires_at,
             ended_at=time.time() if state in SANDBOX_ENDED else 0.0, end_reason=end_reason,
+            container_id=container_of(ls),
         )
 
     async def record(self, ls: LocalSandbox, state: SandboxState, *, end_reason: str = "") -> None:

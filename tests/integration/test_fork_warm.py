@@ -376,3 +376,54 @@ async def test_fork_of_an_unchanged_sandbox_takes_a_plain_warm_container(stack: 
             for g in (f, cold):
                 out = await g.commands.run("touch /evil 2>&1; echo x > /workspace/ok && cat /workspace/ok")
                 assert "Permission denied" in out.stdout and out.stdout.endswith("x\n"), out
+
+
+async def test_strict_warm_child_is_killed_by_guard_under_its_own_id(stack: Stack, lazy: LazyDaemon) -> None:
+    """A fork child of a ``strict`` sandbox served by a warm container (a root swapped in: ``warm_root``)
+    runs in the container's cgroup (``wp-...``); guard maps it to the child through its record and kills
+    the child for a Landlock denial, reported under the child's id. Controls: the cold parent, which
+    does nothing wrong, lives on; the child's denial is refused (EACCES) before guard acts."""
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import GuardViolation
+    from guard import Guard
+    from sdk import SandboxNotFound
+
+    g = Guard(stack.url, host_id=f"guard-{stack.uid}")
+    await g.start()
+    got: list[GuardViolation] = []
+
+    async def on(msg: object) -> None:
+        got.append(codec.EVENT.decode(msg.data))  # type: ignore[attr-defined]
+
+    sub = await stack.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on)
+    try:
+        if g.kernel is None:
+            pytest.skip("kernel audit not readable here")
+        async with stack.sandbox(profile="strict") as sb:
+            await sb.commands.run("mkdir -p /workspace/d && echo src > /workspace/d/f")
+            await pool_full(stack, 1, "strict", BASE)
+            (child,) = await sb.fork(1, **stack.kw())
+            async with many(stack, [child]):
+                assert served_warm(stack, child) and stack.host.handles[child.sandbox_id].extra.get("warm_root")
+                cid = stack.host.handles[child.sandbox_id].extra["cid"]
+                assert (await child.files.read("/workspace/d/f")) == "src\n"  # the control: it serves
+                try:
+                    r = await child.commands.run("(echo evil > /var/evil) 2>&1; echo rc=$?")
+                    assert "Permission denied" in r.stdout, r
+                except SandboxNotFound:
+                    pass  # guard's kill can land before the exec's answer: the record says why
+                kv = await stack.nc.jetstream().key_value(S.KV_SANDBOXES)
+
+                async def killed() -> bool:
+                    rec = codec.SANDBOX_RECORD.decode((await kv.get(child.sandbox_id)).value)
+                    return rec.state == "gone" and rec.end_reason.startswith("guard-kill: landlock")
+
+                await eventually(killed, timeout=30, what="guard to kill the strict warm child")
+                v = next(v for v in got if v.sandbox_id == child.sandbox_id and v.kind == "landlock")
+                assert v.action == "kill" and v.detail["container_id"] == cid and "/var" in v.what, v
+                assert not [x for x in got if x.sandbox_id == cid], got
+                assert (await sb.commands.run("echo still-here")).stdout == "still-here\n"
+    finally:
+        await sub.unsubscribe()
+        await g.shutdown()

@@ -408,6 +408,7 @@ async def test_spread_link_cut_lost_restored_elsewhere_then_fenced(hosts: Hosts)
         await eventually(restored, timeout=120, interval=0.25, what="the restore on another host")
         rec = await h.record(keep.sandbox_id)
         assert rec is not None and rec.spec.snapshot == snap.snapshot_id
+        assert rec.container_id == f"{keep.sandbox_id}-g1", rec  # guard maps the incarnation's cgroup through it
         assert (await keep.commands.run("cat /root/data/f")).stdout == "before-the-cut\n"
 
         # Creates keep succeeding, on the hosts still reachable.

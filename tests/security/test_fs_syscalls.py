@@ -1015,32 +1015,87 @@ async def test_strict_profile_kills_on_first_violation(make_stack: Any, progs: d
     assert (await sh(relaxed, "echo still-here")).out == "still-here"
 
 
-async def test_strict_profile_sandboxes_never_come_from_the_warm_pool(make_stack: Any, progs: dict[str, bytes], redteam: Any) -> None:
-    """Guard finds a sandbox by its cgroup, named after its container: a warm-pool container's id is not
-    the sandbox's, so guard's kill would miss a strict sandbox served by one. Strict sandboxes start cold
-    (their container is named after them) and the kill lands; the control: a default-profile create on
-    the same stack is served by the warm pool."""
+async def test_denials_of_warm_pool_sandboxes_are_reported_with_the_sandbox_id(make_stack: Any, redteam: Any) -> None:
+    """A warm-pool container's id (its cgroup's name, which the kernel's records lead to) is not the
+    sandbox's: the sandbox's record names it, and guard reports the Landlock denial under the sandbox's
+    id, with its tenant's events. Control: a cold sandbox of the same profile on the same stack."""
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import GuardViolation
+
     st = await make_stack(guard=True, warm_pool=1)
     if st.guard.kernel is None:
         cannot_run("kernel audit not readable here")
-    await st.create()
-    await until(lambda: st.backend.pool.ready() >= 1, timeout=60, what="a warm container for the default profile")
-    warm = await st.create()
-    assert st.handle(warm).extra["cid"].startswith("wp-")  # the control: the pool serves the default profile
-    first = await st.create(profile="strict")
-    strict = await st.create(profile="strict")  # a second one: a pool of strict would have one ready by now
-    assert [st.handle(sb).extra["cid"] for sb in (first, strict)] == [first.sandbox_id, strict.sandbox_id]
-    assert not [k for k in st.backend.pool.entries() if k.profile == "strict"]
-    await push(strict, progs, "sysx")
-    await sysx(strict, nr("bpf"), 0, "buf:128", 128)
+    got: list[GuardViolation] = []
 
-    async def killed() -> bool:
-        return (await _sandbox_record(st, strict.sandbox_id)).state == "gone"
+    async def on(msg: Any) -> None:
+        got.append(codec.EVENT.decode(msg.data))
 
-    await until(killed, timeout=20, what="guard to kill the strict sandbox")
-    assert (await _sandbox_record(st, strict.sandbox_id)).end_reason.startswith("guard-kill: seccomp bpf")
-    redteam.blocked("strict profile: never served by a warm container, so guard's kill finds it")
-    assert (await sh(warm, "echo still-here")).out == "still-here"
+    sub = await st.nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on)
+    try:
+        cold = await st.create()
+        await until(lambda: st.backend.pool.ready() >= 1, timeout=60, what="a warm container for the default profile")
+        warm = await st.create()
+        wcid = st.handle(warm).extra["cid"]
+        assert wcid.startswith("wp-") and st.handle(cold).extra["cid"] == cold.sandbox_id
+        assert (await _sandbox_record(st, warm.sandbox_id)).container_id == wcid
+        assert (await _sandbox_record(st, cold.sandbox_id)).container_id == ""
+        for sb in (cold, warm):
+            assert (await sh(sb, "echo fine > /tmp/ok && cat /tmp/ok")).out == "fine"  # positive control
+            r = await sh(sb, "echo evil > /var/evil")  # Landlock's (no read-only mount there)
+            assert r.code != 0 and "Permission denied" in r.out, r
+
+        def found(sid: str) -> GuardViolation | None:
+            return next((v for v in got if v.sandbox_id == sid and v.kind == "landlock" and "/var" in v.what), None)
+
+        await until(lambda: found(cold.sandbox_id), timeout=15, what="the cold sandbox's landlock violation")
+        await until(lambda: found(warm.sandbox_id), timeout=15, what="the warm sandbox's landlock violation")
+        v = found(warm.sandbox_id)
+        assert v is not None and v.action == "record" and v.detail["container_id"] == wcid and "fs.make_reg" in v.what, v
+        c = found(cold.sandbox_id)
+        assert c is not None and "container_id" not in c.detail, c
+        assert not [x for x in got if x.sandbox_id == wcid], got
+        redteam.blocked("audit: landlock denial in a warm-pool sandbox reported with the sandbox id")
+    finally:
+        await sub.unsubscribe()
+
+
+async def test_strict_profile_sandbox_from_the_warm_pool_is_killed(make_stack: Any, redteam: Any) -> None:
+    """A strict sandbox served by a warm container is killed by guard for a Landlock denial, as a cold
+    one is (the control: the first strict create, before the pool holds one); a default-profile
+    sandbox doing the same lives on."""
+    st = await make_stack(guard=True, warm_pool=1)
+    if st.guard.kernel is None:
+        cannot_run("kernel audit not readable here")
+    cold = await st.create(profile="strict")
+    assert st.handle(cold).extra["cid"] == cold.sandbox_id
+    await until(lambda: any(k.profile == "strict" and e for k, e in st.backend.pool.entries().items()), timeout=60,
+                what="a warm container for the strict profile")
+    warm = await st.create(profile="strict")
+    wcid = st.handle(warm).extra["cid"]
+    assert wcid.startswith("wp-")
+    relaxed = await st.create()
+    from sdk import SandboxNotFound
+
+    for sb in (relaxed, cold, warm):
+        assert (await sh(sb, "echo fine")).out == "fine"  # positive control: normal work is fine
+        try:
+            r = await sh(sb, "echo evil > /var/evil")
+            assert r.code != 0 and "Permission denied" in r.out, r
+        except SandboxNotFound:
+            assert sb is not relaxed  # guard's kill can land before the exec's answer: the record says why
+
+    for sb in (cold, warm):
+        async def killed(sid: str = sb.sandbox_id) -> bool:
+            return (await _sandbox_record(st, sid)).state == "gone"
+
+        await until(killed, timeout=30, what=f"guard to kill strict sandbox {sb.sandbox_id}")
+        rec = await _sandbox_record(st, sb.sandbox_id)
+        assert rec.end_reason.startswith("guard-kill: landlock fs.make_reg") and "/var" in rec.end_reason, rec
+    assert warm.sandbox_id not in st.host.live
+    redteam.blocked("strict profile: a warm-pool sandbox killed by guard after a Landlock denial")
+    assert (await _sandbox_record(st, relaxed.sandbox_id)).state == "running"
+    assert (await sh(relaxed, "echo still-here")).out == "still-here"
 
 
 async def _sandbox_record(st: Any, sid: str) -> Any:

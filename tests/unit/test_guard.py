@@ -317,6 +317,74 @@ async def test_guard_applies_the_sandboxs_audit_policy(nats_server: Any) -> None
         await nc.close()
 
 
+async def test_guard_reports_a_containers_denials_under_the_sandbox_it_serves(nats_server: Any, monkeypatch: Any) -> None:
+    """The kernel names a warm-pool container (``wp-...``) or a later generation's (``<id>-g<n>``); the
+    sandbox's record names that container, and guard reports and acts under the sandbox's id: also for
+    a denial that came before the record (held until it comes). A container no record names is
+    reported under its own id once the wait is over; a sandbox's own id is reported at once."""
+    from bus import connect
+    from bus.messages import Done
+    from bus.streams import ensure_kv
+    from guard import Guard
+    from guard import _service as gs
+
+    monkeypatch.setattr(gs, "ALIAS_WAIT_S", 120.0)  # far beyond the test: a report before a record is never its timeout's
+    nc = await connect(nats_server.url)
+    g = Guard(nats_server.url, host_id="h-test", kernel_audit=False)
+    await g.start()
+    try:
+        js = nc.jetstream()
+        sbx = await ensure_kv(js, S.KV_SANDBOXES)
+        u = uuid.uuid4().hex[:6]
+        warm_id, gen_id, cold_id = f"sb-w-{u}", f"sb-g-{u}", f"sb-c-{u}-g7"  # (a sandbox's own id may look like a generation's)
+        warm_cid, gen_cid, stray_cid = f"wp-{u}a", f"{gen_id}-g2", f"wp-{u}b"
+
+        async def record(sid: str, cid: str, profile: str = "strict") -> None:
+            rec = SandboxRecord(spec=SandboxSpec(sandbox_id=sid, profile=profile), state="running", container_id=cid)
+            await sbx.put(sid, codec.encode(rec))
+
+        await record(gen_id, gen_cid)
+        await record(cold_id, "", "default")
+        await eventually(lambda: g.sandbox_of(gen_cid) == gen_id, timeout=5, what="the generation's container mapped")
+        kills: list[str] = []
+        violations: list[GuardViolation] = []
+
+        async def on_kill(msg: Any) -> None:
+            kills.append(msg.subject)
+            await msg.respond(codec.encode(Done(detail="killed")))
+
+        async def on_violation(msg: Any) -> None:
+            violations.append(codec.EVENT.decode(msg.data))
+
+        subs = [await nc.subscribe(S.sbx(sid, "kill"), cb=on_kill) for sid in (warm_id, gen_id, cold_id, warm_cid, gen_cid, stray_cid)]
+        subs.append(await nc.subscribe(S.EVT_GUARD_VIOLATION, cb=on_violation))
+        await nc.flush()
+        g._on_denial(Denial(kind="landlock", sandbox_id=warm_cid, what="fs.make_reg /var/evil", detail={"exe": "/bin/sh"}))
+        g._on_denial(Denial(kind="seccomp", sandbox_id=gen_cid, what="bpf", detail={"exe": "/tmp/x"}))
+        g._on_denial(Denial(kind="seccomp", sandbox_id=cold_id, what="bpf", detail={"exe": "/tmp/x"}))
+        await eventually(lambda: {v.sandbox_id for v in violations} == {gen_id, cold_id}, timeout=10, what="the known ones' reports")
+        assert not [v for v in violations if v.sandbox_id in (warm_id, warm_cid)], "the warm container's denial waits for its record"
+        await record(warm_id, warm_cid)  # the claim's record arrives after the denial
+        await eventually(lambda: any(v.sandbox_id == warm_id for v in violations), timeout=10, what="the held denial reported")
+        monkeypatch.setattr(gs, "ALIAS_WAIT_S", 0.5)
+        g._on_denial(Denial(kind="seccomp", sandbox_id=stray_cid, what="bpf", detail={"exe": "/tmp/x"}))
+        await eventually(lambda: any(v.sandbox_id == stray_cid for v in violations), timeout=10, what="the stray container's report")
+        await eventually(lambda: len(kills) >= 2, timeout=5, what="the strict sandboxes' kills")
+        by = {v.sandbox_id: v for v in violations}
+        assert by[warm_id].detail["container_id"] == warm_cid and by[warm_id].action == "kill"
+        assert by[gen_id].detail["container_id"] == gen_cid and by[gen_id].action == "kill"
+        assert "container_id" not in by[cold_id].detail and by[cold_id].action == "record"
+        assert by[stray_cid].action == "record"  # no record: the default profile
+        assert sorted(kills) == sorted([S.sbx(warm_id, "kill"), S.sbx(gen_id, "kill")])
+        await sbx.delete(warm_id)
+        await eventually(lambda: g.sandbox_of(warm_cid) is None, timeout=5, what="a deleted record's container forgotten")
+        for s in subs:
+            await s.unsubscribe()
+    finally:
+        await g.shutdown()
+        await nc.close()
+
+
 # ------------------------------------------------------------------------------- the agent itself
 def _landlock_abi() -> int:
     import ctypes

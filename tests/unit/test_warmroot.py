@@ -25,10 +25,9 @@ def layer(n: int, role: str = "base") -> LayerRef:
 def test_builtin_profiles_take_a_restore_and_the_image_dirs_are_bound_again() -> None:
     """Landlock is applied at the claim, in the new root; the read-only binds of the image's own dirs are
     made again there (those under /proc and /sys move with them); a masked path of the image is not.
-    ``strict`` (guard kills) starts cold: guard finds a sandbox by its container's id."""
+    ``strict`` (guard kills) too: guard finds the sandbox through its record's container id."""
     built = {name: compile_profile(p) for name, p in builtin_profiles().items()}
-    assert {name: takes_restore(e) for name, e in built.items()} == {"default": True, "strict": False, "build": True, "e2b": True}
-    assert [name for name, e in built.items() if e.guard_acts] == ["strict"]
+    assert {name: takes_restore(e) for name, e in built.items()} == {"default": True, "strict": True, "build": True, "e2b": True}
     assert rebinds(built["default"]) == ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc"]
     assert rebinds(built["e2b"]) == []
     masked = msgspec.structs.replace(builtin_profiles()["default"], fs=msgspec.structs.replace(

@@ -196,15 +196,15 @@ class ContainerBackend:
             raise ImageError(f"template {spec.template!r} has no layers")
         lowers = [await self.layers.path(layer) for layer in reversed(layers)]  # overlay wants the top layer first
         prepared: Prepared | None = None
-        # A profile guard acts on never takes a warm container (guard finds a sandbox by its container's
-        # id: see Enforcement.guard_acts). A restore takes one of its template only where the profile lets
+        # Any profile takes a warm container (guard finds the sandbox through its record's container_id,
+        # so a kill or quarantine reaches it). A restore takes one of its template only where the profile lets
         # its root be swapped (``takes_restore``); a plain create's names for /etc/hosts would have to go
         # into a mounted root's upper dir, so such a create starts cold. A restore of a snapshot that added
         # nothing to its template (a fork of an unchanged sandbox) has the template's very layers: a warm
         # container of them is that sandbox already.
         key = WarmKey.of(layers, spec.disk_mb, security)
         unchanged = self.warm_restores and bool(spec.snapshot) and memory is None and bool(self.pool.entries().get(key))
-        plain = self.pool.size > 0 and (not spec.snapshot or unchanged) and not security.guard_acts
+        plain = self.pool.size > 0 and (not spec.snapshot or unchanged)
         warm_root = self.warm_restores and self.pool.size > 0 and bool(spec.snapshot) and memory is None and takes_restore(security)
         if (plain or warm_root) and self.net.wanted(spec.network) and spec.network is not None:
             prepared = await self.net.prepare(spec.network)  # checked and resolved first: a bad allowlist costs no warm container

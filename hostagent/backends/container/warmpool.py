@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from bus.messages import LayerRef
+from bus.messages import WARM_CONTAINER_PREFIX, LayerRef
 
 from ..._agent import AgentInfo
 from ..._profiles import Enforcement
@@ -77,10 +77,10 @@ def takes_restore(security: Enforcement) -> bool:
     """Whether a warm container of this profile may be given a restore's root (``warmroot``). Its
     agent confines itself (Landlock too) only when claimed, in the new root, and read-only binds of
     the image's directories are made again there. Not: a read-only ``/`` or bind under ``/.dsec``
-    (the helper refuses them), a masked path outside /proc, /sys and /dev (runc's /dev/null or tmpfs
-    over a path of the old root: not made again), nor a profile whose violations guard acts on
-    (``Enforcement.guard_acts``: ``strict``). Those start their restores cold."""
-    return not security.guard_acts and all(_in_kernel_fs(p) for p in security.masked_paths) and \
+    (the helper refuses them), nor a masked path outside /proc, /sys and /dev (runc's /dev/null or tmpfs
+    over a path of the old root: not made again). Those start their restores cold. (A profile guard
+    acts on is fine: the sandbox's record names its container, so guard finds the sandbox by it.)"""
+    return all(_in_kernel_fs(p) for p in security.masked_paths) and \
         all(p != "/" and p.split("/")[1] != ".dsec" for p in rebinds(security))
 
 
@@ -201,7 +201,7 @@ class WarmPool:
         recipe = self._recipes[key]
         entries = self._entries.setdefault(key, [])
         while not self._stopping and len(entries) < self.size:
-            cid = f"wp-{os.urandom(8).hex()}"
+            cid = f"{WARM_CONTAINER_PREFIX}{os.urandom(8).hex()}"
             try:
                 w = await self._start(cid, recipe)
             except asyncio.CancelledError:
