@@ -114,7 +114,10 @@ async def test_warm_and_cold_children_alike_and_none_shows_the_member_before(sta
             with pytest.raises(AgentError) as ei:
                 await stack.backend.t.clients[w.cid].exec("cat /planted")
             assert ei.value.errno == errno.EACCES and "not confined yet" in ei.value.message
-        busy = waiting[-1]  # the first one claimed (the pool hands out its newest first)
+        # The first one a fork claims: the newest of the first pool of the template with one waiting
+        # and the source's disk (WarmPool.base_of); an earlier test's pool may still wait beside it.
+        busy = next(ws[-1] for k, ws in stack.backend.pool.entries().items()
+                    if ws and k.profile == profile and len(k.layers) == 1 and k.layers[0].startswith(BASE) and k.disk_mb == sb.spec.disk_mb)
         client = stack.backend.t.clients[busy.cid]
         await client.confine()  # as a claim would (then it runs commands): the root swap must still refuse it
         sleeper = asyncio.ensure_future(client.exec("sleep 1000"))  # runs while the call is open
