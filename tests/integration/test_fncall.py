@@ -422,7 +422,8 @@ async def test_fork_bomb_and_endless_output_do_not_slow_the_others(fn: Fn) -> No
     await eventually(lambda: any(p.busy >= 2 for p in fn.host.fncalls.pools.values()), timeout=60, what="the bomb and the flood to run")
     took = await asyncio.gather(*(echo(i) for i in range(8)))
     b, f = await bomb, await flood
-    assert b.error is not None and "timed out" in b.error, b
+    # the bomb ends at its timeout, or sooner when the pids limit leaves even its own `sleep` unforkable
+    assert (b.error is not None and "timed out" in b.error) or (b.exit_code != 0 and "can't fork" in b.stderr), b
     assert f.stdout_truncated and f.stdout_bytes > len(f.stdout.encode()), f
     # each echo's run (queueing for a member aside) took its own 0.2 s, not the bomb's CPU or the flood's
     # pipe: the bomb runs for 6 s, so a run it held up would take about that (a loaded host adds seconds)
