@@ -12,6 +12,7 @@ import asyncio
 import errno
 import os
 import time
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,17 @@ def members(stack: Stack, template_layers: int, profile: str, base: str = "") ->
 async def pool_full(stack: Stack, template_layers: int, profile: str, base: str = "") -> None:
     await eventually(lambda: len(members(stack, template_layers, profile, base)) >= stack.backend.pool.size, timeout=120, interval=0.1,
                      what=f"the warm pool of profile {profile} refilled")
+
+async def warm_and_cold(stack: Stack, sb: AsyncSandbox, **kw: Any) -> tuple[AsyncSandbox, AsyncSandbox]:
+    """A child of ``sb`` from the warm pool, then one with warm restores off (the cold control)."""
+    (warm,) = await sb.fork(1, **kw, **stack.kw())
+    stack.backend.warm_restores = False
+    try:
+        (cold,) = await sb.fork(1, **kw, **stack.kw())
+    finally:
+        stack.backend.warm_restores = True
+    return warm, cold
+
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -195,12 +207,7 @@ async def test_default_profile_warm_children_are_confined_as_cold_ones(stack: St
     async with stack.sandbox() as sb:
         await sb.commands.run("mkdir -p /workspace/d && echo src > /workspace/d/f")
         await pool_full(stack, 1, "default", BASE)
-        (warm,) = await sb.fork(1, **stack.kw())
-        stack.backend.warm_restores = False
-        try:
-            (cold,) = await sb.fork(1, **stack.kw())
-        finally:
-            stack.backend.warm_restores = True
+        warm, cold = await warm_and_cold(stack, sb)
         async with many(stack, [warm, cold]):
             assert served_warm(stack, warm) and not served_warm(stack, cold)
             hw, hc = (stack.host.handles[f.sandbox_id].extra for f in (warm, cold))
@@ -232,12 +239,7 @@ async def test_memory_snapshot_of_a_warm_child_is_refused_typed(stack: Stack, la
     async with stack.sandbox(profile="e2b") as sb:
         await sb.commands.run("echo m > /root/m")
         await pool_full(stack, 1, "e2b", BASE)
-        (c,) = await sb.fork(1, **stack.kw())
-        stack.backend.warm_restores = False
-        try:
-            (cold,) = await sb.fork(1, **stack.kw())
-        finally:
-            stack.backend.warm_restores = True
+        c, cold = await warm_and_cold(stack, sb)
         async with many(stack, [c, cold]):
             assert served_warm(stack, c) and not served_warm(stack, cold)
             with pytest.raises(DsecError) as ei:
@@ -269,12 +271,7 @@ async def test_warm_children_with_a_network_as_cold_ones(
         with pytest.raises(InvalidArgument, match="not a host!"):
             await sb.fork(1, network={"allow_out": ["not a host!"]}, **stack.kw())
         assert {w.cid for w in members(stack, 1, "default", BASE)} == before
-        (warm,) = await sb.fork(1, network=net, **stack.kw())
-        stack.backend.warm_restores = False
-        try:
-            (cold,) = await sb.fork(1, network=net, **stack.kw())
-        finally:
-            stack.backend.warm_restores = True
+        warm, cold = await warm_and_cold(stack, sb, network=net)
         await pool_full(stack, 1, "default", BASE)
         plain = await AsyncSandbox.create(network=net, create_timeout=120, **stack.kw())
         async with many(stack, [warm, cold, plain]):
@@ -314,12 +311,7 @@ async def test_merged_usr_warm_children_bind_what_the_links_lead_to(stack: Stack
     async with stack.sandbox(template=name) as sb:
         await sb.commands.run("echo m > /workspace/m")
         await pool_full(stack, 1, "default", base="sha256:" + "7" * 64)
-        (warm,) = await sb.fork(1, **stack.kw())
-        stack.backend.warm_restores = False
-        try:
-            (cold,) = await sb.fork(1, **stack.kw())
-        finally:
-            stack.backend.warm_restores = True
+        warm, cold = await warm_and_cold(stack, sb)
         async with many(stack, [warm, cold]):
             assert served_warm(stack, warm) and not served_warm(stack, cold)
             assert (await warm.commands.run(ROOT_VIEW)).stdout == (await cold.commands.run(ROOT_VIEW)).stdout
@@ -370,12 +362,7 @@ async def test_fork_of_an_unchanged_sandbox_takes_a_plain_warm_container(stack: 
     (the control) they start cold."""
     async with stack.sandbox() as sb:
         await pool_full(stack, 1, "default", BASE)
-        (f,) = await sb.fork(1, **stack.kw())
-        stack.backend.warm_restores = False
-        try:
-            (cold,) = await sb.fork(1, **stack.kw())
-        finally:
-            stack.backend.warm_restores = True
+        f, cold = await warm_and_cold(stack, sb)
         async with many(stack, [f, cold]):
             assert served_warm(stack, f) and not served_warm(stack, cold)
             assert "warm_root" not in stack.host.handles[f.sandbox_id].extra
