@@ -11,6 +11,7 @@ import json
 from typing import Any
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from bus import codec
 from bus import subjects as S
@@ -34,7 +35,11 @@ async def _last_step(stack: Stack, sid: str, step: int) -> TrajStep:
     got: list[TrajStep] = []
 
     async def logged() -> bool:
-        got.append(STEP_DECODER.decode((await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))).data))
+        try:
+            msg = await stack.js.get_last_msg(S.STREAM_TRAJ, S.traj_any(sid))
+        except NotFoundError:  # nothing stored yet: the stream takes a write after the reply may have come in
+            return False
+        got.append(STEP_DECODER.decode(msg.data))
         return got[-1].step == step
 
     await eventually(logged, timeout=10, what=f"step {step} in the log")
