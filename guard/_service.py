@@ -150,7 +150,7 @@ class Guard(Service):
         self._container_of: dict[str, str] = {}  # the reverse (a deleted record drops its entry)
         self._alias_seen = asyncio.Event()  # set (and replaced) whenever an entry arrives
         self._unresolved: dict[str, list[Denial]] = {}  # denials of a container waiting for its record
-        self._sandbox_profile: dict[str, str] = {}
+        self._sandbox_profile: dict[str, tuple[str, str]] = {}  # sandbox -> (profile, host id), from its record
         self._enforced: set[str] = set()
         self._gone: dict[str, float] = {}
         self._last: dict[tuple[str, str, str, bool], tuple[float, int]] = {}
@@ -274,13 +274,21 @@ class Guard(Service):
         return replace(d, sandbox_id=sid, detail={**d.detail, "container_id": d.sandbox_id})
 
     # --- policy ---------------------------------------------------------------------------------
+    async def _sandbox(self, sid: str) -> tuple[str, str]:
+        """The sandbox's profile name and the host it runs on, from its record (read once). The host
+        is the record's: one machine may run several hosts (``dsec up --hosts``) under one guard
+        reading the kernel's audit, whose own host id names none of them."""
+        known = self._sandbox_profile.get(sid)
+        if known is None:
+            rec = await self._kv_sbx.get(sid) if self._kv_sbx is not None else None  # missing or undecodable: the default profile
+            known = ((rec.spec.profile if rec is not None else "") or "default", (rec.host_id if rec is not None else "") or self.host_id)
+            if self._kv_sbx is not None:
+                self._sandbox_profile[sid] = known
+        return known
+
     async def _audit_policy(self, sid: str) -> AuditPolicy:
-        name = self._sandbox_profile.get(sid)
-        if name is None and self._kv_sbx is not None:
-            rec = await self._kv_sbx.get(sid)  # missing or undecodable: the default profile
-            name = (rec.spec.profile if rec is not None else "") or "default"
-            self._sandbox_profile[sid] = name
-        p = self.profiles.get(name or "default") or self.builtin.get(name or "default") or self.builtin.get("default")
+        name = (await self._sandbox(sid))[0]
+        p = self.profiles.get(name) or self.builtin.get(name) or self.builtin.get("default")
         return p.audit if p is not None else AuditPolicy()
 
     @staticmethod
@@ -328,6 +336,7 @@ class Guard(Service):
 
     async def _handle_denial(self, d: Denial, by_agent: bool, suppressed: int) -> None:
         policy = await self._audit_policy(d.sandbox_id)
+        host_id = (await self._sandbox(d.sandbox_id))[1]
         action = "record" if by_agent else self._action(policy, d.kind)  # the agent works for the host API
         detail = {k: v for k, v in d.detail.items() if v}
         detail["source"] = SOURCE
@@ -339,7 +348,7 @@ class Guard(Service):
             detail["suppressed"] = str(suppressed)
         v = GuardViolation(
             sandbox_id=d.sandbox_id, at=time.time(), kind=d.kind, what=d.what, action=action,
-            host_id=self.host_id, detail=detail,
+            host_id=host_id, detail=detail,
         )
         log.info("guard_violation", sandbox_id=d.sandbox_id, kind=d.kind, what=d.what, action=action)
         self._violations.inc(kind=d.kind, action=action)

@@ -395,7 +395,7 @@ DEBIAN = Path(os.environ.get("DSEC_FNCALL_CACHE", "/var/cache/dsec-fncall")) / "
 
 
 def debian_rootfs() -> Path | None:
-    """The Debian rootfs with python3 the fncall tests cache (DSEC_SLOW=1 builds it), if it is here."""
+    """The Debian rootfs with python3 the fncall tests cache (their first run builds it), if it is here."""
     return next((p for p in sorted(DEBIAN.glob("debian-*")) if p.is_dir() and (p / "usr/bin/python3").exists()), None)
 
 

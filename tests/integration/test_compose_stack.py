@@ -9,6 +9,7 @@ Starts dockerd (--iptables=false) when none runs, and stops it again by pid.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,6 +137,31 @@ def _still_running(pids: dict[int, str]) -> list[int]:
     return alive
 
 
+async def _violation_of(url: str, sandbox_id: str, timeout: float = 60.0) -> Any:
+    """The first guard violation naming ``sandbox_id`` in the event stream (read from its start)."""
+    import nats
+
+    from bus import codec
+    from bus import subjects as S
+    from bus.messages import GuardViolation
+
+    nc = await nats.connect(url)
+    try:
+        sub = await nc.jetstream().subscribe(S.EVT_GUARD_VIOLATION, ordered_consumer=True, deliver_policy=nats.js.api.DeliverPolicy.ALL)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                msg = await sub.next_msg(timeout=min(left, 5.0))
+            except nats.errors.TimeoutError:
+                continue
+            v = codec.EVENT.decode(msg.data)
+            if isinstance(v, GuardViolation) and v.sandbox_id == sandbox_id:
+                return v
+        raise AssertionError(f"no guard violation for {sandbox_id} within {timeout}s")
+    finally:
+        await nc.close()
+
+
 def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
     from sdk import Sandbox
 
@@ -152,7 +179,7 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
         assert f"DSEC_NATS_URL=nats://127.0.0.1:{nats_port}" in up.stdout
         fmt = '{"Service":"{{.Label "com.docker.compose.service"}}","Name":"{{.Names}}"}'
         running = {c["Service"]: c for c in (json.loads(x) for x in _docker("ps", "--filter", label, "--format", fmt).splitlines())}
-        assert {"nats", "placement", "guard", "imaged", "lazy-loader", "hostagent", "gateway"} <= set(running), running
+        assert {"nats", "placement", "guard", "guard-drops", "imaged", "lazy-loader", "hostagent", "gateway"} <= set(running), running
         assert len(_docker("ps", "-q", "--filter", label, "--filter", "label=com.docker.compose.service=placement").split()) == 2
 
         url = f"nats://127.0.0.1:{nats_port}"
@@ -174,6 +201,15 @@ def test_compose_stack_up_sandbox_metrics_down(docker_engine: None) -> None:
             assert "<title>dsec dashboard</title>" in page
             state = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{http_port}/dashboard/state", timeout=20).read())
             assert sb.sandbox_id in {x["sandbox_id"] for x in state["sandboxes"]}
+
+            # The host's dropped packets reach guard: guard-drops reads NFLOG in the host agent's
+            # namespace (per namespace, as dsec up --hosts runs one per host).
+            with Sandbox.create(template="base", memory_mb=64, timeout=300, nats_url=url, create_timeout=120,
+                                network={"allow_out": ["192.0.2.1/32"]}) as net_sb:
+                got = net_sb.commands.run("nc -w 5 192.0.2.2 80 </dev/null 2>&1; echo rc=$?", timeout=60).stdout
+                assert "Connection refused" in got, got  # not in its allowlist: refused by its host's agent
+                v = asyncio.run(_violation_of(url, net_sb.sandbox_id))
+                assert (v.kind, v.what, v.host_id, v.detail["rule"]) == ("network", "tcp 192.0.2.2:80", "compose-host", "not_allowed"), v
 
             for svc in running.values():  # every service still up, none restarted (a crash loop shows here)
                 status, restarts = _docker("inspect", "-f", "{{.State.Status}} {{.RestartCount}}", svc["Name"]).split()

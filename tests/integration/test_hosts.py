@@ -598,6 +598,13 @@ async def test_dsec_up_hosts_2_spreads_and_leaves_nothing(tmp_path: Path) -> Non
             await eventually(lambda: bool(seen), timeout=60, interval=0.1, what="the host's guard to report the refused connection")
             assert (seen[0].kind, seen[0].what, seen[0].host_id, seen[0].detail["rule"]) == (
                 "network", "tcp 192.0.2.2:80", sbs[-1].host_id, "not_allowed"), seen
+            # The machine's guard reads the kernel's audit for every host here: a Landlock denial
+            # names the sandbox's host (its record's), not the machine.
+            got = (await sbs[-1].commands.run("sh -c 'echo evil > /var/evil' 2>&1; echo rc=$?")).stdout
+            assert "Permission denied" in got and "rc=0" not in got, got
+            await eventually(lambda: any(v.kind == "landlock" for v in seen), timeout=60, interval=0.1, what="the Landlock violation")
+            fs = next(v for v in seen if v.kind == "landlock")
+            assert ("/var" in fs.what, fs.host_id, fs.detail["source"]) == (True, sbs[-1].host_id, "guard.kernel"), fs
         finally:
             await nc.close()
         for sb in sbs:

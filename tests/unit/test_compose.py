@@ -52,6 +52,15 @@ def test_hostagent_gets_what_containers_need() -> None:
     assert "--destroy-on-shutdown" in ha["command"]
 
 
+def test_the_hosts_dropped_packets_are_read_in_its_network_namespace() -> None:
+    """NFLOG is per network namespace: the host's drops-only guard shares the host agent's, under its host id."""
+    svc = _compose()["services"]
+    gd, ha = svc["guard-drops"], svc["hostagent"]
+    assert gd["network_mode"] == "service:hostagent" and "--drops-only" in gd["command"]
+    assert gd["command"][gd["command"].index("--host-id") + 1] == ha["command"][ha["command"].index("--host-id") + 1]
+    assert "NET_ADMIN" in gd["cap_add"]
+
+
 def test_dockerfile_copies_only_what_exists() -> None:
     text = DOCKERFILE.read_text()
     # FROM the base compose/base-image.sh makes (no registry is reachable)
@@ -120,9 +129,12 @@ def test_the_hosts_overlay_makes_three_hosts_apart() -> None:
         assert opt(lz["command"], "--data-dir") == opt(ha["command"], "--data-dir")
         assert opt(lz["command"], "--mount") == opt(ha["command"], "--data-dir") + "/lazy"  # where the agent looks
         assert {"SYS_ADMIN", "NET_ADMIN"} <= set(ha["cap_add"]) and ha["depends_on"]["nats"]["condition"] == "service_healthy"
+        gd = svc[f"guard-drops-{i}"]  # its dropped packets, read in its namespace
+        assert gd["network_mode"] == f"service:hostagent-{i}" and "--drops-only" in gd["command"]
+        assert opt(gd["command"], "--host-id") == opt(ha["command"], "--host-id") and "NET_ADMIN" in gd["cap_add"]
     seeds = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
     svc = _merged("docker-compose.yml", "cluster.yml", "hosts.yml", env={"DSEC_HOSTS_NATS_URL": seeds, "DSEC_NATS_REPLICAS": "3"})["services"]
-    for name in ("hostagent-2", "lazy-loader-2", "hostagent-3", "lazy-loader-3"):
+    for name in ("hostagent-2", "lazy-loader-2", "guard-drops-2", "hostagent-3", "lazy-loader-3", "guard-drops-3"):
         assert svc[name]["environment"]["DSEC_NATS_URL"] == seeds and svc[name]["environment"]["DSEC_NATS_REPLICAS"] == "3", name
     stack = (ROOT / "compose" / "stack.sh").read_text()
     assert "compose/hosts.yml" in stack and f'DSEC_HOSTS_NATS_URL="{seeds}"' in stack

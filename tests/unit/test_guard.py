@@ -278,8 +278,10 @@ async def test_guard_applies_the_sandboxs_audit_policy(nats_server: Any) -> None
         js = nc.jetstream()
         sbx = await ensure_kv(js, S.KV_SANDBOXES)
         strict_id, default_id = f"sb-s-{uuid.uuid4().hex[:6]}", f"sb-d-{uuid.uuid4().hex[:6]}"
-        for sid, prof in ((strict_id, "strict"), (default_id, "default")):
-            await sbx.put(sid, codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=sid, profile=prof), state="running")))
+        # One machine may run several hosts under one guard (dsec up --hosts): a violation names the
+        # host of the sandbox's record, the guard's own id only when the record names none.
+        for sid, prof, host in ((strict_id, "strict", ""), (default_id, "default", "h-other")):
+            await sbx.put(sid, codec.encode(SandboxRecord(spec=SandboxSpec(sandbox_id=sid, profile=prof), state="running", host_id=host)))
         kills: list[tuple[str, KillRequest]] = []
         violations: list[GuardViolation] = []
 
@@ -305,6 +307,7 @@ async def test_guard_applies_the_sandboxs_audit_policy(nats_server: Any) -> None
         assert kills[0][1].reason == "guard-kill: seccomp bpf"
         by = {v.sandbox_id: v for v in violations}
         assert by[strict_id].action == "kill" and by[default_id].action == "record"
+        assert (by[strict_id].host_id, by[default_id].host_id) == ("h-test", "h-other")
         assert len(violations) == 2, "the repeat within the report interval is folded"
         # The agent acting for the host API is recorded, never killed for.
         g._on_denial(Denial(kind="landlock", sandbox_id=strict_id, what="fs.write_file /etc/x", detail={"exe": "/.dsec/bin/dsec-agent"}))
