@@ -50,6 +50,7 @@ class Plumbing:
 
         self._root_ns_fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self._root_ns_ino = os.fstat(self._root_ns_fd).st_ino
+        netns.writable_proc_sys()  # (in a container: mounted read-only by its engine)
         self._ipr = IPRoute()
         self._nl = Rtnl()
         self._nft = Nft()
