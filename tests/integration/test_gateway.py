@@ -565,8 +565,6 @@ def test_envd_user_header() -> None:
 
 
 # --------------------------------------------------------------------------------------------- Python template
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="debootstrap of the Python template: set DSEC_SLOW=1")
 async def test_e2b_on_the_python_template_runs_as_user(gw: Gw) -> None:
     """The Python template has E2B's `user` (home /home/user) and bash: commands run as that user by
     default, relative paths land in its home and belong to it, and a request naming root is honoured."""

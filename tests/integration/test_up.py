@@ -181,7 +181,6 @@ async def test_readme_image_build_on_the_default_stack(up: Up, tmp_path: Path) -
     assert rc == 0 and "base" in {t["name"] for t in json.loads(out)}, (out, err)
 
 
-@pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="debootstrap of the Python template: set DSEC_SLOW=1")
 async def test_readme_build_python_on_the_default_stack(up: Up) -> None:
     rc, out, err = await dsec("image", "build-python", env=up.env(), timeout=1800)
     assert rc == 0, (out, err)
