@@ -3,8 +3,8 @@
 Tests that need something a machine may lack (root, cgroups v1, containerd, a tool) are marked
 ``needs(reason)`` (``reason`` None when it is there) or call ``cannot_run(reason)``. Such a test
 FAILS with the reason: a suite that did not run must not pass. ``DSEC_ALLOW_SKIP=1`` (a dev machine
-without root, say) makes them skips instead. The GUI template's tests (a desktop under TCG: many
-minutes) are the one opt-in: they skip unless ``DSEC_SLOW=1``.
+without root, say) makes them skips instead. Nothing is opt-in: the tests that build a Debian
+rootfs the first time (debootstrap from the mirror: a minute or two each) build it, and keep it.
 """
 
 from __future__ import annotations

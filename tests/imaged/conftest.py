@@ -419,4 +419,4 @@ def make_tree(root: Path, files: dict[str, bytes | str], *, links: dict[str, str
 
 
 def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "slow: minutes-long tests (debootstrap); run with DSEC_SLOW=1")
+    config.addinivalue_line("markers", "slow: minutes-long tests (debootstrap the first time)")

@@ -537,9 +537,6 @@ async def test_vm_backend_screen_shows_what_is_typed(mhost: MicroHost) -> None:
         shutil.rmtree(data, ignore_errors=True)
 
 
-needs_slow = pytest.mark.skipif(os.environ.get("DSEC_SLOW") != "1", reason="the GUI template (debootstrap, then Xorg under TCG): set DSEC_SLOW=1")
-
-
 @asynccontextmanager
 async def gui_backend(mhost: MicroHost) -> AsyncIterator[tuple[VMBackend, LayerRef]]:
     """The full-VM backend (the host's accelerator) and the GUI template's rootfs as a layer (built
@@ -572,7 +569,6 @@ async def desktop_up(b: VMBackend, handle: Handle) -> bool:
 
 
 @pytest.mark.slow
-@needs_slow
 async def test_gui_template_desktop_takes_typed_input_and_forks_running(mhost: MicroHost) -> None:
     """The GUI template (``compose/gui-rootfs.sh``: Xorg, twm, xterm; built once, cached) on the
     full-VM backend: the screen shows the desktop, keys typed into its terminal run there and change
@@ -627,7 +623,6 @@ PAGE_PIXELS = 100_000  # the page's colour fills the browser's 640x480 window bu
 
 
 @pytest.mark.slow
-@needs_slow
 async def test_gui_template_browser_shows_a_local_page_and_reloads_it(mhost: MicroHost) -> None:
     """The GUI template's browser (Dillo), opened inside the VM on a file:// page: the screen shows
     the page's colour, which the frame before it did not have; the page changed and reloaded with a
