@@ -15,11 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 
-from bus import codec
-from bus import subjects as S
-from bus.streams import ensure_kv
 from sdk import AsyncSandbox
 from sdk.errors import BlobStoreUnavailable
 from tests.conftest import eventually
@@ -114,83 +110,3 @@ async def test_uncached_create_fails_typed_or_waits_cached_proceeds(stack: Stack
             loader.release()
             for name in (warm, cold):
                 await delete_manifest(js, name)
-
-
-async def test_an_uncached_microvm_create_fails_typed_and_starts_once_the_store_is_back(stack: Stack, nats_server, tmp_path: Path) -> None:
-    """The microvm backend, as the container one: a VM whose layer the host does not hold, while the
-    store is away, fails ``blob_store_unavailable`` naming the layer and leaves nothing behind; the
-    same create boots once the store is back (the control)."""
-    import signal
-    import tempfile
-
-    from imaged import ImageBuilder, S3BlobStore
-    from imaged._manifests import delete_manifest
-    from tests.netclaim import claim_net
-
-    from .conftest import PY, Child, processes_mentioning, subprocess_env
-    from .test_microvm import BOOT_S, KERNEL_CACHE, NO_QEMU
-
-    assert NO_QEMU is None, NO_QEMU
-    js = stack.js
-    tag = f"{stack.uid}-{os.urandom(3).hex()}"
-    with seaweed_server() as sw:
-        bucket = f"dsec-{tag}"
-        store = S3BlobStore(bucket, endpoint=sw.endpoint, access_key="dsec", secret_key="dsec-secret")
-        builder = ImageBuilder(js, tmp_path / "builder", store=store, chunk_size=64 * KiB)
-        cold = f"mvm-cold-{tag}"
-        try:
-            built = await builder.build_template(cold, str(stack.rootfs), str(make_tree(tmp_path / "wc", {"work/hello": f"cold {tag}\n"})))
-        finally:
-            await store.close()
-        shutil.rmtree(tmp_path / "builder")  # only the blob store has the layers now
-        uid = stack.new_id("mvmbs")
-        data = Path(tempfile.mkdtemp(prefix="dsec-mvmbs-", dir="/tmp"))
-        claim = await asyncio.to_thread(claim_net)
-        loader = LazyDaemon(
-            data_dir=data, mount=data / "lazy", nats_url=nats_server.url, host_id=uid,
-            env=sw.env(bucket), args=["--store-wait-s", "0", "--attempt-timeout", "5", "--store-probe-s", "1"],
-        )
-        loader.start(60)
-        argv = [PY, "-m", "hostagent", "--backend", "microvm", "--data-dir", str(data), "--host-id", uid, "--pool", uid, "--reconcile-s", "1"]
-        agent_log = data.parent / f"{data.name}.log"
-        agent = Child(argv, subprocess_env(stack.url, DSEC_MICROVM_KERNEL_CACHE=KERNEL_CACHE, **claim.env()), agent_log).start()
-        kw = stack.kw(pool=uid, template=cold, backend="microvm", memory_mb=256, disk_mb=512, create_timeout=BOOT_S)
-        sb: AsyncSandbox | None = None
-        try:
-            kv = await ensure_kv(js, S.KV_HOSTS)
-
-            async def ready() -> bool:
-                try:
-                    return codec.HOST_STATUS.decode((await kv.get(uid)).value).state == "ready"
-                except KeyNotFoundError:
-                    return False
-
-            await eventually(ready, timeout=240, interval=0.2, what="the microvm host agent")
-            sw.stop()
-            sid = stack.new_id("mvmcold")
-            with pytest.raises(BlobStoreUnavailable) as ei:
-                await AsyncSandbox.create(**kw, sandbox_id=sid)
-            assert ei.value.code == "blob_store_unavailable"
-            assert built.manifest.layers[-1].digest in ei.value.description, ei.value.description
-            assert loader.info()["store_available"] is False
-            vm_dir = data / "mvm" / "vms" / sid
-            await eventually(lambda: not vm_dir.exists() and not processes_mentioning(str(vm_dir)), timeout=30, what="the failed VM gone")
-
-            # Fail-at-once mode tries the store again at the next read (probed at most once a second).
-            await asyncio.to_thread(sw.restart)
-            sb = await AsyncSandbox.create(**kw)
-            assert (await sb.commands.run("cat /work/hello")).stdout == f"cold {tag}\n"
-            assert loader.info()["store_available"] is True
-        finally:
-            if sb is not None:
-                await sb.kill()
-            if agent.alive():
-                await agent.stop(timeout=60)
-            loader.release()
-            for pid in processes_mentioning(str(data)):  # only what names this test's data dir
-                os.kill(pid, signal.SIGKILL)
-            shutil.rmtree(data, ignore_errors=True)
-            agent_log.unlink(missing_ok=True)
-            await claim.purge()
-            claim.release()
-            await delete_manifest(js, cold)

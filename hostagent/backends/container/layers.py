@@ -14,8 +14,6 @@ from pathlib import Path
 from bus.errors import BlobStoreUnavailable, ImageError
 from bus.messages import LayerRef
 
-from ..._blobstore import store_unavailable
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _MS_RDONLY = 1
@@ -41,6 +39,18 @@ def mount_erofs(blob: str, target: str) -> None:
     r = subprocess.run(["mount", "-t", "erofs", "-o", "ro", blob, target], capture_output=True, text=True)
     if r.returncode != 0:
         raise ImageError(f"cannot mount layer {blob} at {target}: {r.stderr.strip()}")
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 class LayerMounts:
@@ -98,8 +108,29 @@ class LayerMounts:
         return sorted(held)
 
     def store_unavailable(self, refs: list[LayerRef]) -> BlobStoreUnavailable | None:
-        """Why a create on ``refs`` failed, when the blob store is away (see hostagent/_blobstore)."""
-        return store_unavailable(self.data_dir, refs)
+        """Why a create on ``refs`` failed, when the lazy loader says the blob store is away and some of
+        them come through it without being all on this host; None otherwise. The loader writes its
+        ``daemon.json`` before it fails the read, so a failure caused by the store finds it here."""
+        cache = self.data_dir / "cache"
+        try:
+            info = json.loads((cache / "daemon.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or info.get("store_available", True) or not _alive(info.get("pid")):
+            return None
+        try:
+            index = json.loads((cache / "index.json").read_text())
+        except (OSError, ValueError):
+            index = {}
+        lazy = [r.digest for r in refs if r.kind == "erofs" and not (r.path and os.path.exists(r.path))]
+        missing = [d for d in lazy if not (index.get(d) or {}).get("complete")]
+        if not missing:
+            return None
+        return BlobStoreUnavailable(
+            f"the blob store {info.get('store', '')} is unavailable ({info.get('store_error') or 'unreachable'}) and this host does not "
+            f"hold layer(s) {', '.join(missing)}; cached templates still start",
+            layers=",".join(missing), store=str(info.get("store", "")), wait_s=info.get("store_wait_s"),
+        )
 
     def forget(self, hexd: str) -> bool:
         """Drop a layer's mount from the table (its caller unmounts it); whether it was mounted."""

@@ -26,7 +26,6 @@ from bus.messages import BackendName, ExecRequest, ExecResult, FileOp, HostBacke
 from ..._agent import AgentClient, AgentError, ensure_agent_binary
 from ..._agentops import agent_exec, agent_files, agent_of
 from ..._backend import Handle, HostCapacity, OnOutput, OnStart, Usage
-from ..._blobstore import store_unavailable
 from ..._profiles import Enforcement
 from ...network import NetworkConfig, NetworkManager
 from . import net, qemu, snapshot
@@ -210,20 +209,7 @@ class MicroVMBackend:
         self, spec: SandboxSpec, layers: list[LayerRef], *, security: Enforcement | None = None, memory: LayerRef | None = None,
     ) -> Handle:
         """Boot a microVM over ``layers``; with ``memory`` (a memory snapshot, packed as a layer) the
-        VM resumes where the snapshot stopped it instead: its RAM, devices and disk.
-
-        A start that failed while the blob store is away, on layers this host does not hold (a read
-        of an uncached chunk failed: packing the layer, or the guest's boot reading it through QEMU),
-        is ``blob_store_unavailable``, as on the container backend."""
-        try:
-            return await self._create(spec, layers, memory)
-        except (ImageError, CreateFailed) as exc:
-            away = store_unavailable(self.data_dir, [*layers, *([memory] if memory else [])])
-            if away is None:
-                raise
-            raise away from exc
-
-    async def _create(self, spec: SandboxSpec, layers: list[LayerRef], memory: LayerRef | None) -> Handle:
+        VM resumes where the snapshot stopped it instead: its RAM, devices and disk."""
         sid = spec.sandbox_id
         if not layers:
             raise ImageError(f"template {spec.template!r} has no layers")
