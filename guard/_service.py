@@ -287,7 +287,9 @@ class Guard(Service):
         return known
 
     async def _audit_policy(self, sid: str) -> AuditPolicy:
-        name = (await self._sandbox(sid))[0]
+        return self._policy_named((await self._sandbox(sid))[0])
+
+    def _policy_named(self, name: str) -> AuditPolicy:
         p = self.profiles.get(name) or self.builtin.get(name) or self.builtin.get("default")
         return p.audit if p is not None else AuditPolicy()
 
@@ -335,8 +337,8 @@ class Guard(Service):
         self.spawn(self._handle_denial(d, by_agent, suppressed))
 
     async def _handle_denial(self, d: Denial, by_agent: bool, suppressed: int) -> None:
-        policy = await self._audit_policy(d.sandbox_id)
-        host_id = (await self._sandbox(d.sandbox_id))[1]
+        profile, host_id = await self._sandbox(d.sandbox_id)  # one record read for both
+        policy = self._policy_named(profile)
         action = "record" if by_agent else self._action(policy, d.kind)  # the agent works for the host API
         detail = {k: v for k, v in d.detail.items() if v}
         detail["source"] = SOURCE
