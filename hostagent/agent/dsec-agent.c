@@ -242,6 +242,7 @@ static uint32_t conf_flags;
 static int confine_deferred; /* --confine-on-claim, until the host's 'c' */
 static void apply_confinement(void);
 static void die(const char *what);
+#define AGENT_LAST_WORDS "agent.exit"
 static struct watch w_listen = {W_LISTEN, NULL, NULL}, w_signal = {W_SIGNAL, NULL, NULL};
 static struct conn *graveyard;
 static struct proc *procs, *proc_graveyard;
@@ -2253,7 +2254,22 @@ static void run_timers(void)
 
 static void die(const char *what)
 {
-    fprintf(stderr, "dsec-agent: %s: %s\n", what, strerror(errno));
+    char msg[512];
+    int n = snprintf(msg, sizeof msg, "dsec-agent: %s: %s\n", what, strerror(errno));
+    if (n < 0)
+        exit(1);
+    if ((size_t)n >= sizeof msg)
+        n = sizeof msg - 1;
+    (void)!write(2, msg, (size_t)n);
+    /* Also beside our socket, where the host reads them at once: what the runtime's shim copies
+     * from stderr into the host's log was sometimes never there (containerd 1.6, a busy host). */
+    if (sock_base) {
+        int fd = openat(sock_dirfd, AGENT_LAST_WORDS, O_WRONLY | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            (void)!write(fd, msg, (size_t)n);
+            close(fd);
+        }
+    }
     exit(1);
 }
 

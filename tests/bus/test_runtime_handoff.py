@@ -59,7 +59,10 @@ async def test_a_silent_taker_fails_after_the_silence_deadline(nc, nc2, giver, u
         await sub.unsubscribe()
 
 
-async def test_progress_keeps_a_slow_handoff_alive_past_the_silence_deadline(nc, nc2, giver, uid) -> None:
+async def test_progress_keeps_a_slow_handoff_alive_past_the_silence_deadline(nc, nc2, uid) -> None:
+    # Its own giver: a 4 s silence deadline against 0.5 s progress, a margin a busy CI machine keeps
+    # (2 s against 0.5 s once failed there while the machine was loaded).
+    giver = await Handoffs(nc, silence_s=4.0).start()
     release = asyncio.Event()
 
     async def slow(msg) -> None:
@@ -71,13 +74,14 @@ async def test_progress_keeps_a_slow_handoff_alive_past_the_silence_deadline(nc,
     try:
         running = await giver.send(f"slow{uid}.a", b"1")
         queued = await giver.send(f"slow{uid}.a", b"2")  # waits for the one slot: told "working" too
-        await asyncio.sleep(3.0)  # the property itself: longer than silence_s (2 s), kept alive by progress alone
+        await asyncio.sleep(5.0)  # the property itself: longer than silence_s (4 s), kept alive by progress alone
         assert not running.done() and not queued.done()
         release.set()
         await asyncio.wait_for(asyncio.gather(running, queued), 10)
     finally:
         await inbox.stop_intake()
         await inbox.finish(5)
+        await giver.stop()
 
 
 async def test_stopping_refuses_what_waits_and_finishes_what_runs(nc, nc2, giver, uid) -> None:

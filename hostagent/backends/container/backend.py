@@ -57,6 +57,7 @@ AGENT_DIR_IN_SANDBOX = "/.dsec/bin"
 RUN_DIR_IN_SANDBOX = "/.dsec/run"
 WARMROOT_HELPERS = 16  # restores given a warm root at once (a fork of 64 queues on these)
 AGENT_LOG = "agent.log"  # the agent's own stderr, in the sandbox's host-side dir (not visible inside)
+AGENT_LAST_WORDS = "agent.exit"  # why the agent exited, beside its socket (dsec-agent.c: die)
 
 
 async def _all(*aws: Awaitable[Any]) -> list[Any]:
@@ -459,8 +460,9 @@ class ContainerBackend:
             await ready
         except (asyncio.CancelledError, AgentError):
             pass
-        # The shim copies the agent's stderr to the log on its own schedule: give it a moment.
-        last = ""
+        # Its last words: the file it writes beside its socket (there as soon as it exited), else
+        # its stderr, which the shim copies to the log on its own schedule (give that a moment).
+        last = await asyncio.to_thread(_last_words, os.path.dirname(client.socket_path))
         deadline = asyncio.get_running_loop().time() + 5.0
         while not last and asyncio.get_running_loop().time() < deadline:
             try:
@@ -471,7 +473,8 @@ class ContainerBackend:
             if not last:
                 await asyncio.sleep(0.05)  # poll interval while the shim flushes
         err = ready.exception() if ready.done() and not ready.cancelled() else None
-        why = f"exited: {last}" if last else (str(err) if err else "exited")
+        status = exited.result() if exited.done() and not exited.cancelled() and exited.exception() is None else None
+        why = f"exited: {last}" if last else (str(err) if err else "exited" if status is None else f"exited with status {status}")
         raise CreateFailed(f"sandbox agent did not start: {why}")
 
     async def destroy(self, sandbox_id: str) -> None:
@@ -614,3 +617,18 @@ class ContainerBackend:
 
 
 __all__ = ["AGENT_DIR_IN_SANDBOX", "ContainerBackend", "DEFAULT_ENV", "RUN_DIR_IN_SANDBOX"]
+
+
+def _last_words(run_dir: str) -> str:
+    """What an agent that exited at start wrote beside its socket ('' if nothing). Read only while
+    no command has run in the sandbox; never through a link."""
+    try:
+        fd = os.open(os.path.join(run_dir, AGENT_LAST_WORDS), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        return os.read(fd, 2000).decode(errors="replace").strip()
+    except OSError:
+        return ""
+    finally:
+        os.close(fd)
