@@ -53,7 +53,7 @@ class Fn:
     host: Any
     backend: Any
     data_dir: Path
-    debian: Path | None
+    debian: Path  # the Debian rootfs the python/cpp templates are on (built by the fixture when missing)
     jupyter: bool = False  # the python template has ipykernel and jupyter_client
 
     def client(self, **kw: Any) -> Any:
@@ -61,9 +61,6 @@ class Fn:
 
         kw.setdefault("queue_timeout", 240)  # calls wait for member starts: seconds each on a loaded machine
         return AsyncFnCall(nats_url=self.url, **kw)
-
-    def needs_debian(self) -> None:
-        assert self.debian is not None, "this test runs on the python template (the module's fixture builds its rootfs)"
 
 
 async def _register(js: Any, name: str, path: str, replaced: dict[str, bytes | None]) -> None:
@@ -220,7 +217,6 @@ async def test_sysv_ipc_and_cgroup_counters_start_fresh(fn: Fn) -> None:
     """SysV shared memory, semaphores and message queues, and the memory high-water mark, planted by
     one call, are gone for the next calls, also on the member that served it. (POSIX message queues:
     Landlock refuses mq_open's create, EACCES; the reset removes them all the same.)"""
-    fn.needs_debian()
     c = fn.client()
     counts = (
         "import os\n"
@@ -277,7 +273,6 @@ async def test_python_calls_on_started_interpreters_see_nothing_of_earlier_ones(
     later interpreter start would run), files in /tmp, /dev/shm and the working directory, and a
     process in a session of its own. Later calls, on started interpreters too and also on the very
     member that served the plant, see none of it."""
-    fn.needs_debian()
     c = fn.client()
     check = PY_MEMBER + (
         "import builtins, json, os, sys\n"
@@ -318,7 +313,6 @@ async def test_a_started_interpreter_runs_the_script_as_python3_does(fn: Fn) -> 
     stderr, exit code and files: argv, __file__, sys.path[0], stdin, an uncaught exception's
     traceback, sys.exit with a message or a number, a syntax error, atexit, a thread still running
     at the end, an unclosed file's buffered writes."""
-    fn.needs_debian()
     from bus.messages import FnCallRequest, FnFile
 
     c = fn.client()
@@ -360,7 +354,6 @@ async def test_a_started_interpreter_runs_the_script_as_python3_does(fn: Fn) -> 
 async def test_a_started_interpreter_past_its_timeout(fn: Fn) -> None:
     """A call on a started interpreter that runs past its timeout answers on time, timed out, with
     its output so far; the next call runs."""
-    fn.needs_debian()
     c = fn.client()
     await _on_started(c, PY_MEMBER)
     for _ in range(8):
@@ -493,7 +486,6 @@ async def test_bad_input_is_refused_and_the_service_keeps_serving(fn: Fn) -> Non
 
 # ------------------------------------------------------------------------------------------ languages
 async def test_run_code_python_bash_cpp(fn: Fn) -> None:
-    fn.needs_debian()
     c = fn.client()
     r = await c.run_code("import sys; print(1); print(sys.stdin.read())", stdin="in")
     assert r.stdout == "1\nin\n" and r.exit_code == 0, r
@@ -537,7 +529,6 @@ async def test_256_callers_of_print_on_a_small_pool_get_its_output_or_no_capacit
     from sdk import NoCapacity
     from sdk.gateway._runcode import QUEUE_S
 
-    fn.needs_debian()
     c = fn.client(queue_timeout=QUEUE_S)
     ok: list[float] = []
     refused: list[float] = []
@@ -580,7 +571,6 @@ async def test_a_call_past_its_run_timeout_answers_on_time_and_its_member_is_rep
     """A Python call that really runs past its run_timeout answers ``TimeLimitExceeded`` about then
     (the SDK's error, and /run_code's status), and the member it ran in is destroyed, not reset for
     the next call; control: the member of a call that ended within its timeout is kept (reset)."""
-    fn.needs_debian()
     c = fn.client()
     slow = PY_MEMBER + "import sys, time\nsys.stdout.flush()\ntime.sleep(600)\n"
 
@@ -698,7 +688,6 @@ def _sandbox_fusion_python() -> str:
 
 async def test_unmodified_sandbox_fusion_client(fn: Fn, gateway: str) -> None:
     """The PyPI ``sandbox-fusion`` client, in its own interpreter, given ``<gateway>/k/<key>`` as its endpoint."""
-    fn.needs_debian()
     from .conftest import run_process
 
     script = f"""
@@ -736,7 +725,6 @@ async def test_verl_sandbox_fusion_reward_client(fn: Fn, gateway: str) -> None:
     """verl's SandboxFusion reward path (``verl.utils.reward_score.sandbox_fusion.utils.check_correctness``),
     loaded from its file: the module needs only ``requests``, while importing the ``verl`` package
     pulls in torch (so ``pip install --no-deps verl`` next to sandbox-fusion is enough)."""
-    fn.needs_debian()
     from .conftest import run_process
 
     if not os.path.exists(VERL_PYTHON):
@@ -776,7 +764,6 @@ async def test_run_jupyter_over_http(fn: Fn, gateway: str) -> None:
     and errors are per cell and the cells after an error still run; timeouts per cell and in total."""
     import base64
 
-    fn.needs_debian()
     url = f"{gateway}/k/{KEY}/run_jupyter"
     cells = ["a = 123", "a", "print(a)", "import sys; sys.stderr.write('to stderr\\n')", "raise RuntimeError('boom')",
              "import os; os.system('echo from a child'); open('out.txt', 'w').write(open('in.txt').read() * 2)"]
@@ -805,7 +792,6 @@ async def test_run_jupyter_on_a_real_kernel(fn: Fn, gateway: str) -> None:
     """Where the python template has Debian's ipykernel and jupyter_client, the cells run on a real
     IPython kernel: magics, ``get_ipython()``, rich display data, and a cell past its timeout is
     interrupted while the kernel (and its namespace) lives on for the next cell."""
-    fn.needs_debian()
     assert fn.jupyter, "the python template has ipykernel (the module's fixture builds its rootfs)"
     url = f"{gateway}/k/{KEY}/run_jupyter"
     cells = ["x = 6 * 7", "get_ipython().__class__.__name__", "%time y = x + 1", "from IPython.display import HTML; HTML('<b>hi</b>')",
@@ -824,7 +810,6 @@ async def test_run_jupyter_on_a_real_kernel(fn: Fn, gateway: str) -> None:
 
 
 async def test_unmodified_sandbox_fusion_client_run_jupyter(fn: Fn, gateway: str) -> None:
-    fn.needs_debian()
     from .conftest import run_process
 
     script = f"""
