@@ -94,6 +94,7 @@ async def connect(
             )
             if valid_token(user):
                 _tenants[nc] = user
+            _ping_behind_pending(nc)
             connected.append(True)
             return nc
         except (nats.errors.NoServersError, OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
@@ -110,6 +111,27 @@ async def connect(
 
 
 _tenants: "weakref.WeakKeyDictionary[NATS, str]" = weakref.WeakKeyDictionary()
+
+
+def _ping_behind_pending(nc: NATS) -> None:
+    """Make the connection's PINGs (``flush()``, keep-alives) leave behind what is queued before them.
+
+    nats-py 2.x (``Client._send_ping``) writes its PING straight to the socket while earlier commands
+    still wait in ``_pending`` for the flusher task. So ``flush()`` could return before the server had
+    a SUB sent just before it, and a publish from another connection then met no responders: 52 of
+    3,000 tries here; a CI run hung on it. nats.py2 had the same fault (nats-io/nats.py2#24).
+    """
+    send_ping = nc._send_ping
+    c: Any = nc
+
+    async def ping_behind_pending(future: asyncio.Future[Any] | None = None) -> None:
+        if c.is_connected and c._pending_data_size > 0 and c._transport is not None:
+            c._transport.writelines(c._pending[:])
+            c._pending = []
+            c._pending_data_size = 0
+        await send_ping(future)
+
+    c._send_ping = ping_behind_pending
 
 
 def _refused(exc: Exception) -> bool:

@@ -96,7 +96,9 @@ async def test_stopping_refuses_what_waits_and_finishes_what_runs(nc, nc2, giver
     await inbox.start()
     await nc2.flush()  # the SUB is at the server before anything is sent to it
     running = await giver.send(f"stop{uid}.a", b"1")
-    await started.wait()
+    # Bounded, and a refused hand-off says so (CI hung here once: the send met no responders).
+    await asyncio.wait({running, asyncio.ensure_future(started.wait())}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert started.is_set(), running.exception() if running.done() else "the hand-off did not start within 10 s"
     queued = await giver.send(f"stop{uid}.a", b"2")
     await eventually(lambda: inbox.inflight == 2, what="the second hand-off waiting for the slot")
     await inbox.stop_intake()
