@@ -28,8 +28,8 @@ from bus.natsd import NatsCluster, NatsServer, nats_server_binary
 from bus.runtime import Publisher, StoreError, connect
 from bus.streams import REPLICAS_ENV
 
-from .conftest import as_sandbox_events, eventually, records_of, seed, stop_process
-from .test_failures import created, drained, listen_ready, publish_singles, replica, sim_hosts, up
+from .conftest import as_sandbox_events, eventually, hosts_up, records_of, seed, stop_process
+from .test_failures import created, drained, listen_ready, publish_singles, replica, sim_hosts
 
 STREAMS = (S.STREAM_REQ, S.STREAM_EVT, f"KV_{S.KV_SANDBOXES}")
 
@@ -103,13 +103,16 @@ async def test_nats_node_killed_mid_burst_loses_nothing_and_rejoins(cluster, tmp
         assert (await js.stream_info(f"KV_{S.KV_SANDBOXES}")).config.num_replicas == 3
         log = tmp_path / "sim.log"
         since = time.time()
-        procs += [sim_hosts(cluster.url, 4, tmp_path / "sim", log), replica(cluster.url, "r0", tmp_path / "p0.log"),
-                  replica(cluster.url, "r1", tmp_path / "p1.log")]
+        procs.append(sim_hosts(cluster.url, 4, tmp_path / "sim", log))
         ready = await listen_ready(nc)
-        await up(js, 4, 2, since)
+        await eventually(lambda: hosts_up(js, [f"sim-{i}" for i in range(4)], since), timeout=30, what="4 hosts up")
+        # The whole burst is stored (every store acked) before placement starts on it, so the kill lands
+        # while its creates are being made: with placement already running, CI once saw all 2,000 made
+        # before the last store's ack came back.
         ids = [f"c{uuid.uuid4().hex[:8]}-{i}" for i in range(2000)]
         await publish_singles(js, ids)
-        await eventually(lambda: len(ready) >= 200, timeout=30, what="the burst under way")
+        procs += [replica(cluster.url, "r0", tmp_path / "p0.log"), replica(cluster.url, "r1", tmp_path / "p1.log")]
+        await eventually(lambda: len(ready) >= 200, timeout=60, what="the burst under way")
         assert len(ready) < len(ids) - 300  # the kill comes mid-burst
         victim = leader_of(cluster, S.STREAM_REQ)
         victim.kill()
