@@ -408,6 +408,18 @@ async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox
             return await count(sb) > n
         return check
 
+    async def written(sb: AsyncSandbox) -> int:
+        """The counter's value, read until the file is not mid-write (`echo > file` truncates it
+        first: CI once read 0 there)."""
+        seen: list[int] = []
+
+        async def read() -> bool:
+            seen.append(await count(sb))
+            return seen[-1] > 0
+
+        await eventually(read, timeout=30, what="the counter's value")
+        return seen[-1]
+
     await eventually(past(vm, 1), timeout=30, what="the counter to run")
     forks = await vm.fork(2, memory=True, **mhost.stack.kw(pool=mhost.pool, backend="microvm", create_timeout=BOOT_S))
     try:
@@ -415,7 +427,7 @@ async def test_memory_snapshot_forks_carry_on_a_running_process(vm: AsyncSandbox
         for i, f in enumerate(forks):
             assert await f.files.read("/root/snap.txt") == "at-snapshot"
             # The counter is the source's process, restored from memory: it carries on from its value.
-            before = await count(f)
+            before = await written(f)
             assert before >= 2
             await eventually(past(f, before), timeout=30, what="the restored counter to advance")
             r = await f.commands.run("ps -o args | grep -c '^/bin/sh -c (i=0'")
