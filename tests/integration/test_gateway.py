@@ -633,7 +633,11 @@ async def test_e2b_async_sdk(gw: Gw) -> None:
         assert (r.stdout, r.stderr) == ("async\n", "err\n")
         h = await sb.commands.run("sleep 300", background=True)
         assert await sb.commands.kill(h.pid) is True
-        assert (await sb.commands.run(f"kill -0 {h.pid} 2>/dev/null || echo gone")).stdout == "gone\n"
+
+        async def gone() -> bool:  # killed; reaped by the agent a moment later (a zombie answers kill -0)
+            return (await sb.commands.run(f"kill -0 {h.pid} 2>/dev/null || echo gone")).stdout == "gone\n"
+
+        await eventually(gone, timeout=10, what="the killed command gone")
         events: list[Any] = []
         await sb.files.make_dir("/tmp/aw")
         watch = await sb.files.watch_dir("/tmp/aw", on_event=events.append)
