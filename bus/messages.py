@@ -98,6 +98,10 @@ class CreateBatch(Struct, kw_only=True, tag=True):
     batch_id: str
     specs: list[SandboxSpec]
     attempt: int = 0
+    # True when the SDK put concurrent single creates together (sdk/_coalesce.py): placement runs them
+    # on hosts as it runs singles that arrive together (at least ``coalesce`` per host), not spread as
+    # a batch is.
+    singles: bool = False
 
 
 ReqMessage = CreateSandbox | CreateBatch

@@ -172,7 +172,7 @@ class Placement(Service):
         await self.handle_batch([msg])
 
     async def handle_batch(self, msgs: list[Msg]) -> None:
-        now = time.time()
+        now, t0 = time.time(), time.monotonic()
         outs: list[_Out] = []
         # First-time single creates that arrived together are grouped by host: runs of them go to the
         # same host (chosen as for any create) in one hand-off, so a host gets one message for several
@@ -195,6 +195,7 @@ class Placement(Service):
             else:
                 await self._place_one(msg, req, now, runs, groups, outs, quota)
         await self._hand_off_groups(groups, now, outs)
+        self.m.decided(t0, sum(1 for o in outs if o[2]))
         if outs:
             await self._settle(outs)
         if batches:
@@ -467,7 +468,7 @@ class Placement(Service):
         hand-offs and placement probes once per run, not once per member.
         """
         assert self.acks is not None
-        now = time.time()
+        now, t0 = time.time(), time.monotonic()
         specs = req.specs
         delivered = deliveries(msg)
         if delivered > 1:
@@ -477,7 +478,7 @@ class Placement(Service):
         leftovers: list[SandboxSpec] = []
         handed: dict[str, asyncio.Future[Any]] = {}
         futs: list[asyncio.Future[Any]] = []
-        runs = _Runs(self.table, len(specs))
+        runs = _Runs(self.table, len(specs), self.table.policy.coalesce if req.singles else 1)
         if delivered == 1 and req.attempt == 0:
             self.m.events_of(specs, "requested")
         quota = await self._admit(specs)
@@ -512,6 +513,7 @@ class Placement(Service):
                 placed_by=self.replica_id, placed_at=now, claim=delivered > 1 or stale,
             )
             handed[host] = await self._handoff(host, codec.encode(pb))
+        self.m.decided(t0, sum(len(v) for v in by_host.values()))
         if failed:
             await self._unhold(failed)
         for spec in leftovers:

@@ -57,6 +57,7 @@ def add_create_args(c: argparse.ArgumentParser) -> None:
     c.add_argument("--host-concurrency", type=int, default=8, help="creates a host handles at once")
     c.add_argument("--placement-capacity", type=int, default=512)
     c.add_argument("--coalesce", type=int, default=0, help="placement's runs of single creates to one host (0: its default)")
+    c.add_argument("--no-client-coalesce", action="store_true", help="each single create its own request message (the SDK's coalescing off)")
     c.add_argument("--storage", choices=["memory", "file"], default="file", help="JetStream storage of the streams (file: as production runs)")
     c.add_argument("--cpu", type=float, default=1.0)
     c.add_argument("--memory-mb", type=int, default=512)
@@ -112,15 +113,15 @@ def _cpu_s(pid: int | None) -> float:
         return 0.0
 
 
-async def _placement_quantiles(nc: Any) -> dict[float, float | None]:
-    """p50 and p99 of ``dsec_placement_seconds`` over every placement replica, in ms, as the upper bound
+async def _placement_quantiles(nc: Any, metric: str = "dsec_placement_seconds") -> dict[float, float | None]:
+    """p50 and p99 of the histogram ``metric`` over every placement replica, in ms, as the upper bound
     of the histogram bucket each falls in (None: no replica answered)."""
     cum: dict[float, float] = {}
     for r in await scrape_all(nc, timeout=5.0):
         if r.service != "placement":
             continue
         for line in r.text.splitlines():
-            if line.startswith("dsec_placement_seconds_bucket{"):
+            if line.startswith(f"{metric}_bucket{{"):
                 le = line.split('le="', 1)[1].split('"', 1)[0]
                 bound = math.inf if le == "+Inf" else float(le)
                 cum[bound] = cum.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -231,7 +232,7 @@ async def _start_clients(
             "nats_url": url, "client": i, "count": share, "batch": max(1, args.batch), "concurrency": args.concurrency,
             "cpu": args.cpu, "memory_mb": args.memory_mb, "disk_mb": args.disk_mb, "sandbox_timeout": 24 * 3600.0,
             "create_timeout": args.create_timeout, "warmup": args.warmup, "go_subject": go_subject,
-            "result_file": str(tmp / f"client-{i}.json"),
+            "result_file": str(tmp / f"client-{i}.json"), "client_coalesce": not args.no_client_coalesce,
         }
         c = _Proc(f"client-{i}", [sys.executable, "-m", "sdk._benchclient", json.dumps(params)], env, logs, pipe=True)
         clients.append(c)
@@ -345,6 +346,7 @@ async def _run(
         await loop.run_in_executor(None, c.proc.wait)
     cpu_s = {k: round(cpu1.get(k, 0.0) - v, 2) for k, v in cpu0.items()}
     placed = await _placement_quantiles(nc)
+    decided = await _placement_quantiles(nc, "dsec_placement_decision_seconds")
 
     results = [json.loads((tmp / f"client-{i}.json").read_text()) for i in range(len(clients))]
     lat = sorted(x for r in results for x in r["latencies_ms"])
@@ -382,6 +384,7 @@ async def _run(
         "count": args.count,
         "batch": args.batch,
         "coalesce": args.coalesce,
+        "client_coalesce": not args.no_client_coalesce,
         "replicas": args.replicas,
         "sim_hosts": args.sim_hosts,
         "sim_procs": n_procs,
@@ -400,6 +403,8 @@ async def _run(
         # placement's own histogram (request stored -> handed to a host: queueing and the decision),
         # as bucket upper bounds over every replica
         "placement_p50_ms": placed.get(0.5), "placement_p99_ms": placed.get(0.99),
+        # the decision alone: from a request's delivery to placement to its hand-off (no queueing)
+        "decision_p50_ms": decided.get(0.5), "decision_p99_ms": decided.get(0.99),
         "nats_nodes": len(nodes),
         "stream_replicas": int(os.environ.get(REPLICAS_ENV, "1")),
         # resident memory at the end, the sandboxes still held: each nats-server node and each process

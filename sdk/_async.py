@@ -6,6 +6,7 @@ import asyncio
 import functools
 import contextlib
 import inspect
+import os
 import random
 import time
 import uuid
@@ -45,6 +46,7 @@ from bus.runtime import KV, PubAck, StoreError, connect, nats_url, no_responders
 from . import _display
 from . import _snapshots as _snap
 from . import _trajectory
+from ._coalesce import CreateCoalescer
 from ._commands import AsyncCommands
 from ._display import AsyncInput
 from ._files import AsyncFilesystem
@@ -165,6 +167,7 @@ async def close_connections() -> None:
         nc = _conns.pop(key)
         _jsctx.pop(id(nc), None)
         _replies.pop(id(nc), None)
+        _coalescers.pop(id(nc), None)
         await release_requests(nc)
         await release_publisher(nc)
         if not nc.is_closed:
@@ -495,11 +498,42 @@ async def _send_creates(nc: NATS, specs: list[SandboxSpec], *, batch: bool) -> N
                 _store(nc, S.req_create_batch(tenant), codec.encode(CreateBatch(batch_id=f"{bid}-{n}", specs=c)), {S.HDR_MSG_ID: f"{bid}-{n}"})
                 for n, c in enumerate(chunks)
             ))
+        elif len(specs) == 1 and COALESCE:
+            await _coalescer_for(nc).store(specs[0])
         else:
             for s in specs:
-                await _store(nc, S.req_create(tenant), codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
+                await _store_specs(nc, [s], "")
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
         raise Unavailable(f"the dsec control plane did not accept the request ({type(exc).__name__}); is `dsec up` running?") from None
+
+
+async def _store_specs(nc: NATS, specs: list[SandboxSpec], batch_id: str) -> None:
+    """``specs`` stored as one request: a CreateSandbox for one (de-duplicated by its incarnation),
+    else a CreateBatch (by ``batch_id``), split in two while it is bigger than the server takes."""
+    tenant = tenant_of(nc)
+    if len(specs) == 1:
+        s = specs[0]
+        await _store(nc, S.req_create(tenant), codec.encode(CreateSandbox(spec=s)), {S.HDR_MSG_ID: S.incarnation(s.sandbox_id, s.generation)})
+        return
+    data = codec.encode(CreateBatch(batch_id=batch_id, specs=specs, singles=True))
+    if len(data) > nc.max_payload * 3 // 4:
+        half = len(specs) // 2
+        await asyncio.gather(_store_specs(nc, specs[:half], f"{batch_id}a"), _store_specs(nc, specs[half:], f"{batch_id}b"))
+        return
+    await _store(nc, S.req_create_batch(tenant), data, {S.HDR_MSG_ID: batch_id})
+
+
+# Concurrent single creates of one connection share request messages (sdk/_coalesce.py); DSEC_COALESCE=0
+# stores each alone (the benchmark compares the two).
+COALESCE = os.environ.get("DSEC_COALESCE", "1") != "0"
+_coalescers: dict[int, tuple[NATS, CreateCoalescer]] = {}
+
+
+def _coalescer_for(nc: NATS) -> CreateCoalescer:
+    got = _coalescers.get(id(nc))
+    if got is None or got[0] is not nc:
+        got = _coalescers[id(nc)] = (nc, CreateCoalescer(functools.partial(_store_specs, nc)))
+    return got[1]
 
 
 async def _give_up(nc: NATS, specs: list[SandboxSpec], waiter: _Waiter, create_timeout: float) -> None:

@@ -17,11 +17,13 @@ from typing import Any
 
 from bus.runtime import connect
 from sdk import AsyncSandbox, DsecError  # the benchmark measures the real client path
+from sdk import _async as sdk_async
 from sdk._async import close_connections
 
 
 async def main(p: dict[str, Any]) -> None:
     url = p["nats_url"]
+    sdk_async.COALESCE = bool(p.get("client_coalesce", True))
     kw = dict(
         backend="sim", cpu=p["cpu"], memory_mb=p["memory_mb"], disk_mb=p["disk_mb"], timeout=p["sandbox_timeout"],
         nats_url=url, create_timeout=p["create_timeout"],

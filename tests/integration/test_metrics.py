@@ -53,6 +53,8 @@ async def test_a_scrape_over_the_bus_shows_the_sandbox_just_created(stack: Stack
         assert _value(s, "process_resident_memory_bytes", **host) > 0
         placed = sum(_value(s, "dsec_placement_events_total", kind="placed", service="placement", instance=p.replica_id) or 0 for p in stack.placements)
         assert placed >= 1
+        decided = sum(_value(s, "dsec_placement_decision_seconds_count", service="placement", instance=p.replica_id) or 0 for p in stack.placements)
+        assert decided >= 1  # the decision alone (delivery to hand-off), beside request-to-hand-off
         assert _value(s, "dsec_consumer_pending_messages", stream=S.STREAM_REQ, consumer=S.PLACEMENT_DURABLE, service="placement") is not None
         assert _value(s, "dsec_stream_messages", stream=S.STREAM_EVT, service="placement") > 0
 
