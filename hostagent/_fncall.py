@@ -124,6 +124,14 @@ class Member:
     zygote: zygote.Zygote | None = None  # a Python interpreter started for the next call (_fnzygote)
 
 
+def _started_for(req: FnCallRequest) -> Callable[[Member], bool] | None:
+    """For a ``python3 <script>`` call: which members hold an interpreter started for its shape."""
+    if zygote.script_of(req) is None:
+        return None
+    key = zygote.key_of(req)
+    return lambda m: m.zygote is not None and m.zygote.key == key and m.zygote.alive()
+
+
 @dataclass
 class FnPool:
     """The members of one template on this host."""
@@ -157,10 +165,15 @@ class FnPool:
     def members(self) -> int:
         return len(self.idle) + self.busy + self.starting + self.retiring + self.resetting
 
-    async def acquire(self, wait_s: float) -> Member:
-        """A member for one call; ``no_capacity`` when none frees up within ``wait_s`` (or the queue is full)."""
+    async def acquire(self, wait_s: float, prefer: Callable[[Member], bool] | None = None) -> Member:
+        """A member for one call; ``no_capacity`` when none frees up within ``wait_s`` (or the queue is full).
+        Of the idle ones, the oldest that ``prefer`` likes (one started for the call's shape), else the oldest."""
         if self.idle:
-            m = self.idle.popleft()  # the oldest: every member is as fresh as the next
+            m = next((x for x in self.idle if prefer(x)), None) if prefer is not None else None
+            if m is None:
+                m = self.idle.popleft()  # the oldest: every member is as fresh as the next
+            else:
+                self.idle.remove(m)
             self.busy += 1
             self.fill()
             return m
@@ -333,9 +346,9 @@ class FnCalls:
         self.destroy_ms: deque[float] = deque(maxlen=1000)
         self.reset_ms: deque[float] = deque(maxlen=1000)
         self._sids: set[str] = set()  # every member's sandbox id, from its start until it is destroyed
-        # Per template, what the last ``python3 <script>`` call ran with: a member reset for the next
-        # call starts an interpreter of that shape in it (_fnzygote), off the hot path.
-        self._zkeys: dict[str, zygote.ZygoteKey] = {}
+        # Per template, what its recent ``python3 <script>`` calls ran with: a member reset for the next
+        # call starts an interpreter of one of those shapes in it (_fnzygote), off the hot path.
+        self._zkeys: dict[str, zygote.Shapes] = {}
         self.zygote_calls = 0  # calls served by a pre-started interpreter (benchmarks, tests)
         self.zygote_ms: deque[float] = deque(maxlen=1000)  # starting one (after the reset) until it is loaded
         self._maintain: asyncio.Task[None] | None = None
@@ -429,9 +442,12 @@ class FnCalls:
         return True
 
     def _prime(self, m: Member) -> None:
-        """A Python interpreter starting in ``m`` for a next call shaped like the template's last one
-        (if it ran one); ``m`` serves meanwhile."""
-        key = self._zkeys.get(m.template)
+        """A Python interpreter starting in ``m`` for a next call shaped like the template's recent
+        ones (if it ran any; ``zygote.Shapes``); ``m`` serves meanwhile."""
+        shapes = self._zkeys.get(m.template)
+        pool = self.pools.get(m.template)
+        started = [x.zygote.key for x in (pool.idle if pool is not None else ()) if x.zygote is not None and x.zygote.alive()]
+        key = shapes.next_for(started) if shapes is not None else None
         if key is not None and m.writable is not None:
             t0 = time.perf_counter()
             m.zygote = z = zygote.start(self.backend, m.handle, key)
@@ -468,7 +484,7 @@ class FnCalls:
             owner = self.owner(template) or ""
         await check_fn_call(self.nc, self.host_id, template, owner, tenant)
         t0 = time.perf_counter()
-        m = await pool.acquire(req.queue_s)
+        m = await pool.acquire(req.queue_s, _started_for(req))
         queued_ms = (time.perf_counter() - t0) * 1000
         reuse = False
         try:
@@ -507,7 +523,7 @@ class FnCalls:
         script = zygote.script_of(req) if m.writable is not None else None
         if script is not None:
             key = zygote.key_of(req)
-            self._zkeys[m.template] = key
+            self._zkeys.setdefault(m.template, zygote.Shapes()).saw(key)
             if z is not None and zygote.missing(z):
                 self._zkeys.pop(m.template, None)  # no python3 in this template: start no more
             elif z is not None and z.alive() and z.key == key:

@@ -36,6 +36,7 @@ import re
 import shlex
 import signal
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,6 +150,37 @@ def script_of(req: FnCallRequest) -> str | None:
 
 def key_of(req: FnCallRequest) -> ZygoteKey:
     return ZygoteKey(req.trusted, req.output_cap, tuple(sorted(req.envs.items())))
+
+
+class Shapes:
+    """The shapes of a template's recent ``python3 <script>`` calls, so that its members start
+    interpreters in the proportions the calls come in (and a call picks a member started for its
+    shape, ``FnPool.acquire``). With one shape this is the last call's, as before; with calls that
+    alternate (trusted and not, other envs) the members are started for each of them, not all for
+    whichever came last."""
+
+    RECENT = 8  # calls remembered: few, so that a change of what is called shows after a few calls
+
+    __slots__ = ("recent",)
+
+    def __init__(self) -> None:
+        self.recent: deque[ZygoteKey] = deque(maxlen=self.RECENT)
+
+    def saw(self, key: ZygoteKey) -> None:
+        self.recent.append(key)
+
+    def next_for(self, started: list[ZygoteKey]) -> ZygoteKey | None:
+        """The shape to start the next interpreter for, given those ``started`` (not yet used): the
+        one whose share of the recent calls is furthest above its share of the started ones (ties:
+        the most recent shape); None before any call."""
+        if not self.recent:
+            return None
+        want = Counter(self.recent)
+        have = Counter(started)
+        n_want, n_have = len(self.recent), len(started) + 1
+        by_recency = list(dict.fromkeys(reversed(self.recent)))
+        # (the shares compared in integers: a float difference would break ties by rounding)
+        return max(by_recency, key=lambda k: want[k] * n_have - have[k] * n_want)
 
 
 @dataclass

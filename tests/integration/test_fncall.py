@@ -371,6 +371,36 @@ async def test_a_started_interpreter_past_its_timeout(fn: Fn) -> None:
     assert r.stdout == "after\n" and r.exit_code == 0, r
 
 
+async def test_calls_of_alternating_shapes_each_find_an_interpreter_started_for_theirs(fn: Fn) -> None:
+    """Calls of two shapes (other envs) in an irregular order: each finds an idle member whose
+    interpreter was started for its shape (hostagent._fnzygote.Shapes starts them in the proportions
+    the calls come in, and the call picks such a member). Before, a member reset after a call started
+    one for that call's shape only, and a call took the oldest idle member, whatever its shape: in
+    this order a started interpreter served about half the calls. Control: a third shape, never
+    asked for before, runs the ordinary way."""
+    c = fn.client()
+    pool = fn.host.fncalls.pools["python"]
+
+    def settled(started: bool) -> bool:  # every member back (its interpreter loaded): a call then picks among all of them
+        return (pool.busy == 0 and pool.resetting == 0 and pool.starting == 0 and len(pool.idle) >= 2
+                and (not started or all(m.zygote is not None and m.zygote.alive() and m.zygote.ready.done() for m in pool.idle)))
+
+    async def call(shape: str, started: bool = True) -> bool:
+        await eventually(lambda: settled(started), timeout=60, what="the python pool's members idle with their interpreters loaded")
+        r = await c.run_code(PY_MEMBER, envs={"SHAPE": shape})
+        assert r.exit_code == 0 and r.stdout.startswith("cg="), r
+        return _started(r.stdout)
+
+    from hostagent._fnzygote import Shapes
+
+    for i in range(Shapes.RECENT):  # the pool learns both shapes (and forgets the earlier tests' calls)
+        await call("ab"[i % 2], started=False)
+    order = "abbaabbbaababbaa"
+    served = [await call(shape) for shape in order]
+    assert served == [True] * len(order), list(zip(order, served, strict=True))
+    assert await call("c") is False  # control: no interpreter was started for a shape never seen
+
+
 # ------------------------------------------------------------------------------------------ limits
 async def test_timeout_answers_on_time_and_the_next_call_runs(fn: Fn) -> None:
     c = fn.client()
