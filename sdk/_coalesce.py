@@ -28,12 +28,13 @@ Store = Callable[[list[SandboxSpec], str], Awaitable[None]]
 class CreateCoalescer:
     """One per connection: ``store(spec)`` returns once the request naming ``spec`` is stored."""
 
-    __slots__ = ("_store", "_in_flight", "_queue", "stored", "messages")
+    __slots__ = ("_store", "_in_flight", "_queue", "_tasks", "stored", "messages")
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._in_flight = 0
         self._queue: list[tuple[SandboxSpec, asyncio.Future[None]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: a queued store must not vanish
         self.stored = 0  # creates stored, and the request messages they took (benchmarks print both)
         self.messages = 0
 
@@ -65,7 +66,9 @@ class CreateCoalescer:
         if self._queue and self._in_flight < MAX_IN_FLIGHT:
             take, self._queue = self._queue[:MAX_SPECS], self._queue[MAX_SPECS:]
             self._in_flight += 1
-            asyncio.ensure_future(self._send_queued(take))
+            t = asyncio.ensure_future(self._send_queued(take))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
 
     async def _send_queued(self, take: list[tuple[SandboxSpec, asyncio.Future[None]]]) -> None:
         try:
